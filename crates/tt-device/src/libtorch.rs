@@ -1,0 +1,85 @@
+//! libtorch's view of the devices (feature `tch`).
+
+use crate::env::{CudaVisibleDevices, EnvConfig, RawEnv};
+use crate::inventory::Inventory;
+use crate::report::{DeviceReport, LibtorchInfo, View};
+use crate::select::{select_with, Availability, CudaCandidate, Device, Selection};
+use crate::Result;
+
+impl From<Device> for tch::Device {
+    fn from(d: Device) -> tch::Device {
+        match d {
+            Device::Cpu => tch::Device::Cpu,
+            Device::Cuda(n) => tch::Device::Cuda(n),
+            Device::Mps => tch::Device::Mps,
+        }
+    }
+}
+
+/// What libtorch can use in this process. Loads `libtorch_cuda.so` (through
+/// [`tt_sys::ensure_cuda_loaded`]) so that a GPU is never missed; free memory per
+/// device comes from `inventory` (NVML) when its visible GPUs match libtorch's count.
+pub fn availability(visible: &CudaVisibleDevices, inventory: &Inventory) -> Availability {
+    let cuda = match tt_sys::ensure_cuda_loaded() {
+        Ok(info) => {
+            let visible = inventory.visible(visible);
+            let known = visible.len() == info.device_count;
+            Ok((0..info.device_count)
+                .map(|index| CudaCandidate {
+                    index,
+                    free: known.then(|| visible[index].gpu.free),
+                })
+                .collect())
+        }
+        Err(why) => Err(why.to_string()),
+    };
+    let mps = if tch::utils::has_mps() {
+        Ok(())
+    } else {
+        Err("this libtorch has no usable MPS backend (MPS needs macOS on Apple silicon)".to_owned())
+    };
+    Availability { cuda, mps }
+}
+
+/// Chooses the device from `TORCHTOOLS_DEVICE`, `LOCAL_RANK`,
+/// `CUDA_VISIBLE_DEVICES` and what libtorch can use, with the reason.
+pub fn select_device() -> Result<Selection> {
+    let env = EnvConfig::from_env()?;
+    let inventory = Inventory::query();
+    select_with(&env, &availability(&env.visible, &inventory))
+}
+
+/// Like [`select_device`], as a `tch::Device`. Unlike `Device::cuda_if_available()`,
+/// it never falls back silently: asking for CUDA where it is unusable is an error
+/// that says why.
+pub fn select() -> Result<tch::Device> {
+    select_device().map(|s| s.device.into())
+}
+
+/// The full report in libtorch's view. Never fails: a bad variable is reported in
+/// [`DeviceReport::error`].
+pub fn report() -> DeviceReport {
+    let raw = RawEnv::from_env();
+    let env = EnvConfig::from_raw(raw.clone());
+    let inventory = Inventory::query();
+    let visible = env
+        .as_ref()
+        .map(|e| e.visible.clone())
+        .unwrap_or(CudaVisibleDevices::Unset);
+    let avail = availability(&visible, &inventory);
+    let cuda_runtime = tt_sys::ensure_cuda_loaded().ok().map(|i| {
+        format!(
+            "{}.{}",
+            i.runtime_version / 1000,
+            (i.runtime_version % 1000) / 10
+        )
+    });
+    let libtorch = LibtorchInfo {
+        version: tt_sys::libtorch_version().to_owned(),
+        lib_dir: tt_sys::libtorch_lib_dir()
+            .ok()
+            .map(|d| d.display().to_string()),
+        cuda_runtime,
+    };
+    DeviceReport::assemble(View::Libtorch, env, raw, &inventory, &avail, Some(libtorch))
+}

@@ -1,0 +1,69 @@
+//! Compiles the C++ shim against the libtorch that torch-sys found, exports its lib
+//! directory to dependents (`DEP_TORCHTOOLS_SYS_LIBTORCH_LIB`) and gives this
+//! package's own tests an rpath to it.
+
+#[allow(dead_code, unreachable_pub)] // shared with the library; only part is used here
+#[path = "src/build.rs"]
+mod helper;
+
+fn main() {
+    // Without `tch` this is a libtorch-free build: only `tt_sys::build` is compiled.
+    #[cfg(feature = "tch")]
+    shim::build();
+}
+
+#[cfg(feature = "tch")]
+mod shim {
+    use std::path::PathBuf;
+
+    pub(super) fn build() {
+        // torch-sys (links = "tch") tells us the lib dir of the libtorch it linked.
+        let Some(lib) = std::env::var_os("DEP_TCH_LIBTORCH_LIB").map(PathBuf::from) else {
+            panic!("tt-sys: torch-sys did not export DEP_TCH_LIBTORCH_LIB; is torch-sys =0.24.0 a dependency?");
+        };
+        println!("cargo:rerun-if-env-changed=LIBTORCH_INCLUDE");
+        println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+        let include_root = match std::env::var_os("LIBTORCH_INCLUDE") {
+            Some(dir) => PathBuf::from(dir).join("include"),
+            None => lib
+                .parent()
+                .map(|p| p.join("include"))
+                .unwrap_or_else(|| lib.join("../include")),
+        };
+        if !include_root
+            .join("c10/core/CachingDeviceAllocator.h")
+            .exists()
+        {
+            panic!(
+                "tt-sys: libtorch headers not found under {} (libtorch lib dir: {}); \
+                 set LIBTORCH_INCLUDE to the directory that holds include/, or run `cargo xtask setup`",
+                include_root.display(),
+                lib.display()
+            );
+        }
+        // Same ABI default as torch-sys: PyPI wheels since torch 2.7 use the C++11 ABI.
+        let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
+        println!("cargo:rerun-if-changed=csrc/shim.cpp");
+        println!("cargo:rerun-if-changed=csrc/shim.h");
+        cc::Build::new()
+            .cpp(true)
+            .pic(true)
+            .std("c++17")
+            .warnings(false)
+            .include(&include_root)
+            .include(include_root.join("torch/csrc/api/include"))
+            .define("_GLIBCXX_USE_CXX11_ABI", abi.as_str())
+            .define("GLOG_USE_GLOG_EXPORT", None)
+            .file("csrc/shim.cpp")
+            .compile("torchtools_shim");
+        // The shim's own references to libtorch, after the static lib in link order (torch-sys
+        // links them too, but rustc drops it from binaries that name nothing of tch).
+        println!("cargo:rustc-link-search=native={}", lib.display());
+        println!("cargo:rustc-link-lib=torch_cpu");
+        println!("cargo:rustc-link-lib=c10");
+        println!("cargo:rustc-link-lib=dl");
+        // Dependents read this as DEP_TORCHTOOLS_SYS_LIBTORCH_LIB.
+        println!("cargo:libtorch_lib={}", lib.display());
+        super::helper::link_libtorch_rpath();
+    }
+}

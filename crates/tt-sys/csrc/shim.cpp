@@ -1,0 +1,107 @@
+// See shim.h. Keep this file small: it is the only C++ of torchtools.
+#include "shim.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <stdexcept>
+#include <string>
+
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <torch/headeronly/version.h>
+
+namespace {
+
+char* dup_message(const char* msg) {
+  size_t n = std::strlen(msg);
+  char* out = static_cast<char*>(std::malloc(n + 1));
+  if (out != nullptr) std::memcpy(out, msg, n + 1);
+  return out;
+}
+
+// Catch everything at the boundary: an exception unwinding into Rust is UB.
+#define TT_PROTECT(body)                                   \
+  try {                                                    \
+    body;                                                  \
+    return nullptr;                                        \
+  } catch (const c10::Error& e) {                          \
+    return dup_message(e.what_without_backtrace());        \
+  } catch (const std::exception& e) {                      \
+    return dup_message(e.what());                          \
+  } catch (...) {                                          \
+    return dup_message("unknown C++ exception in libtorch"); \
+  }
+
+c10::DeviceAllocator* cuda_allocator() {
+  return c10::getDeviceAllocator(c10::DeviceType::CUDA);
+}
+
+void copy_stat(const c10::CachingAllocator::Stat& s, tt_stat* out) {
+  out->current = s.current;
+  out->peak = s.peak;
+  out->allocated = s.allocated;
+  out->freed = s.freed;
+}
+
+constexpr size_t kAggregate =
+    static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+
+}  // namespace
+
+extern "C" {
+
+void tt_free_error(char* err) { std::free(err); }
+
+const char* tt_torch_version(void) { return TORCH_VERSION; }
+
+char* tt_c10_library_path(char** out_path) {
+  TT_PROTECT({
+    Dl_info info;
+    auto addr = reinterpret_cast<void*>(&c10::GetAllocator);
+    if (dladdr(addr, &info) == 0 || info.dli_fname == nullptr) {
+      throw std::runtime_error("dladdr could not locate libc10.so");
+    }
+    *out_path = dup_message(info.dli_fname);
+  })
+}
+
+char* tt_cuda_device_count(int32_t* out) {
+  TT_PROTECT({ *out = at::detail::getCUDAHooks().getNumGPUs(); })
+}
+
+char* tt_cuda_runtime_version(int64_t* out) {
+  TT_PROTECT({ *out = at::detail::getCUDAHooks().versionCUDART(); })
+}
+
+char* tt_cuda_device_stats(int32_t device, tt_device_stats* out) {
+  TT_PROTECT({
+    auto stats = cuda_allocator()->getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    copy_stat(stats.allocated_bytes[kAggregate], &out->allocated_bytes);
+    copy_stat(stats.reserved_bytes[kAggregate], &out->reserved_bytes);
+    copy_stat(stats.active_bytes[kAggregate], &out->active_bytes);
+    copy_stat(stats.requested_bytes[kAggregate], &out->requested_bytes);
+    out->num_alloc_retries = stats.num_alloc_retries;
+    out->num_ooms = stats.num_ooms;
+    out->num_device_alloc = stats.num_device_alloc;
+    out->num_device_free = stats.num_device_free;
+  })
+}
+
+char* tt_cuda_empty_cache(void) { TT_PROTECT({ cuda_allocator()->emptyCache(); }) }
+
+char* tt_cuda_reset_peak_stats(int32_t device) {
+  TT_PROTECT({ cuda_allocator()->resetPeakStats(static_cast<c10::DeviceIndex>(device)); })
+}
+
+char* tt_cuda_mem_get_info(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes) {
+  TT_PROTECT({
+    auto info = cuda_allocator()->getMemoryInfo(static_cast<c10::DeviceIndex>(device));
+    *free_bytes = info.first;
+    *total_bytes = info.second;
+  })
+}
+
+}  // extern "C"

@@ -1,0 +1,48 @@
+// torchtools-sys: the C ABI over the parts of libtorch that tch does not expose.
+//
+// Every function returns NULL on success, or a malloc'd error message that the
+// caller frees with tt_free_error. No C++ exception crosses this boundary.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+  int64_t current;
+  int64_t peak;
+  int64_t allocated;  // cumulative: every increase since the last reset
+  int64_t freed;      // cumulative: every decrease since the last reset
+} tt_stat;
+
+typedef struct {
+  tt_stat allocated_bytes;
+  tt_stat reserved_bytes;
+  tt_stat active_bytes;
+  tt_stat requested_bytes;
+  int64_t num_alloc_retries;
+  int64_t num_ooms;
+  int64_t num_device_alloc;
+  int64_t num_device_free;
+} tt_device_stats;
+
+void tt_free_error(char* err);
+
+// The libtorch version these headers belong to, e.g. "2.11.0". Static storage.
+const char* tt_torch_version(void);
+// Path of the loaded libc10.so (so libtorch_cuda.so can be found beside it).
+char* tt_c10_library_path(char** out_path);
+// Number of CUDA devices libtorch sees (0 when libtorch_cuda is not loaded).
+char* tt_cuda_device_count(int32_t* out);
+// CUDA runtime version libtorch_cuda was built with (e.g. 13000).
+char* tt_cuda_runtime_version(int64_t* out);
+char* tt_cuda_device_stats(int32_t device, tt_device_stats* out);
+char* tt_cuda_empty_cache(void);
+char* tt_cuda_reset_peak_stats(int32_t device);
+char* tt_cuda_mem_get_info(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes);
+
+#ifdef __cplusplus
+}
+#endif

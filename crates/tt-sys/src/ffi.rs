@@ -1,0 +1,69 @@
+//! Raw declarations of `csrc/shim.h`. Private: the safe wrappers live in `cuda.rs`.
+
+use std::os::raw::c_char;
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+pub(crate) struct TtStat {
+    pub(crate) current: i64,
+    pub(crate) peak: i64,
+    pub(crate) allocated: i64,
+    pub(crate) freed: i64,
+}
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+pub(crate) struct TtDeviceStats {
+    pub(crate) allocated_bytes: TtStat,
+    pub(crate) reserved_bytes: TtStat,
+    pub(crate) active_bytes: TtStat,
+    pub(crate) requested_bytes: TtStat,
+    pub(crate) num_alloc_retries: i64,
+    pub(crate) num_ooms: i64,
+    pub(crate) num_device_alloc: i64,
+    pub(crate) num_device_free: i64,
+}
+
+extern "C" {
+    pub(crate) fn tt_free_error(err: *mut c_char);
+    pub(crate) fn tt_torch_version() -> *const c_char;
+    pub(crate) fn tt_c10_library_path(out_path: *mut *mut c_char) -> *mut c_char;
+    pub(crate) fn tt_cuda_device_count(out: *mut i32) -> *mut c_char;
+    pub(crate) fn tt_cuda_runtime_version(out: *mut i64) -> *mut c_char;
+    pub(crate) fn tt_cuda_device_stats(device: i32, out: *mut TtDeviceStats) -> *mut c_char;
+    pub(crate) fn tt_cuda_empty_cache() -> *mut c_char;
+    pub(crate) fn tt_cuda_reset_peak_stats(device: i32) -> *mut c_char;
+    pub(crate) fn tt_cuda_mem_get_info(device: i32, free: *mut u64, total: *mut u64)
+        -> *mut c_char;
+}
+
+/// Turns the shim's return value into a `Result`, freeing the message.
+///
+/// # Safety
+/// `err` must be null or a pointer returned by a shim function, not yet freed.
+pub(crate) unsafe fn check(err: *mut c_char) -> Result<(), String> {
+    if err.is_null() {
+        return Ok(());
+    }
+    // SAFETY: non-null shim errors are NUL-terminated strings from malloc (caller's contract).
+    let msg = unsafe { std::ffi::CStr::from_ptr(err) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: the shim allocated it with malloc; it is freed exactly once, here.
+    unsafe { tt_free_error(err) };
+    Err(msg)
+}
+
+/// Takes ownership of a malloc'd C string from the shim.
+///
+/// # Safety
+/// `s` must be a non-null, NUL-terminated string allocated by the shim.
+pub(crate) unsafe fn take_string(s: *mut c_char) -> String {
+    // SAFETY: caller's contract.
+    let out = unsafe { std::ffi::CStr::from_ptr(s) }
+        .to_string_lossy()
+        .into_owned();
+    // SAFETY: allocated with malloc by the shim; freed once.
+    unsafe { tt_free_error(s) };
+    out
+}

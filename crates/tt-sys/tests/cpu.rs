@@ -1,0 +1,112 @@
+//! The shim's contract on any machine: CUDA is either usable or reported with a
+//! reason, and allocator calls without CUDA are typed errors, never crashes.
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+use std::path::Path;
+
+#[test]
+fn libtorch_version_matches_the_linked_library() {
+    assert_eq!(tt_sys::libtorch_version(), "2.11.0");
+    let dir = tt_sys::libtorch_lib_dir().expect("libc10.so is loaded in a tch binary");
+    assert!(
+        dir.join("libtorch_cpu.so").exists(),
+        "no libtorch_cpu.so in {}",
+        dir.display()
+    );
+}
+
+#[test]
+fn cuda_is_usable_or_says_why_and_allocator_calls_agree() {
+    // A tensor op first, so libtorch is really initialised.
+    let t = tch::Tensor::arange(10, (tch::Kind::Float, tch::Device::Cpu));
+    assert_eq!(t.sum(tch::Kind::Float).double_value(&[]), 45.0);
+
+    match tt_sys::ensure_cuda_loaded() {
+        Ok(info) => {
+            assert!(info.device_count > 0);
+            assert!(
+                tch::Cuda::is_available(),
+                "loaded libtorch_cuda but tch still sees no CUDA"
+            );
+            assert!(tt_sys::device_stats(0).is_ok());
+            let err = tt_sys::device_stats(info.device_count).unwrap_err();
+            assert!(
+                matches!(err, tt_sys::Error::DeviceOutOfRange { .. }),
+                "{err}"
+            );
+        }
+        Err(why) => {
+            let msg = why.to_string();
+            // The wheel is a CUDA build, so the reason on a machine without a GPU is
+            // the driver, not a CPU-only libtorch.
+            let wheel_has_cuda = tt_sys::libtorch_lib_dir()
+                .unwrap()
+                .join("libtorch_cuda.so")
+                .exists();
+            if wheel_has_cuda && !Path::new("/dev/nvidia0").exists() {
+                assert!(
+                    matches!(why, tt_sys::CudaUnavailable::NoDriver { .. }),
+                    "{msg}"
+                );
+                assert!(msg.contains("libcuda.so.1"), "{msg}");
+            }
+            assert!(!tch::Cuda::is_available());
+            for result in [
+                tt_sys::device_stats(0).map(|_| ()),
+                tt_sys::empty_cache(),
+                tt_sys::reset_peak_stats(0),
+                tt_sys::mem_get_info(0).map(|_| ()),
+            ] {
+                let err = result.expect_err("allocator call succeeded without CUDA");
+                assert_eq!(err, tt_sys::Error::CudaUnavailable(why.clone()));
+                assert!(
+                    err.to_string().starts_with("CUDA is not available: "),
+                    "{err}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn ensure_cuda_loaded_is_cached_and_cheap() {
+    let first = tt_sys::ensure_cuda_loaded().map(|i| i.device_count);
+    let start = std::time::Instant::now();
+    for _ in 0..1000 {
+        assert_eq!(tt_sys::ensure_cuda_loaded().map(|i| i.device_count), first);
+    }
+    // Generous bound: a cached lookup, not a dlopen per call.
+    assert!(start.elapsed() < std::time::Duration::from_secs(1));
+}
+
+#[test]
+fn test_binaries_find_libtorch_through_their_runpath() {
+    // This binary was started without LD_LIBRARY_PATH by cargo (see .cargo/config.toml);
+    // check the RUNPATH tt-sys's build script wrote.
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new("readelf")
+        .arg("-d")
+        .arg(&exe)
+        .output();
+    let Ok(out) = out else { return }; // binutils absent: nothing to inspect
+    let dynamic = String::from_utf8_lossy(&out.stdout);
+    let dir = tt_sys::libtorch_lib_dir().unwrap();
+    let runpath = dynamic
+        .lines()
+        .find(|l| l.contains("(RUNPATH)"))
+        .unwrap_or("");
+    let canonical = dir.canonicalize().unwrap();
+    let dirs: Vec<_> = runpath
+        .rsplit('[')
+        .next()
+        .unwrap_or("")
+        .trim_end_matches(']')
+        .split(':')
+        .collect();
+    assert!(
+        dirs.iter()
+            .any(|d| std::path::Path::new(d).canonicalize().ok().as_deref() == Some(&*canonical)),
+        "no RUNPATH to {} in:\n{dynamic}",
+        canonical.display()
+    );
+}
