@@ -1,0 +1,104 @@
+//! The real binary, in real processes, with controlled environments.
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+use std::process::{Command, Output};
+
+fn torchtools(args: &[&str], vars: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_torchtools"));
+    cmd.args(args);
+    for var in ["TORCHTOOLS_DEVICE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"] {
+        cmd.env_remove(var);
+    }
+    cmd.envs(vars.iter().copied());
+    cmd.output().unwrap()
+}
+
+fn has_nvml() -> bool {
+    let out = torchtools(&["devices", "--json"], &[]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    json["nvml"]["status"] == "available"
+}
+
+#[test]
+fn devices_prints_the_report_and_selection() {
+    let out = torchtools(&["devices"], &[("TORCHTOOLS_DEVICE", "cpu")]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.starts_with("torchtools device report (NVML's view, without libtorch)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("selected     cpu (TORCHTOOLS_DEVICE=cpu)"),
+        "{text}"
+    );
+    assert!(text.contains("TORCHTOOLS_DEVICE=\"cpu\""), "{text}");
+}
+
+#[test]
+fn devices_json_is_machine_readable() {
+    let out = torchtools(&["devices", "--json"], &[("LOCAL_RANK", "0")]);
+    assert!(out.status.success(), "{out:?}");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["view"], "nvml");
+    assert_eq!(json["env"]["local_rank"], "0");
+    let device = json["selected"]["device"].as_str().unwrap();
+    if has_nvml() {
+        assert!(device.starts_with("cuda:"), "{json}");
+    } else {
+        assert_eq!(device, "cpu", "{json}");
+        assert!(
+            json["backends"][0]["detail"]
+                .as_str()
+                .unwrap()
+                .contains("NVML"),
+            "{json}"
+        );
+    }
+}
+
+#[test]
+fn bad_values_exit_2_and_name_the_variable() {
+    let mut lines = String::new();
+    for (var, value) in [
+        ("TORCHTOOLS_DEVICE", "gpu"),
+        ("LOCAL_RANK", "first"),
+        ("CUDA_VISIBLE_DEVICES", "0,,1"),
+        ("TORCHTOOLS_DEVICE", "cuda:99"),
+    ] {
+        let out = torchtools(&["devices"], &[(var, value)]);
+        assert_eq!(out.status.code(), Some(2), "{var}={value}: {out:?}");
+        let stderr = String::from_utf8(out.stderr).unwrap();
+        assert!(stderr.contains(var), "{stderr}");
+        // The text report still comes first, with the reason in it.
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert!(stdout.contains("selected     none: "), "{stdout}");
+        if value != "cuda:99" {
+            lines.push_str(&stderr);
+        }
+    }
+    insta::assert_snapshot!(lines);
+}
+
+#[test]
+fn cuda_on_a_machine_without_gpus_is_refused_with_the_reason() {
+    if has_nvml() {
+        return; // covered by the GPU machine's run of the bundle
+    }
+    let out = torchtools(&["devices"], &[("TORCHTOOLS_DEVICE", "cuda")]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.contains("CUDA is not usable: NVML could not be loaded"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn unknown_subcommands_and_flags_are_usage_errors() {
+    let out = torchtools(&["devcies"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unrecognized subcommand"));
+    let out = torchtools(&["devices", "--jsn"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+}
