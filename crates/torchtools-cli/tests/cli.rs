@@ -89,7 +89,7 @@ fn cuda_on_a_machine_without_gpus_is_refused_with_the_reason() {
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8(out.stderr).unwrap();
     assert!(
-        stderr.contains("CUDA is not usable: NVML could not be loaded"),
+        stderr.contains("CUDA is not usable: no NVIDIA driver (NVML: "),
         "{stderr}"
     );
 }

@@ -78,7 +78,7 @@ impl Inventory {
             Err(e) => {
                 return Inventory {
                     nvml: NvmlStatus::Unavailable {
-                        reason: format!("NVML could not be loaded: {e}"),
+                        reason: nvml_reason(&e),
                     },
                     gpus: Vec::new(),
                     errors: Vec::new(),
@@ -157,6 +157,15 @@ impl Inventory {
             }
         }
         out
+    }
+}
+
+/// A short reason for `Nvml::init()` failing: usually no NVIDIA driver.
+fn nvml_reason(e: &nvml_wrapper::error::NvmlError) -> String {
+    let text = e.to_string();
+    match text.strip_prefix("a libloading error occurred: ") {
+        Some(why) => format!("no NVIDIA driver (NVML: {why})"),
+        None => format!("NVML failed to start: {text}"),
     }
 }
 
