@@ -1,1 +1,41 @@
-//! torchtools
+//! torchtools: train with libtorch (through [`tch`]) on machines you share with others.
+//!
+//! This crate gathers the torchtools crates behind one name; each is also usable on
+//! its own. What is here today:
+//!
+//! | module | crate | what it does |
+//! |---|---|---|
+//! | [`device`] | `tt-device` | pick CUDA / MPS / CPU from the environment and the build, say why; GPU inventory through NVML |
+//! | [`sys`] (feature `tch`) | `tt-sys` | load CUDA so tch sees it; libtorch's caching-allocator statistics; rpath helper |
+//!
+//! Every crate's core builds without libtorch; libtorch comes in only with the `tch`
+//! feature (on by default here). The `torchtools` command (crate `torchtools-cli`)
+//! is built on the libtorch-free cores.
+//!
+//! # Example
+//!
+//! ```
+//! # #[cfg(feature = "tch")] {
+//! use tch::{Kind, Tensor};
+//!
+//! // TORCHTOOLS_DEVICE=auto|cpu|cuda|cuda:N|mps, LOCAL_RANK and CUDA_VISIBLE_DEVICES
+//! // decide; asking for CUDA where it is unusable is an error that says why.
+//! let device = torchtools::device::select()?;
+//! let x = Tensor::ones([3], (Kind::Float, device));
+//! assert_eq!(x.sum(Kind::Float).double_value(&[]), 3.0);
+//! # }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! A binary that uses the `tch` feature runs from any directory when its build script
+//! calls [`tt_sys::build::link_libtorch_rpath`] (see that module).
+
+#[doc(inline)]
+pub use tt_device as device;
+
+#[cfg(feature = "tch")]
+#[doc(inline)]
+pub use tt_sys as sys;
+
+#[cfg(feature = "tch")]
+pub use tch;

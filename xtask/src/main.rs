@@ -1,1 +1,67 @@
-fn main() {}
+//! `cargo xtask`: the project's tasks, as a small Rust program (no make, no shell).
+//!
+//! ```text
+//! cargo xtask setup                 install libtorch 2.11.0 once (cached), link it for cargo
+//! cargo xtask demo                  setup, then run the main job (examples/demo.rs)
+//! cargo xtask test                  setup, then the CPU test matrix
+//! cargo xtask test-gpu              run the GPU tests; fails without a usable GPU
+//! cargo xtask test-gpu --bundle DIR build stripped GPU test binaries + run.sh into DIR
+//! cargo xtask bench                 run the benchmarks, print one table
+//! ```
+
+mod bench;
+mod gpu;
+mod setup;
+mod steps;
+mod test;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+const USAGE: &str = "usage: cargo xtask <setup | demo | test | test-gpu [--bundle DIR] | bench>";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let result = match args.as_slice() {
+        ["setup"] => setup::setup().map(|_| ()),
+        ["demo"] => demo(),
+        ["test"] => test::cpu_matrix(),
+        ["test-gpu"] => gpu::run_gpu_tests(),
+        ["test-gpu", "--bundle", dir] => gpu::bundle(&PathBuf::from(dir)),
+        ["bench"] => bench::run(),
+        ["help" | "--help" | "-h"] | [] => {
+            println!("{USAGE}");
+            return if args.is_empty() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+        _ => {
+            eprintln!("xtask: unknown arguments {args:?}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("\nxtask: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root.
+fn root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(PathBuf::from).unwrap_or(manifest)
+}
+
+fn demo() -> anyhow::Result<()> {
+    setup::setup()?;
+    steps::run(
+        "demo",
+        steps::cargo(&["run", "--quiet", "--example", "demo"]),
+    )
+}

@@ -130,16 +130,30 @@ pub fn libtorch_lib_dir() -> Result<LibtorchLib, NotFound> {
 /// on, and the binary then needs `LD_LIBRARY_PATH` to start.
 pub fn link_libtorch_rpath() -> Option<LibtorchLib> {
     match libtorch_lib_dir() {
-        Ok(lib) => {
-            println!(
-                "cargo:rustc-link-arg=-Wl,--enable-new-dtags,-rpath,{}",
-                lib.dir.display()
-            );
-            Some(lib)
-        }
+        Ok(lib) => Some(emit_rpath(lib)),
         Err(e) => {
             println!("cargo:warning=tt-sys: {e}");
             None
         }
     }
+}
+
+/// Like [`link_libtorch_rpath`], but silent when no libtorch is found: for binaries
+/// that link libtorch only in some builds (a workspace-wide build that unifies a
+/// dependency's `tch` feature, say). An rpath the binary does not use is harmless.
+pub fn try_link_libtorch_rpath() -> Option<LibtorchLib> {
+    libtorch_lib_dir().ok().map(emit_rpath)
+}
+
+fn emit_rpath(mut lib: LibtorchLib) -> LibtorchLib {
+    // The real directory, not a link to it: the binary then keeps working when the
+    // link (e.g. a repository's `.torchtools/libtorch`) goes away.
+    if let Ok(real) = lib.dir.canonicalize() {
+        lib.dir = real;
+    }
+    println!(
+        "cargo:rustc-link-arg=-Wl,--enable-new-dtags,-rpath,{}",
+        lib.dir.display()
+    );
+    lib
 }

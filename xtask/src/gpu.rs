@@ -1,0 +1,185 @@
+//! `cargo xtask test-gpu [--bundle DIR]`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+use crate::steps::{cargo, run_counted, summarize};
+use crate::test::GPU_CRATES;
+
+const BUNDLE_LIMIT: u64 = 64 << 20;
+
+/// Why there is no usable NVIDIA GPU here, if there is none.
+fn no_gpu_reason() -> Option<String> {
+    match Command::new("nvidia-smi").arg("-L").output() {
+        Err(e) => Some(format!(
+            "nvidia-smi cannot run ({e}): no NVIDIA driver on this machine"
+        )),
+        Ok(out) if !out.status.success() => Some(format!(
+            "nvidia-smi failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Ok(out)
+            if !String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .any(|l| l.starts_with("GPU ")) =>
+        {
+            Some("nvidia-smi lists no GPU".into())
+        }
+        Ok(_) => None,
+    }
+}
+
+pub(crate) fn run_gpu_tests() -> Result<()> {
+    if let Some(why) = no_gpu_reason() {
+        bail!("no usable GPU: {why}. `cargo xtask test-gpu` runs only where CUDA works; the CPU tests are `cargo xtask test`, and `cargo xtask test-gpu --bundle DIR` builds the GPU tests to run elsewhere");
+    }
+    crate::setup::setup()?;
+    let results: Vec<_> = GPU_CRATES
+        .iter()
+        .map(|krate| {
+            run_counted(
+                &format!("GPU tests of {krate}"),
+                cargo(&[
+                    "test",
+                    "-p",
+                    krate,
+                    "--features",
+                    "gpu-tests",
+                    "--test",
+                    "gpu",
+                    "--",
+                    "--test-threads=1",
+                ]),
+            )
+        })
+        .collect();
+    let total = summarize("gpu-tests", &results);
+    if results.iter().any(|r| !r.ok) || total.failed > 0 {
+        bail!("GPU tests failed");
+    }
+    if total.passed == 0 {
+        bail!("zero GPU tests ran: the GPU test targets were not selected");
+    }
+    Ok(())
+}
+
+/// Test executables that `cargo test --no-run --message-format=json` built.
+fn built_executables(args: &[&str]) -> Result<Vec<PathBuf>> {
+    let out = cargo(args).output().context("cargo did not start")?;
+    if !out.status.success() {
+        bail!(
+            "building {args:?} failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut exes = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if let Some(exe) = msg.get("executable").and_then(|e| e.as_str()) {
+            exes.push(PathBuf::from(exe));
+        }
+    }
+    Ok(exes)
+}
+
+fn strip_into(src: &Path, dst: &Path) -> Result<()> {
+    let status = Command::new("strip")
+        .arg("--strip-all")
+        .arg("-o")
+        .arg(dst)
+        .arg(src)
+        .status();
+    match status {
+        Ok(s) if s.success() => Ok(()),
+        _ => {
+            fs::copy(src, dst).with_context(|| format!("cannot copy {}", src.display()))?;
+            Ok(())
+        }
+    }
+}
+
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# GPU tests of torchtools, built by `cargo xtask test-gpu --bundle`. Needs a machine with
+# an NVIDIA GPU and PyTorch 2.11 installed (no Rust): libtorch is found through Python's
+# torch (set PYTHON to choose the interpreter). Exit status: 0 only if every test passed
+# and at least one ran.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+py=${PYTHON:-python3}
+torch_lib=$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null) || {
+  echo "run.sh: '$py' cannot import torch: install PyTorch 2.11 or set PYTHON" >&2; exit 1; }
+export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+pass=0; fail=0; rows=""
+for t in "$here"/bin/*-gpu; do
+  name=$(basename "$t")
+  start=$(date +%s.%N)
+  out=$("$t" --test-threads=1 2>&1); rc=$?
+  secs=$(echo "$(date +%s.%N) - $start" | bc 2>/dev/null || echo "?")
+  echo "$out"
+  line=$(echo "$out" | grep -E '^test result:' | tail -1)
+  p=$(echo "$line" | sed -nE 's/.* ([0-9]+) passed.*/\1/p'); f=$(echo "$line" | sed -nE 's/.* ([0-9]+) failed.*/\1/p')
+  p=${p:-0}; f=${f:-0}; [ "$rc" -ne 0 ] && [ "$f" -eq 0 ] && f=1
+  pass=$((pass + p)); fail=$((fail + f))
+  rows="$rows$(printf '%-28s %6s %6s %8s' "$name" "$p" "$f" "$secs")\n"
+done
+echo; echo "== torchtools devices (CLI, NVML view)"
+"$here/bin/torchtools" devices || fail=$((fail + 1))
+echo; printf '%-28s %6s %6s %8s\n' "binary" "passed" "failed" "seconds"; printf "$rows"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
+echo "gpu-tests: $pass passed, $fail failed"
+[ "$fail" -eq 0 ] && [ "$pass" -gt 0 ]
+"#;
+
+pub(crate) fn bundle(dir: &Path) -> Result<()> {
+    crate::setup::setup()?;
+    let bin = dir.join("bin");
+    fs::create_dir_all(&bin).with_context(|| format!("cannot create {}", bin.display()))?;
+    for krate in GPU_CRATES {
+        let exes = built_executables(&[
+            "test",
+            "-p",
+            krate,
+            "--features",
+            "gpu-tests",
+            "--test",
+            "gpu",
+            "--no-run",
+            "--message-format=json",
+        ])?;
+        let exe = exes
+            .first()
+            .with_context(|| format!("cargo built no GPU test binary for {krate}"))?;
+        strip_into(exe, &bin.join(format!("{krate}-gpu")))?;
+    }
+    crate::steps::run(
+        "build the CLI (release)",
+        cargo(&["build", "--release", "-p", "torchtools-cli"]),
+    )?;
+    strip_into(
+        &crate::root().join("target/release/torchtools"),
+        &bin.join("torchtools"),
+    )?;
+    let run_sh = dir.join("run.sh");
+    fs::write(&run_sh, RUN_SH)?;
+    fs::set_permissions(&run_sh, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let mut size = 0;
+    for entry in fs::read_dir(&bin)?.flatten() {
+        size += entry.metadata()?.len();
+    }
+    size += fs::metadata(&run_sh)?.len();
+    println!(
+        "bundle: {} ({:.1} MiB): run `{}/run.sh` on a GPU machine",
+        dir.display(),
+        size as f64 / (1u64 << 20) as f64,
+        dir.display()
+    );
+    if size > BUNDLE_LIMIT {
+        bail!("the bundle is {size} bytes, over the 64 MiB that travels to the GPU machine");
+    }
+    Ok(())
+}

@@ -1,0 +1,190 @@
+//! `cargo xtask setup`: libtorch 2.11.0, once per machine, in a versioned cache.
+//!
+//! The PyPI `torch==2.11.0` wheel (a CUDA 13.0 build: the same libtorch runs on CPU
+//! machines and on the GPU machine) goes into a venv at
+//! `$TORCHTOOLS_CACHE_DIR` (default `$XDG_CACHE_HOME/torchtools` or
+//! `~/.cache/torchtools`) `/torch-2.11.0`. A marker file is written last, so an
+//! interrupted install is redone, never half-used. `.torchtools/libtorch` in the
+//! repository links to the wheel's `torch` directory; `.cargo/config.toml` points
+//! `LIBTORCH` there. A `LIBTORCH` or `LIBTORCH_USE_PYTORCH` set by the user wins.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+
+/// The libtorch version tch 0.24.0 needs.
+pub(crate) const TORCH_VERSION: &str = "2.11.0";
+/// Free space the wheel and its CUDA libraries need (about 4.6 GB installed).
+const NEEDED_BYTES: u64 = 6 << 30;
+const MARKER: &str = ".torchtools-ready";
+
+/// Where libtorch comes from.
+pub(crate) enum Libtorch {
+    /// Our cached venv (its `bin/python` is also the reference for tests).
+    Cached { venv: PathBuf },
+    /// The user's `LIBTORCH` or `LIBTORCH_USE_PYTORCH`.
+    User,
+}
+
+fn cache_dir() -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("TORCHTOOLS_CACHE_DIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(dir).join("torchtools"));
+    }
+    match std::env::var_os("HOME") {
+        Some(home) => Ok(PathBuf::from(home).join(".cache/torchtools")),
+        None => bail!("neither TORCHTOOLS_CACHE_DIR nor HOME is set: set TORCHTOOLS_CACHE_DIR to a directory for libtorch (~5 GB)"),
+    }
+}
+
+fn link_path() -> PathBuf {
+    crate::root().join(".torchtools/libtorch")
+}
+
+/// The `torch` package directory inside a venv, if installed.
+fn torch_dir(venv: &Path) -> Option<PathBuf> {
+    let lib = venv.join("lib");
+    std::fs::read_dir(&lib)
+        .ok()?
+        .flatten()
+        .map(|e| e.path().join("site-packages/torch"))
+        .find(|p| p.join("lib/libtorch_cpu.so").exists())
+}
+
+pub(crate) fn setup() -> Result<Libtorch> {
+    let start = Instant::now();
+    // Cargo's [env] sets LIBTORCH to our link for processes it runs, this one included;
+    // any other value was set by the user.
+    if let Ok(v) = std::env::var("LIBTORCH_USE_PYTORCH") {
+        eprintln!("setup: LIBTORCH_USE_PYTORCH={v} is set: using the torch of the python3 on PATH");
+        return Ok(Libtorch::User);
+    }
+    if let Ok(v) = std::env::var("LIBTORCH") {
+        let ours = link_path();
+        if Path::new(&v) != ours {
+            let lib = Path::new(&v).join("lib/libtorch_cpu.so");
+            if !lib.exists() {
+                bail!("LIBTORCH={v} has no lib/libtorch_cpu.so: point it at a libtorch {TORCH_VERSION} directory, or unset it to let `cargo xtask setup` install one");
+            }
+            eprintln!("setup: using your LIBTORCH={v}");
+            return Ok(Libtorch::User);
+        }
+    }
+    let venv = cache_dir()?.join(format!("torch-{TORCH_VERSION}"));
+    let torch = match (venv.join(MARKER).exists(), torch_dir(&venv)) {
+        (true, Some(torch)) => torch,
+        _ => install(&venv)?,
+    };
+    link(&torch)?;
+    eprintln!(
+        "setup: libtorch {TORCH_VERSION} ready at {} ({:.1}s)",
+        torch.display(),
+        start.elapsed().as_secs_f64()
+    );
+    Ok(Libtorch::Cached { venv })
+}
+
+fn link(torch: &Path) -> Result<()> {
+    let link = link_path();
+    if std::fs::read_link(&link).ok().as_deref() == Some(torch) {
+        return Ok(());
+    }
+    let parent = link.parent().context("link path has no parent")?;
+    std::fs::create_dir_all(parent)
+        .with_context(|| format!("cannot create {}", parent.display()))?;
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(torch, &link)
+        .with_context(|| format!("cannot link {} -> {}", link.display(), torch.display()))
+}
+
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let out = Command::new("df").args(["-Pk"]).arg(dir).output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let kib: u64 = text
+        .lines()
+        .nth(1)?
+        .split_whitespace()
+        .nth(3)?
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+fn install(venv: &Path) -> Result<PathBuf> {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let version = Command::new(&python).arg("--version").output();
+    match version {
+        Ok(out) if out.status.success() => {}
+        _ => bail!(
+            "`{python}` was not found: libtorch comes from PyPI's torch=={TORCH_VERSION} wheel, installed with Python's venv and pip. \
+             Install Python 3.10+ with venv and pip (Debian/Ubuntu: `apt-get install python3 python3-venv python3-pip`), \
+             or set PYTHON to an interpreter, or set LIBTORCH to an existing libtorch {TORCH_VERSION}"
+        ),
+    }
+    let parent = venv.parent().context("cache dir has no parent")?;
+    std::fs::create_dir_all(parent).with_context(|| {
+        format!(
+            "cannot create the cache directory {} (set TORCHTOOLS_CACHE_DIR to a writable one)",
+            parent.display()
+        )
+    })?;
+    if let Some(free) = free_bytes(parent) {
+        if free < NEEDED_BYTES {
+            bail!(
+                "{} has {:.1} GiB free; libtorch {TORCH_VERSION} needs about {} GiB: free some space or set TORCHTOOLS_CACHE_DIR to a larger disk",
+                parent.display(),
+                free as f64 / (1u64 << 30) as f64,
+                NEEDED_BYTES >> 30
+            );
+        }
+    }
+    if venv.exists() {
+        eprintln!(
+            "setup: removing the unfinished install at {}",
+            venv.display()
+        );
+        std::fs::remove_dir_all(venv)
+            .with_context(|| format!("cannot remove {}", venv.display()))?;
+    }
+    eprintln!(
+        "setup: installing torch=={TORCH_VERSION} (PyPI wheel, ~4.6 GB, a few minutes) into {}",
+        venv.display()
+    );
+    let status = Command::new(&python)
+        .args(["-m", "venv"])
+        .arg(venv)
+        .status()?;
+    if !status.success() {
+        bail!("`{python} -m venv` failed: install the venv module (Debian/Ubuntu: `apt-get install python3-venv`)");
+    }
+    let py = venv.join("bin/python");
+    let status = Command::new(&py)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--progress-bar",
+            "off",
+        ])
+        .arg(format!("torch=={TORCH_VERSION}"))
+        .status()?;
+    if !status.success() {
+        bail!(
+            "pip could not install torch=={TORCH_VERSION} into {} (see pip's message above): check the network access to PyPI and the free disk space",
+            venv.display()
+        );
+    }
+    let torch = torch_dir(venv).with_context(|| {
+        format!(
+            "torch installed, but no torch/lib/libtorch_cpu.so under {}",
+            venv.display()
+        )
+    })?;
+    std::fs::write(venv.join(MARKER), TORCH_VERSION)?;
+    Ok(torch)
+}

@@ -1,0 +1,153 @@
+//! Running commands as named steps, echoing their output and counting test results.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// `cargo ARGS` in the workspace root.
+pub(crate) fn cargo(args: &[&str]) -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.args(args).current_dir(crate::root());
+    cmd
+}
+
+/// Runs `cmd`, streaming its output; fails when it fails.
+pub(crate) fn run(name: &str, mut cmd: Command) -> Result<()> {
+    eprintln!("==> {name}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{name} failed ({status})");
+    }
+    Ok(())
+}
+
+/// Test counts read from libtest's `test result:` lines.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Counts {
+    pub(crate) passed: u64,
+    pub(crate) failed: u64,
+    pub(crate) ignored: u64,
+}
+
+impl Counts {
+    pub(crate) fn add(&mut self, other: Counts) {
+        self.passed += other.passed;
+        self.failed += other.failed;
+        self.ignored += other.ignored;
+    }
+
+    /// Parses `test result: ok. 4 passed; 0 failed; 1 ignored; ...`.
+    fn parse_line(line: &str) -> Option<Counts> {
+        let rest = line.trim().strip_prefix("test result: ")?;
+        let mut counts = Counts::default();
+        for part in rest.split(';') {
+            let words: Vec<&str> = part.split_whitespace().collect();
+            let n = words
+                .iter()
+                .rev()
+                .nth(1)
+                .and_then(|w| w.parse::<u64>().ok());
+            match (n, words.last()) {
+                (Some(n), Some(&"passed")) => counts.passed = n,
+                (Some(n), Some(&"failed")) => counts.failed = n,
+                (Some(n), Some(&"ignored")) => counts.ignored = n,
+                _ => {}
+            }
+        }
+        Some(counts)
+    }
+}
+
+/// Outcome of one step of a matrix.
+pub(crate) struct StepResult {
+    pub(crate) name: String,
+    pub(crate) ok: bool,
+    pub(crate) time: Duration,
+    pub(crate) counts: Option<Counts>,
+}
+
+/// Runs `cmd` as a step, echoing stdout while counting test results in it.
+pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
+    eprintln!("\n==> {name}");
+    let start = Instant::now();
+    let mut counts = Counts::default();
+    let mut saw_tests = false;
+    let ok = match cmd.stdout(Stdio::piped()).spawn() {
+        Ok(mut child) => {
+            if let Some(out) = child.stdout.take() {
+                for line in BufReader::new(out).lines().map_while(Result::ok) {
+                    println!("{line}");
+                    if let Some(c) = Counts::parse_line(&line) {
+                        counts.add(c);
+                        saw_tests = true;
+                    }
+                }
+            }
+            child.wait().map(|s| s.success()).unwrap_or(false)
+        }
+        Err(e) => {
+            eprintln!("could not start {cmd:?}: {e}");
+            false
+        }
+    };
+    StepResult {
+        name: name.to_owned(),
+        ok,
+        time: start.elapsed(),
+        counts: saw_tests.then_some(counts),
+    }
+}
+
+/// Prints the table of a matrix and the closing `N passed, N failed` line.
+pub(crate) fn summarize(title: &str, results: &[StepResult]) -> Counts {
+    let mut total = Counts::default();
+    println!("\n{title}");
+    println!(
+        "{:<58} {:>6} {:>8} {:>7}",
+        "step", "result", "tests", "time"
+    );
+    for r in results {
+        let tests = r
+            .counts
+            .map(|c| c.passed.to_string())
+            .unwrap_or_else(|| "-".into());
+        let result = if r.ok { "ok" } else { "FAILED" };
+        println!(
+            "{:<58} {:>6} {:>8} {:>6.1}s",
+            r.name,
+            result,
+            tests,
+            r.time.as_secs_f64()
+        );
+        if let Some(c) = r.counts {
+            total.add(c);
+        }
+    }
+    let failed_steps = results.iter().filter(|r| !r.ok).count() as u64;
+    println!(
+        "{title}: {} passed, {} failed, {} skipped",
+        total.passed,
+        total.failed.max(failed_steps),
+        total.ignored
+    );
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Counts;
+
+    #[test]
+    fn parses_libtest_summary_lines() {
+        let c = Counts::parse_line(
+            "test result: ok. 12 passed; 3 failed; 2 ignored; 0 measured; 0 filtered out; finished in 0.04s",
+        )
+        .unwrap();
+        assert_eq!((c.passed, c.failed, c.ignored), (12, 3, 2));
+        assert!(Counts::parse_line("running 4 tests").is_none());
+    }
+}

@@ -1,0 +1,154 @@
+//! `cargo xtask test`: the CPU test matrix.
+
+use anyhow::{bail, Result};
+
+use crate::steps::{cargo, run_counted, summarize, StepResult};
+
+/// The publishable crates, each tested on its own.
+pub(crate) const CRATES: [&str; 4] = ["tt-sys", "tt-device", "torchtools-cli", "torchtools"];
+/// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
+pub(crate) const GPU_CRATES: [&str; 2] = ["tt-sys", "tt-device"];
+
+pub(crate) fn cpu_matrix() -> Result<()> {
+    crate::setup::setup()?;
+    let mut results: Vec<StepResult> = Vec::new();
+    let mut step = |name: String, args: &[&str]| results.push(run_counted(&name, cargo(args)));
+
+    step("fmt --check".into(), &["fmt", "--all", "--check"]);
+    for krate in CRATES {
+        step(
+            format!("test -p {krate} (default features)"),
+            &["test", "-p", krate],
+        );
+        step(
+            format!("test -p {krate} --no-default-features"),
+            &["test", "-p", krate, "--no-default-features"],
+        );
+    }
+    step(
+        "test --workspace (all CPU features, doc tests)".into(),
+        &["test", "--workspace"],
+    );
+    step(
+        "clippy --workspace --all-targets -D warnings".into(),
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    );
+    for krate in CRATES {
+        step(
+            format!("clippy -p {krate} --no-default-features"),
+            &[
+                "clippy",
+                "-p",
+                krate,
+                "--all-targets",
+                "--no-default-features",
+                "--",
+                "-D",
+                "warnings",
+            ],
+        );
+    }
+    for krate in GPU_CRATES {
+        step(
+            format!("build GPU tests of {krate} (compile only) + clippy"),
+            &[
+                "clippy",
+                "-p",
+                krate,
+                "--all-targets",
+                "--features",
+                "gpu-tests",
+                "--",
+                "-D",
+                "warnings",
+            ],
+        );
+        step(
+            format!("build GPU tests of {krate} (link)"),
+            &[
+                "test",
+                "-p",
+                krate,
+                "--features",
+                "gpu-tests",
+                "--test",
+                "gpu",
+                "--no-run",
+            ],
+        );
+    }
+    let doc = {
+        let mut cmd = cargo(&["doc", "--workspace", "--no-deps"]);
+        cmd.env("RUSTDOCFLAGS", "-D warnings");
+        run_counted("doc --workspace (warnings denied)", cmd)
+    };
+    results.push(doc);
+    for krate in CRATES {
+        results.push(run_counted(
+            &format!("package --list -p {krate}"),
+            cargo(&["package", "--list", "--allow-dirty", "-p", krate]),
+        ));
+    }
+    results.push(no_libtorch_in_cores());
+
+    let total = summarize("cpu-matrix", &results);
+    let failed: Vec<&str> = results
+        .iter()
+        .filter(|r| !r.ok)
+        .map(|r| r.name.as_str())
+        .collect();
+    if !failed.is_empty() || total.failed > 0 {
+        bail!("the CPU matrix failed: {}", failed.join(", "));
+    }
+    if total.passed == 0 {
+        bail!("the CPU matrix ran no test");
+    }
+    Ok(())
+}
+
+/// The map's one rule: every crate's core (no default features) builds without
+/// libtorch. Checked on the dependency graph, not by luck of the build.
+fn no_libtorch_in_cores() -> StepResult {
+    let start = std::time::Instant::now();
+    let mut ok = true;
+    eprintln!("\n==> invariant: no libtorch in any crate's core");
+    for krate in CRATES {
+        let out = cargo(&[
+            "tree",
+            "-p",
+            krate,
+            "--no-default-features",
+            "-e",
+            "normal,build",
+            "--prefix",
+            "none",
+        ])
+        .output();
+        match out {
+            Ok(out) if out.status.success() => {
+                let tree = String::from_utf8_lossy(&out.stdout);
+                if let Some(line) = tree
+                    .lines()
+                    .find(|l| l.starts_with("torch-sys") || l.starts_with("tch "))
+                {
+                    eprintln!("{krate} --no-default-features depends on {line}");
+                    ok = false;
+                }
+            }
+            _ => ok = false,
+        }
+    }
+    StepResult {
+        name: "invariant: cores build without libtorch".into(),
+        ok,
+        time: start.elapsed(),
+        counts: None,
+    }
+}
