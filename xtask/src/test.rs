@@ -25,9 +25,11 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             &["test", "-p", krate, "--no-default-features"],
         );
     }
+    // The CLI is tested on its own above: in a workspace-wide build, feature
+    // unification would hand it tt-device's `tch` and test a binary users never get.
     step(
         "test --workspace (all CPU features, doc tests)".into(),
-        &["test", "--workspace"],
+        &["test", "--workspace", "--exclude", "torchtools-cli"],
     );
     step(
         "clippy --workspace --all-targets -D warnings".into(),
@@ -145,8 +147,36 @@ fn no_libtorch_in_cores() -> StepResult {
             _ => ok = false,
         }
     }
+    // And the CLI, built as users build it, does not even link libtorch.
+    let built = cargo(&["build", "-p", "torchtools-cli"])
+        .status()
+        .is_ok_and(|s| s.success());
+    let exe = crate::root().join("target/debug/torchtools");
+    match std::process::Command::new("readelf")
+        .arg("-d")
+        .arg(&exe)
+        .output()
+    {
+        Ok(out) if built && out.status.success() => {
+            let dynamic = String::from_utf8_lossy(&out.stdout);
+            let libtorch = dynamic
+                .lines()
+                .find(|l| l.contains("NEEDED") && (l.contains("libtorch") || l.contains("libc10")));
+            if let Some(line) = libtorch {
+                eprintln!("the torchtools CLI links libtorch: {line}");
+                ok = false;
+            }
+        }
+        _ => {
+            eprintln!(
+                "could not build or inspect {} (readelf, from binutils, is needed)",
+                exe.display()
+            );
+            ok = false;
+        }
+    }
     StepResult {
-        name: "invariant: cores build without libtorch".into(),
+        name: "invariant: cores and CLI without libtorch".into(),
         ok,
         time: start.elapsed(),
         counts: None,
