@@ -43,7 +43,7 @@ fn run() -> Result<(), Box<dyn Error>> {
     let device: Device = selection.device.into();
 
     // Learn y = sin(3 x0) + x1^2 - x2 with a two-layer MLP.
-    tch::manual_seed(0);
+    torchtools::tch::manual_seed(0);
     let x = Tensor::rand([4096, 3], (Kind::Float, device)) * 2.0 - 1.0;
     let y = ((x.select(1, 0) * 3.0).sin() + x.select(1, 1).square() - x.select(1, 2)).unsqueeze(1);
     let vs = nn::VarStore::new(device);
@@ -58,19 +58,27 @@ fn run() -> Result<(), Box<dyn Error>> {
         ProgressStyle::with_template("training on {msg} [{bar:30}] {pos}/{len} {per_sec}")?
             .progress_chars("=> "),
     );
+    let eval_loss = || {
+        torchtools::tch::no_grad(|| {
+            net.forward(&x)
+                .mse_loss(&y, Reduction::Mean)
+                .double_value(&[])
+        })
+    };
+    let first = eval_loss();
     let start = Instant::now();
-    let mut first = None;
-    let mut last = f64::NAN;
     for _ in 0..steps {
         let loss = net.forward(&x).mse_loss(&y, Reduction::Mean);
         opt.backward_step(&loss);
-        last = loss.double_value(&[]);
-        first.get_or_insert(last);
-        bar.set_message(format!("{} (loss {last:.4})", selection.device));
+        bar.set_message(format!(
+            "{} (loss {:.4})",
+            selection.device,
+            loss.double_value(&[])
+        ));
         bar.inc(1);
     }
     bar.finish();
-    let first = first.unwrap_or(last);
+    let last = eval_loss();
     println!(
         "trained {steps} steps on {} in {:.2?}: loss {first:.4} -> {last:.4}",
         selection.device,

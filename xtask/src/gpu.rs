@@ -119,7 +119,7 @@ for t in "$here"/bin/*-gpu; do
   name=$(basename "$t")
   start=$(date +%s.%N)
   out=$("$t" --test-threads=1 2>&1); rc=$?
-  secs=$(echo "$(date +%s.%N) - $start" | bc 2>/dev/null || echo "?")
+  secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN { printf "%.2f", e - s }')
   echo "$out"
   line=$(echo "$out" | grep -E '^test result:' | tail -1)
   p=$(echo "$line" | sed -nE 's/.* ([0-9]+) passed.*/\1/p'); f=$(echo "$line" | sed -nE 's/.* ([0-9]+) failed.*/\1/p')
