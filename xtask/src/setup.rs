@@ -29,16 +29,27 @@ pub(crate) enum Libtorch {
 }
 
 fn cache_dir() -> Result<PathBuf> {
-    if let Some(dir) = std::env::var_os("TORCHTOOLS_CACHE_DIR") {
-        return Ok(PathBuf::from(dir));
-    }
-    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
-        return Ok(PathBuf::from(dir).join("torchtools"));
-    }
-    match std::env::var_os("HOME") {
-        Some(home) => Ok(PathBuf::from(home).join(".cache/torchtools")),
-        None => bail!("neither TORCHTOOLS_CACHE_DIR nor HOME is set: set TORCHTOOLS_CACHE_DIR to a directory for libtorch (~5 GB)"),
-    }
+    let var = |name: &str| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let dir = if let Some(dir) = var("TORCHTOOLS_CACHE_DIR") {
+        if !dir.is_absolute() {
+            bail!(
+                "TORCHTOOLS_CACHE_DIR={} is not an absolute path: give a full path such as /data/cache/torchtools",
+                dir.display()
+            );
+        }
+        dir
+    } else if let Some(dir) = var("XDG_CACHE_HOME").filter(|d| d.is_absolute()) {
+        dir.join("torchtools")
+    } else if let Some(home) = var("HOME").filter(|d| d.is_absolute()) {
+        home.join(".cache/torchtools")
+    } else {
+        bail!("neither TORCHTOOLS_CACHE_DIR nor HOME is set to an absolute path: set TORCHTOOLS_CACHE_DIR to a directory for libtorch (~5 GB)");
+    };
+    Ok(dir)
 }
 
 fn link_path() -> PathBuf {
