@@ -7,7 +7,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 use crate::steps::{cargo, run_counted, summarize};
-use crate::test::GPU_CRATES;
+use crate::test::{gpu_test_args, GPU_CRATES};
 
 const BUNDLE_LIMIT: u64 = 64 << 20;
 
@@ -42,17 +42,7 @@ pub(crate) fn run_gpu_tests() -> Result<()> {
         .map(|krate| {
             run_counted(
                 &format!("GPU tests of {krate}"),
-                cargo(&[
-                    "test",
-                    "-p",
-                    krate,
-                    "--features",
-                    "gpu-tests",
-                    "--test",
-                    "gpu",
-                    "--",
-                    "--test-threads=1",
-                ]),
+                cargo(&gpu_test_args(krate, &["--", "--test-threads=1"])),
             )
         })
         .collect();
@@ -140,17 +130,10 @@ pub(crate) fn bundle(dir: &Path) -> Result<()> {
     let bin = dir.join("bin");
     fs::create_dir_all(&bin).with_context(|| format!("cannot create {}", bin.display()))?;
     for krate in GPU_CRATES {
-        let exes = built_executables(&[
-            "test",
-            "-p",
+        let exes = built_executables(&gpu_test_args(
             krate,
-            "--features",
-            "gpu-tests",
-            "--test",
-            "gpu",
-            "--no-run",
-            "--message-format=json",
-        ])?;
+            &["--no-run", "--message-format=json"],
+        ))?;
         let exe = exes
             .first()
             .with_context(|| format!("cargo built no GPU test binary for {krate}"))?;

@@ -9,6 +9,21 @@ pub(crate) const CRATES: [&str; 4] = ["tt-sys", "tt-device", "torchtools-cli", "
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
 pub(crate) const GPU_CRATES: [&str; 2] = ["tt-sys", "tt-device"];
 
+/// `cargo` arguments that select the GPU test target of `krate`, then `extra`.
+pub(crate) fn gpu_test_args<'a>(krate: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "test",
+        "-p",
+        krate,
+        "--features",
+        "gpu-tests",
+        "--test",
+        "gpu",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 pub(crate) fn cpu_matrix() -> Result<()> {
     crate::setup::setup()?;
     let mut results: Vec<StepResult> = Vec::new();
@@ -64,16 +79,7 @@ pub(crate) fn cpu_matrix() -> Result<()> {
     for krate in GPU_CRATES {
         step(
             format!("build GPU tests of {krate} (link only)"),
-            &[
-                "test",
-                "-p",
-                krate,
-                "--features",
-                "gpu-tests",
-                "--test",
-                "gpu",
-                "--no-run",
-            ],
+            &gpu_test_args(krate, &["--no-run"]),
         );
     }
     let doc = {

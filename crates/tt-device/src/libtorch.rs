@@ -1,6 +1,6 @@
 //! libtorch's view of the devices (feature `tch`).
 
-use crate::env::{CudaVisibleDevices, EnvConfig, RawEnv};
+use crate::env::{CudaVisibleDevices, EnvConfig};
 use crate::inventory::Inventory;
 use crate::report::{DeviceReport, LibtorchInfo, View};
 use crate::select::{select_with, Availability, CudaCandidate, Device, Selection};
@@ -59,14 +59,6 @@ pub fn select() -> Result<tch::Device> {
 /// The full report in libtorch's view. Never fails: a bad variable is reported in
 /// [`DeviceReport::error`].
 pub fn report() -> DeviceReport {
-    let raw = RawEnv::from_env();
-    let env = EnvConfig::from_raw(raw.clone());
-    let inventory = Inventory::query();
-    let visible = env
-        .as_ref()
-        .map(|e| e.visible.clone())
-        .unwrap_or(CudaVisibleDevices::Unset);
-    let avail = availability(&visible, &inventory);
     let cuda_runtime = tt_sys::ensure_cuda_loaded().ok().map(|i| {
         format!(
             "{}.{}",
@@ -81,5 +73,7 @@ pub fn report() -> DeviceReport {
             .map(|d| d.display().to_string()),
         cuda_runtime,
     };
-    DeviceReport::assemble(View::Libtorch, env, raw, &inventory, &avail, Some(libtorch))
+    DeviceReport::from_process(View::Libtorch, Some(libtorch), |inventory, visible, _| {
+        availability(visible, inventory)
+    })
 }

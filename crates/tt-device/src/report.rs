@@ -167,6 +167,18 @@ impl DeviceReport {
 
     /// The NVML view, from the process environment: no libtorch needed.
     pub fn nvml_view() -> DeviceReport {
+        DeviceReport::from_process(View::Nvml, None, |inventory, visible, raw| {
+            Availability::from_nvml(inventory, visible, raw)
+        })
+    }
+
+    /// Reads the environment and NVML, asks `availability` what can be used, and
+    /// assembles the report. A bad variable lands in [`DeviceReport::error`].
+    pub(crate) fn from_process(
+        view: View,
+        libtorch: Option<LibtorchInfo>,
+        availability: impl FnOnce(&Inventory, &CudaVisibleDevices, &RawEnv) -> Availability,
+    ) -> DeviceReport {
         let raw = RawEnv::from_env();
         let env = EnvConfig::from_raw(raw.clone());
         let inventory = Inventory::query();
@@ -174,8 +186,8 @@ impl DeviceReport {
             .as_ref()
             .map(|e| e.visible.clone())
             .unwrap_or(CudaVisibleDevices::Unset);
-        let avail = Availability::from_nvml(&inventory, &visible, &raw);
-        DeviceReport::assemble(View::Nvml, env, raw, &inventory, &avail, None)
+        let avail = availability(&inventory, &visible, &raw);
+        DeviceReport::assemble(view, env, raw, &inventory, &avail, libtorch)
     }
 }
 
