@@ -90,7 +90,11 @@ pub(crate) fn setup() -> Result<Libtorch> {
         (true, Some(torch)) => torch,
         _ => install(&venv)?,
     };
-    link(&torch)?;
+    link(&torch, &link_path())?;
+    // The venv itself, whose bin/python is the reference implementation tests compare
+    // against (a link to the interpreter alone would lose the venv: Python looks for
+    // pyvenv.cfg beside the path it was started as).
+    link(&venv, &crate::root().join(".torchtools/venv"))?;
     eprintln!(
         "setup: libtorch {TORCH_VERSION} ready at {} ({:.1}s)",
         torch.display(),
@@ -99,17 +103,17 @@ pub(crate) fn setup() -> Result<Libtorch> {
     Ok(Libtorch::Cached { venv })
 }
 
-fn link(torch: &Path) -> Result<()> {
-    let link = link_path();
-    if std::fs::read_link(&link).ok().as_deref() == Some(torch) {
+/// Makes `link` a symlink to `target` (replacing an older one).
+fn link(target: &Path, link: &Path) -> Result<()> {
+    if std::fs::read_link(link).ok().as_deref() == Some(target) {
         return Ok(());
     }
     let parent = link.parent().context("link path has no parent")?;
     std::fs::create_dir_all(parent)
         .with_context(|| format!("cannot create {}", parent.display()))?;
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(torch, &link)
-        .with_context(|| format!("cannot link {} -> {}", link.display(), torch.display()))
+    let _ = std::fs::remove_file(link);
+    std::os::unix::fs::symlink(target, link)
+        .with_context(|| format!("cannot link {} -> {}", link.display(), target.display()))
 }
 
 fn free_bytes(dir: &Path) -> Option<u64> {

@@ -1,0 +1,70 @@
+/// Errors of tt-sampler: each says what was wrong and how to fix it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// `num_replicas` is zero.
+    #[error("num_replicas is 0: a sampler needs at least one replica (WORLD_SIZE, when read from the environment)")]
+    NoReplicas,
+    /// `rank` is not below `num_replicas`.
+    #[error("rank {rank} is out of range for {num_replicas} replica(s): ranks are 0 to {}", num_replicas - 1)]
+    RankOutOfRange {
+        /// The rank given.
+        rank: u64,
+        /// The number of replicas.
+        num_replicas: u64,
+    },
+    /// A torchrun variable is not a non-negative integer.
+    #[error("{var}={value:?} is not a non-negative integer; torchrun sets it for every process, unset it outside a launcher")]
+    InvalidEnv {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+    },
+    /// Only one of `RANK` / `WORLD_SIZE` is set.
+    #[error("{set} is set but {missing} is not: set both (torchrun does), or neither for a single process")]
+    PartialEnv {
+        /// The variable that is set.
+        set: &'static str,
+        /// The one that is missing.
+        missing: &'static str,
+    },
+    /// A batch size of zero.
+    #[error("batch_size is 0: give a positive batch size")]
+    ZeroBatchSize,
+    /// `seed + epoch` does not fit torch's 64-bit seed.
+    #[error("seed {seed} + epoch {epoch} overflows a 64-bit seed; torch would refuse it too: use a smaller seed")]
+    SeedOverflow {
+        /// The seed.
+        seed: u64,
+        /// The epoch.
+        epoch: u64,
+    },
+    /// A state from a sampler of another shape, without re-sharding asked for.
+    #[error(
+        "this state was saved by a sampler over {state_len} samples and {state_replicas} replica(s), \
+         but this one has {len} samples and {replicas} replica(s); load it with `Reshard::Allow` to \
+         continue the epoch from the samples already seen by the whole job, or start a new run"
+    )]
+    ShapeMismatch {
+        /// `len` in the state.
+        state_len: u64,
+        /// `num_replicas` in the state.
+        state_replicas: u64,
+        /// This sampler's `len`.
+        len: u64,
+        /// This sampler's `num_replicas`.
+        replicas: u64,
+    },
+    /// A state whose progress is past the end of its epoch.
+    #[error("this state's progress ({progress}) is past the {num_samples} samples of its epoch: the state is corrupt")]
+    ProgressPastEnd {
+        /// The progress in the state.
+        progress: u64,
+        /// Samples in that epoch for this rank.
+        num_samples: u64,
+    },
+}
+
+/// `Result` with tt-sampler's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

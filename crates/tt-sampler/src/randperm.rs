@@ -1,0 +1,133 @@
+//! `torch.randperm(n, generator=g)` on the CPU, bit for bit.
+//!
+//! ATen (`randperm_cpu`, TensorFactories.cpp) has two algorithms:
+//! - `n < u32::MAX / 20` (214,748,363 and below): identity, then for `i` in
+//!   `0..n-1` swap `r[i]` with `r[i + random() % (n - i)]` (a 32-bit draw);
+//! - larger `n`: the "inside-out" Fisher–Yates: for `i` in `0..n`,
+//!   `z = random64() % (i + 1)`, `r[i] = r[z]`, `r[z] = i`.
+
+use crate::mt19937::Mt19937;
+
+/// The size from which ATen switches to the 64-bit inside-out algorithm.
+pub const LARGE_RANDPERM: u64 = (u32::MAX / 20) as u64;
+
+/// Storage for permutation entries: `u32` when `n` fits (half the memory traffic).
+pub(crate) trait PermIndex: Copy + Send + 'static {
+    fn from_u64(v: u64) -> Self;
+    fn to_u64(self) -> u64;
+}
+
+impl PermIndex for u32 {
+    #[inline]
+    fn from_u64(v: u64) -> Self {
+        v as u32
+    }
+    #[inline]
+    fn to_u64(self) -> u64 {
+        self as u64
+    }
+}
+
+impl PermIndex for u64 {
+    #[inline]
+    fn from_u64(v: u64) -> Self {
+        v
+    }
+    #[inline]
+    fn to_u64(self) -> u64 {
+        self
+    }
+}
+
+/// How many draws are computed ahead of the swaps, so that the swaps' random memory
+/// accesses can be prefetched and overlap.
+const AHEAD: usize = 32;
+
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is only a hint: it never faults and has no visible effect,
+    // whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(p.cast::<i8>(), std::arch::x86_64::_MM_HINT_T0)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// Writes `torch.randperm(n)` for a generator seeded with `seed` into `out`.
+pub(crate) fn randperm_into<T: PermIndex>(n: u64, seed: u64, out: &mut Vec<T>) {
+    out.clear();
+    let mut gen = Mt19937::new(seed);
+    if n < LARGE_RANDPERM {
+        small(n as usize, &mut gen, out);
+    } else {
+        large(n as usize, &mut gen, out);
+    }
+}
+
+fn small<T: PermIndex>(n: usize, gen: &mut Mt19937, out: &mut Vec<T>) {
+    out.extend((0..n as u64).map(T::from_u64));
+    if n < 2 {
+        return;
+    }
+    let r = out.as_mut_slice();
+    let mut targets = [0usize; AHEAD];
+    let last = n - 1; // the loop runs for i in 0..n-1
+    let mut i = 0;
+    while i < last {
+        let batch = AHEAD.min(last - i);
+        for (k, t) in targets[..batch].iter_mut().enumerate() {
+            // n - i < 2^32 here, so a 32-bit remainder equals ATen's 64-bit one.
+            let span = (n - i - k) as u32;
+            *t = i + k + (gen.next_u32() % span) as usize;
+            prefetch(r.as_ptr().wrapping_add(*t));
+        }
+        for (k, &t) in targets[..batch].iter().enumerate() {
+            r.swap(i + k, t);
+        }
+        i += batch;
+    }
+}
+
+fn large<T: PermIndex>(n: usize, gen: &mut Mt19937, out: &mut Vec<T>) {
+    out.resize(n, T::from_u64(0));
+    let r = out.as_mut_slice();
+    for i in 0..n {
+        let z = (gen.next_u64() % (i as u64 + 1)) as usize;
+        r[i] = r[z];
+        r[z] = T::from_u64(i as u64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn perm(n: u64, seed: u64) -> Vec<u64> {
+        let mut v: Vec<u32> = Vec::new();
+        randperm_into(n, seed, &mut v);
+        v.into_iter().map(u64::from).collect()
+    }
+
+    #[test]
+    fn is_a_permutation_and_deterministic() {
+        for n in [0u64, 1, 2, 3, 31, 32, 33, 1000] {
+            let p = perm(n, 42);
+            let mut sorted = p.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..n).collect::<Vec<_>>());
+            assert_eq!(p, perm(n, 42));
+        }
+        assert_ne!(perm(100, 1), perm(100, 2));
+    }
+
+    #[test]
+    fn u32_and_u64_storage_agree() {
+        let mut a: Vec<u32> = Vec::new();
+        let mut b: Vec<u64> = Vec::new();
+        randperm_into(5000, 9, &mut a);
+        randperm_into(5000, 9, &mut b);
+        assert!(a.iter().zip(&b).all(|(x, y)| *x as u64 == *y));
+    }
+}

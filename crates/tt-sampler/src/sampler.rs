@@ -1,0 +1,414 @@
+use serde::{Deserialize, Serialize};
+
+use crate::randperm::{randperm_into, PermIndex};
+use crate::{Error, Result};
+
+/// Where a sampler is: everything needed to resume it exactly (serde).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplerState {
+    /// The epoch being iterated.
+    pub epoch: u64,
+    /// Samples this rank has consumed in this epoch.
+    pub progress: u64,
+    /// The shuffle seed (the permutation of epoch `e` is seeded with `seed + e`).
+    pub seed: u64,
+    /// Dataset length.
+    pub len: u64,
+    /// Number of replicas (world size).
+    pub num_replicas: u64,
+    /// Whether the tail is dropped instead of padded.
+    pub drop_last: bool,
+    /// Whether indices are shuffled.
+    pub shuffle: bool,
+    /// Positions of this epoch's order skipped by every rank after a re-shard (0
+    /// unless a state was loaded with [`Reshard::Allow`] into another shape).
+    #[serde(default)]
+    pub offset: u64,
+}
+
+/// Whether [`DistributedSampler::load_state`] may re-shard a state saved with another
+/// dataset length or number of replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reshard {
+    /// A state of another shape is an error (the default choice).
+    Refuse,
+    /// Continue the saved epoch from what the whole job had consumed: the first
+    /// `progress × saved num_replicas` positions of the epoch's order are skipped
+    /// and the rest is split among the current replicas.
+    Allow,
+}
+
+#[derive(Debug, Clone)]
+enum Order {
+    /// Not computed yet for this epoch.
+    Pending,
+    /// `0..len` (no shuffle).
+    Identity,
+    /// This rank's share of the permutation, in the smallest storage that holds it.
+    Small(Vec<u32>),
+    Large(Vec<u64>),
+}
+
+/// torch's `DistributedSampler`, with the same order, made interruptible.
+///
+/// For the same `len`, `num_replicas`, `rank`, `shuffle`, `seed`, `drop_last` and
+/// epoch, it yields exactly the indices of `torch.utils.data.DistributedSampler`
+/// (whose permutation is `torch.randperm(len)` from a generator seeded with
+/// `seed + epoch`; the list is padded by repeating from the start, or truncated with
+/// `drop_last`, then each rank takes every `num_replicas`-th entry from `rank`).
+///
+/// Unlike torch's, it counts what it yields: [`state`](Self::state) at any point,
+/// saved and given to [`load_state`](Self::load_state), resumes with exactly the
+/// remaining indices, at the cost of one permutation whatever the position.
+#[derive(Debug, Clone)]
+pub struct DistributedSampler {
+    len: u64,
+    num_replicas: u64,
+    rank: u64,
+    shuffle: bool,
+    seed: u64,
+    drop_last: bool,
+    epoch: u64,
+    progress: u64,
+    offset: u64,
+    /// `num_samples()` for the current epoch, kept up to date (it divides).
+    num_samples: u64,
+    order: Order,
+}
+
+impl DistributedSampler {
+    /// A sampler over `len` samples for `rank` of `num_replicas`, with torch's
+    /// defaults: shuffled, seed 0, padded (not `drop_last`), epoch 0.
+    pub fn new(len: u64, num_replicas: u64, rank: u64) -> Result<Self> {
+        if num_replicas == 0 {
+            return Err(Error::NoReplicas);
+        }
+        if rank >= num_replicas {
+            return Err(Error::RankOutOfRange { rank, num_replicas });
+        }
+        Ok(DistributedSampler {
+            len,
+            num_replicas,
+            rank,
+            shuffle: true,
+            seed: 0,
+            drop_last: false,
+            epoch: 0,
+            progress: 0,
+            offset: 0,
+            num_samples: 0,
+            order: Order::Pending,
+        }
+        .with_epoch_reset())
+    }
+
+    fn with_offset(mut self, offset: u64) -> Self {
+        self.set_offset(offset);
+        self
+    }
+
+    fn with_epoch_reset(mut self) -> Self {
+        self.restart_epoch();
+        self
+    }
+
+    /// Like [`new`](Self::new), with `num_replicas` and `rank` from torchrun's
+    /// `WORLD_SIZE` and `RANK`; a single process (1, 0) when neither is set.
+    pub fn from_env(len: u64) -> Result<Self> {
+        let (world, rank) = crate::env::world_and_rank(|n| std::env::var(n).ok())?;
+        Self::new(len, world, rank)
+    }
+
+    /// Shuffles or not (default: shuffled). Restarts the current epoch.
+    pub fn with_shuffle(mut self, shuffle: bool) -> Self {
+        self.shuffle = shuffle;
+        self.restart_epoch();
+        self
+    }
+
+    /// Sets the seed (default 0). Restarts the current epoch.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self.restart_epoch();
+        self
+    }
+
+    /// Drops the tail that does not divide evenly (default: pads by repeating
+    /// indices from the start). Restarts the current epoch.
+    pub fn with_drop_last(mut self, drop_last: bool) -> Self {
+        self.drop_last = drop_last;
+        self.restart_epoch();
+        self
+    }
+
+    fn restart_epoch(&mut self) {
+        self.progress = 0;
+        self.set_offset(0);
+        self.order = Order::Pending;
+    }
+
+    fn set_offset(&mut self, offset: u64) {
+        self.offset = offset;
+        let (m, r) = (self.span(), self.num_replicas);
+        self.num_samples = if self.drop_last && m % r != 0 {
+            m / r
+        } else {
+            m.div_ceil(r)
+        };
+    }
+
+    /// Starts epoch `epoch` from its beginning: a new shuffle (seed + epoch).
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+        self.restart_epoch();
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> u64 {
+        self.rank
+    }
+
+    /// Number of replicas.
+    pub fn num_replicas(&self) -> u64 {
+        self.num_replicas
+    }
+
+    /// Dataset length.
+    pub fn dataset_len(&self) -> u64 {
+        self.len
+    }
+
+    /// Positions of the epoch's order that this epoch covers (after a re-shard,
+    /// fewer than `len`).
+    fn span(&self) -> u64 {
+        self.len - self.offset
+    }
+
+    /// Samples this rank gets in a whole epoch (torch's `num_samples`).
+    pub fn num_samples(&self) -> u64 {
+        self.num_samples
+    }
+
+    /// Samples consumed by this rank in this epoch.
+    pub fn progress(&self) -> u64 {
+        self.progress
+    }
+
+    /// Samples this rank has left in this epoch (what `len()` of the iterator says).
+    pub fn remaining(&self) -> u64 {
+        self.num_samples() - self.progress
+    }
+
+    /// Marks `n` more samples as consumed (e.g. skipped), at most up to the end of
+    /// the epoch. Iterating already counts what it yields: call this only for
+    /// samples taken some other way.
+    pub fn advance(&mut self, n: u64) {
+        self.progress = self.progress.saturating_add(n).min(self.num_samples());
+    }
+
+    /// The state to save in a checkpoint.
+    pub fn state(&self) -> SamplerState {
+        SamplerState {
+            epoch: self.epoch,
+            progress: self.progress,
+            seed: self.seed,
+            len: self.len,
+            num_replicas: self.num_replicas,
+            drop_last: self.drop_last,
+            shuffle: self.shuffle,
+            offset: self.offset,
+        }
+    }
+
+    /// Resumes from `state`: the epoch, the seed, shuffle and drop_last it was saved
+    /// with (the run's truth), and exactly the indices this rank had not consumed.
+    /// Its cost is one permutation, wherever in the epoch the state was taken.
+    ///
+    /// A state saved with another `len` or `num_replicas` is refused unless
+    /// `reshard` is [`Reshard::Allow`].
+    pub fn load_state(&mut self, state: &SamplerState, reshard: Reshard) -> Result<()> {
+        let same_shape = state.len == self.len && state.num_replicas == self.num_replicas;
+        if state.num_replicas == 0 {
+            return Err(Error::NoReplicas);
+        }
+        if !same_shape && reshard == Reshard::Refuse {
+            return Err(Error::ShapeMismatch {
+                state_len: state.len,
+                state_replicas: state.num_replicas,
+                len: self.len,
+                replicas: self.num_replicas,
+            });
+        }
+        // The saved sampler's own epoch length, to validate its progress.
+        let saved = DistributedSampler {
+            len: state.len,
+            num_replicas: state.num_replicas,
+            rank: 0,
+            shuffle: state.shuffle,
+            seed: state.seed,
+            drop_last: state.drop_last,
+            epoch: state.epoch,
+            progress: 0,
+            offset: 0,
+            num_samples: 0,
+            order: Order::Pending,
+        }
+        .with_offset(state.offset.min(state.len));
+        if state.progress > saved.num_samples() {
+            return Err(Error::ProgressPastEnd {
+                progress: state.progress,
+                num_samples: saved.num_samples(),
+            });
+        }
+        state
+            .seed
+            .checked_add(state.epoch)
+            .ok_or(Error::SeedOverflow {
+                seed: state.seed,
+                epoch: state.epoch,
+            })?;
+        self.seed = state.seed;
+        self.shuffle = state.shuffle;
+        self.drop_last = state.drop_last;
+        self.set_epoch(state.epoch);
+        if same_shape {
+            self.set_offset(saved.offset);
+            self.progress = state.progress;
+        } else {
+            // Every rank of the saved job consumed `progress` samples in lockstep.
+            let consumed = saved
+                .offset
+                .saturating_add(state.progress.saturating_mul(state.num_replicas));
+            self.set_offset(consumed.min(self.len));
+            self.progress = 0;
+        }
+        Ok(())
+    }
+
+    /// Computes the epoch's order once (the one costly step: kept out of line).
+    #[inline(never)]
+    fn ensure_order(&mut self) -> Result<()> {
+        if !matches!(self.order, Order::Pending) {
+            return Ok(());
+        }
+        if !self.shuffle {
+            self.order = Order::Identity;
+            return Ok(());
+        }
+        let seed = self
+            .seed
+            .checked_add(self.epoch)
+            .ok_or(Error::SeedOverflow {
+                seed: self.seed,
+                epoch: self.epoch,
+            })?;
+        self.order = if self.len <= u32::MAX as u64 + 1 {
+            Order::Small(self.rank_share::<u32>(seed))
+        } else {
+            Order::Large(self.rank_share::<u64>(seed))
+        };
+        Ok(())
+    }
+
+    /// Generates the epoch's permutation and keeps only this rank's share, in
+    /// order: iteration is then a sequential read, and the permutation's memory
+    /// (`len` entries) is released at once.
+    fn rank_share<T: PermIndex>(&self, seed: u64) -> Vec<T> {
+        let mut perm: Vec<T> = Vec::new();
+        randperm_into::<T>(self.len, seed, &mut perm);
+        (0..self.num_samples)
+            .map(|k| perm[self.position(k) as usize])
+            .collect()
+    }
+
+    /// Where this rank's sample `k` sits in the epoch's order (padding wraps).
+    #[inline]
+    fn position(&self, k: u64) -> u64 {
+        let m = self.span();
+        let g = self.rank + k * self.num_replicas;
+        // Only the padding (past the end) wraps: no division for the rest.
+        self.offset + if g < m { g } else { g % m }
+    }
+
+    /// The index at this rank's sample `k` of the epoch (the order must be ready).
+    #[inline]
+    fn index_at(&self, k: u64) -> u64 {
+        match &self.order {
+            Order::Identity | Order::Pending => self.position(k),
+            Order::Small(share) => share[k as usize].to_u64(),
+            Order::Large(share) => share[k as usize].to_u64(),
+        }
+    }
+
+    /// The next index of this rank, counted as consumed; `None` at the end of the
+    /// epoch. Errors only if `seed + epoch` overflows.
+    pub fn next_index(&mut self) -> Result<Option<u64>> {
+        if self.progress >= self.num_samples {
+            return Ok(None);
+        }
+        if matches!(self.order, Order::Pending) {
+            self.ensure_order()?;
+        }
+        Ok(Some(self.take_one()))
+    }
+
+    /// Yields sample `progress` (the order must be ready).
+    #[inline(always)]
+    fn take_one(&mut self) -> u64 {
+        let index = self.index_at(self.progress);
+        self.progress += 1;
+        index
+    }
+
+    /// Up to `n` next indices of this rank into `out` (cleared first), counted as
+    /// consumed. Returns how many were written (0 at the end of the epoch).
+    pub fn next_chunk(&mut self, n: usize, out: &mut Vec<u64>) -> Result<usize> {
+        out.clear();
+        let take = (n as u64).min(self.remaining());
+        if take == 0 {
+            return Ok(0);
+        }
+        self.ensure_order()?;
+        out.extend((self.progress..self.progress + take).map(|k| self.index_at(k)));
+        self.progress += take;
+        Ok(take as usize)
+    }
+
+    /// All indices this rank has left in this epoch, without consuming them.
+    pub fn peek_remaining(&mut self) -> Result<Vec<u64>> {
+        self.ensure_order()?;
+        Ok((self.progress..self.num_samples())
+            .map(|k| self.index_at(k))
+            .collect())
+    }
+}
+
+/// Iterating yields this rank's remaining indices of the epoch, counting each.
+/// (A `seed + epoch` that overflows 64 bits ends the iteration; [`next_index`]
+/// reports it as an error.)
+///
+/// [`next_index`]: DistributedSampler::next_index
+impl Iterator for DistributedSampler {
+    type Item = u64;
+
+    #[inline]
+    fn next(&mut self) -> Option<u64> {
+        if self.progress >= self.num_samples {
+            return None;
+        }
+        if matches!(self.order, Order::Pending) && self.ensure_order().is_err() {
+            return None;
+        }
+        Some(self.take_one())
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = usize::try_from(self.remaining()).unwrap_or(usize::MAX);
+        (n, Some(n))
+    }
+}

@@ -1,0 +1,276 @@
+//! Interruption and resumption: what a killed run relies on.
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+use std::collections::BTreeSet;
+
+use tt_sampler::{BatchSampler, DistributedSampler, Error, Reshard, SamplerState};
+
+fn sampler(len: u64, replicas: u64, rank: u64) -> DistributedSampler {
+    DistributedSampler::new(len, replicas, rank)
+        .unwrap()
+        .with_seed(7)
+}
+
+fn whole_epoch(len: u64, replicas: u64, rank: u64, epoch: u64) -> Vec<u64> {
+    let mut s = sampler(len, replicas, rank);
+    s.set_epoch(epoch);
+    s.collect()
+}
+
+/// Saves mid-epoch as JSON (as a checkpoint would), "restarts", and continues.
+fn roundtrip(s: &DistributedSampler, fresh: DistributedSampler) -> DistributedSampler {
+    let json = serde_json::to_string(&s.state()).unwrap();
+    let state: SamplerState = serde_json::from_str(&json).unwrap();
+    let mut resumed = fresh;
+    resumed.load_state(&state, Reshard::Refuse).unwrap();
+    resumed
+}
+
+#[test]
+fn resuming_after_any_position_yields_exactly_the_rest() {
+    let (len, replicas, rank, epoch) = (1003, 3, 2, 4);
+    let whole = whole_epoch(len, replicas, rank, epoch);
+    for stop in [0, 1, 2, 100, whole.len() - 1, whole.len()] {
+        let mut s = sampler(len, replicas, rank);
+        s.set_epoch(epoch);
+        let head: Vec<u64> = s.by_ref().take(stop).collect();
+        assert_eq!(s.progress(), stop as u64, "iterating counts what it yields");
+        assert_eq!(s.remaining(), (whole.len() - stop) as u64);
+        // The fresh sampler is built with another seed: the state's seed wins.
+        let resumed = roundtrip(&s, DistributedSampler::new(len, replicas, rank).unwrap());
+        assert_eq!(resumed.remaining(), (whole.len() - stop) as u64);
+        let tail: Vec<u64> = resumed.collect();
+        assert_eq!([head, tail].concat(), whole, "stopped after {stop}");
+    }
+}
+
+#[test]
+fn advance_skips_and_is_saved() {
+    let whole = whole_epoch(500, 2, 0, 1);
+    let mut s = sampler(500, 2, 0);
+    s.set_epoch(1);
+    s.advance(40);
+    assert_eq!(s.progress(), 40);
+    let resumed = roundtrip(&s, sampler(500, 2, 0));
+    assert_eq!(resumed.collect::<Vec<_>>(), whole[40..]);
+    // Advancing past the end stops at the end (a short last batch).
+    s.advance(10_000);
+    assert_eq!((s.remaining(), s.next()), (0, None));
+}
+
+#[test]
+fn set_epoch_reshuffles_and_restarts() {
+    let (e0, e1) = (whole_epoch(1000, 2, 1, 0), whole_epoch(1000, 2, 1, 1));
+    assert_ne!(e0, e1, "a new epoch is a new order");
+    assert_eq!(e0.iter().collect::<BTreeSet<_>>().len(), e0.len());
+    let mut s = sampler(1000, 2, 1);
+    s.by_ref().take(10).for_each(drop);
+    s.set_epoch(1);
+    assert_eq!((s.progress(), s.epoch()), (0, 1));
+    assert_eq!(s.collect::<Vec<_>>(), e1);
+    // Without shuffle every epoch is the same.
+    let plain = |e| {
+        let mut s = sampler(10, 3, 0).with_shuffle(false);
+        s.set_epoch(e);
+        s.collect::<Vec<_>>()
+    };
+    assert_eq!(plain(0), [0, 3, 6, 9]);
+    assert_eq!(plain(5), plain(0));
+}
+
+#[test]
+fn every_rank_together_covers_the_epoch() {
+    for (len, replicas, drop_last) in [
+        (10u64, 4u64, false),
+        (10, 4, true),
+        (3, 5, false),
+        (0, 2, false),
+    ] {
+        let all: Vec<u64> = (0..replicas)
+            .flat_map(|r| {
+                let mut s = sampler(len, replicas, r).with_drop_last(drop_last);
+                s.set_epoch(2);
+                s.collect::<Vec<_>>()
+            })
+            .collect();
+        let distinct: BTreeSet<u64> = all.iter().copied().collect();
+        if drop_last {
+            assert_eq!(all.len() as u64, len / replicas * replicas);
+            assert_eq!(
+                distinct.len(),
+                all.len(),
+                "no repeats when the tail is dropped"
+            );
+        } else {
+            assert_eq!(all.len() as u64, len.div_ceil(replicas) * replicas);
+            assert_eq!(
+                distinct,
+                (0..len).collect(),
+                "padding repeats, nothing is missed"
+            );
+        }
+    }
+}
+
+#[test]
+fn states_of_another_shape_are_refused_unless_resharding() {
+    let mut four = sampler(1000, 4, 0);
+    four.by_ref().take(50).for_each(drop);
+    let state = four.state();
+    let mut errors = String::new();
+    for mut other in [sampler(999, 4, 0), sampler(1000, 2, 0)] {
+        let e = other.load_state(&state, Reshard::Refuse).unwrap_err();
+        assert!(matches!(e, Error::ShapeMismatch { .. }));
+        errors.push_str(&format!("{e}\n"));
+    }
+    let corrupt = SamplerState {
+        progress: 251,
+        ..state.clone()
+    };
+    errors.push_str(&format!(
+        "{}\n",
+        sampler(1000, 4, 0)
+            .load_state(&corrupt, Reshard::Refuse)
+            .unwrap_err()
+    ));
+    let zero = SamplerState {
+        num_replicas: 0,
+        ..state.clone()
+    };
+    errors.push_str(&format!(
+        "{}\n",
+        sampler(1000, 4, 0)
+            .load_state(&zero, Reshard::Allow)
+            .unwrap_err()
+    ));
+    insta::assert_snapshot!(errors);
+}
+
+#[test]
+fn resharding_continues_the_epoch_where_the_whole_job_was() {
+    // 4 ranks consumed 50 samples each of epoch 3 (200 positions); resume on 2 ranks.
+    let (len, epoch) = (1000u64, 3u64);
+    let consumed: BTreeSet<u64> = (0..4)
+        .flat_map(|r| {
+            let mut s = sampler(len, 4, r);
+            s.set_epoch(epoch);
+            s.take(50).collect::<Vec<_>>()
+        })
+        .collect();
+    let mut saved = sampler(len, 4, 0);
+    saved.set_epoch(epoch);
+    saved.advance(50);
+    let state = saved.state();
+    let rest: Vec<u64> = (0..2)
+        .flat_map(|r| {
+            let mut s = sampler(len, 2, r);
+            s.load_state(&state, Reshard::Allow).unwrap();
+            assert_eq!(s.epoch(), epoch);
+            assert_eq!(s.num_samples(), 400);
+            s.collect::<Vec<_>>()
+        })
+        .collect();
+    let rest_set: BTreeSet<u64> = rest.iter().copied().collect();
+    assert_eq!(rest.len(), 800);
+    assert!(
+        consumed.is_disjoint(&rest_set),
+        "nothing already seen comes again"
+    );
+    assert_eq!(
+        consumed.len() + rest_set.len(),
+        len as usize,
+        "and nothing is missed"
+    );
+    // The re-sharded state itself round-trips in its new shape.
+    let mut two = sampler(len, 2, 1);
+    two.load_state(&state, Reshard::Allow).unwrap();
+    two.advance(100);
+    let expected: Vec<u64> = {
+        let mut t = two.clone();
+        t.by_ref().collect()
+    };
+    let mut again = sampler(len, 2, 1);
+    again.load_state(&two.state(), Reshard::Refuse).unwrap();
+    assert_eq!(again.collect::<Vec<_>>(), expected);
+    // A new epoch after a re-shard is a whole epoch again.
+    two.set_epoch(epoch + 1);
+    assert_eq!(two.num_samples(), 500);
+}
+
+#[test]
+fn batches_count_samples_and_resume_at_the_next_batch() {
+    let whole = whole_epoch(103, 1, 0, 0);
+    let mut b = BatchSampler::new(sampler(103, 1, 0), 10, false).unwrap();
+    assert_eq!(b.remaining_batches(), 11);
+    let first: Vec<Vec<u64>> = b.by_ref().take(3).collect();
+    assert_eq!(b.state().progress, 30, "progress is in samples");
+    // Resume with another batch size: still at sample 30.
+    let mut s = sampler(103, 1, 0);
+    s.load_state(&b.state(), Reshard::Refuse).unwrap();
+    let mut b2 = BatchSampler::new(s, 25, false).unwrap();
+    let rest: Vec<Vec<u64>> = b2.by_ref().collect();
+    assert_eq!(rest.iter().map(Vec::len).collect::<Vec<_>>(), [25, 25, 23]);
+    assert_eq!([first.concat(), rest.concat()].concat(), whole);
+    // drop_last drops the short batch only.
+    let mut b3 = BatchSampler::new(sampler(103, 1, 0), 10, true).unwrap();
+    assert_eq!(b3.remaining_batches(), 10);
+    assert_eq!(b3.by_ref().count(), 10);
+    assert_eq!(b3.sampler().remaining(), 3);
+    assert_eq!(
+        BatchSampler::new(sampler(1, 1, 0), 0, false).unwrap_err(),
+        Error::ZeroBatchSize
+    );
+}
+
+#[test]
+fn bad_arguments_are_clear_errors() {
+    let msg = |r: Result<DistributedSampler, Error>| r.unwrap_err().to_string();
+    insta::assert_snapshot!([
+        msg(DistributedSampler::new(10, 0, 0)),
+        msg(DistributedSampler::new(10, 4, 4))
+    ]
+    .join("\n"));
+    let mut s = DistributedSampler::new(10, 1, 0)
+        .unwrap()
+        .with_seed(u64::MAX);
+    s.set_epoch(1);
+    assert!(matches!(s.next_index(), Err(Error::SeedOverflow { .. })));
+}
+
+#[test]
+fn from_env_reads_torchrun_variables_in_a_real_process() {
+    if let Ok(expect) = std::env::var("TT_SAMPLER_CHILD") {
+        let got = match DistributedSampler::from_env(100) {
+            Ok(s) => format!("{} {}", s.num_replicas(), s.rank()),
+            Err(e) => e.to_string(),
+        };
+        assert_eq!(got, expect);
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    for (vars, expect) in [
+        (vec![], "1 0"),
+        (vec![("WORLD_SIZE", "8"), ("RANK", "5")], "8 5"),
+        (
+            vec![("WORLD_SIZE", "2"), ("RANK", "2")],
+            "rank 2 is out of range for 2 replica(s): ranks are 0 to 1",
+        ),
+    ] {
+        let out = std::process::Command::new(&exe)
+            .args([
+                "--exact",
+                "from_env_reads_torchrun_variables_in_a_real_process",
+            ])
+            .env_remove("WORLD_SIZE")
+            .env_remove("RANK")
+            .envs(vars)
+            .env("TT_SAMPLER_CHILD", expect)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{expect}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+}
