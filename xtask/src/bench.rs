@@ -94,25 +94,99 @@ pub(crate) fn run() -> Result<()> {
     )?;
 
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    println!("\nbenchmark (median wall time; baseline: Python `import torch; torch.cuda.is_available()` in the setup venv)");
-    println!(
-        "{:<52} {:>10} {:>12} {:>8}",
-        "what", "ours (ms)", "baseline (ms)", "ratio"
-    );
-    for (what, ours) in [
-        ("torchtools devices --json (CLI, no libtorch)", ours_cli),
-        (
-            "demo process: report + select + 1 step (libtorch)",
-            ours_demo,
-        ),
-    ] {
-        println!(
-            "{what:<52} {:>10.1} {:>12.1} {:>7.1}x",
-            ms(ours),
+    let python_name = "python: import torch + is_available";
+    let mut rows = vec![
+        Row::new(
+            "torchtools devices --json (CLI, no libtorch)",
+            ms(ours_cli),
+            python_name,
             ms(baseline),
-            ms(baseline) / ms(ours)
+            "ms",
+            false,
+        ),
+        Row::new(
+            "demo process: report + select + 1 step",
+            ms(ours_demo),
+            python_name,
+            ms(baseline),
+            "ms",
+            false,
+        ),
+    ];
+    rows.extend(sampler_rows()?);
+    println!("\nbenchmark table (medians; ratio > 1 means torchtools is better)");
+    println!(
+        "{:<50} {:>10} {:<36} {:>10} {:>6} {:>7}",
+        "what", "ours", "baseline", "baseline", "unit", "ratio"
+    );
+    for r in &rows {
+        let ratio = if r.higher_is_better {
+            r.ours / r.baseline
+        } else {
+            r.baseline / r.ours
+        };
+        println!(
+            "{:<50} {:>10.1} {:<36} {:>10.1} {:>6} {:>6.1}x",
+            r.what, r.ours, r.baseline_name, r.baseline, r.unit, ratio
         );
     }
-    println!("(ratio = baseline / ours: how many times faster)");
     Ok(())
+}
+
+/// One line of the table.
+struct Row {
+    what: String,
+    ours: f64,
+    baseline_name: String,
+    baseline: f64,
+    unit: String,
+    higher_is_better: bool,
+}
+
+impl Row {
+    fn new(
+        what: &str,
+        ours: f64,
+        baseline_name: &str,
+        baseline: f64,
+        unit: &str,
+        higher_is_better: bool,
+    ) -> Row {
+        Row {
+            what: what.into(),
+            ours,
+            baseline_name: baseline_name.into(),
+            baseline,
+            unit: unit.into(),
+            higher_is_better,
+        }
+    }
+}
+
+/// Runs the crates' own benchmarks, which print `row|what|ours|baseline name|baseline|unit|higher|lower`.
+fn sampler_rows() -> Result<Vec<Row>> {
+    let out = cargo(&["bench", "--quiet", "-p", "tt-sampler", "--bench", "sampler"])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("cargo bench did not start")?;
+    if !out.status.success() {
+        bail!("the tt-sampler benchmark failed");
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut rows = Vec::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split('|').collect();
+        match f.as_slice() {
+            ["row", what, ours, name, base, unit, better] => rows.push(Row::new(
+                what,
+                ours.parse().context("benchmark row: ours")?,
+                name,
+                base.parse().context("benchmark row: baseline")?,
+                unit,
+                *better == "higher",
+            )),
+            _ => println!("{line}"),
+        }
+    }
+    Ok(rows)
 }

@@ -5,7 +5,18 @@ use anyhow::{bail, Result};
 use crate::steps::{cargo, run_counted, summarize, StepResult};
 
 /// The publishable crates, each tested on its own.
-pub(crate) const CRATES: [&str; 4] = ["tt-sys", "tt-device", "torchtools-cli", "torchtools"];
+pub(crate) const CRATES: [&str; 5] = [
+    "tt-sys",
+    "tt-device",
+    "tt-sampler",
+    "torchtools-cli",
+    "torchtools",
+];
+/// Crates with no features: their default and `--no-default-features` builds are
+/// the same, so they are tested once (and not again in the workspace run: their
+/// PyTorch comparisons take half a minute).
+const FEATURELESS: [&str; 1] = ["tt-sampler"];
+
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
 pub(crate) const GPU_CRATES: [&str; 2] = ["tt-sys", "tt-device"];
 
@@ -31,6 +42,13 @@ pub(crate) fn cpu_matrix() -> Result<()> {
 
     step("fmt --check".into(), &["fmt", "--all", "--check"]);
     for krate in CRATES {
+        if FEATURELESS.contains(&krate) {
+            step(
+                format!("test -p {krate} (no features)"),
+                &["test", "-p", krate],
+            );
+            continue;
+        }
         step(
             format!("test -p {krate} (default features)"),
             &["test", "-p", krate],
@@ -44,7 +62,14 @@ pub(crate) fn cpu_matrix() -> Result<()> {
     // unification would hand it tt-device's `tch` and test a binary users never get.
     step(
         "test --workspace (all CPU features, doc tests)".into(),
-        &["test", "--workspace", "--exclude", "torchtools-cli"],
+        &[
+            "test",
+            "--workspace",
+            "--exclude",
+            "torchtools-cli",
+            "--exclude",
+            FEATURELESS[0],
+        ],
     );
     // One workspace-wide lint, GPU test targets included: every configuration of
     // features costs a rebuild of torch-sys's C++ (about 2.5 minutes on 2 cores).

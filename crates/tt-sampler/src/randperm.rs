@@ -66,10 +66,19 @@ pub(crate) fn randperm_into<T: PermIndex>(n: u64, seed: u64, out: &mut Vec<T>) {
     }
 }
 
+/// From this size on, targets are drawn on a second thread while this one swaps.
+const PIPELINE_MIN: usize = 1 << 20;
+/// Targets per message between the threads.
+const CHUNK: usize = 1 << 14;
+
 fn small<T: PermIndex>(n: usize, gen: &mut Mt19937, out: &mut Vec<T>) {
     out.extend((0..n as u64).map(T::from_u64));
     if n < 2 {
         return;
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |p| p.get());
+    if n >= PIPELINE_MIN && threads > 1 {
+        return small_pipelined(n, gen, out.as_mut_slice());
     }
     let r = out.as_mut_slice();
     let mut targets = [0usize; AHEAD];
@@ -88,6 +97,51 @@ fn small<T: PermIndex>(n: usize, gen: &mut Mt19937, out: &mut Vec<T>) {
         }
         i += batch;
     }
+}
+
+/// The same swaps as [`small`], with the draws (MT19937 and the remainder) made on
+/// a scoped helper thread and handed over in chunks; the swaps, bound by memory
+/// latency, stay here and prefetch their targets ahead.
+fn small_pipelined<T: PermIndex>(n: usize, gen: &mut Mt19937, r: &mut [T]) {
+    use std::sync::mpsc::sync_channel;
+    let last = n - 1;
+    let (full_tx, full_rx) = sync_channel::<Vec<u32>>(4);
+    let (empty_tx, empty_rx) = sync_channel::<Vec<u32>>(6);
+    for _ in 0..6 {
+        // Cannot fail: the receiver is alive and the channel has room for all six.
+        let _ = empty_tx.send(Vec::with_capacity(CHUNK));
+    }
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            let mut i = 0;
+            while i < last {
+                let Ok(mut buf) = empty_rx.recv() else { return };
+                buf.clear();
+                let end = (i + CHUNK).min(last);
+                // n - i < 2^32 here, so a 32-bit remainder equals ATen's 64-bit one;
+                // the target i + z < n < 2^32 fits a u32 too.
+                buf.extend(
+                    (i..end).map(|j| (j as u32).wrapping_add(gen.next_u32() % (n - j) as u32)),
+                );
+                i = end;
+                if full_tx.send(buf).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut i = 0;
+        for buf in full_rx.iter() {
+            for (k, &t) in buf.iter().enumerate() {
+                if let Some(&ahead) = buf.get(k + AHEAD) {
+                    prefetch(r.as_ptr().wrapping_add(ahead as usize));
+                }
+                r.swap(i + k, t as usize);
+            }
+            i += buf.len();
+            // The helper may have finished and dropped its receiver: nothing to recycle.
+            let _ = empty_tx.send(buf);
+        }
+    });
 }
 
 fn large<T: PermIndex>(n: usize, gen: &mut Mt19937, out: &mut Vec<T>) {
@@ -120,6 +174,24 @@ mod tests {
             assert_eq!(p, perm(n, 42));
         }
         assert_ne!(perm(100, 1), perm(100, 2));
+    }
+
+    #[test]
+    fn the_pipelined_swaps_equal_the_sequential_ones() {
+        let n = PIPELINE_MIN + 12_345;
+        let mut seq: Vec<u32> = (0..n as u32).collect();
+        let mut gen = Mt19937::new(3);
+        for i in 0..n - 1 {
+            let z = i + (gen.next_u32() % (n - i) as u32) as usize;
+            seq.swap(i, z);
+        }
+        assert_eq!(
+            perm(n as u64, 3)
+                .into_iter()
+                .map(|v| v as u32)
+                .collect::<Vec<_>>(),
+            seq
+        );
     }
 
     #[test]
