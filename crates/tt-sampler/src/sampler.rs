@@ -49,6 +49,15 @@ enum Order {
     Large(Vec<u64>),
 }
 
+/// torch's `num_samples`: what each of `replicas` ranks gets from `span` positions.
+fn epoch_samples(span: u64, replicas: u64, drop_last: bool) -> u64 {
+    if drop_last && span % replicas != 0 {
+        span / replicas
+    } else {
+        span.div_ceil(replicas)
+    }
+}
+
 /// torch's `DistributedSampler`, with the same order, made interruptible.
 ///
 /// For the same `len`, `num_replicas`, `rank`, `shuffle`, `seed`, `drop_last` and
@@ -102,11 +111,6 @@ impl DistributedSampler {
         .with_epoch_reset())
     }
 
-    fn with_offset(mut self, offset: u64) -> Self {
-        self.set_offset(offset);
-        self
-    }
-
     fn with_epoch_reset(mut self) -> Self {
         self.restart_epoch();
         self
@@ -149,12 +153,7 @@ impl DistributedSampler {
 
     fn set_offset(&mut self, offset: u64) {
         self.offset = offset;
-        let (m, r) = (self.span(), self.num_replicas);
-        self.num_samples = if self.drop_last && m % r != 0 {
-            m / r
-        } else {
-            m.div_ceil(r)
-        };
+        self.num_samples = epoch_samples(self.span(), self.num_replicas, self.drop_last);
     }
 
     /// Starts epoch `epoch` from its beginning: a new shuffle (seed + epoch).
@@ -245,24 +244,16 @@ impl DistributedSampler {
             });
         }
         // The saved sampler's own epoch length, to validate its progress.
-        let saved = DistributedSampler {
-            len: state.len,
-            num_replicas: state.num_replicas,
-            rank: 0,
-            shuffle: state.shuffle,
-            seed: state.seed,
-            drop_last: state.drop_last,
-            epoch: state.epoch,
-            progress: 0,
-            offset: 0,
-            num_samples: 0,
-            order: Order::Pending,
-        }
-        .with_offset(state.offset.min(state.len));
-        if state.progress > saved.num_samples() {
+        let saved_offset = state.offset.min(state.len);
+        let saved_samples = epoch_samples(
+            state.len - saved_offset,
+            state.num_replicas,
+            state.drop_last,
+        );
+        if state.progress > saved_samples {
             return Err(Error::ProgressPastEnd {
                 progress: state.progress,
-                num_samples: saved.num_samples(),
+                num_samples: saved_samples,
             });
         }
         state
@@ -277,13 +268,12 @@ impl DistributedSampler {
         self.drop_last = state.drop_last;
         self.set_epoch(state.epoch);
         if same_shape {
-            self.set_offset(saved.offset);
+            self.set_offset(saved_offset);
             self.progress = state.progress;
         } else {
             // Every rank of the saved job consumed `progress` samples in lockstep.
-            let consumed = saved
-                .offset
-                .saturating_add(state.progress.saturating_mul(state.num_replicas));
+            let consumed =
+                saved_offset.saturating_add(state.progress.saturating_mul(state.num_replicas));
             self.set_offset(consumed.min(self.len));
             self.progress = 0;
         }
