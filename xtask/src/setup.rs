@@ -16,6 +16,10 @@ use anyhow::{bail, Context, Result};
 
 /// The libtorch version tch 0.24.0 needs.
 pub(crate) const TORCH_VERSION: &str = "2.11.0";
+/// What the venv holds: libtorch (from torch's wheel) and the Python packages that
+/// tests compare with. The marker records this list; a cache with an older list is
+/// completed in place.
+const REQUIREMENTS: [&str; 2] = ["torch==2.11.0", "safetensors==0.7.0"];
 /// Free space the wheel and its CUDA libraries need (about 4.6 GB installed).
 const NEEDED_BYTES: u64 = 6 << 30;
 const MARKER: &str = ".torchtools-ready";
@@ -86,8 +90,16 @@ pub(crate) fn setup() -> Result<Libtorch> {
         }
     }
     let venv = cache_dir()?.join(format!("torch-{TORCH_VERSION}"));
-    let torch = match (venv.join(MARKER).exists(), torch_dir(&venv)) {
-        (true, Some(torch)) => torch,
+    let wanted = REQUIREMENTS.join("\n");
+    let marker = std::fs::read_to_string(venv.join(MARKER)).ok();
+    let torch = match (marker, torch_dir(&venv)) {
+        (Some(m), Some(torch)) if m.trim() == wanted => torch,
+        // An older cache (torch only): add what is missing, keep the 4.6 GB.
+        (Some(_), Some(torch)) => {
+            pip_install(&venv)?;
+            std::fs::write(venv.join(MARKER), &wanted)?;
+            torch
+        }
         _ => install(&venv)?,
     };
     link(&torch, &link_path())?;
@@ -176,8 +188,20 @@ fn install(venv: &Path) -> Result<PathBuf> {
     if !status.success() {
         bail!("`{python} -m venv` failed: install the venv module (Debian/Ubuntu: `apt-get install python3-venv`)");
     }
-    let py = venv.join("bin/python");
-    let status = Command::new(&py)
+    pip_install(venv)?;
+    let torch = torch_dir(venv).with_context(|| {
+        format!(
+            "torch installed, but no torch/lib/libtorch_cpu.so under {}",
+            venv.display()
+        )
+    })?;
+    std::fs::write(venv.join(MARKER), REQUIREMENTS.join("\n"))?;
+    Ok(torch)
+}
+
+fn pip_install(venv: &Path) -> Result<()> {
+    eprintln!("setup: pip install {}", REQUIREMENTS.join(" "));
+    let status = Command::new(venv.join("bin/python"))
         .args([
             "-m",
             "pip",
@@ -186,20 +210,14 @@ fn install(venv: &Path) -> Result<PathBuf> {
             "--progress-bar",
             "off",
         ])
-        .arg(format!("torch=={TORCH_VERSION}"))
+        .args(REQUIREMENTS)
         .status()?;
     if !status.success() {
         bail!(
-            "pip could not install torch=={TORCH_VERSION} into {} (see pip's message above): check the network access to PyPI and the free disk space",
+            "pip could not install {} into {} (see pip's message above): check the network access to PyPI and the free disk space",
+            REQUIREMENTS.join(" "),
             venv.display()
         );
     }
-    let torch = torch_dir(venv).with_context(|| {
-        format!(
-            "torch installed, but no torch/lib/libtorch_cpu.so under {}",
-            venv.display()
-        )
-    })?;
-    std::fs::write(venv.join(MARKER), TORCH_VERSION)?;
-    Ok(torch)
+    Ok(())
 }
