@@ -1,0 +1,77 @@
+use std::path::PathBuf;
+
+/// Errors of tt-ckpt. I/O errors name the operation and the path.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A filesystem operation failed.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// On which path.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The checkpoint's bytes or header are not what was written.
+    #[error("{} is not a valid checkpoint: {reason}", path.display())]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The safetensors layer refused the tensors (bad shape/size, duplicate name...).
+    #[error("cannot write the tensors: {0}")]
+    Tensors(String),
+    /// A value could not be turned into JSON or back.
+    #[error("value {key:?}: {source}")]
+    Value {
+        /// The value's key.
+        key: String,
+        /// serde's error.
+        source: serde_json::Error,
+    },
+    /// A key or tensor name that is not there.
+    #[error("the checkpoint has no {what} named {name:?}")]
+    Missing {
+        /// "tensor" or "value".
+        what: &'static str,
+        /// The name asked for.
+        name: String,
+    },
+    /// No valid checkpoint in the directory.
+    #[error("no valid checkpoint in {}{}", dir.display(), skipped_text(skipped))]
+    NoCheckpoint {
+        /// The directory.
+        dir: PathBuf,
+        /// The files tried and why each was skipped.
+        skipped: Vec<(PathBuf, String)>,
+    },
+    /// A tensor name the format cannot hold.
+    #[error("tensor name {0:?} is reserved or empty: use another name")]
+    BadName(String),
+}
+
+fn skipped_text(skipped: &[(PathBuf, String)]) -> String {
+    if skipped.is_empty() {
+        return String::new();
+    }
+    let list: Vec<String> = skipped
+        .iter()
+        .map(|(p, why)| format!("{}: {why}", p.display()))
+        .collect();
+    format!(" (skipped: {})", list.join("; "))
+}
+
+/// `Result` with tt-ckpt's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+pub(crate) fn io(
+    op: &'static str,
+    path: impl Into<PathBuf>,
+) -> impl FnOnce(std::io::Error) -> Error {
+    let path = path.into();
+    move |source| Error::Io { op, path, source }
+}
