@@ -8,6 +8,7 @@
 //! | [`device`] | `tt-device` | pick CUDA / MPS / CPU from the environment and the build, say why; GPU inventory through NVML |
 //! | [`sys`] (feature `tch`) | `tt-sys` | load CUDA so tch sees it; libtorch's caching-allocator statistics; rpath helper |
 //! | [`sampler`] | `tt-sampler` | torch's `DistributedSampler` order, interruptible and resumable exactly |
+//! | [`ckpt`] | `tt-ckpt` | atomic, verified, Python-readable checkpoints; a directory that survives `kill -9` |
 //!
 //! Every crate's core builds without libtorch; libtorch comes in only with the `tch`
 //! feature (on by default here). The `torchtools` command (crate `torchtools-cli`)
@@ -33,6 +34,9 @@
 
 #[doc(inline)]
 pub use tt_device as device;
+
+#[doc(inline)]
+pub use tt_ckpt as ckpt;
 
 #[doc(inline)]
 pub use tt_sampler as sampler;

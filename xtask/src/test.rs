@@ -15,7 +15,7 @@ pub(crate) const CRATES: [&str; 5] = [
 /// Crates with no features: their default and `--no-default-features` builds are
 /// the same, so they are tested once (and not again in the workspace run: their
 /// PyTorch comparisons take half a minute).
-const FEATURELESS: [&str; 1] = ["tt-sampler"];
+const FEATURELESS: [&str; 2] = ["tt-sampler", "tt-ckpt"];
 
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
 pub(crate) const GPU_CRATES: [&str; 2] = ["tt-sys", "tt-device"];
@@ -69,6 +69,8 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "torchtools-cli",
             "--exclude",
             FEATURELESS[0],
+            "--exclude",
+            FEATURELESS[1],
         ],
     );
     // One workspace-wide lint, GPU test targets included: every configuration of

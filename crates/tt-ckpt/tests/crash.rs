@@ -1,0 +1,116 @@
+//! kill -9 at random moments: the directory always has a valid checkpoint whose
+//! content is what was saved at its step, and temp files do not pile up.
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use tt_ckpt::{Checkpoint, CheckpointDir, TensorData};
+
+/// The content saved at `step`: 64 KiB of values derived from the step.
+fn payload(step: u64) -> Vec<f32> {
+    (0..16_384u64)
+        .map(|i| ((i * 31 + step * 7919) % 100_003) as f32)
+        .collect()
+}
+
+/// The child: save forever (each save a new step), as fast as it can.
+#[test]
+fn crash_child() {
+    let Ok(dir) = std::env::var("TT_CKPT_CRASH_DIR") else {
+        return;
+    };
+    let dir = CheckpointDir::open(&dir).unwrap().keep_last(3);
+    let start = dir
+        .load_latest()
+        .map(|l| l.checkpoint.step() + 1)
+        .unwrap_or(0);
+    for step in start.. {
+        let mut c = Checkpoint::new(step);
+        c.add_tensor(
+            "payload",
+            TensorData::from_f32(vec![16_384], &payload(step)).unwrap(),
+        )
+        .unwrap();
+        c.set_value("step_again", &step).unwrap();
+        dir.save(&c).unwrap();
+    }
+}
+
+fn temps(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".tt-tmp-"))
+        .count()
+}
+
+#[test]
+fn two_hundred_kill_9s_never_lose_the_latest_valid_checkpoint() {
+    let root = tempfile::tempdir().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    // SplitMix64 for the kill delays: reproducible, spread over 0-25 ms.
+    let mut seed = 42u64;
+    let mut next = move || {
+        seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let z = (seed ^ (seed >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb) ^ (z >> 31)
+    };
+    let mut last_step = None;
+    let mut kills_with_checkpoint = 0;
+    for round in 0..200 {
+        let mut child = Command::new(&exe)
+            .args(["--exact", "crash_child", "--test-threads=1"])
+            .env("TT_CKPT_CRASH_DIR", root.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_micros(2_000 + next() % 25_000));
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        match CheckpointDir::open(root.path()).unwrap().load_latest() {
+            Ok(loaded) => {
+                let c = loaded.checkpoint;
+                let step = c.step();
+                assert_eq!(c.value::<u64>("step_again").unwrap(), step, "round {round}");
+                let expected: Vec<u8> =
+                    payload(step).iter().flat_map(|v| v.to_le_bytes()).collect();
+                assert_eq!(
+                    c.tensor("payload").unwrap().data(),
+                    &expected[..],
+                    "round {round}: content of step {step}"
+                );
+                assert!(
+                    loaded.skipped.is_empty(),
+                    "round {round}: a committed checkpoint was damaged: {:?}",
+                    loaded.skipped
+                );
+                if let Some(prev) = last_step {
+                    assert!(
+                        step >= prev,
+                        "round {round}: went back from step {prev} to {step}"
+                    );
+                }
+                last_step = Some(step);
+                kills_with_checkpoint += 1;
+            }
+            Err(e) => assert!(
+                last_step.is_none(),
+                "round {round}: lost every checkpoint: {e}"
+            ),
+        }
+        // At most the killed writer's own temp file; the next save cleans it.
+        assert!(
+            temps(root.path()) <= 1,
+            "round {round}: {} temp files",
+            temps(root.path())
+        );
+    }
+    assert!(
+        kills_with_checkpoint > 150,
+        "most kills should land after a first save ({kills_with_checkpoint})"
+    );
+    assert!(last_step.unwrap() > 200, "the children made progress");
+}

@@ -1,0 +1,102 @@
+//! A save that cannot fit is an error, and the previous checkpoint is intact.
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+use std::path::Path;
+use std::process::Command;
+
+use tt_ckpt::{Checkpoint, CheckpointDir, TensorData};
+
+fn checkpoint(step: u64, floats: usize) -> Checkpoint<'static> {
+    let mut c = Checkpoint::new(step);
+    c.add_tensor(
+        "x",
+        TensorData::from_f32(vec![floats], &vec![step as f32; floats]).unwrap(),
+    )
+    .unwrap();
+    c
+}
+
+/// Saves a small checkpoint, then one too large for `dir`; checks the aftermath.
+fn scenario(dir: &Path) -> String {
+    let ckpts = CheckpointDir::open(dir).unwrap();
+    ckpts.save(&checkpoint(1, 1000)).unwrap();
+    let err = ckpts.save(&checkpoint(2, 1 << 20)).unwrap_err().to_string(); // 4 MiB
+    let loaded = ckpts.load_latest().unwrap();
+    assert_eq!(
+        loaded.checkpoint.step(),
+        1,
+        "the previous checkpoint is the latest"
+    );
+    assert!(loaded.skipped.is_empty());
+    let leftovers: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(
+        leftovers.len(),
+        2,
+        "only ckpt-1 and latest remain: {leftovers:?}"
+    );
+    err
+}
+
+#[test]
+fn rlimit_child() {
+    let Ok(dir) = std::env::var("TT_CKPT_RLIMIT_DIR") else {
+        return;
+    };
+    // SAFETY: plain syscalls on this process; SIGXFSZ ignored so that writes past the
+    // limit fail with EFBIG instead of killing the process.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+        let limit = libc::rlimit {
+            rlim_cur: 1 << 20,
+            rlim_max: 1 << 20,
+        };
+        assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &limit), 0);
+    }
+    let err = scenario(Path::new(&dir));
+    assert!(err.contains("File too large"), "{err}");
+}
+
+#[test]
+fn a_file_size_limit_fails_the_save_and_keeps_the_previous_checkpoint() {
+    let root = tempfile::tempdir().unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "rlimit_child", "--nocapture"])
+        .env("TT_CKPT_RLIMIT_DIR", root.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+struct Mount<'a>(&'a Path);
+
+impl Drop for Mount<'_> {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.0).status();
+    }
+}
+
+#[test]
+fn a_full_tmpfs_fails_the_save_with_enospc_and_keeps_the_previous_checkpoint() {
+    let root = tempfile::tempdir().unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+        .arg(root.path())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        // Mounting needs root (CI runs as root); the RLIMIT_FSIZE test covers the rest.
+        eprintln!("tmpfs could not be mounted (not root?): covered by the RLIMIT_FSIZE test only");
+        return;
+    }
+    let _guard = Mount(root.path());
+    let err = scenario(root.path());
+    assert!(err.contains("No space left on device"), "{err}");
+}
