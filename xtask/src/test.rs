@@ -15,10 +15,10 @@ pub(crate) const CRATES: [&str; 5] = [
 /// Crates with no features: their default and `--no-default-features` builds are
 /// the same, so they are tested once (and not again in the workspace run: their
 /// PyTorch comparisons take half a minute).
-const FEATURELESS: [&str; 2] = ["tt-sampler", "tt-ckpt"];
+const FEATURELESS: [&str; 1] = ["tt-sampler"];
 
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
-pub(crate) const GPU_CRATES: [&str; 2] = ["tt-sys", "tt-device"];
+pub(crate) const GPU_CRATES: [&str; 3] = ["tt-sys", "tt-device", "tt-ckpt"];
 
 /// `cargo` arguments that select the GPU test target of `krate`, then `extra`.
 pub(crate) fn gpu_test_args<'a>(krate: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -69,8 +69,6 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "torchtools-cli",
             "--exclude",
             FEATURELESS[0],
-            "--exclude",
-            FEATURELESS[1],
         ],
     );
     // One workspace-wide lint, GPU test targets included: every configuration of
@@ -82,7 +80,7 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "tt-sys/gpu-tests,tt-device/gpu-tests",
+            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-ckpt/gpu-tests",
             "--",
             "-D",
             "warnings",

@@ -42,6 +42,8 @@ mod atomic;
 mod dir;
 mod error;
 mod format;
+#[cfg(feature = "tch")]
+mod tch_support;
 
 pub use atomic::{atomic_write, clean_stale_temps};
 pub use dir::{CheckpointDir, CheckpointEntry, Loaded};
@@ -49,3 +51,5 @@ pub use error::{Error, Result};
 pub use format::{Checkpoint, LoadedCheckpoint, Meta, TensorData, TensorFile, METADATA_KEY};
 pub use safetensors::tensor::TensorView;
 pub use safetensors::Dtype;
+#[cfg(feature = "tch")]
+pub use tch_support::{dtype_of, kind_of};

@@ -1,0 +1,100 @@
+//! tch tensors and VarStores through checkpoints (feature `tch`).
+#![cfg(feature = "tch")]
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+use tch::{nn, Device, Kind, Tensor};
+use tt_ckpt::{Checkpoint, CheckpointDir, Error};
+
+fn model(vs: &nn::Path) -> nn::Sequential {
+    nn::seq()
+        .add(nn::linear(vs / "l1", 4, 8, Default::default()))
+        .add(nn::linear(vs / "l2", 8, 2, Default::default()))
+}
+
+#[test]
+fn a_var_store_round_trips_exactly() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = CheckpointDir::open(root.path()).unwrap();
+    tch::manual_seed(1);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _m = model(&vs.root());
+    let mut c = Checkpoint::new(7);
+    c.add_var_store(&vs).unwrap();
+    dir.save(&c).unwrap();
+
+    tch::manual_seed(2); // other initial values
+    let mut fresh = nn::VarStore::new(Device::Cpu);
+    let _m2 = model(&fresh.root());
+    let before = fresh.variables()["l1.weight"].shallow_clone();
+    assert!(!before.equal(&vs.variables()["l1.weight"]));
+    dir.load_latest()
+        .unwrap()
+        .checkpoint
+        .load_var_store(&mut fresh)
+        .unwrap();
+    for (name, t) in vs.variables() {
+        assert!(t.equal(&fresh.variables()[&name]), "{name}");
+    }
+    assert!(
+        fresh.variables()["l1.weight"].requires_grad(),
+        "still trainable"
+    );
+}
+
+#[test]
+fn dtypes_and_shapes_are_preserved() {
+    let root = tempfile::tempdir().unwrap();
+    let path = root.path().join("t.safetensors");
+    let tensors = [
+        ("f64", Tensor::from_slice(&[1.5f64, -2.25]).reshape([2, 1])),
+        ("i64", Tensor::from_slice(&[1i64 << 40, -3])),
+        (
+            "bf16",
+            Tensor::from_slice(&[0.5f32, -1.0, 3.0]).to_kind(Kind::BFloat16),
+        ),
+        ("bool", Tensor::from_slice(&[true, false, true])),
+        (
+            "strided",
+            Tensor::arange(12, (Kind::Float, Device::Cpu))
+                .reshape([3, 4])
+                .transpose(0, 1),
+        ),
+        ("scalar", Tensor::from(3.0f32)),
+    ];
+    let mut c = Checkpoint::new(1);
+    for (name, t) in &tensors {
+        c.add_tch(name, t).unwrap();
+    }
+    c.write_to(&path).unwrap();
+    let loaded = tt_ckpt::LoadedCheckpoint::read(&path).unwrap();
+    for (name, t) in &tensors {
+        let back = loaded.tch(name, Device::Cpu).unwrap();
+        assert_eq!((back.kind(), back.size()), (t.kind(), t.size()), "{name}");
+        assert!(back.equal(t), "{name}");
+    }
+}
+
+#[test]
+fn mismatched_variables_are_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let path = root.path().join("t.safetensors");
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _m = model(&vs.root());
+    let mut c = Checkpoint::new(1);
+    c.add_var_store(&vs).unwrap();
+    c.write_to(&path).unwrap();
+    let loaded = tt_ckpt::LoadedCheckpoint::read(&path).unwrap();
+    let mut other = nn::VarStore::new(Device::Cpu);
+    let _m = nn::linear(other.root() / "l1", 4, 9, Default::default());
+    let e = loaded.load_var_store(&mut other).unwrap_err();
+    assert!(
+        matches!(e, Error::Tensors(_)) && e.to_string().contains("l1"),
+        "{e}"
+    );
+    let mut missing = nn::VarStore::new(Device::Cpu);
+    let _m = nn::linear(missing.root() / "l9", 4, 8, Default::default());
+    assert!(matches!(
+        loaded.load_var_store(&mut missing),
+        Err(Error::Missing { .. })
+    ));
+}
