@@ -9,6 +9,7 @@
 //! | [`sys`] (feature `tch`) | `tt-sys` | load CUDA so tch sees it; libtorch's caching-allocator statistics; rpath helper |
 //! | [`sampler`] | `tt-sampler` | torch's `DistributedSampler` order, interruptible and resumable exactly |
 //! | [`ckpt`] | `tt-ckpt` | atomic, verified, Python-readable checkpoints; a directory that survives `kill -9` |
+//! | [`optim`] | `tt-optim` | SGD / Adam / AdamW with torch.optim's rules and LR schedules, state saved in checkpoints |
 //!
 //! Every crate's core builds without libtorch; libtorch comes in only with the `tch`
 //! feature (on by default here). The `torchtools` command (crate `torchtools-cli`)
@@ -37,6 +38,9 @@ pub use tt_device as device;
 
 #[doc(inline)]
 pub use tt_ckpt as ckpt;
+
+#[doc(inline)]
+pub use tt_optim as optim;
 
 #[doc(inline)]
 pub use tt_sampler as sampler;
