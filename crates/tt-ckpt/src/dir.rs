@@ -2,6 +2,8 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::thread::JoinHandle;
 
 use crate::atomic::{atomic_write, clean_stale_temps};
 use crate::error::io;
@@ -38,8 +40,19 @@ pub struct Loaded {
 /// verifies the file, and falls back to the newest valid one, saying what it
 /// skipped. Works on a shared filesystem: only the writer (rank 0 by default)
 /// writes; every rank can read.
-#[derive(Debug, Clone)]
+///
+/// [`save_async`](Self::save_async) writes on a background thread; the next save,
+/// [`wait`](Self::wait), or dropping the directory joins it, and its error is
+/// returned by the next save or `wait`, never lost.
+#[derive(Debug)]
 pub struct CheckpointDir {
+    rules: Rules,
+    pending: Mutex<Option<JoinHandle<Result<Option<PathBuf>>>>>,
+}
+
+/// What a save needs, shared with the background thread.
+#[derive(Debug, Clone)]
+struct Rules {
     dir: PathBuf,
     keep_last: Option<usize>,
     writer: bool,
@@ -66,32 +79,139 @@ impl CheckpointDir {
             .map(|r| r.trim() == "0")
             .unwrap_or(true);
         Ok(CheckpointDir {
-            dir,
-            keep_last: None,
-            writer,
+            rules: Rules {
+                dir,
+                keep_last: None,
+                writer,
+            },
+            pending: Mutex::new(None),
         })
     }
 
     /// Keeps only the newest `n` checkpoints (at least 1) after each save.
     pub fn keep_last(mut self, n: usize) -> Self {
-        self.keep_last = Some(n.max(1));
+        self.rules.keep_last = Some(n.max(1));
         self
     }
 
     /// Makes this process the writer or not (overrides the `RANK` rule).
     pub fn writer(mut self, writer: bool) -> Self {
-        self.writer = writer;
+        self.rules.writer = writer;
         self
     }
 
     /// The directory.
     pub fn path(&self) -> &Path {
-        &self.dir
+        &self.rules.dir
     }
 
     /// Saves `checkpoint` as `ckpt-<step>.safetensors` and points `latest` at it.
-    /// Returns the path, or `None` on a process that is not the writer.
+    /// Returns the path, or `None` on a process that is not the writer. A pending
+    /// [`save_async`](Self::save_async) is finished first; if it failed, its error
+    /// is returned ([`Error::PreviousSaveFailed`]) and nothing else is done.
     pub fn save(&self, checkpoint: &Checkpoint<'_>) -> Result<Option<PathBuf>> {
+        self.join_pending()?;
+        self.rules.save(checkpoint)
+    }
+
+    /// Starts writing `checkpoint` (whose tensors are already in host memory: a
+    /// `Checkpoint<'static>` owns its bytes) on a background thread and returns.
+    /// The previous pending save is finished first, as in [`save`](Self::save).
+    pub fn save_async(&self, checkpoint: Checkpoint<'static>) -> Result<()> {
+        self.join_pending()?;
+        if !self.rules.writer {
+            return Ok(());
+        }
+        let rules = self.rules.clone();
+        let handle = std::thread::Builder::new()
+            .name("tt-ckpt-save".into())
+            .spawn(move || rules.save(&checkpoint))
+            .map_err(io("start a save thread for", &self.rules.dir))?;
+        *self.lock_pending()? = Some(handle);
+        Ok(())
+    }
+
+    /// Waits for the pending [`save_async`](Self::save_async), if any: its path, or
+    /// its error.
+    pub fn wait(&self) -> Result<Option<PathBuf>> {
+        let handle = self.lock_pending()?.take();
+        match handle {
+            None => Ok(None),
+            Some(h) => h
+                .join()
+                .unwrap_or_else(|_| Err(Error::SaveThread("the save thread panicked".into()))),
+        }
+    }
+
+    fn join_pending(&self) -> Result<()> {
+        self.wait()
+            .map(drop)
+            .map_err(|e| Error::PreviousSaveFailed(Box::new(e)))
+    }
+
+    fn lock_pending(
+        &self,
+    ) -> Result<std::sync::MutexGuard<'_, Option<JoinHandle<Result<Option<PathBuf>>>>>> {
+        self.pending
+            .lock()
+            .map_err(|_| Error::SaveThread("a save thread panicked while registering".into()))
+    }
+
+    /// The checkpoint files, oldest first.
+    pub fn list(&self) -> Result<Vec<CheckpointEntry>> {
+        self.rules.list()
+    }
+    /// The newest valid checkpoint: the one `latest` names if it verifies, else the
+    /// newest that does, with what was skipped. No valid checkpoint is
+    /// [`Error::NoCheckpoint`] (listing what was tried); an empty directory too.
+    pub fn load_latest(&self) -> Result<Loaded> {
+        let mut skipped = Vec::new();
+        let pointed = std::fs::read_to_string(self.rules.dir.join(LATEST))
+            .ok()
+            .map(|s| s.trim().to_owned())
+            .filter(|s| step_of(s).is_some());
+        let mut candidates: Vec<PathBuf> = self
+            .rules
+            .list()?
+            .into_iter()
+            .rev()
+            .map(|e| e.path)
+            .collect();
+        if let Some(name) = pointed {
+            let p = self.rules.dir.join(name);
+            candidates.retain(|c| *c != p);
+            candidates.insert(0, p);
+        }
+        for path in candidates {
+            match LoadedCheckpoint::read(&path) {
+                Ok(checkpoint) => {
+                    return Ok(Loaded {
+                        checkpoint,
+                        skipped,
+                    })
+                }
+                Err(Error::Corrupt { reason, .. }) => skipped.push((path, reason)),
+                Err(e) => skipped.push((path, e.to_string())),
+            }
+        }
+        Err(Error::NoCheckpoint {
+            dir: self.rules.dir.clone(),
+            skipped,
+        })
+    }
+}
+
+impl Drop for CheckpointDir {
+    /// Finishes a pending save; its error, which nobody can receive any more, is logged.
+    fn drop(&mut self) {
+        if let Err(e) = self.wait() {
+            tracing::error!(error = %e, "a background checkpoint save failed");
+        }
+    }
+}
+
+impl Rules {
+    fn save(&self, checkpoint: &Checkpoint<'_>) -> Result<Option<PathBuf>> {
         if !self.writer {
             return Ok(None);
         }
@@ -113,8 +233,7 @@ impl CheckpointDir {
         Ok(Some(path))
     }
 
-    /// The checkpoint files, oldest first.
-    pub fn list(&self) -> Result<Vec<CheckpointEntry>> {
+    fn list(&self) -> Result<Vec<CheckpointEntry>> {
         let mut out = Vec::new();
         for entry in std::fs::read_dir(&self.dir)
             .map_err(io("list", &self.dir))?
@@ -132,38 +251,5 @@ impl CheckpointDir {
         }
         out.sort_by_key(|e| e.step);
         Ok(out)
-    }
-
-    /// The newest valid checkpoint: the one `latest` names if it verifies, else the
-    /// newest that does, with what was skipped. No valid checkpoint is
-    /// [`Error::NoCheckpoint`] (listing what was tried); an empty directory too.
-    pub fn load_latest(&self) -> Result<Loaded> {
-        let mut skipped = Vec::new();
-        let pointed = std::fs::read_to_string(self.dir.join(LATEST))
-            .ok()
-            .map(|s| s.trim().to_owned())
-            .filter(|s| step_of(s).is_some());
-        let mut candidates: Vec<PathBuf> = self.list()?.into_iter().rev().map(|e| e.path).collect();
-        if let Some(name) = pointed {
-            let p = self.dir.join(name);
-            candidates.retain(|c| *c != p);
-            candidates.insert(0, p);
-        }
-        for path in candidates {
-            match LoadedCheckpoint::read(&path) {
-                Ok(checkpoint) => {
-                    return Ok(Loaded {
-                        checkpoint,
-                        skipped,
-                    })
-                }
-                Err(Error::Corrupt { reason, .. }) => skipped.push((path, reason)),
-                Err(e) => skipped.push((path, e.to_string())),
-            }
-        }
-        Err(Error::NoCheckpoint {
-            dir: self.dir.clone(),
-            skipped,
-        })
     }
 }

@@ -49,6 +49,12 @@ pub enum Error {
         /// The files tried and why each was skipped.
         skipped: Vec<(PathBuf, String)>,
     },
+    /// The previous background save failed; this call did nothing else.
+    #[error("the previous background save failed (nothing else was done; save again): {0}")]
+    PreviousSaveFailed(Box<Error>),
+    /// A background save thread could not run to its end.
+    #[error("background save: {0}")]
+    SaveThread(String),
     /// A tensor name the format cannot hold.
     #[error("tensor name {0:?} is reserved or empty: use another name")]
     BadName(String),

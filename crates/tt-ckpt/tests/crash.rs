@@ -2,6 +2,7 @@
 //! content is what was saved at its step, and temp files do not pile up.
 #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
+use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -26,6 +27,9 @@ fn crash_child() {
         .load_latest()
         .map(|l| l.checkpoint.step() + 1)
         .unwrap_or(0);
+    // The kill delay counts from here, whatever the process's start-up cost.
+    println!("ready");
+    std::io::Write::flush(&mut std::io::stdout()).unwrap();
     for step in start.. {
         let mut c = Checkpoint::new(step);
         c.add_tensor(
@@ -61,13 +65,18 @@ fn two_hundred_kill_9s_never_lose_the_latest_valid_checkpoint() {
     let mut kills_with_checkpoint = 0;
     for round in 0..200 {
         let mut child = Command::new(&exe)
-            .args(["--exact", "crash_child", "--test-threads=1"])
+            .args(["--exact", "crash_child", "--test-threads=1", "--nocapture"])
             .env("TT_CKPT_CRASH_DIR", root.path())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        std::thread::sleep(Duration::from_micros(2_000 + next() % 25_000));
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        assert!(
+            lines.any(|l| l.is_ok_and(|l| l.contains("ready"))),
+            "round {round}: the child did not start"
+        );
+        std::thread::sleep(Duration::from_micros(next() % 25_000));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
         match CheckpointDir::open(root.path()).unwrap().load_latest() {

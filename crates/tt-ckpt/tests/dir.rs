@@ -198,3 +198,39 @@ fn bad_tensors_are_refused_before_anything_is_written() {
         Err(Error::BadName(_))
     ));
 }
+
+#[test]
+fn async_saves_finish_in_order_and_report_their_errors() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = CheckpointDir::open(root.path().join("run"))
+        .unwrap()
+        .keep_last(2);
+    for step in 1..=5 {
+        dir.save_async(ckpt(step)).unwrap(); // returns before the write
+    }
+    let last = dir.wait().unwrap().unwrap();
+    assert!(last.ends_with("ckpt-00000005.safetensors"));
+    assert_eq!(dir.load_latest().unwrap().checkpoint.step(), 5);
+    assert_eq!(dir.list().unwrap().len(), 2);
+    assert_eq!(dir.wait().unwrap(), None, "nothing pending any more");
+
+    // The directory vanishes under a background save: the error comes back.
+    std::fs::remove_dir_all(root.path().join("run")).unwrap();
+    dir.save_async(ckpt(6)).unwrap();
+    let e = dir.save(&ckpt(7)).unwrap_err();
+    assert!(matches!(e, Error::PreviousSaveFailed(_)), "{e}");
+    assert!(e.to_string().contains("No such file or directory"), "{e}");
+    dir.save_async(ckpt(8)).unwrap();
+    assert!(dir.wait().is_err(), "wait() reports it too");
+}
+
+#[test]
+fn dropping_the_directory_finishes_a_pending_save() {
+    let root = tempfile::tempdir().unwrap();
+    {
+        let dir = CheckpointDir::open(root.path()).unwrap();
+        dir.save_async(ckpt(42)).unwrap();
+    }
+    let dir = CheckpointDir::open(root.path()).unwrap();
+    assert_eq!(dir.load_latest().unwrap().checkpoint.step(), 42);
+}
