@@ -47,8 +47,11 @@ pub struct Loaded {
 #[derive(Debug)]
 pub struct CheckpointDir {
     rules: Rules,
-    pending: Mutex<Option<JoinHandle<Result<Option<PathBuf>>>>>,
+    pending: Mutex<Option<PendingSave>>,
 }
+
+/// A background save: its path (None on a non-writer) or its error.
+type PendingSave = JoinHandle<Result<Option<PathBuf>>>;
 
 /// What a save needs, shared with the background thread.
 #[derive(Debug, Clone)]
@@ -149,9 +152,7 @@ impl CheckpointDir {
             .map_err(|e| Error::PreviousSaveFailed(Box::new(e)))
     }
 
-    fn lock_pending(
-        &self,
-    ) -> Result<std::sync::MutexGuard<'_, Option<JoinHandle<Result<Option<PathBuf>>>>>> {
+    fn lock_pending(&self) -> Result<std::sync::MutexGuard<'_, Option<PendingSave>>> {
         self.pending
             .lock()
             .map_err(|_| Error::SaveThread("a save thread panicked while registering".into()))
