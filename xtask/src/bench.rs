@@ -113,7 +113,9 @@ pub(crate) fn run() -> Result<()> {
             false,
         ),
     ];
-    rows.extend(sampler_rows()?);
+    for (krate, bench) in [("tt-sampler", "sampler"), ("tt-ckpt", "ckpt")] {
+        rows.extend(crate_rows(krate, bench)?);
+    }
     println!("\nbenchmark table (medians; ratio > 1 means torchtools is better)");
     println!(
         "{:<50} {:>10} {:<36} {:>10} {:>6} {:>7}",
@@ -163,14 +165,14 @@ impl Row {
     }
 }
 
-/// Runs the crates' own benchmarks, which print `row|what|ours|baseline name|baseline|unit|higher|lower`.
-fn sampler_rows() -> Result<Vec<Row>> {
-    let out = cargo(&["bench", "--quiet", "-p", "tt-sampler", "--bench", "sampler"])
+/// Runs a crate's own benchmark, which prints `row|what|ours|baseline name|baseline|unit|higher|lower`.
+fn crate_rows(krate: &str, bench: &str) -> Result<Vec<Row>> {
+    let out = cargo(&["bench", "--quiet", "-p", krate, "--bench", bench])
         .stderr(Stdio::inherit())
         .output()
         .context("cargo bench did not start")?;
     if !out.status.success() {
-        bail!("the tt-sampler benchmark failed");
+        bail!("the {krate} benchmark failed");
     }
     let text = String::from_utf8_lossy(&out.stdout);
     let mut rows = Vec::new();
