@@ -193,6 +193,12 @@ impl TensorFile {
     pub fn read(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         let bytes = std::fs::read(&path).map_err(io("read", &path))?;
+        Self::from_bytes(path, bytes)
+    }
+
+    /// Parses a file's bytes (`path` names it in errors); never panics, whatever
+    /// the bytes (the header parser is fuzzed).
+    pub fn from_bytes(path: PathBuf, bytes: Vec<u8>) -> Result<Self> {
         let corrupt = |reason: String| Error::Corrupt {
             path: path.clone(),
             reason,
@@ -262,7 +268,15 @@ impl LoadedCheckpoint {
     /// every tensor's checksum matches (so a flipped byte anywhere in the data, or a
     /// truncated file, is an [`Error::Corrupt`]).
     pub fn read(path: impl AsRef<Path>) -> Result<Self> {
-        let file = TensorFile::read(path)?;
+        Self::verify(TensorFile::read(path)?)
+    }
+
+    /// [`read`](Self::read) for bytes already in memory (`path` names them in errors).
+    pub fn from_bytes(path: PathBuf, bytes: Vec<u8>) -> Result<Self> {
+        Self::verify(TensorFile::from_bytes(path, bytes)?)
+    }
+
+    fn verify(file: TensorFile) -> Result<Self> {
         let corrupt = |reason: String| Error::Corrupt {
             path: file.path.clone(),
             reason,
