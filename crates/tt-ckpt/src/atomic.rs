@@ -2,6 +2,7 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
@@ -40,8 +41,14 @@ impl AtomicFile {
     pub(crate) fn new(target: &Path) -> Result<Self> {
         let dir = parent_of(target);
         let prefix = format!("{TEMP_PREFIX}{}-{}-", hostname(), std::process::id());
+        // tempfile makes files 0600; a checkpoint keeps the mode of the file it
+        // replaces, or gets the usual 0644, so that teammates can read it.
+        let mode = std::fs::metadata(target)
+            .map(|m| m.permissions().mode() & 0o7777)
+            .unwrap_or(0o644);
         let temp = tempfile::Builder::new()
             .prefix(&prefix)
+            .permissions(std::fs::Permissions::from_mode(mode))
             .tempfile_in(&dir)
             .map_err(io("create a temp file in", &dir))?;
         Ok(AtomicFile {

@@ -234,3 +234,18 @@ fn dropping_the_directory_finishes_a_pending_save() {
     let dir = CheckpointDir::open(root.path()).unwrap();
     assert_eq!(dir.load_latest().unwrap().checkpoint.step(), 42);
 }
+
+#[test]
+fn files_are_readable_by_others_and_keep_the_mode_they_replace() {
+    use std::os::unix::fs::PermissionsExt;
+    let root = tempfile::tempdir().unwrap();
+    let dir = CheckpointDir::open(root.path()).unwrap();
+    let path = dir.save(&ckpt(1)).unwrap().unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&path), 0o644, "like torch.save under the usual umask");
+    let notes = root.path().join("notes");
+    std::fs::write(&notes, b"a").unwrap();
+    std::fs::set_permissions(&notes, std::fs::Permissions::from_mode(0o600)).unwrap();
+    atomic_write(&notes, |w| w.write_all(b"b")).unwrap();
+    assert_eq!(mode(&notes), 0o600, "a replaced file keeps its mode");
+}
