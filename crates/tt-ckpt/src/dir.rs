@@ -2,7 +2,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crate::atomic::{atomic_write, clean_stale_temps};
@@ -48,6 +48,8 @@ pub struct Loaded {
 pub struct CheckpointDir {
     rules: Rules,
     pending: Mutex<Option<PendingSave>>,
+    /// Host buffers of the last checkpoint written in the background.
+    pool: Arc<Mutex<Vec<Vec<u8>>>>,
 }
 
 /// A background save: its path (None on a non-writer) or its error.
@@ -88,6 +90,7 @@ impl CheckpointDir {
                 writer,
             },
             pending: Mutex::new(None),
+            pool: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
@@ -117,6 +120,19 @@ impl CheckpointDir {
         self.rules.save(checkpoint)
     }
 
+    /// A new checkpoint of `step` that reuses the host buffers of the last one
+    /// written by [`save_async`](Self::save_async): its `add_tch` copies then land in
+    /// memory already touched, which on large models is most of the training stall.
+    /// The directory keeps one checkpoint's worth of host memory for this.
+    pub fn checkpoint(&self, step: u64) -> Checkpoint<'static> {
+        let spare = self
+            .pool
+            .lock()
+            .map(|mut p| std::mem::take(&mut *p))
+            .unwrap_or_default();
+        Checkpoint::new(step).with_spare(spare)
+    }
+
     /// Starts writing `checkpoint` (whose tensors are already in host memory: a
     /// `Checkpoint<'static>` owns its bytes) on a background thread and returns.
     /// The previous pending save is finished first, as in [`save`](Self::save).
@@ -126,9 +142,16 @@ impl CheckpointDir {
             return Ok(());
         }
         let rules = self.rules.clone();
+        let pool = Arc::clone(&self.pool);
         let handle = std::thread::Builder::new()
             .name("tt-ckpt-save".into())
-            .spawn(move || rules.save(&checkpoint))
+            .spawn(move || {
+                let saved = rules.save(&checkpoint);
+                if let Ok(mut p) = pool.lock() {
+                    *p = checkpoint.into_buffers();
+                }
+                saved
+            })
             .map_err(io("start a save thread for", &self.rules.dir))?;
         *self.lock_pending()? = Some(handle);
         Ok(())

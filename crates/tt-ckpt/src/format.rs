@@ -87,6 +87,9 @@ fn checksum(bytes: &[u8]) -> String {
 pub struct Checkpoint<'a> {
     meta: Meta,
     tensors: BTreeMap<String, TensorData<'a>>,
+    /// Host buffers of an earlier checkpoint, reused by host copies (see
+    /// `CheckpointDir::checkpoint`): no page faults for memory already touched.
+    spare: Vec<Vec<u8>>,
 }
 
 impl<'a> Checkpoint<'a> {
@@ -107,7 +110,37 @@ impl<'a> Checkpoint<'a> {
                 checksums: BTreeMap::new(),
             },
             tensors: BTreeMap::new(),
+            spare: Vec::new(),
         }
+    }
+
+    /// Gives this checkpoint host buffers to reuse for its copies.
+    pub(crate) fn with_spare(mut self, spare: Vec<Vec<u8>>) -> Self {
+        self.spare = spare;
+        self
+    }
+
+    /// A zeroed buffer of `len` bytes: a spare one that is large enough, else new.
+    pub(crate) fn buffer(&mut self, len: usize) -> Vec<u8> {
+        match self.spare.iter().position(|b| b.capacity() >= len) {
+            Some(i) => {
+                let mut b = self.spare.swap_remove(i);
+                b.clear();
+                b.resize(len, 0);
+                b
+            }
+            None => vec![0u8; len],
+        }
+    }
+
+    /// The owned host buffers of this checkpoint, for the next one to reuse.
+    pub(crate) fn into_buffers(self) -> Vec<Vec<u8>> {
+        let mut out = self.spare;
+        out.extend(self.tensors.into_values().filter_map(|t| match t.data {
+            Cow::Owned(v) => Some(v),
+            Cow::Borrowed(_) => None,
+        }));
+        out
     }
 
     /// The step.

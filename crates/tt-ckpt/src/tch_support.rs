@@ -53,6 +53,10 @@ pub fn kind_of(dtype: Dtype) -> Result<Kind> {
 impl TensorData<'static> {
     /// The bytes of `tensor` (copied to host memory, contiguous), with its dtype and shape.
     pub fn from_tch(tensor: &Tensor) -> Result<Self> {
+        Self::from_tch_into(tensor, |len| vec![0u8; len])
+    }
+
+    fn from_tch_into(tensor: &Tensor, buffer: impl FnOnce(usize) -> Vec<u8>) -> Result<Self> {
         let dtype = dtype_of(tensor.kind())?;
         let host = tensor
             .f_to_device(Device::Cpu)
@@ -60,7 +64,7 @@ impl TensorData<'static> {
             .map_err(torch_err("copy to host".into()))?;
         let shape: Vec<usize> = host.size().iter().map(|&d| d as usize).collect();
         let numel: usize = shape.iter().product();
-        let mut bytes = vec![0u8; numel * host.kind().elt_size_in_bytes()];
+        let mut bytes = buffer(numel * host.kind().elt_size_in_bytes());
         host.f_copy_data_u8(&mut bytes, numel)
             .map_err(torch_err("read the tensor".into()))?;
         TensorData::new(dtype, shape, bytes)
@@ -68,9 +72,11 @@ impl TensorData<'static> {
 }
 
 impl Checkpoint<'_> {
-    /// Adds `tensor` (any device) under `name`.
+    /// Adds `tensor` (any device) under `name`, copied to host memory (into a
+    /// recycled buffer when the checkpoint came from `CheckpointDir::checkpoint`).
     pub fn add_tch(&mut self, name: &str, tensor: &Tensor) -> Result<()> {
-        self.add_tensor(name, TensorData::from_tch(tensor)?)
+        let data = TensorData::from_tch_into(tensor, |len| self.buffer(len))?;
+        self.add_tensor(name, data)
     }
 
     /// Adds every variable of `vs` under its name (`layer1.weight`, ...).

@@ -98,3 +98,26 @@ fn mismatched_variables_are_refused() {
         Err(Error::Missing { .. })
     ));
 }
+
+#[test]
+fn recycled_host_buffers_hold_exactly_the_new_data() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = CheckpointDir::open(root.path()).unwrap();
+    let big = Tensor::arange(1000, (Kind::Float, Device::Cpu));
+    let mut first = dir.checkpoint(1);
+    first.add_tch("x", &big).unwrap();
+    dir.save_async(first).unwrap();
+    dir.wait().unwrap();
+    // The next checkpoint reuses those buffers, for a smaller and another tensor.
+    let small = Tensor::from_slice(&[7i64, 8, 9]);
+    let mut second = dir.checkpoint(2);
+    second.add_tch("y", &small).unwrap();
+    second.add_tch("z", &(big.shallow_clone() * 2.0)).unwrap();
+    dir.save_async(second).unwrap();
+    dir.wait().unwrap();
+    let loaded = dir.load_latest().unwrap().checkpoint;
+    assert_eq!(loaded.step(), 2);
+    assert!(loaded.tch("y", Device::Cpu).unwrap().equal(&small));
+    assert!(loaded.tch("z", Device::Cpu).unwrap().equal(&(big * 2.0)));
+    assert_eq!(loaded.tensors().names(), ["y", "z"]);
+}
