@@ -5,10 +5,12 @@ use anyhow::{bail, Result};
 use crate::steps::{cargo, run_counted, summarize, StepResult};
 
 /// The publishable crates, each tested on its own.
-pub(crate) const CRATES: [&str; 5] = [
+pub(crate) const CRATES: [&str; 7] = [
     "tt-sys",
     "tt-device",
     "tt-sampler",
+    "tt-ckpt",
+    "tt-optim",
     "torchtools-cli",
     "torchtools",
 ];

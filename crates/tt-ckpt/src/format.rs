@@ -121,6 +121,7 @@ impl<'a> Checkpoint<'a> {
     }
 
     /// A zeroed buffer of `len` bytes: a spare one that is large enough, else new.
+    #[cfg(feature = "tch")]
     pub(crate) fn buffer(&mut self, len: usize) -> Vec<u8> {
         match self.spare.iter().position(|b| b.capacity() >= len) {
             Some(i) => {
