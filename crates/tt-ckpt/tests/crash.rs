@@ -2,6 +2,9 @@
 //! content is what was saved at its step, and temp files do not pile up.
 #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
+mod common;
+use common::temps;
+
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -40,14 +43,6 @@ fn crash_child() {
         c.set_value("step_again", &step).unwrap();
         dir.save(&c).unwrap();
     }
-}
-
-fn temps(dir: &Path) -> usize {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(".tt-tmp-"))
-        .count()
 }
 
 #[test]

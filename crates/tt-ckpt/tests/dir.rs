@@ -1,6 +1,9 @@
 //! The directory's rules on real files.
 #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
+mod common;
+use common::temps;
+
 use std::path::Path;
 
 use tt_ckpt::{atomic_write, clean_stale_temps, Checkpoint, CheckpointDir, Error, TensorData};
@@ -20,14 +23,6 @@ fn ckpt(step: u64) -> Checkpoint<'static> {
     )
     .unwrap();
     c
-}
-
-fn temps(dir: &Path) -> usize {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(".tt-tmp-"))
-        .count()
 }
 
 fn flip_byte(path: &Path, from_end: u64) {
