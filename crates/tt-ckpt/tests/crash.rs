@@ -6,7 +6,6 @@ mod common;
 use common::temps;
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
