@@ -219,6 +219,9 @@ impl<'a> Checkpoint<'a> {
 pub struct TensorFile {
     path: PathBuf,
     bytes: Vec<u8>,
+    /// The parsed header and where the data section starts in `bytes`.
+    header: safetensors::tensor::Metadata,
+    data_start: usize,
     metadata: BTreeMap<String, String>,
 }
 
@@ -237,7 +240,7 @@ impl TensorFile {
             path: path.clone(),
             reason,
         };
-        let (_, header) =
+        let (header_len, header) =
             SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(format!("header: {e}")))?;
         let metadata = header
             .metadata()
@@ -245,18 +248,16 @@ impl TensorFile {
             .unwrap_or_default()
             .into_iter()
             .collect();
+        // Validates the layout once (offsets cover the data section exactly); the
+        // parsed header is kept, so looking a tensor up never parses it again.
         SafeTensors::deserialize(&bytes).map_err(|e| corrupt(format!("layout: {e}")))?;
         Ok(TensorFile {
             path,
+            data_start: 8 + header_len,
             bytes,
+            header,
             metadata,
         })
-    }
-
-    fn parsed(&self) -> SafeTensors<'_> {
-        // Cannot fail: `read` checked these very bytes.
-        SafeTensors::deserialize(&self.bytes)
-            .unwrap_or_else(|_| unreachable!("checked in TensorFile::read"))
     }
 
     /// The file's path.
@@ -266,21 +267,27 @@ impl TensorFile {
 
     /// Tensor names, sorted.
     pub fn names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self
-            .parsed()
-            .names()
-            .into_iter()
-            .map(str::to_owned)
-            .collect();
+        let mut names: Vec<String> = self.header.tensors().into_keys().collect();
         names.sort();
         names
     }
 
     /// A tensor by name: dtype, shape and bytes (little-endian).
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
-        self.parsed().tensor(name).map_err(|_| Error::Missing {
+        let missing = || Error::Missing {
             what: "tensor",
             name: name.to_owned(),
+        };
+        let info = self.header.info(name).ok_or_else(missing)?;
+        let (begin, end) = info.data_offsets;
+        // In range: the layout was validated when the file was parsed.
+        let data = self
+            .bytes
+            .get(self.data_start + begin..self.data_start + end)
+            .ok_or_else(missing)?;
+        TensorView::new(info.dtype, info.shape.clone(), data).map_err(|e| Error::Corrupt {
+            path: self.path.clone(),
+            reason: format!("tensor {name:?}: {e}"),
         })
     }
 
@@ -322,17 +329,15 @@ impl LoadedCheckpoint {
         })?;
         let meta: Meta =
             serde_json::from_str(json).map_err(|e| corrupt(format!("metadata: {e}")))?;
-        let st = file.parsed();
-        let mut names: Vec<&str> = st.names();
-        names.sort_unstable();
-        let expected: Vec<&str> = meta.checksums.keys().map(String::as_str).collect();
-        if names != expected {
+        let names = file.names();
+        let expected: Vec<&String> = meta.checksums.keys().collect();
+        if names.iter().collect::<Vec<_>>() != expected {
             return Err(corrupt(format!(
                 "tensors {names:?} but checksums for {expected:?}"
             )));
         }
         for (name, sum) in &meta.checksums {
-            let view = st.tensor(name).map_err(|e| corrupt(e.to_string()))?;
+            let view = file.tensor(name).map_err(|e| corrupt(e.to_string()))?;
             if checksum(view.data()) != *sum {
                 return Err(corrupt(format!(
                     "tensor {name:?} does not match its checksum"

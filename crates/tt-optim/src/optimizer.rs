@@ -186,6 +186,8 @@ impl Optimizer {
             )));
         }
         meta.algorithm.validate()?;
+        let saved: std::collections::HashSet<String> =
+            loaded.tensors().names().into_iter().collect();
         let mut state: Vec<ParamState> = Vec::with_capacity(names.len());
         for ((name, param), steps) in self.params.iter().zip(&meta.param_steps) {
             let mut s = ParamState {
@@ -194,7 +196,7 @@ impl Optimizer {
             };
             for buffer in ["momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"] {
                 let key = format!("{prefix}.{name}.{buffer}");
-                if loaded.tensors().names().contains(&key) {
+                if saved.contains(&key) {
                     let t = loaded.tch(&key, param.device())?;
                     if t.size() != param.size() {
                         return Err(Error::StateMismatch(format!(
