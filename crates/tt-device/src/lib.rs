@@ -49,6 +49,7 @@
 //! [torchtools]: https://docs.rs/torchtools
 
 mod bytes;
+mod cuda;
 mod env;
 mod error;
 mod inventory;
@@ -58,6 +59,7 @@ mod report;
 mod select;
 
 pub use bytes::Bytes;
+pub use cuda::CudaDriver;
 pub use env::{
     CudaVisibleDevices, DeviceRequest, EnvConfig, RawEnv, VisibleEntry, CUDA_VISIBLE_DEVICES,
     LOCAL_RANK, TORCHTOOLS_DEVICE,

@@ -1,0 +1,238 @@
+use std::ffi::CString;
+use std::fs::{self, File, OpenOptions, Permissions};
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::{Error, Result};
+
+/// The variable that names the lock directory.
+pub const LOCK_DIR_ENV: &str = "TORCHTOOLS_LOCK_DIR";
+
+/// The lock directory when [`LOCK_DIR_ENV`] is unset: a fixed path rather than
+/// `$TMPDIR`, so that every user of the machine meets the same locks.
+pub const DEFAULT_LOCK_DIR: &str = "/tmp/torchtools-locks";
+
+/// The directory that holds one lock file per GPU.
+#[derive(Debug, Clone)]
+pub struct LockDir {
+    path: PathBuf,
+    origin: Origin,
+}
+
+/// Where the lock directory's path came from, for error messages.
+#[derive(Debug, Clone)]
+enum Origin {
+    Env(String),
+    Default,
+    Given,
+}
+
+impl LockDir {
+    /// The directory named by `TORCHTOOLS_LOCK_DIR`, or [`DEFAULT_LOCK_DIR`]; created
+    /// (mode 01777) when missing, and checked (see [`LockDir::open`]).
+    pub fn from_env() -> Result<LockDir> {
+        match std::env::var_os(LOCK_DIR_ENV) {
+            Some(value) => {
+                let text = value.to_string_lossy().into_owned();
+                let path = PathBuf::from(&value);
+                if text.trim().is_empty() || !path.is_absolute() {
+                    return Err(Error::LockDir {
+                        path,
+                        origin: format!("{LOCK_DIR_ENV}={text:?}"),
+                        reason: "it must be an absolute path".into(),
+                    });
+                }
+                LockDir::open_inner(path, Origin::Env(text))
+            }
+            None => LockDir::open_inner(PathBuf::from(DEFAULT_LOCK_DIR), Origin::Default),
+        }
+    }
+
+    /// Opens `path` as the lock directory, creating it with mode 01777 (sticky,
+    /// writable by all, like `/tmp`) when it does not exist.
+    ///
+    /// Refused: a symbolic link (give the real directory), something that is not a
+    /// directory, a directory writable by everyone without the sticky bit (anyone could
+    /// replace another user's lock file), and a directory this user cannot write.
+    pub fn open(path: impl Into<PathBuf>) -> Result<LockDir> {
+        LockDir::open_inner(path.into(), Origin::Given)
+    }
+
+    fn open_inner(path: PathBuf, origin: Origin) -> Result<LockDir> {
+        let dir = LockDir { path, origin };
+        match fs::symlink_metadata(&dir.path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => dir.create()?,
+            Err(e) => return Err(dir.error(format!("cannot read it: {e}"))),
+            Ok(_) => {}
+        }
+        dir.check()?;
+        Ok(dir)
+    }
+
+    fn create(&self) -> Result<()> {
+        match fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o1777)
+            .create(&self.path)
+        {
+            Ok(()) => {
+                // The umask trimmed the mode; only the creator may (and needs to) fix it.
+                let meta = fs::symlink_metadata(&self.path)
+                    .map_err(|e| self.error(format!("cannot read it after creating it: {e}")))?;
+                // SAFETY: geteuid has no preconditions.
+                if meta.uid() == unsafe { libc::geteuid() } && meta.mode() & 0o7777 != 0o1777 {
+                    fs::set_permissions(&self.path, Permissions::from_mode(0o1777)).map_err(
+                        |e| self.error(format!("cannot make it mode 1777 after creating it: {e}")),
+                    )?;
+                }
+                Ok(())
+            }
+            // Another process created it first: check what is there.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+            Err(e) => Err(self.error(format!("cannot create it: {e}"))),
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        let meta = fs::symlink_metadata(&self.path)
+            .map_err(|e| self.error(format!("cannot read it: {e}")))?;
+        if meta.file_type().is_symlink() {
+            let target = fs::canonicalize(&self.path)
+                .map(|t| format!(" (to {})", t.display()))
+                .unwrap_or_default();
+            return Err(Error::Unsafe {
+                path: self.path.clone(),
+                reason: format!(
+                    "the lock directory is a symbolic link{target}: anyone could plant one \
+                     in a shared /tmp; set {LOCK_DIR_ENV} to the real directory"
+                ),
+            });
+        }
+        if !meta.is_dir() {
+            return Err(self.error("it is not a directory".into()));
+        }
+        let mode = meta.mode();
+        if mode & 0o002 != 0 && mode & 0o1000 == 0 {
+            return Err(Error::Unsafe {
+                path: self.path.clone(),
+                reason: format!(
+                    "the lock directory is writable by everyone but not sticky (mode {:o}), so \
+                     any user could delete or replace another user's lock; run \
+                     `chmod +t {}` or use another {LOCK_DIR_ENV}",
+                    mode & 0o7777,
+                    self.path.display()
+                ),
+            });
+        }
+        let c_path = CString::new(self.path.as_os_str().as_bytes())
+            .map_err(|_| self.error("the path contains a NUL byte".into()))?;
+        // SAFETY: c_path is a valid NUL-terminated string for the duration of the call.
+        if unsafe { libc::access(c_path.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+            return Err(self.error(format!(
+                "this user cannot create files in it (mode {:o}, owner uid {}): {}",
+                mode & 0o7777,
+                meta.uid(),
+                io::Error::last_os_error()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub(crate) fn error(&self, reason: String) -> Error {
+        Error::LockDir {
+            path: self.path.clone(),
+            origin: match &self.origin {
+                Origin::Env(v) => format!("{LOCK_DIR_ENV}={v:?}"),
+                Origin::Default => format!("the default: {LOCK_DIR_ENV} is unset"),
+                Origin::Given => "given by the program".into(),
+            },
+            reason,
+        }
+    }
+
+    /// Opens (or creates, mode 0666 whatever the umask) one lock file, refusing
+    /// symbolic links and anything that is not a regular file. The descriptor is
+    /// close-on-exec.
+    pub(crate) fn open_file(&self, name: &str) -> Result<File> {
+        let path = self.path.join(name);
+        loop {
+            // Open an existing file first, without O_CREAT: with fs.protected_regular
+            // (systemd's default), O_CREAT on another user's file in a sticky directory
+            // is refused even though the file itself is writable.
+            let existing = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+                .open(&path);
+            let file = match existing {
+                Ok(file) => file,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    match OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .create_new(true)
+                        .mode(0o666)
+                        .custom_flags(libc::O_NOFOLLOW)
+                        .open(&path)
+                    {
+                        Ok(file) => {
+                            file.set_permissions(Permissions::from_mode(0o666))
+                                .map_err(|source| Error::Io {
+                                    op: "making the lock file mode 0666",
+                                    path: path.clone(),
+                                    source,
+                                })?;
+                            file
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                        Err(e) => return Err(self.open_error(&path, e)),
+                    }
+                }
+                Err(e) => return Err(self.open_error(&path, e)),
+            };
+            let meta = file.metadata().map_err(|source| Error::Io {
+                op: "reading",
+                path: path.clone(),
+                source,
+            })?;
+            if !meta.file_type().is_file() {
+                return Err(Error::Unsafe {
+                    path,
+                    reason: "the lock path is not a regular file; remove it (only torchtools \
+                             should create files named gpu-*.lock there)"
+                        .into(),
+                });
+            }
+            return Ok(file);
+        }
+    }
+
+    fn open_error(&self, path: &Path, e: io::Error) -> Error {
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            return Error::Unsafe {
+                path: path.to_owned(),
+                reason: "the lock path is a symbolic link, which is never followed; remove it"
+                    .into(),
+            };
+        }
+        if e.kind() == io::ErrorKind::PermissionDenied {
+            return self.error(format!(
+                "{} cannot be opened for writing ({e}); lock files must be mode 0666 so that \
+                 every user can lock them: ask its owner to `chmod 666` it",
+                path.display()
+            ));
+        }
+        Error::Io {
+            op: "opening",
+            path: path.to_owned(),
+            source: e,
+        }
+    }
+}

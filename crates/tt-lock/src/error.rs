@@ -1,0 +1,118 @@
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::{GpuKey, Holder, LOCK_DIR_ENV};
+
+/// Errors of tt-lock. Each says what was wrong and what to do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The lock directory cannot be created, opened or written.
+    #[error(
+        "the GPU lock directory {path} ({origin}) cannot be used: {reason}; \
+         set {LOCK_DIR_ENV} to a directory that every user of the GPUs can write \
+         (mode 1777, like /tmp), or fix this one"
+    )]
+    LockDir {
+        /// The directory.
+        path: PathBuf,
+        /// Where the path came from: the variable, the default, or the program.
+        origin: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The lock directory or a lock file is not safe to use (a symbolic link, not a
+    /// regular file, world-writable without the sticky bit).
+    #[error("refusing {path}: {reason}")]
+    Unsafe {
+        /// The path refused.
+        path: PathBuf,
+        /// Why, and what to do.
+        reason: String,
+    },
+    /// An I/O error on a lock file.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `Wait::Try` and the GPU is locked by someone else.
+    #[error("{gpu} is locked{}", holder_text(.holder))]
+    WouldBlock {
+        /// The GPU.
+        gpu: GpuKey,
+        /// Who holds it, when the lock file says.
+        holder: Option<Box<Holder>>,
+    },
+    /// `Wait::Timeout` ran out and the GPU is still locked.
+    #[error("timed out after {waited:.1?} waiting for {gpu}{}", holder_text(.holder))]
+    Timeout {
+        /// The GPU.
+        gpu: GpuKey,
+        /// How long it waited.
+        waited: Duration,
+        /// Who holds it, when the lock file says.
+        holder: Option<Box<Holder>>,
+    },
+    /// This process already holds this GPU's lock through another guard.
+    #[error(
+        "{gpu} is already locked by this process (pid {}); use the lock you hold \
+         instead of taking it again, which would wait for itself forever",
+        std::process::id()
+    )]
+    AlreadyHeld {
+        /// The GPU.
+        gpu: GpuKey,
+    },
+    /// A GPU given by the user is not written as a GPU.
+    #[error(
+        "{value:?} is not a GPU: give an NVML index as nvidia-smi shows it (0, 1, ...), \
+         a UUID (GPU-...; a unique prefix is enough), cuda:N for this process's N-th \
+         visible device, or auto{hint}"
+    )]
+    InvalidGpu {
+        /// The text given.
+        value: String,
+        /// More detail, starting with "; ".
+        hint: String,
+    },
+    /// A GPU given by the user does not exist on this machine.
+    #[error("{spec} is not a GPU of this machine: {known}")]
+    UnknownGpu {
+        /// The request.
+        spec: String,
+        /// What the machine has.
+        known: String,
+    },
+    /// `auto` (or a count) and the machine has no or too few GPUs.
+    #[error("cannot reserve {count} GPU(s) automatically: {reason}")]
+    NotEnoughGpus {
+        /// How many were asked for.
+        count: usize,
+        /// Why not.
+        reason: String,
+    },
+    /// A logical CUDA index could not be mapped to a physical GPU.
+    #[error("cannot tell which physical GPU {spec} is: {reason}")]
+    Cuda {
+        /// The request.
+        spec: String,
+        /// What the CUDA driver said.
+        reason: String,
+    },
+}
+
+fn holder_text(holder: &Option<Box<Holder>>) -> String {
+    match holder {
+        Some(h) => format!(" by {h}"),
+        None => " (its holder left no readable record)".to_owned(),
+    }
+}
+
+/// `Result` with tt-lock's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

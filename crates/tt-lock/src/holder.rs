@@ -1,0 +1,184 @@
+use std::ffi::CStr;
+use std::fmt;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use tt_device::Bytes;
+
+/// Who holds a GPU lock: written as one JSON line into the lock file while it is held.
+///
+/// The kernel, not this record, decides whether a lock is held: a holder killed by
+/// `kill -9` leaves its record behind, and [`crate::LockDir::list`] shows that GPU as
+/// free.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Holder {
+    /// Process that took the lock.
+    pub pid: u32,
+    /// Its user name (or uid when the name is unknown).
+    pub user: String,
+    /// Host name.
+    pub host: String,
+    /// When the lock was taken, in seconds since the Unix epoch.
+    pub since_unix: u64,
+    /// GPU memory the holder said its job needs, when it said.
+    #[serde(default)]
+    pub reserved: Option<Bytes>,
+    /// Command line of the job.
+    #[serde(default)]
+    pub command: Vec<String>,
+    /// The GPU: its UUID, or `index N` without NVML. Filled in by the lock.
+    #[serde(default)]
+    pub gpu: String,
+    /// The pid of the command the lock was handed to (`torchtools reserve -- CMD`), which
+    /// keeps the lock if the taker dies first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command_pid: Option<u32>,
+}
+
+impl Holder {
+    /// A record for this process, now: pid, user, host, this process's command line.
+    pub fn current() -> Holder {
+        Holder {
+            pid: std::process::id(),
+            user: user_name(),
+            host: host_name(),
+            since_unix: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            reserved: None,
+            command: std::env::args_os()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect(),
+            gpu: String::new(),
+            command_pid: None,
+        }
+    }
+
+    /// Sets the memory the job needs.
+    pub fn reserving(mut self, bytes: Bytes) -> Holder {
+        self.reserved = Some(bytes);
+        self
+    }
+
+    /// Sets the command line recorded (for a lock taken on behalf of another command).
+    pub fn running(mut self, command: impl IntoIterator<Item = impl Into<String>>) -> Holder {
+        self.command = command.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The start time as `YYYY-MM-DD HH:MM:SS UTC`.
+    pub fn since_utc(&self) -> String {
+        utc(self.since_unix)
+    }
+}
+
+impl fmt::Display for Holder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "pid {} ({}@{}) since {}",
+            self.pid,
+            self.user,
+            self.host,
+            self.since_utc()
+        )?;
+        if let Some(pid) = self.command_pid {
+            write!(f, ", command pid {pid}")?;
+        }
+        if let Some(bytes) = self.reserved {
+            write!(f, ", reserving {bytes}")?;
+        }
+        if !self.command.is_empty() {
+            let mut command = self.command.join(" ");
+            if command.chars().count() > 80 {
+                command = command.chars().take(77).collect::<String>() + "...";
+            }
+            write!(f, ": {command}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Seconds since the epoch as `YYYY-MM-DD HH:MM:SS UTC` (proleptic Gregorian).
+pub(crate) fn utc(unix: u64) -> String {
+    let days = (unix / 86_400) as i64;
+    let secs = unix % 86_400;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
+
+fn user_name() -> String {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: an all-zero passwd is a valid value for getpwuid_r to overwrite.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut result: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call; buf outlives the use of pwd's strings.
+    let rc = unsafe {
+        libc::getpwuid_r(
+            uid,
+            &mut pwd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut result,
+        )
+    };
+    if rc == 0 && !result.is_null() && !pwd.pw_name.is_null() {
+        // SAFETY: getpwuid_r succeeded, so pw_name is a NUL-terminated string inside buf.
+        return unsafe { CStr::from_ptr(pwd.pw_name) }
+            .to_string_lossy()
+            .into_owned();
+    }
+    std::env::var("USER").unwrap_or_else(|_| format!("uid {uid}"))
+}
+
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: buf is writable for its length; gethostname NUL-terminates within it
+    // when the name fits (we leave one byte spare).
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) };
+    if rc != 0 {
+        return "unknown-host".to_owned();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_formats_known_instants() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc(951_782_400), "2000-02-29 00:00:00 UTC");
+        assert_eq!(utc(1_795_400_000), "2026-11-23 02:13:20 UTC");
+    }
+
+    #[test]
+    fn current_names_this_process() {
+        let h = Holder::current().reserving(Bytes::gib(6));
+        assert_eq!(h.pid, std::process::id());
+        assert!(!h.user.is_empty() && !h.host.is_empty());
+        let text = h.to_string();
+        assert!(text.contains("reserving 6.00 GiB"), "{text}");
+        let json = serde_json::to_string(&h).unwrap_or_default();
+        let back: Holder = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
+        assert_eq!(back, h);
+    }
+}

@@ -1,0 +1,181 @@
+use std::collections::HashSet;
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::PathBuf;
+
+use serde::Serialize;
+use tt_device::{Inventory, NvmlStatus};
+
+use crate::lock::read_holder;
+use crate::{GpuKey, Holder, LockDir, Result};
+
+/// One GPU's lock as [`LockDir::list`] and [`LockDir::status`] see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LockState {
+    /// The GPU.
+    pub gpu: GpuKey,
+    /// NVML's index, when NVML knows the GPU.
+    pub nvml_index: Option<u32>,
+    /// Product name, when NVML knows the GPU.
+    pub name: Option<String>,
+    /// The lock file (it may not exist yet for a GPU never locked).
+    pub path: PathBuf,
+    /// Whether the kernel says the lock is held now.
+    pub held: bool,
+    /// The holder's record, when held (a dead holder's record is not shown).
+    pub holder: Option<Holder>,
+}
+
+impl LockDir {
+    /// Every lock file in the directory, held or free. "Held" is the kernel's answer
+    /// (`/proc/locks`, or a non-blocking shared-lock probe where that cannot be read):
+    /// the record a `kill -9`'d holder left behind shows as free.
+    pub fn list(&self) -> Result<Vec<LockState>> {
+        let entries = std::fs::read_dir(self.path())
+            .map_err(|e| self.error(format!("cannot list it: {e}")))?;
+        let kernel = kernel_flocks(self);
+        let mut states = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(gpu) = GpuKey::from_file_name(&name.to_string_lossy()) else {
+                continue;
+            };
+            let path = entry.path();
+            let Ok(file) = OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+                .open(&path)
+            else {
+                continue; // vanished, a symlink, or unreadable: not a lock of ours
+            };
+            let Ok(meta) = file.metadata() else { continue };
+            if !meta.file_type().is_file() {
+                continue;
+            }
+            let held = match &kernel {
+                Some(set) => {
+                    set.contains(&(libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino()))
+                }
+                None => probe_held(&file),
+            };
+            states.push(LockState {
+                gpu,
+                nvml_index: None,
+                name: None,
+                path,
+                held,
+                holder: if held { read_holder(&file) } else { None },
+            });
+        }
+        states.sort_by(|a, b| a.gpu.cmp(&b.gpu));
+        Ok(states)
+    }
+
+    /// Every GPU of the machine (NVML) with its lock, plus any other lock files (such as
+    /// index-keyed ones from a run without NVML), in NVML order.
+    pub fn status(&self, inventory: &Inventory) -> Result<Vec<LockState>> {
+        let mut files = self.list()?;
+        let mut out = Vec::new();
+        if matches!(inventory.nvml, NvmlStatus::Available { .. }) {
+            for gpu in &inventory.gpus {
+                let key = GpuKey::Uuid(crate::gpu::normalize_uuid(&gpu.uuid));
+                let mut state = match files.iter().position(|s| s.gpu == key) {
+                    Some(i) => files.remove(i),
+                    None => LockState {
+                        path: self.path().join(key.file_name()),
+                        gpu: key,
+                        nvml_index: None,
+                        name: None,
+                        held: false,
+                        holder: None,
+                    },
+                };
+                state.nvml_index = Some(gpu.nvml_index);
+                state.name = Some(gpu.name.clone());
+                out.push(state);
+            }
+        }
+        out.extend(files);
+        Ok(out)
+    }
+}
+
+/// The (major, minor, inode) of every file with a `flock` lock, from `/proc/locks`;
+/// `None` where that cannot be trusted for this directory (unreadable, or overlayfs,
+/// whose locks are recorded on the underlying inode).
+fn kernel_flocks(dir: &LockDir) -> Option<HashSet<(u32, u32, u64)>> {
+    const OVERLAYFS_SUPER_MAGIC: i64 = 0x794c_7630;
+    let c_path = CString::new(dir.path().as_os_str().as_bytes()).ok()?;
+    // SAFETY: an all-zero statfs is a valid value for statfs to overwrite.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c_path is NUL-terminated and fs is writable for the call.
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut fs) } != 0
+        || fs.f_type as i64 == OVERLAYFS_SUPER_MAGIC
+    {
+        return None;
+    }
+    let text = std::fs::read_to_string("/proc/locks").ok()?;
+    Some(parse_proc_locks(&text))
+}
+
+/// Parses `/proc/locks` lines such as `1: FLOCK  ADVISORY  WRITE 6661 fe:00:10010682 0 EOF`
+/// (device numbers in hex). Waiters (`1: -> FLOCK ...`) hold nothing and are skipped.
+fn parse_proc_locks(text: &str) -> HashSet<(u32, u32, u64)> {
+    let mut set = HashSet::new();
+    for line in text.lines() {
+        let mut fields = line.split_whitespace().skip(1);
+        if fields.next() != Some("FLOCK") {
+            continue;
+        }
+        let Some(id) = fields.nth(3) else { continue };
+        let mut parts = id.split(':');
+        let (Some(major), Some(minor), Some(ino)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        if let (Ok(major), Ok(minor), Ok(ino)) = (
+            u32::from_str_radix(major, 16),
+            u32::from_str_radix(minor, 16),
+            ino.parse(),
+        ) {
+            set.insert((major, minor, ino));
+        }
+    }
+    set
+}
+
+/// Whether someone holds an exclusive lock on `file`: a non-blocking shared lock
+/// fails then. (It may make a concurrent try-lock fail during the probe, which is why
+/// `/proc/locks` is preferred.)
+fn probe_held(file: &File) -> bool {
+    // SAFETY: the fd is open for the duration of the calls.
+    unsafe {
+        if libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) == 0 {
+            libc::flock(file.as_raw_fd(), libc::LOCK_UN);
+            false
+        } else {
+            true
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_locks_lines_are_parsed() {
+        let text = "1: FLOCK  ADVISORY  WRITE 6661 fe:00:10010682 0 EOF\n\
+                    1: -> FLOCK  ADVISORY  WRITE 6662 fe:00:10010682 0 EOF\n\
+                    2: POSIX  ADVISORY  WRITE 77 08:01:99 0 EOF\n\
+                    3: OFDLCK ADVISORY  READ  -1 00:1a:5 0 EOF\n\
+                    4: FLOCK  ADVISORY  WRITE 12 103:02:42 0 EOF\n";
+        let set = parse_proc_locks(text);
+        assert_eq!(set.len(), 2, "{set:?}");
+        assert!(set.contains(&(0xfe, 0, 10_010_682)));
+        assert!(set.contains(&(0x103, 2, 42)));
+    }
+}

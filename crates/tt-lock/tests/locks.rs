@@ -1,0 +1,448 @@
+//! tt-lock against real processes: contention, `kill -9`, timeouts, hostile paths,
+//! permissions (as an unprivileged uid when the tests run as root).
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::{symlink, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tt_lock::{Error, GpuKey, Holder, LockDir, Wait};
+
+const ROLE: &str = "TT_LOCK_TEST_ROLE";
+const DIR: &str = "TT_LOCK_TEST_DIR";
+
+/// The child side of every test: does nothing unless started by a test below with
+/// `TT_LOCK_TEST_ROLE` set (the test binary re-executes itself with `--exact child`).
+#[test]
+fn child() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let dir_path = PathBuf::from(std::env::var(DIR).unwrap());
+    match role.as_str() {
+        // Take two locks in turn many times; log each hold's interval.
+        "contend" => {
+            let dir = LockDir::open(&dir_path).unwrap();
+            let rounds: usize = std::env::var("ROUNDS").unwrap().parse().unwrap();
+            let me: usize = std::env::var("ME").unwrap().parse().unwrap();
+            let mut log = std::fs::OpenOptions::new()
+                .append(true)
+                .open(dir_path.join("intervals.log"))
+                .unwrap();
+            for round in 0..rounds {
+                let key = GpuKey::Index(((me + round) % 2) as u32);
+                let lock = dir.lock(&key, Wait::Block, Holder::current()).unwrap();
+                let start = now_ns();
+                std::thread::sleep(Duration::from_micros(300));
+                let end = now_ns();
+                drop(lock);
+                // One write per line (O_APPEND): lines from processes never interleave.
+                log.write_all(format!("{} {start} {end}\n", key.file_name()).as_bytes())
+                    .unwrap();
+            }
+        }
+        // Take a lock, say so, and hold it until killed.
+        "hold" => {
+            // Never outlive a test that failed before killing us.
+            // SAFETY: prctl(PR_SET_PDEATHSIG) has no memory-safety preconditions.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+            let dir = LockDir::open(&dir_path).unwrap();
+            let key = GpuKey::Index(std::env::var("GPU").unwrap().parse().unwrap());
+            let _lock = dir.lock(&key, Wait::Block, Holder::current()).unwrap();
+            println!("\n@@locked@@");
+            std::io::stdout().flush().unwrap();
+            std::thread::sleep(Duration::from_secs(600));
+        }
+        // Try to use a directory; print the error.
+        "open" => match LockDir::open(&dir_path).and_then(|d| {
+            d.lock(&GpuKey::Index(0), Wait::Try, Holder::current())
+                .map(drop)
+        }) {
+            Ok(()) => println!("\n@@OK@@"),
+            Err(e) => println!("ERROR: {e}"),
+        },
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+fn spawn(role: &str, dir: &Path, extra: &[(&str, String)]) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .env(DIR, dir)
+        .stdin(Stdio::null());
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// Starts a child that holds `gpu` and returns once it has it.
+fn holder(dir: &Path, gpu: u32) -> Child {
+    let mut child = spawn("hold", dir, &[("GPU", gpu.to_string())])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "holder exited early");
+        if line.contains("@@locked@@") {
+            break;
+        }
+    }
+    child
+}
+
+fn lock_dir() -> (tempfile::TempDir, LockDir) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+    (tmp, dir)
+}
+
+#[test]
+fn sixteen_processes_never_hold_one_lock_at_once() {
+    let (_tmp, dir) = lock_dir();
+    std::fs::write(dir.path().join("intervals.log"), "").unwrap();
+    let rounds = 25;
+    let children: Vec<Child> = (0..16)
+        .map(|me| {
+            spawn(
+                "contend",
+                dir.path(),
+                &[("ROUNDS", rounds.to_string()), ("ME", me.to_string())],
+            )
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    for mut c in children {
+        assert!(c.wait().unwrap().success());
+    }
+    let log = std::fs::read_to_string(dir.path().join("intervals.log")).unwrap();
+    let mut by_lock: std::collections::BTreeMap<String, Vec<(u128, u128)>> = Default::default();
+    for line in log.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        by_lock
+            .entry(f[0].to_owned())
+            .or_default()
+            .push((f[1].parse().unwrap(), f[2].parse().unwrap()));
+    }
+    assert_eq!(by_lock.len(), 2);
+    let total: usize = by_lock.values().map(Vec::len).sum();
+    assert_eq!(total, 16 * rounds, "every hold was logged");
+    for (lock, mut intervals) in by_lock {
+        intervals.sort();
+        for pair in intervals.windows(2) {
+            assert!(
+                pair[0].1 <= pair[1].0,
+                "two holders of {lock} overlap: {:?} and {:?}",
+                pair[0],
+                pair[1]
+            );
+        }
+    }
+}
+
+#[test]
+fn a_blocked_waiter_gets_the_lock_when_the_holder_is_killed() {
+    let (_tmp, dir) = lock_dir();
+    let mut child = holder(dir.path(), 0);
+    let pid = child.id();
+    let waiter = {
+        let dir = dir.clone();
+        std::thread::spawn(move || {
+            let lock = dir.lock(&GpuKey::Index(0), Wait::Block, Holder::current());
+            (lock.map(|l| l.holder().pid), Instant::now())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!waiter.is_finished(), "the waiter must wait for the holder");
+    // SAFETY: kill with a child's pid.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let killed = Instant::now();
+    child.wait().unwrap();
+    let (got, when) = waiter.join().unwrap();
+    assert_eq!(got.unwrap(), std::process::id());
+    assert!(
+        when.duration_since(killed) < Duration::from_secs(5),
+        "hand-off took {:?}",
+        when.duration_since(killed)
+    );
+}
+
+#[test]
+fn timeout_and_try_name_the_holder_and_timeout_is_never_early() {
+    let (_tmp, dir) = lock_dir();
+    let mut child = holder(dir.path(), 1);
+    let key = GpuKey::Index(1);
+
+    match dir.lock(&key, Wait::Try, Holder::current()) {
+        Err(Error::WouldBlock { gpu, holder }) => {
+            assert_eq!(gpu, key);
+            assert_eq!(holder.unwrap().pid, child.id());
+        }
+        other => panic!("expected WouldBlock, got {other:?}"),
+    }
+
+    for limit in [
+        Duration::ZERO,
+        Duration::from_millis(10),
+        Duration::from_millis(300),
+    ] {
+        let start = Instant::now();
+        let result = dir.lock(&key, Wait::Timeout(limit), Holder::current());
+        let took = start.elapsed();
+        match result {
+            Err(e @ Error::Timeout { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains(&format!("pid {}", child.id())), "{text}");
+                if let Error::Timeout { waited, .. } = e {
+                    assert!(
+                        waited >= limit,
+                        "returned after {waited:?}, before {limit:?}"
+                    );
+                }
+            }
+            other => panic!("expected Timeout, got {other:?}"),
+        }
+        assert!(
+            took >= limit,
+            "returned after {took:?}, before the deadline {limit:?}"
+        );
+        assert!(
+            took < limit + Duration::from_secs(1),
+            "{took:?} for {limit:?}"
+        );
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // Free now: a timed lock succeeds at once.
+    let start = Instant::now();
+    let lock = dir.lock(
+        &key,
+        Wait::Timeout(Duration::from_secs(30)),
+        Holder::current(),
+    );
+    assert!(lock.is_ok() && start.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn list_shows_holders_and_a_dead_holders_record_as_free() {
+    let (_tmp, dir) = lock_dir();
+    let mut child = holder(dir.path(), 2);
+    let held = dir.list().unwrap();
+    assert_eq!(held.len(), 1);
+    assert!(held[0].held);
+    let record = held[0].holder.clone().unwrap();
+    assert_eq!(record.pid, child.id());
+    assert_eq!(record.gpu, "2");
+    assert!(!record.command.is_empty());
+
+    child.kill().unwrap(); // SIGKILL: no cleanup ran, the record stays in the file
+    child.wait().unwrap();
+    let text = std::fs::read_to_string(dir.path().join("gpu-2.lock")).unwrap();
+    assert!(text.contains(&format!("\"pid\":{}", child.id())), "{text}");
+    let after = dir.list().unwrap();
+    assert!(!after[0].held, "the kernel released it: {after:?}");
+    assert_eq!(after[0].holder, None);
+}
+
+#[test]
+fn one_process_cannot_wait_for_itself() {
+    let (_tmp, dir) = lock_dir();
+    let key = GpuKey::Index(3);
+    let lock = dir.lock(&key, Wait::Block, Holder::current()).unwrap();
+    let again = dir.lock(&key, Wait::Block, Holder::current());
+    assert!(matches!(again, Err(Error::AlreadyHeld { .. })), "{again:?}");
+    drop(lock);
+    assert!(dir.lock(&key, Wait::Try, Holder::current()).is_ok());
+}
+
+#[test]
+fn sets_are_all_or_nothing() {
+    let (_tmp, dir) = lock_dir();
+    let mut child = holder(dir.path(), 5);
+    let keys = [GpuKey::Index(6), GpuKey::Index(5), GpuKey::Index(4)];
+    let r = dir.lock_many(&keys, Wait::Try, Holder::current());
+    assert!(
+        matches!(
+            r,
+            Err(Error::WouldBlock {
+                gpu: GpuKey::Index(5),
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    // Nothing stayed locked by the failed attempt.
+    assert!(dir
+        .list()
+        .unwrap()
+        .iter()
+        .all(|s| s.held == (s.gpu == GpuKey::Index(5))));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let locks = dir.lock_many(&keys, Wait::Try, Holder::current()).unwrap();
+    let got: Vec<_> = locks.iter().map(|l| l.key().clone()).collect();
+    assert_eq!(got, [GpuKey::Index(4), GpuKey::Index(5), GpuKey::Index(6)]);
+}
+
+#[test]
+fn a_planted_symlink_is_never_followed() {
+    let (tmp, dir) = lock_dir();
+    let target = tmp.path().join("victim");
+    std::fs::write(&target, "precious").unwrap();
+    symlink(&target, dir.path().join("gpu-0.lock")).unwrap();
+    let e = dir
+        .lock(&GpuKey::Index(0), Wait::Try, Holder::current())
+        .unwrap_err();
+    assert!(matches!(e, Error::Unsafe { .. }), "{e:?}");
+    assert!(e.to_string().contains("symbolic link"), "{e}");
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious");
+    // list() skips it too, without touching the target.
+    assert!(dir.list().unwrap().is_empty());
+}
+
+#[test]
+fn a_lock_path_that_is_not_a_regular_file_is_refused() {
+    let (_tmp, dir) = lock_dir();
+    std::fs::create_dir(dir.path().join("gpu-0.lock")).unwrap();
+    let fifo = std::ffi::CString::new(
+        dir.path()
+            .join("gpu-1.lock")
+            .into_os_string()
+            .into_encoded_bytes(),
+    )
+    .unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
+    for gpu in [0, 1] {
+        let e = dir
+            .lock(&GpuKey::Index(gpu), Wait::Try, Holder::current())
+            .unwrap_err();
+        assert!(e.to_string().contains("gpu-"), "{e}");
+        assert!(
+            matches!(e, Error::Unsafe { .. } | Error::Io { .. }),
+            "gpu {gpu}: {e:?}"
+        );
+    }
+}
+
+#[test]
+fn unsafe_directories_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    // World-writable without the sticky bit.
+    let open = tmp.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = LockDir::open(&open).unwrap_err();
+    assert!(e.to_string().contains("chmod +t"), "{e}");
+    // A symbolic link to a directory.
+    let real = tmp.path().join("real");
+    std::fs::create_dir(&real).unwrap();
+    symlink(&real, tmp.path().join("link")).unwrap();
+    let e = LockDir::open(tmp.path().join("link")).unwrap_err();
+    assert!(e.to_string().contains("symbolic link"), "{e}");
+    // A file.
+    std::fs::write(tmp.path().join("file"), "").unwrap();
+    let e = LockDir::open(tmp.path().join("file")).unwrap_err();
+    assert!(e.to_string().contains("not a directory"), "{e}");
+}
+
+#[test]
+fn a_new_directory_is_sticky_and_writable_by_all_and_files_are_0666() {
+    let tmp = tempfile::tempdir().unwrap();
+    // SAFETY: umask has no preconditions; a restrictive umask must not matter.
+    let old = unsafe { libc::umask(0o077) };
+    let result = LockDir::open(tmp.path().join("a/b/locks")).and_then(|d| {
+        let lock = d.lock(&GpuKey::Index(0), Wait::Try, Holder::current())?;
+        Ok((d, lock))
+    });
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let (dir, lock) = result.unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode(dir.path()), 0o1777);
+    assert_eq!(mode(lock.path()), 0o666);
+}
+
+/// Runs the `open` role on `dir` as an unprivileged user when this is root (root
+/// can write anywhere), else as this user; returns what it printed.
+fn open_as_unprivileged(dir: &Path) -> String {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let exe = std::env::current_exe().unwrap();
+    let (bin_dir, program) = if root {
+        // The unprivileged user may not reach target/: run a copy from a 0755 dir.
+        let bin_dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(bin_dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let copy = bin_dir.path().join("tt-lock-test");
+        std::fs::copy(&exe, &copy).unwrap();
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+        (Some(bin_dir), copy)
+    } else {
+        (None, exe)
+    };
+    let mut cmd = Command::new(&program);
+    cmd.args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .env(ROLE, "open")
+        .env(DIR, dir)
+        .current_dir("/");
+    if root {
+        use std::os::unix::process::CommandExt;
+        cmd.uid(65534).gid(65534);
+    }
+    let out = cmd.output().unwrap();
+    drop(bin_dir);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+#[test]
+fn a_directory_this_user_cannot_write_is_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = tmp.path().join("locked-down");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = open_as_unprivileged(&dir);
+    assert!(out.contains("ERROR: the GPU lock directory"), "{out}");
+    assert!(out.contains("cannot create files in it"), "{out}");
+    assert!(out.contains("TORCHTOOLS_LOCK_DIR"), "{out}");
+
+    // And a lock file someone left without write permission for others.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    std::fs::write(dir.join("gpu-0.lock"), "").unwrap();
+    std::fs::set_permissions(
+        dir.join("gpu-0.lock"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let out = open_as_unprivileged(&dir);
+    assert!(out.contains("chmod 666"), "{out}");
+
+    // A correctly shared directory works for that user.
+    std::fs::set_permissions(
+        dir.join("gpu-0.lock"),
+        std::fs::Permissions::from_mode(0o666),
+    )
+    .unwrap();
+    assert!(open_as_unprivileged(&dir).contains("@@OK@@"));
+}
