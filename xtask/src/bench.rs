@@ -113,7 +113,11 @@ pub(crate) fn run() -> Result<()> {
             false,
         ),
     ];
-    for (krate, bench) in [("tt-sampler", "sampler"), ("tt-ckpt", "ckpt")] {
+    for (krate, bench) in [
+        ("tt-sampler", "sampler"),
+        ("tt-ckpt", "ckpt"),
+        ("tt-lock", "lock"),
+    ] {
         rows.extend(crate_rows(krate, bench)?);
     }
     println!("\nbenchmark table (medians; ratio > 1 means torchtools is better)");

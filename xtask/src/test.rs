@@ -5,22 +5,24 @@ use anyhow::{bail, Result};
 use crate::steps::{cargo, run_counted, summarize, StepResult};
 
 /// The publishable crates, each tested on its own.
-pub(crate) const CRATES: [&str; 7] = [
+pub(crate) const CRATES: [&str; 9] = [
     "tt-sys",
     "tt-device",
+    "tt-lock",
+    "tt-fence",
     "tt-sampler",
     "tt-ckpt",
     "tt-optim",
     "torchtools-cli",
     "torchtools",
 ];
-/// Crates with no features: their default and `--no-default-features` builds are
-/// the same, so they are tested once (and not again in the workspace run: their
-/// PyTorch comparisons take half a minute).
-const FEATURELESS: [&str; 1] = ["tt-sampler"];
+/// Crates whose default and `--no-default-features` builds are the same (no libtorch
+/// feature), so they are tested once, and not again in the workspace run (tt-sampler's
+/// PyTorch comparisons take half a minute; tt-lock's tests spawn processes).
+const FEATURELESS: [&str; 3] = ["tt-sampler", "tt-lock", "tt-fence"];
 
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
-pub(crate) const GPU_CRATES: [&str; 3] = ["tt-sys", "tt-device", "tt-ckpt"];
+pub(crate) const GPU_CRATES: [&str; 4] = ["tt-sys", "tt-device", "tt-fence", "tt-ckpt"];
 
 /// `cargo` arguments that select the GPU test target of `krate`, then `extra`.
 pub(crate) fn gpu_test_args<'a>(krate: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -62,16 +64,13 @@ pub(crate) fn cpu_matrix() -> Result<()> {
     }
     // The CLI is tested on its own above: in a workspace-wide build, feature
     // unification would hand it tt-device's `tch` and test a binary users never get.
+    let mut workspace = vec!["test", "--workspace", "--exclude", "torchtools-cli"];
+    for krate in FEATURELESS {
+        workspace.extend(["--exclude", krate]);
+    }
     step(
         "test --workspace (all CPU features, doc tests)".into(),
-        &[
-            "test",
-            "--workspace",
-            "--exclude",
-            "torchtools-cli",
-            "--exclude",
-            FEATURELESS[0],
-        ],
+        &workspace,
     );
     // One workspace-wide lint, GPU test targets included: every configuration of
     // features costs a rebuild of torch-sys's C++ (about 2.5 minutes on 2 cores).
@@ -82,7 +81,7 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-ckpt/gpu-tests",
+            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-ckpt/gpu-tests",
             "--",
             "-D",
             "warnings",

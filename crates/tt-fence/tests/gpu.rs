@@ -1,0 +1,81 @@
+//! GPU tests (`cargo xtask test-gpu`): the fence against the real driver, measured
+//! through NVML, which sees every process's memory.
+#![allow(clippy::unwrap_used)]
+
+use tt_device::{Bytes, CudaDriver, Inventory};
+use tt_fence::{Fence, FenceOptions, DEFAULT_SAFETY_MARGIN};
+
+/// Slack for the driver's own bookkeeping between NVML's and cuMemGetInfo's views.
+const SLACK: u64 = 256 << 20;
+
+fn require_gpu() {
+    let driver = CudaDriver::init().expect("GPU tests need the CUDA driver");
+    assert!(driver.device_count().unwrap() > 0, "GPU tests need a GPU");
+}
+
+fn nvml_free(uuid: &str) -> u64 {
+    let inv = Inventory::query();
+    inv.gpus
+        .iter()
+        .find(|g| g.uuid.eq_ignore_ascii_case(uuid))
+        .expect("NVML sees the fenced GPU")
+        .free
+        .0
+}
+
+fn close(a: u64, b: u64, slack: u64) -> bool {
+    a.abs_diff(b) <= slack
+}
+
+#[test]
+fn fence_leaves_the_requested_bytes_free_and_lowering_gives_them_back() {
+    require_gpu();
+    let keep = Bytes::gib(4);
+    let mut fence = Fence::raise(0, &FenceOptions::keep_free(keep)).unwrap();
+    let report = fence.report().clone();
+    println!("{report}");
+    let uuid = report.uuid.clone();
+    assert!(report.fenced.0 > 0 && report.fenced.0 <= report.target.0);
+    let free = nvml_free(&uuid);
+    let expected = keep.0 + DEFAULT_SAFETY_MARGIN.0;
+    assert!(
+        close(free, expected, SLACK),
+        "free with the fence up: {} (expected {} ± {})",
+        Bytes(free),
+        Bytes(expected),
+        Bytes(SLACK)
+    );
+
+    let freed = fence.shrink(Bytes::gib(1)).unwrap();
+    assert!(freed.0 >= 1 << 30, "shrink freed {freed}");
+    let after_shrink = nvml_free(&uuid);
+    assert!(
+        close(after_shrink, free + freed.0, SLACK),
+        "{after_shrink} vs {free} + {freed}"
+    );
+
+    let rest = fence.lower().unwrap();
+    assert_eq!(fence.fenced(), Bytes(0));
+    assert_eq!(freed.0 + rest.0, report.fenced.0);
+    let after = nvml_free(&uuid);
+    assert!(
+        close(after, report.free_before.0, SLACK),
+        "lowered: {} free, {} before the fence",
+        Bytes(after),
+        report.free_before
+    );
+    assert_eq!(
+        fence.lower().unwrap(),
+        Bytes(0),
+        "lowering twice frees nothing"
+    );
+}
+
+#[test]
+fn a_fence_by_uuid_is_the_same_gpu() {
+    require_gpu();
+    let uuid = CudaDriver::init().unwrap().uuid(0).unwrap();
+    let fence = Fence::raise_on_uuid(&uuid, &FenceOptions::keep_free(Bytes::gib(8))).unwrap();
+    assert_eq!(fence.report().ordinal, 0);
+    assert_eq!(fence.report().uuid, uuid);
+}
