@@ -3,7 +3,15 @@
 
 use std::process::ExitCode;
 
+use std::ffi::OsString;
+use std::time::Duration;
+
 use clap::{Parser, Subcommand};
+use tt_device::Bytes;
+use tt_lock::GpuSpec;
+
+mod args;
+mod reserve;
 
 /// Exit status for a bad variable or an impossible device request.
 const EXIT_BAD_ENV: u8 = 2;
@@ -27,6 +35,51 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Reserve GPU(s), then run a command on them: take each GPU's lock (waiting for
+    /// it), raise a memory fence that leaves --bytes free for the command, run it with
+    /// CUDA_VISIBLE_DEVICES set to the GPUs' UUIDs, and release everything when it ends.
+    ///
+    /// The command inherits the locks: they are held as long as it or torchtools lives.
+    /// Exit status: the command's (128+N when killed by signal N); 75 when the GPUs stay
+    /// locked past --timeout; 127 when the command is not found; 2 for bad arguments.
+    #[command(arg_required_else_help = true)]
+    Reserve {
+        /// The GPU(s): an index as nvidia-smi shows it, a UUID (GPU-..., a prefix is
+        /// enough), or auto (the free GPU(s) with the most free memory). Repeat or
+        /// separate with commas for several.
+        #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = gpu_spec)]
+        gpu: Vec<GpuSpec>,
+        /// How many GPUs --gpu auto takes.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        count: Option<u32>,
+        /// Memory the command needs on each GPU: the fence leaves this much (plus
+        /// --margin) free. Sizes: 6GiB, 512MiB, 6G, 1.5GB, bytes.
+        #[arg(long, value_parser = args::size)]
+        bytes: Option<Bytes>,
+        /// Extra memory left free on top of --bytes.
+        #[arg(long, value_parser = args::size, default_value = reserve::DEFAULT_MARGIN)]
+        margin: Bytes,
+        /// Take the lock alone, without a memory fence (works without a GPU).
+        #[arg(long)]
+        no_fence: bool,
+        /// Give up (exit 75) when the GPUs are still locked after this long: 30s, 10m,
+        /// 1h. Default: wait as long as it takes.
+        #[arg(long, value_parser = args::duration)]
+        timeout: Option<Duration>,
+        /// The command and its arguments, after `--`.
+        #[arg(last = true, required = true, value_name = "CMD")]
+        command: Vec<OsString>,
+    },
+    /// Show every GPU's lock: free, or held by whom, since when, reserving how much.
+    Locks {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn gpu_spec(text: &str) -> Result<GpuSpec, String> {
+    text.parse().map_err(|e: tt_lock::Error| e.to_string())
 }
 
 fn main() -> ExitCode {
@@ -39,7 +92,10 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("torchtools: error: {e:#}");
-            ExitCode::FAILURE
+            match e.downcast_ref::<reserve::Exit>() {
+                Some(reserve::Exit(code, _)) => ExitCode::from(*code),
+                None => ExitCode::FAILURE,
+            }
         }
     }
 }
@@ -59,5 +115,23 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Command::Reserve {
+            gpu,
+            count,
+            bytes,
+            margin,
+            no_fence,
+            timeout,
+            command,
+        } => reserve::reserve(reserve::Request {
+            gpus: gpu,
+            count: count.map(|c| c as usize),
+            bytes,
+            margin,
+            fence: !no_fence,
+            timeout,
+            command,
+        }),
+        Command::Locks { json } => reserve::locks(json),
     }
 }

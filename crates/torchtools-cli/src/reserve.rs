@@ -1,0 +1,308 @@
+//! `torchtools reserve` and `torchtools locks`.
+
+use std::ffi::OsString;
+use std::io;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, ExitCode};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+use signal_hook::iterator::exfiltrator::WithOrigin;
+use signal_hook::iterator::SignalsInfo;
+use signal_hook::low_level::siginfo::Cause;
+use tt_device::{Bytes, Inventory};
+use tt_fence::{Fence, FenceOptions};
+use tt_lock::{GpuKey, GpuLock, GpuSpec, Holder, LockDir, LockState, Wait};
+
+/// Exit status when the GPUs stay locked past `--timeout` (sysexits' EX_TEMPFAIL).
+pub(crate) const EXIT_LOCKED: u8 = 75;
+/// Exit status of a command that cannot be found, as shells use it.
+const EXIT_NOT_FOUND: u8 = 127;
+/// Exit status of a command that cannot be executed, as shells use it.
+const EXIT_NOT_EXECUTABLE: u8 = 126;
+
+/// What `reserve` was asked for.
+pub(crate) struct Request {
+    pub(crate) gpus: Vec<GpuSpec>,
+    pub(crate) count: Option<usize>,
+    pub(crate) bytes: Option<Bytes>,
+    pub(crate) margin: Bytes,
+    pub(crate) fence: bool,
+    pub(crate) timeout: Option<Duration>,
+    pub(crate) command: Vec<OsString>,
+}
+
+/// A failure that has its own exit status.
+#[derive(Debug)]
+pub(crate) struct Exit(pub(crate) u8, pub(crate) String);
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.1)
+    }
+}
+
+impl std::error::Error for Exit {}
+
+pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
+    if req.fence && req.bytes.is_none() {
+        return Err(Exit(
+            2,
+            "a fence leaves free only what --bytes says the command needs: give --bytes \
+             (e.g. --bytes 6GiB), or --no-fence to take the lock alone"
+                .into(),
+        )
+        .into());
+    }
+    let dir = LockDir::from_env()?;
+    let inventory = Inventory::query();
+    let command_text: Vec<String> = req
+        .command
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let mut holder = Holder::current().running(command_text.clone());
+    if let Some(bytes) = req.bytes {
+        holder = holder.reserving(bytes);
+    }
+    let locks = take_locks(&dir, &inventory, &req, &holder)?;
+    let keys: Vec<GpuKey> = locks.iter().map(|l| l.key().clone()).collect();
+    eprintln!(
+        "torchtools: reserved {}",
+        keys.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+
+    // The fence, in this process: it lives as long as `torchtools` does.
+    let mut fences = Vec::new();
+    if req.fence {
+        let options = FenceOptions {
+            safety_margin: req.margin,
+            ..FenceOptions::keep_free(req.bytes.unwrap_or_default())
+        };
+        for key in &keys {
+            let GpuKey::Uuid(uuid) = key else {
+                bail!(
+                    "cannot fence {key}: without NVML the GPU's identity is unknown; \
+                     use --no-fence to reserve with the lock alone"
+                );
+            };
+            let fence = Fence::raise_on_uuid(uuid, &options)?;
+            eprintln!("torchtools: {}", fence.report());
+            fences.push(fence);
+        }
+    }
+
+    let mut cmd = Command::new(&req.command[0]);
+    cmd.args(&req.command[1..]).env(
+        "CUDA_VISIBLE_DEVICES",
+        keys.iter()
+            .map(GpuKey::cuda_visible_entry)
+            .collect::<Vec<_>>()
+            .join(","),
+    );
+    tt_lock::share_with(&mut cmd, &locks);
+    // Handlers first, so that no signal between spawn and wait kills us alone.
+    let mut signals = SignalsInfo::<WithOrigin>::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
+        .context("cannot install signal handlers")?;
+    let mut child = match cmd.spawn() {
+        Ok(child) => child,
+        Err(e) => {
+            let code = match e.kind() {
+                io::ErrorKind::NotFound => EXIT_NOT_FOUND,
+                io::ErrorKind::PermissionDenied => EXIT_NOT_EXECUTABLE,
+                _ => 1,
+            };
+            return Err(Exit(
+                code,
+                format!(
+                    "cannot run {:?}: {e}{}",
+                    command_text[0],
+                    if code == EXIT_NOT_FOUND {
+                        " (not found on PATH)"
+                    } else {
+                        ""
+                    }
+                ),
+            )
+            .into());
+        }
+    };
+    let child_pid = child.id();
+    let mut locks = locks;
+    for lock in &mut locks {
+        let mut record = lock.holder().clone();
+        record.command_pid = Some(child_pid);
+        if let Err(e) = lock.set_holder(record) {
+            tracing::warn!("cannot record the command's pid: {e}");
+        }
+    }
+    // Forward signals that a process sent to us; those from the terminal (Ctrl-C) were
+    // delivered to the whole foreground process group, the command included.
+    let handle = signals.handle();
+    let forwarder = std::thread::spawn(move || {
+        for origin in signals.forever() {
+            if !matches!(origin.cause, Cause::Kernel) {
+                // SAFETY: kill(2) has no memory-safety preconditions; the pid is our
+                // child's, not reaped until this thread has stopped (see below).
+                unsafe { libc::kill(child_pid as libc::pid_t, origin.signal) };
+            }
+        }
+    });
+    // Wait for the command to end without reaping it, so that its pid cannot be reused
+    // while the forwarder may still signal it; then stop the forwarder, then reap.
+    loop {
+        // SAFETY: an all-zero siginfo_t is a valid value for waitid to overwrite.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on our own child with a valid siginfo_t pointer.
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                child_pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        if rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            break;
+        }
+    }
+    handle.close();
+    let _ = forwarder.join();
+    let status = child.wait().context("waiting for the command")?;
+    drop(fences);
+    drop(locks);
+    let code = match (status.code(), status.signal()) {
+        (Some(code), _) => code as u8,
+        (None, Some(signal)) => 128u8.saturating_add(signal as u8),
+        _ => 1,
+    };
+    Ok(ExitCode::from(code))
+}
+
+fn take_locks(
+    dir: &LockDir,
+    inventory: &Inventory,
+    req: &Request,
+    holder: &Holder,
+) -> Result<Vec<GpuLock>> {
+    let wait = match req.timeout {
+        Some(t) => Wait::Timeout(t),
+        None => Wait::Block,
+    };
+    let auto = req.gpus.contains(&GpuSpec::Auto);
+    let attempt = |wait: Wait| -> tt_lock::Result<Vec<GpuLock>> {
+        if auto {
+            dir.lock_auto(inventory, req.count.unwrap_or(1), wait, holder.clone())
+        } else {
+            let keys = req
+                .gpus
+                .iter()
+                .map(|spec| spec.resolve(inventory))
+                .collect::<tt_lock::Result<Vec<_>>>()?;
+            dir.lock_many(&keys, wait, holder.clone())
+        }
+    };
+    if auto && req.gpus.len() > 1 {
+        return Err(Exit(2, "--gpu auto cannot be combined with other GPUs".into()).into());
+    }
+    if let (false, Some(count)) = (auto, req.count) {
+        if count != req.gpus.len() {
+            return Err(Exit(
+                2,
+                format!(
+                    "--count {count} but {} GPU(s) named: use --count with --gpu auto",
+                    req.gpus.len()
+                ),
+            )
+            .into());
+        }
+    }
+    let start = Instant::now();
+    let first = attempt(Wait::Try);
+    let locked = match first {
+        Err(tt_lock::Error::WouldBlock { gpu, holder }) if wait != Wait::Try => {
+            let by = holder.map_or("a process that left no record".into(), |h| h.to_string());
+            let until = match req.timeout {
+                Some(t) => format!(" (at most {t:?})"),
+                None => String::new(),
+            };
+            eprintln!("torchtools: {gpu} is locked by {by}; waiting{until}");
+            let remaining = match wait {
+                Wait::Timeout(t) => Wait::Timeout(t.saturating_sub(start.elapsed())),
+                other => other,
+            };
+            attempt(remaining)
+        }
+        other => other,
+    };
+    locked.map_err(|e| match e {
+        e @ (tt_lock::Error::Timeout { .. } | tt_lock::Error::WouldBlock { .. }) => {
+            Exit(EXIT_LOCKED, e.to_string()).into()
+        }
+        e @ (tt_lock::Error::InvalidGpu { .. } | tt_lock::Error::UnknownGpu { .. }) => {
+            Exit(2, e.to_string()).into()
+        }
+        e => anyhow::Error::from(e),
+    })
+}
+
+pub(crate) fn locks(json: bool) -> Result<ExitCode> {
+    let dir = LockDir::from_env()?;
+    let inventory = Inventory::query();
+    let states = dir.status(&inventory)?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "lock_dir": dir.path(),
+                "nvml": inventory.nvml,
+                "locks": states,
+            }))?
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("GPU locks in {}", dir.path().display());
+    if let tt_device::NvmlStatus::Unavailable { reason } = &inventory.nvml {
+        println!("  NVML unavailable ({reason}): locks are keyed by the index given (gpu-N.lock)");
+    }
+    if states.is_empty() {
+        println!("  no GPU and no lock file");
+    }
+    for state in &states {
+        println!("  {}", line(state));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn line(state: &LockState) -> String {
+    let name = match (&state.nvml_index, &state.name, &state.gpu) {
+        (Some(i), Some(n), GpuKey::Uuid(u)) => format!("{i}  {n}  {u}"),
+        (_, _, GpuKey::Uuid(u)) => format!("?  {u}"),
+        (_, _, GpuKey::Index(i)) => format!("{i}  (keyed by index: no NVML)"),
+    };
+    match (&state.held, &state.holder) {
+        (false, _) => format!("{name}: free"),
+        (true, Some(h)) => format!("{name}: held by {h}"),
+        (true, None) => format!("{name}: held (no record yet)"),
+    }
+}
+
+/// `--margin`'s default: tt-fence's `DEFAULT_SAFETY_MARGIN` (a test checks they agree).
+pub(crate) const DEFAULT_MARGIN: &str = "50MiB";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_margin_is_tt_fences() {
+        assert_eq!(
+            crate::args::size(DEFAULT_MARGIN),
+            Ok(tt_fence::DEFAULT_SAFETY_MARGIN)
+        );
+    }
+}

@@ -1,0 +1,353 @@
+//! `torchtools reserve` and `locks` as users run them: real processes, real locks,
+//! signals and `kill -9`. On a machine without NVML the locks are index-keyed.
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tt_lock::{GpuKey, GpuSpec, Holder, LockDir, Wait};
+
+fn torchtools(dir: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_torchtools"));
+    cmd.env("TORCHTOOLS_LOCK_DIR", dir)
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env_remove("TORCHTOOLS_HELD_LOCKS")
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn run(dir: &Path, args: &[&str]) -> Output {
+    torchtools(dir).args(args).output().unwrap()
+}
+
+/// The key `--gpu 0` takes on this machine (its UUID with NVML, else index 0).
+fn key0() -> GpuKey {
+    GpuSpec::Nvml(0)
+        .resolve(&tt_device::Inventory::query())
+        .unwrap()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// `reserve --gpu 0 --no-fence -- sh -c 'echo ready; exec sleep 60'`, returned once the
+/// command runs.
+fn reserve_sleeping(dir: &Path) -> (Child, u32) {
+    let mut child = torchtools(dir)
+        .args(["reserve", "--gpu", "0", "--no-fence", "--", "sh", "-c"])
+        .arg("echo ready $$; exec sleep 60")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let pid = line.trim().strip_prefix("ready ").unwrap().parse().unwrap();
+    (child, pid)
+}
+
+fn kill(pid: u32, signal: i32) {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(pid as i32, signal) };
+}
+
+fn held(dir: &Path) -> bool {
+    let locks = LockDir::open(dir).unwrap();
+    locks
+        .list()
+        .unwrap()
+        .iter()
+        .any(|s| s.gpu == key0() && s.held)
+}
+
+#[test]
+fn the_commands_exit_status_is_propagated() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = run(
+        tmp.path(),
+        &[
+            "reserve",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "sh",
+            "-c",
+            "exit 3",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let out = run(
+        tmp.path(),
+        &[
+            "reserve",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "sh",
+            "-c",
+            "kill -9 $$",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(128 + 9), "{}", stderr(&out));
+    assert!(!held(tmp.path()), "released after the command");
+}
+
+#[test]
+fn the_command_sees_its_gpu_and_the_inherited_lock() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = run(
+        tmp.path(),
+        &[
+            "reserve",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "sh",
+            "-c",
+            "echo $CUDA_VISIBLE_DEVICES; echo $TORCHTOOLS_HELD_LOCKS",
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some(key0().cuda_visible_entry().as_str()));
+    let held = lines.next().unwrap();
+    assert!(
+        held.starts_with(&format!("{}=", key0().file_name())),
+        "{held}"
+    );
+}
+
+#[test]
+fn a_missing_command_exits_127_and_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = run(
+        tmp.path(),
+        &[
+            "reserve",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "no-such-command-tt",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(127));
+    assert!(
+        stderr(&out).contains("cannot run \"no-such-command-tt\""),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!held(tmp.path()));
+}
+
+#[test]
+fn bad_arguments_exit_2_with_the_reason() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (args, needle) in [
+        (
+            &["reserve", "--gpu", "0", "--bytes", "6XB", "--", "true"][..],
+            "is not a size",
+        ),
+        (
+            &["reserve", "--gpu", "nope", "--no-fence", "--", "true"][..],
+            "is not a GPU",
+        ),
+        (
+            &[
+                "reserve",
+                "--gpu",
+                "0",
+                "--timeout",
+                "soon",
+                "--no-fence",
+                "--",
+                "true",
+            ][..],
+            "is not a duration",
+        ),
+        (&["reserve", "--gpu", "0", "--", "true"][..], "give --bytes"),
+        (
+            &[
+                "reserve",
+                "--gpu",
+                "0",
+                "--count",
+                "2",
+                "--no-fence",
+                "--",
+                "true",
+            ][..],
+            "--count",
+        ),
+        (&["reserve", "--gpu", "0", "--no-fence"][..], "<CMD>"),
+    ] {
+        let out = run(tmp.path(), args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(needle), "{args:?}: {}", stderr(&out));
+    }
+    let out = torchtools(tmp.path())
+        .env("TORCHTOOLS_LOCK_DIR", "relative/dir")
+        .args(["locks"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("TORCHTOOLS_LOCK_DIR=\"relative/dir\""),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn a_timeout_exits_75_naming_the_holder_and_never_early() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut first, command_pid) = reserve_sleeping(tmp.path());
+    let start = Instant::now();
+    let out = run(
+        tmp.path(),
+        &[
+            "reserve",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--timeout",
+            "300ms",
+            "--",
+            "true",
+        ],
+    );
+    let took = start.elapsed();
+    assert_eq!(out.status.code(), Some(75), "{}", stderr(&out));
+    assert!(took >= Duration::from_millis(300), "{took:?}");
+    let text = stderr(&out);
+    assert!(text.contains(&format!("pid {}", first.id())), "{text}");
+    assert!(
+        text.contains(&format!("command pid {command_pid}")),
+        "{text}"
+    );
+    kill(first.id(), libc::SIGTERM);
+    first.wait().unwrap();
+}
+
+#[test]
+fn kill_9_of_torchtools_alone_keeps_the_gpu_locked_for_the_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut tt, command_pid) = reserve_sleeping(tmp.path());
+    kill(tt.id(), libc::SIGKILL);
+    tt.wait().unwrap();
+    assert!(held(tmp.path()), "the command still holds the GPU");
+    kill(command_pid, libc::SIGKILL);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while held(tmp.path()) {
+        assert!(
+            Instant::now() < deadline,
+            "still held after the command died"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn sigterm_is_forwarded_and_everything_is_released() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut tt, _command_pid) = reserve_sleeping(tmp.path());
+    assert!(held(tmp.path()));
+    kill(tt.id(), libc::SIGTERM);
+    let status = tt.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status:?}");
+    assert!(!held(tmp.path()));
+}
+
+#[test]
+fn two_reserves_of_one_gpu_take_turns() {
+    let tmp = tempfile::tempdir().unwrap();
+    let log = tmp.path().join("log");
+    let script = format!(
+        "echo start >> {0}; sleep 0.3; echo end >> {0}",
+        log.display()
+    );
+    let spawn = || {
+        torchtools(tmp.path())
+            .args([
+                "reserve",
+                "--gpu",
+                "0",
+                "--no-fence",
+                "--",
+                "sh",
+                "-c",
+                &script,
+            ])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let (mut a, mut b) = (spawn(), spawn());
+    assert!(a.wait().unwrap().success() && b.wait().unwrap().success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(
+        text, "start\nend\nstart\nend\n",
+        "the two commands overlapped"
+    );
+}
+
+#[test]
+fn locks_shows_the_holder_with_its_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut tt, command_pid) = reserve_sleeping(tmp.path());
+    let out = run(tmp.path(), &["locks", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lock = json["locks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["held"] == true)
+        .unwrap_or_else(|| panic!("{json}"));
+    assert_eq!(lock["holder"]["pid"], tt.id());
+    assert_eq!(lock["holder"]["command_pid"], command_pid);
+    assert_eq!(lock["holder"]["command"][0], "sh");
+    let text = String::from_utf8(run(tmp.path(), &["locks"]).stdout).unwrap();
+    assert!(text.contains(&format!("held by pid {}", tt.id())), "{text}");
+    kill(tt.id(), libc::SIGTERM);
+    tt.wait().unwrap();
+    let text = String::from_utf8(run(tmp.path(), &["locks"]).stdout).unwrap();
+    assert!(text.contains(": free"), "{text}");
+}
+
+/// Child side of the next test: a program that locks its GPU through tt-lock while
+/// running under `torchtools reserve`.
+#[test]
+fn child_locking_under_reserve() {
+    if std::env::var_os("TT_CLI_TEST_CHILD").is_none() {
+        return;
+    }
+    let dir = LockDir::from_env().unwrap();
+    let lock = dir.lock(&key0(), Wait::Try, Holder::current()).unwrap();
+    println!("\n@@inherited={}@@", lock.is_inherited());
+}
+
+#[test]
+fn a_program_under_reserve_uses_the_inherited_lock_instead_of_waiting_for_itself() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = torchtools(tmp.path())
+        .args(["reserve", "--gpu", "0", "--no-fence", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "child_locking_under_reserve", "--nocapture"])
+        .env("TT_CLI_TEST_CHILD", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(text.contains("@@inherited=true@@"), "{text}");
+    assert!(!held(tmp.path()));
+}
