@@ -7,9 +7,14 @@
 //! |---|---|---|
 //! | [`device`] | `tt-device` | pick CUDA / MPS / CPU from the environment and the build, say why; GPU inventory through NVML |
 //! | [`sys`] (feature `tch`) | `tt-sys` | load CUDA so tch sees it; libtorch's caching-allocator statistics; rpath helper |
+//! | [`lock`] | `tt-lock` | cooperative per-GPU locks (by UUID) with holder records, timeouts, sets |
+//! | [`fence`] | `tt-fence` | hold a GPU's spare memory so others cannot take it; hand it back on demand |
 //! | [`sampler`] | `tt-sampler` | torch's `DistributedSampler` order, interruptible and resumable exactly |
 //! | [`ckpt`] | `tt-ckpt` | atomic, verified, Python-readable checkpoints; a directory that survives `kill -9` |
 //! | [`optim`] | `tt-optim` | SGD / Adam / AdamW with torch.optim's rules and LR schedules, state saved in checkpoints |
+//!
+//! The flows that join them: [`reserve_gpu_for_training`] (lock + fence, the seed's
+//! context manager as a guard).
 //!
 //! Every crate's core builds without libtorch; libtorch comes in only with the `tch`
 //! feature (on by default here). The `torchtools` command (crate `torchtools-cli`)
@@ -33,8 +38,20 @@
 //! A binary that uses the `tch` feature runs from any directory when its build script
 //! calls [`tt_sys::build::link_libtorch_rpath`] (see that module).
 
+mod reserve;
+
+pub use reserve::{
+    reserve_gpu_for_training, Reservation, ReserveError, ReserveOptions, ReservedGpu,
+};
+
 #[doc(inline)]
 pub use tt_device as device;
+
+#[doc(inline)]
+pub use tt_lock as lock;
+
+#[doc(inline)]
+pub use tt_fence as fence;
 
 #[doc(inline)]
 pub use tt_ckpt as ckpt;

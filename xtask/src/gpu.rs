@@ -104,6 +104,7 @@ py=${PYTHON:-python3}
 torch_lib=$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null) || {
   echo "run.sh: '$py' cannot import torch: install PyTorch 2.11 or set PYTHON" >&2; exit 1; }
 export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export TORCHTOOLS_BIN="$here/bin/torchtools"
 pass=0; fail=0; rows=""
 for t in "$here"/bin/*-gpu; do
   name=$(basename "$t")

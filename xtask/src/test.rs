@@ -22,7 +22,14 @@ pub(crate) const CRATES: [&str; 9] = [
 const FEATURELESS: [&str; 3] = ["tt-sampler", "tt-lock", "tt-fence"];
 
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
-pub(crate) const GPU_CRATES: [&str; 4] = ["tt-sys", "tt-device", "tt-fence", "tt-ckpt"];
+pub(crate) const GPU_CRATES: [&str; 6] = [
+    "tt-sys",
+    "tt-device",
+    "tt-fence",
+    "tt-ckpt",
+    "torchtools-cli",
+    "torchtools",
+];
 
 /// `cargo` arguments that select the GPU test target of `krate`, then `extra`.
 pub(crate) fn gpu_test_args<'a>(krate: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -81,7 +88,7 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-ckpt/gpu-tests",
+            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-ckpt/gpu-tests,torchtools-cli/gpu-tests,torchtools/gpu-tests",
             "--",
             "-D",
             "warnings",

@@ -1,0 +1,72 @@
+//! GPU tests of `torchtools reserve` (`cargo xtask test-gpu`): the fence seen from the
+//! command it runs, and two reserves of one GPU taking turns. The binary is
+//! `TORCHTOOLS_BIN` when set (the GPU bundle), else the one cargo built.
+#![allow(clippy::unwrap_used)]
+
+use std::process::{Command, Stdio};
+
+fn torchtools() -> Command {
+    let bin = std::env::var("TORCHTOOLS_BIN").unwrap_or(env!("CARGO_BIN_EXE_torchtools").into());
+    let mut cmd = Command::new(bin);
+    cmd.env_remove("CUDA_VISIBLE_DEVICES");
+    cmd
+}
+
+fn require_gpu() -> String {
+    let inv = tt_device::Inventory::query();
+    assert!(!inv.gpus.is_empty(), "GPU tests need a GPU: {:?}", inv.nvml);
+    inv.gpus[0].uuid.clone()
+}
+
+#[test]
+fn the_command_sees_the_fence_leave_its_bytes_free() {
+    let uuid = require_gpu();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = torchtools()
+        .env("TORCHTOOLS_LOCK_DIR", tmp.path())
+        .args(["reserve", "--gpu", "0", "--bytes", "4GiB", "--", "sh", "-c"])
+        .arg("echo $CUDA_VISIBLE_DEVICES; nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i $CUDA_VISIBLE_DEVICES")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut lines = text.lines();
+    assert_eq!(lines.next().unwrap(), uuid);
+    let free_mib: u64 = lines.next().unwrap().trim().parse().unwrap();
+    // 4 GiB + the 50 MiB margin, within 256 MiB of driver bookkeeping.
+    assert!(
+        free_mib.abs_diff(4096 + 50) < 256,
+        "{free_mib} MiB free in the command"
+    );
+}
+
+#[test]
+fn two_reserves_of_one_gpu_take_turns() {
+    require_gpu();
+    let tmp = tempfile::tempdir().unwrap();
+    let log = tmp.path().join("log");
+    let script = format!(
+        "echo start >> {0}; sleep 0.5; echo end >> {0}",
+        log.display()
+    );
+    let spawn = || {
+        torchtools()
+            .env("TORCHTOOLS_LOCK_DIR", tmp.path())
+            .args([
+                "reserve", "--gpu", "0", "--bytes", "8GiB", "--", "sh", "-c", &script,
+            ])
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap()
+    };
+    let (mut a, mut b) = (spawn(), spawn());
+    assert!(a.wait().unwrap().success() && b.wait().unwrap().success());
+    assert_eq!(
+        std::fs::read_to_string(&log).unwrap(),
+        "start\nend\nstart\nend\n"
+    );
+}
