@@ -37,7 +37,7 @@ fn stderr(out: &Output) -> String {
 /// command runs.
 fn reserve_sleeping(dir: &Path) -> (Child, u32) {
     let mut child = torchtools(dir)
-        .args(["reserve", "--gpu", "0", "--no-fence", "--", "sh", "-c"])
+        .args(RESERVE_SH)
         .arg("echo ready $$; exec sleep 60")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -56,6 +56,18 @@ fn kill(pid: u32, signal: i32) {
     unsafe { libc::kill(pid as i32, signal) };
 }
 
+/// `torchtools reserve --gpu 0 --no-fence -- sh -c`, then the script.
+const RESERVE_SH: [&str; 7] = ["reserve", "--gpu", "0", "--no-fence", "--", "sh", "-c"];
+
+/// `torchtools reserve --gpu 0 --no-fence -- sh -c SCRIPT`.
+fn reserve_sh(dir: &Path, script: &str) -> Output {
+    torchtools(dir)
+        .args(RESERVE_SH)
+        .arg(script)
+        .output()
+        .unwrap()
+}
+
 fn held(dir: &Path) -> bool {
     let locks = LockDir::open(dir).unwrap();
     locks
@@ -68,33 +80,9 @@ fn held(dir: &Path) -> bool {
 #[test]
 fn the_commands_exit_status_is_propagated() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = run(
-        tmp.path(),
-        &[
-            "reserve",
-            "--gpu",
-            "0",
-            "--no-fence",
-            "--",
-            "sh",
-            "-c",
-            "exit 3",
-        ],
-    );
+    let out = reserve_sh(tmp.path(), "exit 3");
     assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
-    let out = run(
-        tmp.path(),
-        &[
-            "reserve",
-            "--gpu",
-            "0",
-            "--no-fence",
-            "--",
-            "sh",
-            "-c",
-            "kill -9 $$",
-        ],
-    );
+    let out = reserve_sh(tmp.path(), "kill -9 $$");
     assert_eq!(out.status.code(), Some(128 + 9), "{}", stderr(&out));
     assert!(!held(tmp.path()), "released after the command");
 }
@@ -102,18 +90,9 @@ fn the_commands_exit_status_is_propagated() {
 #[test]
 fn the_command_sees_its_gpu_and_the_inherited_lock() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = run(
+    let out = reserve_sh(
         tmp.path(),
-        &[
-            "reserve",
-            "--gpu",
-            "0",
-            "--no-fence",
-            "--",
-            "sh",
-            "-c",
-            "echo $CUDA_VISIBLE_DEVICES; echo $TORCHTOOLS_HELD_LOCKS",
-        ],
+        "echo $CUDA_VISIBLE_DEVICES; echo $TORCHTOOLS_HELD_LOCKS",
     );
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8(out.stdout).unwrap();
@@ -277,16 +256,8 @@ fn two_reserves_of_one_gpu_take_turns() {
     );
     let spawn = || {
         torchtools(tmp.path())
-            .args([
-                "reserve",
-                "--gpu",
-                "0",
-                "--no-fence",
-                "--",
-                "sh",
-                "-c",
-                &script,
-            ])
+            .args(RESERVE_SH)
+            .arg(&script)
             .stderr(Stdio::null())
             .spawn()
             .unwrap()
