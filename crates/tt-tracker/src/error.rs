@@ -1,0 +1,74 @@
+use std::path::PathBuf;
+
+/// Errors of tt-tracker.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A unit name that is not one of gpu_tracker's.
+    #[error("{value:?} is not a {kind} unit: use one of {valid}")]
+    InvalidUnit {
+        /// The text given.
+        value: String,
+        /// RAM or time.
+        kind: &'static str,
+        /// The accepted names.
+        valid: &'static str,
+    },
+    /// An interval below the 10 ms minimum.
+    #[error("a sampling interval of {given:?} is too short: the minimum is 10ms")]
+    IntervalTooShort {
+        /// The interval given.
+        given: std::time::Duration,
+    },
+    /// The process to track does not exist.
+    #[error("process {pid} does not exist (or has already exited); nothing to track")]
+    NoSuchProcess {
+        /// The pid given.
+        pid: u32,
+    },
+    /// The timeline file has an extension we do not write.
+    #[error(
+        "cannot tell the timeline format of {path}: name it *.csv, *.jsonl (JSON Lines) or \
+         *.sqlite"
+    )]
+    TimelineFormat {
+        /// The path.
+        path: PathBuf,
+    },
+    /// The timeline file exists and `overwrite` is off.
+    #[error("the timeline file {path} already exists: remove it, or set overwrite")]
+    TimelineExists {
+        /// The path.
+        path: PathBuf,
+    },
+    /// Writing the timeline failed.
+    #[error("writing the timeline {path}: {reason}")]
+    Timeline {
+        /// The path.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// Drawing the plot failed.
+    #[error("drawing {path}: {reason}")]
+    Plot {
+        /// The path.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A report file could not be read for a comparison.
+    #[error("reading the tracking report {path}: {reason}")]
+    Report {
+        /// The path.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The sampler thread panicked or could not start.
+    #[error("the tracker's sampling thread failed: {0}")]
+    Sampler(String),
+}
+
+/// `Result` with tt-tracker's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

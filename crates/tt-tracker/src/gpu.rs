@@ -1,0 +1,158 @@
+//! GPU figures through NVML, in process (loaded at run time): per-process memory of the
+//! tracked tree, per-GPU memory and utilisation, and the energy counter.
+
+use std::collections::HashSet;
+
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::Nvml;
+
+use crate::usage::GpuEnergy;
+
+/// One tick's GPU figures, in bytes and percent.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct GpuSample {
+    pub(crate) main: u64,
+    pub(crate) descendants: u64,
+    pub(crate) system: u64,
+    /// Sum of the tracked GPUs' utilisation.
+    pub(crate) util_sum: f64,
+}
+
+pub(crate) struct Gpus {
+    nvml: Option<Nvml>,
+    /// (NVML index, UUID, tracked for utilisation)
+    devices: Vec<(u32, String, bool)>,
+    energy_start: Vec<Option<u64>>,
+    pub(crate) capacity: u64,
+}
+
+impl Gpus {
+    /// Opens NVML. Without it: no GPUs and one warning. `only` restricts utilisation
+    /// and energy to these UUIDs; an unknown UUID is returned as an error message.
+    pub(crate) fn open(only: Option<&[String]>) -> (Gpus, Option<String>) {
+        let empty = |warning: String| {
+            (
+                Gpus {
+                    nvml: None,
+                    devices: Vec::new(),
+                    energy_start: Vec::new(),
+                    capacity: 0,
+                },
+                Some(warning),
+            )
+        };
+        let nvml = match Nvml::init() {
+            Ok(n) => n,
+            Err(e) => {
+                return empty(format!(
+                    "NVML is unavailable ({e}): GPU RAM, utilisation and energy stay 0"
+                ))
+            }
+        };
+        let count = nvml.device_count().unwrap_or(0);
+        let mut devices = Vec::new();
+        let mut capacity = 0;
+        let mut energy_start = Vec::new();
+        for index in 0..count {
+            let Ok(device) = nvml.device_by_index(index) else {
+                continue;
+            };
+            let uuid = device.uuid().unwrap_or_default();
+            let tracked = only.is_none_or(|u| u.iter().any(|x| x.eq_ignore_ascii_case(&uuid)));
+            capacity += device.memory_info().map(|m| m.total).unwrap_or(0);
+            energy_start.push(if tracked {
+                device.total_energy_consumption().ok()
+            } else {
+                None
+            });
+            devices.push((index, uuid, tracked));
+        }
+        let mut warning = None;
+        if let Some(only) = only {
+            let unknown: Vec<&String> = only
+                .iter()
+                .filter(|u| !devices.iter().any(|(_, d, _)| d.eq_ignore_ascii_case(u)))
+                .collect();
+            if !unknown.is_empty() {
+                warning = Some(format!(
+                    "GPU UUID(s) {unknown:?} are not on this machine; known: {:?}",
+                    devices.iter().map(|(_, u, _)| u).collect::<Vec<_>>()
+                ));
+            }
+        }
+        (
+            Gpus {
+                nvml: Some(nvml),
+                devices,
+                energy_start,
+                capacity,
+            },
+            warning,
+        )
+    }
+
+    /// GPUs in the system, and those tracked.
+    pub(crate) fn counts(&self) -> (usize, usize) {
+        (
+            self.devices.len(),
+            self.devices.iter().filter(|d| d.2).count(),
+        )
+    }
+
+    pub(crate) fn available(&self) -> bool {
+        self.nvml.is_some()
+    }
+
+    pub(crate) fn sample(&self, main: u32, descendants: &HashSet<u32>) -> GpuSample {
+        let mut s = GpuSample::default();
+        let Some(nvml) = &self.nvml else { return s };
+        for (index, _, tracked) in &self.devices {
+            let Ok(device) = nvml.device_by_index(*index) else {
+                continue;
+            };
+            if let Ok(m) = device.memory_info() {
+                s.system += m.used;
+            }
+            if *tracked {
+                if let Ok(u) = device.utilization_rates() {
+                    s.util_sum += f64::from(u.gpu);
+                }
+            }
+            for p in device.running_compute_processes().unwrap_or_default() {
+                let used = match p.used_gpu_memory {
+                    UsedGpuMemory::Used(b) => b,
+                    UsedGpuMemory::Unavailable => 0,
+                };
+                if p.pid == main {
+                    s.main += used;
+                } else if descendants.contains(&p.pid) {
+                    s.descendants += used;
+                }
+            }
+        }
+        s
+    }
+
+    /// Energy since `open`, per tracked GPU.
+    pub(crate) fn energy(&self) -> Vec<GpuEnergy> {
+        let Some(nvml) = &self.nvml else {
+            return Vec::new();
+        };
+        self.devices
+            .iter()
+            .zip(&self.energy_start)
+            .filter_map(|((index, uuid, _), start)| {
+                let start = (*start)?;
+                let now = nvml
+                    .device_by_index(*index)
+                    .ok()?
+                    .total_energy_consumption()
+                    .ok()?;
+                Some(GpuEnergy {
+                    uuid: uuid.clone(),
+                    joules: now.saturating_sub(start) as f64 / 1e3,
+                })
+            })
+            .collect()
+    }
+}

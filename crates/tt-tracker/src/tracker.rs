@@ -1,0 +1,810 @@
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::gpu::Gpus;
+use crate::procfs::{self, Rollup};
+use crate::timeline::{BlockEvent, Sample, StaticData, Timeline};
+use crate::usage::{
+    Additions, BlockSummary, ComputeTime, CpuUtilization, GpuUtilization, MaxGpuRam, MaxRam,
+    PeakMethods, ProcessingUnitPercentages, ResourceUsage, RssValues, Stat,
+};
+use crate::{Error, RamUnit, Result, TimeUnit};
+
+/// The shortest sampling interval accepted.
+pub const MIN_INTERVAL: Duration = Duration::from_millis(10);
+
+/// `smaps_rollup` (private / shared RSS) is read at most this often per process.
+const ROLLUP_EVERY: Duration = Duration::from_secs(1);
+
+/// Points kept for a plot; neighbours are merged (keeping maxima) beyond it.
+const SERIES_POINTS: usize = 4096;
+
+/// Which process to track, with its descendants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Target {
+    /// This process.
+    #[default]
+    Current,
+    /// Another process.
+    Pid(u32),
+}
+
+/// How to track.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrackerConfig {
+    /// Time between samples: default 100 ms, at least [`MIN_INTERVAL`] (10 ms).
+    pub interval: Duration,
+    /// Unit of RAM figures (default gigabytes, as gpu_tracker).
+    pub ram_unit: RamUnit,
+    /// Unit of GPU RAM figures (default gigabytes).
+    pub gpu_ram_unit: RamUnit,
+    /// Unit of the compute time (default hours).
+    pub time_unit: TimeUnit,
+    /// Cores the job is expected to use: the denominator of the hardware percentages
+    /// (default: every core).
+    pub n_expected_cores: Option<usize>,
+    /// GPUs whose utilisation and energy count (default: all).
+    pub gpu_uuids: Option<Vec<String>>,
+    /// The process to track.
+    pub target: Target,
+    /// Write every sample here (`.csv`, `.jsonl`, `.sqlite`).
+    pub timeline: Option<PathBuf>,
+    /// Replace an existing timeline file.
+    pub overwrite: bool,
+    /// Keep a decimated series of (time, RAM, GPU RAM, CPU%) for [`crate::plot`].
+    pub keep_series: bool,
+    /// A memory cgroup directory holding only the tracked tree (`torchtools track`
+    /// makes one where it may): its peak is reported beside the RSS peaks.
+    pub cgroup: Option<PathBuf>,
+}
+
+impl Default for TrackerConfig {
+    fn default() -> Self {
+        TrackerConfig {
+            interval: Duration::from_millis(100),
+            ram_unit: RamUnit::Gigabytes,
+            gpu_ram_unit: RamUnit::Gigabytes,
+            time_unit: TimeUnit::Hours,
+            n_expected_cores: None,
+            gpu_uuids: None,
+            target: Target::Current,
+            timeline: None,
+            overwrite: false,
+            keep_series: false,
+            cgroup: None,
+        }
+    }
+}
+
+/// One point of the plotted series: seconds since start, RAM and GPU RAM (bytes,
+/// combined), CPU percent (combined sum).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SeriesPoint {
+    /// Seconds since the start of tracking.
+    pub t: f64,
+    /// Combined RAM, bytes.
+    pub ram: f64,
+    /// Combined GPU RAM, bytes.
+    pub gpu_ram: f64,
+    /// Combined CPU, percent of one core.
+    pub cpu: f64,
+}
+
+#[derive(Default)]
+struct Control {
+    stop: bool,
+    events: Vec<BlockEvent>,
+    exit_max_rss: Option<u64>,
+    exit_status: Option<i32>,
+}
+
+struct Shared {
+    control: Mutex<Control>,
+    wake: Condvar,
+}
+
+/// A running tracker: a thread sampling the target's process tree. [`Tracker::stop`]
+/// returns the [`ResourceUsage`]; dropping it stops it too (discarding the report).
+pub struct Tracker {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<Result<Finished>>>,
+}
+
+/// What the sampling thread hands back.
+type Finished = (ResourceUsage, Vec<SeriesPoint>);
+
+/// The previous sample's time, per-process CPU ticks and per-core (busy, total).
+type CpuBase = (Instant, HashMap<u32, u64>, Vec<(u64, u64)>);
+
+/// A named code block being tracked; ends when dropped. See [`Tracker::block`].
+pub struct Block {
+    shared: Arc<Shared>,
+    name: String,
+}
+
+fn now_unix() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn push_event(shared: &Shared, name: &str, position: u8) {
+    let mut c = shared.control.lock().unwrap_or_else(|e| e.into_inner());
+    c.events.push(BlockEvent {
+        process_id: std::process::id(),
+        code_block_name: name.to_owned(),
+        position,
+        timestamp: now_unix(),
+    });
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        push_event(&self.shared, &self.name, 1);
+    }
+}
+
+impl Tracker {
+    /// Starts tracking. The first sample is taken before this returns, so that a
+    /// target that dies at once is still seen.
+    pub fn start(config: TrackerConfig) -> Result<Tracker> {
+        if config.interval < MIN_INTERVAL {
+            return Err(Error::IntervalTooShort {
+                given: config.interval,
+            });
+        }
+        let pid = match config.target {
+            Target::Current => std::process::id(),
+            Target::Pid(pid) => pid,
+        };
+        let mut buf = String::new();
+        if procfs::stat(pid, &mut buf).is_none() {
+            return Err(Error::NoSuchProcess { pid });
+        }
+        let mut sampler = Sampler::new(config, pid)?;
+        sampler.tick()?;
+        let shared = Arc::new(Shared {
+            control: Mutex::new(Control::default()),
+            wake: Condvar::new(),
+        });
+        let thread_shared = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("tt-tracker".into())
+            .spawn(move || sampler.run(&thread_shared))
+            .map_err(|e| Error::Sampler(e.to_string()))?;
+        Ok(Tracker {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Tracks `work` from start to end; returns its result and the usage.
+    pub fn run<R>(config: TrackerConfig, work: impl FnOnce() -> R) -> Result<(R, ResourceUsage)> {
+        let tracker = Tracker::start(config)?;
+        let result = work();
+        Ok((result, tracker.stop()?))
+    }
+
+    /// Marks a named code block from now until the guard drops: its start and stop go
+    /// to the timeline, and the report summarises its samples (gpu_tracker's
+    /// sub-tracking).
+    pub fn block(&self, name: impl Into<String>) -> Block {
+        let name = name.into();
+        push_event(&self.shared, &name, 0);
+        Block {
+            shared: Arc::clone(&self.shared),
+            name,
+        }
+    }
+
+    /// Tells the tracker that the tracked command was reaped, with `ru_maxrss` (bytes)
+    /// from `wait4` and its exit status: the kernel's exact peak of the command (see
+    /// the report's `peak_methods`).
+    pub fn target_exited(&self, max_rss_bytes: u64, status: i32) {
+        let mut c = self
+            .shared
+            .control
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        c.exit_max_rss = Some(max_rss_bytes);
+        c.exit_status = Some(status);
+    }
+
+    /// Stops tracking (after one last sample) and returns the report.
+    pub fn stop(mut self) -> Result<ResourceUsage> {
+        self.finish().map(|(usage, _)| usage)
+    }
+
+    /// Stops tracking and returns the report and the series kept for plotting
+    /// (`keep_series`).
+    pub fn stop_with_series(mut self) -> Result<Finished> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<Finished> {
+        {
+            let mut c = self
+                .shared
+                .control
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            c.stop = true;
+        }
+        self.shared.wake.notify_all();
+        match self.thread.take() {
+            Some(t) => t.join().map_err(|_| Error::Sampler("it panicked".into()))?,
+            None => Err(Error::Sampler("already stopped".into())),
+        }
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            let _ = self.finish();
+        }
+    }
+}
+
+/// Running min / max / sum of each measure inside a block.
+#[derive(Default)]
+struct BlockAcc {
+    calls: u64,
+    seconds: f64,
+    samples: u64,
+    stats: Vec<(f64, f64, f64)>,
+    open: Vec<f64>,
+}
+
+/// Peak and mean of a percentage series.
+#[derive(Default, Clone)]
+struct Pct {
+    max_sum: f64,
+    max_hw: f64,
+    sum_sum: f64,
+    sum_hw: f64,
+    n: u64,
+}
+
+impl Pct {
+    fn add(&mut self, sum: f64, units: usize) -> f64 {
+        let hw = sum / units.max(1) as f64;
+        self.max_sum = self.max_sum.max(sum);
+        self.max_hw = self.max_hw.max(hw);
+        self.sum_sum += sum;
+        self.sum_hw += hw;
+        self.n += 1;
+        hw
+    }
+
+    fn report(&self) -> ProcessingUnitPercentages {
+        let n = self.n.max(1) as f64;
+        ProcessingUnitPercentages {
+            max_sum_percent: self.max_sum,
+            max_hardware_percent: self.max_hw,
+            mean_sum_percent: self.sum_sum / n,
+            mean_hardware_percent: self.sum_hw / n,
+        }
+    }
+}
+
+#[derive(Default, Clone, Copy)]
+struct Rss {
+    total: u64,
+    private: u64,
+    shared: u64,
+}
+
+impl Rss {
+    fn max(&mut self, other: Rss) {
+        self.total = self.total.max(other.total);
+        self.private = self.private.max(other.private);
+        self.shared = self.shared.max(other.shared);
+    }
+}
+
+struct Sampler {
+    config: TrackerConfig,
+    main: u32,
+    buf: String,
+    tck: f64,
+    start: Instant,
+    cores: usize,
+    expected_cores: usize,
+    last: Option<CpuBase>,
+    rollups: HashMap<u32, (Instant, Rollup)>,
+    /// Highest VmHWM seen per pid, and whether it counts from the start of tracking.
+    hwm: HashMap<u32, u64>,
+    hwm_reset_failed: HashSet<u32>,
+    seen: HashSet<u32>,
+    max_main: Rss,
+    max_desc: Rss,
+    max_comb: Rss,
+    max_system: u64,
+    system_capacity: u64,
+    max_gpu: (u64, u64, u64, u64),
+    threads: (u64, u64, u64),
+    cpu: [Pct; 4],
+    gpu_pct: Pct,
+    gpus: Gpus,
+    warnings: Vec<String>,
+    timeline: Option<Timeline>,
+    samples: u64,
+    blocks: BTreeMap<String, BlockAcc>,
+    series: Vec<SeriesPoint>,
+    series_stride: usize,
+    series_pending: usize,
+}
+
+impl Sampler {
+    fn new(config: TrackerConfig, main: u32) -> Result<Sampler> {
+        let mut buf = String::new();
+        let cores = procfs::cpu_times(&mut buf).len().max(1);
+        let (system_capacity, _) = procfs::meminfo(&mut buf);
+        let (gpus, gpu_warning) = Gpus::open(config.gpu_uuids.as_deref());
+        let expected_cores = config.n_expected_cores.unwrap_or(cores).max(1);
+        let (gpu_count, tracked_gpus) = gpus.counts();
+        let timeline = match &config.timeline {
+            Some(path) => Some(Timeline::create(
+                path,
+                config.overwrite,
+                &StaticData {
+                    ram_unit: config.ram_unit.to_string(),
+                    gpu_ram_unit: config.gpu_ram_unit.to_string(),
+                    time_unit: config.time_unit.to_string(),
+                    ram_system_capacity: config.ram_unit.of(system_capacity as f64),
+                    gpu_ram_system_capacity: config.gpu_ram_unit.of(gpus.capacity as f64),
+                    system_core_count: cores,
+                    n_expected_cores: expected_cores,
+                    system_gpu_count: gpu_count,
+                    n_expected_gpus: tracked_gpus,
+                },
+            )?),
+            None => None,
+        };
+        let mut hwm_reset_failed = HashSet::new();
+        if !procfs::reset_hwm(main) {
+            hwm_reset_failed.insert(main);
+        }
+        Ok(Sampler {
+            config,
+            main,
+            buf,
+            tck: procfs::clock_ticks(),
+            start: Instant::now(),
+            cores,
+            expected_cores,
+            last: None,
+            rollups: HashMap::new(),
+            hwm: HashMap::new(),
+            hwm_reset_failed,
+            seen: HashSet::new(),
+            max_main: Rss::default(),
+            max_desc: Rss::default(),
+            max_comb: Rss::default(),
+            max_system: 0,
+            system_capacity,
+            max_gpu: (0, 0, 0, 0),
+            threads: (0, 0, 0),
+            cpu: Default::default(),
+            gpu_pct: Pct::default(),
+            gpus,
+            warnings: gpu_warning.into_iter().collect(),
+            timeline,
+            samples: 0,
+            blocks: BTreeMap::new(),
+            series: Vec::new(),
+            series_stride: 1,
+            series_pending: 0,
+        })
+    }
+
+    fn run(mut self, shared: &Shared) -> Result<Finished> {
+        let mut next = Instant::now() + self.config.interval;
+        loop {
+            let (stop, events) = {
+                let mut c = shared.control.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    let now = Instant::now();
+                    if c.stop || now >= next {
+                        break;
+                    }
+                    c = shared
+                        .wake
+                        .wait_timeout(c, next - now)
+                        .map(|(g, _)| g)
+                        .unwrap_or_else(|e| e.into_inner().0);
+                }
+                (c.stop, std::mem::take(&mut c.events))
+            };
+            self.events(events)?;
+            self.tick()?;
+            if stop {
+                let c = shared.control.lock().unwrap_or_else(|e| e.into_inner());
+                let (max_rss, status) = (c.exit_max_rss, c.exit_status);
+                let events = c.events.clone();
+                drop(c);
+                self.events(events)?;
+                return self.report(max_rss, status);
+            }
+            next += self.config.interval;
+            let now = Instant::now();
+            if next < now {
+                next = now + self.config.interval; // fell behind: do not burst
+            }
+        }
+    }
+}
+
+impl Sampler {
+    /// Block starts and stops: to the timeline, and into the open/closed bookkeeping.
+    fn events(&mut self, events: Vec<BlockEvent>) -> Result<()> {
+        for e in events {
+            if let Some(t) = &mut self.timeline {
+                t.block(&e)?;
+            }
+            let acc = self.blocks.entry(e.code_block_name.clone()).or_default();
+            if e.position == 0 {
+                acc.open.push(e.timestamp);
+            } else if let Some(start) = acc.open.pop() {
+                acc.calls += 1;
+                acc.seconds += (e.timestamp - start).max(0.0);
+            }
+        }
+        Ok(())
+    }
+
+    /// One sample of the whole tree.
+    fn tick(&mut self) -> Result<()> {
+        let now = Instant::now();
+        let main = self.main;
+        let descendants = procfs::descendants(main, &mut self.buf);
+        let mut cpu_ticks: HashMap<u32, u64> = HashMap::with_capacity(descendants.len() + 1);
+        let mut main_rss = Rss::default();
+        let mut desc_rss = Rss::default();
+        let mut desc_private = 0u64;
+        let mut threads = (0u64, 0u64);
+        let mut alive_desc = HashSet::with_capacity(descendants.len());
+        for (i, &pid) in std::iter::once(&main).chain(&descendants).enumerate() {
+            let is_main = i == 0;
+            let (Some(stat), Some(status)) = (
+                procfs::stat(pid, &mut self.buf),
+                procfs::status(pid, &mut self.buf),
+            ) else {
+                continue; // exited between listing and reading, or a zombie
+            };
+            if !is_main {
+                alive_desc.insert(pid);
+            }
+            if self.seen.insert(pid) && !is_main && self.samples == 0 && !procfs::reset_hwm(pid) {
+                // Existed before tracking and its peak cannot be reset: its VmHWM may
+                // predate the tracking, so it is not used.
+                self.hwm_reset_failed.insert(pid);
+            }
+            let hwm = self.hwm.entry(pid).or_default();
+            *hwm = (*hwm).max(status.hwm);
+            cpu_ticks.insert(pid, stat.cpu_ticks);
+            let rollup = match self.rollups.get(&pid) {
+                Some((at, r)) if now.duration_since(*at) < ROLLUP_EVERY => *r,
+                _ => {
+                    let r = procfs::smaps_rollup(pid, &mut self.buf).unwrap_or_default();
+                    self.rollups.insert(pid, (now, r));
+                    r
+                }
+            };
+            let shared = rollup.shared.min(status.rss);
+            let private = status.rss - shared;
+            if is_main {
+                main_rss = Rss {
+                    total: status.rss,
+                    private,
+                    shared,
+                };
+                threads.0 = stat.threads;
+            } else {
+                desc_private += private;
+                // Pages shared inside the tree are counted once: the largest share.
+                desc_rss.shared = desc_rss.shared.max(shared);
+                threads.1 += stat.threads;
+            }
+        }
+        self.rollups.retain(|pid, _| cpu_ticks.contains_key(pid));
+        desc_rss.private = desc_private;
+        desc_rss.total = desc_private + desc_rss.shared;
+        let comb_shared = main_rss.shared.max(desc_rss.shared);
+        let comb = Rss {
+            total: main_rss.private + desc_private + comb_shared,
+            private: main_rss.private + desc_private,
+            shared: comb_shared,
+        };
+        self.max_main.max(main_rss);
+        self.max_desc.max(desc_rss);
+        self.max_comb.max(comb);
+        self.threads.0 = self.threads.0.max(threads.0);
+        self.threads.1 = self.threads.1.max(threads.1);
+        self.threads.2 = self.threads.2.max(threads.0 + threads.1);
+        let (_, system_used) = procfs::meminfo(&mut self.buf);
+        self.max_system = self.max_system.max(system_used);
+
+        // CPU: differences since the last sample.
+        let sys_times = procfs::cpu_times(&mut self.buf);
+        let mut cpu = [0.0f64; 4];
+        if let Some((at, prev_ticks, prev_sys)) = &self.last {
+            let dt = now.duration_since(*at).as_secs_f64().max(1e-9);
+            for (pid, t) in &cpu_ticks {
+                if let Some(p) = prev_ticks.get(pid) {
+                    let pct = t.saturating_sub(*p) as f64 / self.tck / dt * 100.0;
+                    cpu[if *pid == main { 1 } else { 2 }] += pct;
+                }
+            }
+            cpu[3] = cpu[1] + cpu[2];
+            cpu[0] = sys_times
+                .iter()
+                .zip(prev_sys)
+                .map(|((busy, total), (pb, pt))| {
+                    let dt = total.saturating_sub(*pt);
+                    if dt == 0 {
+                        0.0
+                    } else {
+                        busy.saturating_sub(*pb) as f64 / dt as f64 * 100.0
+                    }
+                })
+                .sum();
+        }
+        let first = self.last.is_none();
+        let mut hw = [0.0f64; 4];
+        if !first {
+            hw[0] = self.cpu[0].add(cpu[0], self.cores);
+            for k in 1..4 {
+                hw[k] = self.cpu[k].add(cpu[k], self.expected_cores);
+            }
+        }
+        self.last = Some((now, cpu_ticks, sys_times));
+
+        // GPU.
+        let g = self.gpus.sample(main, &alive_desc);
+        let (_, tracked) = self.gpus.counts();
+        let gpu_hw = if self.gpus.available() {
+            self.gpu_pct.add(g.util_sum, tracked)
+        } else {
+            0.0
+        };
+        self.max_gpu.0 = self.max_gpu.0.max(g.main);
+        self.max_gpu.1 = self.max_gpu.1.max(g.descendants);
+        self.max_gpu.2 = self.max_gpu.2.max(g.main + g.descendants);
+        self.max_gpu.3 = self.max_gpu.3.max(g.system);
+
+        let ram = |b: u64| self.config.ram_unit.of(b as f64);
+        let gram = |b: u64| self.config.gpu_ram_unit.of(b as f64);
+        let sample = Sample {
+            main_ram: ram(main_rss.total),
+            descendants_ram: ram(desc_rss.total),
+            combined_ram: ram(comb.total),
+            system_ram: ram(system_used),
+            main_gpu_ram: gram(g.main),
+            descendants_gpu_ram: gram(g.descendants),
+            combined_gpu_ram: gram(g.main + g.descendants),
+            system_gpu_ram: gram(g.system),
+            gpu_sum_utilization_percent: g.util_sum,
+            gpu_hardware_utilization_percent: gpu_hw,
+            main_n_threads: threads.0,
+            descendants_n_threads: threads.1,
+            combined_n_threads: threads.0 + threads.1,
+            cpu_system_sum_utilization_percent: cpu[0],
+            cpu_system_hardware_utilization_percent: hw[0],
+            cpu_main_sum_utilization_percent: cpu[1],
+            cpu_main_hardware_utilization_percent: hw[1],
+            cpu_descendants_sum_utilization_percent: cpu[2],
+            cpu_descendants_hardware_utilization_percent: hw[2],
+            cpu_combined_sum_utilization_percent: cpu[3],
+            cpu_combined_hardware_utilization_percent: hw[3],
+            timestamp: now_unix(),
+        };
+        self.samples += 1;
+        if let Some(t) = &mut self.timeline {
+            t.sample(&sample)?;
+        }
+        let measures = sample.measures();
+        for acc in self.blocks.values_mut().filter(|a| !a.open.is_empty()) {
+            if acc.stats.is_empty() {
+                acc.stats = vec![(f64::INFINITY, f64::NEG_INFINITY, 0.0); measures.len()];
+            }
+            for (s, (_, v)) in acc.stats.iter_mut().zip(measures.iter()) {
+                s.0 = s.0.min(*v);
+                s.1 = s.1.max(*v);
+                s.2 += v;
+            }
+            acc.samples += 1;
+        }
+        if self.config.keep_series {
+            self.push_series(SeriesPoint {
+                t: now.duration_since(self.start).as_secs_f64(),
+                ram: comb.total as f64,
+                gpu_ram: (g.main + g.descendants) as f64,
+                cpu: cpu[3],
+            });
+        }
+        Ok(())
+    }
+
+    /// Keeps at most SERIES_POINTS points: beyond, neighbours merge, keeping maxima
+    /// (so that the plotted peaks are the real ones).
+    fn push_series(&mut self, p: SeriesPoint) {
+        if self.series_pending > 0 {
+            if let Some(last) = self.series.last_mut() {
+                last.ram = last.ram.max(p.ram);
+                last.gpu_ram = last.gpu_ram.max(p.gpu_ram);
+                last.cpu = last.cpu.max(p.cpu);
+            }
+            self.series_pending -= 1;
+            return;
+        }
+        self.series.push(p);
+        self.series_pending = self.series_stride - 1;
+        if self.series.len() >= SERIES_POINTS {
+            let merged: Vec<SeriesPoint> = self
+                .series
+                .chunks(2)
+                .map(|c| {
+                    let mut m = c[0];
+                    for q in &c[1..] {
+                        m.ram = m.ram.max(q.ram);
+                        m.gpu_ram = m.gpu_ram.max(q.gpu_ram);
+                        m.cpu = m.cpu.max(q.cpu);
+                    }
+                    m
+                })
+                .collect();
+            self.series = merged;
+            self.series_stride *= 2;
+            self.series_pending = 0;
+        }
+    }
+
+    fn report(mut self, exit_max_rss: Option<u64>, exit_status: Option<i32>) -> Result<Finished> {
+        let interval = format!("sampled every {:?}", self.config.interval);
+        // Main: its kernel high-water mark, when it counts from the start of tracking.
+        let mut main_method = interval.clone();
+        let main_hwm = if self.hwm_reset_failed.contains(&self.main) {
+            0
+        } else {
+            self.hwm.get(&self.main).copied().unwrap_or(0)
+        };
+        if main_hwm > self.max_main.total {
+            self.max_main.total = main_hwm;
+            main_method = "VmHWM (the kernel's high-water mark, reset at start)".into();
+        } else if main_hwm > 0 {
+            main_method = "VmHWM (the kernel's high-water mark, reset at start) = sampled".into();
+        }
+        let desc_hwm = self
+            .hwm
+            .iter()
+            .filter(|(pid, _)| **pid != self.main && !self.hwm_reset_failed.contains(pid))
+            .map(|(_, h)| *h)
+            .max()
+            .unwrap_or(0);
+        // wait4's ru_maxrss is the largest of the command and the descendants it
+        // reaped: above every descendant's high-water mark, it is the command's own.
+        if let Some(max_rss) = exit_max_rss {
+            if max_rss > desc_hwm && max_rss > self.max_main.total {
+                self.max_main.total = max_rss;
+                main_method = "wait4 ru_maxrss (the kernel's peak of the reaped command)".into();
+            }
+        }
+        let mut desc_method = format!("{interval} (sum over descendants)");
+        if desc_hwm > self.max_desc.total {
+            self.max_desc.total = desc_hwm;
+            desc_method = format!("{interval}, raised to the largest descendant's VmHWM");
+        }
+        let mut comb_method = format!("{interval} (per-sample sum, shared pages once)");
+        let floor = self.max_main.total.max(self.max_desc.total);
+        if floor > self.max_comb.total {
+            self.max_comb.total = floor;
+            comb_method = format!("{interval}, raised to the main / descendants peak");
+        }
+        let cgroup_peak = self.config.cgroup.as_ref().and_then(|dir| {
+            ["memory.peak", "memory.max_usage_in_bytes"]
+                .iter()
+                .find_map(|f| std::fs::read_to_string(dir.join(f)).ok())
+                .and_then(|t| t.trim().parse::<u64>().ok())
+        });
+        if let Some(t) = self.timeline.take() {
+            t.finish()?;
+        }
+        let elapsed = self.start.elapsed().as_secs_f64();
+        let ram = |b: u64| self.config.ram_unit.of(b as f64);
+        let gram = |b: u64| self.config.gpu_ram_unit.of(b as f64);
+        let rss = |r: Rss| RssValues {
+            total_rss: ram(r.total),
+            private_rss: ram(r.private),
+            shared_rss: ram(r.shared),
+        };
+        let (gpu_count, tracked) = self.gpus.counts();
+        let names: Vec<&'static str> = Sample::default().measures().iter().map(|m| m.0).collect();
+        let blocks = std::mem::take(&mut self.blocks)
+            .into_iter()
+            .map(|(name, acc)| BlockSummary {
+                name,
+                calls: acc.calls,
+                seconds: acc.seconds,
+                samples: acc.samples,
+                measures: acc
+                    .stats
+                    .iter()
+                    .zip(&names)
+                    .map(|((min, max, sum), n)| {
+                        (
+                            (*n).to_owned(),
+                            Stat {
+                                min: *min,
+                                max: *max,
+                                mean: sum / acc.samples.max(1) as f64,
+                            },
+                        )
+                    })
+                    .collect(),
+            })
+            .collect();
+        let usage = ResourceUsage {
+            max_ram: MaxRam {
+                unit: self.config.ram_unit,
+                system_capacity: ram(self.system_capacity),
+                system: ram(self.max_system),
+                main: rss(self.max_main),
+                descendants: rss(self.max_desc),
+                combined: rss(self.max_comb),
+            },
+            max_gpu_ram: MaxGpuRam {
+                unit: self.config.gpu_ram_unit,
+                system_capacity: gram(self.gpus.capacity),
+                system: gram(self.max_gpu.3),
+                main: gram(self.max_gpu.0),
+                descendants: gram(self.max_gpu.1),
+                combined: gram(self.max_gpu.2),
+            },
+            cpu_utilization: CpuUtilization {
+                system_core_count: self.cores,
+                n_expected_cores: self.expected_cores,
+                system: self.cpu[0].report(),
+                main: self.cpu[1].report(),
+                descendants: self.cpu[2].report(),
+                combined: self.cpu[3].report(),
+                main_n_threads: self.threads.0,
+                descendants_n_threads: self.threads.1,
+                combined_n_threads: self.threads.2,
+            },
+            gpu_utilization: GpuUtilization {
+                system_gpu_count: gpu_count,
+                n_expected_gpus: tracked,
+                gpu_percentages: self.gpu_pct.report(),
+            },
+            compute_time: ComputeTime {
+                unit: self.config.time_unit,
+                time: self.config.time_unit.of(elapsed),
+            },
+            torchtools: Additions {
+                peak_methods: PeakMethods {
+                    main: main_method,
+                    descendants: desc_method,
+                    combined: comb_method,
+                    gpu: if self.gpus.available() {
+                        format!("NVML per-process memory, {interval}")
+                    } else {
+                        "no NVML: 0".into()
+                    },
+                },
+                samples: self.samples,
+                interval_seconds: self.config.interval.as_secs_f64(),
+                energy: self.gpus.energy(),
+                cgroup_peak: cgroup_peak.map(ram),
+                exit_status,
+                blocks,
+                warnings: std::mem::take(&mut self.warnings),
+            },
+        };
+        Ok((usage, std::mem::take(&mut self.series)))
+    }
+}
