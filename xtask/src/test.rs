@@ -5,11 +5,12 @@ use anyhow::{bail, Result};
 use crate::steps::{cargo, run_counted, summarize, StepResult};
 
 /// The publishable crates, each tested on its own.
-pub(crate) const CRATES: [&str; 9] = [
+pub(crate) const CRATES: [&str; 10] = [
     "tt-sys",
     "tt-device",
     "tt-lock",
     "tt-fence",
+    "tt-tracker",
     "tt-sampler",
     "tt-ckpt",
     "tt-optim",
@@ -19,13 +20,14 @@ pub(crate) const CRATES: [&str; 9] = [
 /// Crates whose default and `--no-default-features` builds are the same (no libtorch
 /// feature), so they are tested once, and not again in the workspace run (tt-sampler's
 /// PyTorch comparisons take half a minute; tt-lock's tests spawn processes).
-const FEATURELESS: [&str; 3] = ["tt-sampler", "tt-lock", "tt-fence"];
+const FEATURELESS: [&str; 4] = ["tt-sampler", "tt-lock", "tt-fence", "tt-tracker"];
 
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
-pub(crate) const GPU_CRATES: [&str; 6] = [
+pub(crate) const GPU_CRATES: [&str; 7] = [
     "tt-sys",
     "tt-device",
     "tt-fence",
+    "tt-tracker",
     "tt-ckpt",
     "torchtools-cli",
     "torchtools",
@@ -88,7 +90,7 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-ckpt/gpu-tests,torchtools-cli/gpu-tests,torchtools/gpu-tests",
+            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-tracker/gpu-tests,tt-ckpt/gpu-tests,torchtools-cli/gpu-tests,torchtools/gpu-tests",
             "--",
             "-D",
             "warnings",

@@ -11,7 +11,9 @@ use tt_device::Bytes;
 use tt_lock::GpuSpec;
 
 mod args;
+mod child;
 mod reserve;
+mod track;
 
 /// Exit status for a bad variable or an impossible device request.
 const EXIT_BAD_ENV: u8 = 2;
@@ -70,9 +72,70 @@ enum Command {
         #[arg(last = true, required = true, value_name = "CMD")]
         command: Vec<OsString>,
     },
+    /// Track a command's resources: RAM of it and its descendants (total, private,
+    /// shared), GPU RAM, CPU and GPU use, energy, time, as gpu_tracker does, with exact
+    /// kernel peaks.
+    ///
+    /// The report goes to stderr (or --output); the exit status is the command's
+    /// (128+N when killed by signal N; 127 when not found). `track compare A.json
+    /// B.json` compares reports written with --format json.
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+    Track {
+        #[command(subcommand)]
+        compare: Option<TrackCommand>,
+        /// Time between samples: 100ms by default, at least 10ms.
+        #[arg(long, value_parser = args::duration, default_value = "100ms")]
+        interval: Duration,
+        /// Unit of RAM: bytes, kilobytes, megabytes, gigabytes, terabytes (decimal).
+        #[arg(long, default_value = "gigabytes")]
+        ram_unit: tt_tracker::RamUnit,
+        /// Unit of GPU RAM.
+        #[arg(long, default_value = "gigabytes")]
+        gpu_ram_unit: tt_tracker::RamUnit,
+        /// Unit of time: seconds, minutes, hours, days.
+        #[arg(long, default_value = "hours")]
+        time_unit: tt_tracker::TimeUnit,
+        /// Report format.
+        #[arg(long, value_parser = ["text", "json"], default_value = "text")]
+        format: String,
+        /// Write the report to this file instead of stderr.
+        #[arg(long)]
+        output: Option<std::path::PathBuf>,
+        /// Write every sample to this file: .csv, .jsonl or .sqlite.
+        #[arg(long)]
+        timeline: Option<std::path::PathBuf>,
+        /// Replace an existing --timeline file.
+        #[arg(long)]
+        overwrite: bool,
+        /// Draw RAM, GPU RAM and CPU over time into this SVG file.
+        #[arg(long)]
+        plot: Option<std::path::PathBuf>,
+        /// Cores the command is expected to use (denominator of hardware percentages).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        n_expected_cores: Option<u32>,
+        /// GPUs (UUIDs, comma-separated) whose utilisation and energy count.
+        #[arg(long, value_delimiter = ',')]
+        gpu_uuids: Option<Vec<String>>,
+        /// The command and its arguments, after `--`, passed as they are.
+        #[arg(last = true, required = true, value_name = "CMD")]
+        command: Vec<OsString>,
+    },
     /// Show every GPU's lock: free, or held by whom, since when, reserving how much.
     Locks {
         /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum TrackCommand {
+    /// Compare tracking sessions from their JSON reports (`--format json`).
+    Compare {
+        /// Two or more reports.
+        #[arg(required = true, num_args = 2..)]
+        files: Vec<std::path::PathBuf>,
+        /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -92,8 +155,8 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("torchtools: error: {e:#}");
-            match e.downcast_ref::<reserve::Exit>() {
-                Some(reserve::Exit(code, _)) => ExitCode::from(*code),
+            match e.downcast_ref::<child::Exit>() {
+                Some(child::Exit(code, _)) => ExitCode::from(*code),
                 None => ExitCode::FAILURE,
             }
         }
@@ -133,5 +196,46 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             command,
         }),
         Command::Locks { json } => reserve::locks(json),
+        Command::Track {
+            compare: Some(TrackCommand::Compare { files, json }),
+            ..
+        } => track::compare(&files, json),
+        Command::Track {
+            compare: None,
+            interval,
+            ram_unit,
+            gpu_ram_unit,
+            time_unit,
+            format,
+            output,
+            timeline,
+            overwrite,
+            plot,
+            n_expected_cores,
+            gpu_uuids,
+            command,
+        } => {
+            if interval < tt_tracker::MIN_INTERVAL {
+                return Err(child::Exit(
+                    2,
+                    format!("--interval {interval:?} is below the 10ms minimum"),
+                )
+                .into());
+            }
+            track::track(track::Request {
+                interval,
+                ram_unit,
+                gpu_ram_unit,
+                time_unit,
+                json: format == "json",
+                output,
+                timeline,
+                overwrite,
+                plot,
+                n_expected_cores: n_expected_cores.map(|n| n as usize),
+                gpu_uuids,
+                command,
+            })
+        }
     }
 }

@@ -1,27 +1,18 @@
 //! `torchtools reserve` and `torchtools locks`.
 
 use std::ffi::OsString;
-use std::io;
-use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
-use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
-use signal_hook::iterator::exfiltrator::WithOrigin;
-use signal_hook::iterator::SignalsInfo;
-use signal_hook::low_level::siginfo::Cause;
+use anyhow::{bail, Result};
 use tt_device::{Bytes, Inventory};
 use tt_fence::{Fence, FenceOptions};
 use tt_lock::{GpuKey, GpuLock, GpuSpec, Holder, LockDir, LockState, Wait};
 
+use crate::child::{self, Exit};
+
 /// Exit status when the GPUs stay locked past `--timeout` (sysexits' EX_TEMPFAIL).
 pub(crate) const EXIT_LOCKED: u8 = 75;
-/// Exit status of a command that cannot be found, as shells use it.
-const EXIT_NOT_FOUND: u8 = 127;
-/// Exit status of a command that cannot be executed, as shells use it.
-const EXIT_NOT_EXECUTABLE: u8 = 126;
-
 /// What `reserve` was asked for.
 pub(crate) struct Request {
     pub(crate) gpus: Vec<GpuSpec>,
@@ -32,18 +23,6 @@ pub(crate) struct Request {
     pub(crate) timeout: Option<Duration>,
     pub(crate) command: Vec<OsString>,
 }
-
-/// A failure that has its own exit status.
-#[derive(Debug)]
-pub(crate) struct Exit(pub(crate) u8, pub(crate) String);
-
-impl std::fmt::Display for Exit {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.1)
-    }
-}
-
-impl std::error::Error for Exit {}
 
 pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
     if req.fence && req.bytes.is_none() {
@@ -105,33 +84,8 @@ pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
             .join(","),
     );
     tt_lock::share_with(&mut cmd, &locks);
-    // Handlers first, so that no signal between spawn and wait kills us alone.
-    let mut signals = SignalsInfo::<WithOrigin>::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
-        .context("cannot install signal handlers")?;
-    let mut child = match cmd.spawn() {
-        Ok(child) => child,
-        Err(e) => {
-            let code = match e.kind() {
-                io::ErrorKind::NotFound => EXIT_NOT_FOUND,
-                io::ErrorKind::PermissionDenied => EXIT_NOT_EXECUTABLE,
-                _ => 1,
-            };
-            return Err(Exit(
-                code,
-                format!(
-                    "cannot run {:?}: {e}{}",
-                    command_text[0],
-                    if code == EXIT_NOT_FOUND {
-                        " (not found on PATH)"
-                    } else {
-                        ""
-                    }
-                ),
-            )
-            .into());
-        }
-    };
-    let child_pid = child.id();
+    let running = child::spawn(&mut cmd, &command_text[0])?;
+    let child_pid = running.pid();
     let mut locks = locks;
     for lock in &mut locks {
         let mut record = lock.holder().clone();
@@ -140,47 +94,10 @@ pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
             tracing::warn!("cannot record the command's pid: {e}");
         }
     }
-    // Forward signals that a process sent to us; those from the terminal (Ctrl-C) were
-    // delivered to the whole foreground process group, the command included.
-    let handle = signals.handle();
-    let forwarder = std::thread::spawn(move || {
-        for origin in signals.forever() {
-            if !matches!(origin.cause, Cause::Kernel) {
-                // SAFETY: kill(2) has no memory-safety preconditions; the pid is our
-                // child's, not reaped until this thread has stopped (see below).
-                unsafe { libc::kill(child_pid as libc::pid_t, origin.signal) };
-            }
-        }
-    });
-    // Wait for the command to end without reaping it, so that its pid cannot be reused
-    // while the forwarder may still signal it; then stop the forwarder, then reap.
-    loop {
-        // SAFETY: an all-zero siginfo_t is a valid value for waitid to overwrite.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        // SAFETY: waitid on our own child with a valid siginfo_t pointer.
-        let rc = unsafe {
-            libc::waitid(
-                libc::P_PID,
-                child_pid as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOWAIT,
-            )
-        };
-        if rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            break;
-        }
-    }
-    handle.close();
-    let _ = forwarder.join();
-    let status = child.wait().context("waiting for the command")?;
+    let ended = running.wait()?;
     drop(fences);
     drop(locks);
-    let code = match (status.code(), status.signal()) {
-        (Some(code), _) => code as u8,
-        (None, Some(signal)) => 128u8.saturating_add(signal as u8),
-        _ => 1,
-    };
-    Ok(ExitCode::from(code))
+    Ok(ExitCode::from(ended.code))
 }
 
 fn take_locks(

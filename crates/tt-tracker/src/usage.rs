@@ -198,27 +198,89 @@ pub struct ResourceUsage {
     pub torchtools: Additions,
 }
 
-/// Rounds every float to 3 decimals, as gpu_tracker's text report does.
-fn round3(v: &mut serde_json::Value) {
-    match v {
-        serde_json::Value::Number(n) if n.is_f64() => {
-            if let Some(x) = n.as_f64() {
-                let r = format!("{x:.3}").parse::<f64>().unwrap_or(x);
-                if let Some(m) = serde_json::Number::from_f64(r) {
-                    *n = m;
-                }
-            }
+fn r3(x: f64) -> f64 {
+    format!("{x:.3}").parse().unwrap_or(x)
+}
+
+impl RssValues {
+    fn rounded(&self) -> RssValues {
+        RssValues {
+            total_rss: r3(self.total_rss),
+            private_rss: r3(self.private_rss),
+            shared_rss: r3(self.shared_rss),
         }
-        serde_json::Value::Object(map) => map.values_mut().for_each(round3),
-        serde_json::Value::Array(items) => items.iter_mut().for_each(round3),
-        _ => {}
+    }
+}
+
+impl ProcessingUnitPercentages {
+    fn rounded(&self) -> ProcessingUnitPercentages {
+        ProcessingUnitPercentages {
+            max_sum_percent: r3(self.max_sum_percent),
+            max_hardware_percent: r3(self.max_hardware_percent),
+            mean_sum_percent: r3(self.mean_sum_percent),
+            mean_hardware_percent: r3(self.mean_hardware_percent),
+        }
+    }
+}
+
+/// gpu_tracker's five sections with every float rounded to 3 decimals, as its text
+/// report shows them.
+#[derive(Serialize)]
+struct Rounded {
+    max_ram: MaxRam,
+    max_gpu_ram: MaxGpuRam,
+    cpu_utilization: CpuUtilization,
+    gpu_utilization: GpuUtilization,
+    compute_time: ComputeTime,
+}
+
+impl ResourceUsage {
+    fn rounded(&self) -> Rounded {
+        let (r, g, c, u) = (
+            &self.max_ram,
+            &self.max_gpu_ram,
+            &self.cpu_utilization,
+            &self.gpu_utilization,
+        );
+        Rounded {
+            max_ram: MaxRam {
+                unit: r.unit,
+                system_capacity: r3(r.system_capacity),
+                system: r3(r.system),
+                main: r.main.rounded(),
+                descendants: r.descendants.rounded(),
+                combined: r.combined.rounded(),
+            },
+            max_gpu_ram: MaxGpuRam {
+                unit: g.unit,
+                system_capacity: r3(g.system_capacity),
+                system: r3(g.system),
+                main: r3(g.main),
+                descendants: r3(g.descendants),
+                combined: r3(g.combined),
+            },
+            cpu_utilization: CpuUtilization {
+                system: c.system.rounded(),
+                main: c.main.rounded(),
+                descendants: c.descendants.rounded(),
+                combined: c.combined.rounded(),
+                ..c.clone()
+            },
+            gpu_utilization: GpuUtilization {
+                gpu_percentages: u.gpu_percentages.rounded(),
+                ..u.clone()
+            },
+            compute_time: ComputeTime {
+                unit: self.compute_time.unit,
+                time: r3(self.compute_time.time),
+            },
+        }
     }
 }
 
 /// gpu_tracker's text layout: its JSON indented by 3, braces and quotes dropped,
 /// words capitalised by the same replacements, in the same order.
-fn gpu_tracker_text(value: &serde_json::Value) -> String {
-    use serde::Serialize as _;
+fn gpu_tracker_text(value: &impl Serialize) -> String {
     let mut buf = Vec::new();
     let mut ser = serde_json::Serializer::with_formatter(
         &mut buf,
@@ -268,12 +330,7 @@ fn gpu_tracker_text(value: &serde_json::Value) -> String {
 impl fmt::Display for ResourceUsage {
     /// gpu_tracker's text report, then torchtools' additions.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut value = serde_json::to_value(self).map_err(|_| fmt::Error)?;
-        round3(&mut value);
-        if let serde_json::Value::Object(map) = &mut value {
-            map.remove("torchtools");
-        }
-        writeln!(f, "{}", gpu_tracker_text(&value))?;
+        writeln!(f, "{}", gpu_tracker_text(&self.rounded()))?;
         let t = &self.torchtools;
         writeln!(f, "torchtools:")?;
         writeln!(

@@ -1,1 +1,52 @@
-//! GPU tests.
+//! GPU test (`cargo xtask test-gpu`): a descendant's CUDA memory, through NVML. The
+//! child is Python's torch (the GPU machine has PyTorch; `PYTHON` chooses it).
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use tt_tracker::{RamUnit, Tracker, TrackerConfig};
+
+#[test]
+fn a_child_allocating_2_gib_on_cuda_is_counted_under_descendants() {
+    let nvml = nvml_wrapper::Nvml::init().expect("GPU tests need NVML");
+    assert!(nvml.device_count().unwrap() > 0, "GPU tests need a GPU");
+    let tracker = Tracker::start(TrackerConfig {
+        interval: Duration::from_millis(50),
+        gpu_ram_unit: RamUnit::Bytes,
+        ..TrackerConfig::default()
+    })
+    .unwrap();
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let mut child = Command::new(python)
+        .args([
+            "-c",
+            "import torch, time, sys\n\
+             x = torch.ones(2 << 30, dtype=torch.uint8, device='cuda')\n\
+             torch.cuda.synchronize(); print('ready', flush=True); time.sleep(1.0)",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready");
+    assert!(child.wait().unwrap().success());
+    let usage = tracker.stop().unwrap();
+    println!("{usage}");
+    let g = &usage.max_gpu_ram;
+    assert!(g.descendants >= (2u64 << 30) as f64, "{g:?}");
+    assert!(g.main < (1u64 << 30) as f64, "{g:?}");
+    assert!(
+        g.combined >= g.descendants && g.system >= g.combined,
+        "{g:?}"
+    );
+    assert!(usage.gpu_utilization.system_gpu_count > 0);
+    assert_eq!(
+        usage.torchtools.energy.len(),
+        usage.gpu_utilization.n_expected_gpus
+    );
+}

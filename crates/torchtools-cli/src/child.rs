@@ -1,0 +1,134 @@
+//! Running the user's command: spawned with the arguments as given (no shell), signals
+//! sent to `torchtools` by other processes forwarded to it (Ctrl-C from the terminal
+//! already reaches it), its exit status and peak RSS (`wait4`) collected.
+
+use std::io;
+use std::process::{Child, Command};
+use std::thread::JoinHandle;
+
+use anyhow::Result;
+use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+use signal_hook::iterator::exfiltrator::WithOrigin;
+use signal_hook::iterator::{Handle, SignalsInfo};
+use signal_hook::low_level::siginfo::Cause;
+
+/// A failure that has its own exit status.
+#[derive(Debug)]
+pub(crate) struct Exit(pub(crate) u8, pub(crate) String);
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.1)
+    }
+}
+
+impl std::error::Error for Exit {}
+
+/// Exit status of a command that cannot be found, as shells use it.
+const EXIT_NOT_FOUND: u8 = 127;
+/// Exit status of a command that cannot be executed, as shells use it.
+const EXIT_NOT_EXECUTABLE: u8 = 126;
+
+/// The command, running.
+pub(crate) struct Running {
+    child: Child,
+    handle: Handle,
+    forwarder: JoinHandle<()>,
+}
+
+/// How the command ended.
+pub(crate) struct Ended {
+    /// The status to exit with: its code, or 128 + the signal that killed it.
+    pub(crate) code: u8,
+    /// Its peak resident memory (and that of the descendants it reaped), in bytes.
+    pub(crate) max_rss: u64,
+}
+
+/// Spawns `cmd` (whose program is `name`, for messages). Handlers are installed
+/// first, so that no signal between spawn and wait kills `torchtools` alone.
+pub(crate) fn spawn(cmd: &mut Command, name: &str) -> Result<Running> {
+    let mut signals = SignalsInfo::<WithOrigin>::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
+        .map_err(|e| anyhow::anyhow!("cannot install signal handlers: {e}"))?;
+    let child = cmd.spawn().map_err(|e| {
+        let (code, hint) = match e.kind() {
+            io::ErrorKind::NotFound => (EXIT_NOT_FOUND, " (not found on PATH)"),
+            io::ErrorKind::PermissionDenied => (EXIT_NOT_EXECUTABLE, " (not executable)"),
+            _ => (1, ""),
+        };
+        Exit(code, format!("cannot run {name:?}: {e}{hint}"))
+    })?;
+    let pid = child.id();
+    let handle = signals.handle();
+    let forwarder = std::thread::spawn(move || {
+        for origin in signals.forever() {
+            if !matches!(origin.cause, Cause::Kernel) {
+                // SAFETY: kill(2) has no memory-safety preconditions; the pid is our
+                // child's, not reaped until this thread has stopped (see `wait`).
+                unsafe { libc::kill(pid as libc::pid_t, origin.signal) };
+            }
+        }
+    });
+    Ok(Running {
+        child,
+        handle,
+        forwarder,
+    })
+}
+
+impl Running {
+    /// The command's pid.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the command to end. It is reaped only after the forwarder stopped,
+    /// so that its pid cannot be reused while a signal may still be sent to it.
+    pub(crate) fn wait(self) -> Result<Ended> {
+        let pid = self.child.id() as libc::pid_t;
+        loop {
+            // SAFETY: an all-zero siginfo_t is a valid value for waitid to overwrite.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: waitid on our own child with a valid siginfo_t pointer.
+            let rc = unsafe {
+                libc::waitid(
+                    libc::P_PID,
+                    pid as libc::id_t,
+                    &mut info,
+                    libc::WEXITED | libc::WNOWAIT,
+                )
+            };
+            if rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                break;
+            }
+        }
+        self.handle.close();
+        let _ = self.forwarder.join();
+        let mut status = 0;
+        // SAFETY: an all-zero rusage is a valid value for wait4 to overwrite.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        loop {
+            // SAFETY: wait4 on our own child, which has ended and is not yet reaped.
+            let rc = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+            if rc == pid {
+                break;
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                anyhow::bail!("waiting for the command: {e}");
+            }
+        }
+        let code = if libc::WIFEXITED(status) {
+            libc::WEXITSTATUS(status) as u8
+        } else if libc::WIFSIGNALED(status) {
+            128u8.saturating_add(libc::WTERMSIG(status) as u8)
+        } else {
+            1
+        };
+        // Dropping a Child neither waits for nor signals it.
+        drop(self.child);
+        Ok(Ended {
+            code,
+            max_rss: (usage.ru_maxrss.max(0) as u64) * 1024,
+        })
+    }
+}

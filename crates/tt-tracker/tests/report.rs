@@ -1,0 +1,185 @@
+//! The report's layout, against a fixed `ResourceUsage`: gpu_tracker 5's JSON keys and
+//! text layout (snapshots), our additions, units, and a reading by Python the way
+//! gpu_tracker's users read its JSON.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+
+use tt_tracker::*;
+
+fn pct(a: f64) -> ProcessingUnitPercentages {
+    ProcessingUnitPercentages {
+        max_sum_percent: a,
+        max_hardware_percent: a / 2.0,
+        mean_sum_percent: a / 4.0,
+        mean_hardware_percent: a / 8.0,
+    }
+}
+
+fn usage() -> ResourceUsage {
+    ResourceUsage {
+        max_ram: MaxRam {
+            unit: RamUnit::Gigabytes,
+            system_capacity: 25.276502016,
+            system: 3.1234567,
+            main: RssValues {
+                total_rss: 1.5,
+                private_rss: 1.25,
+                shared_rss: 0.25,
+            },
+            descendants: RssValues {
+                total_rss: 0.5368709,
+                private_rss: 0.5,
+                shared_rss: 0.0368709,
+            },
+            combined: RssValues {
+                total_rss: 2.0,
+                private_rss: 1.75,
+                shared_rss: 0.25,
+            },
+        },
+        max_gpu_ram: MaxGpuRam {
+            unit: RamUnit::Megabytes,
+            system_capacity: 81559.0,
+            system: 2200.0,
+            main: 0.0,
+            descendants: 2147.483648,
+            combined: 2147.483648,
+        },
+        cpu_utilization: CpuUtilization {
+            system_core_count: 16,
+            n_expected_cores: 4,
+            system: pct(400.0),
+            main: pct(100.0),
+            descendants: pct(250.0),
+            combined: pct(350.0),
+            main_n_threads: 12,
+            descendants_n_threads: 30,
+            combined_n_threads: 42,
+        },
+        gpu_utilization: GpuUtilization {
+            system_gpu_count: 1,
+            n_expected_gpus: 1,
+            gpu_percentages: pct(90.0),
+        },
+        compute_time: ComputeTime {
+            unit: TimeUnit::Hours,
+            time: 0.0123456,
+        },
+        torchtools: Additions {
+            peak_methods: PeakMethods {
+                main: "VmHWM".into(),
+                descendants: "sampled".into(),
+                combined: "sampled".into(),
+                gpu: "NVML".into(),
+            },
+            samples: 444,
+            interval_seconds: 0.1,
+            energy: vec![GpuEnergy {
+                uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
+                joules: 1234.5,
+            }],
+            cgroup_peak: Some(2.1),
+            exit_status: Some(0),
+            blocks: vec![BlockSummary {
+                name: "epoch 1".into(),
+                calls: 2,
+                seconds: 10.5,
+                samples: 105,
+                measures: BTreeMap::from([(
+                    "main_ram".to_owned(),
+                    Stat {
+                        min: 1.0,
+                        max: 1.5,
+                        mean: 1.25,
+                    },
+                )]),
+            }],
+            warnings: vec![],
+        },
+    }
+}
+
+#[test]
+fn json_has_gpu_trackers_keys_and_ours_under_torchtools() {
+    insta::assert_json_snapshot!(usage());
+}
+
+#[test]
+fn text_is_gpu_trackers_layout_then_ours() {
+    insta::assert_snapshot!(usage().to_string());
+}
+
+#[test]
+fn json_round_trips_and_reads_gpu_tracker_reports() {
+    let json = serde_json::to_string(&usage()).unwrap();
+    let back: ResourceUsage = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, usage());
+    // A report from gpu_tracker itself has no torchtools part: still readable.
+    let mut value = serde_json::to_value(usage()).unwrap();
+    value.as_object_mut().unwrap().remove("torchtools");
+    let theirs: ResourceUsage = serde_json::from_value(value).unwrap();
+    assert_eq!(theirs.torchtools, Additions::default());
+}
+
+#[test]
+fn units_parse_and_convert() {
+    assert_eq!("megabytes".parse::<RamUnit>().unwrap().of(2e6), 2.0);
+    assert_eq!("terabytes".parse::<RamUnit>().unwrap().of(1e12), 1.0);
+    assert_eq!("minutes".parse::<TimeUnit>().unwrap().of(90.0), 1.5);
+    assert_eq!("days".parse::<TimeUnit>().unwrap().of(86_400.0), 1.0);
+    let e = "MB".parse::<RamUnit>().unwrap_err().to_string();
+    assert!(e.contains("megabytes"), "{e}");
+    let e = "h".parse::<TimeUnit>().unwrap_err().to_string();
+    assert!(e.contains("hours"), "{e}");
+}
+
+/// gpu_tracker users read `tracker.to_json()` by these keys; the venv's Python does the
+/// same on our JSON. Fails, never skips, without that Python (`cargo xtask setup`).
+#[test]
+fn python_reads_our_json_with_gpu_trackers_keys() {
+    let python = std::env::var("TORCHTOOLS_PYTHON").expect(
+        "TORCHTOOLS_PYTHON (set for cargo by .cargo/config.toml after `cargo xtask setup`)",
+    );
+    let json = serde_json::to_string(&usage()).unwrap();
+    let script = r#"
+import json, sys
+d = json.loads(sys.stdin.read())
+expected = {
+  "max_ram": {"unit", "system_capacity", "system", "main", "descendants", "combined"},
+  "max_gpu_ram": {"unit", "system_capacity", "system", "main", "descendants", "combined"},
+  "cpu_utilization": {"system_core_count", "n_expected_cores", "system", "main", "descendants",
+                      "combined", "main_n_threads", "descendants_n_threads", "combined_n_threads"},
+  "gpu_utilization": {"system_gpu_count", "n_expected_gpus", "gpu_percentages"},
+  "compute_time": {"unit", "time"},
+}
+for k, keys in expected.items():
+    assert set(d[k]) == keys, (k, set(d[k]) ^ keys)
+for part in ("main", "descendants", "combined"):
+    assert set(d["max_ram"][part]) == {"total_rss", "private_rss", "shared_rss"}
+pct = {"max_sum_percent", "max_hardware_percent", "mean_sum_percent", "mean_hardware_percent"}
+for part in ("system", "main", "descendants", "combined"):
+    assert set(d["cpu_utilization"][part]) == pct
+assert set(d["gpu_utilization"]["gpu_percentages"]) == pct
+assert set(d) - set(expected) == {"torchtools"}
+print(d["max_ram"]["combined"]["total_rss"], d["max_gpu_ram"]["unit"], d["compute_time"]["unit"])
+"#;
+    let mut child = std::process::Command::new(&python)
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{python}: {e}"));
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), json.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "2.0 megabytes hours"
+    );
+}

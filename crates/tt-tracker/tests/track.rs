@@ -1,0 +1,277 @@
+//! The tracker over real process trees: exact peaks of short spikes at a 1 s interval,
+//! attribution to main and descendants, 1000 short-lived children, timelines.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tt_tracker::{RamUnit, TimeUnit, Tracker, TrackerConfig};
+
+/// Tests that track this process (whose peak-RSS mark each tracker resets) take turns.
+static THIS_PROCESS: Mutex<()> = Mutex::new(());
+
+const ROLE: &str = "TT_TRACKER_TEST_ROLE";
+
+fn vm_hwm() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line[6..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .unwrap()
+        * 1024
+}
+
+/// Touches every page of `mib` MiB for 50 ms, then frees it.
+fn spike(mib: usize) {
+    let mut v = vec![0u8; mib << 20];
+    for page in v.chunks_mut(4096) {
+        page[0] = 1;
+    }
+    std::hint::black_box(&v);
+    std::thread::sleep(Duration::from_millis(50));
+    drop(v);
+}
+
+/// The child side: spike, report its own high-water mark, wait for stdin to close.
+#[test]
+fn child() {
+    if std::env::var(ROLE).as_deref() != Ok("spike") {
+        return;
+    }
+    spike(std::env::var("MIB").unwrap().parse().unwrap());
+    println!("\n@@hwm={}@@", vm_hwm());
+    std::io::stdout().flush().unwrap();
+    let mut rest = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut rest);
+}
+
+fn config(interval: Duration) -> TrackerConfig {
+    TrackerConfig {
+        interval,
+        ram_unit: RamUnit::Bytes,
+        time_unit: TimeUnit::Seconds,
+        ..TrackerConfig::default()
+    }
+}
+
+fn within(reported: f64, truth: u64, tolerance: f64) -> bool {
+    (reported - truth as f64).abs() <= truth as f64 * tolerance
+}
+
+#[test]
+fn a_50ms_spike_in_a_descendant_is_exact_at_a_1s_interval() {
+    let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+    let tracker = Tracker::start(config(Duration::from_secs(1))).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .env(ROLE, "spike")
+        .env("MIB", "256")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let truth: u64 = loop {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0);
+        if let Some(v) = line.trim().strip_prefix("@@hwm=") {
+            break v.trim_end_matches("@@").parse().unwrap();
+        }
+    };
+    // The spike is long over; the child lives past the next sample, then exits.
+    std::thread::sleep(Duration::from_millis(1200));
+    drop(child.stdin.take());
+    child.wait().unwrap();
+    let usage = tracker.stop().unwrap();
+    let r = &usage.max_ram;
+    assert!(
+        within(r.descendants.total_rss, truth, 0.02),
+        "descendants {} vs the child's own VmHWM {truth}; {:?}",
+        r.descendants.total_rss,
+        usage.torchtools.peak_methods
+    );
+    assert!(truth > 256 << 20);
+    assert!(
+        r.main.total_rss < (256 << 20) as f64,
+        "the spike is not main's: {r:?}"
+    );
+    assert!(r.combined.total_rss >= r.descendants.total_rss);
+    assert!(r.combined.total_rss <= r.main.total_rss + r.descendants.total_rss + 1.0);
+    assert!(
+        usage.torchtools.samples <= 4,
+        "a 1 s interval: {}",
+        usage.torchtools.samples
+    );
+}
+
+#[test]
+fn a_50ms_spike_in_this_process_is_exact_at_a_1s_interval() {
+    let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+    let tracker = Tracker::start(config(Duration::from_secs(1))).unwrap();
+    spike(200);
+    let usage = tracker.stop().unwrap();
+    let truth = vm_hwm();
+    let main = usage.max_ram.main.total_rss;
+    assert!(
+        within(main, truth, 0.02),
+        "main {main} vs VmHWM {truth}: {}",
+        usage.torchtools.peak_methods.main
+    );
+    assert!(main > (200 << 20) as f64);
+    assert!(usage.max_ram.descendants.total_rss < (200 << 20) as f64);
+    assert!(usage.max_ram.combined.total_rss >= main);
+}
+
+#[test]
+fn a_thousand_short_lived_children_are_tracked_without_error() {
+    let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+    let tracker = Tracker::start(config(Duration::from_millis(10))).unwrap();
+    for _ in 0..1000 {
+        let status = Command::new("true").status().unwrap();
+        assert!(status.success());
+    }
+    let usage = tracker.stop().unwrap();
+    assert!(
+        usage.torchtools.samples >= 2,
+        "{}",
+        usage.torchtools.samples
+    );
+    assert!(usage.compute_time.time > 0.0);
+}
+
+#[test]
+fn another_process_can_be_tracked_and_a_missing_one_is_an_error() {
+    let mut child = Command::new("sleep").arg("0.3").spawn().unwrap();
+    let tracker = Tracker::start(TrackerConfig {
+        target: tt_tracker::Target::Pid(child.id()),
+        ..config(Duration::from_millis(20))
+    })
+    .unwrap();
+    child.wait().unwrap();
+    let usage = tracker.stop().unwrap();
+    assert!(usage.max_ram.main.total_rss > 0.0);
+    let e = Tracker::start(TrackerConfig {
+        target: tt_tracker::Target::Pid(u32::MAX - 1),
+        ..TrackerConfig::default()
+    })
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("does not exist"), "{e}");
+    let e = Tracker::start(config(Duration::from_millis(5)))
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("10ms"), "{e}");
+}
+
+#[test]
+fn timelines_hold_every_sample_and_the_blocks() {
+    let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    for ext in ["csv", "jsonl", "sqlite"] {
+        let path = tmp.path().join(format!("timeline.{ext}"));
+        let tracker = Tracker::start(TrackerConfig {
+            timeline: Some(path.clone()),
+            ..config(Duration::from_millis(10))
+        })
+        .unwrap();
+        {
+            let _b = tracker.block("allocate");
+            spike(32);
+        }
+        let usage = tracker.stop().unwrap();
+        let samples = usage.torchtools.samples as usize;
+        let block = &usage.torchtools.blocks[0];
+        assert_eq!((block.name.as_str(), block.calls), ("allocate", 1));
+        assert!(block.samples >= 1 && block.seconds >= 0.05, "{block:?}");
+        assert!(block.measures["main_ram"].max >= (32 << 20) as f64);
+        match ext {
+            "csv" => {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let lines: Vec<&str> = text.lines().collect();
+                assert!(lines[0].starts_with("ram_unit,gpu_ram_unit,time_unit,"));
+                assert!(lines[1].starts_with("bytes,gigabytes,seconds,"));
+                assert!(lines[2].starts_with("main_ram,descendants_ram,"));
+                assert!(lines[2].ends_with(",timestamp"));
+                assert_eq!(lines.len() - 3, samples);
+                let blocks =
+                    std::fs::read_to_string(tmp.path().join("timeline.blocks.csv")).unwrap();
+                let pid = std::process::id();
+                assert!(blocks.starts_with("process_id,code_block_name,position,timestamp\n"));
+                assert!(blocks.contains(&format!("{pid},allocate,0,")));
+                assert!(blocks.contains(&format!("{pid},allocate,1,")));
+            }
+            "jsonl" => {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let rows: Vec<serde_json::Value> = text
+                    .lines()
+                    .map(|l| serde_json::from_str(l).unwrap())
+                    .collect();
+                assert!(rows[0]["static_data"]["ram_unit"] == "bytes");
+                assert_eq!(
+                    rows.iter().filter(|r| r["main_ram"].is_number()).count(),
+                    samples
+                );
+                assert_eq!(rows.iter().filter(|r| r["block"].is_object()).count(), 2);
+            }
+            _ => {
+                let db = rusqlite::Connection::open(&path).unwrap();
+                let n: i64 = db
+                    .query_row("SELECT COUNT(*) FROM data", [], |r| r.get(0))
+                    .unwrap();
+                assert_eq!(n as usize, samples);
+                let unit: String = db
+                    .query_row("SELECT ram_unit FROM static_data", [], |r| r.get(0))
+                    .unwrap();
+                assert_eq!(unit, "bytes");
+                let events: i64 = db
+                    .query_row("SELECT COUNT(*) FROM sub_tracking", [], |r| r.get(0))
+                    .unwrap();
+                assert_eq!(events, 2);
+            }
+        }
+    }
+    // An existing file is kept unless overwrite is set; a strange extension is refused.
+    let existing = tmp.path().join("timeline.csv");
+    let e = Tracker::start(TrackerConfig {
+        timeline: Some(existing),
+        ..TrackerConfig::default()
+    })
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("already exists"), "{e}");
+    let e = Tracker::start(TrackerConfig {
+        timeline: Some(tmp.path().join("t.xlsx")),
+        ..TrackerConfig::default()
+    })
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("*.csv"), "{e}");
+}
+
+#[test]
+fn a_plot_is_drawn_with_the_peaks() {
+    let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let tracker = Tracker::start(TrackerConfig {
+        keep_series: true,
+        ..config(Duration::from_millis(10))
+    })
+    .unwrap();
+    spike(64);
+    let (_usage, series) = tracker.stop_with_series().unwrap();
+    assert!(series.len() >= 3);
+    let path = tmp.path().join("usage.svg");
+    tt_tracker::plot(&path, &series).unwrap();
+    let svg = std::fs::read_to_string(&path).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("peak "),
+        "{}",
+        &svg[..200.min(svg.len())]
+    );
+}
