@@ -61,6 +61,12 @@ pub(crate) fn run() -> Result<()> {
             "demo",
         ]),
     )?;
+    // The tracker's baseline, for the benchmark only (not part of the setup).
+    steps::run("pip install gpu-tracker==5.0.1 (tt-tracker's baseline)", {
+        let mut c = Command::new(&python);
+        c.args(["-m", "pip", "install", "--quiet", "gpu-tracker==5.0.1"]);
+        c
+    })?;
     let root = crate::root();
     let cli = root.join("target/release/torchtools");
     let demo = root.join("target/release/examples/demo");
@@ -117,6 +123,7 @@ pub(crate) fn run() -> Result<()> {
         ("tt-sampler", "sampler"),
         ("tt-ckpt", "ckpt"),
         ("tt-lock", "lock"),
+        ("tt-tracker", "tracker"),
     ] {
         rows.extend(crate_rows(krate, bench)?);
     }

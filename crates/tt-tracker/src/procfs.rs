@@ -26,6 +26,100 @@ fn read_into(path: &str, buf: &mut String) -> bool {
     }
 }
 
+/// A process's `stat` and `status`, kept open between ticks: re-reading an open /proc
+/// file (`pread` at 0) gives fresh contents without the path walk of an `open`. A read
+/// fails once the process is gone, even if its pid is reused.
+pub(crate) struct ProcFiles {
+    stat: fs::File,
+    statm: fs::File,
+    status: fs::File,
+    children: Option<fs::File>,
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as u64
+    } else {
+        4096
+    }
+}
+
+impl ProcFiles {
+    pub(crate) fn open(pid: u32) -> Option<ProcFiles> {
+        Some(ProcFiles {
+            stat: fs::File::open(format!("/proc/{pid}/stat")).ok()?,
+            statm: fs::File::open(format!("/proc/{pid}/statm")).ok()?,
+            status: fs::File::open(format!("/proc/{pid}/status")).ok()?,
+            children: fs::File::open(format!("/proc/{pid}/task/{pid}/children")).ok(),
+        })
+    }
+
+    /// The children of the process's main thread.
+    pub(crate) fn leader_children(&self, buf: &mut String, out: &mut Vec<u32>) {
+        if let Some(f) = &self.children {
+            if pread(f, buf) {
+                out.extend(
+                    buf.split_ascii_whitespace()
+                        .filter_map(|p| p.parse::<u32>().ok()),
+                );
+            }
+        }
+    }
+
+    /// CPU and threads, resident bytes (from the cheap `statm`), and with `hwm` the
+    /// high-water mark from `status` (which the kernel takes longer to write).
+    /// `None` once the process has exited.
+    pub(crate) fn read(&self, buf: &mut String, hwm: bool) -> Option<(Stat, Status)> {
+        let stat = pread(&self.stat, buf).then(|| parse_stat(buf)).flatten()?;
+        let rss = pread(&self.statm, buf)
+            .then(|| buf.split_ascii_whitespace().nth(1)?.parse::<u64>().ok())
+            .flatten()?
+            * page_size();
+        let hwm = if hwm {
+            pread(&self.status, buf)
+                .then(|| parse_status(buf))
+                .flatten()
+                .map_or(0, |s| s.hwm)
+        } else {
+            0
+        };
+        Some((stat, Status { rss, hwm }))
+    }
+}
+
+fn pread(file: &fs::File, buf: &mut String) -> bool {
+    use std::os::unix::fs::FileExt;
+    let mut bytes = std::mem::take(buf).into_bytes();
+    bytes.clear();
+    bytes.resize(4096, 0);
+    let mut len = 0;
+    loop {
+        match file.read_at(&mut bytes[len..], len as u64) {
+            Ok(0) => break,
+            Ok(n) => {
+                len += n;
+                if len == bytes.len() {
+                    bytes.resize(len * 2, 0);
+                }
+            }
+            Err(_) => {
+                *buf = String::new();
+                return false;
+            }
+        }
+    }
+    bytes.truncate(len);
+    match String::from_utf8(bytes) {
+        Ok(text) => {
+            *buf = text;
+            true
+        }
+        Err(_) => false,
+    }
+}
+
 /// From `/proc/PID/stat`: CPU time and threads.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(crate) struct Stat {
@@ -60,13 +154,6 @@ pub(crate) fn parse_stat(text: &str) -> Option<Stat> {
 pub(crate) struct Status {
     pub(crate) rss: u64,
     pub(crate) hwm: u64,
-}
-
-pub(crate) fn status(pid: u32, buf: &mut String) -> Option<Status> {
-    if !read_into(&format!("/proc/{pid}/status"), buf) {
-        return None;
-    }
-    parse_status(buf)
 }
 
 /// `None` for a zombie (no memory lines).
@@ -137,15 +224,41 @@ pub(crate) fn children(pid: u32, buf: &mut String, out: &mut Vec<u32>) {
     }
 }
 
-/// Every descendant of `root`, breadth first.
-pub(crate) fn descendants(root: u32, buf: &mut String) -> Vec<u32> {
+/// The children of `pid`'s main thread only: one small read, no directory listing.
+pub(crate) fn leader_children(pid: u32, buf: &mut String, out: &mut Vec<u32>) {
+    if read_into(&format!("/proc/{pid}/task/{pid}/children"), buf) {
+        out.extend(
+            buf.split_ascii_whitespace()
+                .filter_map(|p| p.parse::<u32>().ok()),
+        );
+    }
+}
+
+/// Every descendant of `root`, breadth first. With `all_threads` the children of every
+/// thread are listed; otherwise only those of each process's main thread (cheaper: the
+/// tracker does the full walk about once a second).
+pub(crate) fn descendants(
+    root: u32,
+    buf: &mut String,
+    all_threads: bool,
+    open: &std::collections::HashMap<u32, ProcFiles>,
+) -> Vec<u32> {
+    let list = |pid: u32, buf: &mut String, out: &mut Vec<u32>| {
+        if all_threads {
+            children(pid, buf, out)
+        } else if let Some(files) = open.get(&pid) {
+            files.leader_children(buf, out)
+        } else {
+            leader_children(pid, buf, out)
+        }
+    };
     let mut out = Vec::new();
-    children(root, buf, &mut out);
+    list(root, buf, &mut out);
     let mut i = 0;
     while i < out.len() {
         let pid = out[i];
         let mut more = Vec::new();
-        children(pid, buf, &mut more);
+        list(pid, buf, &mut more);
         for p in more {
             if p != root && !out.contains(&p) {
                 out.push(p);
@@ -240,8 +353,15 @@ mod tests {
     fn reads_this_process() {
         let mut buf = String::new();
         let me = std::process::id();
-        let st = status(me, &mut buf).unwrap_or_default();
+        let files = ProcFiles::open(me).unwrap_or_else(|| panic!("no /proc/self"));
+        let (_, st) = files.read(&mut buf, true).unwrap_or_default();
         assert!(st.rss > 0 && st.hwm >= st.rss);
+        let _big = std::hint::black_box(vec![1u8; 32 << 20]);
+        let (_, again) = files.read(&mut buf, false).unwrap_or_default();
+        assert!(
+            again.rss >= st.rss + (30 << 20),
+            "re-reading an open file is fresh"
+        );
         assert!(stat(me, &mut buf).is_some_and(|s| s.threads >= 1));
         let (total, used) = meminfo(&mut buf);
         assert!(total > used && used > 0);

@@ -19,6 +19,9 @@ pub const MIN_INTERVAL: Duration = Duration::from_millis(10);
 /// `smaps_rollup` (private / shared RSS) is read at most this often per process.
 const ROLLUP_EVERY: Duration = Duration::from_secs(1);
 
+/// System RAM and CPU (`/proc/meminfo`, `/proc/stat`) are read at most this often.
+const SYSTEM_EVERY: Duration = Duration::from_millis(100);
+
 /// Points kept for a plot; neighbours are merged (keeping maxima) beyond it.
 const SERIES_POINTS: usize = 4096;
 
@@ -116,8 +119,17 @@ pub struct Tracker {
 /// What the sampling thread hands back.
 type Finished = (ResourceUsage, Vec<SeriesPoint>);
 
-/// The previous sample's time, per-process CPU ticks and per-core (busy, total).
-type CpuBase = (Instant, HashMap<u32, u64>, Vec<(u64, u64)>);
+/// The previous sample's time and per-process CPU ticks.
+type CpuBase = (Instant, HashMap<u32, u64>);
+
+/// System-wide figures read at most every [`SYSTEM_EVERY`]: per-core (busy, total)
+/// jiffies, the CPU percent over the last window, RAM used.
+struct SystemReads {
+    at: Instant,
+    times: Vec<(u64, u64)>,
+    pct: f64,
+    used: u64,
+}
 
 /// A named code block being tracked; ends when dropped. See [`Tracker::block`].
 pub struct Block {
@@ -315,7 +327,11 @@ struct Sampler {
     cores: usize,
     expected_cores: usize,
     last: Option<CpuBase>,
-    rollups: HashMap<u32, (Instant, Rollup)>,
+    system: Option<SystemReads>,
+    stopping: bool,
+    rollups: HashMap<u32, (Instant, u64, Rollup)>,
+    files: HashMap<u32, procfs::ProcFiles>,
+    last_full_walk: Option<Instant>,
     /// Highest VmHWM seen per pid, and whether it counts from the start of tracking.
     hwm: HashMap<u32, u64>,
     hwm_reset_failed: HashSet<u32>,
@@ -378,7 +394,11 @@ impl Sampler {
             cores,
             expected_cores,
             last: None,
+            system: None,
+            stopping: false,
             rollups: HashMap::new(),
+            files: HashMap::new(),
+            last_full_walk: None,
             hwm: HashMap::new(),
             hwm_reset_failed,
             seen: HashSet::new(),
@@ -421,6 +441,7 @@ impl Sampler {
                 (c.stop, std::mem::take(&mut c.events))
             };
             self.events(events)?;
+            self.stopping = stop;
             self.tick()?;
             if stop {
                 let c = shared.control.lock().unwrap_or_else(|e| e.into_inner());
@@ -461,7 +482,22 @@ impl Sampler {
     fn tick(&mut self) -> Result<()> {
         let now = Instant::now();
         let main = self.main;
-        let descendants = procfs::descendants(main, &mut self.buf);
+        // Children of every thread about once a second; of main threads in between.
+        let full_walk = self
+            .last_full_walk
+            .is_none_or(|at| now.duration_since(at) >= ROLLUP_EVERY);
+        if full_walk {
+            self.last_full_walk = Some(now);
+        }
+        let mut descendants = procfs::descendants(main, &mut self.buf, full_walk, &self.files);
+        if !full_walk {
+            // Keep descendants found by the last full walk (forked by other threads).
+            for pid in self.files.keys() {
+                if *pid != main && !descendants.contains(pid) {
+                    descendants.push(*pid);
+                }
+            }
+        }
         let mut cpu_ticks: HashMap<u32, u64> = HashMap::with_capacity(descendants.len() + 1);
         let mut main_rss = Rss::default();
         let mut desc_rss = Rss::default();
@@ -470,11 +506,24 @@ impl Sampler {
         let mut alive_desc = HashSet::with_capacity(descendants.len());
         for (i, &pid) in std::iter::once(&main).chain(&descendants).enumerate() {
             let is_main = i == 0;
-            let (Some(stat), Some(status)) = (
-                procfs::stat(pid, &mut self.buf),
-                procfs::status(pid, &mut self.buf),
-            ) else {
-                continue; // exited between listing and reading, or a zombie
+            if !self.files.contains_key(&pid) {
+                match procfs::ProcFiles::open(pid) {
+                    Some(f) => {
+                        self.files.insert(pid, f);
+                    }
+                    None => continue, // exited between listing and reading
+                }
+            }
+            // VmHWM: every sample for the tracked process, about once a second for its
+            // descendants (a high-water mark loses nothing while its process lives).
+            let want_hwm = is_main || full_walk || self.stopping;
+            let Some((stat, status)) = self
+                .files
+                .get(&pid)
+                .and_then(|f| f.read(&mut self.buf, want_hwm))
+            else {
+                self.files.remove(&pid); // exited
+                continue;
             };
             if !is_main {
                 alive_desc.insert(pid);
@@ -487,11 +536,19 @@ impl Sampler {
             let hwm = self.hwm.entry(pid).or_default();
             *hwm = (*hwm).max(status.hwm);
             cpu_ticks.insert(pid, stat.cpu_ticks);
+            // smaps_rollup is the expensive read: at most once a second, and only when
+            // the process's RSS moved by 1 MiB since (or every 10 s regardless).
             let rollup = match self.rollups.get(&pid) {
-                Some((at, r)) if now.duration_since(*at) < ROLLUP_EVERY => *r,
+                Some((at, rss, r))
+                    if now.duration_since(*at) < ROLLUP_EVERY
+                        || (status.rss.abs_diff(*rss) < 1 << 20
+                            && now.duration_since(*at) < ROLLUP_EVERY * 10) =>
+                {
+                    *r
+                }
                 _ => {
                     let r = procfs::smaps_rollup(pid, &mut self.buf).unwrap_or_default();
-                    self.rollups.insert(pid, (now, r));
+                    self.rollups.insert(pid, (now, status.rss, r));
                     r
                 }
             };
@@ -512,6 +569,7 @@ impl Sampler {
             }
         }
         self.rollups.retain(|pid, _| cpu_ticks.contains_key(pid));
+        self.files.retain(|pid, _| cpu_ticks.contains_key(pid));
         desc_rss.private = desc_private;
         desc_rss.total = desc_private + desc_rss.shared;
         let comb_shared = main_rss.shared.max(desc_rss.shared);
@@ -526,13 +584,42 @@ impl Sampler {
         self.threads.0 = self.threads.0.max(threads.0);
         self.threads.1 = self.threads.1.max(threads.1);
         self.threads.2 = self.threads.2.max(threads.0 + threads.1);
-        let (_, system_used) = procfs::meminfo(&mut self.buf);
+        // System-wide RAM and CPU: kernel-generated files that cost more than a
+        // process's; read at most every SYSTEM_EVERY (and at the last sample).
+        let system_due = self
+            .system
+            .as_ref()
+            .is_none_or(|s| now.duration_since(s.at) >= SYSTEM_EVERY || self.stopping);
+        if system_due {
+            let (_, used) = procfs::meminfo(&mut self.buf);
+            let times = procfs::cpu_times(&mut self.buf);
+            let pct = self.system.as_ref().map_or(0.0, |prev| {
+                times
+                    .iter()
+                    .zip(&prev.times)
+                    .map(|((busy, total), (pb, pt))| {
+                        let dt = total.saturating_sub(*pt);
+                        if dt == 0 {
+                            0.0
+                        } else {
+                            busy.saturating_sub(*pb) as f64 / dt as f64 * 100.0
+                        }
+                    })
+                    .sum()
+            });
+            self.system = Some(SystemReads {
+                at: now,
+                times,
+                pct,
+                used,
+            });
+        }
+        let (system_used, system_pct) = self.system.as_ref().map_or((0, 0.0), |s| (s.used, s.pct));
         self.max_system = self.max_system.max(system_used);
 
-        // CPU: differences since the last sample.
-        let sys_times = procfs::cpu_times(&mut self.buf);
+        // CPU of the tree: differences since the last sample.
         let mut cpu = [0.0f64; 4];
-        if let Some((at, prev_ticks, prev_sys)) = &self.last {
+        if let Some((at, prev_ticks)) = &self.last {
             let dt = now.duration_since(*at).as_secs_f64().max(1e-9);
             for (pid, t) in &cpu_ticks {
                 if let Some(p) = prev_ticks.get(pid) {
@@ -541,18 +628,7 @@ impl Sampler {
                 }
             }
             cpu[3] = cpu[1] + cpu[2];
-            cpu[0] = sys_times
-                .iter()
-                .zip(prev_sys)
-                .map(|((busy, total), (pb, pt))| {
-                    let dt = total.saturating_sub(*pt);
-                    if dt == 0 {
-                        0.0
-                    } else {
-                        busy.saturating_sub(*pb) as f64 / dt as f64 * 100.0
-                    }
-                })
-                .sum();
+            cpu[0] = system_pct;
         }
         let first = self.last.is_none();
         let mut hw = [0.0f64; 4];
@@ -562,7 +638,7 @@ impl Sampler {
                 hw[k] = self.cpu[k].add(cpu[k], self.expected_cores);
             }
         }
-        self.last = Some((now, cpu_ticks, sys_times));
+        self.last = Some((now, cpu_ticks));
 
         // GPU.
         let g = self.gpus.sample(main, &alive_desc);
