@@ -506,10 +506,10 @@ impl Sampler {
         let mut alive_desc = HashSet::with_capacity(descendants.len());
         for (i, &pid) in std::iter::once(&main).chain(&descendants).enumerate() {
             let is_main = i == 0;
-            if !self.files.contains_key(&pid) {
+            if let std::collections::hash_map::Entry::Vacant(slot) = self.files.entry(pid) {
                 match procfs::ProcFiles::open(pid) {
                     Some(f) => {
-                        self.files.insert(pid, f);
+                        slot.insert(f);
                     }
                     None => continue, // exited between listing and reading
                 }
