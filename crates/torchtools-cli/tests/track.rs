@@ -14,6 +14,11 @@ fn track(args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// The setup venv's Python (`TORCHTOOLS_PYTHON`, set for cargo), else `python3`.
+fn python() -> String {
+    std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
@@ -149,7 +154,7 @@ fn timeline_plot_and_compare() {
             "--plot",
             &p(&format!("{name}.svg")),
             "--",
-            "python3",
+            &python(),
             "-c",
             &script,
         ]);
