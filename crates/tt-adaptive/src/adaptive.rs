@@ -1,0 +1,537 @@
+use std::collections::HashMap;
+use std::fmt;
+use std::panic::{self, AssertUnwindSafe, Location};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::classify::{classify_message, OomClassify, OomKind};
+use crate::memory::{CpuMemory, MemoryProbe};
+
+#[cfg(feature = "tch")]
+use crate::tch_support::release_cached_memory;
+
+/// Without libtorch there is no cache to release.
+#[cfg(not(feature = "tch"))]
+fn release_cached_memory(_kind: OomKind) {}
+
+/// How the size goes down after an out-of-memory, and back up.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Policy {
+    /// toma's rule: halve on OOM, never grow back.
+    Halve,
+    /// accelerate's rule: multiply by the factor (e.g. 0.9) on OOM.
+    Factor(f64),
+    /// Remember the largest size that worked and the smallest that failed (per cache
+    /// key); later calls, and later steps of a `range`/`chunked`, try between them, so
+    /// the size converges to at least 95% of the largest that fits without redoing
+    /// finished work. The default.
+    Search,
+}
+
+/// What the remembered sizes are keyed by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cache {
+    /// The call site (`#[track_caller]`) and the free memory of the device, in 256 MiB
+    /// buckets (toma's default). Free memory counts what libtorch's allocator holds but
+    /// does not use, so a second call finds the first one's entry.
+    CallSite,
+    /// One entry for this [`Adaptive`] (toma's `GlobalBatchsizeCache`).
+    Global,
+    /// Always start from the initial size (toma's `NoBatchsizeCache`).
+    None,
+}
+
+/// Why an adaptive call failed.
+#[derive(Debug)]
+pub enum AdaptiveError<E> {
+    /// An error that is not an out-of-memory, returned untouched at its first occurrence.
+    Failed(E),
+    /// Even the minimum size ran out of memory.
+    NoFit {
+        /// The minimum size.
+        min: usize,
+        /// The last OOM error (absent when it was a caught panic).
+        last_error: Option<E>,
+        /// Its message.
+        message: String,
+    },
+}
+
+impl<E: fmt::Display> fmt::Display for AdaptiveError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AdaptiveError::Failed(e) => e.fmt(f),
+            AdaptiveError::NoFit { min, message, .. } => write!(
+                f,
+                "out of memory even at the minimum size {min}: {message}; free memory (smaller \
+                 model, other processes) or lower the minimum"
+            ),
+        }
+    }
+}
+
+impl<E: fmt::Debug + fmt::Display> std::error::Error for AdaptiveError<E> {}
+
+/// What one call site has done.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SiteStats {
+    /// `file:line:column` of the call, or `global`.
+    pub site: String,
+    /// Free memory bucket (256 MiB units) of the entry.
+    pub bucket: u64,
+    /// Calls.
+    pub calls: u64,
+    /// Attempts (calls plus retries).
+    pub attempts: u64,
+    /// Out-of-memory errors.
+    pub ooms: u64,
+    /// The size the next call will start from.
+    pub size: usize,
+}
+
+type Key = (Option<&'static Location<'static>>, u64);
+
+#[derive(Debug, Clone, Default)]
+struct Entry {
+    largest_ok: Option<usize>,
+    smallest_fail: Option<usize>,
+    calls: u64,
+    attempts: u64,
+    ooms: u64,
+}
+
+/// Called on an out-of-memory with its kind and the size that failed, before the size is
+/// lowered; returning `true` means memory was handed back (a tt-fence shrunk, say), so
+/// the same size is tried once more.
+pub type OomHook = Arc<dyn Fn(OomKind, usize) -> bool + Send + Sync>;
+
+/// Called with the size a call would start from; returns the size every process agrees
+/// on (the minimum over ranks, in tt-dist). It is a collective: every rank must make the
+/// same calls.
+pub type AgreeHook = Arc<dyn Fn(usize) -> usize + Send + Sync>;
+
+const BUCKET: u64 = 256 << 20;
+const REFRESH: Duration = Duration::from_secs(1);
+
+struct Shared {
+    entries: Mutex<HashMap<Key, Entry>>,
+    bucket: Mutex<Option<(Instant, u64)>>,
+}
+
+/// OOM-adaptive execution: [`Adaptive::batch`], [`Adaptive::range`] and (feature `tch`)
+/// `Adaptive::chunked`. Clones share their caches and statistics.
+#[derive(Clone)]
+pub struct Adaptive {
+    policy: Policy,
+    cache: Cache,
+    min: usize,
+    max: usize,
+    grow: bool,
+    catch_panics: bool,
+    memory: Arc<dyn MemoryProbe>,
+    on_oom: Option<OomHook>,
+    agree: Option<AgreeHook>,
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for Adaptive {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Adaptive")
+            .field("policy", &self.policy)
+            .field("cache", &self.cache)
+            .field("min", &self.min)
+            .field("max", &self.max)
+            .field("grow", &self.grow)
+            .field("catch_panics", &self.catch_panics)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Adaptive {
+    fn default() -> Self {
+        Adaptive::new()
+    }
+}
+
+impl Adaptive {
+    /// `Search`, call-site cache keyed by free CPU memory (use [`Adaptive::memory`] for a
+    /// GPU), minimum 1, no maximum, no growth, panics not caught.
+    pub fn new() -> Adaptive {
+        Adaptive {
+            policy: Policy::Search,
+            cache: Cache::CallSite,
+            min: 1,
+            max: usize::MAX,
+            grow: false,
+            catch_panics: false,
+            memory: Arc::new(CpuMemory),
+            on_oom: None,
+            agree: None,
+            shared: Arc::new(Shared {
+                entries: Mutex::new(HashMap::new()),
+                bucket: Mutex::new(None),
+            }),
+        }
+    }
+
+    /// The policy.
+    pub fn policy(mut self, policy: Policy) -> Adaptive {
+        self.policy = policy;
+        self
+    }
+
+    /// The cache.
+    pub fn cache(mut self, cache: Cache) -> Adaptive {
+        self.cache = cache;
+        self
+    }
+
+    /// The smallest size to try: below it, [`AdaptiveError::NoFit`].
+    pub fn min(mut self, min: usize) -> Adaptive {
+        self.min = min.max(1);
+        self
+    }
+
+    /// The largest size ever tried.
+    pub fn max(mut self, max: usize) -> Adaptive {
+        self.max = max.max(1);
+        self
+    }
+
+    /// Grow from a small start (Lightning's power mode): double after each success
+    /// until an OOM or [`Adaptive::max`], then search between.
+    pub fn grow(mut self, grow: bool) -> Adaptive {
+        self.grow = grow;
+        self
+    }
+
+    /// Also treat a panic whose message is an out-of-memory as an OOM (tch's non-`f_`
+    /// methods panic on errors). Off by default: prefer the `f_` methods, which return
+    /// `Result`. Other panics propagate.
+    pub fn catch_oom_panics(mut self, catch: bool) -> Adaptive {
+        self.catch_panics = catch;
+        self
+    }
+
+    /// Where free memory is read for the cache key: the device the work runs on.
+    pub fn memory(mut self, probe: impl MemoryProbe + 'static) -> Adaptive {
+        self.memory = Arc::new(probe);
+        *self.shared.bucket.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self
+    }
+
+    /// A hook called on each OOM before lowering (see [`OomHook`]).
+    pub fn on_oom(
+        mut self,
+        hook: impl Fn(OomKind, usize) -> bool + Send + Sync + 'static,
+    ) -> Adaptive {
+        self.on_oom = Some(Arc::new(hook));
+        self
+    }
+
+    /// A hook that makes several processes agree on the starting size (see
+    /// [`AgreeHook`]).
+    pub fn agree(mut self, hook: impl Fn(usize) -> usize + Send + Sync + 'static) -> Adaptive {
+        self.agree = Some(Arc::new(hook));
+        self
+    }
+
+    /// Re-reads free memory now (it is otherwise re-read at most once a second, and
+    /// after each OOM).
+    pub fn refresh_memory(&self) {
+        self.bucket(true);
+    }
+
+    /// Every cache entry's statistics.
+    pub fn stats(&self) -> Vec<SiteStats> {
+        let entries = self
+            .shared
+            .entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<SiteStats> = entries
+            .iter()
+            .map(|((site, bucket), e)| SiteStats {
+                site: site.map_or("global".into(), |l| l.to_string()),
+                bucket: *bucket,
+                calls: e.calls,
+                attempts: e.attempts,
+                ooms: e.ooms,
+                size: e.largest_ok.unwrap_or(0),
+            })
+            .collect();
+        out.sort_by(|a, b| a.site.cmp(&b.site).then(a.bucket.cmp(&b.bucket)));
+        out
+    }
+
+    /// Runs `f(batch_size)` from `initial` (or the remembered size), retrying smaller on
+    /// out-of-memory, and returns its result.
+    ///
+    /// ```
+    /// use tt_adaptive::Adaptive;
+    /// let adaptive = Adaptive::new();
+    /// // A fake budget: sizes above 100 fail with libtorch's CPU OOM message.
+    /// let run = |n: usize| -> Result<usize, String> {
+    ///     if n > 100 { Err("DefaultCPUAllocator: can't allocate memory".into()) } else { Ok(n) }
+    /// };
+    /// assert_eq!(adaptive.batch(512, run).ok(), Some(64)); // 512, 256, 128 failed
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[track_caller]
+    pub fn batch<T, E: OomClassify>(
+        &self,
+        initial: usize,
+        mut f: impl FnMut(usize) -> Result<T, E>,
+    ) -> Result<T, AdaptiveError<E>> {
+        let key = self.key(Location::caller(), false);
+        let mut size = self.start(key, initial);
+        loop {
+            match self.attempt(key, size, &mut f)? {
+                Ok(value) => {
+                    self.succeeded(key, size);
+                    return Ok(value);
+                }
+                Err(next) => size = next,
+            }
+        }
+    }
+
+    /// Calls `f(from, to)` over `start..end` in steps of `initial_step` (or the
+    /// remembered step); on out-of-memory the step is lowered and the loop continues
+    /// from where it failed, so every index is processed exactly once.
+    #[track_caller]
+    pub fn range<E: OomClassify>(
+        &self,
+        start: usize,
+        end: usize,
+        initial_step: usize,
+        f: impl FnMut(usize, usize) -> Result<(), E>,
+    ) -> Result<(), AdaptiveError<E>> {
+        self.range_at(Location::caller(), start, end, initial_step, f)
+    }
+
+    pub(crate) fn range_at<E: OomClassify>(
+        &self,
+        site: &'static Location<'static>,
+        start: usize,
+        end: usize,
+        initial_step: usize,
+        mut f: impl FnMut(usize, usize) -> Result<(), E>,
+    ) -> Result<(), AdaptiveError<E>> {
+        let key = self.key(site, false);
+        let mut step = self.start(key, initial_step);
+        let mut at = start;
+        while at < end {
+            let size = step.min(end - at);
+            match self.attempt(key, size, &mut |n| f(at, at + n))? {
+                Ok(()) => {
+                    at += size;
+                    if size == step {
+                        self.succeeded(key, size);
+                        step = self.proposal(key, step);
+                    }
+                }
+                Err(next) => step = next,
+            }
+        }
+        Ok(())
+    }
+
+    fn key(&self, site: &'static Location<'static>, force: bool) -> Key {
+        match self.cache {
+            Cache::CallSite => (Some(site), self.bucket(force)),
+            Cache::Global | Cache::None => (None, 0),
+        }
+    }
+
+    /// Free-memory bucket, re-read at most once a second (or when forced by an OOM):
+    /// reading memory stays off the success path's hot loop.
+    fn bucket(&self, force: bool) -> u64 {
+        let mut b = self.shared.bucket.lock().unwrap_or_else(|e| e.into_inner());
+        match *b {
+            Some((at, value)) if !force && at.elapsed() < REFRESH => value,
+            _ => {
+                let value = self.memory.free_bytes().unwrap_or(0) / BUCKET;
+                *b = Some((Instant::now(), value));
+                value
+            }
+        }
+    }
+
+    fn with_entry<R>(&self, key: Key, f: impl FnOnce(&mut Entry) -> R) -> R {
+        let mut entries = self
+            .shared
+            .entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        f(entries.entry(key).or_default())
+    }
+
+    fn start(&self, key: Key, initial: usize) -> usize {
+        let size = if self.cache == Cache::None {
+            self.with_entry(key, |e| {
+                e.calls += 1;
+                initial
+            })
+        } else {
+            self.with_entry(key, |e| {
+                e.calls += 1;
+                self.propose(e, initial)
+            })
+        };
+        let size = size.clamp(self.min, self.max);
+        match &self.agree {
+            Some(agree) => agree(size).clamp(self.min, self.max),
+            None => size,
+        }
+    }
+
+    fn proposal(&self, key: Key, current: usize) -> usize {
+        if self.cache == Cache::None && self.policy != Policy::Search && !self.grow {
+            return current;
+        }
+        self.with_entry(key, |e| self.propose(e, current))
+            .clamp(self.min, self.max)
+    }
+
+    fn propose(&self, e: &Entry, initial: usize) -> usize {
+        let grown = |ok: usize| {
+            if self.grow {
+                ok.saturating_mul(2).min(self.max)
+            } else {
+                ok.max(initial)
+            }
+        };
+        match self.policy {
+            Policy::Search => match (e.largest_ok, e.smallest_fail) {
+                (Some(ok), Some(fail)) if fail > ok => {
+                    if converged(ok, fail) {
+                        ok
+                    } else {
+                        ok + (fail - ok) / 2
+                    }
+                }
+                (Some(ok), Some(_)) => ok,
+                (Some(ok), None) => grown(ok),
+                (None, Some(fail)) if initial >= fail => (fail / 2).max(1),
+                _ => initial,
+            },
+            Policy::Halve | Policy::Factor(_) => match (e.largest_ok, e.smallest_fail) {
+                (Some(ok), None) => grown(ok),
+                (Some(ok), Some(_)) => ok,
+                _ => initial,
+            },
+        }
+    }
+
+    fn succeeded(&self, key: Key, size: usize) {
+        self.with_entry(key, |e| {
+            e.largest_ok = Some(e.largest_ok.map_or(size, |ok| ok.max(size)));
+            if e.smallest_fail.is_some_and(|fail| fail <= size) {
+                e.smallest_fail = None; // memory got freer since
+            }
+        });
+    }
+
+    /// One attempt: `Ok(Ok(value))`, or `Ok(Err(next size))` after an OOM, or the error.
+    fn attempt<T, E: OomClassify>(
+        &self,
+        key: Key,
+        size: usize,
+        f: &mut dyn FnMut(usize) -> Result<T, E>,
+    ) -> Result<Result<T, usize>, AdaptiveError<E>> {
+        let mut hook_retried = false;
+        loop {
+            self.with_entry(key, |e| e.attempts += 1);
+            // An error, or a caught panic's OOM kind and message.
+            let outcome: Result<T, (Option<E>, Option<OomKind>, String)> = if self.catch_panics {
+                match panic::catch_unwind(AssertUnwindSafe(|| f(size))) {
+                    Ok(Ok(value)) => Ok(value),
+                    Ok(Err(e)) => Err((Some(e), None, String::new())),
+                    Err(payload) => {
+                        let message = payload
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                            .unwrap_or_default();
+                        match classify_message(&message) {
+                            Some(kind) => Err((None, Some(kind), message)),
+                            None => panic::resume_unwind(payload),
+                        }
+                    }
+                }
+            } else {
+                f(size).map_err(|e| (Some(e), None, String::new()))
+            };
+            let (error, kind, message) = match outcome {
+                Ok(value) => return Ok(Ok(value)),
+                Err(failure) => failure,
+            };
+            let kind = match (kind, error.as_ref().and_then(OomClassify::oom_kind)) {
+                (Some(kind), _) | (None, Some(kind)) => kind,
+                (None, None) => match error {
+                    Some(e) => return Err(AdaptiveError::Failed(e)),
+                    None => unreachable_no_error(),
+                },
+            };
+            self.with_entry(key, |e| {
+                e.ooms += 1;
+                e.smallest_fail = Some(e.smallest_fail.map_or(size, |f| f.min(size)));
+                if e.largest_ok.is_some_and(|ok| ok >= size) {
+                    e.largest_ok = None; // memory got tighter since
+                }
+            });
+            release_cached_memory(kind);
+            if !hook_retried {
+                if let Some(hook) = &self.on_oom {
+                    if hook(kind, size) {
+                        hook_retried = true;
+                        continue;
+                    }
+                }
+            }
+            let free = self.bucket(true) * BUCKET;
+            let next = self.lower(key, size);
+            tracing::info!(size, next, %kind, free_bytes = free, "out of memory: retrying smaller");
+            if next < self.min || next >= size {
+                return Err(AdaptiveError::NoFit {
+                    min: self.min,
+                    message: if message.is_empty() {
+                        kind.to_string()
+                    } else {
+                        message
+                    },
+                    last_error: error,
+                });
+            }
+            return Ok(Err(next));
+        }
+    }
+
+    fn lower(&self, key: Key, size: usize) -> usize {
+        let ok = self.with_entry(key, |e| e.largest_ok);
+        match self.policy {
+            Policy::Halve => size / 2,
+            Policy::Factor(f) => {
+                let next = (size as f64 * f.clamp(0.0, 1.0)).floor() as usize;
+                next.min(size.saturating_sub(1))
+            }
+            Policy::Search => match ok {
+                Some(ok) if ok < size && !converged(ok, size) => ok + (size - ok) / 2,
+                Some(ok) if ok < size => ok,
+                _ => size / 2,
+            },
+        }
+    }
+}
+
+/// A failure is either an error or a caught panic's message; never neither.
+#[cold]
+fn unreachable_no_error() -> OomKind {
+    OomKind::Cpu
+}
+
+/// Within 5%: the largest size that worked is at least 95% of the smallest that failed.
+fn converged(ok: usize, fail: usize) -> bool {
+    fail - ok <= (fail / 20).max(1)
+}

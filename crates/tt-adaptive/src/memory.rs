@@ -1,0 +1,132 @@
+//! Free memory for the cache key, and toma's CPU memory limit.
+
+use std::io;
+
+/// Reads how much memory is free where the work runs.
+pub trait MemoryProbe: Send + Sync {
+    /// Free bytes, or `None` when it cannot be told.
+    fn free_bytes(&self) -> Option<u64>;
+}
+
+/// The CPU: [`available_cpu_memory`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuMemory;
+
+impl MemoryProbe for CpuMemory {
+    fn free_bytes(&self) -> Option<u64> {
+        available_cpu_memory().ok()
+    }
+}
+
+/// Errors of the CPU memory limit.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LimitError {
+    /// CUDA is loaded: it reserves far more address space than memory, so an
+    /// address-space limit would break it.
+    #[error(
+        "refusing to limit the address space (RLIMIT_AS): CUDA is loaded in this process \
+         and reserves far more address space than memory (VmSize is ~2.6 GB right after \
+         libtorch_cuda loads); limit memory with a cgroup (e.g. systemd-run -p MemoryMax=) \
+         instead"
+    )]
+    CudaLoaded,
+    /// The limit is below what the process already uses.
+    #[error("a limit of {limit} bytes is below the {used} bytes of address space this process already uses")]
+    BelowUsage {
+        /// The limit asked for.
+        limit: u64,
+        /// VmSize now.
+        used: u64,
+    },
+    /// setrlimit failed.
+    #[error("setrlimit(RLIMIT_AS): {0}")]
+    Os(io::Error),
+}
+
+fn vm_size() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmSize:"))?;
+    Some(
+        line[7..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse::<u64>()
+            .ok()?
+            * 1024,
+    )
+}
+
+/// Whether CUDA's libraries are mapped into this process.
+pub fn cuda_loaded() -> bool {
+    std::fs::read_to_string("/proc/self/maps").is_ok_and(|maps| {
+        maps.lines()
+            .any(|l| l.contains("libcuda.so") || l.contains("libtorch_cuda.so"))
+    })
+}
+
+/// Sets the soft address-space limit (`RLIMIT_AS`) to `bytes` (toma's
+/// `set_cpu_memory_limit`, in bytes rather than GB), keeping the hard limit so that it
+/// can be raised back; `None` removes it (up to the hard limit). Allocations past it
+/// fail with libtorch's CPU OOM, which the adaptive helpers retry. Refused when CUDA is
+/// loaded (see [`LimitError::CudaLoaded`]).
+pub fn set_cpu_memory_limit(bytes: Option<u64>) -> Result<(), LimitError> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills a valid rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } != 0 {
+        return Err(LimitError::Os(io::Error::last_os_error()));
+    }
+    match bytes {
+        Some(limit) => {
+            if cuda_loaded() {
+                return Err(LimitError::CudaLoaded);
+            }
+            let used = vm_size().unwrap_or(0);
+            if limit < used {
+                return Err(LimitError::BelowUsage { limit, used });
+            }
+            lim.rlim_cur = limit.min(lim.rlim_max);
+        }
+        None => lim.rlim_cur = lim.rlim_max,
+    }
+    // SAFETY: setrlimit with a valid rlimit; the soft limit never exceeds the hard one.
+    if unsafe { libc::setrlimit(libc::RLIMIT_AS, &lim) } != 0 {
+        return Err(LimitError::Os(io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Memory this process can still use: the system's `MemAvailable`, capped by the room
+/// left under a soft `RLIMIT_AS` (limit − VmSize).
+pub fn available_cpu_memory() -> io::Result<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo")?;
+    let available = meminfo
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .and_then(|l| {
+            l[13..]
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .map(|kb| kb * 1024)
+        .ok_or_else(|| io::Error::other("no MemAvailable in /proc/meminfo"))?;
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills a valid rlimit.
+    let limited = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } == 0
+        && lim.rlim_cur != libc::RLIM_INFINITY;
+    if limited {
+        let room = lim.rlim_cur.saturating_sub(vm_size().unwrap_or(0));
+        return Ok(available.min(room));
+    }
+    Ok(available)
+}

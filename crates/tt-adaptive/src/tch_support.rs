@@ -1,0 +1,79 @@
+//! Feature `tch`: `chunked` over tensors, CUDA free memory, releasing libtorch's cache.
+
+use std::panic::Location;
+
+use crate::{Adaptive, AdaptiveError, MemoryProbe, OomClassify, OomKind};
+
+/// Free memory of CUDA device `n` as libtorch's allocator sees it: the driver's free
+/// memory plus what the caching allocator holds but does not use (so the second call
+/// of a call site, after the first one's tensors went back to the cache, finds the
+/// same bucket).
+#[derive(Debug, Clone, Copy)]
+pub struct CudaMemory(pub usize);
+
+impl MemoryProbe for CudaMemory {
+    fn free_bytes(&self) -> Option<u64> {
+        let info = tt_sys::mem_get_info(self.0).ok()?;
+        let stats = tt_sys::device_stats(self.0).ok()?;
+        Some(
+            info.free
+                + stats
+                    .reserved_bytes
+                    .current
+                    .saturating_sub(stats.allocated_bytes.current),
+        )
+    }
+}
+
+/// After a CUDA-side OOM, hand libtorch's cached blocks back to the driver, so that the
+/// next attempt (or another process) can use them. Never on the success path.
+pub(crate) fn release_cached_memory(kind: OomKind) {
+    if matches!(kind, OomKind::Cuda | OomKind::Cudnn | OomKind::Cublas) {
+        if let Err(e) = tt_sys::empty_cache() {
+            tracing::debug!("empty_cache after an OOM: {e}");
+        }
+    }
+}
+
+impl Adaptive {
+    /// Calls `f(chunk, from, to)` on `tensor.narrow(dim, from, to - from)` over the
+    /// whole dimension, in steps of `initial_step` (or the remembered step), lowering
+    /// the step on out-of-memory and continuing where it failed (toma's `chunked`).
+    /// Write results into an output the closure captures. Use tch's `f_` methods inside,
+    /// which return errors; the plain ones panic (see [`Adaptive::catch_oom_panics`]).
+    ///
+    /// ```
+    /// use tch::{Kind, Tensor};
+    /// let data = Tensor::arange(100, (Kind::Float, tch::Device::Cpu));
+    /// let out = Tensor::zeros([100], (Kind::Float, tch::Device::Cpu));
+    /// tt_adaptive::Adaptive::new().chunked(&data, 0, 32, |chunk, from, to| {
+    ///     out.f_narrow(0, from as i64, (to - from) as i64)?.f_copy_(&chunk.f_mul_scalar(2)?)
+    /// })?;
+    /// assert_eq!(out.sum(Kind::Float).double_value(&[]), 9900.0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[track_caller]
+    pub fn chunked<E: OomClassify + From<tch::TchError>>(
+        &self,
+        tensor: &tch::Tensor,
+        dim: i64,
+        initial_step: usize,
+        mut f: impl FnMut(&tch::Tensor, usize, usize) -> Result<(), E>,
+    ) -> Result<(), AdaptiveError<E>> {
+        let site = Location::caller();
+        let len = tensor
+            .size()
+            .get(usize::try_from(dim).unwrap_or(usize::MAX))
+            .copied()
+            .ok_or_else(|| {
+                AdaptiveError::Failed(E::from(tch::TchError::Shape(format!(
+                    "chunked: dimension {dim} does not exist in a tensor of shape {:?}",
+                    tensor.size()
+                ))))
+            })?;
+        self.range_at(site, 0, len.max(0) as usize, initial_step, |from, to| {
+            let chunk = tensor.f_narrow(dim, from as i64, (to - from) as i64)?;
+            f(&chunk, from, to)
+        })
+    }
+}

@@ -1,0 +1,230 @@
+//! The retry engine against a fake memory budget: closures that fail with libtorch's
+//! real OOM messages when the size is over a capacity. Deterministic.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tt_adaptive::{Adaptive, AdaptiveError, Cache, MemoryProbe, OomKind, Policy};
+
+const CUDA_OOM: &str =
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.18 GiB";
+
+/// Work that needs `size` units of a budget of `capacity`; counts its calls.
+fn budget(capacity: usize, calls: &AtomicUsize) -> impl FnMut(usize) -> Result<usize, String> + '_ {
+    move |size| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        if size > capacity {
+            Err(CUDA_OOM.to_owned())
+        } else {
+            Ok(size)
+        }
+    }
+}
+
+fn ooms(a: &Adaptive) -> u64 {
+    a.stats().iter().map(|s| s.ooms).sum()
+}
+
+#[test]
+fn halve_is_tomas_rule_and_the_call_site_remembers() {
+    let a = Adaptive::new().policy(Policy::Halve);
+    let calls = AtomicUsize::new(0);
+    let mut sizes = Vec::new();
+    for _ in 0..3 {
+        sizes.push(a.batch(4096, budget(1000, &calls)).unwrap());
+    }
+    assert_eq!(sizes, [512, 512, 512]);
+    assert_eq!(
+        ooms(&a),
+        3,
+        "the second and third calls start at the cached 512"
+    );
+    assert_eq!(calls.load(Ordering::Relaxed), 6);
+}
+
+#[test]
+fn factor_lowers_by_the_factor() {
+    let a = Adaptive::new().policy(Policy::Factor(0.9));
+    let calls = AtomicUsize::new(0);
+    assert_eq!(a.batch(2000, budget(1000, &calls)).unwrap(), 955);
+    assert_eq!(ooms(&a), 7); // 2000 1800 1620 1458 1312 1180 1062
+}
+
+#[test]
+fn search_converges_to_95_percent_within_15_ooms() {
+    let a = Adaptive::new(); // Policy::Search is the default
+    let calls = AtomicUsize::new(0);
+    let mut last = 0;
+    for _ in 0..20 {
+        last = a.batch(4096, budget(1000, &calls)).unwrap();
+    }
+    assert!(last >= 950 && last <= 1000, "{last}");
+    assert!(ooms(&a) <= 15, "{} OOMs", ooms(&a));
+    // Halving alone would have stayed at 512.
+    let h = Adaptive::new().policy(Policy::Halve);
+    let halved = (0..20)
+        .map(|_| h.batch(4096, budget(1000, &calls)).unwrap())
+        .last();
+    assert_eq!(halved, Some(512));
+}
+
+#[test]
+fn growth_doubles_up_to_the_cap_then_searches() {
+    let calls = AtomicUsize::new(0);
+    let a = Adaptive::new().grow(true).max(700);
+    let sizes: Vec<usize> = (0..8)
+        .map(|_| a.batch(16, budget(1000, &calls)).unwrap())
+        .collect();
+    assert_eq!(sizes, [16, 32, 64, 128, 256, 512, 700, 700]);
+    assert_eq!(ooms(&a), 0);
+    let b = Adaptive::new().grow(true);
+    let last = (0..20)
+        .map(|_| b.batch(16, budget(300, &calls)).unwrap())
+        .last()
+        .unwrap();
+    assert!((285..=300).contains(&last), "{last}");
+}
+
+#[test]
+fn below_the_minimum_is_no_fit_with_the_last_error() {
+    let calls = AtomicUsize::new(0);
+    let a = Adaptive::new().policy(Policy::Halve).min(600);
+    match a.batch(4096, budget(500, &calls)) {
+        Err(AdaptiveError::NoFit {
+            min, last_error, ..
+        }) => {
+            assert_eq!(min, 600);
+            assert_eq!(last_error.as_deref(), Some(CUDA_OOM));
+        }
+        other => panic!("{other:?}"),
+    }
+    let e = a.batch(4096, budget(500, &calls)).unwrap_err().to_string();
+    assert!(e.contains("minimum size 600"), "{e}");
+}
+
+#[test]
+fn other_errors_pass_through_untouched_and_are_not_retried() {
+    let a = Adaptive::new();
+    let calls = AtomicUsize::new(0);
+    let r: Result<(), _> = a.batch(512, |_| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        Err("shape '[2, 3]' is invalid for input of size 7".to_owned())
+    });
+    match r {
+        Err(AdaptiveError::Failed(e)) => {
+            assert_eq!(e, "shape '[2, 3]' is invalid for input of size 7")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(calls.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn range_processes_every_index_exactly_once_through_ooms() {
+    for policy in [Policy::Halve, Policy::Factor(0.7), Policy::Search] {
+        let a = Adaptive::new().policy(policy);
+        let mut seen = vec![0u32; 10_000];
+        let mut failures = 0;
+        a.range(0, 10_000, 4096, |from, to| {
+            if to - from > 300 {
+                failures += 1;
+                return Err(CUDA_OOM.to_owned());
+            }
+            for s in &mut seen[from..to] {
+                *s += 1;
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert!(seen.iter().all(|&c| c == 1), "{policy:?}");
+        assert!(failures > 0);
+    }
+}
+
+#[test]
+fn call_sites_and_memory_buckets_are_separate_entries() {
+    struct Probe(Arc<AtomicU64>);
+    impl MemoryProbe for Probe {
+        fn free_bytes(&self) -> Option<u64> {
+            Some(self.0.load(Ordering::Relaxed))
+        }
+    }
+    let free = Arc::new(AtomicU64::new(10 << 30));
+    let a = Adaptive::new()
+        .policy(Policy::Halve)
+        .memory(Probe(Arc::clone(&free)));
+    let calls = AtomicUsize::new(0);
+    // One call site: every call goes through this closure's line.
+    let site_one = |a: &Adaptive| a.batch(1024, budget(100, &calls)).unwrap();
+    assert_eq!(site_one(&a), 64);
+    assert_eq!(site_one(&a), 64); // same site: starts at the cached 64
+    assert_eq!(ooms(&a), 4);
+    let other_site = a.batch(1024, budget(100, &calls)).unwrap();
+    assert_eq!(other_site, 64);
+    assert_eq!(a.stats().len(), 2, "{:?}", a.stats());
+    assert_eq!(ooms(&a), 8, "a new call site starts over");
+    // Free memory moves by a bucket (256 MiB): a new key for the same site.
+    free.store((10 << 30) - (512 << 20), Ordering::Relaxed);
+    a.refresh_memory();
+    assert_eq!(site_one(&a), 64);
+    assert_eq!(ooms(&a), 12);
+    assert_eq!(a.stats().len(), 3);
+    // The global cache ignores sites and memory.
+    let g = Adaptive::new().policy(Policy::Halve).cache(Cache::Global);
+    for _ in 0..2 {
+        g.batch(1024, budget(100, &calls)).unwrap();
+    }
+    assert_eq!(ooms(&g), 4);
+    let n = Adaptive::new().policy(Policy::Halve).cache(Cache::None);
+    for _ in 0..2 {
+        n.batch(1024, budget(100, &calls)).unwrap();
+    }
+    assert_eq!(ooms(&n), 8, "no cache: every call starts at 1024");
+}
+
+#[test]
+fn the_oom_hook_can_free_memory_and_agreement_lowers_the_start() {
+    let capacity = Arc::new(AtomicUsize::new(100));
+    let cap = Arc::clone(&capacity);
+    let a = Adaptive::new().on_oom(move |kind, size| {
+        assert_eq!(kind, OomKind::Cuda);
+        // A fence hands memory back: the same size then fits.
+        cap.store(size, Ordering::Relaxed);
+        true
+    });
+    let got = a
+        .batch(512, |n| {
+            if n > capacity.load(Ordering::Relaxed) {
+                Err(CUDA_OOM.to_owned())
+            } else {
+                Ok(n)
+            }
+        })
+        .unwrap();
+    assert_eq!(got, 512);
+    let calls = AtomicUsize::new(0);
+    let b = Adaptive::new().agree(|n| n.min(128));
+    assert_eq!(b.batch(512, budget(1000, &calls)).unwrap(), 128);
+}
+
+#[test]
+fn oom_panics_are_caught_only_when_asked() {
+    let a = Adaptive::new().catch_oom_panics(true);
+    let got = a
+        .batch(1024, |n| -> Result<usize, String> {
+            if n > 100 {
+                panic!("Torch(\"{CUDA_OOM}\")");
+            }
+            Ok(n)
+        })
+        .unwrap();
+    assert_eq!(got, 64);
+    // Another panic propagates.
+    let other = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        a.batch(8, |_| -> Result<(), String> {
+            panic!("index out of range")
+        })
+    }));
+    assert!(other.is_err());
+}
