@@ -9,12 +9,15 @@
 //! | [`sys`] (feature `tch`) | `tt-sys` | load CUDA so tch sees it; libtorch's caching-allocator statistics; rpath helper |
 //! | [`lock`] | `tt-lock` | cooperative per-GPU locks (by UUID) with holder records, timeouts, sets |
 //! | [`fence`] | `tt-fence` | hold a GPU's spare memory so others cannot take it; hand it back on demand |
+//! | [`adaptive`] | `tt-adaptive` | OOM-adaptive batch / range / chunked (toma's features, searching back up) |
+//! | [`tracker`] | `tt-tracker` | RAM / GPU RAM / CPU / GPU / energy of a process tree, gpu_tracker's report with exact peaks |
 //! | [`sampler`] | `tt-sampler` | torch's `DistributedSampler` order, interruptible and resumable exactly |
 //! | [`ckpt`] | `tt-ckpt` | atomic, verified, Python-readable checkpoints; a directory that survives `kill -9` |
 //! | [`optim`] | `tt-optim` | SGD / Adam / AdamW with torch.optim's rules and LR schedules, state saved in checkpoints |
 //!
 //! The flows that join them: [`reserve_gpu_for_training`] (lock + fence, the seed's
-//! context manager as a guard).
+//! context manager as a guard) and [`fence_release_hook`] (tt-adaptive hands fence
+//! memory back before it lowers a batch size).
 //!
 //! Every crate's core builds without libtorch; libtorch comes in only with the `tch`
 //! feature (on by default here). The `torchtools` command (crate `torchtools-cli`)
@@ -41,7 +44,8 @@
 mod reserve;
 
 pub use reserve::{
-    reserve_gpu_for_training, Reservation, ReserveError, ReserveOptions, ReservedGpu,
+    fence_release_hook, reserve_gpu_for_training, Reservation, ReserveError, ReserveOptions,
+    ReservedGpu,
 };
 
 #[doc(inline)]
@@ -52,6 +56,12 @@ pub use tt_lock as lock;
 
 #[doc(inline)]
 pub use tt_fence as fence;
+
+#[doc(inline)]
+pub use tt_adaptive as adaptive;
+
+#[doc(inline)]
+pub use tt_tracker as tracker;
 
 #[doc(inline)]
 pub use tt_ckpt as ckpt;

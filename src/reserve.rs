@@ -230,3 +230,40 @@ impl Reservation {
         Ok(Bytes(freed))
     }
 }
+
+/// tt-adaptive's OOM hook backed by a reservation's fence: on an out-of-memory, hand
+/// `step` of fence memory back (to the driver, where libtorch's allocator takes it) and
+/// retry the same size before lowering it; `false` once the fence is empty.
+///
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use torchtools::device::Bytes;
+/// use torchtools::{fence_release_hook, reserve_gpu_for_training, ReserveOptions};
+///
+/// let reservation = Arc::new(Mutex::new(reserve_gpu_for_training(ReserveOptions::default())?));
+/// let adaptive = torchtools::adaptive::Adaptive::new()
+///     .on_oom(fence_release_hook(Arc::clone(&reservation), Bytes::gib(1)));
+/// # drop(adaptive);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn fence_release_hook(
+    reservation: std::sync::Arc<std::sync::Mutex<Reservation>>,
+    step: Bytes,
+) -> impl Fn(tt_adaptive::OomKind, usize) -> bool + Send + Sync + 'static {
+    move |kind, size| {
+        let Ok(mut r) = reservation.lock() else {
+            return false;
+        };
+        match r.release_fence(step) {
+            Ok(freed) if freed.0 > 0 => {
+                tracing::info!(%kind, size, %freed, "out of memory: released fence memory, retrying");
+                true
+            }
+            Ok(_) => false,
+            Err(e) => {
+                tracing::warn!("releasing fence memory after an OOM: {e}");
+                false
+            }
+        }
+    }
+}

@@ -124,6 +124,7 @@ pub(crate) fn run() -> Result<()> {
         ("tt-ckpt", "ckpt"),
         ("tt-lock", "lock"),
         ("tt-tracker", "tracker"),
+        ("tt-adaptive", "adaptive"),
     ] {
         rows.extend(crate_rows(krate, bench)?);
     }

@@ -5,12 +5,13 @@ use anyhow::{bail, Result};
 use crate::steps::{cargo, run_counted, summarize, StepResult};
 
 /// The publishable crates, each tested on its own.
-pub(crate) const CRATES: [&str; 10] = [
+pub(crate) const CRATES: [&str; 11] = [
     "tt-sys",
     "tt-device",
     "tt-lock",
     "tt-fence",
     "tt-tracker",
+    "tt-adaptive",
     "tt-sampler",
     "tt-ckpt",
     "tt-optim",
@@ -23,11 +24,12 @@ pub(crate) const CRATES: [&str; 10] = [
 const FEATURELESS: [&str; 4] = ["tt-sampler", "tt-lock", "tt-fence", "tt-tracker"];
 
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
-pub(crate) const GPU_CRATES: [&str; 7] = [
+pub(crate) const GPU_CRATES: [&str; 8] = [
     "tt-sys",
     "tt-device",
     "tt-fence",
     "tt-tracker",
+    "tt-adaptive",
     "tt-ckpt",
     "torchtools-cli",
     "torchtools",
@@ -90,7 +92,7 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-tracker/gpu-tests,tt-ckpt/gpu-tests,torchtools-cli/gpu-tests,torchtools/gpu-tests",
+            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-tracker/gpu-tests,tt-adaptive/gpu-tests,tt-ckpt/gpu-tests,torchtools-cli/gpu-tests,torchtools/gpu-tests",
             "--",
             "-D",
             "warnings",

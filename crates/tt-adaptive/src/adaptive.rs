@@ -288,7 +288,7 @@ impl Adaptive {
         loop {
             match self.attempt(key, size, &mut f)? {
                 Ok(value) => {
-                    self.succeeded(key, size);
+                    let _ = self.succeeded(key, size);
                     return Ok(value);
                 }
                 Err(next) => size = next,
@@ -327,8 +327,9 @@ impl Adaptive {
                 Ok(()) => {
                     at += size;
                     if size == step {
-                        self.succeeded(key, size);
-                        step = self.proposal(key, step);
+                        step = self.succeeded(key, size);
+                    } else {
+                        self.with_entry(key, |e| e.attempts += 1);
                     }
                 }
                 Err(next) => step = next,
@@ -386,14 +387,6 @@ impl Adaptive {
         }
     }
 
-    fn proposal(&self, key: Key, current: usize) -> usize {
-        if self.cache == Cache::None && self.policy != Policy::Search && !self.grow {
-            return current;
-        }
-        self.with_entry(key, |e| self.propose(e, current))
-            .clamp(self.min, self.max)
-    }
-
     fn propose(&self, e: &Entry, initial: usize) -> usize {
         let grown = |ok: usize| {
             if self.grow {
@@ -424,13 +417,22 @@ impl Adaptive {
         }
     }
 
-    fn succeeded(&self, key: Key, size: usize) {
+    /// Records a success (one lock on the success path) and returns the size to try
+    /// next (for the next step of a range).
+    fn succeeded(&self, key: Key, size: usize) -> usize {
         self.with_entry(key, |e| {
+            e.attempts += 1;
             e.largest_ok = Some(e.largest_ok.map_or(size, |ok| ok.max(size)));
             if e.smallest_fail.is_some_and(|fail| fail <= size) {
                 e.smallest_fail = None; // memory got freer since
             }
-        });
+            if self.cache == Cache::None && self.policy != Policy::Search && !self.grow {
+                size
+            } else {
+                self.propose(e, size)
+            }
+        })
+        .clamp(self.min, self.max)
     }
 
     /// One attempt: `Ok(Ok(value))`, or `Ok(Err(next size))` after an OOM, or the error.
@@ -442,7 +444,6 @@ impl Adaptive {
     ) -> Result<Result<T, usize>, AdaptiveError<E>> {
         let mut hook_retried = false;
         loop {
-            self.with_entry(key, |e| e.attempts += 1);
             // An error, or a caught panic's OOM kind and message.
             let outcome: Result<T, (Option<E>, Option<OomKind>, String)> = if self.catch_panics {
                 match panic::catch_unwind(AssertUnwindSafe(|| f(size))) {
@@ -475,6 +476,7 @@ impl Adaptive {
                 },
             };
             self.with_entry(key, |e| {
+                e.attempts += 1;
                 e.ooms += 1;
                 e.smallest_fail = Some(e.smallest_fail.map_or(size, |f| f.min(size)));
                 if e.largest_ok.is_some_and(|ok| ok >= size) {

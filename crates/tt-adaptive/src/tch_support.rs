@@ -36,7 +36,8 @@ pub(crate) fn release_cached_memory(kind: OomKind) {
 }
 
 impl Adaptive {
-    /// Calls `f(chunk, from, to)` on `tensor.narrow(dim, from, to - from)` over the
+    /// Calls `f(chunk, from, to)` on `tensor.narrow(dim, from, to - from)` (a view: in-place
+    /// operations on it write into `tensor`, as toma's `chunked` fills its output) over the
     /// whole dimension, in steps of `initial_step` (or the remembered step), lowering
     /// the step on out-of-memory and continuing where it failed (toma's `chunked`).
     /// Write results into an output the closure captures. Use tch's `f_` methods inside,
@@ -58,7 +59,7 @@ impl Adaptive {
         tensor: &tch::Tensor,
         dim: i64,
         initial_step: usize,
-        mut f: impl FnMut(&tch::Tensor, usize, usize) -> Result<(), E>,
+        mut f: impl FnMut(&mut tch::Tensor, usize, usize) -> Result<(), E>,
     ) -> Result<(), AdaptiveError<E>> {
         let site = Location::caller();
         let len = tensor
@@ -72,8 +73,8 @@ impl Adaptive {
                 ))))
             })?;
         self.range_at(site, 0, len.max(0) as usize, initial_step, |from, to| {
-            let chunk = tensor.f_narrow(dim, from as i64, (to - from) as i64)?;
-            f(&chunk, from, to)
+            let mut chunk = tensor.f_narrow(dim, from as i64, (to - from) as i64)?;
+            f(&mut chunk, from, to)
         })
     }
 }

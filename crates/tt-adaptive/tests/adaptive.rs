@@ -59,7 +59,7 @@ fn search_converges_to_95_percent_within_15_ooms() {
     for _ in 0..20 {
         last = a.batch(4096, budget(1000, &calls)).unwrap();
     }
-    assert!(last >= 950 && last <= 1000, "{last}");
+    assert!((950..=1000).contains(&last), "{last}");
     assert!(ooms(&a) <= 15, "{} OOMs", ooms(&a));
     // Halving alone would have stayed at 512.
     let h = Adaptive::new().policy(Policy::Halve);
