@@ -9,6 +9,7 @@
 //! | [`sys`] (feature `tch`) | `tt-sys` | load CUDA so tch sees it; libtorch's caching-allocator statistics; rpath helper |
 //! | [`lock`] | `tt-lock` | cooperative per-GPU locks (by UUID) with holder records, timeouts, sets |
 //! | [`fence`] | `tt-fence` | hold a GPU's spare memory so others cannot take it; hand it back on demand |
+//! | [`probe`] | `tt-probe` | a training step's peak memory, measured in a fresh child process (Rust probe or any command) |
 //! | [`adaptive`] | `tt-adaptive` | OOM-adaptive batch / range / chunked (toma's features, searching back up) |
 //! | [`tracker`] | `tt-tracker` | RAM / GPU RAM / CPU / GPU / energy of a process tree, gpu_tracker's report with exact peaks |
 //! | [`sampler`] | `tt-sampler` | torch's `DistributedSampler` order, interruptible and resumable exactly |
@@ -16,7 +17,8 @@
 //! | [`optim`] | `tt-optim` | SGD / Adam / AdamW with torch.optim's rules and LR schedules, state saved in checkpoints |
 //!
 //! The flows that join them: [`reserve_gpu_for_training`] (lock + fence, the seed's
-//! context manager as a guard) and [`fence_release_hook`] (tt-adaptive hands fence
+//! context manager as a guard), `run_training_with_reservation` (feature `tch`: probe →
+//! reserve with the estimate → train) and [`fence_release_hook`] (tt-adaptive hands fence
 //! memory back before it lowers a batch size).
 //!
 //! Every crate's core builds without libtorch; libtorch comes in only with the `tch`
@@ -42,14 +44,22 @@
 //! calls [`tt_sys::build::link_libtorch_rpath`] (see that module).
 
 mod reserve;
+#[cfg(feature = "tch")]
+mod run;
 
 pub use reserve::{
     fence_release_hook, reserve_gpu_for_training, Reservation, ReserveError, ReserveOptions,
     ReservedGpu,
 };
 
+#[cfg(feature = "tch")]
+pub use run::{run_training_with_reservation, RunError, RunOptions, RunPlan};
+
 #[doc(inline)]
 pub use tt_device as device;
+
+#[doc(inline)]
+pub use tt_probe as probe;
 
 #[doc(inline)]
 pub use tt_lock as lock;

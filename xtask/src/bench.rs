@@ -125,6 +125,7 @@ pub(crate) fn run() -> Result<()> {
         ("tt-lock", "lock"),
         ("tt-tracker", "tracker"),
         ("tt-adaptive", "adaptive"),
+        ("tt-probe", "probe"),
     ] {
         rows.extend(crate_rows(krate, bench)?);
     }

@@ -5,13 +5,14 @@ use anyhow::{bail, Result};
 use crate::steps::{cargo, run_counted, summarize, StepResult};
 
 /// The publishable crates, each tested on its own.
-pub(crate) const CRATES: [&str; 11] = [
+pub(crate) const CRATES: [&str; 12] = [
     "tt-sys",
     "tt-device",
     "tt-lock",
     "tt-fence",
     "tt-tracker",
     "tt-adaptive",
+    "tt-probe",
     "tt-sampler",
     "tt-ckpt",
     "tt-optim",
@@ -24,12 +25,13 @@ pub(crate) const CRATES: [&str; 11] = [
 const FEATURELESS: [&str; 4] = ["tt-sampler", "tt-lock", "tt-fence", "tt-tracker"];
 
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
-pub(crate) const GPU_CRATES: [&str; 8] = [
+pub(crate) const GPU_CRATES: [&str; 9] = [
     "tt-sys",
     "tt-device",
     "tt-fence",
     "tt-tracker",
     "tt-adaptive",
+    "tt-probe",
     "tt-ckpt",
     "torchtools-cli",
     "torchtools",
@@ -92,7 +94,7 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-tracker/gpu-tests,tt-adaptive/gpu-tests,tt-ckpt/gpu-tests,torchtools-cli/gpu-tests,torchtools/gpu-tests",
+            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-tracker/gpu-tests,tt-adaptive/gpu-tests,tt-probe/gpu-tests,tt-ckpt/gpu-tests,torchtools-cli/gpu-tests,torchtools/gpu-tests",
             "--",
             "-D",
             "warnings",

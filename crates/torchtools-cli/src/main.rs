@@ -12,6 +12,7 @@ use tt_lock::GpuSpec;
 
 mod args;
 mod child;
+mod probe;
 mod reserve;
 mod track;
 
@@ -120,6 +121,62 @@ enum Command {
         #[arg(last = true, required = true, value_name = "CMD")]
         command: Vec<OsString>,
     },
+    /// Probe a command's peak memory: run it with TORCHTOOLS_PROBE=1 and
+    /// TORCHTOOLS_PROBE_STEPS=N (so a script can opt into a short run) until it exits or
+    /// the timeout, sampling its whole process tree (NVML GPU memory, else RSS), and print
+    /// the peak and the bytes to reserve.
+    Probe {
+        /// Run it on this GPU only (index as nvidia-smi shows it, or UUID).
+        #[arg(long, value_parser = gpu_spec)]
+        gpu: Option<GpuSpec>,
+        /// Stop it after this long (its peak so far is reported): 30s, 5m.
+        #[arg(long, value_parser = args::duration, default_value = "60s")]
+        timeout: Duration,
+        /// Steps the command is asked to run (TORCHTOOLS_PROBE_STEPS).
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+        steps: u64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+        /// The command and its arguments, after `--`.
+        #[arg(last = true, required = true, value_name = "CMD")]
+        command: Vec<OsString>,
+    },
+    /// Probe, reserve, run: probe CMD in probe mode (as `probe` does) or take --bytes,
+    /// reserve GPU(s) leaving that much free (as `reserve` does), then run CMD for real.
+    #[command(group(clap::ArgGroup::new("size").required(true).args(["bytes", "probe"])))]
+    Run {
+        /// Memory the command needs, instead of probing it.
+        #[arg(long, value_parser = args::size)]
+        bytes: Option<Bytes>,
+        /// Probe the command first and reserve the estimate.
+        #[arg(long)]
+        probe: bool,
+        /// Steps of the probe run.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+        probe_steps: u64,
+        /// Time limit of the probe run.
+        #[arg(long, value_parser = args::duration, default_value = "60s")]
+        probe_timeout: Duration,
+        /// The GPU(s), as for `reserve`.
+        #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = gpu_spec)]
+        gpu: Vec<GpuSpec>,
+        /// How many GPUs --gpu auto takes.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        count: Option<u32>,
+        /// Extra memory left free on top of the bytes.
+        #[arg(long, value_parser = args::size, default_value = reserve::DEFAULT_MARGIN)]
+        margin: Bytes,
+        /// Take the lock alone, without a memory fence (works without a GPU).
+        #[arg(long)]
+        no_fence: bool,
+        /// Give up (exit 75) when the GPUs are still locked after this long.
+        #[arg(long, value_parser = args::duration)]
+        timeout: Option<Duration>,
+        /// The command and its arguments, after `--`.
+        #[arg(last = true, required = true, value_name = "CMD")]
+        command: Vec<OsString>,
+    },
     /// Show every GPU's lock: free, or held by whom, since when, reserving how much.
     Locks {
         /// Print JSON instead of text.
@@ -196,6 +253,39 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             command,
         }),
         Command::Locks { json } => reserve::locks(json),
+        Command::Probe {
+            gpu,
+            timeout,
+            steps,
+            json,
+            command,
+        } => probe::probe(gpu, timeout, steps, json, command),
+        Command::Run {
+            bytes,
+            probe: _,
+            probe_steps,
+            probe_timeout,
+            gpu,
+            count,
+            margin,
+            no_fence,
+            timeout,
+            command,
+        } => {
+            let bytes = match bytes {
+                Some(b) => b,
+                None => probe::estimate_for_run(&gpu, probe_timeout, probe_steps, &command)?,
+            };
+            reserve::reserve(reserve::Request {
+                gpus: gpu,
+                count: count.map(|c| c as usize),
+                bytes: Some(bytes),
+                margin,
+                fence: !no_fence,
+                timeout,
+                command,
+            })
+        }
         Command::Track {
             compare: Some(TrackCommand::Compare { files, json }),
             ..

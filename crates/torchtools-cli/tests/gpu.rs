@@ -70,3 +70,22 @@ fn two_reserves_of_one_gpu_take_turns() {
         "start\nend\nstart\nend\n"
     );
 }
+
+#[test]
+fn probe_of_a_python_command_sees_its_2_gib_on_cuda() {
+    require_gpu();
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = torchtools()
+        .args(["probe", "--json", "--", &python, "-c"])
+        .arg("import torch, time; x = torch.ones(2 << 30, dtype=torch.uint8, device='cuda'); torch.cuda.synchronize(); time.sleep(0.5)")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["memory"], "gpu", "{json}");
+    assert!(json["nvml_peak"].as_u64().unwrap() >= 2 << 30, "{json}");
+}

@@ -45,6 +45,16 @@ pub fn availability(visible: &CudaVisibleDevices, inventory: &Inventory) -> Avai
 /// `CUDA_VISIBLE_DEVICES` and what libtorch can use, with the reason.
 pub fn select_device() -> Result<Selection> {
     let env = EnvConfig::from_env()?;
+    if env.request == crate::DeviceRequest::Cpu {
+        // Nothing to probe: loading libtorch_cuda (~0.3 s) and NVML would only cost time.
+        return select_with(
+            &env,
+            &Availability {
+                cuda: Err("not probed: the CPU was asked for".into()),
+                mps: Err("not probed: the CPU was asked for".into()),
+            },
+        );
+    }
     let inventory = Inventory::query();
     select_with(&env, &availability(&env.visible, &inventory))
 }

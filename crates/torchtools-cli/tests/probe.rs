@@ -1,0 +1,119 @@
+//! `torchtools probe` and `torchtools run` as users run them.
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+use std::process::{Command, Output};
+
+fn torchtools(args: &[&str], lock_dir: &std::path::Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_torchtools"))
+        .args(args)
+        .env("TORCHTOOLS_LOCK_DIR", lock_dir)
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .output()
+        .unwrap()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn python() -> String {
+    std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+#[test]
+fn probe_reports_the_peak_and_the_estimate() {
+    let tmp = tempfile::tempdir().unwrap();
+    let py = python();
+    let out = torchtools(
+        &[
+            "probe",
+            "--json",
+            "--",
+            &py,
+            "-c",
+            "x = bytearray(b'1') * (100 << 20)",
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let peak = json["rss_peak"].as_u64().unwrap();
+    assert!(peak >= 100 << 20, "{json}");
+    assert!(json["estimate"].as_u64().unwrap() > peak);
+    assert!(
+        stderr(&out).contains("probing"),
+        "a progress line: {}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn probe_failures_exit_non_zero_with_the_commands_stderr() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = torchtools(
+        &["probe", "--", "sh", "-c", "echo broken >&2; exit 5"],
+        tmp.path(),
+    );
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("exited with status 5") && stderr(&out).contains("broken"),
+        "{}",
+        stderr(&out)
+    );
+    let out = torchtools(&["probe", "--", "no-such-command-tt"], tmp.path());
+    assert_eq!(out.status.code(), Some(127), "{}", stderr(&out));
+    let out = torchtools(&["probe", "--steps", "0", "--", "true"], tmp.path());
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn run_probes_then_reserves_then_runs_for_real() {
+    let tmp = tempfile::tempdir().unwrap();
+    let log = tmp.path().join("log");
+    let script = format!(
+        "echo \"probe=$TORCHTOOLS_PROBE gpu=$CUDA_VISIBLE_DEVICES\" >> {}",
+        log.display()
+    );
+    let out = torchtools(
+        &[
+            "run",
+            "--probe",
+            "--probe-steps",
+            "2",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    assert!(lines[0].starts_with("probe=1"), "the probe run: {text}");
+    assert!(lines[1].starts_with("probe= gpu="), "the real run: {text}");
+    assert!(stderr(&out).contains("reserving"), "{}", stderr(&out));
+    // --bytes skips the probe; neither is a usage error.
+    let out = torchtools(
+        &[
+            "run",
+            "--bytes",
+            "1GiB",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "sh",
+            "-c",
+            "exit 4",
+        ],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(4));
+    let out = torchtools(&["run", "--", "true"], tmp.path());
+    assert_eq!(out.status.code(), Some(2));
+}

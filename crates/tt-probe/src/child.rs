@@ -1,0 +1,222 @@
+//! Running a probe child: its own process group, stderr's tail kept, an optional report
+//! pipe, NVML/RSS tracking of its tree, and a deadline after which the whole group is
+//! killed. Always reaped: never a hang, never a zombie.
+
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use tt_tracker::{RamUnit, ResourceUsage, Target, Tracker, TrackerConfig};
+
+use crate::{ProbeError, Result};
+
+/// The variable naming the report pipe's descriptor in a Rust probe child.
+pub(crate) const REPORT_FD_ENV: &str = "TORCHTOOLS_PROBE_FD";
+
+/// Bytes of stderr kept.
+const TAIL: usize = 8 * 1024;
+
+pub(crate) struct Ended {
+    /// Exit code, or `None` when killed by a signal.
+    pub(crate) code: Option<i32>,
+    pub(crate) signal: Option<i32>,
+    pub(crate) timed_out: bool,
+    pub(crate) stderr_tail: String,
+    /// What a Rust probe sent through the report pipe.
+    #[cfg_attr(not(feature = "tch"), allow(dead_code))]
+    pub(crate) report: Vec<u8>,
+    pub(crate) elapsed: Duration,
+    pub(crate) usage: Option<ResourceUsage>,
+}
+
+pub(crate) struct Options {
+    pub(crate) timeout: Duration,
+    pub(crate) report_pipe: bool,
+    pub(crate) echo_stderr: bool,
+    pub(crate) quiet_stdout: bool,
+}
+
+fn tail_of(bytes: &[u8]) -> String {
+    let start = bytes.len().saturating_sub(TAIL);
+    String::from_utf8_lossy(&bytes[start..]).into_owned()
+}
+
+pub(crate) fn run(mut cmd: Command, what: &str, opts: &Options) -> Result<Ended> {
+    let spawn_err = |reason: String| ProbeError::Spawn {
+        what: what.to_owned(),
+        reason,
+    };
+    let mut pipe_read: Option<OwnedFd> = None;
+    let mut pipe_write: Option<OwnedFd> = None;
+    if opts.report_pipe {
+        let mut fds = [0; 2];
+        // SAFETY: fds is a valid array of two ints for pipe2 to fill.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(spawn_err(std::io::Error::last_os_error().to_string()));
+        }
+        // SAFETY: pipe2 returned two fresh descriptors that nothing else owns.
+        let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let w_fd = w.as_raw_fd();
+        cmd.env(REPORT_FD_ENV, w_fd.to_string());
+        // SAFETY: runs in the forked child before exec; fcntl is async-signal-safe and
+        // the closure allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::fcntl(w_fd, libc::F_SETFD, 0) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        pipe_read = Some(r);
+        // Open until the spawn; the parent's copy is closed right after it.
+        pipe_write = Some(w);
+    }
+    cmd.stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    if opts.quiet_stdout {
+        cmd.stdout(Stdio::null());
+    }
+    let start = Instant::now();
+    let spawned = cmd.spawn();
+    // Close the parent's copy of the write end, so that the reader sees EOF when the
+    // child (and anything it started) is gone.
+    drop(pipe_write.take());
+    let mut child = spawned.map_err(|e| spawn_err(e.to_string()))?;
+    let pid = child.id();
+    let tracker = Tracker::start(TrackerConfig {
+        interval: Duration::from_millis(20),
+        ram_unit: RamUnit::Bytes,
+        gpu_ram_unit: RamUnit::Bytes,
+        target: Target::Pid(pid),
+        ..TrackerConfig::default()
+    })
+    .ok();
+
+    let (tx, rx) = mpsc::channel::<(u8, Vec<u8>)>();
+    if let Some(mut err) = child.stderr.take() {
+        let tx = tx.clone();
+        let echo = opts.echo_stderr;
+        std::thread::spawn(move || {
+            let mut kept = Vec::new();
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                if echo {
+                    use std::io::Write;
+                    let _ = std::io::stderr().write_all(&buf[..n]);
+                }
+                kept.extend_from_slice(&buf[..n]);
+                if kept.len() > 2 * TAIL {
+                    kept.drain(..kept.len() - TAIL);
+                }
+            }
+            let _ = tx.send((0, kept));
+        });
+    }
+    let mut readers = 1;
+    if let Some(r) = pipe_read {
+        let tx = tx.clone();
+        readers += 1;
+        std::thread::spawn(move || {
+            let mut file = std::fs::File::from(r);
+            let mut report = Vec::new();
+            let _ = file.read_to_end(&mut report);
+            let _ = tx.send((1, report));
+        });
+    }
+    drop(tx);
+
+    // Wait (without reaping) until the child ends or the deadline passes.
+    let deadline = start + opts.timeout;
+    let mut timed_out = false;
+    loop {
+        // SAFETY: an all-zero siginfo_t is a valid value for waitid to overwrite.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on our own child with a valid siginfo_t pointer.
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT | libc::WNOHANG,
+            )
+        };
+        // SAFETY: si_pid is valid to read for a siginfo_t filled by waitid.
+        if rc == 0 && unsafe { info.si_pid() } != 0 {
+            break;
+        }
+        if Instant::now() >= deadline {
+            timed_out = true;
+            // SAFETY: kill(2) of our child's process group.
+            unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is a valid value for wait4 to overwrite.
+    let mut rusage: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: wait4 on our own child.
+        let rc = unsafe { libc::wait4(pid as i32, &mut status, 0, &mut rusage) };
+        if rc == pid as i32 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            break;
+        }
+    }
+    drop(child);
+    let elapsed = start.elapsed();
+    let (code, signal) = if libc::WIFEXITED(status) {
+        (Some(libc::WEXITSTATUS(status)), None)
+    } else if libc::WIFSIGNALED(status) {
+        (None, Some(libc::WTERMSIG(status)))
+    } else {
+        (None, None)
+    };
+    let usage = tracker.and_then(|t| {
+        t.target_exited(
+            (rusage.ru_maxrss.max(0) as u64) * 1024,
+            code.unwrap_or(128 + signal.unwrap_or(0)),
+        );
+        t.stop().ok()
+    });
+
+    // Collect stderr and the report; leftovers of the probe that keep them open are
+    // killed after a grace second.
+    let mut stderr = Vec::new();
+    let mut report = Vec::new();
+    let mut killed_group = timed_out;
+    while readers > 0 {
+        match rx.recv_timeout(Duration::from_secs(1)) {
+            Ok((0, bytes)) => {
+                stderr = bytes;
+                readers -= 1;
+            }
+            Ok((_, bytes)) => {
+                report = bytes;
+                readers -= 1;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) if !killed_group => {
+                // SAFETY: kill(2) of the probe's process group.
+                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+                killed_group = true;
+            }
+            Err(_) => break,
+        }
+    }
+    Ok(Ended {
+        code,
+        signal,
+        timed_out,
+        stderr_tail: tail_of(&stderr),
+        report,
+        elapsed,
+        usage,
+    })
+}

@@ -1,0 +1,210 @@
+//! Probes in real child processes on this (CPU) machine: Rust probes re-executing this
+//! test binary, and commands; their failures; the estimate.
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use tt_device::Bytes;
+use tt_probe::{probe_command, CommandProbe, MemoryKind, ProbeError};
+
+#[cfg(feature = "tch")]
+mod rust_probes {
+    use super::*;
+    use tch::nn;
+    use tt_probe::{probe, BoxError, ProbeContext, ProbeOptions, ProbeSpec, Step};
+
+    const MIB_64: i64 = 64 << 20;
+
+    fn alloc_64m(ctx: &ProbeContext) -> Result<Step, BoxError> {
+        let device = ctx.device;
+        let mut kept = Vec::new();
+        Ok(Box::new(move || {
+            if kept.is_empty() {
+                // 64 MiB of ones: touched, so resident.
+                kept.push(tch::Tensor::f_ones([MIB_64], (tch::Kind::Uint8, device))?);
+            }
+            Ok(())
+        }))
+    }
+
+    fn panics(_: &ProbeContext) -> Result<Step, BoxError> {
+        panic!("the probe's model could not be built")
+    }
+
+    fn exits_7(_: &ProbeContext) -> Result<Step, BoxError> {
+        std::process::exit(7)
+    }
+
+    fn sleeps(_: &ProbeContext) -> Result<Step, BoxError> {
+        Ok(Box::new(|| {
+            std::thread::sleep(Duration::from_secs(30));
+            Ok(())
+        }))
+    }
+
+    fn ooms(_: &ProbeContext) -> Result<Step, BoxError> {
+        Ok(Box::new(|| {
+            Err("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes".into())
+        }))
+    }
+
+    fn mlp(ctx: &ProbeContext) -> Result<Step, BoxError> {
+        ProbeSpec::new(
+            |p| {
+                Box::new(
+                    nn::seq_t()
+                        .add(nn::linear(p / "l1", 784, 1024, Default::default()))
+                        .add_fn(|x| x.relu())
+                        .add(nn::linear(p / "l2", 1024, 10, Default::default())),
+                )
+            },
+            [256, 784],
+        )
+        .build(ctx)
+    }
+
+    /// The probe child's side: runs when re-executed with TORCHTOOLS_PROBE_RUN.
+    #[test]
+    fn probe_child() {
+        tt_probe::entry(&[
+            ("alloc_64m", alloc_64m),
+            ("panics", panics),
+            ("exits_7", exits_7),
+            ("sleeps", sleeps),
+            ("ooms", ooms),
+            ("mlp", mlp),
+        ]);
+    }
+
+    fn opts() -> ProbeOptions {
+        ProbeOptions {
+            device: Some("cpu".into()),
+            ..ProbeOptions::in_test("rust_probes::probe_child")
+        }
+    }
+
+    #[test]
+    fn a_known_allocation_is_reported_within_5_percent() {
+        let r = probe("alloc_64m", &opts()).unwrap();
+        assert_eq!(r.memory, MemoryKind::Cpu);
+        let rss = r.rss_peak.unwrap().0 as f64;
+        let truth = MIB_64 as f64;
+        assert!((rss - truth).abs() <= truth * 0.05, "{r}");
+        assert_eq!(r.steps, 5);
+        assert!(r.estimate(&Default::default()) > Bytes(MIB_64 as u64));
+    }
+
+    #[test]
+    fn a_training_step_with_an_optimizer_is_measured() {
+        let r = probe("mlp", &ProbeOptions { steps: 3, ..opts() }).unwrap();
+        // Weights (3.2 MB) + Adam's two moments + gradients + activations.
+        assert!(r.rss_peak.unwrap() > Bytes::mib(8), "{r}");
+        assert_eq!(r.steps, 3);
+    }
+
+    #[test]
+    fn failures_are_errors_with_the_status_and_stderr() {
+        let e = probe("panics", &opts()).unwrap_err();
+        assert!(matches!(e, ProbeError::Failed { code: 101, .. }), "{e:?}");
+        assert!(e.to_string().contains("could not be built"), "{e}");
+        let e = probe("exits_7", &opts()).unwrap_err();
+        assert!(matches!(e, ProbeError::Failed { code: 7, .. }), "{e:?}");
+        let e = probe("ooms", &opts()).unwrap_err();
+        assert!(matches!(e, ProbeError::OutOfMemory { .. }), "{e:?}");
+        let e = probe("missing", &opts()).unwrap_err();
+        assert!(e.to_string().contains("no probe of that name"), "{e}");
+        let start = Instant::now();
+        let e = probe(
+            "sleeps",
+            &ProbeOptions {
+                timeout: Duration::from_secs(2),
+                ..opts()
+            },
+        )
+        .unwrap_err();
+        let took = start.elapsed();
+        assert!(matches!(e, ProbeError::Timeout { .. }), "{e:?}");
+        assert!(
+            took >= Duration::from_secs(2) && took < Duration::from_secs(3),
+            "{took:?}"
+        );
+    }
+
+    #[test]
+    fn a_binary_without_entry_gives_a_clear_error() {
+        // Re-running a test that does not call entry(): the child exits 0, no report.
+        let e = probe(
+            "alloc_64m",
+            &ProbeOptions {
+                device: Some("cpu".into()),
+                ..ProbeOptions::in_test("rust_probes::not_an_entry")
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("tt_probe::entry"), "{e}");
+    }
+
+    #[test]
+    fn not_an_entry() {}
+}
+
+#[test]
+fn a_command_is_probed_with_the_probe_variables() {
+    let tmp = tempfile::tempdir().unwrap();
+    let seen = tmp.path().join("env");
+    let script = format!(
+        "echo $TORCHTOOLS_PROBE $TORCHTOOLS_PROBE_STEPS > {}; head -c 100000000 /dev/zero | tail -c 1 > /dev/null",
+        seen.display()
+    );
+    let r = probe_command(
+        &"sh".into(),
+        &["-c".into(), script.into()],
+        &CommandProbe {
+            steps: 7,
+            ..CommandProbe::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(std::fs::read_to_string(&seen).unwrap().trim(), "1 7");
+    assert_eq!(r.memory, MemoryKind::Cpu);
+    assert!(!r.ended_by_timeout);
+    assert!(r.rss_peak.unwrap() > Bytes::kib(100), "{r}");
+}
+
+#[test]
+fn command_failures_and_timeouts() {
+    let e = probe_command(
+        &"sh".into(),
+        &["-c".into(), "echo boom >&2; exit 3".into()],
+        &CommandProbe::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(e, ProbeError::Failed { code: 3, .. }), "{e:?}");
+    assert!(e.to_string().contains("boom"), "{e}");
+    let e = probe_command(
+        &"sh".into(),
+        &["-c".into(), "kill -9 $$".into()],
+        &CommandProbe::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(e, ProbeError::Crashed { signal: 9, .. }), "{e:?}");
+    let e = probe_command(&"no-such-command-tt".into(), &[], &CommandProbe::default()).unwrap_err();
+    assert!(matches!(e, ProbeError::Spawn { .. }), "{e:?}");
+    // A command that does not stop on its own: ended by the timeout, its children too.
+    let start = Instant::now();
+    let r = probe_command(
+        &"sh".into(),
+        &["-c".into(), "sleep 30 & sleep 30".into()],
+        &CommandProbe {
+            timeout: Duration::from_millis(500),
+            ..CommandProbe::default()
+        },
+    )
+    .unwrap();
+    assert!(r.ended_by_timeout);
+    assert!(
+        start.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        start.elapsed()
+    );
+}
