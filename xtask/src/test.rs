@@ -5,7 +5,7 @@ use anyhow::{bail, Result};
 use crate::steps::{cargo, run_counted, summarize, StepResult};
 
 /// The publishable crates, each tested on its own.
-pub(crate) const CRATES: [&str; 12] = [
+pub(crate) const CRATES: [&str; 13] = [
     "tt-sys",
     "tt-device",
     "tt-lock",
@@ -13,6 +13,7 @@ pub(crate) const CRATES: [&str; 12] = [
     "tt-tracker",
     "tt-adaptive",
     "tt-probe",
+    "tt-dist",
     "tt-sampler",
     "tt-ckpt",
     "tt-optim",
@@ -22,7 +23,7 @@ pub(crate) const CRATES: [&str; 12] = [
 /// Crates whose default and `--no-default-features` builds are the same (no libtorch
 /// feature), so they are tested once, and not again in the workspace run (tt-sampler's
 /// PyTorch comparisons take half a minute; tt-lock's tests spawn processes).
-const FEATURELESS: [&str; 4] = ["tt-sampler", "tt-lock", "tt-fence", "tt-tracker"];
+const FEATURELESS: [&str; 5] = ["tt-sampler", "tt-lock", "tt-fence", "tt-tracker", "tt-dist"];
 
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
 pub(crate) const GPU_CRATES: [&str; 9] = [

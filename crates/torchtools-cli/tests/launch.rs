@@ -1,0 +1,87 @@
+//! `torchtools launch` with real processes.
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn launch(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_torchtools"))
+        .arg("launch")
+        .args(args)
+        .env_remove("OMP_NUM_THREADS")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn every_rank_gets_torchruns_variables_and_a_prefix() {
+    let out = launch(&[
+        "--nproc-per-node", "3", "--", "sh", "-c",
+        "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT $OMP_NUM_THREADS",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines.sort();
+    assert_eq!(lines.len(), 3, "{text}");
+    let port = lines[0].split(' ').nth(6).unwrap().to_owned();
+    assert!(port.parse::<u16>().is_ok(), "{text}");
+    for (rank, line) in lines.iter().enumerate() {
+        assert_eq!(
+            *line,
+            format!("[rank{rank}]: {rank} 3 {rank} 3 127.0.0.1 {port} 1")
+        );
+    }
+}
+
+#[test]
+fn a_failed_rank_stops_the_others_and_is_named() {
+    let start = Instant::now();
+    let out = launch(&[
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "if [ $RANK = 1 ]; then sleep 0.2; exit 3; else exec sleep 30; fi",
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        start.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        start.elapsed()
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rank 1 exited with status 3"), "{err}");
+}
+
+#[test]
+fn the_group_is_restarted_up_to_max_restarts() {
+    let script =
+        "if [ $TORCHELASTIC_RESTART_COUNT -lt 1 ] && [ $RANK = 0 ]; then exit 5; fi; echo ok";
+    let out = launch(&[
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("restarting the group (1/1)"));
+    let out = launch(&["--nproc-per-node", "2", "--", "sh", "-c", "exit 5"]);
+    assert_eq!(out.status.code(), Some(5));
+    let out = launch(&["--nnodes", "2", "--node-rank", "2", "--", "true"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--node-rank 2"));
+}

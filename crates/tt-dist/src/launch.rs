@@ -1,0 +1,278 @@
+//! A torchrun-style launcher: N local processes with torchrun's variables, each line of
+//! their output prefixed with the rank, the group stopped when one rank fails, whole-group
+//! restarts.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::{Error, Result};
+
+/// What to launch.
+#[derive(Debug, Clone)]
+pub struct LaunchConfig {
+    /// Processes on this node.
+    pub nproc_per_node: usize,
+    /// Nodes in all.
+    pub nnodes: usize,
+    /// This node's index, `0..nnodes`.
+    pub node_rank: usize,
+    /// Rank 0's host.
+    pub master_addr: String,
+    /// The rendezvous port; `None` picks a free one (single node only).
+    pub master_port: Option<u16>,
+    /// Restarts of the whole group after a failure, as torchrun's `--max-restarts`.
+    pub max_restarts: u32,
+    /// After one rank fails, the others get SIGTERM, then SIGKILL after this long.
+    pub grace: Duration,
+    /// The program.
+    pub program: OsString,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+    /// A signal number set here (by the caller's signal handler) is forwarded once to
+    /// every rank.
+    pub forward: Option<Arc<AtomicI32>>,
+}
+
+impl LaunchConfig {
+    /// `nproc` processes of `program args...` on this machine.
+    pub fn local(nproc: usize, program: impl Into<OsString>, args: Vec<OsString>) -> LaunchConfig {
+        LaunchConfig {
+            nproc_per_node: nproc,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: None,
+            max_restarts: 0,
+            grace: Duration::from_secs(10),
+            program: program.into(),
+            args,
+            forward: None,
+        }
+    }
+}
+
+/// How a launch ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchOutcome {
+    /// 0 when every rank succeeded; else the failed rank's status (128 + signal when
+    /// killed).
+    pub code: i32,
+    /// The first rank that failed, and how.
+    pub failed: Option<(usize, String)>,
+    /// Restarts made.
+    pub restarts: u32,
+    /// The port used.
+    pub master_port: u16,
+}
+
+fn describe(status: ExitStatus) -> (i32, String) {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => (c, format!("exited with status {c}")),
+        (None, Some(s)) => (128 + s, format!("was killed by signal {s}")),
+        _ => (1, "ended abnormally".into()),
+    }
+}
+
+/// A free TCP port on `addr`, from the kernel.
+pub fn free_port(addr: &str) -> Result<u16> {
+    let listener = TcpListener::bind((addr, 0)).map_err(|source| Error::Io {
+        what: format!("finding a free port on {addr}"),
+        source,
+    })?;
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|source| Error::Io {
+            what: "reading the free port".into(),
+            source,
+        })
+}
+
+/// Copies a rank's output line by line, prefixed with `[rankN]: `.
+fn prefix(
+    reader: impl std::io::Read + Send + 'static,
+    rank: usize,
+    to_stderr: bool,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        for line in BufReader::new(reader).split(b'\n') {
+            let Ok(line) = line else { break };
+            let mut out: Box<dyn Write> = if to_stderr {
+                Box::new(std::io::stderr().lock())
+            } else {
+                Box::new(std::io::stdout().lock())
+            };
+            let _ = out.write_all(format!("[rank{rank}]: ").as_bytes());
+            let _ = out.write_all(&line);
+            let _ = out.write_all(b"\n");
+        }
+    })
+}
+
+/// Launches the group, waits for it, restarts it on failure up to `max_restarts`.
+pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
+    if cfg.nproc_per_node == 0 || cfg.nnodes == 0 {
+        return Err(Error::Launch(
+            "--nproc-per-node and --nnodes must be at least 1".into(),
+        ));
+    }
+    if cfg.node_rank >= cfg.nnodes {
+        return Err(Error::Launch(format!(
+            "--node-rank {} but --nnodes {}: node ranks go from 0 to {}",
+            cfg.node_rank,
+            cfg.nnodes,
+            cfg.nnodes - 1
+        )));
+    }
+    let port = match cfg.master_port {
+        Some(p) => p,
+        None if cfg.nnodes == 1 => free_port(&cfg.master_addr)?,
+        None => {
+            return Err(Error::Launch(
+                "with several nodes every node needs the same --master-port".into(),
+            ))
+        }
+    };
+    let world = cfg.nnodes * cfg.nproc_per_node;
+    let mut restarts = 0;
+    loop {
+        let mut ranks: Vec<(usize, Child)> = Vec::with_capacity(cfg.nproc_per_node);
+        let mut readers = Vec::new();
+        for local in 0..cfg.nproc_per_node {
+            let rank = cfg.node_rank * cfg.nproc_per_node + local;
+            let mut cmd = Command::new(&cfg.program);
+            cmd.args(&cfg.args)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", local.to_string())
+                .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
+                .env("GROUP_RANK", cfg.node_rank.to_string())
+                .env("MASTER_ADDR", &cfg.master_addr)
+                .env("MASTER_PORT", port.to_string())
+                .env("TORCHELASTIC_RESTART_COUNT", restarts.to_string())
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            if cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
+                cmd.env("OMP_NUM_THREADS", "1");
+            }
+            let mut child = match cmd.spawn() {
+                Ok(c) => c,
+                Err(source) => {
+                    for (_, c) in &mut ranks {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                    }
+                    return Err(Error::Io {
+                        what: format!("starting rank {rank} ({:?})", cfg.program),
+                        source,
+                    });
+                }
+            };
+            if let Some(out) = child.stdout.take() {
+                readers.push(prefix(out, rank, false));
+            }
+            if let Some(err) = child.stderr.take() {
+                readers.push(prefix(err, rank, true));
+            }
+            ranks.push((rank, child));
+        }
+        let failed = supervise(cfg, &mut ranks);
+        for r in readers {
+            let _ = r.join();
+        }
+        match failed {
+            None => {
+                return Ok(LaunchOutcome {
+                    code: 0,
+                    failed: None,
+                    restarts,
+                    master_port: port,
+                })
+            }
+            Some((rank, code, how)) => {
+                if restarts < cfg.max_restarts {
+                    restarts += 1;
+                    tracing::warn!(
+                        "rank {rank} {how}: restarting the group ({restarts}/{})",
+                        cfg.max_restarts
+                    );
+                    let _ = writeln!(std::io::stderr(), "torchtools launch: rank {rank} {how}; restarting the group ({restarts}/{})", cfg.max_restarts);
+                    continue;
+                }
+                return Ok(LaunchOutcome {
+                    code,
+                    failed: Some((rank, how)),
+                    restarts,
+                    master_port: port,
+                });
+            }
+        }
+    }
+}
+
+/// Waits for every rank; on the first failure stops the others (SIGTERM, SIGKILL after
+/// the grace period). Returns the first failure.
+fn supervise(cfg: &LaunchConfig, ranks: &mut [(usize, Child)]) -> Option<(usize, i32, String)> {
+    let mut done = vec![false; ranks.len()];
+    let mut failed: Option<(usize, i32, String)> = None;
+    let mut term_sent: Option<Instant> = None;
+    let mut killed = false;
+    loop {
+        if let Some(flag) = &cfg.forward {
+            let signal = flag.swap(0, Ordering::Relaxed);
+            if signal != 0 {
+                for ((_, c), d) in ranks.iter().zip(&done) {
+                    if !d {
+                        // SAFETY: kill(2) of our own unreaped child.
+                        unsafe { libc::kill(c.id() as i32, signal) };
+                    }
+                }
+            }
+        }
+        for (i, (rank, child)) in ranks.iter_mut().enumerate() {
+            if done[i] {
+                continue;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                done[i] = true;
+                if !status.success() && failed.is_none() {
+                    let (code, how) = describe(status);
+                    failed = Some((*rank, code, how));
+                }
+            }
+        }
+        if done.iter().all(|d| *d) {
+            return failed;
+        }
+        if failed.is_some() {
+            match term_sent {
+                None => {
+                    for ((_, c), d) in ranks.iter().zip(&done) {
+                        if !d {
+                            // SAFETY: kill(2) of our own unreaped child.
+                            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+                        }
+                    }
+                    term_sent = Some(Instant::now());
+                }
+                Some(at) if !killed && at.elapsed() >= cfg.grace => {
+                    for ((_, c), d) in ranks.iter_mut().zip(&done) {
+                        if !d {
+                            let _ = c.kill();
+                        }
+                    }
+                    killed = true;
+                }
+                _ => {}
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -1,0 +1,32 @@
+//! Distributed training on libtorch's own engine. This is the libtorch-free core: the
+//! distributed environment ([`DistEnv`]: torchrun's variables, else Slurm's, else one
+//! process, with errors naming what is missing or inconsistent) and a torchrun-style
+//! launcher ([`launch`]), which `torchtools launch` uses. Process groups over c10d
+//! (TCPStore, Gloo, NCCL), DDP and the unified trainer come behind a `c10d` feature in a
+//! later release; tt-dist will never carry a home-made collective layer.
+//!
+//! # Example
+//!
+//! ```
+//! use tt_dist::DistEnv;
+//!
+//! // What `torchtools launch --nproc-per-node 2` (or torchrun) gives rank 1.
+//! let env = DistEnv::from_lookup(|k| match k {
+//!     "RANK" | "LOCAL_RANK" => Some("1".into()),
+//!     "WORLD_SIZE" | "LOCAL_WORLD_SIZE" => Some("2".into()),
+//!     "MASTER_ADDR" => Some("127.0.0.1".into()),
+//!     "MASTER_PORT" => Some("29500".into()),
+//!     _ => None,
+//! })?;
+//! assert!(env.is_distributed() && !env.is_main());
+//! // In a real process: DistEnv::from_env()?
+//! # Ok::<(), tt_dist::Error>(())
+//! ```
+
+mod env;
+mod error;
+mod launch;
+
+pub use env::{first_host, DistEnv, Source, DEFAULT_PORT};
+pub use error::{Error, Result};
+pub use launch::{free_port, launch, LaunchConfig, LaunchOutcome};
