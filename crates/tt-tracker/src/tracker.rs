@@ -514,9 +514,11 @@ impl Sampler {
                     None => continue, // exited between listing and reading
                 }
             }
-            // VmHWM: every sample for the tracked process, about once a second for its
-            // descendants (a high-water mark loses nothing while its process lives).
-            let want_hwm = is_main || full_walk || self.stopping;
+            // VmHWM (from `status`, the costliest of the small reads): about once a second,
+            // and at the last sample. A high-water mark loses nothing while its process
+            // lives; the tracked command's is then exact from wait4, this process's from
+            // the last sample.
+            let want_hwm = full_walk || self.stopping || self.samples == 0;
             let Some((stat, status)) = self
                 .files
                 .get(&pid)
