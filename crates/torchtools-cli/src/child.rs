@@ -84,51 +84,18 @@ impl Running {
     /// Waits for the command to end. It is reaped only after the forwarder stopped,
     /// so that its pid cannot be reused while a signal may still be sent to it.
     pub(crate) fn wait(self) -> Result<Ended> {
-        let pid = self.child.id() as libc::pid_t;
-        loop {
-            // SAFETY: an all-zero siginfo_t is a valid value for waitid to overwrite.
-            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-            // SAFETY: waitid on our own child with a valid siginfo_t pointer.
-            let rc = unsafe {
-                libc::waitid(
-                    libc::P_PID,
-                    pid as libc::id_t,
-                    &mut info,
-                    libc::WEXITED | libc::WNOWAIT,
-                )
-            };
-            if rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-                break;
-            }
-        }
+        let pid = self.child.id();
+        tt_tracker::process::wait_for_exit(pid, None)
+            .map_err(|e| anyhow::anyhow!("waiting for the command: {e}"))?;
         self.handle.close();
         let _ = self.forwarder.join();
-        let mut status = 0;
-        // SAFETY: an all-zero rusage is a valid value for wait4 to overwrite.
-        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-        loop {
-            // SAFETY: wait4 on our own child, which has ended and is not yet reaped.
-            let rc = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-            if rc == pid {
-                break;
-            }
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINTR) {
-                anyhow::bail!("waiting for the command: {e}");
-            }
-        }
-        let code = if libc::WIFEXITED(status) {
-            libc::WEXITSTATUS(status) as u8
-        } else if libc::WIFSIGNALED(status) {
-            128u8.saturating_add(libc::WTERMSIG(status) as u8)
-        } else {
-            1
-        };
+        let reaped = tt_tracker::process::reap(pid)
+            .map_err(|e| anyhow::anyhow!("waiting for the command: {e}"))?;
         // Dropping a Child neither waits for nor signals it.
         drop(self.child);
         Ok(Ended {
-            code,
-            max_rss: (usage.ru_maxrss.max(0) as u64) * 1024,
+            code: u8::try_from(reaped.exit_code()).unwrap_or(u8::MAX),
+            max_rss: reaped.max_rss,
         })
     }
 }

@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use tt_tracker::{RamUnit, ResourceUsage, Target, Tracker, TrackerConfig};
+use tt_tracker::{process, RamUnit, ResourceUsage, Target, Tracker, TrackerConfig};
 
 use crate::{ProbeError, Result};
 
@@ -133,57 +133,23 @@ pub(crate) fn run(mut cmd: Command, what: &str, opts: &Options) -> Result<Ended>
     }
     drop(tx);
 
-    // Wait (without reaping) until the child ends or the deadline passes.
-    let deadline = start + opts.timeout;
-    let mut timed_out = false;
-    loop {
-        // SAFETY: an all-zero siginfo_t is a valid value for waitid to overwrite.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        // SAFETY: waitid on our own child with a valid siginfo_t pointer.
-        let rc = unsafe {
-            libc::waitid(
-                libc::P_PID,
-                pid as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOWAIT | libc::WNOHANG,
-            )
-        };
-        // SAFETY: si_pid is valid to read for a siginfo_t filled by waitid.
-        if rc == 0 && unsafe { info.si_pid() } != 0 {
-            break;
-        }
-        if Instant::now() >= deadline {
-            timed_out = true;
-            // SAFETY: kill(2) of our child's process group.
-            unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(1));
+    // Wait (without reaping) until the child ends or the deadline passes; then reap.
+    let wait_err = |e: std::io::Error| ProbeError::Spawn {
+        what: what.to_owned(),
+        reason: format!("waiting for it: {e}"),
+    };
+    let exited = process::wait_for_exit(pid, Some(start + opts.timeout)).map_err(wait_err)?;
+    let timed_out = !exited;
+    if timed_out {
+        // SAFETY: kill(2) of our child's process group.
+        unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
     }
-    let mut status = 0;
-    // SAFETY: an all-zero rusage is a valid value for wait4 to overwrite.
-    let mut rusage: libc::rusage = unsafe { std::mem::zeroed() };
-    loop {
-        // SAFETY: wait4 on our own child.
-        let rc = unsafe { libc::wait4(pid as i32, &mut status, 0, &mut rusage) };
-        if rc == pid as i32 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            break;
-        }
-    }
+    let reaped = process::reap(pid).map_err(wait_err)?;
     drop(child);
     let elapsed = start.elapsed();
-    let (code, signal) = if libc::WIFEXITED(status) {
-        (Some(libc::WEXITSTATUS(status)), None)
-    } else if libc::WIFSIGNALED(status) {
-        (None, Some(libc::WTERMSIG(status)))
-    } else {
-        (None, None)
-    };
+    let (code, signal) = (reaped.code(), reaped.signal());
     let usage = tracker.and_then(|t| {
-        t.target_exited(
-            (rusage.ru_maxrss.max(0) as u64) * 1024,
-            code.unwrap_or(128 + signal.unwrap_or(0)),
-        );
+        t.target_exited(reaped.max_rss, reaped.exit_code());
         t.stop().ok()
     });
 

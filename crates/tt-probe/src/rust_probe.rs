@@ -93,22 +93,6 @@ struct ChildReport {
     seconds: f64,
 }
 
-fn vm(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with(field))?.to_owned();
-            let kb: u64 = line[field.len()..]
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse()
-                .ok()?;
-            Some(kb * 1024)
-        })
-        .unwrap_or(0)
-}
-
 /// Call this first in `main` (and in the test named by [`ProbeOptions::in_test`]) with
 /// every probe the program runs. In the probe child it runs the named probe, reports
 /// to the parent and exits; anywhere else it returns at once.
@@ -178,11 +162,12 @@ fn run_in_child(name: &str, probes: &[(&str, ProbeFn)]) -> std::result::Result<(
         Device::Cuda(i) => Some(i),
         _ => None,
     };
-    let rss_before = vm("VmRSS:");
+    let me = std::process::id();
+    let rss_before = tt_tracker::process::memory(me).map_or(0, |(rss, _)| rss);
     match cuda {
         Some(i) => tt_sys::reset_peak_stats(i).map_err(|e| fail(&e))?,
         None => {
-            let _ = std::fs::write("/proc/self/clear_refs", "5");
+            tt_tracker::process::reset_peak(me);
         }
     }
     let start = Instant::now();
@@ -216,7 +201,11 @@ fn run_in_child(name: &str, probes: &[(&str, ProbeFn)]) -> std::result::Result<(
             device: format!("{device:?}").to_lowercase(),
             peak_allocated: None,
             peak_reserved: None,
-            rss_peak: Some(Bytes(vm("VmHWM:").saturating_sub(rss_before))),
+            rss_peak: Some(Bytes(
+                tt_tracker::process::memory(me)
+                    .map_or(0, |(_, hwm)| hwm)
+                    .saturating_sub(rss_before),
+            )),
             steps,
             seconds,
         },

@@ -19,6 +19,9 @@
 //! - **Timeline** of every sample ([`TrackerConfig::timeline`]: CSV, JSON Lines,
 //!   SQLite), **blocks** ([`Tracker::block`]) summarised in the report, a **plot**
 //!   ([`plot`]), and a **comparison** of sessions ([`compare`]).
+//! - [`process`]: the kernel's exact figures for one child — wait for its end without
+//!   reaping it, reap it with `wait4`'s peak RSS, read and reset its high-water mark —
+//!   shared by `torchtools track` / `reserve` and tt-probe.
 //!
 //! # Example
 //!
@@ -48,6 +51,7 @@ pub mod compare;
 mod error;
 mod gpu;
 mod plot;
+pub mod process;
 mod procfs;
 mod timeline;
 mod tracker;

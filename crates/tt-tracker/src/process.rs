@@ -1,0 +1,144 @@
+//! The kernel's exact figures for one process, shared by everything that runs and
+//! measures a child (`torchtools track` / `reserve`, tt-probe): its resident memory and
+//! high-water mark, resetting that mark, waiting for its end without reaping it, and
+//! reaping it with `wait4`'s peak RSS.
+
+use std::io;
+use std::time::{Duration, Instant};
+
+use crate::procfs;
+
+/// A process's resident memory now and its high-water mark (`VmRSS`, `VmHWM`), in
+/// bytes; `None` when it is gone or a zombie.
+pub fn memory(pid: u32) -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    procfs::parse_status(&text).map(|s| (s.rss, s.hwm))
+}
+
+/// Resets the high-water mark of `pid` to its current RSS (`clear_refs` 5, Linux 4.0+),
+/// so that it measures from now; `false` where that is not allowed.
+pub fn reset_peak(pid: u32) -> bool {
+    procfs::reset_hwm(pid)
+}
+
+/// Waits until our child `pid` has ended, without reaping it (its pid stays reserved,
+/// so signals sent to it meanwhile cannot reach another process). With a deadline,
+/// returns `Ok(false)` once it passes with the child still running.
+pub fn wait_for_exit(pid: u32, deadline: Option<Instant>) -> io::Result<bool> {
+    let flags = libc::WEXITED | libc::WNOWAIT | if deadline.is_some() { libc::WNOHANG } else { 0 };
+    loop {
+        // SAFETY: an all-zero siginfo_t is a valid value for waitid to overwrite.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on a child of ours with a valid siginfo_t pointer.
+        let rc = unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, flags) };
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        // SAFETY: si_pid is valid to read in a siginfo_t filled by waitid; it is 0 when
+        // WNOHANG found no child ready.
+        if unsafe { info.si_pid() } != 0 {
+            return Ok(true);
+        }
+        match deadline {
+            Some(d) if Instant::now() >= d => return Ok(false),
+            _ => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+}
+
+/// How a reaped child ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reaped {
+    /// The raw wait status.
+    pub status: i32,
+    /// Its peak RSS (`ru_maxrss`: the largest of the child and the descendants it
+    /// reaped), in bytes.
+    pub max_rss: u64,
+}
+
+impl Reaped {
+    /// Its exit code, when it exited.
+    pub fn code(&self) -> Option<i32> {
+        libc::WIFEXITED(self.status).then(|| libc::WEXITSTATUS(self.status))
+    }
+
+    /// The signal that killed it, when one did.
+    pub fn signal(&self) -> Option<i32> {
+        libc::WIFSIGNALED(self.status).then(|| libc::WTERMSIG(self.status))
+    }
+
+    /// The status a shell would give: the exit code, 128 + the signal, else 1.
+    pub fn exit_code(&self) -> i32 {
+        match (self.code(), self.signal()) {
+            (Some(c), _) => c,
+            (None, Some(s)) => 128 + s,
+            _ => 1,
+        }
+    }
+}
+
+/// Reaps our child `pid` (blocking until it ends) with `wait4`, for its status and peak
+/// RSS.
+pub fn reap(pid: u32) -> io::Result<Reaped> {
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is a valid value for wait4 to overwrite.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: wait4 on a child of ours, with valid pointers.
+        let rc = unsafe { libc::wait4(pid as libc::pid_t, &mut status, 0, &mut usage) };
+        if rc == pid as libc::pid_t {
+            return Ok(Reaped {
+                status,
+                max_rss: (usage.ru_maxrss.max(0) as u64) * 1024,
+            });
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    #[test]
+    // The children are reaped by `reap` (wait4), which is what this test checks.
+    #[allow(clippy::zombie_processes)]
+    fn a_child_is_waited_for_then_reaped_with_its_status_and_peak() {
+        let child = Command::new("sh")
+            .args(["-c", "exit 3"])
+            .spawn()
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(wait_for_exit(child.id(), None).unwrap_or(false));
+        // Not reaped yet: still there as a zombie.
+        assert!(std::path::Path::new(&format!("/proc/{}", child.id())).exists());
+        let r = reap(child.id()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((r.code(), r.signal(), r.exit_code()), (Some(3), None, 3));
+        assert!(r.max_rss > 0);
+
+        let child = Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let deadline = Instant::now() + Duration::from_millis(50);
+        assert!(!wait_for_exit(child.id(), Some(deadline)).unwrap_or(true));
+        // SAFETY: kill(2) of our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+        let r = reap(child.id()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((r.signal(), r.exit_code()), (Some(9), 137));
+    }
+
+    #[test]
+    fn this_process_memory_and_peak() {
+        let (rss, hwm) = memory(std::process::id()).unwrap_or_default();
+        assert!(rss > 0 && hwm >= rss);
+        assert_eq!(memory(u32::MAX), None);
+    }
+}
