@@ -48,28 +48,12 @@ enum Command {
     /// locked past --timeout; 127 when the command is not found; 2 for bad arguments.
     #[command(arg_required_else_help = true)]
     Reserve {
-        /// The GPU(s): an index as nvidia-smi shows it, a UUID (GPU-..., a prefix is
-        /// enough), or auto (the free GPU(s) with the most free memory). Repeat or
-        /// separate with commas for several.
-        #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = gpu_spec)]
-        gpu: Vec<GpuSpec>,
-        /// How many GPUs --gpu auto takes.
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-        count: Option<u32>,
         /// Memory the command needs on each GPU: the fence leaves this much (plus
         /// --margin) free. Sizes: 6GiB, 512MiB, 6G, 1.5GB, bytes.
         #[arg(long, value_parser = args::size)]
         bytes: Option<Bytes>,
-        /// Extra memory left free on top of --bytes.
-        #[arg(long, value_parser = args::size, default_value = reserve::DEFAULT_MARGIN)]
-        margin: Bytes,
-        /// Take the lock alone, without a memory fence (works without a GPU).
-        #[arg(long)]
-        no_fence: bool,
-        /// Give up (exit 75) when the GPUs are still locked after this long: 30s, 10m,
-        /// 1h. Default: wait as long as it takes.
-        #[arg(long, value_parser = args::duration)]
-        timeout: Option<Duration>,
+        #[command(flatten)]
+        reservation: ReserveArgs,
         /// The command and its arguments, after `--`.
         #[arg(last = true, required = true, value_name = "CMD")]
         command: Vec<OsString>,
@@ -159,21 +143,8 @@ enum Command {
         /// Time limit of the probe run.
         #[arg(long, value_parser = args::duration, default_value = "60s")]
         probe_timeout: Duration,
-        /// The GPU(s), as for `reserve`.
-        #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = gpu_spec)]
-        gpu: Vec<GpuSpec>,
-        /// How many GPUs --gpu auto takes.
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-        count: Option<u32>,
-        /// Extra memory left free on top of the bytes.
-        #[arg(long, value_parser = args::size, default_value = reserve::DEFAULT_MARGIN)]
-        margin: Bytes,
-        /// Take the lock alone, without a memory fence (works without a GPU).
-        #[arg(long)]
-        no_fence: bool,
-        /// Give up (exit 75) when the GPUs are still locked after this long.
-        #[arg(long, value_parser = args::duration)]
-        timeout: Option<Duration>,
+        #[command(flatten)]
+        reservation: ReserveArgs,
         /// The command and its arguments, after `--`.
         #[arg(last = true, required = true, value_name = "CMD")]
         command: Vec<OsString>,
@@ -213,6 +184,43 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// How `reserve` and `run` reserve: everything but the bytes and the command.
+#[derive(clap::Args)]
+struct ReserveArgs {
+    /// The GPU(s): an index as nvidia-smi shows it, a UUID (GPU-..., a prefix is
+    /// enough), or auto (the free GPU(s) with the most free memory). Repeat or
+    /// separate with commas for several.
+    #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = gpu_spec)]
+    gpu: Vec<GpuSpec>,
+    /// How many GPUs --gpu auto takes.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    count: Option<u32>,
+    /// Extra memory left free on top of the bytes.
+    #[arg(long, value_parser = args::size, default_value = reserve::DEFAULT_MARGIN)]
+    margin: Bytes,
+    /// Take the lock alone, without a memory fence (works without a GPU).
+    #[arg(long)]
+    no_fence: bool,
+    /// Give up (exit 75) when the GPUs are still locked after this long: 30s, 10m,
+    /// 1h. Default: wait as long as it takes.
+    #[arg(long, value_parser = args::duration)]
+    timeout: Option<Duration>,
+}
+
+impl ReserveArgs {
+    fn request(self, bytes: Option<Bytes>, command: Vec<OsString>) -> reserve::Request {
+        reserve::Request {
+            gpus: self.gpu,
+            count: self.count.map(|c| c as usize),
+            bytes,
+            margin: self.margin,
+            fence: !self.no_fence,
+            timeout: self.timeout,
+            command,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -266,22 +274,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Reserve {
-            gpu,
-            count,
             bytes,
-            margin,
-            no_fence,
-            timeout,
+            reservation,
             command,
-        } => reserve::reserve(reserve::Request {
-            gpus: gpu,
-            count: count.map(|c| c as usize),
-            bytes,
-            margin,
-            fence: !no_fence,
-            timeout,
-            command,
-        }),
+        } => reserve::reserve(reservation.request(bytes, command)),
         Command::Locks { json } => reserve::locks(json),
         Command::Launch {
             nproc_per_node,
@@ -315,26 +311,16 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             probe: _,
             probe_steps,
             probe_timeout,
-            gpu,
-            count,
-            margin,
-            no_fence,
-            timeout,
+            reservation,
             command,
         } => {
             let bytes = match bytes {
                 Some(b) => b,
-                None => probe::estimate_for_run(&gpu, probe_timeout, probe_steps, &command)?,
+                None => {
+                    probe::estimate_for_run(&reservation.gpu, probe_timeout, probe_steps, &command)?
+                }
             };
-            reserve::reserve(reserve::Request {
-                gpus: gpu,
-                count: count.map(|c| c as usize),
-                bytes: Some(bytes),
-                margin,
-                fence: !no_fence,
-                timeout,
-                command,
-            })
+            reserve::reserve(reservation.request(Some(bytes), command))
         }
         Command::Track {
             compare: Some(TrackCommand::Compare { files, json }),
