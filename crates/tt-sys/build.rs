@@ -56,6 +56,8 @@ mod shim {
             .define("GLOG_USE_GLOG_EXPORT", None)
             .file("csrc/shim.cpp")
             .compile("torchtools_shim");
+        #[cfg(feature = "c10d")]
+        c10d(&include_root, &abi, &lib);
         // The shim's own references to libtorch, after the static lib in link order (torch-sys
         // links them too, but rustc drops it from binaries that name nothing of tch).
         println!("cargo:rustc-link-search=native={}", lib.display());
@@ -65,5 +67,80 @@ mod shim {
         // Dependents read this as DEP_TORCHTOOLS_SYS_LIBTORCH_LIB.
         println!("cargo:libtorch_lib={}", lib.display());
         super::helper::link_libtorch_rpath();
+    }
+
+    /// libtorch's distributed engine: Gloo always, NCCL with the `nccl` feature.
+    #[cfg(feature = "c10d")]
+    fn c10d(include_root: &std::path::Path, abi: &str, lib: &std::path::Path) {
+        println!("cargo:rerun-if-changed=csrc/c10d.cpp");
+        println!("cargo:rerun-if-changed=csrc/c10d.h");
+        println!("cargo:rerun-if-changed=csrc/protect.h");
+        println!("cargo:rerun-if-env-changed=GLOO_INCLUDE");
+        // ProcessGroupGloo.hpp includes gloo's own headers, which the wheel lacks.
+        let gloo = std::env::var_os("GLOO_INCLUDE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/usr/include"));
+        if !gloo.join("gloo/algorithm.h").exists() {
+            panic!(
+                "tt-sys (feature c10d): gloo's headers are not under {}: run `cargo xtask setup` \
+                 (it installs Debian's libgloo-dev when run as root), or `sudo apt-get install libgloo-dev`, \
+                 or set GLOO_INCLUDE to the directory that holds gloo/",
+                gloo.display()
+            );
+        }
+        let mut build = cc::Build::new();
+        build
+            .cpp(true)
+            .pic(true)
+            .std("c++17")
+            .warnings(false)
+            .include(include_root)
+            .include(include_root.join("torch/csrc/api/include"))
+            .include(&gloo)
+            .define("_GLIBCXX_USE_CXX11_ABI", abi)
+            .define("GLOG_USE_GLOG_EXPORT", None)
+            .define("USE_C10D_GLOO", None)
+            .file("csrc/c10d.cpp");
+        #[cfg(feature = "nccl")]
+        nccl(&mut build, lib);
+        build.compile("torchtools_c10d");
+        let _ = lib;
+    }
+
+    /// CUDA's and NCCL's headers for ProcessGroupNCCL.hpp: `CUDA_INCLUDE` / `NCCL_INCLUDE`,
+    /// else the pip packages beside the wheel (`nvidia/cu13/include`, `nvidia/nccl/include`).
+    #[cfg(feature = "nccl")]
+    fn nccl(build: &mut cc::Build, lib: &std::path::Path) {
+        println!("cargo:rerun-if-env-changed=CUDA_INCLUDE");
+        println!("cargo:rerun-if-env-changed=NCCL_INCLUDE");
+        // lib = site-packages/torch/lib; the nvidia packages sit in site-packages.
+        let lib = lib.canonicalize().unwrap_or_else(|_| lib.to_path_buf());
+        let site = lib
+            .parent()
+            .and_then(|p| p.parent())
+            .map(|p| p.join("nvidia"));
+        let pick = |var: &str, rel: &str, probe: &str| -> PathBuf {
+            let dir = std::env::var_os(var)
+                .map(PathBuf::from)
+                .or_else(|| site.as_ref().map(|s| s.join(rel)))
+                .unwrap_or_default();
+            if !dir.join(probe).exists() {
+                panic!(
+                    "tt-sys (feature nccl): {probe} not found under {}: run `cargo xtask setup --nccl` \
+                     (pip installs the CUDA and NCCL headers into the venv), or set {var}",
+                    dir.display()
+                );
+            }
+            dir
+        };
+        let cuda = pick("CUDA_INCLUDE", "cu13/include", "cuda_runtime_api.h");
+        let nccl = pick("NCCL_INCLUDE", "nccl/include", "nccl.h");
+        build
+            .include(cuda)
+            .include(nccl)
+            .define("USE_C10D_NCCL", None)
+            .define("USE_CUDA", None);
+        // ProcessGroupNCCL lives in libtorch_cuda.
+        println!("cargo:rustc-link-lib=torch_cuda");
     }
 }

@@ -75,8 +75,69 @@ fn torch_dir(venv: &Path) -> Option<PathBuf> {
         .find(|p| p.join("lib/libtorch_cpu.so").exists())
 }
 
+/// gloo's headers, which c10d's `ProcessGroupGloo.hpp` includes and the torch wheel lacks
+/// (tt-sys's `c10d` feature, so tt-dist's process groups and the facade's trainer).
+const GLOO_HEADER: &str = "/usr/include/gloo/algorithm.h";
+
+/// Installs Debian's `libgloo-dev` when its headers are missing: with apt-get as root,
+/// otherwise it names the command to run (or `GLOO_INCLUDE` for headers elsewhere).
+fn ensure_gloo() -> Result<()> {
+    if let Some(dir) = std::env::var_os("GLOO_INCLUDE") {
+        let dir = PathBuf::from(dir);
+        if !dir.join("gloo/algorithm.h").exists() {
+            bail!(
+                "GLOO_INCLUDE={} has no gloo/algorithm.h: point it at the directory holding gloo/, or unset it to use Debian's libgloo-dev",
+                dir.display()
+            );
+        }
+        return Ok(());
+    }
+    if Path::new(GLOO_HEADER).exists() {
+        return Ok(());
+    }
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let has_apt = Command::new("apt-get")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !(root && has_apt) {
+        bail!(
+            "gloo's headers are missing ({GLOO_HEADER}); libtorch's distributed engine needs them to build. \
+             Run `sudo apt-get install -y libgloo-dev` (Debian/Ubuntu), or set GLOO_INCLUDE to a directory holding gloo/ \
+             (gloo from github.com/pytorch/gloo, headers only), then run this again"
+        );
+    }
+    eprintln!("setup: installing Debian's libgloo-dev (gloo's headers for c10d)");
+    let install = || {
+        Command::new("apt-get")
+            .args([
+                "install",
+                "-y",
+                "-q",
+                "--no-install-recommends",
+                "libgloo-dev",
+            ])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !install() {
+        // A fresh machine may have no package lists yet.
+        let _ = Command::new("apt-get").args(["update", "-q"]).status();
+        if !install() {
+            bail!("`apt-get install libgloo-dev` failed (see apt's message above): check the package mirrors, or set GLOO_INCLUDE");
+        }
+    }
+    if !Path::new(GLOO_HEADER).exists() {
+        bail!("libgloo-dev installed but {GLOO_HEADER} is missing: set GLOO_INCLUDE to gloo's include directory");
+    }
+    Ok(())
+}
+
 pub(crate) fn setup() -> Result<Libtorch> {
     let start = Instant::now();
+    ensure_gloo()?;
     // Cargo's [env] sets LIBTORCH to our link for processes it runs, this one included;
     // any other value was set by the user.
     if let Ok(v) = std::env::var("LIBTORCH_USE_PYTORCH") {

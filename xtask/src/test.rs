@@ -25,6 +25,10 @@ pub(crate) const CRATES: [&str; 13] = [
 /// PyTorch comparisons take half a minute; tt-lock's tests spawn processes).
 const FEATURELESS: [&str; 5] = ["tt-sampler", "tt-lock", "tt-fence", "tt-tracker", "tt-dist"];
 
+/// Optional features tested on their own, beyond default and none: libtorch's
+/// distributed engine (needs gloo's headers, which setup installs).
+const EXTRA_FEATURES: [(&str, &str); 2] = [("tt-sys", "c10d"), ("tt-dist", "c10d")];
+
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
 pub(crate) const GPU_CRATES: [&str; 9] = [
     "tt-sys",
@@ -76,6 +80,12 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             &["test", "-p", krate, "--no-default-features"],
         );
     }
+    for (krate, feature) in EXTRA_FEATURES {
+        step(
+            format!("test -p {krate} --features {feature}"),
+            &["test", "-p", krate, "--features", feature],
+        );
+    }
     // The CLI is tested on its own above: in a workspace-wide build, feature
     // unification would hand it tt-device's `tch` and test a binary users never get.
     let mut workspace = vec!["test", "--workspace", "--exclude", "torchtools-cli"];
@@ -95,7 +105,7 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-tracker/gpu-tests,tt-adaptive/gpu-tests,tt-probe/gpu-tests,tt-ckpt/gpu-tests,torchtools-cli/gpu-tests,torchtools/gpu-tests",
+            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-tracker/gpu-tests,tt-adaptive/gpu-tests,tt-probe/gpu-tests,tt-ckpt/gpu-tests,torchtools-cli/gpu-tests,torchtools/gpu-tests,tt-dist/c10d",
             "--",
             "-D",
             "warnings",
@@ -123,7 +133,13 @@ pub(crate) fn cpu_matrix() -> Result<()> {
         );
     }
     let doc = {
-        let mut cmd = cargo(&["doc", "--workspace", "--no-deps"]);
+        let mut cmd = cargo(&[
+            "doc",
+            "--workspace",
+            "--no-deps",
+            "--features",
+            "tt-dist/c10d",
+        ]);
         cmd.env("RUSTDOCFLAGS", "-D warnings");
         run_counted("doc --workspace (warnings denied)", cmd)
     };

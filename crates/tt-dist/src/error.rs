@@ -26,6 +26,31 @@ pub enum Error {
     /// A launch argument is wrong.
     #[error("{0}")]
     Launch(String),
+    /// Forming the process group failed (store or backend); the message says what
+    /// to check.
+    #[error("rendezvous at {addr}:{port} failed: {message}")]
+    Rendezvous {
+        /// `MASTER_ADDR`.
+        addr: String,
+        /// `MASTER_PORT`.
+        port: u16,
+        /// What c10d said, and the hint.
+        message: String,
+    },
+    /// A collective failed: a peer died or hung past the timeout, or the tensors were
+    /// wrong. The process group is unusable afterwards.
+    #[error("{op} failed on rank {rank}: {message}")]
+    Collective {
+        /// The collective.
+        op: &'static str,
+        /// This process's rank.
+        rank: usize,
+        /// What c10d said.
+        message: String,
+    },
+    /// A tensor operation around a collective failed (tch's error).
+    #[error("{0}")]
+    Tensor(String),
     /// An OS error while launching.
     #[error("{what}: {source}")]
     Io {

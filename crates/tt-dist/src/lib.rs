@@ -25,7 +25,12 @@
 
 mod env;
 mod error;
+#[cfg(feature = "c10d")]
+mod group;
 mod launch;
+
+#[cfg(feature = "c10d")]
+pub use group::{BackendKind, GroupOptions, ProcessGroup, ReduceOp, Work, DEFAULT_TIMEOUT};
 
 pub use env::{first_host, DistEnv, Source, DEFAULT_PORT};
 pub use error::{Error, Result};

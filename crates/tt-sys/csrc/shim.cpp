@@ -1,5 +1,6 @@
 // See shim.h. Keep this file small: it is the only C++ of torchtools.
 #include "shim.h"
+#include "protect.h"
 
 #include <dlfcn.h>
 
@@ -14,26 +15,6 @@
 #include <torch/headeronly/version.h>
 
 namespace {
-
-char* dup_message(const char* msg) {
-  size_t n = std::strlen(msg);
-  char* out = static_cast<char*>(std::malloc(n + 1));
-  if (out != nullptr) std::memcpy(out, msg, n + 1);
-  return out;
-}
-
-// Catch everything at the boundary: an exception unwinding into Rust is UB.
-#define TT_PROTECT(body)                                   \
-  try {                                                    \
-    body;                                                  \
-    return nullptr;                                        \
-  } catch (const c10::Error& e) {                          \
-    return dup_message(e.what_without_backtrace());        \
-  } catch (const std::exception& e) {                      \
-    return dup_message(e.what());                          \
-  } catch (...) {                                          \
-    return dup_message("unknown C++ exception in libtorch"); \
-  }
 
 c10::DeviceAllocator* cuda_allocator() {
   return c10::getDeviceAllocator(c10::DeviceType::CUDA);
@@ -64,7 +45,7 @@ char* tt_c10_library_path(char** out_path) {
     if (dladdr(addr, &info) == 0 || info.dli_fname == nullptr) {
       throw std::runtime_error("dladdr could not locate libc10.so");
     }
-    *out_path = dup_message(info.dli_fname);
+    *out_path = tt::dup_message(info.dli_fname);
   })
 }
 

@@ -42,6 +42,8 @@
 
 pub mod build;
 
+#[cfg(feature = "c10d")]
+pub mod c10d;
 #[cfg(feature = "tch")]
 mod cuda;
 #[cfg(feature = "tch")]

@@ -1,0 +1,514 @@
+//! Process groups on libtorch's c10d, formed the way `torch.distributed.init_process_group`
+//! forms them, so Rust and Python ranks can share one group.
+
+use std::time::Duration;
+
+use tch::{Kind, Tensor};
+use tt_sys::c10d::{Backend, Store};
+pub use tt_sys::c10d::{BackendKind, ReduceOp};
+
+use crate::{DistEnv, Error, Result, Source};
+
+/// How long rendezvous and each collective may take, unless `TORCHTOOLS_DIST_TIMEOUT`
+/// (seconds) or [`GroupOptions::timeout`] says otherwise. (torch.distributed's default
+/// is 30 minutes for Gloo; a dead peer is usually detected at once, the timeout is for
+/// hung ones.)
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// How to form a [`ProcessGroup`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GroupOptions {
+    /// The backend; `None`: NCCL when this process's device (tt-device's choice,
+    /// per `LOCAL_RANK`) is CUDA and NCCL is built, Gloo otherwise.
+    pub backend: Option<BackendKind>,
+    /// Rendezvous and collective timeout.
+    pub timeout: Duration,
+}
+
+impl Default for GroupOptions {
+    fn default() -> Self {
+        GroupOptions {
+            backend: None,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+impl GroupOptions {
+    /// The defaults, overridden by `TORCHTOOLS_DIST_BACKEND` (`gloo` | `nccl`) and
+    /// `TORCHTOOLS_DIST_TIMEOUT` (seconds, > 0).
+    pub fn from_env() -> Result<GroupOptions> {
+        GroupOptions::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// As [`GroupOptions::from_env`], from any lookup.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<GroupOptions> {
+        let mut opts = GroupOptions::default();
+        if let Some(v) = get("TORCHTOOLS_DIST_BACKEND").filter(|v| !v.is_empty()) {
+            opts.backend = Some(match v.trim().to_ascii_lowercase().as_str() {
+                "gloo" => BackendKind::Gloo,
+                "nccl" => BackendKind::Nccl,
+                _ => {
+                    return Err(Error::Invalid {
+                        name: "TORCHTOOLS_DIST_BACKEND",
+                        value: v,
+                        reason: "not a backend: use gloo or nccl, or unset it to pick by device"
+                            .into(),
+                    })
+                }
+            });
+        }
+        if let Some(v) = get("TORCHTOOLS_DIST_TIMEOUT").filter(|v| !v.is_empty()) {
+            let secs: f64 = v.trim().parse().map_err(|_| Error::Invalid {
+                name: "TORCHTOOLS_DIST_TIMEOUT",
+                value: v.clone(),
+                reason: "not a number of seconds (e.g. 600)".into(),
+            })?;
+            if !(secs.is_finite() && secs > 0.0 && secs < 1e9) {
+                return Err(Error::Invalid {
+                    name: "TORCHTOOLS_DIST_TIMEOUT",
+                    value: v,
+                    reason: "out of range: give seconds > 0".into(),
+                });
+            }
+            opts.timeout = Duration::from_secs_f64(secs);
+        }
+        Ok(opts)
+    }
+
+    /// With this backend.
+    pub fn backend(mut self, backend: BackendKind) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
+    /// With this timeout.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+/// The engine's parts, dropped backend first (it uses the store).
+struct Engine {
+    backend: Backend,
+    // The group's own PrefixStore (what Python's `_get_default_store()` would give).
+    store: Store,
+}
+
+/// A group of processes that run collectives together: c10d's `ProcessGroupGloo` or
+/// `ProcessGroupNCCL` on a `TCPStore` rendezvous, or, for a single process started
+/// without any launcher variables, a group of one with no network, where every
+/// collective leaves its tensors as they are.
+///
+/// Collectives block until done ([`ProcessGroup::timeout`] at most) or return an error
+/// (a peer died, hung, or disagreed); `*_async` variants return a [`Work`].
+pub struct ProcessGroup {
+    env: DistEnv,
+    timeout: Duration,
+    engine: Option<Engine>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.env.rank)
+            .field("world_size", &self.env.world_size)
+            .field("backend", &self.backend())
+            .finish()
+    }
+}
+
+fn rendezvous_error(env: &DistEnv, message: String) -> Error {
+    let hint = if message.contains("EADDRINUSE") || message.contains("address already in use") {
+        format!(
+            "; port {} is already in use on this host: choose another MASTER_PORT, or let \
+             `torchtools launch` pick a free one (it does when --master-port is not given)",
+            env.master_port
+        )
+    } else if message.contains("timed out") || message.contains("Timeout") {
+        format!(
+            "; check that all {} ranks started, that rank 0 runs on MASTER_ADDR={} and that \
+             its port is reachable (or raise TORCHTOOLS_DIST_TIMEOUT)",
+            env.world_size, env.master_addr
+        )
+    } else {
+        String::new()
+    };
+    Error::Rendezvous {
+        addr: env.master_addr.clone(),
+        port: env.master_port,
+        message: format!("{message}{hint}"),
+    }
+}
+
+impl ProcessGroup {
+    /// The group this process belongs to, from its environment ([`DistEnv::from_env`],
+    /// [`GroupOptions::from_env`]): every rank calls it, and it returns once all have.
+    pub fn from_env() -> Result<ProcessGroup> {
+        ProcessGroup::new(&DistEnv::from_env()?, &GroupOptions::from_env()?)
+    }
+
+    /// A group of one, no network.
+    pub fn single() -> ProcessGroup {
+        ProcessGroup {
+            env: DistEnv {
+                rank: 0,
+                world_size: 1,
+                local_rank: 0,
+                local_world_size: Some(1),
+                master_addr: "127.0.0.1".into(),
+                master_port: crate::DEFAULT_PORT,
+                source: Source::Single,
+            },
+            timeout: DEFAULT_TIMEOUT,
+            engine: None,
+        }
+    }
+
+    /// Forms the group described by `env`: rank 0 serves the `TCPStore` at
+    /// `master_addr:master_port` (under torchrun's agent, `TORCHELASTIC_USE_AGENT_STORE=True`,
+    /// the agent serves it and every rank is a client), then the backend connects all
+    /// ranks. Store keys are namespaced as torch.distributed's default group does
+    /// (`default_pg` / `0/` / `cpu/` or `cuda/`), so Python ranks can join.
+    pub fn new(env: &DistEnv, opts: &GroupOptions) -> Result<ProcessGroup> {
+        if env.source == Source::Single {
+            let mut pg = ProcessGroup::single();
+            pg.timeout = opts.timeout;
+            return Ok(pg);
+        }
+        let kind = match opts.backend {
+            Some(k) => k,
+            None => auto_backend(),
+        };
+        if kind == BackendKind::Nccl && !tt_sys::c10d::nccl_built() {
+            return Err(Error::Rendezvous {
+                addr: env.master_addr.clone(),
+                port: env.master_port,
+                message: "the NCCL backend was asked for but this build has none: build tt-sys \
+                          with its `nccl` feature, or use gloo (TORCHTOOLS_DIST_BACKEND=gloo)"
+                    .into(),
+            });
+        }
+        let agent = std::env::var("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Ok("True");
+        let tcp = Store::tcp(
+            &env.master_addr,
+            env.master_port,
+            Some(env.world_size),
+            env.rank == 0 && !agent,
+            opts.timeout,
+            true,
+        )
+        .map_err(|e| rendezvous_error(env, e.to_string()))?;
+        let device = match kind {
+            BackendKind::Gloo => "cpu/",
+            _ => "cuda/",
+        };
+        let store = tcp
+            .prefixed("default_pg")
+            .and_then(|s| s.prefixed("0/"))
+            .map_err(|e| rendezvous_error(env, e.to_string()))?;
+        let backend_store = store
+            .prefixed(device)
+            .map_err(|e| rendezvous_error(env, e.to_string()))?;
+        let backend = match kind {
+            BackendKind::Nccl => {
+                Backend::nccl(&backend_store, env.rank, env.world_size, opts.timeout)
+            }
+            _ => Backend::gloo(&backend_store, env.rank, env.world_size, opts.timeout),
+        }
+        .map_err(|e| rendezvous_error(env, e.to_string()))?;
+        tracing::debug!(rank = env.rank, world = env.world_size, backend = %kind, "process group formed");
+        Ok(ProcessGroup {
+            env: env.clone(),
+            timeout: opts.timeout,
+            engine: Some(Engine { backend, store }),
+        })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.env.rank
+    }
+
+    /// Number of processes.
+    pub fn world_size(&self) -> usize {
+        self.env.world_size
+    }
+
+    /// Rank on this node.
+    pub fn local_rank(&self) -> usize {
+        self.env.local_rank
+    }
+
+    /// Whether this is rank 0 (the one that logs and checkpoints).
+    pub fn is_main(&self) -> bool {
+        self.env.rank == 0
+    }
+
+    /// The environment the group was formed from.
+    pub fn env(&self) -> &DistEnv {
+        &self.env
+    }
+
+    /// The backend, `None` for the networkless group of one.
+    pub fn backend(&self) -> Option<BackendKind> {
+        self.engine.as_ref().map(|e| e.backend.kind())
+    }
+
+    /// The timeout of every blocking call.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The group's key-value store (a `PrefixStore` over the `TCPStore`), for small
+    /// agreements of one's own; `None` for the group of one.
+    pub fn store(&self) -> Option<&Store> {
+        self.engine.as_ref().map(|e| &e.store)
+    }
+
+    fn collective_error(&self, op: &'static str) -> impl Fn(tt_sys::Error) -> Error + '_ {
+        move |e| Error::Collective {
+            op,
+            rank: self.env.rank,
+            message: match e {
+                tt_sys::Error::Torch { message, .. } => message,
+                other => other.to_string(),
+            },
+        }
+    }
+
+    /// Reduces `tensor` in place over all ranks; returns when done everywhere.
+    pub fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        self.all_reduce_async(tensor, op)?.wait()
+    }
+
+    /// Starts an all-reduce; `tensor` must not be touched until [`Work::wait`].
+    /// `Avg` on Gloo (which has no average) is a sum divided by the world size when
+    /// waited on; it needs a floating-point tensor.
+    pub fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
+        if op == ReduceOp::Avg && !is_float(tensor.kind()) {
+            return Err(Error::Collective {
+                op: "allreduce",
+                rank: self.env.rank,
+                message: format!(
+                    "average of a {:?} tensor: use a floating-point tensor, or Sum and divide",
+                    tensor.kind()
+                ),
+            });
+        }
+        let Some(engine) = &self.engine else {
+            return Ok(self.done("allreduce"));
+        };
+        let emulate_avg = op == ReduceOp::Avg && engine.backend.kind() == BackendKind::Gloo;
+        let raw_op = if emulate_avg { ReduceOp::Sum } else { op };
+        let raw = engine
+            .backend
+            .all_reduce(tensor, raw_op)
+            .map_err(self.collective_error("allreduce"))?;
+        Ok(Work {
+            raw: Some(raw),
+            divide: emulate_avg.then(|| (tensor.shallow_clone(), self.env.world_size)),
+            op: "allreduce",
+            rank: self.env.rank,
+            timeout: self.timeout,
+        })
+    }
+
+    fn done(&self, op: &'static str) -> Work {
+        Work {
+            raw: None,
+            divide: None,
+            op,
+            rank: self.env.rank,
+            timeout: self.timeout,
+        }
+    }
+
+    /// Copies rank `root`'s `tensor` into every rank's `tensor`.
+    pub fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        self.broadcast_async(tensor, root)?.wait()
+    }
+
+    /// Starts a broadcast.
+    pub fn broadcast_async(&self, tensor: &Tensor, root: usize) -> Result<Work> {
+        self.check_root("broadcast", root)?;
+        let Some(engine) = &self.engine else {
+            return Ok(self.done("broadcast"));
+        };
+        let raw = engine
+            .backend
+            .broadcast(tensor, root)
+            .map_err(self.collective_error("broadcast"))?;
+        Ok(self.work("broadcast", raw))
+    }
+
+    fn work(&self, op: &'static str, raw: tt_sys::c10d::Work) -> Work {
+        Work {
+            raw: Some(raw),
+            ..self.done(op)
+        }
+    }
+
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root >= self.env.world_size {
+            return Err(Error::Collective {
+                op,
+                rank: self.env.rank,
+                message: format!(
+                    "root rank {root} is not in this group of {}",
+                    self.env.world_size
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Every rank's `tensor`, in rank order (the same shape and kind on every rank).
+    pub fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
+        let Some(engine) = &self.engine else {
+            return Ok(vec![tensor.copy()]);
+        };
+        let outputs: Vec<Tensor> = (0..self.env.world_size)
+            .map(|_| tensor.empty_like())
+            .collect();
+        engine
+            .backend
+            .all_gather(&outputs, tensor)
+            .map_err(self.collective_error("allgather"))
+            .map(|raw| self.work("allgather", raw))?
+            .wait()?;
+        Ok(outputs)
+    }
+
+    /// Reduces `inputs[r]` over the ranks into rank `r`'s `output` (`inputs` holds one
+    /// tensor per rank, each shaped like `output`).
+    pub fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<()> {
+        if inputs.len() != self.env.world_size {
+            return Err(Error::Collective {
+                op: "reduce_scatter",
+                rank: self.env.rank,
+                message: format!(
+                    "{} input tensors for a group of {}: give one per rank",
+                    inputs.len(),
+                    self.env.world_size
+                ),
+            });
+        }
+        let Some(engine) = &self.engine else {
+            return output
+                .shallow_clone()
+                .f_copy_(&inputs[0])
+                .map_err(|e| Error::Tensor(e.to_string()));
+        };
+        let emulate_avg = op == ReduceOp::Avg && engine.backend.kind() == BackendKind::Gloo;
+        let raw_op = if emulate_avg { ReduceOp::Sum } else { op };
+        let raw = engine
+            .backend
+            .reduce_scatter(output, inputs, raw_op)
+            .map_err(self.collective_error("reduce_scatter"))?;
+        Work {
+            divide: emulate_avg.then(|| (output.shallow_clone(), self.env.world_size)),
+            ..self.work("reduce_scatter", raw)
+        }
+        .wait()
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&self) -> Result<()> {
+        let Some(engine) = &self.engine else {
+            return Ok(());
+        };
+        let raw = engine
+            .backend
+            .barrier()
+            .map_err(self.collective_error("barrier"))?;
+        self.work("barrier", raw).wait()
+    }
+
+    /// A number reduced over the ranks (for metrics: `Avg` of a loss, `Sum` of counts).
+    pub fn all_reduce_f64(&self, value: f64, op: ReduceOp) -> Result<f64> {
+        let t = Tensor::from_slice(&[value]);
+        self.all_reduce(&t, op)?;
+        t.f_double_value(&[0])
+            .map_err(|e| Error::Tensor(e.to_string()))
+    }
+
+    /// The smallest of every rank's `value`: how ranks agree on one batch size when
+    /// each found its own (tt-adaptive's batch agreement).
+    pub fn min_over_ranks(&self, value: u64) -> Result<u64> {
+        let v = i64::try_from(value).unwrap_or(i64::MAX);
+        let t = Tensor::from_slice(&[v]).to_kind(Kind::Int64);
+        self.all_reduce(&t, ReduceOp::Min)?;
+        let out = t
+            .f_int64_value(&[0])
+            .map_err(|e| Error::Tensor(e.to_string()))?;
+        Ok(u64::try_from(out).unwrap_or(0))
+    }
+}
+
+fn is_float(kind: Kind) -> bool {
+    matches!(
+        kind,
+        Kind::Half
+            | Kind::Float
+            | Kind::Double
+            | Kind::BFloat16
+            | Kind::ComplexFloat
+            | Kind::ComplexDouble
+    )
+}
+
+/// NCCL when this process's device is CUDA and NCCL is built, else Gloo.
+fn auto_backend() -> BackendKind {
+    match tt_device::select() {
+        Ok(tch::Device::Cuda(_)) if tt_sys::c10d::nccl_built() => BackendKind::Nccl,
+        Ok(tch::Device::Cuda(_)) => {
+            tracing::warn!("CUDA device but this build has no NCCL: using gloo (build tt-sys with `nccl` for NCCL)");
+            BackendKind::Gloo
+        }
+        _ => BackendKind::Gloo,
+    }
+}
+
+/// A collective in flight ([`ProcessGroup`]'s `*_async` calls).
+#[must_use = "a collective's result is only known once waited on"]
+pub struct Work {
+    raw: Option<tt_sys::c10d::Work>,
+    // Gloo's emulated average: the tensor to divide by the world size once summed.
+    divide: Option<(Tensor, usize)>,
+    op: &'static str,
+    rank: usize,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for Work {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work").field("op", &self.op).finish()
+    }
+}
+
+impl Work {
+    /// Waits until the collective is done on this rank, or fails, or the group's
+    /// timeout passes.
+    pub fn wait(self) -> Result<()> {
+        if let Some(raw) = self.raw {
+            raw.wait(Some(self.timeout))
+                .map_err(|e| Error::Collective {
+                    op: self.op,
+                    rank: self.rank,
+                    message: match e {
+                        tt_sys::Error::Torch { message, .. } => message,
+                        other => other.to_string(),
+                    },
+                })?;
+        }
+        if let Some((mut t, n)) = self.divide {
+            let _ = t
+                .f_div_scalar_(n as f64)
+                .map_err(|e| Error::Tensor(e.to_string()))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,406 @@
+//! Process groups on c10d with real processes over loopback (Gloo, CPU).
+//!
+//! A custom harness (`harness = false`): run without `TT_DIST_ROLE`, this binary is the
+//! test runner; each test launches ranks by re-executing this binary with
+//! `TT_DIST_ROLE=<role>` and torchrun's variables (through `tt_dist::launch`, or by
+//! hand where a test needs to watch each rank), and Python ranks from the setup venv.
+//! A rank checks its own results and exits non-zero with the mismatch on stderr.
+
+use std::ffi::OsString;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tch::{Kind, Tensor};
+use tt_dist::{launch, DistEnv, GroupOptions, LaunchConfig, ProcessGroup, ReduceOp};
+
+type TestResult = Result<(), String>;
+
+fn main() {
+    if let Ok(role) = std::env::var("TT_DIST_ROLE") {
+        let code = match rank_main(&role) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("rank failed: {e}");
+                1
+            }
+        };
+        std::process::exit(code);
+    }
+    type Test = (&'static str, fn() -> TestResult);
+    let tests: &[Test] = &[
+        ("collectives_on_2_ranks", || collectives(2)),
+        ("collectives_on_4_ranks", || collectives(4)),
+        ("world_size_1_group_and_single_process_group", world_of_one),
+        ("rust_and_python_ranks_form_one_gloo_group", python_interop),
+        (
+            "a_killed_rank_is_an_error_on_the_others_not_a_hang",
+            killed_rank,
+        ),
+        ("a_busy_port_is_a_clear_error", busy_port),
+        ("bad_environment_is_a_clear_error", bad_env),
+    ];
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for (name, test) in tests {
+        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        ran += 1;
+        let start = Instant::now();
+        let result = test();
+        let secs = start.elapsed().as_secs_f64();
+        match result {
+            Ok(()) => println!("test {name} ... ok ({secs:.1}s)"),
+            Err(e) => {
+                println!("test {name} ... FAILED ({secs:.1}s)\n  {e}");
+                failed.push(*name);
+            }
+        }
+    }
+    println!(
+        "\ntest result: {}. {} passed; {} failed",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        ran - failed.len(),
+        failed.len()
+    );
+    if !failed.is_empty() {
+        std::process::exit(1);
+    }
+}
+
+// ---------------------------------------------------------------- ranks
+
+fn rank_main(role: &str) -> TestResult {
+    let timeout = Duration::from_secs(60);
+    let opts = GroupOptions::default().timeout(timeout);
+    let env = DistEnv::from_env().map_err(|e| e.to_string())?;
+    let pg = ProcessGroup::new(&env, &opts).map_err(|e| e.to_string())?;
+    match role {
+        "collectives" => check_collectives(&pg),
+        "interop" => {
+            // Python rank 1 runs the same steps (see PY_INTEROP).
+            let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]) * (pg.rank() as f64 + 1.0);
+            pg.all_reduce(&t, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            expect_eq(
+                &t,
+                &(Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]) * 3.0),
+                "interop sum",
+            )?;
+            let b = Tensor::from_slice(&[pg.rank() as i64 * 7 + 1; 3]);
+            pg.broadcast(&b, 1).map_err(|e| e.to_string())?;
+            expect_eq(&b, &Tensor::from_slice(&[8i64; 3]), "interop broadcast")?;
+            let g = pg
+                .all_gather(&Tensor::from_slice(&[pg.rank() as f64 + 0.5]))
+                .map_err(|e| e.to_string())?;
+            expect_eq(&g[1], &Tensor::from_slice(&[1.5f64]), "interop gather")?;
+            pg.barrier().map_err(|e| e.to_string())
+        }
+        "die" => {
+            let t = Tensor::ones([1024], (Kind::Float, tch::Device::Cpu));
+            pg.all_reduce(&t, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            if pg.rank() == 1 {
+                // Gone without a word, as a crashed or OOM-killed rank would be.
+                std::process::exit(3);
+            }
+            let start = Instant::now();
+            for _ in 0..1000 {
+                if let Err(e) = pg.all_reduce(&t, ReduceOp::Sum) {
+                    println!("\n@@error@@ {:.3} {e}", start.elapsed().as_secs_f64());
+                    return Ok(());
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err("the collectives kept succeeding after rank 1 died".into())
+        }
+        other => Err(format!("unknown role {other}")),
+    }
+}
+
+fn expect_eq(got: &Tensor, want: &Tensor, what: &str) -> TestResult {
+    let ok = if got.kind() == Kind::Int64 {
+        got.equal(want)
+    } else {
+        got.allclose(want, 1e-6, 1e-6, false)
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{what}: got {got:?} want {want:?}"))
+    }
+}
+
+fn check_collectives(pg: &ProcessGroup) -> TestResult {
+    let w = pg.world_size() as i64;
+    let r = pg.rank() as i64;
+    let err = |e: tt_dist::Error| e.to_string();
+    for kind in [Kind::Float, Kind::Double, Kind::Int64] {
+        for n in [1i64, 1000, (1 << 18) + 3] {
+            let opts = (kind, tch::Device::Cpu);
+            let base = Tensor::arange(n, opts);
+            let what = |op: &str| format!("{op} {kind:?} n={n} rank {r}/{w}");
+
+            let t = &base * (r + 1);
+            pg.all_reduce(&t, ReduceOp::Sum).map_err(err)?;
+            expect_eq(&t, &(&base * (w * (w + 1) / 2)), &what("sum"))?;
+
+            let t = &base + r;
+            pg.all_reduce(&t, ReduceOp::Min).map_err(err)?;
+            expect_eq(&t, &base, &what("min"))?;
+
+            let t = &base + r;
+            pg.all_reduce(&t, ReduceOp::Max).map_err(err)?;
+            expect_eq(&t, &(&base + (w - 1)), &what("max"))?;
+
+            if kind != Kind::Int64 {
+                let t = &base * (r + 1);
+                pg.all_reduce(&t, ReduceOp::Avg).map_err(err)?;
+                let mean = (w + 1) as f64 / 2.0;
+                expect_eq(&t, &(&base * mean), &what("avg"))?;
+            } else {
+                let t = base.copy();
+                if pg.all_reduce(&t, ReduceOp::Avg).is_ok() {
+                    return Err(what("avg of int64 should be refused"));
+                }
+            }
+
+            let t = &base + r * 100;
+            let root = (w - 1) as usize;
+            pg.broadcast(&t, root).map_err(err)?;
+            expect_eq(&t, &(&base + (w - 1) * 100), &what("broadcast"))?;
+
+            let gathered = pg.all_gather(&(&base + r)).map_err(err)?;
+            if gathered.len() != w as usize {
+                return Err(what("all_gather length"));
+            }
+            for (i, g) in gathered.iter().enumerate() {
+                expect_eq(g, &(&base + i as i64), &what("all_gather"))?;
+            }
+
+            // inputs[j] = base + 10*rank + j; rank j receives sum over ranks.
+            let inputs: Vec<Tensor> = (0..w).map(|j| &base + (10 * r + j)).collect();
+            let out = base.empty_like();
+            pg.reduce_scatter(&out, &inputs, ReduceOp::Sum)
+                .map_err(err)?;
+            let want = &base * w + (10 * w * (w - 1) / 2 + w * r);
+            expect_eq(&out, &want, &what("reduce_scatter"))?;
+        }
+    }
+    // Numbers for metrics and batch agreement.
+    let loss = pg.all_reduce_f64(r as f64, ReduceOp::Avg).map_err(err)?;
+    if (loss - (w - 1) as f64 / 2.0).abs() > 1e-12 {
+        return Err(format!("all_reduce_f64 avg gave {loss}"));
+    }
+    let agreed = pg.min_over_ranks(64 - r as u64).map_err(err)?;
+    if agreed != 64 - (w as u64 - 1) {
+        return Err(format!("min_over_ranks gave {agreed}"));
+    }
+    pg.barrier().map_err(err)
+}
+
+// ---------------------------------------------------------------- tests
+
+fn exe() -> OsString {
+    std::env::current_exe()
+        .expect("the test binary's own path")
+        .into_os_string()
+}
+
+/// Runs `role` on `n` ranks through the real launcher; Ok when all exit 0.
+fn launch_role(n: usize, role: &str) -> TestResult {
+    std::env::set_var("TT_DIST_ROLE", role);
+    let outcome = launch(&LaunchConfig::local(n, exe(), Vec::new()));
+    std::env::remove_var("TT_DIST_ROLE");
+    let outcome = outcome.map_err(|e| e.to_string())?;
+    if outcome.code != 0 {
+        return Err(format!("launch of {n} ranks: {outcome:?}"));
+    }
+    Ok(())
+}
+
+fn collectives(n: usize) -> TestResult {
+    launch_role(n, "collectives")
+}
+
+fn world_of_one() -> TestResult {
+    // torchrun with one process: a real Gloo group of one.
+    launch_role(1, "collectives")?;
+    // No launcher at all: the networkless group, same answers.
+    let pg = ProcessGroup::single();
+    if pg.backend().is_some() || pg.world_size() != 1 || !pg.is_main() {
+        return Err(format!("single group: {pg:?}"));
+    }
+    check_collectives(&pg)
+}
+
+fn free_port() -> u16 {
+    tt_dist::free_port("127.0.0.1").expect("a free port")
+}
+
+fn rank_command(role: &str, rank: usize, world: usize, port: u16) -> Command {
+    let mut cmd = Command::new(exe());
+    cmd.env("TT_DIST_ROLE", role)
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+const PY_INTEROP: &str = r#"
+import os, torch, torch.distributed as dist
+from datetime import timedelta
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+r = dist.get_rank()
+t = torch.tensor([1.0, 2.0, 3.0, 4.0]) * (r + 1)
+dist.all_reduce(t)
+assert torch.equal(t, torch.tensor([1.0, 2.0, 3.0, 4.0]) * 3), t
+b = torch.full((3,), r * 7 + 1, dtype=torch.int64)
+dist.broadcast(b, src=1)
+assert torch.equal(b, torch.full((3,), 8, dtype=torch.int64)), b
+outs = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
+dist.all_gather(outs, torch.tensor([r + 0.5], dtype=torch.float64))
+assert outs[0].item() == 0.5 and outs[1].item() == 1.5, outs
+dist.barrier()
+dist.destroy_process_group()
+print("python rank", r, "ok")
+"#;
+
+fn python() -> String {
+    std::env::var("TORCHTOOLS_PYTHON")
+        .unwrap_or_else(|_| panic!("TORCHTOOLS_PYTHON is not set: run `cargo xtask setup`"))
+}
+
+fn python_interop() -> TestResult {
+    // Both orders: Rust serves the store (rank 0), then Python does.
+    for rust_rank in [0usize, 1] {
+        let port = free_port();
+        let rust = rank_command("interop", rust_rank, 2, port)
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        let mut py = Command::new(python());
+        py.args(["-c", PY_INTEROP])
+            .env("RANK", (1 - rust_rank).to_string())
+            .env("LOCAL_RANK", "0")
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let py = py.spawn().map_err(|e| e.to_string())?;
+        let rust_out = rust.wait_with_output().map_err(|e| e.to_string())?;
+        let py_out = py.wait_with_output().map_err(|e| e.to_string())?;
+        if !rust_out.status.success() || !py_out.status.success() {
+            return Err(format!(
+                "rust rank {rust_rank}: {} {}\npython: {} {}",
+                rust_out.status,
+                String::from_utf8_lossy(&rust_out.stderr),
+                py_out.status,
+                String::from_utf8_lossy(&py_out.stderr),
+            ));
+        }
+        let said = String::from_utf8_lossy(&py_out.stdout);
+        if !said.contains("ok") {
+            return Err(format!("python said {said}"));
+        }
+    }
+    Ok(())
+}
+
+fn killed_rank() -> TestResult {
+    let port = free_port();
+    let survivor = rank_command("die", 0, 2, port)
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let victim = rank_command("die", 1, 2, port)
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let start = Instant::now();
+    let v = victim.wait_with_output().map_err(|e| e.to_string())?;
+    let s = survivor.wait_with_output().map_err(|e| e.to_string())?;
+    let elapsed = start.elapsed();
+    let out = String::from_utf8_lossy(&s.stdout);
+    if v.status.code() != Some(3) {
+        return Err(format!("victim: {}", v.status));
+    }
+    let Some(line) = out.lines().find(|l| l.starts_with("@@error@@")) else {
+        return Err(format!(
+            "survivor saw no error: {} {out} {}",
+            s.status,
+            String::from_utf8_lossy(&s.stderr)
+        ));
+    };
+    // The group's timeout is 60 s; a dead peer's closed socket is noticed long before.
+    if elapsed > Duration::from_secs(50) {
+        return Err(format!("the error took {elapsed:?}: {line}"));
+    }
+    eprintln!("  survivor: {line}");
+    if !line.contains("rank 0") {
+        return Err(format!("the error does not name the rank: {line}"));
+    }
+    Ok(())
+}
+
+fn busy_port() -> TestResult {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let port = listener.local_addr().map_err(|e| e.to_string())?.port();
+    let env = DistEnv::from_lookup(|k| {
+        Some(match k {
+            "RANK" | "LOCAL_RANK" => "0".into(),
+            "WORLD_SIZE" | "LOCAL_WORLD_SIZE" => "2".into(),
+            "MASTER_ADDR" => "127.0.0.1".into(),
+            "MASTER_PORT" => port.to_string(),
+            _ => return None,
+        })
+    })
+    .map_err(|e| e.to_string())?;
+    let start = Instant::now();
+    let opts = GroupOptions::default().timeout(Duration::from_secs(30));
+    match ProcessGroup::new(&env, &opts) {
+        Ok(_) => Err("a group formed on a busy port".into()),
+        Err(e) => {
+            let msg = e.to_string();
+            eprintln!("  {msg}");
+            if !msg.contains(&port.to_string()) || !msg.contains("MASTER_PORT") {
+                return Err(format!("unclear error: {msg}"));
+            }
+            if start.elapsed() > Duration::from_secs(10) {
+                return Err(format!("took {:?}: {msg}", start.elapsed()));
+            }
+            Ok(())
+        }
+    }
+}
+
+fn bad_env() -> TestResult {
+    for (var, value) in [
+        ("TORCHTOOLS_DIST_TIMEOUT", "soon"),
+        ("TORCHTOOLS_DIST_TIMEOUT", "-1"),
+        ("TORCHTOOLS_DIST_BACKEND", "mpi"),
+    ] {
+        match GroupOptions::from_lookup(|k| (k == var).then(|| value.to_string())) {
+            Ok(o) => return Err(format!("{var}={value} accepted: {o:?}")),
+            Err(e) if e.to_string().contains(var) => {}
+            Err(e) => return Err(format!("{var}={value}: error does not name it: {e}")),
+        }
+    }
+    let ok = GroupOptions::from_lookup(|k| match k {
+        "TORCHTOOLS_DIST_TIMEOUT" => Some("2.5".into()),
+        "TORCHTOOLS_DIST_BACKEND" => Some("GLOO".into()),
+        _ => None,
+    })
+    .map_err(|e| e.to_string())?;
+    if ok.timeout != Duration::from_millis(2500) || ok.backend != Some(tt_dist::BackendKind::Gloo) {
+        return Err(format!("parsed {ok:?}"));
+    }
+    Ok(())
+}

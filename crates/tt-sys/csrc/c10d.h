@@ -1,0 +1,61 @@
+// torchtools-sys c10d: libtorch's distributed engine (TCPStore, PrefixStore,
+// ProcessGroupGloo, ProcessGroupNCCL) behind a C ABI. Same conventions as shim.h:
+// NULL on success, else a malloc'd message freed with tt_free_error; no exception
+// crosses this boundary. Tensors are `at::Tensor*` as tch (torch-sys) hands them out.
+#pragma once
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tt_store tt_store;
+typedef struct tt_backend tt_backend;
+typedef struct tt_work tt_work;
+
+// A TCPStore on host:port; the master also serves it (port 0 picks one: see tt_store_port).
+// world_size < 0: unknown (no wait for workers).
+char* tt_tcpstore_new(const char* host, uint16_t port, int32_t world_size, bool is_master,
+                      int64_t timeout_ms, bool wait_workers, tt_store** out);
+// The port a TCPStore listens on / connects to.
+char* tt_store_port(tt_store* store, uint16_t* out);
+// A view of `base` whose keys are "<prefix>/<key>" (c10d::PrefixStore).
+char* tt_prefixstore_new(const char* prefix, tt_store* base, tt_store** out);
+char* tt_store_set(tt_store* store, const char* key, const uint8_t* data, size_t len);
+// *data is malloc'd (free with tt_free_error); waits up to the store's timeout.
+char* tt_store_get(tt_store* store, const char* key, uint8_t** data, size_t* len);
+char* tt_store_add(tt_store* store, const char* key, int64_t delta, int64_t* out);
+char* tt_store_set_timeout(tt_store* store, int64_t timeout_ms);
+void tt_store_free(tt_store* store);
+
+// ProcessGroupGloo over `store` (GLOO_SOCKET_IFNAME picks the interface, like Python).
+char* tt_gloo_new(tt_store* store, int32_t rank, int32_t size, int64_t timeout_ms,
+                  tt_backend** out);
+// ProcessGroupNCCL (only when built with the `nccl` feature; otherwise an error).
+char* tt_nccl_new(tt_store* store, int32_t rank, int32_t size, int64_t timeout_ms,
+                  tt_backend** out);
+bool tt_nccl_built(void);
+void tt_backend_free(tt_backend* backend);
+
+// ReduceOp: 0 sum, 1 avg, 2 product, 3 min, 4 max (c10d's RedOpType).
+// One tensor per call (c10d's tensor lists are one tensor per local device).
+char* tt_allreduce(tt_backend* b, void* tensor, int32_t op, tt_work** out);
+char* tt_broadcast(tt_backend* b, void* tensor, int32_t root, tt_work** out);
+// outputs: world_size tensors shaped like input.
+char* tt_allgather(tt_backend* b, void* const* outputs, size_t n_out, void* input,
+                   tt_work** out);
+// inputs: world_size tensors shaped like output.
+char* tt_reduce_scatter(tt_backend* b, void* output, void* const* inputs, size_t n_in,
+                        int32_t op, tt_work** out);
+char* tt_barrier(tt_backend* b, tt_work** out);
+// Waits for `work` (timeout_ms <= 0: the backend's own timeout); an error when it
+// failed or did not complete in time.
+char* tt_work_wait(tt_work* work, int64_t timeout_ms);
+bool tt_work_is_completed(tt_work* work);
+void tt_work_free(tt_work* work);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,560 @@
+//! libtorch's distributed engine, c10d: [`Store`] (TCPStore, PrefixStore), [`Backend`]
+//! (ProcessGroupGloo, ProcessGroupNCCL) and its collectives, each returning a [`Work`]
+//! to wait on. This is the raw engine, one call per c10d call; tt-dist builds process
+//! groups, DDP and the trainer on it.
+
+use std::ffi::CString;
+use std::os::raw::c_char;
+use std::ptr::NonNull;
+use std::time::Duration;
+
+use tch::Tensor;
+
+use crate::cuda::{Error, Result};
+use crate::ffi::check;
+
+#[allow(non_camel_case_types)]
+mod raw {
+    use std::os::raw::c_char;
+
+    #[repr(C)]
+    pub(crate) struct tt_store {
+        _private: [u8; 0],
+    }
+    #[repr(C)]
+    pub(crate) struct tt_backend {
+        _private: [u8; 0],
+    }
+    #[repr(C)]
+    pub(crate) struct tt_work {
+        _private: [u8; 0],
+    }
+    type Tensor = *mut std::ffi::c_void;
+
+    extern "C" {
+        pub(crate) fn tt_tcpstore_new(
+            host: *const c_char,
+            port: u16,
+            world_size: i32,
+            is_master: bool,
+            timeout_ms: i64,
+            wait_workers: bool,
+            out: *mut *mut tt_store,
+        ) -> *mut c_char;
+        pub(crate) fn tt_store_port(s: *mut tt_store, out: *mut u16) -> *mut c_char;
+        pub(crate) fn tt_prefixstore_new(
+            prefix: *const c_char,
+            base: *mut tt_store,
+            out: *mut *mut tt_store,
+        ) -> *mut c_char;
+        pub(crate) fn tt_store_set(
+            s: *mut tt_store,
+            key: *const c_char,
+            data: *const u8,
+            len: usize,
+        ) -> *mut c_char;
+        pub(crate) fn tt_store_get(
+            s: *mut tt_store,
+            key: *const c_char,
+            data: *mut *mut u8,
+            len: *mut usize,
+        ) -> *mut c_char;
+        pub(crate) fn tt_store_add(
+            s: *mut tt_store,
+            key: *const c_char,
+            delta: i64,
+            out: *mut i64,
+        ) -> *mut c_char;
+        pub(crate) fn tt_store_set_timeout(s: *mut tt_store, timeout_ms: i64) -> *mut c_char;
+        pub(crate) fn tt_store_free(s: *mut tt_store);
+        pub(crate) fn tt_gloo_new(
+            s: *mut tt_store,
+            rank: i32,
+            size: i32,
+            timeout_ms: i64,
+            out: *mut *mut tt_backend,
+        ) -> *mut c_char;
+        pub(crate) fn tt_nccl_new(
+            s: *mut tt_store,
+            rank: i32,
+            size: i32,
+            timeout_ms: i64,
+            out: *mut *mut tt_backend,
+        ) -> *mut c_char;
+        pub(crate) fn tt_nccl_built() -> bool;
+        pub(crate) fn tt_backend_free(b: *mut tt_backend);
+        pub(crate) fn tt_allreduce(
+            b: *mut tt_backend,
+            t: Tensor,
+            op: i32,
+            out: *mut *mut tt_work,
+        ) -> *mut c_char;
+        pub(crate) fn tt_broadcast(
+            b: *mut tt_backend,
+            t: Tensor,
+            root: i32,
+            out: *mut *mut tt_work,
+        ) -> *mut c_char;
+        pub(crate) fn tt_allgather(
+            b: *mut tt_backend,
+            outputs: *const Tensor,
+            n_out: usize,
+            input: Tensor,
+            out: *mut *mut tt_work,
+        ) -> *mut c_char;
+        pub(crate) fn tt_reduce_scatter(
+            b: *mut tt_backend,
+            output: Tensor,
+            inputs: *const Tensor,
+            n_in: usize,
+            op: i32,
+            out: *mut *mut tt_work,
+        ) -> *mut c_char;
+        pub(crate) fn tt_barrier(b: *mut tt_backend, out: *mut *mut tt_work) -> *mut c_char;
+        pub(crate) fn tt_work_wait(w: *mut tt_work, timeout_ms: i64) -> *mut c_char;
+        pub(crate) fn tt_work_is_completed(w: *mut tt_work) -> bool;
+        pub(crate) fn tt_work_free(w: *mut tt_work);
+    }
+}
+
+fn torch_err(op: &'static str) -> impl Fn(String) -> Error {
+    move |message| Error::Torch { op, message }
+}
+
+fn c_string(what: &'static str, s: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::Torch {
+        op: what,
+        message: format!("{s:?} contains a NUL byte"),
+    })
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX).max(1)
+}
+
+fn int(what: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::Torch {
+        op: what,
+        message: format!("{v} does not fit a c10d rank (i32)"),
+    })
+}
+
+fn tensor_ptr(t: &Tensor) -> *mut std::ffi::c_void {
+    // torch-sys's C_tensor is an `at::Tensor*`: the shim reads it as one.
+    t.as_ptr() as *mut std::ffi::c_void
+}
+
+/// A reduction, as c10d's `ReduceOp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ReduceOp {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise mean (NCCL only in c10d; tt-dist emulates it on Gloo).
+    Avg,
+    /// Element-wise product.
+    Product,
+    /// Element-wise minimum.
+    Min,
+    /// Element-wise maximum.
+    Max,
+}
+
+impl ReduceOp {
+    fn code(self) -> i32 {
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Avg => 1,
+            ReduceOp::Product => 2,
+            ReduceOp::Min => 3,
+            ReduceOp::Max => 4,
+        }
+    }
+}
+
+/// A c10d key-value store: a `TCPStore`, or a `PrefixStore` view of one.
+///
+/// Stores are shared by every rank's rendezvous; c10d makes them thread-safe.
+#[derive(Debug)]
+pub struct Store {
+    raw: NonNull<raw::tt_store>,
+}
+
+// SAFETY: c10d stores synchronise internally (TCPStore holds a mutex around its socket;
+// PrefixStore forwards); the handle is an owned intrusive_ptr box.
+unsafe impl Send for Store {}
+// SAFETY: as above; every method takes `&self` and c10d's are thread-safe.
+unsafe impl Sync for Store {}
+
+impl Store {
+    /// A `TCPStore` at `host:port`. The master (`is_master`) serves it, on `port` (0: a
+    /// free one, see [`Store::port`]); the others connect, retrying until `timeout`.
+    /// With `world_size` and `wait_workers`, the master waits for that many clients
+    /// (itself included), as Python's `TCPStore(world_size=..)` does.
+    pub fn tcp(
+        host: &str,
+        port: u16,
+        world_size: Option<usize>,
+        is_master: bool,
+        timeout: Duration,
+        wait_workers: bool,
+    ) -> Result<Store> {
+        let host_c = c_string("TCPStore", host)?;
+        let ws = match world_size {
+            Some(n) => int("TCPStore", n)?,
+            None => -1,
+        };
+        let mut out = std::ptr::null_mut();
+        // SAFETY: valid C string and out-pointer; errors are owned strings.
+        unsafe {
+            check(raw::tt_tcpstore_new(
+                host_c.as_ptr(),
+                port,
+                ws,
+                is_master,
+                millis(timeout),
+                wait_workers,
+                &mut out,
+            ))
+        }
+        .map_err(torch_err("TCPStore"))?;
+        Ok(Store::own(out))
+    }
+
+    fn own(ptr: *mut raw::tt_store) -> Store {
+        Store {
+            raw: NonNull::new(ptr).expect("the shim returned a null store on success"),
+        }
+    }
+
+    /// The port of a `TCPStore` (the one picked when created with port 0).
+    pub fn port(&self) -> Result<u16> {
+        let mut port = 0;
+        // SAFETY: live handle, valid out-pointer.
+        unsafe { check(raw::tt_store_port(self.raw.as_ptr(), &mut port)) }
+            .map_err(torch_err("Store::port"))?;
+        Ok(port)
+    }
+
+    /// A view whose keys are `"{prefix}/{key}"` (c10d's `PrefixStore`, which is how
+    /// torch.distributed namespaces groups); it shares this store's connection.
+    pub fn prefixed(&self, prefix: &str) -> Result<Store> {
+        let p = c_string("PrefixStore", prefix)?;
+        let mut out = std::ptr::null_mut();
+        // SAFETY: live handle; the new store holds its own reference to the base.
+        unsafe {
+            check(raw::tt_prefixstore_new(
+                p.as_ptr(),
+                self.raw.as_ptr(),
+                &mut out,
+            ))
+        }
+        .map_err(torch_err("PrefixStore"))?;
+        Ok(Store::own(out))
+    }
+
+    /// Sets `key` to `value`.
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let k = c_string("Store::set", key)?;
+        // SAFETY: live handle; data/len describe `value`.
+        unsafe {
+            check(raw::tt_store_set(
+                self.raw.as_ptr(),
+                k.as_ptr(),
+                value.as_ptr(),
+                value.len(),
+            ))
+        }
+        .map_err(torch_err("Store::set"))
+    }
+
+    /// The value of `key`, waiting for it up to the store's timeout.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let k = c_string("Store::get", key)?;
+        let mut data: *mut u8 = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: live handle, valid out-pointers.
+        unsafe {
+            check(raw::tt_store_get(
+                self.raw.as_ptr(),
+                k.as_ptr(),
+                &mut data,
+                &mut len,
+            ))
+        }
+        .map_err(torch_err("Store::get"))?;
+        // SAFETY: on success `data` is a malloc'd buffer of `len` bytes (plus one).
+        let out = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
+        // SAFETY: malloc'd by the shim, freed once with its free.
+        unsafe { crate::ffi::tt_free_error(data.cast::<c_char>()) };
+        Ok(out)
+    }
+
+    /// Adds `delta` to the integer at `key` (created at 0) and returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let k = c_string("Store::add", key)?;
+        let mut out = 0;
+        // SAFETY: live handle, valid out-pointer.
+        unsafe {
+            check(raw::tt_store_add(
+                self.raw.as_ptr(),
+                k.as_ptr(),
+                delta,
+                &mut out,
+            ))
+        }
+        .map_err(torch_err("Store::add"))?;
+        Ok(out)
+    }
+
+    /// How long `get` waits for a key that is not there yet.
+    pub fn set_timeout(&self, timeout: Duration) -> Result<()> {
+        // SAFETY: live handle.
+        unsafe {
+            check(raw::tt_store_set_timeout(
+                self.raw.as_ptr(),
+                millis(timeout),
+            ))
+        }
+        .map_err(torch_err("Store::set_timeout"))
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, freed once.
+        unsafe { raw::tt_store_free(self.raw.as_ptr()) }
+    }
+}
+
+/// Whether this build has `ProcessGroupNCCL` (tt-sys's `nccl` feature).
+pub fn nccl_built() -> bool {
+    // SAFETY: no arguments, no state.
+    unsafe { raw::tt_nccl_built() }
+}
+
+/// Which c10d backend a [`Backend`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BackendKind {
+    /// `ProcessGroupGloo`: CPU tensors, TCP.
+    Gloo,
+    /// `ProcessGroupNCCL`: CUDA tensors.
+    Nccl,
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::Gloo => "gloo",
+            BackendKind::Nccl => "nccl",
+        })
+    }
+}
+
+/// A c10d backend (`ProcessGroupGloo` / `ProcessGroupNCCL`) of `size` ranks.
+///
+/// Collectives are asynchronous: each returns a [`Work`]; the tensors it names must
+/// not be touched until [`Work::wait`] returns. Every rank must issue the same
+/// collectives in the same order.
+#[derive(Debug)]
+pub struct Backend {
+    raw: NonNull<raw::tt_backend>,
+    kind: BackendKind,
+    rank: usize,
+    size: usize,
+}
+
+// SAFETY: c10d backends are used from many threads by torch.distributed; their queues
+// are locked internally. The handle is an owned intrusive_ptr box.
+unsafe impl Send for Backend {}
+// SAFETY: as above.
+unsafe impl Sync for Backend {}
+
+impl Backend {
+    /// A `ProcessGroupGloo` on `store` (torch.distributed's device choice:
+    /// `GLOO_SOCKET_IFNAME`, else the host name's address). Blocks until every rank
+    /// has connected, or `timeout` (also each collective's timeout) passes.
+    pub fn gloo(store: &Store, rank: usize, size: usize, timeout: Duration) -> Result<Backend> {
+        Backend::new(store, rank, size, timeout, BackendKind::Gloo)
+    }
+
+    /// A `ProcessGroupNCCL` on `store`; an error unless [`nccl_built`]. The current CUDA
+    /// device must be set to this rank's GPU before its first collective.
+    pub fn nccl(store: &Store, rank: usize, size: usize, timeout: Duration) -> Result<Backend> {
+        Backend::new(store, rank, size, timeout, BackendKind::Nccl)
+    }
+
+    fn new(
+        store: &Store,
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+        kind: BackendKind,
+    ) -> Result<Backend> {
+        if size == 0 || rank >= size {
+            return Err(Error::Torch {
+                op: "ProcessGroup",
+                message: format!("rank {rank} is not in a group of {size}"),
+            });
+        }
+        let (r, s) = (int("ProcessGroup", rank)?, int("ProcessGroup", size)?);
+        let mut out = std::ptr::null_mut();
+        let f = match kind {
+            BackendKind::Gloo => raw::tt_gloo_new,
+            BackendKind::Nccl => raw::tt_nccl_new,
+        };
+        // SAFETY: live store; the backend keeps its own reference to it.
+        unsafe { check(f(store.raw.as_ptr(), r, s, millis(timeout), &mut out)) }.map_err(
+            torch_err(match kind {
+                BackendKind::Gloo => "ProcessGroupGloo",
+                BackendKind::Nccl => "ProcessGroupNCCL",
+            }),
+        )?;
+        Ok(Backend {
+            raw: NonNull::new(out).expect("the shim returned a null backend on success"),
+            kind,
+            rank,
+            size,
+        })
+    }
+
+    /// Gloo or NCCL.
+    pub fn kind(&self) -> BackendKind {
+        self.kind
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    fn work(
+        &self,
+        op: &'static str,
+        keep: Vec<Tensor>,
+        call: impl FnOnce(*mut *mut raw::tt_work) -> *mut c_char,
+    ) -> Result<Work> {
+        let mut out = std::ptr::null_mut();
+        // SAFETY: `call` passes live handles and tensors (kept alive in `keep`).
+        unsafe { check(call(&mut out)) }.map_err(torch_err(op))?;
+        Ok(Work {
+            raw: NonNull::new(out).expect("the shim returned null work on success"),
+            _tensors: keep,
+            op,
+        })
+    }
+
+    /// Reduces `tensor` over all ranks, in place.
+    pub fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
+        let t = tensor_ptr(tensor);
+        self.work("allreduce", vec![tensor.shallow_clone()], |out| {
+            // SAFETY: live backend and tensor.
+            unsafe { raw::tt_allreduce(self.raw.as_ptr(), t, op.code(), out) }
+        })
+    }
+
+    /// Copies `tensor` from rank `root` into every rank's `tensor`.
+    pub fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Work> {
+        let t = tensor_ptr(tensor);
+        let root = int("broadcast", root)?;
+        self.work("broadcast", vec![tensor.shallow_clone()], |out| {
+            // SAFETY: live backend and tensor.
+            unsafe { raw::tt_broadcast(self.raw.as_ptr(), t, root, out) }
+        })
+    }
+
+    /// Gathers every rank's `input` into `outputs[rank]` (one tensor per rank, shaped
+    /// like `input`).
+    pub fn all_gather(&self, outputs: &[Tensor], input: &Tensor) -> Result<Work> {
+        let outs: Vec<_> = outputs.iter().map(tensor_ptr).collect();
+        let inp = tensor_ptr(input);
+        let mut keep: Vec<Tensor> = outputs.iter().map(Tensor::shallow_clone).collect();
+        keep.push(input.shallow_clone());
+        self.work("allgather", keep, |out| {
+            // SAFETY: live backend and tensors; `outs` outlives the call.
+            unsafe { raw::tt_allgather(self.raw.as_ptr(), outs.as_ptr(), outs.len(), inp, out) }
+        })
+    }
+
+    /// Reduces `inputs[r]` over all ranks into rank `r`'s `output`.
+    pub fn reduce_scatter(&self, output: &Tensor, inputs: &[Tensor], op: ReduceOp) -> Result<Work> {
+        let ins: Vec<_> = inputs.iter().map(tensor_ptr).collect();
+        let outp = tensor_ptr(output);
+        let mut keep: Vec<Tensor> = inputs.iter().map(Tensor::shallow_clone).collect();
+        keep.push(output.shallow_clone());
+        self.work("reduce_scatter", keep, |out| {
+            // SAFETY: live backend and tensors; `ins` outlives the call.
+            unsafe {
+                raw::tt_reduce_scatter(
+                    self.raw.as_ptr(),
+                    outp,
+                    ins.as_ptr(),
+                    ins.len(),
+                    op.code(),
+                    out,
+                )
+            }
+        })
+    }
+
+    /// Waits until every rank has reached the barrier (when waited on).
+    pub fn barrier(&self) -> Result<Work> {
+        self.work("barrier", Vec::new(), |out| {
+            // SAFETY: live backend.
+            unsafe { raw::tt_barrier(self.raw.as_ptr(), out) }
+        })
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, freed once; c10d drains its queue first.
+        unsafe { raw::tt_backend_free(self.raw.as_ptr()) }
+    }
+}
+
+/// A collective in flight. Dropping it without waiting is allowed (the collective
+/// still completes), but its result and errors are then lost.
+#[derive(Debug)]
+pub struct Work {
+    raw: NonNull<raw::tt_work>,
+    // The tensors the collective reads and writes, alive until it is done.
+    _tensors: Vec<Tensor>,
+    op: &'static str,
+}
+
+// SAFETY: c10d work objects are waited on from any thread (torch.distributed does).
+unsafe impl Send for Work {}
+
+impl Work {
+    /// Waits for completion: `None` waits as long as the backend's timeout allows.
+    /// An error when the collective failed (a peer died, the timeout passed, bad
+    /// tensors); the process group should then be dropped.
+    pub fn wait(self, timeout: Option<Duration>) -> Result<()> {
+        let ms = timeout.map_or(0, millis);
+        // SAFETY: live handle.
+        unsafe { check(raw::tt_work_wait(self.raw.as_ptr(), ms)) }.map_err(|message| Error::Torch {
+            op: self.op,
+            message,
+        })
+    }
+
+    /// Whether it has finished (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        // SAFETY: live handle.
+        unsafe { raw::tt_work_is_completed(self.raw.as_ptr()) }
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, freed once.
+        unsafe { raw::tt_work_free(self.raw.as_ptr()) }
+    }
+}
