@@ -23,12 +23,16 @@
 //! # Ok::<(), tt_dist::Error>(())
 //! ```
 
+#[cfg(feature = "c10d")]
+mod ddp;
 mod env;
 mod error;
 #[cfg(feature = "c10d")]
 mod group;
 mod launch;
 
+#[cfg(feature = "c10d")]
+pub use ddp::{Ddp, DEFAULT_BUCKET_BYTES};
 #[cfg(feature = "c10d")]
 pub use group::{BackendKind, GroupOptions, ProcessGroup, ReduceOp, Work, DEFAULT_TIMEOUT};
 

@@ -10,6 +10,7 @@ use std::ffi::OsString;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
 use tt_dist::{launch, DistEnv, GroupOptions, LaunchConfig, ProcessGroup, ReduceOp};
 
@@ -31,7 +32,17 @@ fn main() {
         ("collectives_on_2_ranks", || collectives(2)),
         ("collectives_on_4_ranks", || collectives(4)),
         ("world_size_1_group_and_single_process_group", world_of_one),
+        (
+            "ddp_on_2_ranks_matches_one_process_on_the_whole_batch",
+            || ddp(2, 1, 1 << 20),
+        ),
+        (
+            "ddp_small_buckets_and_no_sync_accumulation_match_too",
+            || ddp(2, 2, 200),
+        ),
+        ("ddp_on_4_ranks_matches_one_process", || ddp(4, 1, 1 << 20)),
         ("rust_and_python_ranks_form_one_gloo_group", python_interop),
+        ("our_binary_runs_under_torchrun_no_python", under_torchrun),
         (
             "a_killed_rank_is_an_error_on_the_others_not_a_hang",
             killed_rank,
@@ -118,8 +129,82 @@ fn rank_main(role: &str) -> TestResult {
             }
             Err("the collectives kept succeeding after rank 1 died".into())
         }
+        "ddp" => {
+            let accum: i64 = std::env::var("TT_DDP_ACCUM")
+                .map_err(|e| e.to_string())?
+                .parse()
+                .map_err(|e| format!("TT_DDP_ACCUM: {e}"))?;
+            let bucket: usize = std::env::var("TT_DDP_BUCKET")
+                .map_err(|e| e.to_string())?
+                .parse()
+                .map_err(|e| format!("TT_DDP_BUCKET: {e}"))?;
+            // Different seeds per rank: DDP's broadcast must make them agree.
+            tch::manual_seed(1000 + pg.rank() as i64);
+            let (vs, model) = mlp();
+            let ddp =
+                tt_dist::Ddp::with_bucket_bytes(&pg, &vs, bucket).map_err(|e| e.to_string())?;
+            if bucket < 256 && ddp.bucket_count() < 2 {
+                return Err(format!("{bucket} B buckets gave {}", ddp.bucket_count()));
+            }
+            let mut opt = sgd(&vs);
+            let (x, y) = data();
+            let w = pg.world_size() as i64;
+            let rows = x.size()[0] / (w * accum);
+            for _ in 0..STEPS {
+                opt.zero_grad();
+                for m in 0..accum {
+                    // Rank r's micro-batch m: rows of chunk m * w + r.
+                    let start = (m * w + pg.rank() as i64) * rows;
+                    let loss = model
+                        .forward(&x.narrow(0, start, rows))
+                        .mse_loss(&y.narrow(0, start, rows), tch::Reduction::Mean);
+                    if m + 1 < accum {
+                        ddp.no_sync(|| ddp.backward(&loss))
+                            .map_err(|e| e.to_string())?;
+                    } else {
+                        ddp.backward(&loss).map_err(|e| e.to_string())?;
+                    }
+                }
+                opt.step();
+            }
+            let out = std::env::var("TT_DDP_OUT").map_err(|e| e.to_string())?;
+            vs.save(format!("{out}.rank{}.safetensors", pg.rank()))
+                .map_err(|e| e.to_string())
+        }
         other => Err(format!("unknown role {other}")),
     }
+}
+
+const STEPS: usize = 5;
+
+fn mlp() -> (nn::VarStore, impl Module) {
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let root = vs.root();
+    let model = nn::seq()
+        .add(nn::linear(&root / "l1", 8, 32, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&root / "l2", 32, 4, Default::default()));
+    (vs, model)
+}
+
+fn sgd(vs: &nn::VarStore) -> nn::Optimizer {
+    nn::Sgd {
+        momentum: 0.9,
+        ..Default::default()
+    }
+    .build(vs, 0.05)
+    .expect("SGD over a VarStore")
+}
+
+/// 16 rows, the same in every process.
+fn data() -> (Tensor, Tensor) {
+    let x = (Tensor::arange(16 * 8, (Kind::Float, tch::Device::Cpu)) * 0.37)
+        .sin()
+        .view([16, 8]);
+    let y = (Tensor::arange(16 * 4, (Kind::Float, tch::Device::Cpu)) * 0.11)
+        .cos()
+        .view([16, 4]);
+    (x, y)
 }
 
 fn expect_eq(got: &Tensor, want: &Tensor, what: &str) -> TestResult {
@@ -227,6 +312,62 @@ fn collectives(n: usize) -> TestResult {
     launch_role(n, "collectives")
 }
 
+fn ddp(ranks: usize, accum: i64, bucket: usize) -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let out = dir.path().join("params");
+    std::env::set_var("TT_DDP_ACCUM", accum.to_string());
+    std::env::set_var("TT_DDP_BUCKET", bucket.to_string());
+    std::env::set_var("TT_DDP_OUT", &out);
+    launch_role(ranks, "ddp")?;
+    // The reference: one process, the whole batch (accumulated the same way).
+    tch::manual_seed(1000);
+    let (vs, model) = mlp();
+    let mut opt = sgd(&vs);
+    let (x, y) = data();
+    let rows = x.size()[0] / accum;
+    for _ in 0..STEPS {
+        opt.zero_grad();
+        for m in 0..accum {
+            let loss = model
+                .forward(&x.narrow(0, m * rows, rows))
+                .mse_loss(&y.narrow(0, m * rows, rows), tch::Reduction::Mean);
+            loss.backward();
+        }
+        opt.step();
+    }
+    let want = vs.variables();
+    let start = tch::Tensor::cat(
+        &[want["l1.weight"].view([-1]), want["l2.bias"].view([-1])],
+        0,
+    );
+    for rank in 0..ranks {
+        let got = Tensor::read_safetensors(format!("{}.rank{rank}.safetensors", out.display()))
+            .map_err(|e| e.to_string())?;
+        if got.len() != want.len() {
+            return Err(format!("rank {rank} saved {} tensors", got.len()));
+        }
+        for (name, t) in got {
+            let w = &want[&name];
+            let diff = (&t - w).abs().max().double_value(&[]);
+            if diff > 1e-5 {
+                return Err(format!("rank {rank} {name} differs by {diff}"));
+            }
+        }
+    }
+    // Training moved the parameters (the comparison is not of initial values).
+    tch::manual_seed(1000);
+    let (fresh, _) = mlp();
+    let init = fresh.variables();
+    let before = tch::Tensor::cat(
+        &[init["l1.weight"].view([-1]), init["l2.bias"].view([-1])],
+        0,
+    );
+    if (&start - &before).abs().max().double_value(&[]) < 1e-3 {
+        return Err("the parameters did not move".into());
+    }
+    Ok(())
+}
+
 fn world_of_one() -> TestResult {
     // torchrun with one process: a real Gloo group of one.
     launch_role(1, "collectives")?;
@@ -312,6 +453,34 @@ fn python_interop() -> TestResult {
         if !said.contains("ok") {
             return Err(format!("python said {said}"));
         }
+    }
+    Ok(())
+}
+
+fn under_torchrun() -> TestResult {
+    // torchrun's agent serves the store (TORCHELASTIC_USE_AGENT_STORE=True): every rank
+    // must connect as a client, or rank 0 would fail to listen on the agent's port.
+    // `python -m torch.distributed.run` is the `torchrun` script's own entry point (the
+    // script's shebang can be stale when a venv was moved).
+    let torchrun = python();
+    let port = free_port();
+    let out = Command::new(&torchrun)
+        .args(["-m", "torch.distributed.run"])
+        .args(["--no-python", "--nproc-per-node", "2", "--master-port"])
+        .arg(port.to_string())
+        .arg(exe())
+        .env("TT_DIST_ROLE", "collectives")
+        .output()
+        .map_err(|e| format!("{torchrun}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "torchrun: {}
+{}
+{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ));
     }
     Ok(())
 }
