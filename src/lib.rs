@@ -15,6 +15,8 @@
 //! | [`sampler`] | `tt-sampler` | torch's `DistributedSampler` order, interruptible and resumable exactly |
 //! | [`ckpt`] | `tt-ckpt` | atomic, verified, Python-readable checkpoints; a directory that survives `kill -9` |
 //! | [`optim`] | `tt-optim` | SGD / Adam / AdamW with torch.optim's rules and LR schedules, state saved in checkpoints |
+//! | [`dist`] | `tt-dist` | torchrun / Slurm environments, a torchrun-style launcher; with `dist`: c10d process groups (Gloo, NCCL), DDP |
+//! | `trainer` (feature `dist`) | here | one training loop for one process or many: sharding, DDP, rank-0 checkpoints with sampler and optimizer state, preemption |
 //!
 //! The flows that join them: [`reserve_gpu_for_training`] (lock + fence, the seed's
 //! context manager as a guard), `run_training_with_reservation` (feature `tch`: probe →
@@ -46,6 +48,8 @@
 mod reserve;
 #[cfg(feature = "tch")]
 mod run;
+#[cfg(feature = "dist")]
+pub mod trainer;
 
 pub use reserve::{
     fence_release_hook, reserve_gpu_for_training, Reservation, ReserveError, ReserveOptions,
@@ -81,6 +85,10 @@ pub use tt_optim as optim;
 
 #[doc(inline)]
 pub use tt_sampler as sampler;
+
+/// Distributed environment and launcher; with feature `dist`, process groups on
+/// libtorch's c10d and DDP (crate `tt-dist`).
+pub use tt_dist as dist;
 
 #[cfg(feature = "tch")]
 #[doc(inline)]

@@ -1,0 +1,358 @@
+//! The unified trainer with real processes: the same code on one process and on two
+//! Gloo ranks, and preemption (SIGTERM mid-epoch) followed by an exact resume.
+//!
+//! Custom harness: with `TT_TRAIN_ROLE` set this binary is a training process.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tch::nn::{self, Module};
+use tch::{Kind, Tensor};
+use torchtools::optim::{Optimizer, SgdConfig};
+use torchtools::trainer::{FitOutcome, TrainConfig, TrainError, Trainer};
+
+type TestResult = Result<(), String>;
+type Test = (&'static str, fn() -> TestResult);
+
+const DATASET: u64 = 96;
+const EPOCHS: u64 = 3;
+
+fn main() {
+    if std::env::var_os("TT_TRAIN_ROLE").is_some() {
+        let code = match train_process() {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("training process failed: {e}");
+                1
+            }
+        };
+        std::process::exit(code);
+    }
+    let tests: &[Test] = &[
+        ("one_process_and_two_ranks_train_the_same_model", same_code),
+        (
+            "sigterm_mid_epoch_checkpoints_and_the_restart_resumes_exactly",
+            preemption,
+        ),
+        ("bad_configuration_is_a_clear_error", bad_config),
+    ];
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let mut failed = 0;
+    let mut ran = 0;
+    for (name, test) in tests {
+        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        ran += 1;
+        let start = Instant::now();
+        match test() {
+            Ok(()) => println!("test {name} ... ok ({:.1}s)", start.elapsed().as_secs_f64()),
+            Err(e) => {
+                failed += 1;
+                println!("test {name} ... FAILED\n  {e}");
+            }
+        }
+    }
+    println!(
+        "\ntest result: {}. {} passed; {failed} failed",
+        if failed == 0 { "ok" } else { "FAILED" },
+        ran - failed
+    );
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// Sample `i`'s features and target: a fixed function of the index.
+fn sample(indices: &[u64], device: tch::Device) -> (Tensor, Tensor) {
+    let idx: Vec<f32> = indices.iter().map(|&i| i as f32).collect();
+    let i = Tensor::from_slice(&idx).to_device(device).unsqueeze(1);
+    let freq = Tensor::arange(8, (Kind::Float, device)).unsqueeze(0) + 1.0;
+    let x = (&i * &freq * 0.05).sin();
+    let y = (&i * 0.1).cos();
+    (x, y)
+}
+
+fn train_process() -> TestResult {
+    let batch: usize = var("TT_BATCH")
+        .ok_or("TT_BATCH unset")?
+        .parse()
+        .map_err(|e| format!("TT_BATCH: {e}"))?;
+    let mut cfg = TrainConfig::new(DATASET, batch, EPOCHS).seed(7);
+    cfg.log_every = 4;
+    if let Some(dir) = var("TT_CKPT") {
+        cfg = cfg.checkpoints(dir, 5);
+    }
+    let mut trainer = Trainer::from_env(cfg).map_err(|e| e.to_string())?;
+    let rank = trainer.group().rank();
+    // Different seeds per rank: the trainer's DDP broadcast must align them.
+    tch::manual_seed(42 + rank as i64);
+    let mut vs = nn::VarStore::new(trainer.device());
+    let root = vs.root();
+    let net = nn::seq()
+        .add(nn::linear(&root / "l1", 8, 16, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&root / "l2", 16, 1, Default::default()));
+    let mut opt = Optimizer::sgd(
+        &vs,
+        SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let slow = var("TT_SLOW_MS").map(|v| Duration::from_millis(v.parse().unwrap_or(0)));
+    let progress = var("TT_PROGRESS").map(PathBuf::from);
+    let report = trainer
+        .fit(&mut vs, &mut opt, |ctx| {
+            if let Some(d) = slow {
+                std::thread::sleep(d);
+            }
+            if let (Some(p), 0) = (&progress, rank) {
+                let _ = std::fs::write(p, ctx.step.to_string());
+            }
+            let (x, y) = sample(ctx.indices, ctx.device);
+            net.forward(&x).f_mse_loss(&y, tch::Reduction::Mean)
+        })
+        .map_err(|e| e.to_string())?;
+    println!(
+        "\n@@outcome {:?} steps {} resumed {:?}@@",
+        report.outcome, report.steps, report.resumed_from
+    );
+    if report.outcome == FitOutcome::Finished {
+        if let Some(out) = var("TT_OUT") {
+            vs.save(format!("{out}.rank{rank}.safetensors"))
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
+}
+
+fn exe() -> PathBuf {
+    std::env::current_exe().expect("the test binary's own path")
+}
+
+/// A training process: rank `rank` of `world` (or, with `world == 0`, a plain process
+/// with no launcher variables at all).
+fn spawn(rank: usize, world: usize, port: u16, batch: usize, extra: &[(&str, &Path)]) -> Child {
+    let mut cmd = Command::new(exe());
+    cmd.env("TT_TRAIN_ROLE", "train")
+        .env("TT_BATCH", batch.to_string())
+        .env("TORCHTOOLS_DEVICE", "cpu")
+        .env("TORCHTOOLS_DIST_TIMEOUT", "60");
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        cmd.env_remove(v);
+    }
+    if world > 0 {
+        cmd.env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string());
+    }
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    cmd.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn a training process")
+}
+
+fn finish(children: Vec<Child>) -> Result<Vec<String>, String> {
+    let mut outs = Vec::new();
+    for (i, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().map_err(|e| e.to_string())?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            return Err(format!(
+                "process {i}: {}\n{stdout}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        outs.push(stdout);
+    }
+    Ok(outs)
+}
+
+fn outcome(stdout: &str) -> String {
+    stdout
+        .lines()
+        .find(|l| l.starts_with("@@outcome"))
+        .unwrap_or("no outcome line")
+        .to_string()
+}
+
+fn port() -> u16 {
+    torchtools::dist::free_port("127.0.0.1").expect("a free port")
+}
+
+/// Runs `world` ranks (0: one plain process) to the end; returns rank 0's parameters.
+fn run(
+    world: usize,
+    batch: usize,
+    extra: &[(&str, &Path)],
+    out: &Path,
+) -> Result<Vec<(String, Tensor)>, String> {
+    run_with_outcome(world, batch, extra, out).map(|(params, _)| params)
+}
+
+/// As [`run`], with rank 0's outcome line.
+fn run_with_outcome(
+    world: usize,
+    batch: usize,
+    extra: &[(&str, &Path)],
+    out: &Path,
+) -> Result<(Vec<(String, Tensor)>, String), String> {
+    let p = port();
+    let mut all = extra.to_vec();
+    all.push(("TT_OUT", out));
+    let children = (0..world.max(1))
+        .map(|r| spawn(r, world, p, batch, &all))
+        .collect();
+    let outs = finish(children)?;
+    if !outcome(&outs[0]).contains("Finished") {
+        return Err(format!("run ended {}", outcome(&outs[0])));
+    }
+    let params = Tensor::read_safetensors(format!("{}.rank0.safetensors", out.display()))
+        .map_err(|e| e.to_string())?;
+    Ok((params, outcome(&outs[0])))
+}
+
+fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> Result<f64, String> {
+    let mut worst = 0.0f64;
+    for (name, t) in a {
+        let other = b
+            .iter()
+            .find(|(n, _)| n == name)
+            .ok_or_else(|| format!("{name} missing"))?;
+        worst = worst.max((t - &other.1).abs().max().double_value(&[]));
+    }
+    Ok(worst)
+}
+
+fn same_code() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    // Two ranks of 4 see, each step, the same 8 samples one process of 8 sees
+    // (torch's DistributedSampler interleaves one permutation).
+    let two = run(2, 4, &[], &dir.path().join("two"))?;
+    let one = run(0, 8, &[], &dir.path().join("one"))?;
+    let diff = max_diff(&two, &one)?;
+    if diff > 1e-5 {
+        return Err(format!("one process and two ranks differ by {diff}"));
+    }
+    // And rank 1 holds rank 0's parameters.
+    let rank1 = Tensor::read_safetensors(dir.path().join("two.rank1.safetensors"))
+        .map_err(|e| e.to_string())?;
+    if max_diff(&two, &rank1)? != 0.0 {
+        return Err("the ranks' replicas differ".into());
+    }
+    Ok(())
+}
+
+fn preemption() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let whole = run(2, 4, &[], &dir.path().join("whole"))?;
+
+    let ckpt = dir.path().join("ckpt");
+    let progress = dir.path().join("progress");
+    let p = port();
+    let slow = Path::new("30");
+    let extra: [(&str, &Path); 3] = [
+        ("TT_CKPT", &ckpt),
+        ("TT_SLOW_MS", slow),
+        ("TT_PROGRESS", &progress),
+    ];
+    let children: Vec<Child> = (0..2).map(|r| spawn(r, 2, p, 4, &extra)).collect();
+    // Mid-epoch, off the 5-step checkpoint grid: step 7 of 12 in the first epoch.
+    let start = Instant::now();
+    loop {
+        let step: u64 = std::fs::read_to_string(&progress)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0);
+        if step >= 7 {
+            break;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            return Err("training never reached step 7".into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Only rank 1 is signalled: rank 0 must learn it and stop at the same step.
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(children[1].id() as i32, libc::SIGTERM) };
+    let outs = finish(children)?;
+    for o in &outs {
+        if !outcome(o).contains("Preempted") {
+            return Err(format!("after SIGTERM: {}", outcome(o)));
+        }
+    }
+    if outcome(&outs[0]) != outcome(&outs[1]) {
+        return Err(format!(
+            "ranks stopped apart: {} vs {}",
+            outcome(&outs[0]),
+            outcome(&outs[1])
+        ));
+    }
+    // "@@outcome Preempted steps N resumed None@@": the restart must start from N.
+    let stopped_at = outcome(&outs[0])
+        .split_whitespace()
+        .nth(3)
+        .and_then(|n| n.parse::<u64>().ok())
+        .ok_or_else(|| format!("no step in {}", outcome(&outs[0])))?;
+    if !(7..36).contains(&stopped_at) {
+        return Err(format!("stopped at step {stopped_at}: not mid-run"));
+    }
+    let (resumed, said) =
+        run_with_outcome(2, 4, &[("TT_CKPT", &ckpt)], &dir.path().join("resumed"))?;
+    if !said.contains(&format!("resumed Some({stopped_at})")) {
+        return Err(format!(
+            "the restart did not resume from step {stopped_at}: {said}"
+        ));
+    }
+    let diff = max_diff(&whole, &resumed)?;
+    if diff > 1e-6 {
+        return Err(format!(
+            "resumed run differs from the uninterrupted one by {diff}"
+        ));
+    }
+    Ok(())
+}
+
+fn bad_config() -> TestResult {
+    let pg = torchtools::dist::ProcessGroup::single();
+    for (cfg, word) in [
+        (TrainConfig::new(0, 4, 1), "dataset_len"),
+        (TrainConfig::new(10, 0, 1), "batch_size"),
+    ] {
+        match Trainer::with_group(
+            cfg,
+            torchtools::dist::ProcessGroup::single(),
+            tch::Device::Cpu,
+        ) {
+            Err(TrainError::Config(m)) if m.contains(word) => {}
+            other => return Err(format!("{word}: {other:?}")),
+        }
+    }
+    drop(pg);
+    Ok(())
+}
