@@ -126,8 +126,9 @@ mod shim {
                 .unwrap_or_default();
             if !dir.join(probe).exists() {
                 panic!(
-                    "tt-sys (feature nccl): {probe} not found under {}: run `cargo xtask setup --nccl` \
-                     (pip installs the CUDA and NCCL headers into the venv), or set {var}",
+                    "tt-sys (feature nccl): {probe} not found under {}: install them into the torch venv \
+                     (`pip install \"cuda-toolkit[cccl,nvcc]==13.0.2\"`; NCCL's come with torch's nvidia-nccl wheel), \
+                     or set {var}",
                     dir.display()
                 );
             }

@@ -126,6 +126,7 @@ pub(crate) fn run() -> Result<()> {
         ("tt-tracker", "tracker"),
         ("tt-adaptive", "adaptive"),
         ("tt-probe", "probe"),
+        ("tt-dist", "dist"),
     ] {
         rows.extend(crate_rows(krate, bench)?);
     }
@@ -180,7 +181,12 @@ impl Row {
 
 /// Runs a crate's own benchmark, which prints `row|what|ours|baseline name|baseline|unit|higher|lower`.
 fn crate_rows(krate: &str, bench: &str) -> Result<Vec<Row>> {
-    let out = cargo(&["bench", "--quiet", "-p", krate, "--bench", bench])
+    let mut args = vec!["bench", "--quiet", "-p", krate, "--bench", bench];
+    // Benchmarks behind an optional feature.
+    if krate == "tt-dist" {
+        args.extend(["--features", "c10d"]);
+    }
+    let out = cargo(&args)
         .stderr(Stdio::inherit())
         .output()
         .context("cargo bench did not start")?;

@@ -1,9 +1,22 @@
-//! Distributed training on libtorch's own engine. This is the libtorch-free core: the
+//! Distributed training on libtorch's own engine. The libtorch-free core: the
 //! distributed environment ([`DistEnv`]: torchrun's variables, else Slurm's, else one
 //! process, with errors naming what is missing or inconsistent) and a torchrun-style
-//! launcher ([`launch`]), which `torchtools launch` uses. Process groups over c10d
-//! (TCPStore, Gloo, NCCL), DDP and the unified trainer come behind a `c10d` feature in a
-//! later release; tt-dist will never carry a home-made collective layer.
+//! launcher ([`launch`]), which `torchtools launch` uses. With the `c10d` feature:
+//! `ProcessGroup` (libtorch's TCPStore + ProcessGroupGloo / ProcessGroupNCCL, formed as
+//! torch.distributed forms its default group, so Python ranks can join), its
+//! collectives, and `Ddp` over a tch VarStore. No home-made collective layer.
+//!
+//! ```
+//! # #[cfg(feature = "c10d")] {
+//! use tt_dist::{ProcessGroup, ReduceOp};
+//! // Without launcher variables: a group of one (with them, the real group).
+//! let pg = ProcessGroup::single();
+//! let t = tch::Tensor::from_slice(&[2.0f32]);
+//! pg.all_reduce(&t, ReduceOp::Sum)?;
+//! assert_eq!(pg.all_reduce_f64(1.5, ReduceOp::Avg)?, 1.5);
+//! # }
+//! # Ok::<(), tt_dist::Error>(())
+//! ```
 //!
 //! # Example
 //!

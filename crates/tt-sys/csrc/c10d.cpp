@@ -181,7 +181,7 @@ char* tt_nccl_new(tt_store* s, int32_t rank, int32_t size, int64_t timeout_ms,
     (void)out;
     throw std::runtime_error(
         "tt-sys was built without NCCL: enable its `nccl` feature (needs the CUDA and NCCL "
-        "headers; `cargo xtask setup --nccl` installs them)");
+        "headers: see tt-sys's README)");
 #endif
   })
 }
