@@ -312,7 +312,6 @@ impl ProcessGroup {
             divide: emulate_avg.then(|| (tensor.shallow_clone(), self.env.world_size)),
             op: "allreduce",
             rank: self.env.rank,
-            timeout: self.timeout,
         })
     }
 
@@ -322,7 +321,6 @@ impl ProcessGroup {
             divide: None,
             op,
             rank: self.env.rank,
-            timeout: self.timeout,
         }
     }
 
@@ -480,7 +478,6 @@ pub struct Work {
     divide: Option<(Tensor, usize)>,
     op: &'static str,
     rank: usize,
-    timeout: Duration,
 }
 
 impl std::fmt::Debug for Work {
@@ -490,19 +487,21 @@ impl std::fmt::Debug for Work {
 }
 
 impl Work {
-    /// Waits until the collective is done on this rank, or fails, or the group's
-    /// timeout passes.
+    /// Waits until the collective is done on this rank, or fails (a dead peer at once,
+    /// a hung one when the group's timeout, which the backend enforces, passes).
     pub fn wait(self) -> Result<()> {
         if let Some(raw) = self.raw {
-            raw.wait(Some(self.timeout))
-                .map_err(|e| Error::Collective {
-                    op: self.op,
-                    rank: self.rank,
-                    message: match e {
-                        tt_sys::Error::Torch { message, .. } => message,
-                        other => other.to_string(),
-                    },
-                })?;
+            // The backend enforces the group's timeout on every collective (Gloo's and
+            // NCCL's options carry it), as torch.distributed's `work.wait()` relies on;
+            // a second, timed wait on top only adds a clock to every call.
+            raw.wait(None).map_err(|e| Error::Collective {
+                op: self.op,
+                rank: self.rank,
+                message: match e {
+                    tt_sys::Error::Torch { message, .. } => message,
+                    other => other.to_string(),
+                },
+            })?;
         }
         if let Some((mut t, n)) = self.divide {
             let _ = t
