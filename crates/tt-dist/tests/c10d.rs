@@ -47,6 +47,7 @@ fn main() {
             "a_killed_rank_is_an_error_on_the_others_not_a_hang",
             killed_rank,
         ),
+        ("a_hung_rank_is_an_error_after_the_timeout", hung_rank),
         ("a_busy_port_is_a_clear_error", busy_port),
         ("bad_environment_is_a_clear_error", bad_env),
     ];
@@ -86,7 +87,12 @@ fn main() {
 // ---------------------------------------------------------------- ranks
 
 fn rank_main(role: &str) -> TestResult {
-    let timeout = Duration::from_secs(60);
+    let timeout = Duration::from_secs_f64(
+        std::env::var("TT_TIMEOUT_S")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(60.0),
+    );
     let opts = GroupOptions::default().timeout(timeout);
     let env = DistEnv::from_env().map_err(|e| e.to_string())?;
     let pg = ProcessGroup::new(&env, &opts).map_err(|e| e.to_string())?;
@@ -170,6 +176,24 @@ fn rank_main(role: &str) -> TestResult {
             let out = std::env::var("TT_DDP_OUT").map_err(|e| e.to_string())?;
             vs.save(format!("{out}.rank{}.safetensors", pg.rank()))
                 .map_err(|e| e.to_string())
+        }
+        "hang" => {
+            let t = Tensor::ones([1024], (Kind::Float, tch::Device::Cpu));
+            pg.all_reduce(&t, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            if pg.rank() == 1 {
+                // Alive but stuck (a deadlock, a stopped process): its sockets stay open.
+                std::thread::sleep(Duration::from_secs(30));
+                return Ok(());
+            }
+            let start = Instant::now();
+            match pg.all_reduce(&t, ReduceOp::Sum) {
+                Err(e) => {
+                    println!("\n@@error@@ {:.3} {e}", start.elapsed().as_secs_f64());
+                    std::process::exit(0);
+                }
+                Ok(()) => Err("the all-reduce with a stuck peer succeeded".into()),
+            }
         }
         other => Err(format!("unknown role {other}")),
     }
@@ -515,6 +539,38 @@ fn killed_rank() -> TestResult {
     eprintln!("  survivor: {line}");
     if !line.contains("rank 0") {
         return Err(format!("the error does not name the rank: {line}"));
+    }
+    Ok(())
+}
+
+fn hung_rank() -> TestResult {
+    let port = free_port();
+    let mut survivor = rank_command("hang", 0, 2, port);
+    survivor.env("TT_TIMEOUT_S", "3");
+    let mut stuck = rank_command("hang", 1, 2, port);
+    stuck.env("TT_TIMEOUT_S", "3");
+    let survivor = survivor.spawn().map_err(|e| e.to_string())?;
+    let mut stuck = stuck.spawn().map_err(|e| e.to_string())?;
+    let s = survivor.wait_with_output().map_err(|e| e.to_string())?;
+    let _ = stuck.kill();
+    let _ = stuck.wait();
+    let out = String::from_utf8_lossy(&s.stdout);
+    let Some(line) = out.lines().find(|l| l.starts_with("@@error@@")) else {
+        return Err(format!(
+            "survivor saw no error: {} {out} {}",
+            s.status,
+            String::from_utf8_lossy(&s.stderr)
+        ));
+    };
+    eprintln!("  survivor: {line}");
+    let secs: f64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| format!("no time in {line}"))?;
+    // The 3 s timeout, not the 30 s the stuck rank sleeps, nor a hang.
+    if !(2.5..20.0).contains(&secs) {
+        return Err(format!("the error came after {secs} s: {line}"));
     }
     Ok(())
 }
