@@ -101,47 +101,67 @@ mod shim {
             .define("GLOG_USE_GLOG_EXPORT", None)
             .define("USE_C10D_GLOO", None)
             .file("csrc/c10d.cpp");
-        #[cfg(feature = "nccl")]
         nccl(&mut build, lib);
         build.compile("torchtools_c10d");
-        let _ = lib;
     }
 
-    /// CUDA's and NCCL's headers for ProcessGroupNCCL.hpp: `CUDA_INCLUDE` / `NCCL_INCLUDE`,
-    /// else the pip packages beside the wheel (`nvidia/cu13/include`, `nvidia/nccl/include`).
-    #[cfg(feature = "nccl")]
+    /// ProcessGroupNCCL when CUDA's and NCCL's headers are there: `CUDA_INCLUDE` /
+    /// `NCCL_INCLUDE`, else the pip packages beside the wheel (`nvidia/cu13/include`
+    /// with `crt/` from cuda-toolkit[nvcc], `nvidia/nccl/include`). Without them it is
+    /// left out (`tt_sys::c10d::nccl_built()` says so), unless feature `nccl` demands it.
+    #[cfg(feature = "c10d")]
     fn nccl(build: &mut cc::Build, lib: &std::path::Path) {
         println!("cargo:rerun-if-env-changed=CUDA_INCLUDE");
         println!("cargo:rerun-if-env-changed=NCCL_INCLUDE");
+        let required = cfg!(feature = "nccl");
         // lib = site-packages/torch/lib; the nvidia packages sit in site-packages.
         let lib = lib.canonicalize().unwrap_or_else(|_| lib.to_path_buf());
         let site = lib
             .parent()
             .and_then(|p| p.parent())
             .map(|p| p.join("nvidia"));
-        let pick = |var: &str, rel: &str, probe: &str| -> PathBuf {
+        let find = |var: &str, rel: &str, probe: &str| -> Result<PathBuf, String> {
             let dir = std::env::var_os(var)
                 .map(PathBuf::from)
                 .or_else(|| site.as_ref().map(|s| s.join(rel)))
                 .unwrap_or_default();
-            if !dir.join(probe).exists() {
-                panic!(
-                    "tt-sys (feature nccl): {probe} not found under {}: install them into the torch venv \
-                     (`pip install \"cuda-toolkit[cccl,nvcc]==13.0.2\"`; NCCL's come with torch's nvidia-nccl wheel), \
-                     or set {var}",
-                    dir.display()
-                );
+            // Rebuild when the headers appear (a directory's mtime changes as files land).
+            let watch = if dir.join(probe).exists() {
+                dir.join(probe)
+            } else {
+                dir.clone()
+            };
+            if watch.exists() {
+                println!("cargo:rerun-if-changed={}", watch.display());
             }
-            dir
+            if dir.join(probe).exists() {
+                Ok(dir)
+            } else {
+                Err(format!(
+                    "{probe} not found under {} (or set {var})",
+                    dir.display()
+                ))
+            }
         };
-        let cuda = pick("CUDA_INCLUDE", "cu13/include", "cuda_runtime_api.h");
-        let nccl = pick("NCCL_INCLUDE", "nccl/include", "nccl.h");
-        build
-            .include(cuda)
-            .include(nccl)
-            .define("USE_C10D_NCCL", None)
-            .define("USE_CUDA", None);
-        // ProcessGroupNCCL lives in libtorch_cuda.
-        println!("cargo:rustc-link-lib=torch_cuda");
+        let found = find("CUDA_INCLUDE", "cu13/include", "crt/host_config.h").and_then(|cuda| {
+            find("NCCL_INCLUDE", "nccl/include", "nccl.h").map(|nccl| (cuda, nccl))
+        });
+        match found {
+            Ok((cuda, nccl)) => {
+                build
+                    .include(cuda)
+                    .include(nccl)
+                    .define("USE_C10D_NCCL", None)
+                    .define("USE_CUDA", None);
+                // ProcessGroupNCCL lives in libtorch_cuda.
+                println!("cargo:rustc-link-lib=torch_cuda");
+            }
+            Err(why) if required => panic!(
+                "tt-sys (feature nccl): {why}: install CUDA's headers into the torch venv \
+                 (`pip install \"cuda-toolkit[cccl,nvcc]==13.0.2\"`, which `cargo xtask setup` does; \
+                 NCCL's come with torch's nvidia-nccl wheel)"
+            ),
+            Err(_) => {}
+        }
     }
 }

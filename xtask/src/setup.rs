@@ -19,11 +19,14 @@ pub(crate) const TORCH_VERSION: &str = "2.11.0";
 /// What the venv holds: libtorch (from torch's wheel) and the Python packages that
 /// tests compare with. The marker records this list; a cache with an older list is
 /// completed in place. (`packaging` and `numpy`: `safetensors.torch` needs them without declaring them.)
-const REQUIREMENTS: [&str; 4] = [
+/// (`cuda-toolkit[cccl,nvcc]`: CUDA's headers, `crt/` included, so tt-sys builds
+/// ProcessGroupNCCL against the wheel's NCCL headers; ~100 MB.)
+const REQUIREMENTS: [&str; 5] = [
     "torch==2.11.0",
     "safetensors==0.7.0",
     "packaging>=23",
     "numpy>=2",
+    "cuda-toolkit[cccl,nvcc]==13.0.2",
 ];
 /// Free space the wheel and its CUDA libraries need (about 4.6 GB installed).
 const NEEDED_BYTES: u64 = 6 << 30;

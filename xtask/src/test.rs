@@ -30,8 +30,9 @@ const FEATURELESS: [&str; 5] = ["tt-sampler", "tt-lock", "tt-fence", "tt-tracker
 const EXTRA_FEATURES: [(&str, &str); 2] = [("tt-sys", "c10d"), ("tt-dist", "c10d")];
 
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
-pub(crate) const GPU_CRATES: [&str; 9] = [
+pub(crate) const GPU_CRATES: [&str; 10] = [
     "tt-sys",
+    "tt-dist",
     "tt-device",
     "tt-fence",
     "tt-tracker",
@@ -105,7 +106,7 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-tracker/gpu-tests,tt-adaptive/gpu-tests,tt-probe/gpu-tests,tt-ckpt/gpu-tests,torchtools-cli/gpu-tests,torchtools/gpu-tests,tt-dist/c10d",
+            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-tracker/gpu-tests,tt-adaptive/gpu-tests,tt-probe/gpu-tests,tt-ckpt/gpu-tests,torchtools-cli/gpu-tests,torchtools/gpu-tests,tt-dist/gpu-tests",
             "--",
             "-D",
             "warnings",

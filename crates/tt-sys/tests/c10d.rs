@@ -67,11 +67,15 @@ fn gloo_group_of_two_threads_all_reduces_and_reports_bad_calls() {
 }
 
 #[test]
-fn nccl_is_an_error_when_not_built() {
-    if nccl_built() {
-        return; // covered by the GPU tests
+fn nccl_is_an_error_when_not_built_or_without_a_gpu() {
+    let cuda = tt_sys::ensure_cuda_loaded().is_ok();
+    if nccl_built() && cuda {
+        return; // a working NCCL group: the GPU tests' business
     }
     let store = Store::tcp("127.0.0.1", 0, None, true, T, false).unwrap();
     let err = Backend::nccl(&store, 0, 1, T).unwrap_err().to_string();
-    assert!(err.contains("nccl"), "{err}");
+    eprintln!("{err}");
+    if !nccl_built() {
+        assert!(err.contains("nccl"), "{err}");
+    }
 }
