@@ -19,8 +19,13 @@ const DATASET: u64 = 96;
 const EPOCHS: u64 = 3;
 
 fn main() {
-    if std::env::var_os("TT_TRAIN_ROLE").is_some() {
-        let code = match train_process() {
+    if let Some(role) = std::env::var_os("TT_TRAIN_ROLE") {
+        let result = if role == "agree" {
+            agree_process()
+        } else {
+            train_process()
+        };
+        let code = match result {
             Ok(()) => 0,
             Err(e) => {
                 eprintln!("training process failed: {e}");
@@ -35,6 +40,7 @@ fn main() {
             "sigterm_mid_epoch_checkpoints_and_the_restart_resumes_exactly",
             preemption,
         ),
+        ("ranks_agree_on_the_smallest_adaptive_batch_size", agree),
         ("bad_configuration_is_a_clear_error", bad_config),
     ];
     let filter: Vec<String> = std::env::args()
@@ -79,6 +85,26 @@ fn sample(indices: &[u64], device: tch::Device) -> (Tensor, Tensor) {
     let x = (&i * &freq * 0.05).sin();
     let y = (&i * 0.1).cos();
     (x, y)
+}
+
+/// Two ranks that found different batch sizes start from the smallest, through
+/// tt-adaptive's agreement hook.
+fn agree_process() -> TestResult {
+    let trainer = Trainer::from_env(TrainConfig::new(DATASET, 4, 1)).map_err(|e| e.to_string())?;
+    let rank = trainer.group().rank();
+    let adaptive = torchtools::adaptive::Adaptive::new().agree(trainer.batch_agreement());
+    let mine = 64 - 10 * rank;
+    let mut started = None;
+    adaptive
+        .batch(mine, |size| -> Result<(), String> {
+            started.get_or_insert(size);
+            Ok(())
+        })
+        .map_err(|e| e.to_string())?;
+    match started {
+        Some(54) => Ok(()),
+        other => Err(format!("rank {rank} started from {other:?}, want 54")),
+    }
 }
 
 fn train_process() -> TestResult {
@@ -144,8 +170,19 @@ fn exe() -> PathBuf {
 /// A training process: rank `rank` of `world` (or, with `world == 0`, a plain process
 /// with no launcher variables at all).
 fn spawn(rank: usize, world: usize, port: u16, batch: usize, extra: &[(&str, &Path)]) -> Child {
+    spawn_role("train", rank, world, port, batch, extra)
+}
+
+fn spawn_role(
+    role: &str,
+    rank: usize,
+    world: usize,
+    port: u16,
+    batch: usize,
+    extra: &[(&str, &Path)],
+) -> Child {
     let mut cmd = Command::new(exe());
-    cmd.env("TT_TRAIN_ROLE", "train")
+    cmd.env("TT_TRAIN_ROLE", role)
         .env("TT_BATCH", batch.to_string())
         .env("TORCHTOOLS_DEVICE", "cpu")
         .env("TORCHTOOLS_DIST_TIMEOUT", "60");
@@ -338,8 +375,15 @@ fn preemption() -> TestResult {
     Ok(())
 }
 
+fn agree() -> TestResult {
+    let p = port();
+    let children: Vec<Child> = (0..2)
+        .map(|r| spawn_role("agree", r, 2, p, 4, &[]))
+        .collect();
+    finish(children).map(|_| ())
+}
+
 fn bad_config() -> TestResult {
-    let pg = torchtools::dist::ProcessGroup::single();
     for (cfg, word) in [
         (TrainConfig::new(0, 4, 1), "dataset_len"),
         (TrainConfig::new(10, 0, 1), "batch_size"),
@@ -353,6 +397,5 @@ fn bad_config() -> TestResult {
             other => return Err(format!("{word}: {other:?}")),
         }
     }
-    drop(pg);
     Ok(())
 }
