@@ -41,6 +41,10 @@ fn main() {
             preemption,
         ),
         ("ranks_agree_on_the_smallest_adaptive_batch_size", agree),
+        (
+            "the_train_example_runs_alone_and_under_the_launcher",
+            train_example,
+        ),
         ("bad_configuration_is_a_clear_error", bad_config),
     ];
     let filter: Vec<String> = std::env::args()
@@ -381,6 +385,48 @@ fn agree() -> TestResult {
         .map(|r| spawn_role("agree", r, 2, p, 4, &[]))
         .collect();
     finish(children).map(|_| ())
+}
+
+fn train_example() -> TestResult {
+    // cargo test builds examples: target/debug/deps/trainer-<hash> -> target/debug/examples/train.
+    let example = exe()
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("examples/train"))
+        .ok_or("no target directory")?;
+    if !example.exists() {
+        return Err(format!("{} was not built", example.display()));
+    }
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let out = Command::new(&example)
+        .env("TORCHTOOLS_TRAIN_EPOCHS", "1")
+        .env("TORCHTOOLS_DEVICE", "cpu")
+        .output()
+        .map_err(|e| e.to_string())?;
+    let said = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() || !said.contains("finished: 64 steps") {
+        return Err(format!("alone: {} {said}", out.status));
+    }
+    // Two ranks through the launcher `torchtools launch` uses, with checkpoints.
+    std::env::set_var("TORCHTOOLS_TRAIN_EPOCHS", "1");
+    std::env::set_var("TORCHTOOLS_TRAIN_CKPT", dir.path());
+    let outcome = torchtools::dist::launch(&torchtools::dist::LaunchConfig::local(
+        2,
+        example.as_os_str(),
+        Vec::new(),
+    ));
+    std::env::remove_var("TORCHTOOLS_TRAIN_EPOCHS");
+    std::env::remove_var("TORCHTOOLS_TRAIN_CKPT");
+    let outcome = outcome.map_err(|e| e.to_string())?;
+    if outcome.code != 0 {
+        return Err(format!("launched: {outcome:?}"));
+    }
+    // 2048 samples / (2 ranks x 32) = 32 steps; the last checkpoint is step 32.
+    let latest = std::fs::read_to_string(dir.path().join("latest")).map_err(|e| e.to_string())?;
+    if !latest.contains("00000032") {
+        return Err(format!("latest checkpoint: {latest}"));
+    }
+    Ok(())
 }
 
 fn bad_config() -> TestResult {

@@ -1,0 +1,105 @@
+//! The unified trainer, one program for one process or many:
+//!
+//! ```sh
+//! cargo run --example train                                  # one process
+//! cargo build --example train
+//! torchtools launch --nproc-per-node 2 -- target/debug/examples/train   # two ranks (Gloo on CPU)
+//! torchrun --no-python --nproc-per-node 2 target/debug/examples/train   # the same, by torchrun
+//! ```
+//!
+//! `TORCHTOOLS_TRAIN_CKPT=DIR` checkpoints there every 20 steps and resumes from it;
+//! send SIGTERM (or Ctrl-C) mid-run and start it again: it continues exactly where it
+//! stopped. `TORCHTOOLS_TRAIN_EPOCHS` (default 3) sets the epochs.
+
+use std::error::Error;
+use std::process::ExitCode;
+
+use torchtools::optim::{Optimizer, SgdConfig};
+use torchtools::tch::{nn, nn::Module, Kind, Reduction, Tensor};
+use torchtools::trainer::{FitOutcome, TrainConfig, Trainer};
+
+const SAMPLES: u64 = 2048;
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("train: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn epochs() -> Result<u64, String> {
+    match std::env::var("TORCHTOOLS_TRAIN_EPOCHS") {
+        Err(_) => Ok(3),
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                format!("TORCHTOOLS_TRAIN_EPOCHS={v:?} is not a positive integer (e.g. 3)")
+            }),
+    }
+}
+
+fn run() -> Result<(), Box<dyn Error>> {
+    let mut config = TrainConfig::new(SAMPLES, 32, epochs()?).seed(1);
+    config.log_every = 20;
+    if let Some(dir) = std::env::var_os("TORCHTOOLS_TRAIN_CKPT") {
+        config = config.checkpoints(dir, 20);
+    }
+    let mut trainer = Trainer::from_env(config)?;
+    let main = trainer.is_main();
+    if main {
+        println!("{} on {:?}", trainer.group().env(), trainer.device());
+    }
+    let mut vs = nn::VarStore::new(trainer.device());
+    let root = vs.root();
+    let net = nn::seq()
+        .add(nn::linear(&root / "l1", 16, 64, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&root / "l2", 64, 1, Default::default()));
+    let mut opt = Optimizer::sgd(
+        &vs,
+        SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            ..Default::default()
+        },
+    )?;
+    let report = trainer.fit(&mut vs, &mut opt, |ctx| {
+        // Sample i: 16 features and a target, computed from i (a stand-in for a dataset).
+        let idx: Vec<f32> = ctx
+            .indices
+            .iter()
+            .map(|&i| i as f32 / SAMPLES as f32)
+            .collect();
+        let i = Tensor::from_slice(&idx).to_device(ctx.device).unsqueeze(1);
+        let freqs = Tensor::arange(16, (Kind::Float, ctx.device)).unsqueeze(0) + 1.0;
+        let x = (&i * &freqs * 3.0).sin();
+        let y = (&i * 6.0).cos();
+        net.forward(&x).f_mse_loss(&y, Reduction::Mean)
+    })?;
+    if main {
+        for (step, loss) in &report.losses {
+            println!("step {step:>4}  loss {loss:.5}");
+        }
+        match report.outcome {
+            FitOutcome::Finished => println!(
+                "finished: {} steps{}",
+                report.steps,
+                report
+                    .resumed_from
+                    .map(|s| format!(" (resumed from step {s})"))
+                    .unwrap_or_default()
+            ),
+            FitOutcome::Preempted => println!(
+                "preempted after step {}: checkpoint written, run the same command again to resume",
+                report.steps
+            ),
+        }
+    }
+    Ok(())
+}
