@@ -55,6 +55,8 @@ fn run() -> Result<(), Box<dyn Error>> {
     if main {
         println!("{} on {:?}", trainer.group().env(), trainer.device());
     }
+    // Reproducible runs (rank 0's initialisation is broadcast to the others anyway).
+    torchtools::tch::manual_seed(0);
     let mut vs = nn::VarStore::new(trainer.device());
     let root = vs.root();
     let net = nn::seq()
