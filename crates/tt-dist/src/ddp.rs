@@ -163,7 +163,7 @@ impl<'g> Ddp<'g> {
         }
         let _guard = tch::no_grad_guard();
         for bucket in &self.buckets {
-            let mut flat = bucket.flat.shallow_clone();
+            let flat = &bucket.flat;
             for s in &bucket.slots {
                 flat.narrow(0, s.offset, s.numel)
                     .f_copy_(&s.param.view([-1]))
@@ -176,7 +176,6 @@ impl<'g> Ddp<'g> {
                     .f_copy_(&flat.narrow(0, s.offset, s.numel).view_as(&s.param))
                     .map_err(tch_err)?;
             }
-            let _ = flat.f_zero_().map_err(tch_err)?;
         }
         Ok(())
     }

@@ -61,6 +61,19 @@ impl fmt::Display for DistEnv {
 }
 
 impl DistEnv {
+    /// One process, no network (what nothing set means).
+    pub fn single() -> DistEnv {
+        DistEnv {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: Some(1),
+            master_addr: "127.0.0.1".into(),
+            master_port: DEFAULT_PORT,
+            source: Source::Single,
+        }
+    }
+
     /// From this process's environment.
     pub fn from_env() -> Result<DistEnv> {
         DistEnv::from_lookup(|k| std::env::var(k).ok())
@@ -148,13 +161,8 @@ impl DistEnv {
             return env.checked();
         }
         Ok(DistEnv {
-            rank: 0,
-            world_size: 1,
-            local_rank: 0,
-            local_world_size: Some(1),
-            master_addr: "127.0.0.1".into(),
             master_port: port(&get)?.unwrap_or(DEFAULT_PORT),
-            source: Source::Single,
+            ..DistEnv::single()
         })
     }
 

@@ -153,15 +153,7 @@ impl ProcessGroup {
     /// A group of one, no network.
     pub fn single() -> ProcessGroup {
         ProcessGroup {
-            env: DistEnv {
-                rank: 0,
-                world_size: 1,
-                local_rank: 0,
-                local_world_size: Some(1),
-                master_addr: "127.0.0.1".into(),
-                master_port: crate::DEFAULT_PORT,
-                source: Source::Single,
-            },
+            env: DistEnv::single(),
             timeout: DEFAULT_TIMEOUT,
             engine: None,
         }
@@ -269,14 +261,34 @@ impl ProcessGroup {
     }
 
     fn collective_error(&self, op: &'static str) -> impl Fn(tt_sys::Error) -> Error + '_ {
-        move |e| Error::Collective {
-            op,
-            rank: self.env.rank,
-            message: match e {
-                tt_sys::Error::Torch { message, .. } => message,
-                other => other.to_string(),
-            },
+        move |e| collective_error(op, self.env.rank, e)
+    }
+
+    /// The op to hand the backend for `op` on `tensor`, and whether the result must be
+    /// divided by the world size afterwards (Gloo has no average: sum, then divide).
+    /// An average needs a floating-point tensor, on every backend.
+    fn reduction(
+        &self,
+        op: ReduceOp,
+        tensor: &Tensor,
+        name: &'static str,
+    ) -> Result<(ReduceOp, bool)> {
+        if op == ReduceOp::Avg && !is_float(tensor.kind()) {
+            return Err(Error::Collective {
+                op: name,
+                rank: self.env.rank,
+                message: format!(
+                    "average of a {:?} tensor: use a floating-point tensor, or Sum and divide",
+                    tensor.kind()
+                ),
+            });
         }
+        let emulate = op == ReduceOp::Avg && self.backend() == Some(BackendKind::Gloo);
+        Ok(if emulate {
+            (ReduceOp::Sum, true)
+        } else {
+            (op, false)
+        })
     }
 
     /// Reduces `tensor` in place over all ranks; returns when done everywhere.
@@ -288,21 +300,10 @@ impl ProcessGroup {
     /// `Avg` on Gloo (which has no average) is a sum divided by the world size when
     /// waited on; it needs a floating-point tensor.
     pub fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
-        if op == ReduceOp::Avg && !is_float(tensor.kind()) {
-            return Err(Error::Collective {
-                op: "allreduce",
-                rank: self.env.rank,
-                message: format!(
-                    "average of a {:?} tensor: use a floating-point tensor, or Sum and divide",
-                    tensor.kind()
-                ),
-            });
-        }
+        let (raw_op, emulate_avg) = self.reduction(op, tensor, "allreduce")?;
         let Some(engine) = &self.engine else {
             return Ok(self.done("allreduce"));
         };
-        let emulate_avg = op == ReduceOp::Avg && engine.backend.kind() == BackendKind::Gloo;
-        let raw_op = if emulate_avg { ReduceOp::Sum } else { op };
         let raw = engine
             .backend
             .all_reduce(tensor, raw_op)
@@ -394,14 +395,13 @@ impl ProcessGroup {
                 ),
             });
         }
+        let (raw_op, emulate_avg) = self.reduction(op, output, "reduce_scatter")?;
         let Some(engine) = &self.engine else {
             return output
                 .shallow_clone()
                 .f_copy_(&inputs[0])
                 .map_err(|e| Error::Tensor(e.to_string()));
         };
-        let emulate_avg = op == ReduceOp::Avg && engine.backend.kind() == BackendKind::Gloo;
-        let raw_op = if emulate_avg { ReduceOp::Sum } else { op };
         let raw = engine
             .backend
             .reduce_scatter(output, inputs, raw_op)
@@ -443,6 +443,18 @@ impl ProcessGroup {
             .f_int64_value(&[0])
             .map_err(|e| Error::Tensor(e.to_string()))?;
         Ok(u64::try_from(out).unwrap_or(0))
+    }
+}
+
+/// c10d's own message (tt-sys wraps it with the op, which `Collective` names itself).
+fn collective_error(op: &'static str, rank: usize, e: tt_sys::Error) -> Error {
+    Error::Collective {
+        op,
+        rank,
+        message: match e {
+            tt_sys::Error::Torch { message, .. } => message,
+            other => other.to_string(),
+        },
     }
 }
 
@@ -494,14 +506,8 @@ impl Work {
             // The backend enforces the group's timeout on every collective (Gloo's and
             // NCCL's options carry it), as torch.distributed's `work.wait()` relies on;
             // a second, timed wait on top only adds a clock to every call.
-            raw.wait(None).map_err(|e| Error::Collective {
-                op: self.op,
-                rank: self.rank,
-                message: match e {
-                    tt_sys::Error::Torch { message, .. } => message,
-                    other => other.to_string(),
-                },
-            })?;
+            raw.wait(None)
+                .map_err(|e| collective_error(self.op, self.rank, e))?;
         }
         if let Some((mut t, n)) = self.divide {
             let _ = t

@@ -276,6 +276,10 @@ fn check_collectives(pg: &ProcessGroup) -> TestResult {
                 if pg.all_reduce(&t, ReduceOp::Avg).is_ok() {
                     return Err(what("avg of int64 should be refused"));
                 }
+                let parts: Vec<Tensor> = (0..w).map(|_| base.copy()).collect();
+                if pg.reduce_scatter(&t, &parts, ReduceOp::Avg).is_ok() {
+                    return Err(what("reduce_scatter avg of int64 should be refused"));
+                }
             }
 
             let t = &base + r * 100;
