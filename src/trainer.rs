@@ -379,16 +379,16 @@ impl Trainer {
             ddp.backward(&loss)?;
             opt.step()?;
             steps += 1;
-            window.0 += loss_value;
-            window.1 += 1;
-            // One small all-reduce a step: the loss sum and whether any rank was
-            // signalled, so that all stop after the same step.
+            // One small all-reduce a step: the loss summed over the ranks (for the log)
+            // and whether any rank was signalled, so that all stop after the same step.
             let stop_here = self.stop.load(Ordering::SeqCst);
             let flags = Tensor::from_slice(&[loss_value, f64::from(u8::from(stop_here))]);
             pg.all_reduce(&flags, ReduceOp::Sum)?;
             let any_stop = flags.double_value(&[1]) > 0.0;
+            window.0 += flags.double_value(&[0]) / pg.world_size() as f64;
+            window.1 += 1;
             if steps % cfg.log_every == 0 || any_stop {
-                let mean = pg.all_reduce_f64(window.0 / window.1 as f64, ReduceOp::Avg)?;
+                let mean = window.0 / window.1 as f64;
                 window = (0.0, 0);
                 losses.push((steps, mean));
                 if pg.is_main() {
@@ -419,7 +419,7 @@ impl Trainer {
             }
         }
         if window.1 > 0 {
-            let mean = pg.all_reduce_f64(window.0 / window.1 as f64, ReduceOp::Avg)?;
+            let mean = window.0 / window.1 as f64;
             losses.push((steps, mean));
         }
         if let Some(dir) = &dir {
