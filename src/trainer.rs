@@ -348,7 +348,6 @@ impl Trainer {
         let ddp = Ddp::new(&pg, vs)?;
         let mut losses = Vec::new();
         let mut last_ckpt = None;
-        let mut indices: Vec<u64> = Vec::with_capacity(cfg.batch_size);
         let mut window = (0.0f64, 0u64);
         loop {
             let epoch = batches.sampler().epoch();
@@ -359,11 +358,9 @@ impl Trainer {
                 batches.sampler_mut().set_epoch(epoch + 1);
                 continue;
             };
-            indices.clear();
-            indices.extend_from_slice(&batch);
             opt.zero_grad();
             let ctx = StepContext {
-                indices: &indices,
+                indices: &batch,
                 device: self.device,
                 epoch,
                 step: steps,
