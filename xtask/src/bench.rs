@@ -119,16 +119,17 @@ pub(crate) fn run() -> Result<()> {
             false,
         ),
     ];
-    for (krate, bench) in [
-        ("tt-sampler", "sampler"),
-        ("tt-ckpt", "ckpt"),
-        ("tt-lock", "lock"),
-        ("tt-tracker", "tracker"),
-        ("tt-adaptive", "adaptive"),
-        ("tt-probe", "probe"),
-        ("tt-dist", "dist"),
+    // (crate, bench, the optional feature it needs)
+    for (krate, bench, feature) in [
+        ("tt-sampler", "sampler", None),
+        ("tt-ckpt", "ckpt", None),
+        ("tt-lock", "lock", None),
+        ("tt-tracker", "tracker", None),
+        ("tt-adaptive", "adaptive", None),
+        ("tt-probe", "probe", None),
+        ("tt-dist", "dist", Some("c10d")),
     ] {
-        rows.extend(crate_rows(krate, bench)?);
+        rows.extend(crate_rows(krate, bench, feature)?);
     }
     println!("\nbenchmark table (medians; ratio > 1 means torchtools is better)");
     println!(
@@ -180,11 +181,10 @@ impl Row {
 }
 
 /// Runs a crate's own benchmark, which prints `row|what|ours|baseline name|baseline|unit|higher|lower`.
-fn crate_rows(krate: &str, bench: &str) -> Result<Vec<Row>> {
+fn crate_rows(krate: &str, bench: &str, feature: Option<&str>) -> Result<Vec<Row>> {
     let mut args = vec!["bench", "--quiet", "-p", krate, "--bench", bench];
-    // Benchmarks behind an optional feature.
-    if krate == "tt-dist" {
-        args.extend(["--features", "c10d"]);
+    if let Some(feature) = feature {
+        args.extend(["--features", feature]);
     }
     let out = cargo(&args)
         .stderr(Stdio::inherit())

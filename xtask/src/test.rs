@@ -99,6 +99,7 @@ pub(crate) fn cpu_matrix() -> Result<()> {
     );
     // One workspace-wide lint, GPU test targets included: every configuration of
     // features costs a rebuild of torch-sys's C++ (about 2.5 minutes on 2 cores).
+    let gpu_features = GPU_CRATES.map(|k| format!("{k}/gpu-tests")).join(",");
     step(
         "clippy --workspace --all-targets (+ GPU tests) -D warnings".into(),
         &[
@@ -106,7 +107,7 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "tt-sys/gpu-tests,tt-device/gpu-tests,tt-fence/gpu-tests,tt-tracker/gpu-tests,tt-adaptive/gpu-tests,tt-probe/gpu-tests,tt-ckpt/gpu-tests,torchtools-cli/gpu-tests,torchtools/gpu-tests,tt-dist/gpu-tests",
+            &gpu_features,
             "--",
             "-D",
             "warnings",
