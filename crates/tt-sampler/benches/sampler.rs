@@ -38,7 +38,7 @@ fn epoch_time(epoch: u64) -> (Duration, u64) {
 fn resume_time(progress: u64) -> Duration {
     let mut saved = DistributedSampler::new(LEN, REPLICAS, 0).expect("valid sampler");
     saved.set_epoch(1);
-    saved.advance(progress);
+    saved.advance(progress).expect("within the epoch");
     let state = saved.state();
     let start = Instant::now();
     let mut s = DistributedSampler::new(LEN, REPLICAS, 0).expect("valid sampler");

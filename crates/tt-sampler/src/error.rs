@@ -43,8 +43,10 @@ pub enum Error {
     /// A state from a sampler of another shape, without re-sharding asked for.
     #[error(
         "this state was saved by a sampler over {state_len} samples and {state_replicas} replica(s), \
-         but this one has {len} samples and {replicas} replica(s); load it with `Reshard::Allow` to \
-         continue the epoch from the samples already seen by the whole job, or start a new run"
+         but this one has {len} samples and {replicas} replica(s); for another number of replicas, \
+         load it with `Reshard::Allow` to continue the epoch from the samples already seen by the \
+         whole job; for another dataset, `Reshard::RestartEpoch` starts the saved epoch again; or \
+         start a new run"
     )]
     ShapeMismatch {
         /// `len` in the state.
@@ -55,6 +57,36 @@ pub enum Error {
         len: u64,
         /// This sampler's `num_replicas`.
         replicas: u64,
+    },
+    /// A state saved over another dataset length, loaded with [`Reshard::Allow`].
+    ///
+    /// [`Reshard::Allow`]: crate::Reshard::Allow
+    #[error(
+        "this state was saved by a sampler over {state_len} samples, but this one has {len}: \
+         the epoch's order depends on the dataset length, so continuing it would repeat some \
+         samples and skip others. Use the same dataset to resume, load the state with \
+         `Reshard::RestartEpoch` to start the saved epoch again over the new dataset, or \
+         start a new run"
+    )]
+    LengthChanged {
+        /// `len` in the state.
+        state_len: u64,
+        /// This sampler's `len`.
+        len: u64,
+    },
+    /// [`advance`](crate::DistributedSampler::advance) past the end of the epoch.
+    #[error(
+        "advance({n}) goes past the end of the epoch: this rank had {remaining} of its \
+         {num_samples} samples left (nothing was changed). Iterating the sampler already \
+         counts what it yields, so advance only by samples taken some other way"
+    )]
+    AdvancePastEnd {
+        /// The samples asked to skip.
+        n: u64,
+        /// What was left of the epoch.
+        remaining: u64,
+        /// This rank's samples in the epoch.
+        num_samples: u64,
     },
     /// A state whose progress is past the end of its epoch.
     #[error("this state's progress ({progress}) is past the {num_samples} samples of its epoch: the state is corrupt")]

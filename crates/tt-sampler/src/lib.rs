@@ -8,10 +8,14 @@
 //!
 //! It is also interruptible, like cycling_utils' `InterruptableDistributedSampler`
 //! but without its traps: iterating counts what it yields (no manual `advance`),
-//! [`remaining`](DistributedSampler::remaining) is what is left, `set_epoch`
-//! reshuffles, a [`SamplerState`] (serde) resumes exactly, at the cost of one
-//! permutation wherever in the epoch it was saved, and a state from another dataset
-//! length or world size is refused unless re-sharding is asked for.
+//! [`remaining`](DistributedSampler::remaining) is what is left, `set_epoch` of a new
+//! epoch reshuffles while `set_epoch` of the resumed epoch keeps its progress (so
+//! torch's usual loop resumes exactly), a [`SamplerState`] (serde) resumes exactly,
+//! at the cost of one permutation wherever in the epoch it was saved, `advance` past
+//! the end is an error instead of a silent stop, and a state from another world size
+//! is refused unless re-sharding is asked for ([`Reshard::Allow`]); one from another
+//! dataset length is refused unless restarting the epoch is asked for
+//! ([`Reshard::RestartEpoch`]).
 //!
 //! # Example
 //!

@@ -26,16 +26,25 @@ pub struct SamplerState {
     pub offset: u64,
 }
 
-/// Whether [`DistributedSampler::load_state`] may re-shard a state saved with another
-/// dataset length or number of replicas.
+/// What [`DistributedSampler::load_state`] does with a state saved by a sampler of
+/// another shape (another number of replicas, or another dataset length). A state of
+/// the same shape always resumes exactly, whatever the choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reshard {
     /// A state of another shape is an error (the default choice).
     Refuse,
-    /// Continue the saved epoch from what the whole job had consumed: the first
-    /// `progress × saved num_replicas` positions of the epoch's order are skipped
-    /// and the rest is split among the current replicas.
+    /// Another number of replicas (world size) continues the saved epoch from what
+    /// the whole job had consumed: the first `progress × saved num_replicas`
+    /// positions of the epoch's order are skipped and the rest is split among the
+    /// current replicas, so nothing is seen twice or skipped. Another dataset length
+    /// is still an error ([`Error::LengthChanged`]): the epoch's order depends on the
+    /// length, so no position in the new order corresponds to the old progress.
     Allow,
+    /// Any change of shape (dataset length or replicas) restarts the saved epoch from
+    /// its beginning over the new shape: the samples seen before the interruption
+    /// are seen again in this epoch. Only when asked: use it after the dataset
+    /// changed on purpose.
+    RestartEpoch,
 }
 
 #[derive(Debug, Clone)]
@@ -145,21 +154,33 @@ impl DistributedSampler {
         self
     }
 
-    fn restart_epoch(&mut self) {
-        self.progress = 0;
-        self.set_offset(0);
-        self.order = Order::Pending;
-    }
-
     fn set_offset(&mut self, offset: u64) {
         self.offset = offset;
         self.num_samples = epoch_samples(self.span(), self.num_replicas, self.drop_last);
     }
 
-    /// Starts epoch `epoch` from its beginning: a new shuffle (seed + epoch).
+    /// Moves to epoch `epoch`: another epoch starts from its beginning, with a new
+    /// shuffle (seed + epoch); the epoch the sampler is already in keeps its
+    /// progress.
+    ///
+    /// So the usual torch loop resumes exactly after [`load_state`](Self::load_state):
+    /// `for e in state.epoch.. { sampler.set_epoch(e); for i in &mut sampler { .. } }`
+    /// yields the rest of the resumed epoch, then whole epochs. Calling it with the
+    /// current epoch after finishing that epoch yields nothing more: to go through
+    /// the same epoch again, call [`restart_epoch`](Self::restart_epoch).
     pub fn set_epoch(&mut self, epoch: u64) {
-        self.epoch = epoch;
-        self.restart_epoch();
+        if epoch != self.epoch {
+            self.epoch = epoch;
+            self.restart_epoch();
+        }
+    }
+
+    /// Starts the current epoch again from its beginning (same order), dropping its
+    /// progress and any re-shard offset.
+    pub fn restart_epoch(&mut self) {
+        self.progress = 0;
+        self.set_offset(0);
+        self.order = Order::Pending;
     }
 
     /// The current epoch.
@@ -203,11 +224,25 @@ impl DistributedSampler {
         self.num_samples() - self.progress
     }
 
-    /// Marks `n` more samples as consumed (e.g. skipped), at most up to the end of
-    /// the epoch. Iterating already counts what it yields: call this only for
-    /// samples taken some other way.
-    pub fn advance(&mut self, n: u64) {
-        self.progress = self.progress.saturating_add(n).min(self.num_samples());
+    /// Marks `n` more samples as consumed (e.g. skipped). Iterating already counts
+    /// what it yields: call this only for samples taken some other way.
+    ///
+    /// Advancing past the end of the epoch is [`Error::AdvancePastEnd`], which says
+    /// how many samples were left, and changes nothing (the state stays valid and
+    /// loadable). cycling_utils' pattern, iterate and then `advance(batch_len)`,
+    /// counts every sample twice: it fails here instead of silently seeing half the
+    /// epoch.
+    pub fn advance(&mut self, n: u64) -> Result<()> {
+        let remaining = self.remaining();
+        if n > remaining {
+            return Err(Error::AdvancePastEnd {
+                n,
+                remaining,
+                num_samples: self.num_samples,
+            });
+        }
+        self.progress += n;
+        Ok(())
     }
 
     /// The state to save in a checkpoint.
@@ -228,20 +263,32 @@ impl DistributedSampler {
     /// with (the run's truth), and exactly the indices this rank had not consumed.
     /// Its cost is one permutation, wherever in the epoch the state was taken.
     ///
-    /// A state saved with another `len` or `num_replicas` is refused unless
-    /// `reshard` is [`Reshard::Allow`].
+    /// A state saved with another `num_replicas` is refused unless `reshard` is
+    /// [`Reshard::Allow`] (continue the epoch) or [`Reshard::RestartEpoch`]; one saved
+    /// with another dataset `len` is refused unless it is `RestartEpoch`. On an error
+    /// the sampler is unchanged.
     pub fn load_state(&mut self, state: &SamplerState, reshard: Reshard) -> Result<()> {
         let same_shape = state.len == self.len && state.num_replicas == self.num_replicas;
         if state.num_replicas == 0 {
             return Err(Error::NoReplicas);
         }
-        if !same_shape && reshard == Reshard::Refuse {
-            return Err(Error::ShapeMismatch {
-                state_len: state.len,
-                state_replicas: state.num_replicas,
-                len: self.len,
-                replicas: self.num_replicas,
-            });
+        match reshard {
+            _ if same_shape => {}
+            Reshard::Refuse => {
+                return Err(Error::ShapeMismatch {
+                    state_len: state.len,
+                    state_replicas: state.num_replicas,
+                    len: self.len,
+                    replicas: self.num_replicas,
+                })
+            }
+            Reshard::Allow if state.len != self.len => {
+                return Err(Error::LengthChanged {
+                    state_len: state.len,
+                    len: self.len,
+                })
+            }
+            Reshard::Allow | Reshard::RestartEpoch => {}
         }
         // The saved sampler's own epoch length, to validate its progress.
         let saved_offset = state.offset.min(state.len);
@@ -266,8 +313,11 @@ impl DistributedSampler {
         self.seed = state.seed;
         self.shuffle = state.shuffle;
         self.drop_last = state.drop_last;
-        self.set_epoch(state.epoch);
-        if same_shape {
+        self.epoch = state.epoch;
+        self.restart_epoch();
+        if reshard == Reshard::RestartEpoch && !same_shape {
+            // Already at the epoch's beginning over the new shape.
+        } else if same_shape {
             self.set_offset(saved_offset);
             self.progress = state.progress;
         } else {

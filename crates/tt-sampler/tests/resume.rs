@@ -49,13 +49,124 @@ fn advance_skips_and_is_saved() {
     let whole = whole_epoch(500, 2, 0, 1);
     let mut s = sampler(500, 2, 0);
     s.set_epoch(1);
-    s.advance(40);
+    s.advance(40).unwrap();
     assert_eq!(s.progress(), 40);
     let resumed = roundtrip(&s, sampler(500, 2, 0));
     assert_eq!(resumed.collect::<Vec<_>>(), whole[40..]);
-    // Advancing past the end stops at the end (a short last batch).
-    s.advance(10_000);
+    // Up to the very end is fine.
+    s.advance(210).unwrap();
     assert_eq!((s.remaining(), s.next()), (0, None));
+}
+
+#[test]
+fn advancing_past_the_end_is_an_error_that_changes_nothing() {
+    let whole = whole_epoch(500, 2, 0, 1);
+    let mut s = sampler(500, 2, 0);
+    s.set_epoch(1);
+    // cycling_utils' pattern: iterate a batch, then advance by its length. Every
+    // sample is counted twice; the second half of the epoch must not vanish silently.
+    let mut seen = Vec::new();
+    let error = loop {
+        let batch: Vec<u64> = s.by_ref().take(32).collect();
+        if batch.is_empty() {
+            panic!("the double count ran to the end of the epoch without an error");
+        }
+        seen.extend_from_slice(&batch);
+        let before = s.state();
+        match s.advance(batch.len() as u64) {
+            Ok(()) => {}
+            Err(e) => {
+                assert_eq!(s.state(), before, "a refused advance changes nothing");
+                break e;
+            }
+        }
+    };
+    assert!(seen.len() < whole.len(), "the error comes before the end");
+    assert_eq!(
+        error,
+        Error::AdvancePastEnd {
+            n: 32,
+            remaining: 250 - 224,
+            num_samples: 250
+        }
+    );
+    let text = error.to_string();
+    assert!(text.contains("26 of its 250 samples left"), "{text}");
+    assert!(text.contains("already counts what it yields"), "{text}");
+    // The state at the error still loads and yields exactly what was left.
+    let left = s.remaining() as usize;
+    let resumed = roundtrip(&s, sampler(500, 2, 0));
+    assert_eq!(resumed.collect::<Vec<_>>(), whole[whole.len() - left..]);
+}
+
+#[test]
+fn set_epoch_of_the_resumed_epoch_keeps_its_progress() {
+    // Epoch 2 of 3 stopped after 600 of 1000 samples; the usual torch loop
+    // `for e in start.. { set_epoch(e); for i in sampler {..} }` resumes it.
+    let (len, epochs) = (1000u64, 4u64);
+    let mut s = sampler(len, 1, 0);
+    s.set_epoch(2);
+    let head: Vec<u64> = s.by_ref().take(600).collect();
+    let state = s.state();
+    let mut resumed = sampler(len, 1, 0);
+    resumed.load_state(&state, Reshard::Refuse).unwrap();
+    let mut per_epoch = Vec::new();
+    for e in state.epoch..epochs {
+        resumed.set_epoch(e);
+        per_epoch.push(resumed.by_ref().collect::<Vec<u64>>());
+    }
+    assert_eq!(per_epoch[0].len(), 400, "the rest of the epoch, not all of it");
+    assert_eq!([head, per_epoch[0].clone()].concat(), whole_epoch(len, 1, 0, 2));
+    assert_eq!(per_epoch[1], whole_epoch(len, 1, 0, 3), "then whole epochs");
+    // Moving to another epoch (even back) starts it from the beginning...
+    resumed.set_epoch(2);
+    assert_eq!(resumed.by_ref().collect::<Vec<_>>(), whole_epoch(len, 1, 0, 2));
+    // ...and going through the same epoch again is asked for explicitly.
+    assert_eq!(resumed.next(), None);
+    resumed.set_epoch(2);
+    assert_eq!(resumed.next(), None, "set_epoch of the current epoch keeps it");
+    resumed.restart_epoch();
+    assert_eq!(resumed.collect::<Vec<_>>(), whole_epoch(len, 1, 0, 2));
+}
+
+#[test]
+fn another_dataset_length_is_never_resharded_silently() {
+    // 2 ranks consumed 250 samples each of an epoch of 1000; the dataset grew to 1001.
+    let mut saved = sampler(1000, 2, 0);
+    saved.set_epoch(3);
+    saved.advance(250).unwrap();
+    let state = saved.state();
+    for replicas in [2, 4] {
+        let mut other = sampler(1001, replicas, 0);
+        let before = other.state();
+        let e = other.load_state(&state, Reshard::Allow).unwrap_err();
+        assert_eq!(
+            e,
+            Error::LengthChanged {
+                state_len: 1000,
+                len: 1001
+            }
+        );
+        assert!(e.to_string().contains("Reshard::RestartEpoch"), "{e}");
+        assert_eq!(other.state(), before, "a refused state changes nothing");
+    }
+    // Asked explicitly: the saved epoch starts again over the new dataset.
+    let restarted: Vec<u64> = (0..2)
+        .flat_map(|r| {
+            let mut s = sampler(1001, 2, r);
+            s.load_state(&state, Reshard::RestartEpoch).unwrap();
+            assert_eq!((s.epoch(), s.progress()), (3, 0));
+            s.collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(
+        restarted,
+        [whole_epoch(1001, 2, 0, 3), whole_epoch(1001, 2, 1, 3)].concat()
+    );
+    // The same shape resumes exactly whatever the choice.
+    let mut same = sampler(1000, 2, 0);
+    same.load_state(&state, Reshard::RestartEpoch).unwrap();
+    assert_eq!(same.progress(), 250);
 }
 
 #[test]
@@ -159,7 +270,7 @@ fn resharding_continues_the_epoch_where_the_whole_job_was() {
         .collect();
     let mut saved = sampler(len, 4, 0);
     saved.set_epoch(epoch);
-    saved.advance(50);
+    saved.advance(50).unwrap();
     let state = saved.state();
     let rest: Vec<u64> = (0..2)
         .flat_map(|r| {
@@ -184,7 +295,7 @@ fn resharding_continues_the_epoch_where_the_whole_job_was() {
     // The re-sharded state itself round-trips in its new shape.
     let mut two = sampler(len, 2, 1);
     two.load_state(&state, Reshard::Allow).unwrap();
-    two.advance(100);
+    two.advance(100).unwrap();
     let expected: Vec<u64> = {
         let mut t = two.clone();
         t.by_ref().collect()
