@@ -115,16 +115,30 @@ fn set_epoch_of_the_resumed_epoch_keeps_its_progress() {
         resumed.set_epoch(e);
         per_epoch.push(resumed.by_ref().collect::<Vec<u64>>());
     }
-    assert_eq!(per_epoch[0].len(), 400, "the rest of the epoch, not all of it");
-    assert_eq!([head, per_epoch[0].clone()].concat(), whole_epoch(len, 1, 0, 2));
+    assert_eq!(
+        per_epoch[0].len(),
+        400,
+        "the rest of the epoch, not all of it"
+    );
+    assert_eq!(
+        [head, per_epoch[0].clone()].concat(),
+        whole_epoch(len, 1, 0, 2)
+    );
     assert_eq!(per_epoch[1], whole_epoch(len, 1, 0, 3), "then whole epochs");
     // Moving to another epoch (even back) starts it from the beginning...
     resumed.set_epoch(2);
-    assert_eq!(resumed.by_ref().collect::<Vec<_>>(), whole_epoch(len, 1, 0, 2));
+    assert_eq!(
+        resumed.by_ref().collect::<Vec<_>>(),
+        whole_epoch(len, 1, 0, 2)
+    );
     // ...and going through the same epoch again is asked for explicitly.
     assert_eq!(resumed.next(), None);
     resumed.set_epoch(2);
-    assert_eq!(resumed.next(), None, "set_epoch of the current epoch keeps it");
+    assert_eq!(
+        resumed.next(),
+        None,
+        "set_epoch of the current epoch keeps it"
+    );
     resumed.restart_epoch();
     assert_eq!(resumed.collect::<Vec<_>>(), whole_epoch(len, 1, 0, 2));
 }
