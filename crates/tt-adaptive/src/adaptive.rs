@@ -29,15 +29,26 @@ pub enum Policy {
 }
 
 /// What the remembered sizes are keyed by.
+///
+/// The `*_keyed` methods ([`Adaptive::batch_keyed`], [`Adaptive::range_keyed`]) replace
+/// the call site by a key of yours: use them when one helper function runs the
+/// adaptive call for several models or inputs of different sizes. The call site is
+/// then the helper's line for all of them (toma keys by the whole call stack), so
+/// without a key model A would start from model B's size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Cache {
-    /// The call site (`#[track_caller]`) and the free memory of the device, in 256 MiB
-    /// buckets (toma's default). Free memory counts what libtorch's allocator holds but
-    /// does not use, so a second call finds the first one's entry.
+    /// The call site (`#[track_caller]`), or the explicit key, and the free memory of
+    /// the device, in 256 MiB buckets (toma's default). Free memory counts what
+    /// libtorch's allocator holds but does not use, so a second call finds the first
+    /// one's entry.
     CallSite,
-    /// One entry for this [`Adaptive`] (toma's `GlobalBatchsizeCache`).
+    /// One entry for this [`Adaptive`] (toma's `GlobalBatchsizeCache`); one per key
+    /// for the `*_keyed` methods.
     Global,
-    /// Always start from the initial size (toma's `NoBatchsizeCache`).
+    /// Nothing is remembered between calls (toma's `NoBatchsizeCache`): every call
+    /// starts from its initial size and lowers from there, like toma; within one
+    /// `range` or `chunked` call the policy may search back up between what that call
+    /// saw fit and fail. Statistics are still counted.
     None,
 }
 
@@ -75,7 +86,7 @@ impl<E: fmt::Debug + fmt::Display> std::error::Error for AdaptiveError<E> {}
 /// What one call site has done.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SiteStats {
-    /// `file:line:column` of the call, or `global`.
+    /// `file:line:column` of the call, the key of a `*_keyed` call, or `global`.
     pub site: String,
     /// Free memory bucket (256 MiB units) of the entry.
     pub bucket: u64,
@@ -85,19 +96,47 @@ pub struct SiteStats {
     pub attempts: u64,
     /// Out-of-memory errors.
     pub ooms: u64,
-    /// The size the next call will start from.
+    /// The largest size that worked, where the next call starts from (0 when nothing
+    /// is remembered, as with [`Cache::None`]).
     pub size: usize,
 }
 
-type Key = (Option<&'static Location<'static>>, u64);
+/// Where a call comes from, as far as the cache is concerned.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Site {
+    Caller(&'static Location<'static>),
+    Named(Arc<str>),
+    Global,
+}
 
-#[derive(Debug, Clone, Default)]
-struct Entry {
+/// A cache entry's key: the site and the free-memory bucket.
+type Key = (Site, u64);
+
+/// What is known about the sizes: the largest that worked and the smallest that failed.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sizes {
     largest_ok: Option<usize>,
     smallest_fail: Option<usize>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Counters {
     calls: u64,
     attempts: u64,
     ooms: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Entry {
+    sizes: Sizes,
+    counters: Counters,
+}
+
+/// One call's view of the cache: its entry, and with [`Cache::None`] the sizes this
+/// call alone has learned (nothing crosses from one call to the next).
+struct Call {
+    key: Key,
+    own: Option<Sizes>,
 }
 
 /// Called on an out-of-memory with its kind and the size that failed, before the size is
@@ -252,12 +291,16 @@ impl Adaptive {
         let mut out: Vec<SiteStats> = entries
             .iter()
             .map(|((site, bucket), e)| SiteStats {
-                site: site.map_or("global".into(), |l| l.to_string()),
+                site: match site {
+                    Site::Caller(l) => l.to_string(),
+                    Site::Named(name) => name.to_string(),
+                    Site::Global => "global".into(),
+                },
                 bucket: *bucket,
-                calls: e.calls,
-                attempts: e.attempts,
-                ooms: e.ooms,
-                size: e.largest_ok.unwrap_or(0),
+                calls: e.counters.calls,
+                attempts: e.counters.attempts,
+                ooms: e.counters.ooms,
+                size: e.sizes.largest_ok.unwrap_or(0),
             })
             .collect();
         out.sort_by(|a, b| a.site.cmp(&b.site).then(a.bucket.cmp(&b.bucket)));
@@ -281,14 +324,51 @@ impl Adaptive {
     pub fn batch<T, E: OomClassify>(
         &self,
         initial: usize,
+        f: impl FnMut(usize) -> Result<T, E>,
+    ) -> Result<T, AdaptiveError<E>> {
+        self.batch_at(Site::Caller(Location::caller()), initial, f)
+    }
+
+    /// [`batch`](Self::batch) with the cache entry named by `key` instead of the call
+    /// site: for a helper that runs several models (or inputs of different sizes)
+    /// through one line of code, give each its own key (the model's name, say), or
+    /// they share one remembered size.
+    ///
+    /// ```
+    /// use tt_adaptive::{Adaptive, Cache};
+    /// let adaptive = Adaptive::new().cache(Cache::Global); // one entry per key
+    /// // One helper for every model: its call site is the same for all of them.
+    /// let run = |model: &str, fits: usize| {
+    ///     adaptive.batch_keyed(model, 1024, |n| -> Result<usize, String> {
+    ///         if n > fits { Err("CUDA out of memory. Tried to allocate".into()) } else { Ok(n) }
+    ///     })
+    /// };
+    /// assert_eq!(run("small", 1000).ok(), Some(512));
+    /// assert_eq!(run("large", 100).ok(), Some(64));
+    /// assert_eq!(run("small", 1000).ok(), Some(768)); // its own entry, searching up
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn batch_keyed<T, E: OomClassify>(
+        &self,
+        key: impl AsRef<str>,
+        initial: usize,
+        f: impl FnMut(usize) -> Result<T, E>,
+    ) -> Result<T, AdaptiveError<E>> {
+        self.batch_at(Site::Named(Arc::from(key.as_ref())), initial, f)
+    }
+
+    fn batch_at<T, E: OomClassify>(
+        &self,
+        site: Site,
+        initial: usize,
         mut f: impl FnMut(usize) -> Result<T, E>,
     ) -> Result<T, AdaptiveError<E>> {
-        let key = self.key(Location::caller(), false);
-        let mut size = self.start(key, initial);
+        let mut call = self.call(site);
+        let mut size = self.start(&mut call, initial);
         loop {
-            match self.attempt(key, size, &mut f)? {
+            match self.attempt(&mut call, size, &mut f)? {
                 Ok(value) => {
-                    let _ = self.succeeded(key, size);
+                    let _ = self.succeeded(&mut call, size);
                     return Ok(value);
                 }
                 Err(next) => size = next,
@@ -307,29 +387,49 @@ impl Adaptive {
         initial_step: usize,
         f: impl FnMut(usize, usize) -> Result<(), E>,
     ) -> Result<(), AdaptiveError<E>> {
-        self.range_at(Location::caller(), start, end, initial_step, f)
+        self.range_at(
+            Site::Caller(Location::caller()),
+            start,
+            end,
+            initial_step,
+            f,
+        )
+    }
+
+    /// [`range`](Self::range) with the cache entry named by `key` instead of the call
+    /// site (see [`batch_keyed`](Self::batch_keyed)).
+    pub fn range_keyed<E: OomClassify>(
+        &self,
+        key: impl AsRef<str>,
+        start: usize,
+        end: usize,
+        initial_step: usize,
+        f: impl FnMut(usize, usize) -> Result<(), E>,
+    ) -> Result<(), AdaptiveError<E>> {
+        let site = Site::Named(Arc::from(key.as_ref()));
+        self.range_at(site, start, end, initial_step, f)
     }
 
     pub(crate) fn range_at<E: OomClassify>(
         &self,
-        site: &'static Location<'static>,
+        site: Site,
         start: usize,
         end: usize,
         initial_step: usize,
         mut f: impl FnMut(usize, usize) -> Result<(), E>,
     ) -> Result<(), AdaptiveError<E>> {
-        let key = self.key(site, false);
-        let mut step = self.start(key, initial_step);
+        let mut call = self.call(site);
+        let mut step = self.start(&mut call, initial_step);
         let mut at = start;
         while at < end {
             let size = step.min(end - at);
-            match self.attempt(key, size, &mut |n| f(at, at + n))? {
+            match self.attempt(&mut call, size, &mut |n| f(at, at + n))? {
                 Ok(()) => {
                     at += size;
                     if size == step {
-                        step = self.succeeded(key, size);
+                        step = self.succeeded(&mut call, size);
                     } else {
-                        self.with_entry(key, |e| e.attempts += 1);
+                        self.with_entry(&mut call, |_, c| c.attempts += 1);
                     }
                 }
                 Err(next) => step = next,
@@ -338,10 +438,16 @@ impl Adaptive {
         Ok(())
     }
 
-    fn key(&self, site: &'static Location<'static>, force: bool) -> Key {
-        match self.cache {
-            Cache::CallSite => (Some(site), self.bucket(force)),
-            Cache::Global | Cache::None => (None, 0),
+    /// The cache entry of a call from `site`, and its own memory under [`Cache::None`].
+    fn call(&self, site: Site) -> Call {
+        let key = match (self.cache, site) {
+            (Cache::CallSite, site) => (site, self.bucket(false)),
+            (Cache::Global | Cache::None, Site::Named(name)) => (Site::Named(name), 0),
+            (Cache::Global | Cache::None, _) => (Site::Global, 0),
+        };
+        Call {
+            key,
+            own: (self.cache == Cache::None).then(Sizes::default),
         }
     }
 
@@ -359,27 +465,29 @@ impl Adaptive {
         }
     }
 
-    fn with_entry<R>(&self, key: Key, f: impl FnOnce(&mut Entry) -> R) -> R {
+    /// Runs `f` on the sizes this call goes by (the shared entry's, or the call's own
+    /// under [`Cache::None`]) and the entry's counters, under the one lock.
+    fn with_entry<R>(&self, call: &mut Call, f: impl FnOnce(&mut Sizes, &mut Counters) -> R) -> R {
         let mut entries = self
             .shared
             .entries
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        f(entries.entry(key).or_default())
+        let entry = match entries.get_mut(&call.key) {
+            Some(entry) => entry,
+            None => entries.entry(call.key.clone()).or_default(),
+        };
+        match &mut call.own {
+            Some(own) => f(own, &mut entry.counters),
+            None => f(&mut entry.sizes, &mut entry.counters),
+        }
     }
 
-    fn start(&self, key: Key, initial: usize) -> usize {
-        let size = if self.cache == Cache::None {
-            self.with_entry(key, |e| {
-                e.calls += 1;
-                initial
-            })
-        } else {
-            self.with_entry(key, |e| {
-                e.calls += 1;
-                self.propose(e, initial)
-            })
-        };
+    fn start(&self, call: &mut Call, initial: usize) -> usize {
+        let size = self.with_entry(call, |sizes, c| {
+            c.calls += 1;
+            self.propose(sizes, initial)
+        });
         let size = size.clamp(self.min, self.max);
         match &self.agree {
             Some(agree) => agree(size).clamp(self.min, self.max),
@@ -387,7 +495,7 @@ impl Adaptive {
         }
     }
 
-    fn propose(&self, e: &Entry, initial: usize) -> usize {
+    fn propose(&self, e: &Sizes, initial: usize) -> usize {
         let grown = |ok: usize| {
             if self.grow {
                 ok.saturating_mul(2).min(self.max)
@@ -419,18 +527,14 @@ impl Adaptive {
 
     /// Records a success (one lock on the success path) and returns the size to try
     /// next (for the next step of a range).
-    fn succeeded(&self, key: Key, size: usize) -> usize {
-        self.with_entry(key, |e| {
-            e.attempts += 1;
+    fn succeeded(&self, call: &mut Call, size: usize) -> usize {
+        self.with_entry(call, |e, c| {
+            c.attempts += 1;
             e.largest_ok = Some(e.largest_ok.map_or(size, |ok| ok.max(size)));
             if e.smallest_fail.is_some_and(|fail| fail <= size) {
                 e.smallest_fail = None; // memory got freer since
             }
-            if self.cache == Cache::None && self.policy != Policy::Search && !self.grow {
-                size
-            } else {
-                self.propose(e, size)
-            }
+            self.propose(e, size)
         })
         .clamp(self.min, self.max)
     }
@@ -438,7 +542,7 @@ impl Adaptive {
     /// One attempt: `Ok(Ok(value))`, or `Ok(Err(next size))` after an OOM, or the error.
     fn attempt<T, E: OomClassify>(
         &self,
-        key: Key,
+        call: &mut Call,
         size: usize,
         f: &mut dyn FnMut(usize) -> Result<T, E>,
     ) -> Result<Result<T, usize>, AdaptiveError<E>> {
@@ -475,9 +579,9 @@ impl Adaptive {
                     None => unreachable_no_error(),
                 },
             };
-            self.with_entry(key, |e| {
-                e.attempts += 1;
-                e.ooms += 1;
+            self.with_entry(call, |e, c| {
+                c.attempts += 1;
+                c.ooms += 1;
                 e.smallest_fail = Some(e.smallest_fail.map_or(size, |f| f.min(size)));
                 if e.largest_ok.is_some_and(|ok| ok >= size) {
                     e.largest_ok = None; // memory got tighter since
@@ -493,7 +597,7 @@ impl Adaptive {
                 }
             }
             let free = self.bucket(true) * BUCKET;
-            let next = self.lower(key, size);
+            let next = self.lower(call, size);
             tracing::info!(size, next, %kind, free_bytes = free, "out of memory: retrying smaller");
             if next < self.min || next >= size {
                 return Err(AdaptiveError::NoFit {
@@ -510,8 +614,8 @@ impl Adaptive {
         }
     }
 
-    fn lower(&self, key: Key, size: usize) -> usize {
-        let ok = self.with_entry(key, |e| e.largest_ok);
+    fn lower(&self, call: &mut Call, size: usize) -> usize {
+        let ok = self.with_entry(call, |e, _| e.largest_ok);
         match self.policy {
             Policy::Halve => size / 2,
             Policy::Factor(f) => {

@@ -9,7 +9,7 @@
 //! | `@toma.batch(initial_batchsize=512)`, `toma.execute.batch`, `toma.explicit.batch` | [`Adaptive::batch`]`(512, \|n\| ...)` |
 //! | `@toma.range(initial_step=32)` | [`Adaptive::range`]`(start, end, 32, \|a, b\| ...)` |
 //! | `@toma.chunked(initial_step=512)` | `Adaptive::chunked(&tensor, dim, 512, \|chunk, a, b\| ...)` (feature `tch`) |
-//! | `StacktraceMemoryBatchsizeCache` (default) | [`Cache::CallSite`] (default): `#[track_caller]` site + free memory in 256 MiB buckets |
+//! | `StacktraceMemoryBatchsizeCache` (default) | [`Cache::CallSite`] (default): `#[track_caller]` site + free memory in 256 MiB buckets; a helper shared by several models gives each its key: [`Adaptive::batch_keyed`], [`Adaptive::range_keyed`] |
 //! | `GlobalBatchsizeCache`, `NoBatchsizeCache` | [`Cache::Global`], [`Cache::None`] |
 //! | halves, never grows back | [`Policy::Halve`], [`Policy::Factor`], [`Policy::Search`] (default), [`Adaptive::grow`] with [`Adaptive::max`] |
 //! | `gc.collect()` + `empty_cache()` around every call | `empty_cache` only after a CUDA OOM, never on the success path |

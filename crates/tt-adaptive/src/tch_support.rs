@@ -2,6 +2,7 @@
 
 use std::panic::Location;
 
+use crate::adaptive::Site;
 use crate::{Adaptive, AdaptiveError, MemoryProbe, OomClassify, OomKind};
 
 /// Free memory of CUDA device `n` as libtorch's allocator sees it: the driver's free
@@ -59,9 +60,39 @@ impl Adaptive {
         tensor: &tch::Tensor,
         dim: i64,
         initial_step: usize,
+        f: impl FnMut(&mut tch::Tensor, usize, usize) -> Result<(), E>,
+    ) -> Result<(), AdaptiveError<E>> {
+        self.chunked_at(
+            Site::Caller(Location::caller()),
+            tensor,
+            dim,
+            initial_step,
+            f,
+        )
+    }
+
+    /// [`chunked`](Self::chunked) with the cache entry named by `key` instead of the
+    /// call site (see [`batch_keyed`](Self::batch_keyed)).
+    pub fn chunked_keyed<E: OomClassify + From<tch::TchError>>(
+        &self,
+        key: impl AsRef<str>,
+        tensor: &tch::Tensor,
+        dim: i64,
+        initial_step: usize,
+        f: impl FnMut(&mut tch::Tensor, usize, usize) -> Result<(), E>,
+    ) -> Result<(), AdaptiveError<E>> {
+        let site = Site::Named(std::sync::Arc::from(key.as_ref()));
+        self.chunked_at(site, tensor, dim, initial_step, f)
+    }
+
+    fn chunked_at<E: OomClassify + From<tch::TchError>>(
+        &self,
+        site: Site,
+        tensor: &tch::Tensor,
+        dim: i64,
+        initial_step: usize,
         mut f: impl FnMut(&mut tch::Tensor, usize, usize) -> Result<(), E>,
     ) -> Result<(), AdaptiveError<E>> {
-        let site = Location::caller();
         let len = tensor
             .size()
             .get(usize::try_from(dim).unwrap_or(usize::MAX))

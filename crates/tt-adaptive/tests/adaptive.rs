@@ -228,3 +228,111 @@ fn oom_panics_are_caught_only_when_asked() {
     }));
     assert!(other.is_err());
 }
+
+/// A fixed amount of free memory: one cache bucket whatever else runs on the machine.
+struct Fixed;
+impl MemoryProbe for Fixed {
+    fn free_bytes(&self) -> Option<u64> {
+        Some(8 << 30)
+    }
+}
+
+/// Work over a budget that records every size tried.
+fn recorded(
+    capacity: usize,
+    tried: &mut Vec<usize>,
+) -> impl FnMut(usize) -> Result<usize, String> + '_ {
+    move |size| {
+        tried.push(size);
+        if size > capacity {
+            Err(CUDA_OOM.to_owned())
+        } else {
+            Ok(size)
+        }
+    }
+}
+
+#[test]
+fn no_cache_lowers_like_toma_on_every_call_whatever_the_policy() {
+    // toma's NoBatchsizeCache: every call starts at the initial size and halves.
+    for policy in [Policy::Search, Policy::Halve] {
+        let a = Adaptive::new().policy(policy).cache(Cache::None);
+        for call in 0..8 {
+            let mut tried = Vec::new();
+            let got = a.batch(512, recorded(100, &mut tried)).unwrap();
+            assert_eq!(
+                (got, tried.as_slice()),
+                (64, [512, 256, 128, 64].as_slice()),
+                "{policy:?}, call {call}: nothing learned by earlier calls changes this one"
+            );
+        }
+        assert_eq!(ooms(&a), 8 * 3, "{policy:?}: 3 OOMs a call, as toma");
+        assert_eq!(a.stats()[0].calls, 8);
+    }
+    // Within one range call the search may go back up; the next call starts over.
+    let a = Adaptive::new().cache(Cache::None);
+    for _ in 0..2 {
+        let mut tried = Vec::new();
+        let mut covered = 0;
+        a.range(0, 2000, 512, |from, to| {
+            tried.push(to - from);
+            if to - from > 100 {
+                return Err(CUDA_OOM.to_owned());
+            }
+            covered += to - from;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(covered, 2000);
+        assert_eq!(tried[..4], [512, 256, 128, 64], "each call starts at 512");
+        assert!(
+            tried[4..].iter().any(|&n| n > 64 && n <= 100),
+            "searched back up within the call: {tried:?}"
+        );
+    }
+}
+
+#[test]
+fn a_helper_shared_by_models_keeps_one_entry_per_key() {
+    // One helper, one call site, two models of different sizes.
+    fn helper(a: &Adaptive, key: Option<&str>, capacity: usize, tried: &mut Vec<usize>) -> usize {
+        let work = recorded(capacity, tried);
+        match key {
+            Some(k) => a.batch_keyed(k, 1024, work).unwrap(),
+            None => a.batch(1024, work).unwrap(),
+        }
+    }
+    let run = |key_a: Option<&str>, key_b: Option<&str>| {
+        let a = Adaptive::new().policy(Policy::Halve).memory(Fixed);
+        let mut first = Vec::new();
+        helper(&a, key_a, 1000, &mut first);
+        helper(&a, key_b, 100, &mut Vec::new());
+        let mut again = Vec::new();
+        let got = helper(&a, key_a, 1000, &mut again);
+        (got, again, a.stats())
+    };
+    // By call site alone, model A starts from model B's size.
+    let (shared, _, stats) = run(None, None);
+    assert_eq!(shared, 64);
+    assert_eq!(stats.len(), 1);
+    // With keys each model has its entry: A starts from its own 512 and needs no retry.
+    let (own, tried, stats) = run(Some("model-a"), Some("model-b"));
+    assert_eq!((own, tried), (512, vec![512]));
+    let sites: Vec<&str> = stats.iter().map(|s| s.site.as_str()).collect();
+    assert_eq!(sites, ["model-a", "model-b"]);
+    assert_eq!(stats.iter().map(|s| s.size).collect::<Vec<_>>(), [512, 64]);
+    // Keys work for ranges too, and under the global cache.
+    let g = Adaptive::new().policy(Policy::Halve).cache(Cache::Global);
+    for (key, cap) in [("a", 1000), ("b", 100)] {
+        g.range_keyed(key, 0, 3000, 1024, |from, to| {
+            if to - from > cap {
+                Err(CUDA_OOM.to_owned())
+            } else {
+                Ok(())
+            }
+        })
+        .unwrap();
+    }
+    let sizes: Vec<(String, usize)> = g.stats().into_iter().map(|s| (s.site, s.size)).collect();
+    assert_eq!(sizes, [("a".to_owned(), 512), ("b".to_owned(), 64)]);
+}
