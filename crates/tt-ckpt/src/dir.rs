@@ -1,5 +1,6 @@
 //! A directory of numbered checkpoints with a `latest` pointer.
 
+use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -10,6 +11,10 @@ use crate::error::io;
 use crate::{Checkpoint, Error, LoadedCheckpoint, Result};
 
 const LATEST: &str = "latest";
+/// Where [`CheckpointDir::supersede_newer`] moves another timeline's later steps.
+const SUPERSEDED: &str = "superseded";
+/// Where files that `load_latest` found damaged go when the run saves past them.
+const DAMAGED: &str = "damaged";
 
 /// One checkpoint file of a directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,11 +40,28 @@ pub struct Loaded {
 /// A directory of `ckpt-00000123.safetensors` files and a `latest` pointer.
 ///
 /// Saving writes the numbered file atomically and durably, then replaces `latest`
-/// (a one-line file naming it) the same way, then removes the oldest files beyond
-/// [`keep_last`](Self::keep_last), never the newest. Loading follows `latest`,
-/// verifies the file, and falls back to the newest valid one, saying what it
-/// skipped. Works on a shared filesystem: only the writer (rank 0 by default)
-/// writes; every rank can read.
+/// (a one-line file naming it) the same way, then removes the lowest steps beyond
+/// [`keep_last`](Self::keep_last); the file just saved is never removed. Loading
+/// takes the newest valid step, verifies the file, and falls back to the next valid
+/// one, saying what it skipped. Works on a shared filesystem: only the writer (rank 0
+/// by default) writes; every rank can read.
+///
+/// # One directory, one run
+///
+/// The steps in a directory are one run's timeline, so "newest" is "highest step".
+/// Saving a step below a valid checkpoint already there would mix two timelines (a
+/// new run started where a finished one left steps 1000 to 3000, or a run rolled
+/// back to an earlier step): the rotation would delete the new file, and a later
+/// resume would quietly pick the other run. So such a save is refused with
+/// [`Error::NewerCheckpoints`], before anything is written, naming the steps and the
+/// ways out: resume from them ([`load_latest`](Self::load_latest)), use another
+/// directory, or open this one with [`supersede_newer`](Self::supersede_newer),
+/// which moves them into `superseded/` (nothing is deleted). Saving the same step
+/// again replaces that file.
+///
+/// Files that this directory's [`load_latest`](Self::load_latest) skipped as damaged
+/// are not a conflict: the run resumed from an older step on purpose, and its next
+/// save moves them into `damaged/` (kept for inspection, out of the timeline).
 ///
 /// [`save_async`](Self::save_async) writes on a background thread; the next save,
 /// [`wait`](Self::wait), or dropping the directory joins it, and its error is
@@ -47,6 +69,9 @@ pub struct Loaded {
 #[derive(Debug)]
 pub struct CheckpointDir {
     rules: Rules,
+    /// Files `load_latest` skipped as damaged: moved aside by the next save that
+    /// passes them.
+    damaged: Mutex<Vec<PathBuf>>,
     pending: Mutex<Option<PendingSave>>,
     /// Host buffers of the last checkpoint written in the background.
     pool: Arc<Mutex<Vec<Vec<u8>>>>,
@@ -61,6 +86,7 @@ struct Rules {
     dir: PathBuf,
     keep_last: Option<usize>,
     writer: bool,
+    supersede_newer: bool,
 }
 
 fn file_name(step: u64) -> String {
@@ -88,7 +114,9 @@ impl CheckpointDir {
                 dir,
                 keep_last: None,
                 writer,
+                supersede_newer: false,
             },
+            damaged: Mutex::new(Vec::new()),
             pending: Mutex::new(None),
             pool: Arc::new(Mutex::new(Vec::new())),
         })
@@ -97,6 +125,17 @@ impl CheckpointDir {
     /// Keeps only the newest `n` checkpoints (at least 1) after each save.
     pub fn keep_last(mut self, n: usize) -> Self {
         self.rules.keep_last = Some(n.max(1));
+        self
+    }
+
+    /// Lets a save go below steps already in the directory: those later steps (another
+    /// run's, or this run's before a roll-back) are moved into
+    /// `<dir>/superseded/before-step-<step>-<time>/` by the first such save, so that
+    /// the directory holds one timeline again. Nothing is deleted. Without it such a
+    /// save is [`Error::NewerCheckpoints`] (see [one directory, one
+    /// run](Self#one-directory-one-run)).
+    pub fn supersede_newer(mut self) -> Self {
+        self.rules.supersede_newer = true;
         self
     }
 
@@ -115,9 +154,29 @@ impl CheckpointDir {
     /// Returns the path, or `None` on a process that is not the writer. A pending
     /// [`save_async`](Self::save_async) is finished first; if it failed, its error
     /// is returned ([`Error::PreviousSaveFailed`]) and nothing else is done.
+    ///
+    /// A step below a valid checkpoint already in the directory is
+    /// [`Error::NewerCheckpoints`] unless [`supersede_newer`](Self::supersede_newer)
+    /// was asked for; nothing is written then.
     pub fn save(&self, checkpoint: &Checkpoint<'_>) -> Result<Option<PathBuf>> {
         self.join_pending()?;
-        self.rules.save(checkpoint)
+        if !self.rules.writer {
+            return Ok(None);
+        }
+        self.prepare(checkpoint.step())?;
+        self.rules.write(checkpoint).map(Some)
+    }
+
+    /// Makes room for a save of `step` in the timeline: later steps are damaged
+    /// files moved aside, superseded ones moved aside, or a refusal.
+    fn prepare(&self, step: u64) -> Result<()> {
+        let mut damaged = self
+            .damaged
+            .lock()
+            .map_err(|_| Error::SaveThread("a thread panicked while loading".into()))?;
+        self.rules.prepare(step, &damaged)?;
+        damaged.clear();
+        Ok(())
     }
 
     /// A new checkpoint of `step` that reuses the host buffers of the last one
@@ -135,18 +194,20 @@ impl CheckpointDir {
 
     /// Starts writing `checkpoint` (whose tensors are already in host memory: a
     /// `Checkpoint<'static>` owns its bytes) on a background thread and returns.
-    /// The previous pending save is finished first, as in [`save`](Self::save).
+    /// The previous pending save is finished first, as in [`save`](Self::save), and
+    /// a step below the directory's newer checkpoints is refused at once, as there.
     pub fn save_async(&self, checkpoint: Checkpoint<'static>) -> Result<()> {
         self.join_pending()?;
         if !self.rules.writer {
             return Ok(());
         }
+        self.prepare(checkpoint.step())?;
         let rules = self.rules.clone();
         let pool = Arc::clone(&self.pool);
         let handle = std::thread::Builder::new()
             .name("tt-ckpt-save".into())
             .spawn(move || {
-                let saved = rules.save(&checkpoint);
+                let saved = rules.write(&checkpoint).map(Some);
                 if let Ok(mut p) = pool.lock() {
                     *p = checkpoint.into_buffers();
                 }
@@ -185,43 +246,41 @@ impl CheckpointDir {
     pub fn list(&self) -> Result<Vec<CheckpointEntry>> {
         self.rules.list()
     }
-    /// The newest valid checkpoint: the one `latest` names if it verifies, else the
-    /// newest that does, with what was skipped. No valid checkpoint is
-    /// [`Error::NoCheckpoint`] (listing what was tried); an empty directory too.
+    /// The newest valid checkpoint: the highest step that verifies, with the newer
+    /// files it skipped and why. This is the file `latest` names, unless a crash came
+    /// between the checkpoint's rename and the pointer's, when it is the newer,
+    /// complete file. No valid checkpoint is [`Error::NoCheckpoint`] (listing what
+    /// was tried); an empty directory too.
+    ///
+    /// The skipped files are remembered: this directory's next save past them moves
+    /// them into `damaged/` (see [one directory, one run](Self#one-directory-one-run)).
     pub fn load_latest(&self) -> Result<Loaded> {
         let mut skipped = Vec::new();
-        let pointed = std::fs::read_to_string(self.rules.dir.join(LATEST))
-            .ok()
-            .map(|s| s.trim().to_owned())
-            .filter(|s| step_of(s).is_some());
-        let mut candidates: Vec<PathBuf> = self
-            .rules
-            .list()?
-            .into_iter()
-            .rev()
-            .map(|e| e.path)
-            .collect();
-        if let Some(name) = pointed {
-            let p = self.rules.dir.join(name);
-            candidates.retain(|c| *c != p);
-            candidates.insert(0, p);
-        }
+        let candidates = self.rules.list()?.into_iter().rev().map(|e| e.path);
+        let mut found = None;
         for path in candidates {
             match LoadedCheckpoint::read(&path) {
                 Ok(checkpoint) => {
-                    return Ok(Loaded {
-                        checkpoint,
-                        skipped,
-                    })
+                    found = Some(checkpoint);
+                    break;
                 }
                 Err(Error::Corrupt { reason, .. }) => skipped.push((path, reason)),
                 Err(e) => skipped.push((path, e.to_string())),
             }
         }
-        Err(Error::NoCheckpoint {
-            dir: self.rules.dir.clone(),
-            skipped,
-        })
+        if let Ok(mut damaged) = self.damaged.lock() {
+            *damaged = skipped.iter().map(|(p, _)| p.clone()).collect();
+        }
+        match found {
+            Some(checkpoint) => Ok(Loaded {
+                checkpoint,
+                skipped,
+            }),
+            None => Err(Error::NoCheckpoint {
+                dir: self.rules.dir.clone(),
+                skipped,
+            }),
+        }
     }
 }
 
@@ -235,10 +294,76 @@ impl Drop for CheckpointDir {
 }
 
 impl Rules {
-    fn save(&self, checkpoint: &Checkpoint<'_>) -> Result<Option<PathBuf>> {
-        if !self.writer {
-            return Ok(None);
+    /// Refuses a save of `step` below the directory's valid checkpoints, or moves
+    /// them aside: `damaged` ones (skipped by `load_latest`) into `damaged/`, the
+    /// others into `superseded/` when that was asked for.
+    fn prepare(&self, step: u64, damaged: &[PathBuf]) -> Result<()> {
+        let newer: Vec<CheckpointEntry> =
+            self.list()?.into_iter().filter(|e| e.step > step).collect();
+        if newer.is_empty() {
+            return Ok(());
         }
+        let (broken, valid): (Vec<_>, Vec<_>) =
+            newer.into_iter().partition(|e| damaged.contains(&e.path));
+        if !valid.is_empty() && !self.supersede_newer {
+            return Err(Error::NewerCheckpoints {
+                dir: self.dir.clone(),
+                step,
+                newer: valid.iter().map(|e| e.step).collect(),
+            });
+        }
+        if !broken.is_empty() {
+            self.move_aside(&broken, PathBuf::from(DAMAGED))?;
+        }
+        if !valid.is_empty() {
+            let since_epoch = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            let batch = format!(
+                "before-step-{step:08}-{}.{:09}",
+                since_epoch.as_secs(),
+                since_epoch.subsec_nanos()
+            );
+            let to = self.move_aside(&valid, Path::new(SUPERSEDED).join(batch))?;
+            tracing::warn!(
+                step,
+                newer = ?valid.iter().map(|e| e.step).collect::<Vec<_>>(),
+                to = %to.display(),
+                "moved checkpoints of later steps out of the run's directory"
+            );
+        }
+        Ok(())
+    }
+
+    /// Renames `files` into `self.dir/sub` (created), durably; returns that folder.
+    fn move_aside(&self, files: &[CheckpointEntry], sub: PathBuf) -> Result<PathBuf> {
+        let to = self.dir.join(sub);
+        std::fs::create_dir_all(&to).map_err(io("create", &to))?;
+        for entry in files {
+            let name = entry
+                .path
+                .file_name()
+                .map(PathBuf::from)
+                .unwrap_or_default();
+            let mut target = to.join(&name);
+            // A damaged file of the same name moved earlier stays too.
+            let mut n = 1;
+            while target.exists() {
+                target = to.join(format!("{}.{n}", name.display()));
+                n += 1;
+            }
+            std::fs::rename(&entry.path, &target).map_err(io("move aside", &entry.path))?;
+        }
+        for d in [&to, &self.dir] {
+            File::open(d)
+                .and_then(|f| f.sync_all())
+                .map_err(io("fsync", d))?;
+        }
+        Ok(to)
+    }
+
+    /// Writes the checkpoint, points `latest` at it, and rotates.
+    fn write(&self, checkpoint: &Checkpoint<'_>) -> Result<PathBuf> {
         clean_stale_temps(&self.dir)?;
         let name = file_name(checkpoint.step());
         let path = self.dir.join(&name);
@@ -248,13 +373,17 @@ impl Rules {
         })?;
         if let Some(n) = self.keep_last {
             for old in self.list()?.iter().rev().skip(n) {
-                // The newest is never among these: the list is sorted and n >= 1.
+                // Never the file just saved (and `latest` names it), whatever else
+                // the directory holds.
+                if old.path == path {
+                    continue;
+                }
                 if let Err(e) = std::fs::remove_file(&old.path) {
                     tracing::warn!(path = %old.path.display(), error = %e, "could not remove an old checkpoint");
                 }
             }
         }
-        Ok(Some(path))
+        Ok(path)
     }
 
     fn list(&self) -> Result<Vec<CheckpointEntry>> {

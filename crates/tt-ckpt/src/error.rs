@@ -49,6 +49,26 @@ pub enum Error {
         /// The files tried and why each was skipped.
         skipped: Vec<(PathBuf, String)>,
     },
+    /// A save below steps already in the directory (another run's, or this run's
+    /// before a roll-back); nothing was written.
+    #[error(
+        "{} already holds checkpoints of later steps than {step} ({}): they belong to an \
+         earlier run, or to a later point of this one, and saving here would mix two runs. \
+         To continue that run, resume from it (load_latest); to start over in this directory, \
+         open it with .supersede_newer(), which moves them into {}/superseded/ (nothing is \
+         deleted); or save into another directory",
+        dir.display(),
+        steps_text(newer),
+        dir.display()
+    )]
+    NewerCheckpoints {
+        /// The directory.
+        dir: PathBuf,
+        /// The step being saved.
+        step: u64,
+        /// The later steps found, lowest first.
+        newer: Vec<u64>,
+    },
     /// The previous background save failed; this call did nothing else.
     #[error("the previous background save failed (nothing else was done; save again): {0}")]
     PreviousSaveFailed(Box<Error>),
@@ -58,6 +78,11 @@ pub enum Error {
     /// A tensor name the format cannot hold.
     #[error("tensor name {0:?} is reserved or empty: use another name")]
     BadName(String),
+}
+
+fn steps_text(steps: &[u64]) -> String {
+    let list: Vec<String> = steps.iter().map(|s| format!("step {s}")).collect();
+    list.join(", ")
 }
 
 fn skipped_text(skipped: &[(PathBuf, String)]) -> String {

@@ -10,7 +10,9 @@
 //!   xxh3 checksum of every tensor, verified on load.
 //! - [`CheckpointDir`]: `ckpt-00000123.safetensors` files, a `latest` pointer,
 //!   `keep_last(n)` rotation, and `load_latest()` that falls back to the newest
-//!   valid checkpoint and says what it skipped. Only rank 0 writes by default.
+//!   valid checkpoint and says what it skipped. Only rank 0 writes by default. A
+//!   directory is one run: a save below steps already there is refused unless asked
+//!   for (see [one directory, one run](CheckpointDir#one-directory-one-run)).
 //!
 //! This crate needs no libtorch: tensors are bytes with a dtype and a shape.
 //!

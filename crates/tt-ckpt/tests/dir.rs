@@ -101,21 +101,176 @@ fn a_flipped_byte_is_detected_and_the_previous_checkpoint_is_used() {
     assert_eq!(e.matches(".safetensors").count(), 3, "{e}");
 }
 
+fn steps(dir: &CheckpointDir) -> Vec<u64> {
+    dir.list().unwrap().iter().map(|e| e.step).collect()
+}
+
+fn latest(dir: &CheckpointDir) -> String {
+    std::fs::read_to_string(dir.path().join("latest"))
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+/// A finished run's directory: steps 1000, 2000, 3000 (all kept).
+fn finished_run(path: &Path) {
+    let old = CheckpointDir::open(path).unwrap();
+    for step in [1000, 2000, 3000] {
+        old.save(&ckpt(step)).unwrap();
+    }
+}
+
+/// The checkpoint files of the folders the directory moved aside, as steps.
+fn moved_aside(path: &Path, folder: &str) -> Vec<u64> {
+    let mut found = Vec::new();
+    let mut stack = vec![path.join(folder)];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            if e.file_type().unwrap().is_dir() {
+                stack.push(e.path());
+            } else {
+                // Each one still verifies: moved, not lost.
+                let c = tt_ckpt::LoadedCheckpoint::read(e.path()).unwrap();
+                found.push(c.step());
+            }
+        }
+    }
+    found.sort_unstable();
+    found
+}
+
 #[test]
-fn latest_is_followed_even_when_a_higher_step_exists() {
-    // A run restarted from step 20 after a crash rewrites older steps: `latest` says
-    // which file is current, not the highest number.
+fn a_new_run_in_a_finished_runs_directory_is_refused_before_writing() {
+    let root = tempfile::tempdir().unwrap();
+    finished_run(root.path());
+    // A new run (no resume) with rotation: step 100 would be the lowest step and be
+    // rotated away at once, and a resume would pick the old run's 3000.
+    let dir = CheckpointDir::open(root.path()).unwrap().keep_last(2);
+    let e = dir.save(&ckpt(100)).unwrap_err();
+    match &e {
+        Error::NewerCheckpoints { step, newer, .. } => {
+            assert_eq!(
+                (*step, newer.as_slice()),
+                (100, [1000, 2000, 3000].as_slice())
+            )
+        }
+        other => panic!("{other}"),
+    }
+    let text = e.to_string();
+    for hint in [
+        "step 3000",
+        "load_latest",
+        ".supersede_newer()",
+        "another directory",
+    ] {
+        assert!(text.contains(hint), "{hint}: {text}");
+    }
+    assert_eq!(
+        steps(&dir),
+        [1000, 2000, 3000],
+        "nothing written or removed"
+    );
+    assert_eq!(latest(&dir), "ckpt-00003000.safetensors");
+    // The same refusal from a background save, at once.
+    assert!(matches!(
+        dir.save_async(ckpt(100)),
+        Err(Error::NewerCheckpoints { .. })
+    ));
+    // Asked for: the old run's steps move aside (kept), the new run is the timeline.
+    let dir = CheckpointDir::open(root.path())
+        .unwrap()
+        .keep_last(2)
+        .supersede_newer();
+    let saved = dir.save(&ckpt(100)).unwrap().unwrap();
+    assert!(saved.exists(), "the file just saved is there");
+    assert_eq!(steps(&dir), [100]);
+    assert_eq!(latest(&dir), "ckpt-00000100.safetensors");
+    assert_eq!(dir.load_latest().unwrap().checkpoint.step(), 100);
+    assert_eq!(moved_aside(root.path(), "superseded"), [1000, 2000, 3000]);
+    for step in [200, 300] {
+        dir.save(&ckpt(step)).unwrap();
+    }
+    assert_eq!(steps(&dir), [200, 300], "rotation goes on in the new run");
+}
+
+#[test]
+fn a_rolled_back_run_never_falls_back_to_the_abandoned_steps() {
+    let root = tempfile::tempdir().unwrap();
+    finished_run(root.path());
+    // The run is rolled back to step 2000 (its loss diverged after it, say).
+    let dir = CheckpointDir::open(root.path())
+        .unwrap()
+        .keep_last(2)
+        .supersede_newer();
+    let from = &dir.list().unwrap()[1];
+    let resumed = tt_ckpt::LoadedCheckpoint::read(&from.path).unwrap();
+    assert_eq!(resumed.step(), 2000);
+    for step in [2100, 2200] {
+        dir.save(&ckpt(step)).unwrap();
+    }
+    assert_eq!(steps(&dir), [2100, 2200]);
+    assert_eq!(moved_aside(root.path(), "superseded"), [3000]);
+    // If the newest is damaged, the fallback stays on this timeline.
+    flip_byte(&root.path().join("ckpt-00002200.safetensors"), 100);
+    assert_eq!(dir.load_latest().unwrap().checkpoint.step(), 2100);
+    // Without supersede_newer the roll-back is refused, naming the later step.
+    let root = tempfile::tempdir().unwrap();
+    finished_run(root.path());
+    let dir = CheckpointDir::open(root.path()).unwrap();
+    match dir.save(&ckpt(2100)) {
+        Err(Error::NewerCheckpoints { newer, .. }) => assert_eq!(newer, [3000]),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn after_falling_back_from_a_damaged_checkpoint_the_run_saves_past_it() {
+    let root = tempfile::tempdir().unwrap();
+    finished_run(root.path());
+    let newest = root.path().join("ckpt-00003000.safetensors");
+    flip_byte(&newest, 100);
+    let dir = CheckpointDir::open(root.path()).unwrap().keep_last(2);
+    let loaded = dir.load_latest().unwrap();
+    assert_eq!(loaded.checkpoint.step(), 2000);
+    assert_eq!(loaded.skipped.len(), 1);
+    // The run goes on from 2000: the damaged 3000 is no conflict, it moves to damaged/.
+    let saved = dir.save(&ckpt(2100)).unwrap().unwrap();
+    assert!(saved.exists());
+    assert!(!newest.exists());
+    assert_eq!(steps(&dir), [2000, 2100]);
+    assert_eq!(latest(&dir), "ckpt-00002100.safetensors");
+    assert_eq!(dir.load_latest().unwrap().checkpoint.step(), 2100);
+    let kept: Vec<_> = std::fs::read_dir(root.path().join("damaged"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(kept, ["ckpt-00003000.safetensors"], "kept for inspection");
+    // A valid later step is still a conflict, even after a load.
+    let root = tempfile::tempdir().unwrap();
+    finished_run(root.path());
+    let dir = CheckpointDir::open(root.path()).unwrap();
+    assert_eq!(dir.load_latest().unwrap().checkpoint.step(), 3000);
+    assert!(matches!(
+        dir.save(&ckpt(2500)),
+        Err(Error::NewerCheckpoints { .. })
+    ));
+}
+
+#[test]
+fn a_crash_between_the_file_and_the_pointer_loads_the_newer_complete_file() {
     let root = tempfile::tempdir().unwrap();
     let dir = CheckpointDir::open(root.path()).unwrap();
-    dir.save(&ckpt(30)).unwrap();
     dir.save(&ckpt(20)).unwrap();
-    assert_eq!(dir.load_latest().unwrap().checkpoint.step(), 20);
+    dir.save(&ckpt(30)).unwrap();
+    // As if the writer died after renaming step 30 into place, before `latest`.
+    std::fs::write(root.path().join("latest"), "ckpt-00000020.safetensors\n").unwrap();
+    assert_eq!(dir.load_latest().unwrap().checkpoint.step(), 30);
     std::fs::write(root.path().join("latest"), "garbage\n").unwrap();
-    assert_eq!(
-        dir.load_latest().unwrap().checkpoint.step(),
-        30,
-        "a bad pointer falls back to the newest"
-    );
+    assert_eq!(dir.load_latest().unwrap().checkpoint.step(), 30);
+    // Saving the same step again replaces it (a periodic and a final save, say).
+    dir.save(&ckpt(30)).unwrap();
+    assert_eq!(steps(&dir), [20, 30]);
 }
 
 #[test]
@@ -209,14 +364,21 @@ fn async_saves_finish_in_order_and_report_their_errors() {
     assert_eq!(dir.list().unwrap().len(), 2);
     assert_eq!(dir.wait().unwrap(), None, "nothing pending any more");
 
-    // The directory vanishes under a background save: the error comes back.
-    std::fs::remove_dir_all(root.path().join("run")).unwrap();
+    // The write fails on the background thread (`latest` cannot be replaced): the
+    // error comes back with the next save, and from wait().
+    let latest = root.path().join("run/latest");
+    std::fs::remove_file(&latest).unwrap();
+    std::fs::create_dir(&latest).unwrap();
     dir.save_async(ckpt(6)).unwrap();
     let e = dir.save(&ckpt(7)).unwrap_err();
     assert!(matches!(e, Error::PreviousSaveFailed(_)), "{e}");
-    assert!(e.to_string().contains("No such file or directory"), "{e}");
+    assert!(e.to_string().contains("Is a directory"), "{e}");
     dir.save_async(ckpt(8)).unwrap();
     assert!(dir.wait().is_err(), "wait() reports it too");
+    // The directory vanished: a background save says so at once.
+    std::fs::remove_dir_all(root.path().join("run")).unwrap();
+    let e = dir.save_async(ckpt(9)).unwrap_err();
+    assert!(e.to_string().contains("No such file or directory"), "{e}");
 }
 
 #[test]
