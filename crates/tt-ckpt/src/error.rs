@@ -25,6 +25,25 @@ pub enum Error {
     /// The safetensors layer refused the tensors (bad shape/size, duplicate name...).
     #[error("cannot write the tensors: {0}")]
     Tensors(String),
+    /// A tensor of the file cannot be read as asked (a dtype tch has no kind for, a
+    /// copy to a device that failed).
+    #[error("cannot read the tensors: {0}")]
+    Unreadable(String),
+    /// A safetensors file does not fit a VarStore (`TensorFile::load_var_store`); the
+    /// VarStore was left unchanged.
+    #[error("cannot load {} into the VarStore: {}", path.display(), state_dict_text(missing, unexpected, mismatched, *strict))]
+    StateDict {
+        /// The file.
+        path: PathBuf,
+        /// Variables with no tensor of their name.
+        missing: Vec<String>,
+        /// Tensors with no variable of their name.
+        unexpected: Vec<String>,
+        /// Names whose shape or dtype does not fit, each with what differs.
+        mismatched: Vec<String>,
+        /// Whether missing and unexpected names were errors.
+        strict: bool,
+    },
     /// A value could not be turned into JSON or back.
     #[error("value {key:?}: {source}")]
     Value {
@@ -78,6 +97,39 @@ pub enum Error {
     /// A tensor name the format cannot hold.
     #[error("tensor name {0:?} is reserved or empty: use another name")]
     BadName(String),
+}
+
+fn state_dict_text(
+    missing: &[String],
+    unexpected: &[String],
+    mismatched: &[String],
+    strict: bool,
+) -> String {
+    let quoted = |names: &[String]| {
+        names
+            .iter()
+            .map(|n| format!("{n:?}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut parts = Vec::new();
+    if !mismatched.is_empty() {
+        parts.push(format!("does not fit: {}", mismatched.join("; ")));
+    }
+    if strict && !missing.is_empty() {
+        parts.push(format!("missing in the file: {}", quoted(missing)));
+    }
+    if strict && !unexpected.is_empty() {
+        parts.push(format!("unexpected in the file: {}", quoted(unexpected)));
+    }
+    let mut text = parts.join("; ");
+    if strict && !(missing.is_empty() && unexpected.is_empty()) {
+        text.push_str(
+            " (the names must match the VarStore's paths, e.g. \"l1.weight\"; \
+             LoadOptions::non_strict() loads what matches and reports the rest)",
+        );
+    }
+    text
 }
 
 fn steps_text(steps: &[u64]) -> String {

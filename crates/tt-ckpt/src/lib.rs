@@ -54,4 +54,4 @@ pub use format::{Checkpoint, LoadedCheckpoint, Meta, TensorData, TensorFile, MET
 pub use safetensors::tensor::TensorView;
 pub use safetensors::Dtype;
 #[cfg(feature = "tch")]
-pub use tch_support::{dtype_of, kind_of};
+pub use tch_support::{dtype_of, kind_of, LoadOptions, LoadReport};

@@ -8,6 +8,10 @@ fn torch_err(what: String) -> impl FnOnce(tch::TchError) -> Error {
     move |e| Error::Tensors(format!("{what}: {e}"))
 }
 
+fn read_err(what: String) -> impl FnOnce(tch::TchError) -> Error {
+    move |e| Error::Unreadable(format!("{what}: {e}"))
+}
+
 /// The safetensors dtype of a tch kind.
 pub fn dtype_of(kind: Kind) -> Result<Dtype> {
     Ok(match kind {
@@ -21,15 +25,20 @@ pub fn dtype_of(kind: Kind) -> Result<Dtype> {
         Kind::Int8 => Dtype::I8,
         Kind::Uint8 => Dtype::U8,
         Kind::Bool => Dtype::BOOL,
+        Kind::Float8e5m2 => Dtype::F8_E5M2,
+        Kind::Float8e4m3fn => Dtype::F8_E4M3,
+        Kind::ComplexFloat => Dtype::C64,
         other => {
             return Err(Error::Tensors(format!(
-                "tch kind {other:?} has no safetensors dtype"
+                "tch kind {other:?} has no safetensors dtype (convert it, e.g. with to_kind, \
+                 before saving)"
             )))
         }
     })
 }
 
-/// The tch kind of a safetensors dtype.
+/// The tch kind of a safetensors dtype. A dtype tch 0.24 has no kind for (unsigned
+/// 16-, 32- and 64-bit integers, F8_E8M0, F4, F6) is [`Error::Unreadable`].
 pub fn kind_of(dtype: Dtype) -> Result<Kind> {
     Ok(match dtype {
         Dtype::F32 => Kind::Float,
@@ -42,9 +51,14 @@ pub fn kind_of(dtype: Dtype) -> Result<Kind> {
         Dtype::I8 => Kind::Int8,
         Dtype::U8 => Kind::Uint8,
         Dtype::BOOL => Kind::Bool,
+        Dtype::F8_E5M2 => Kind::Float8e5m2,
+        Dtype::F8_E4M3 => Kind::Float8e4m3fn,
+        Dtype::C64 => Kind::ComplexFloat,
         other => {
-            return Err(Error::Tensors(format!(
-                "safetensors dtype {other:?} has no tch kind"
+            return Err(Error::Unreadable(format!(
+                "safetensors dtype {other:?} has no tch kind (tch 0.24 has none for it): \
+                 convert the tensor in Python before saving, or read its bytes with \
+                 TensorFile::tensor"
             )))
         }
     })
@@ -94,12 +108,163 @@ impl TensorFile {
     /// Tensor `name` as a tch tensor on `device`, with its dtype.
     pub fn tch(&self, name: &str, device: Device) -> Result<Tensor> {
         let view = self.tensor(name)?;
-        let kind = kind_of(view.dtype())?;
+        let kind = kind_of(view.dtype()).map_err(|e| match e {
+            Error::Unreadable(why) => Error::Unreadable(format!("tensor {name:?}: {why}")),
+            other => other,
+        })?;
         let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         Tensor::f_from_data_size(view.data(), &shape, kind)
             .and_then(|t| t.f_to_device(device))
-            .map_err(torch_err(format!("tensor {name:?} to {device:?}")))
+            .map_err(read_err(format!("tensor {name:?} to {device:?}")))
     }
+
+    /// Loads this file's tensors into the variables of `vs` by name, with torch's
+    /// `load_state_dict` rules: the way to use weights trained in PyTorch (a file
+    /// from `safetensors.torch.save_file(model.state_dict(), ..)`, or any published
+    /// safetensors model) or any safetensors file, ours included.
+    ///
+    /// - Strict by default: a variable with no tensor of its name (missing), or a
+    ///   tensor with no variable (unexpected), is an error listing every such name;
+    ///   [`LoadOptions::non_strict`] loads what matches and reports the rest.
+    /// - A shape that differs is an error in both modes (as in torch).
+    /// - A dtype that differs is an error unless [`LoadOptions::convert_dtype`] is
+    ///   asked (torch converts silently).
+    ///
+    /// Everything is checked before anything is copied: on an error `vs` is
+    /// unchanged. Values land on each variable's device; variables stay trainable.
+    ///
+    /// ```no_run
+    /// use tch::{nn, Device};
+    /// use tt_ckpt::{LoadOptions, TensorFile};
+    ///
+    /// let mut vs = nn::VarStore::new(Device::Cpu);
+    /// let _l1 = nn::linear(vs.root() / "l1", 4, 8, Default::default());
+    /// // Saved in Python: safetensors.torch.save_file(model.state_dict(), "model.safetensors")
+    /// let report = TensorFile::read("model.safetensors")?.load_var_store(&mut vs, LoadOptions::default())?;
+    /// assert!(report.missing.is_empty() && report.unexpected.is_empty());
+    /// # Ok::<(), tt_ckpt::Error>(())
+    /// ```
+    pub fn load_var_store(
+        &self,
+        vs: &mut tch::nn::VarStore,
+        options: LoadOptions,
+    ) -> Result<LoadReport> {
+        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let names = self.names();
+        let mut report = LoadReport {
+            unexpected: names
+                .iter()
+                .filter(|n| !vars.iter().any(|(v, _)| v == *n))
+                .cloned()
+                .collect(),
+            ..LoadReport::default()
+        };
+        let mut mismatched = Vec::new();
+        let mut plan = Vec::new();
+        for (name, var) in &vars {
+            let Ok(view) = self.tensor(name) else {
+                report.missing.push(name.clone());
+                continue;
+            };
+            let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+            if shape != var.size() {
+                mismatched.push(format!(
+                    "{name:?} has shape {:?} in the VarStore but {shape:?} in the file",
+                    var.size()
+                ));
+                continue;
+            }
+            let kind = match kind_of(view.dtype()) {
+                Ok(kind) => kind,
+                Err(e) => {
+                    mismatched.push(format!("{name:?}: {e}"));
+                    continue;
+                }
+            };
+            if kind != var.kind() && !options.convert_dtype {
+                mismatched.push(format!(
+                    "{name:?} is {:?} in the VarStore but {kind:?} in the file \
+                     (LoadOptions::convert_dtype(true) converts it)",
+                    var.kind()
+                ));
+                continue;
+            }
+            plan.push(name.clone());
+        }
+        let strict_failure =
+            options.strict && !(report.missing.is_empty() && report.unexpected.is_empty());
+        if !mismatched.is_empty() || strict_failure {
+            return Err(Error::StateDict {
+                path: self.path().to_path_buf(),
+                missing: report.missing,
+                unexpected: report.unexpected,
+                mismatched,
+                strict: options.strict,
+            });
+        }
+        for (name, var) in vars.iter_mut().filter(|(n, _)| plan.contains(n)) {
+            let saved = self.tch(name, var.device())?;
+            tch::no_grad(|| var.f_copy_(&saved))
+                .map_err(read_err(format!("load variable {name:?}")))?;
+            report.loaded.push(name.clone());
+        }
+        Ok(report)
+    }
+}
+
+/// How [`TensorFile::load_var_store`] matches a file's tensors to a VarStore's
+/// variables. The default is torch's `load_state_dict(strict=True)` without its
+/// silent dtype conversion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadOptions {
+    strict: bool,
+    convert_dtype: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            strict: true,
+            convert_dtype: false,
+        }
+    }
+}
+
+impl LoadOptions {
+    /// Missing and unexpected names are errors (the default, torch's `strict=True`).
+    pub fn strict() -> Self {
+        LoadOptions::default()
+    }
+
+    /// Missing and unexpected names are reported in the [`LoadReport`], not errors
+    /// (torch's `strict=False`): fine-tuning a model whose head differs, say.
+    pub fn non_strict() -> Self {
+        LoadOptions {
+            strict: false,
+            ..LoadOptions::default()
+        }
+    }
+
+    /// Converts a tensor whose dtype differs from its variable's (an f64 or bf16 file
+    /// into f32 variables, say) instead of refusing it.
+    pub fn convert_dtype(mut self, convert: bool) -> Self {
+        self.convert_dtype = convert;
+        self
+    }
+}
+
+/// What [`TensorFile::load_var_store`] did (torch's `_IncompatibleKeys`, plus what
+/// was loaded). Names are sorted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[must_use = "in non-strict mode the missing and unexpected names are only reported here"]
+pub struct LoadReport {
+    /// Variables given the file's values.
+    pub loaded: Vec<String>,
+    /// Variables with no tensor of their name in the file (left as they were).
+    pub missing: Vec<String>,
+    /// Tensors of the file with no variable of their name.
+    pub unexpected: Vec<String>,
 }
 
 impl LoadedCheckpoint {
@@ -109,26 +274,29 @@ impl LoadedCheckpoint {
     }
 
     /// Copies the saved values into every variable of `vs` (on its device). A
-    /// variable missing from the checkpoint, or of another shape or dtype, is an
-    /// error and nothing after it is copied; extra tensors in the checkpoint are
-    /// ignored (optimizer state, say).
+    /// variable missing from the checkpoint, or of another shape or dtype, is
+    /// [`Error::StateDict`] naming every such variable, and nothing is copied;
+    /// extra tensors in the checkpoint are ignored (optimizer state, say). For
+    /// torch's strict rules on any safetensors file, see
+    /// [`TensorFile::load_var_store`].
     pub fn load_var_store(&self, vs: &mut tch::nn::VarStore) -> Result<()> {
-        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        for (name, mut var) in vars {
-            let saved = self.tch(&name, var.device())?;
-            if saved.size() != var.size() || saved.kind() != var.kind() {
-                return Err(Error::Tensors(format!(
-                    "variable {name:?} is {:?} {:?} but the checkpoint has {:?} {:?}",
-                    var.kind(),
-                    var.size(),
-                    saved.kind(),
-                    saved.size()
-                )));
-            }
-            tch::no_grad(|| var.f_copy_(&saved))
-                .map_err(torch_err(format!("load variable {name:?}")))?;
+        let mut missing: Vec<String> = vs
+            .variables()
+            .into_keys()
+            .filter(|name| self.tensors().tensor(name).is_err())
+            .collect();
+        if !missing.is_empty() {
+            missing.sort();
+            return Err(Error::StateDict {
+                path: self.path().to_path_buf(),
+                missing,
+                unexpected: Vec::new(),
+                mismatched: Vec::new(),
+                strict: true,
+            });
         }
-        Ok(())
+        self.tensors()
+            .load_var_store(vs, LoadOptions::non_strict())
+            .map(drop)
     }
 }

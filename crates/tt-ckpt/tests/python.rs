@@ -2,25 +2,10 @@
 //! safetensors (TORCHTOOLS_PYTHON, set up by `cargo xtask setup`), real peers.
 #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
-use std::process::Command;
+mod common;
+use common::python;
 
 use tt_ckpt::{Checkpoint, CheckpointDir, Dtype, Error, LoadedCheckpoint, TensorData, TensorFile};
-
-fn python(script: &str, args: &[&str]) -> String {
-    let py = std::env::var("TORCHTOOLS_PYTHON")
-        .unwrap_or_else(|_| panic!("TORCHTOOLS_PYTHON is not set: run `cargo xtask setup`"));
-    let out = Command::new(py)
-        .args(["-W", "ignore", "-c", script])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "python failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
 
 const READ: &str = r#"
 import json, sys
