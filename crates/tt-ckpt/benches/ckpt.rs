@@ -1,15 +1,27 @@
 //! `cargo bench -p tt-ckpt` (and `cargo xtask bench`): durable checkpoint writes
-//! against `dd conv=fsync` and Python's `torch.save` + fsync + rename, into the same
-//! directory, in one run; and the training stall of `save_async`.
+//! against `dd conv=fsync` (of zeros, and of the same random bytes) and Python's
+//! `torch.save` + fsync + rename, into the same directory, in one run; verified loads
+//! from a cold page cache against `cat`; and the training stall of `save_async`.
 //!
 //! Prints `row|<what>|<ours>|<baseline name>|<baseline>|<unit>|<better>` lines for
 //! the xtask table.
 
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor};
-use tt_ckpt::{Checkpoint, CheckpointDir};
+use tt_ckpt::{Checkpoint, CheckpointDir, LoadedCheckpoint};
+
+/// Drops `path`'s pages from the page cache (they are clean: every file here was
+/// fsynced), so that the next read comes from the disk.
+fn evict(path: &Path) {
+    let file = std::fs::File::open(path).expect("open to evict");
+    // SAFETY: a plain system call on a descriptor open for its duration.
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(rc, 0, "posix_fadvise");
+}
 
 const GIB: f64 = (1u64 << 30) as f64;
 const RUNS: usize = 3;
@@ -53,16 +65,18 @@ fn main() {
     };
 
     let dd_path = root.path().join("ckpt/dd.bin");
-    let run_dd = || {
+    // The same random bytes as the tensors, for dd to copy: a virtual disk may store
+    // zeros for less than real data, so dd of /dev/zero alone flatters the disk.
+    let random_src = root.path().join("random.bin");
+    {
+        let c = build(0);
+        c.write_to(&random_src).expect("random source");
+    }
+    let run_dd = |input: &Path| {
         let t = Instant::now();
         let status = Command::new("dd")
-            .args([
-                "if=/dev/zero",
-                "bs=16M",
-                "count=64",
-                "conv=fsync",
-                "status=none",
-            ])
+            .arg(format!("if={}", input.display()))
+            .args(["bs=16M", "count=64", "conv=fsync", "status=none"])
             .arg(format!("of={}", dd_path.display()))
             .status()
             .expect("dd");
@@ -72,20 +86,54 @@ fn main() {
     // Durable save: checksums, write, fsync, rename, directory fsync (host copy
     // excluded), alternating with dd after one warm-up of each: on a VM the first
     // touch of fresh memory (page cache included) costs several times a reuse.
-    let (mut ours, mut dd) = (Vec::new(), Vec::new());
+    let (mut ours, mut dd, mut dd_random) = (Vec::new(), Vec::new(), Vec::new());
     for step in 0..=RUNS as u64 {
         let c = build(step);
         let t = Instant::now();
         dir.save(&c).expect("save");
         let ours_time = t.elapsed();
-        let dd_time = run_dd();
+        let dd_time = run_dd(Path::new("/dev/zero"));
+        let dd_random_time = run_dd(&random_src);
         if step > 0 {
             ours.push(ours_time);
             dd.push(dd_time);
+            dd_random.push(dd_random_time);
         }
     }
-    let (ours, dd) = (median(ours), median(dd));
+    let (ours, dd, dd_random) = (median(ours), median(dd), median(dd_random));
     let _ = std::fs::remove_file(&dd_path);
+
+    // Verified load from a cold page cache (map, read and check every byte) against
+    // `cat file > /dev/null`, alternating; and the load into tch tensors, warm.
+    let newest = dir.list().expect("list").pop().expect("a checkpoint").path;
+    let (mut load, mut cat, mut into_tensors) = (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..=RUNS {
+        evict(&newest);
+        let t = Instant::now();
+        let loaded = LoadedCheckpoint::read(&newest).expect("load");
+        let load_time = t.elapsed();
+        let t = Instant::now();
+        for name in loaded.tensors().names() {
+            drop(std::hint::black_box(loaded.tch(&name, Device::Cpu).expect("to tch")));
+        }
+        let tensors_time = t.elapsed();
+        drop(loaded);
+        evict(&newest);
+        let t = Instant::now();
+        let status = Command::new("cat")
+            .arg(&newest)
+            .stdout(std::process::Stdio::null())
+            .status()
+            .expect("cat");
+        assert!(status.success());
+        let cat_time = t.elapsed();
+        if run > 0 {
+            load.push(load_time);
+            cat.push(cat_time);
+            into_tensors.push(tensors_time);
+        }
+    }
+    let (load, cat, into_tensors) = (median(load), median(cat), median(into_tensors));
 
     // save_async: what the training loop waits for (host copy + hand-off) per GiB,
     // with the host buffers recycled by `dir.checkpoint` (after one warm-up save).
@@ -106,12 +154,30 @@ fn main() {
     let stall = median(stalls);
 
     let gbs = |d: Duration| GIB / d.as_secs_f64() / 1e9;
-    println!("tt-ckpt: durable 1 GiB save {:.2} s ({:.2} GB/s); dd conv=fsync {:.2} s ({:.2} GB/s); save_async stall {:.3} s/GiB",
-        ours.as_secs_f64(), gbs(ours), dd.as_secs_f64(), gbs(dd), stall.as_secs_f64());
+    println!("tt-ckpt: durable 1 GiB save {:.2} s ({:.2} GB/s); dd conv=fsync of zeros {:.2} s ({:.2} GB/s), of the same random bytes {:.2} s ({:.2} GB/s); save_async stall {:.3} s/GiB",
+        ours.as_secs_f64(), gbs(ours), dd.as_secs_f64(), gbs(dd), dd_random.as_secs_f64(), gbs(dd_random), stall.as_secs_f64());
     println!(
-        "row|durable save, 1 GiB f32 (GB/s)|{:.2}|dd bs=16M conv=fsync|{:.2}|GB/s|higher",
+        "tt-ckpt: verified load, cold cache {:.2} s ({:.2} GB/s); cat {:.2} s ({:.2} GB/s); into tch tensors (warm) {:.2} s",
+        load.as_secs_f64(),
+        gbs(load),
+        cat.as_secs_f64(),
+        gbs(cat),
+        into_tensors.as_secs_f64()
+    );
+    println!(
+        "row|durable save, 1 GiB f32 (GB/s)|{:.2}|dd bs=16M conv=fsync of zeros|{:.2}|GB/s|higher",
         gbs(ours),
         gbs(dd)
+    );
+    println!(
+        "row|durable save, 1 GiB f32 (GB/s)|{:.2}|dd conv=fsync of the same random bytes|{:.2}|GB/s|higher",
+        gbs(ours),
+        gbs(dd_random)
+    );
+    println!(
+        "row|verified load, 1 GiB, cold cache (GB/s)|{:.2}|cat file > /dev/null, cold|{:.2}|GB/s|higher",
+        gbs(load),
+        gbs(cat)
     );
     let py = std::env::var("TORCHTOOLS_PYTHON").ok().and_then(|py| {
         let out = Command::new(py)

@@ -1,7 +1,7 @@
 //! The checkpoint file: safetensors, with torchtools' metadata in its header.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{SafeTensors, TensorView};
@@ -10,6 +10,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use crate::atomic::AtomicFile;
 use crate::error::io;
+use crate::writer;
 use crate::{Error, Result};
 
 /// The header key under which torchtools keeps its metadata (a JSON string).
@@ -63,6 +64,33 @@ impl<'a> TensorData<'a> {
     }
 }
 
+impl TensorData<'_> {
+    /// The dtype.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The bytes, little-endian.
+    pub fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// The number of bytes.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Whether it holds no bytes (a tensor with a zero dimension).
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+}
+
 impl View for &TensorData<'_> {
     fn dtype(&self) -> Dtype {
         self.dtype
@@ -76,10 +104,6 @@ impl View for &TensorData<'_> {
     fn data_len(&self) -> usize {
         self.data.len()
     }
-}
-
-fn checksum(bytes: &[u8]) -> String {
-    format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
 }
 
 /// A checkpoint to write: a step, optional epoch, serde values and named tensors.
@@ -182,43 +206,68 @@ impl<'a> Checkpoint<'a> {
     }
 
     /// Writes the checkpoint to `path` with [`atomic_write`](crate::atomic_write)'s
-    /// guarantees (unique temp file, fsync, rename, fsync of the directory).
+    /// guarantees (unique temp file, fsync, rename, fsync of the directory). The
+    /// tensors' bytes go to the file straight from their memory while their
+    /// checksums are computed on another core; writeback starts chunk by chunk, so
+    /// the disk is busy from the start.
     pub fn write_to(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let mut meta = self.meta.clone();
-        meta.checksums = self
-            .tensors
-            .iter()
-            .map(|(n, t)| (n.clone(), checksum(&t.data)))
-            .collect();
-        let json = serde_json::to_string(&meta).map_err(|source| Error::Value {
-            key: METADATA_KEY.into(),
-            source,
-        })?;
-        let header = HashMap::from([(METADATA_KEY.to_owned(), json)]);
-        let file = AtomicFile::new(path)?;
-        safetensors::serialize_to_file(
-            self.tensors.iter().map(|(n, t)| (n.as_str(), t)),
-            Some(header),
-            file.path(),
-        )
-        .map_err(|e| match e {
-            safetensors::SafeTensorError::IoError(source) => Error::Io {
-                op: "write",
-                path: file.path().to_path_buf(),
-                source,
+        let mut file = AtomicFile::new(path)?;
+        let temp_path = file.path().to_path_buf();
+        let plan = writer::Plan {
+            order: writer::file_order(&self.tensors),
+            metadata_key: METADATA_KEY,
+            metadata: |sums: &BTreeMap<String, String>| {
+                let mut meta = self.meta.clone();
+                meta.checksums = sums.clone();
+                serde_json::to_string(&meta).map_err(|source| Error::Value {
+                    key: METADATA_KEY.into(),
+                    source,
+                })
             },
-            other => Error::Tensors(other.to_string()),
-        })?;
+        };
+        writer::write(file.file(), &temp_path, plan)?;
         file.commit()
     }
 }
 
-/// Any safetensors file (ours or one Python wrote), read into memory.
+/// A file's bytes: mapped from the file, or owned.
+enum Bytes {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(m) => m,
+            Bytes::Owned(v) => v,
+        }
+    }
+}
+
+impl std::fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self {
+            Bytes::Mapped(_) => "mapped",
+            Bytes::Owned(_) => "owned",
+        };
+        write!(f, "{} bytes ({kind})", self.len())
+    }
+}
+
+/// Any safetensors file (ours or one Python wrote).
+///
+/// [`read`](Self::read) maps the file into memory rather than copying it: loading
+/// costs no second copy of the file (the page cache holds its pages, reclaimable),
+/// and only the tensors you convert are copied, once. A checkpoint file is never
+/// written in place (saves replace it by a rename), so the mapping stays valid; do
+/// not truncate or rewrite a file in place while it is loaded.
 #[derive(Debug)]
 pub struct TensorFile {
     path: PathBuf,
-    bytes: Vec<u8>,
+    bytes: Bytes,
     /// The parsed header and where the data section starts in `bytes`.
     header: safetensors::tensor::Metadata,
     data_start: usize,
@@ -226,9 +275,21 @@ pub struct TensorFile {
 }
 
 impl TensorFile {
-    /// Reads and parses `path`; a malformed file is [`Error::Corrupt`].
+    /// Maps and parses `path` (read into memory where it cannot be mapped); a
+    /// malformed file is [`Error::Corrupt`].
     pub fn read(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
+        let file = std::fs::File::open(&path).map_err(io("open", &path))?;
+        let len = file.metadata().map_err(io("stat", &path))?.len();
+        if len > 0 {
+            // SAFETY: the mapping is read-only and private to this TensorFile; the
+            // file is a checkpoint, which torchtools only ever replaces by a rename
+            // (the mapped inode is never written), as documented on the type.
+            if let Ok(map) = unsafe { memmap2::Mmap::map(&file) } {
+                let _ = map.advise(memmap2::Advice::Sequential);
+                return Self::parse(path, Bytes::Mapped(map));
+            }
+        }
         let bytes = std::fs::read(&path).map_err(io("read", &path))?;
         Self::from_bytes(path, bytes)
     }
@@ -236,6 +297,10 @@ impl TensorFile {
     /// Parses a file's bytes (`path` names it in errors); never panics, whatever
     /// the bytes (the header parser is fuzzed).
     pub fn from_bytes(path: PathBuf, bytes: Vec<u8>) -> Result<Self> {
+        Self::parse(path, Bytes::Owned(bytes))
+    }
+
+    fn parse(path: PathBuf, bytes: Bytes) -> Result<Self> {
         let corrupt = |reason: String| Error::Corrupt {
             path: path.clone(),
             reason,
@@ -336,9 +401,15 @@ impl LoadedCheckpoint {
                 "tensors {names:?} but checksums for {expected:?}"
             )));
         }
-        for (name, sum) in &meta.checksums {
+        let mut views = Vec::with_capacity(names.len());
+        for name in &names {
             let view = file.tensor(name).map_err(|e| corrupt(e.to_string()))?;
-            if checksum(view.data()) != *sum {
+            views.push((name.as_str(), view.data()));
+        }
+        // On all cores: verifying is reading every byte, at the disk's or memory's speed.
+        let sums = writer::checksums_parallel(views.into_iter());
+        for (name, sum) in &meta.checksums {
+            if sums.get(name) != Some(sum) {
                 return Err(corrupt(format!(
                     "tensor {name:?} does not match its checksum"
                 )));

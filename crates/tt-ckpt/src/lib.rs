@@ -46,6 +46,7 @@ mod error;
 mod format;
 #[cfg(feature = "tch")]
 mod tch_support;
+mod writer;
 
 pub use atomic::{atomic_write, clean_stale_temps};
 pub use dir::{CheckpointDir, CheckpointEntry, Loaded};

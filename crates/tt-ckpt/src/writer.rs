@@ -1,0 +1,341 @@
+//! Writing a checkpoint at the disk's speed: safetensors' layout (an 8-byte header
+//! length, the JSON header, then the tensors' bytes) written straight from the
+//! tensors' memory, with no intermediate copy, while a second thread computes the
+//! checksums; the header, which holds the checksums, is written last into the space
+//! reserved for it (every checksum has the same width, so its length is known first).
+//!
+//! The data goes out in chunks, and the kernel is asked to start writing each chunk
+//! back at once (`sync_file_range`), waiting for the chunk written a window earlier:
+//! the disk is busy from the first chunk instead of after the dirty-page thresholds,
+//! the writer is never throttled by dirty-page balancing, and the final `fsync` has
+//! little left to do. On filesystems that ignore it (tmpfs), nothing changes.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+
+use crate::format::TensorData;
+use crate::{Error, Result};
+
+/// Bytes per write (and per writeback request).
+const CHUNK: usize = 8 << 20;
+/// How far behind the newest chunk the writer waits for writeback to finish: what it
+/// keeps dirty or in flight at most.
+const WINDOW: u64 = 64 << 20;
+
+/// A checksum of a tensor's bytes, as stored in the metadata.
+pub(crate) fn checksum(bytes: &[u8]) -> String {
+    format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
+}
+
+/// The placeholder checksum, of the same width as every real one.
+fn placeholder() -> String {
+    format!("xxh3:{:016x}", 0u64)
+}
+
+/// Tensors in file order: safetensors' own (descending dtype alignment, then name),
+/// so that every tensor starts aligned as its readers expect.
+pub(crate) fn file_order<'a, 't>(
+    tensors: &'a BTreeMap<String, TensorData<'t>>,
+) -> Vec<(&'a str, &'a TensorData<'t>)> {
+    let mut order: Vec<(&str, &TensorData<'t>)> =
+        tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    order.sort_by(|(ln, l), (rn, r)| r.dtype().cmp(&l.dtype()).then(ln.cmp(rn)));
+    order
+}
+
+/// The file's first bytes: the header's length (u64, little-endian) and the JSON
+/// header, padded with spaces to a multiple of 8 as safetensors pads it.
+pub(crate) fn header(
+    order: &[(&str, &TensorData<'_>)],
+    metadata_key: &str,
+    metadata_json: &str,
+) -> Result<Vec<u8>> {
+    let json_err = |source| Error::Value {
+        key: metadata_key.to_owned(),
+        source,
+    };
+    let mut map = serde_json::Map::new();
+    map.insert(
+        "__metadata__".to_owned(),
+        serde_json::json!({ metadata_key: metadata_json }),
+    );
+    let mut offset = 0usize;
+    for (name, t) in order {
+        let end = offset + t.len();
+        let dtype: serde_json::Value = serde_json::to_value(t.dtype()).map_err(json_err)?;
+        map.insert(
+            (*name).to_owned(),
+            serde_json::json!({ "dtype": dtype, "shape": t.shape(), "data_offsets": [offset, end] }),
+        );
+        offset = end;
+    }
+    let mut json = serde_json::to_vec(&map).map_err(json_err)?;
+    json.resize(json.len().next_multiple_of(8), b' ');
+    let mut out = Vec::with_capacity(8 + json.len());
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    Ok(out)
+}
+
+/// What [`write`] needs from the checkpoint: its tensors in file order and a way to
+/// build the metadata JSON from the checksums.
+pub(crate) struct Plan<'a, 't, F> {
+    pub(crate) order: Vec<(&'a str, &'a TensorData<'t>)>,
+    pub(crate) metadata_key: &'a str,
+    /// The metadata JSON for the given checksums (by tensor name).
+    pub(crate) metadata: F,
+}
+
+/// Writes the whole file into `file` (empty, just created; `path` names it in errors):
+/// data first, checksummed on a second thread meanwhile, then the header at offset 0.
+/// The caller fsyncs.
+pub(crate) fn write<F>(file: &File, path: &Path, plan: Plan<'_, '_, F>) -> Result<()>
+where
+    F: Fn(&BTreeMap<String, String>) -> Result<String>,
+{
+    let Plan {
+        order,
+        metadata_key,
+        metadata,
+    } = plan;
+    let io_err = |source| Error::Io {
+        op: "write",
+        path: path.to_path_buf(),
+        source,
+    };
+    // The header's length with placeholder checksums is the final one.
+    let placeholders: BTreeMap<String, String> = order
+        .iter()
+        .map(|(n, _)| ((*n).to_owned(), placeholder()))
+        .collect();
+    let reserved = header(&order, metadata_key, &metadata(&placeholders)?)?.len() as u64;
+    let sums = std::thread::scope(|scope| -> std::io::Result<BTreeMap<String, String>> {
+        let hasher = scope.spawn(|| {
+            order
+                .iter()
+                .map(|(n, t)| ((*n).to_owned(), checksum(t.bytes())))
+                .collect::<BTreeMap<String, String>>()
+        });
+        let mut writeback = Writeback::new(file, reserved);
+        let mut at = reserved;
+        for (_, t) in &order {
+            for chunk in t.bytes().chunks(CHUNK) {
+                file.write_all_at(chunk, at)?;
+                at += chunk.len() as u64;
+                writeback.wrote(at);
+            }
+        }
+        hasher
+            .join()
+            .map_err(|_| std::io::Error::other("the checksum thread panicked"))
+    })
+    .map_err(io_err)?;
+    let final_header = header(&order, metadata_key, &metadata(&sums)?)?;
+    if final_header.len() as u64 != reserved {
+        return Err(Error::Tensors(format!(
+            "the header changed length ({reserved} bytes reserved, {} written): please report this",
+            final_header.len()
+        )));
+    }
+    file.write_all_at(&final_header, 0).map_err(io_err)
+}
+
+/// Starts writeback of each range as it is written, and waits for the range a
+/// [`WINDOW`] behind, so that dirty pages stay bounded and the disk stays busy.
+struct Writeback {
+    fd: i32,
+    /// Start of the range not yet handed to writeback.
+    started: u64,
+    /// Start of the range not yet waited for.
+    waited: u64,
+}
+
+impl Writeback {
+    fn new(file: &File, from: u64) -> Self {
+        Writeback {
+            fd: file.as_raw_fd(),
+            started: from,
+            waited: from,
+        }
+    }
+
+    /// Everything below `end` has been written.
+    fn wrote(&mut self, end: u64) {
+        if end <= self.started {
+            return;
+        }
+        sync_range(
+            self.fd,
+            self.started,
+            end - self.started,
+            libc::SYNC_FILE_RANGE_WRITE,
+        );
+        self.started = end;
+        if end - self.waited > WINDOW {
+            let upto = end - WINDOW;
+            sync_range(
+                self.fd,
+                self.waited,
+                upto - self.waited,
+                libc::SYNC_FILE_RANGE_WAIT_BEFORE
+                    | libc::SYNC_FILE_RANGE_WRITE
+                    | libc::SYNC_FILE_RANGE_WAIT_AFTER,
+            );
+            self.waited = upto;
+        }
+    }
+}
+
+/// `sync_file_range`, a hint: an error here (a filesystem without it) changes nothing,
+/// and a write error shows again at the `fsync` that follows every save.
+fn sync_range(fd: i32, offset: u64, len: u64, flags: libc::c_uint) {
+    let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+        return;
+    };
+    // SAFETY: a plain system call on a descriptor this process owns and keeps open
+    // for the call's duration; it reads no memory of ours.
+    let _ = unsafe { libc::sync_file_range(fd, offset, len, flags) };
+}
+
+/// A tensor's name and bytes.
+type Named<'a> = (&'a str, &'a [u8]);
+
+/// Checksums of `tensors` on all cores (one tensor per task), by name.
+pub(crate) fn checksums_parallel<'a>(
+    tensors: impl Iterator<Item = (&'a str, &'a [u8])>,
+) -> BTreeMap<String, String> {
+    let items: Vec<(&str, &[u8])> = tensors.collect();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(items.len().max(1));
+    if threads <= 1 {
+        return items
+            .into_iter()
+            .map(|(n, b)| (n.to_owned(), checksum(b)))
+            .collect();
+    }
+    // Largest first, each to the least loaded thread.
+    let mut sorted = items;
+    sorted.sort_by_key(|(_, b)| std::cmp::Reverse(b.len()));
+    let mut shares: Vec<(usize, Vec<Named<'_>>)> = vec![(0, Vec::new()); threads];
+    for item in sorted {
+        if let Some(share) = shares.iter_mut().min_by_key(|(load, _)| *load) {
+            share.0 += item.1.len();
+            share.1.push(item);
+        }
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = shares
+            .into_iter()
+            .map(|(_, share)| {
+                scope.spawn(move || {
+                    share
+                        .into_iter()
+                        .map(|(n, b)| (n.to_owned(), checksum(b)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_default())
+            .collect()
+    })
+}
+
+/// The dtype's name in a header (`"F32"`, `"BF16"`, ...), for tests.
+#[cfg(test)]
+fn dtype_name(d: safetensors::Dtype) -> String {
+    serde_json::to_value(d)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::Dtype;
+
+    #[test]
+    fn dtype_names_are_safetensors_own() {
+        assert_eq!(dtype_name(Dtype::F32), "F32");
+        assert_eq!(dtype_name(Dtype::BF16), "BF16");
+        assert_eq!(dtype_name(Dtype::F8_E4M3), "F8_E4M3");
+        assert_eq!(dtype_name(Dtype::BOOL), "BOOL");
+    }
+
+    #[test]
+    fn the_file_is_what_safetensors_itself_writes() {
+        let mut tensors = BTreeMap::new();
+        let mut add = |name: &str, dtype, shape, bytes: Vec<u8>| {
+            let t = TensorData::new(dtype, shape, bytes).unwrap();
+            tensors.insert(name.to_owned(), t);
+        };
+        add("b", Dtype::F32, vec![3], (0..12).collect());
+        add("a", Dtype::U8, vec![5], vec![2; 5]);
+        add("c", Dtype::F64, vec![2], (100..116).collect());
+        add("e", Dtype::BF16, vec![0], vec![]);
+        add("big", Dtype::I32, vec![3 << 20], vec![7; 12 << 20]); // several chunks
+        let root = tempfile::tempdir().unwrap();
+        let path = root.path().join("t.safetensors");
+        let file = File::create(&path).unwrap();
+        let metadata = |sums: &BTreeMap<String, String>| Ok(serde_json::to_string(sums).unwrap());
+        let plan = Plan {
+            order: file_order(&tensors),
+            metadata_key: "k",
+            metadata,
+        };
+        write(&file, &path, plan).unwrap();
+        let ours = std::fs::read(&path).unwrap();
+        let sums: BTreeMap<String, String> = tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), checksum(t.bytes())))
+            .collect();
+        let info = std::collections::HashMap::from([(
+            "k".to_owned(),
+            serde_json::to_string(&sums).unwrap(),
+        )]);
+        let theirs =
+            safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), Some(info))
+                .unwrap();
+        let parse = |bytes: &[u8]| {
+            let (n, meta) = safetensors::SafeTensors::read_metadata(bytes).unwrap();
+            let mut infos: Vec<String> = meta
+                .tensors()
+                .into_iter()
+                .map(|(name, i)| format!("{name} {i:?}"))
+                .collect();
+            infos.sort();
+            (n, infos, meta.metadata().clone())
+        };
+        let (our_len, our_infos, our_meta) = parse(&ours);
+        let (their_len, their_infos, their_meta) = parse(&theirs);
+        assert_eq!(our_infos, their_infos, "same dtypes, shapes and offsets");
+        assert_eq!(our_meta, their_meta, "same metadata, real checksums");
+        assert_eq!(
+            our_len % 8,
+            0,
+            "the header is padded as safetensors pads it"
+        );
+        assert_eq!(ours[8 + our_len..], theirs[8 + their_len..], "same data");
+        safetensors::SafeTensors::deserialize(&ours).unwrap();
+    }
+
+    #[test]
+    fn parallel_checksums_equal_sequential_ones() {
+        let a = vec![1u8; 1000];
+        let b = [2u8; 10];
+        let c: Vec<u8> = (0..=255).collect();
+        let items = [("a", &a[..]), ("b", &b[..]), ("c", &c[..])];
+        let par = checksums_parallel(items.iter().copied());
+        let seq: BTreeMap<String, String> = items
+            .iter()
+            .map(|(n, bytes)| ((*n).to_owned(), checksum(bytes)))
+            .collect();
+        assert_eq!(par, seq);
+    }
+}
