@@ -114,7 +114,9 @@ fn main() {
         let load_time = t.elapsed();
         let t = Instant::now();
         for name in loaded.tensors().names() {
-            drop(std::hint::black_box(loaded.tch(&name, Device::Cpu).expect("to tch")));
+            drop(std::hint::black_box(
+                loaded.tch(&name, Device::Cpu).expect("to tch"),
+            ));
         }
         let tensors_time = t.elapsed();
         drop(loaded);

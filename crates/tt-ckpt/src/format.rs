@@ -285,8 +285,10 @@ impl TensorFile {
             // SAFETY: the mapping is read-only and private to this TensorFile; the
             // file is a checkpoint, which torchtools only ever replaces by a rename
             // (the mapped inode is never written), as documented on the type.
-            if let Ok(map) = unsafe { memmap2::Mmap::map(&file) } {
-                let _ = map.advise(memmap2::Advice::Sequential);
+            // MAP_POPULATE: the kernel reads the whole file in once, with large
+            // sequential reads, instead of one page fault at a time while the
+            // checksums are verified.
+            if let Ok(map) = unsafe { memmap2::MmapOptions::new().populate().map(&file) } {
                 return Self::parse(path, Bytes::Mapped(map));
             }
         }

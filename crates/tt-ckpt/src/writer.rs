@@ -92,7 +92,23 @@ pub(crate) struct Plan<'a, 't, F> {
 /// Writes the whole file into `file` (empty, just created; `path` names it in errors):
 /// data first, checksummed on a second thread meanwhile, then the header at offset 0.
 /// The caller fsyncs.
+///
+/// The data goes through `O_DIRECT` where the filesystem takes it (a second
+/// descriptor on the same file): straight from a small reused buffer to the disk,
+/// without filling the page cache. On a VM whose fresh page-cache pages each cost a
+/// fault in the host, this is what makes a save run at the disk's speed (measured
+/// here: buffered writes of 1 GiB took 0.3 to 3 s depending on which pages the
+/// kernel handed out; `O_DIRECT` 0.75 to 0.85 s every time). Elsewhere (tmpfs,
+/// some network filesystems) the buffered path with early writeback is used.
 pub(crate) fn write<F>(file: &File, path: &Path, plan: Plan<'_, '_, F>) -> Result<()>
+where
+    F: Fn(&BTreeMap<String, String>) -> Result<String>,
+{
+    write_with(file, path, plan, true)
+}
+
+/// [`write`], with `O_DIRECT` tried or not.
+fn write_with<F>(file: &File, path: &Path, plan: Plan<'_, '_, F>, try_direct: bool) -> Result<()>
 where
     F: Fn(&BTreeMap<String, String>) -> Result<String>,
 {
@@ -111,36 +127,198 @@ where
         .iter()
         .map(|(n, _)| ((*n).to_owned(), placeholder()))
         .collect();
-    let reserved = header(&order, metadata_key, &metadata(&placeholders)?)?.len() as u64;
-    let sums = std::thread::scope(|scope| -> std::io::Result<BTreeMap<String, String>> {
+    let reserved = header(&order, metadata_key, &metadata(&placeholders)?)?.len();
+    let stream = Stream::new(reserved, &order);
+    let direct = if try_direct { open_direct(path) } else { None };
+    let (sums, head) = std::thread::scope(|scope| -> std::io::Result<_> {
         let hasher = scope.spawn(|| {
             order
                 .iter()
                 .map(|(n, t)| ((*n).to_owned(), checksum(t.bytes())))
                 .collect::<BTreeMap<String, String>>()
         });
-        let mut writeback = Writeback::new(file, reserved);
-        let mut at = reserved;
-        for (_, t) in &order {
-            for chunk in t.bytes().chunks(CHUNK) {
-                file.write_all_at(chunk, at)?;
-                at += chunk.len() as u64;
-                writeback.wrote(at);
-            }
+        let head = match &direct {
+            Some(d) => write_direct_body(d, &stream)?,
+            None => None,
+        };
+        if head.is_none() {
+            write_buffered_body(file, &stream)?;
         }
-        hasher
+        let sums = hasher
             .join()
-            .map_err(|_| std::io::Error::other("the checksum thread panicked"))
+            .map_err(|_| std::io::Error::other("the checksum thread panicked"))?;
+        Ok((sums, head))
     })
     .map_err(io_err)?;
     let final_header = header(&order, metadata_key, &metadata(&sums)?)?;
-    if final_header.len() as u64 != reserved {
+    if final_header.len() != reserved {
         return Err(Error::Tensors(format!(
             "the header changed length ({reserved} bytes reserved, {} written): please report this",
             final_header.len()
         )));
     }
-    file.write_all_at(&final_header, 0).map_err(io_err)
+    match (&direct, head) {
+        (Some(d), Some(head)) => {
+            // The first aligned region: the header and the data's first bytes.
+            let mut buf = AlignedBuf::new(head);
+            stream.fill(buf.as_mut(), 0);
+            buf.as_mut()[..reserved].copy_from_slice(&final_header);
+            match d.write_all_at(buf.as_mut(), 0) {
+                // Only a file small enough to be all head reaches here untried.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    write_buffered_body(file, &stream).map_err(io_err)?;
+                    file.write_all_at(&final_header, 0).map_err(io_err)?;
+                }
+                other => other.map_err(io_err)?,
+            }
+            // The last block was padded to the alignment: cut the file to its size.
+            file.set_len(stream.total as u64).map_err(io_err)
+        }
+        _ => file.write_all_at(&final_header, 0).map_err(io_err),
+    }
+}
+
+/// The file's bytes as one stream: the header (placeholders) then every tensor.
+struct Stream<'a, 't> {
+    reserved: usize,
+    /// Each tensor's bytes and where they start in the stream.
+    parts: Vec<(usize, &'a [u8])>,
+    total: usize,
+    _tensors: std::marker::PhantomData<&'a TensorData<'t>>,
+}
+
+impl<'a, 't> Stream<'a, 't> {
+    fn new(reserved: usize, order: &[(&'a str, &'a TensorData<'t>)]) -> Self {
+        let mut at = reserved;
+        let parts = order
+            .iter()
+            .map(|(_, t)| {
+                let part = (at, t.bytes());
+                at += t.len();
+                part
+            })
+            .collect();
+        Stream {
+            reserved,
+            parts,
+            total: at,
+            _tensors: std::marker::PhantomData,
+        }
+    }
+
+    /// Copies the stream's bytes from `offset` into `buf`; the header's bytes are
+    /// left as they are (written last), and bytes past the end are zeros.
+    fn fill(&self, buf: &mut [u8], offset: usize) {
+        let end = offset + buf.len();
+        if end > self.total {
+            let from = self.total.saturating_sub(offset);
+            buf[from..].fill(0);
+        }
+        for &(start, bytes) in &self.parts {
+            let stop = start + bytes.len();
+            if stop <= offset || start >= end {
+                continue;
+            }
+            let (lo, hi) = (start.max(offset), stop.min(end));
+            buf[lo - offset..hi - offset].copy_from_slice(&bytes[lo - start..hi - start]);
+        }
+    }
+}
+
+/// `O_DIRECT` alignment of buffers, offsets and lengths (covers 512- and 4096-byte
+/// logical blocks).
+const ALIGN: usize = 4096;
+
+/// A zeroed buffer whose start is `ALIGN`-aligned.
+struct AlignedBuf {
+    raw: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    fn new(len: usize) -> Self {
+        let raw = vec![0u8; len + ALIGN];
+        let start = raw.as_ptr().align_offset(ALIGN).min(ALIGN);
+        AlignedBuf { raw, start, len }
+    }
+
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.raw[self.start..self.start + self.len]
+    }
+}
+
+fn open_direct(path: &Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .ok()
+}
+
+/// Writes the stream past its first aligned region with `O_DIRECT`, in chunks, a
+/// helper thread writing one buffer while this one fills the next. Returns the
+/// first region's length, to be written once the header is final, or `None` when
+/// the filesystem refused `O_DIRECT` before anything was written.
+fn write_direct_body(direct: &File, stream: &Stream<'_, '_>) -> std::io::Result<Option<usize>> {
+    let round_up = |n: usize| n.div_ceil(ALIGN) * ALIGN;
+    let padded = round_up(stream.total);
+    let head = round_up(stream.reserved).min(padded);
+    let chunk = CHUNK.min(padded.saturating_sub(head)).max(ALIGN);
+    // Probe with the first write: EINVAL means this filesystem takes no O_DIRECT.
+    let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<(AlignedBuf, usize, usize)>(1);
+    let (empty_tx, empty_rx) = std::sync::mpsc::sync_channel::<AlignedBuf>(2);
+    for _ in 0..2 {
+        let _ = empty_tx.send(AlignedBuf::new(chunk));
+    }
+    std::thread::scope(|scope| {
+        let writer = scope.spawn(move || -> std::io::Result<bool> {
+            let mut first = true;
+            for (mut buf, offset, len) in full_rx {
+                match direct.write_all_at(&buf.as_mut()[..len], offset as u64) {
+                    Ok(()) => {}
+                    Err(e) if first && e.raw_os_error() == Some(libc::EINVAL) => return Ok(false),
+                    Err(e) => return Err(e),
+                }
+                first = false;
+                if empty_tx.send(buf).is_err() {
+                    break;
+                }
+            }
+            Ok(true)
+        });
+        let mut offset = head;
+        while offset < padded {
+            let Ok(mut buf) = empty_rx.recv() else { break };
+            let len = chunk.min(padded - offset);
+            stream.fill(&mut buf.as_mut()[..len], offset);
+            if full_tx.send((buf, offset, len)).is_err() {
+                break;
+            }
+            offset += len;
+        }
+        drop(full_tx);
+        let accepted = writer
+            .join()
+            .map_err(|_| std::io::Error::other("the write thread panicked"))??;
+        Ok(accepted.then_some(head))
+    })
+}
+
+/// Writes the stream past the header through the page cache, starting writeback
+/// chunk by chunk.
+fn write_buffered_body(file: &File, stream: &Stream<'_, '_>) -> std::io::Result<()> {
+    let mut writeback = Writeback::new(file, stream.reserved as u64);
+    for &(start, bytes) in &stream.parts {
+        let mut at = start;
+        for chunk in bytes.chunks(CHUNK) {
+            file.write_all_at(chunk, at as u64)?;
+            at += chunk.len();
+            writeback.wrote(at as u64);
+        }
+    }
+    Ok(())
 }
 
 /// Starts writeback of each range as it is written, and waits for the range a
@@ -281,16 +459,25 @@ mod tests {
         add("e", Dtype::BF16, vec![0], vec![]);
         add("big", Dtype::I32, vec![3 << 20], vec![7; 12 << 20]); // several chunks
         let root = tempfile::tempdir().unwrap();
-        let path = root.path().join("t.safetensors");
-        let file = File::create(&path).unwrap();
-        let metadata = |sums: &BTreeMap<String, String>| Ok(serde_json::to_string(sums).unwrap());
-        let plan = Plan {
-            order: file_order(&tensors),
-            metadata_key: "k",
-            metadata,
+        let write_file = |name: &str, try_direct: bool| {
+            let path = root.path().join(name);
+            let file = File::create(&path).unwrap();
+            let metadata =
+                |sums: &BTreeMap<String, String>| Ok(serde_json::to_string(sums).unwrap());
+            let plan = Plan {
+                order: file_order(&tensors),
+                metadata_key: "k",
+                metadata,
+            };
+            write_with(&file, &path, plan, try_direct).unwrap();
+            std::fs::read(&path).unwrap()
         };
-        write(&file, &path, plan).unwrap();
-        let ours = std::fs::read(&path).unwrap();
+        let ours = write_file("direct.safetensors", true);
+        assert_eq!(
+            write_file("buffered.safetensors", false),
+            ours,
+            "the page-cache path writes the same bytes"
+        );
         let sums: BTreeMap<String, String> = tensors
             .iter()
             .map(|(n, t)| (n.clone(), checksum(t.bytes())))
