@@ -89,6 +89,20 @@ struct Rules {
     supersede_newer: bool,
 }
 
+/// Rotated checkpoints are renamed to this prefix, then removed off the save's path.
+const TRASH_PREFIX: &str = ".tt-trash-";
+
+/// Removes `files`; one already gone (another thread got there first) is fine.
+fn remove_all(files: &[PathBuf]) {
+    for f in files {
+        if let Err(e) = std::fs::remove_file(f) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(path = %f.display(), error = %e, "could not remove a rotated checkpoint");
+            }
+        }
+    }
+}
+
 fn file_name(step: u64) -> String {
     format!("ckpt-{step:08}.safetensors")
 }
@@ -365,6 +379,7 @@ impl Rules {
     /// Writes the checkpoint, points `latest` at it, and rotates.
     fn write(&self, checkpoint: &Checkpoint<'_>) -> Result<PathBuf> {
         clean_stale_temps(&self.dir)?;
+        self.empty_trash();
         let name = file_name(checkpoint.step());
         let path = self.dir.join(&name);
         checkpoint.write_to(&path)?;
@@ -372,18 +387,53 @@ impl Rules {
             w.write_all(format!("{name}\n").as_bytes())
         })?;
         if let Some(n) = self.keep_last {
+            let mut trash = Vec::new();
             for old in self.list()?.iter().rev().skip(n) {
                 // Never the file just saved (and `latest` names it), whatever else
                 // the directory holds.
                 if old.path == path {
                     continue;
                 }
-                if let Err(e) = std::fs::remove_file(&old.path) {
-                    tracing::warn!(path = %old.path.display(), error = %e, "could not remove an old checkpoint");
+                // Out of the directory's view at once (a rename), freed later: the
+                // unlink of a large file can take a fifth of a second (ext4 with
+                // online discard), which the training loop need not wait for.
+                let name = old
+                    .path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned());
+                let to = self
+                    .dir
+                    .join(format!("{TRASH_PREFIX}{}", name.unwrap_or_default()));
+                match std::fs::rename(&old.path, &to) {
+                    Ok(()) => trash.push(to),
+                    Err(e) => {
+                        tracing::warn!(path = %old.path.display(), error = %e, "could not remove an old checkpoint")
+                    }
+                }
+            }
+            if !trash.is_empty() {
+                let spawned = std::thread::Builder::new()
+                    .name("tt-ckpt-rotate".into())
+                    .spawn(move || remove_all(&trash));
+                if let Err(e) = spawned {
+                    tracing::debug!(error = %e, "no thread to remove rotated checkpoints: the next save does");
                 }
             }
         }
         Ok(path)
+    }
+
+    /// Removes rotated checkpoints that a process which exited did not get to free.
+    fn empty_trash(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        let leftovers: Vec<PathBuf> = entries
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(TRASH_PREFIX))
+            .map(|e| e.path())
+            .collect();
+        remove_all(&leftovers);
     }
 
     fn list(&self) -> Result<Vec<CheckpointEntry>> {

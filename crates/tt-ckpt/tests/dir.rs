@@ -46,8 +46,7 @@ fn save_list_rotate_and_load() {
         let path = dir.save(&ckpt(step)).unwrap().unwrap();
         assert!(path.ends_with(format!("ckpt-{step:08}.safetensors")));
     }
-    let steps: Vec<u64> = dir.list().unwrap().iter().map(|e| e.step).collect();
-    assert_eq!(steps, [15, 20, 25]);
+    assert_eq!(steps(&dir), [15, 20, 25]);
     let loaded = dir.load_latest().unwrap();
     let c = &loaded.checkpoint;
     assert_eq!((c.step(), c.epoch()), (25, Some(2)));
@@ -63,6 +62,32 @@ fn save_list_rotate_and_load() {
     assert!(matches!(c.value::<u32>("note"), Err(Error::Value { .. })));
     assert_eq!(c.meta().versions["torchtools"], env!("CARGO_PKG_VERSION"));
     assert_eq!(temps(dir.path()), 0);
+    // Rotated files leave the directory's view at once and are freed off the save's
+    // path; what a process that exited left behind goes with the next save.
+    let trash = |d: &Path| {
+        std::fs::read_dir(d)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(".tt-trash-"))
+            .count()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while trash(dir.path()) > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "rotated files never freed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::fs::write(
+        dir.path().join(".tt-trash-ckpt-00000001.safetensors"),
+        b"old",
+    )
+    .unwrap();
+    dir.save(&ckpt(30)).unwrap();
+    let leftover = dir.path().join(".tt-trash-ckpt-00000001.safetensors");
+    assert!(!leftover.exists(), "the next save frees leftovers");
+    assert_eq!(steps(&dir), [20, 25, 30]);
 }
 
 #[test]
