@@ -19,6 +19,13 @@ pub(crate) fn duration(text: &str) -> Result<Duration, String> {
         )
     };
     let s = text.trim();
+    if let Some(rest) = s.strip_prefix('-') {
+        return Err(format!(
+            "{text:?} is negative: give a positive duration, e.g. {} or 500ms (a plain \
+             number is seconds)",
+            if rest.is_empty() { "1s" } else { rest }
+        ));
+    }
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
@@ -45,7 +52,8 @@ mod tests {
         assert_eq!(duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(duration("1.5h"), Ok(Duration::from_secs(5400)));
         assert_eq!(duration("90"), Ok(Duration::from_secs(90)));
-        for bad in ["", "m", "10 minutes", "-1s", "1e400", "nan"] {
+        assert!(duration("-1").is_err_and(|e| e.contains("is negative")));
+        for bad in ["", "m", "10 minutes", "1e400", "nan"] {
             let e = duration(bad).err().unwrap_or_default();
             assert!(e.contains("is not a duration"), "{bad:?}: {e}");
         }

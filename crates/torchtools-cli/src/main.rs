@@ -62,33 +62,41 @@ enum Command {
     /// shared), GPU RAM, CPU and GPU use, energy, time, as gpu_tracker does, with exact
     /// kernel peaks.
     ///
-    /// The report goes to stderr (or --output); the exit status is the command's
-    /// (128+N when killed by signal N; 127 when not found). `track compare A.json
-    /// B.json` compares reports written with --format json.
+    /// The report goes to stdout (or --output), as gpu_tracker's; messages go to
+    /// stderr. The exit status is the command's (128+N when killed by signal N; 127
+    /// when not found; 2 for bad arguments or output paths, checked before the
+    /// command starts). gpu_tracker's options work too (-e, --st, --ru, --gru, --tu,
+    /// --nec, --guuids, --gb, --tf, --disable-logs, --tconfig): put `torchtools track`
+    /// in front of a `gpu-tracker` line. `track compare A.json B.json` compares reports
+    /// written with --format json.
     #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
     Track {
         #[command(subcommand)]
         compare: Option<TrackCommand>,
-        /// Time between samples: 100ms by default, at least 10ms.
-        #[arg(long, value_parser = args::duration, default_value = "100ms")]
-        interval: Duration,
-        /// Unit of RAM: bytes, kilobytes, megabytes, gigabytes, terabytes (decimal).
-        #[arg(long, default_value = "gigabytes")]
-        ram_unit: tt_tracker::RamUnit,
-        /// Unit of GPU RAM.
-        #[arg(long, default_value = "gigabytes")]
-        gpu_ram_unit: tt_tracker::RamUnit,
-        /// Unit of time: seconds, minutes, hours, days.
-        #[arg(long, default_value = "hours")]
-        time_unit: tt_tracker::TimeUnit,
-        /// Report format.
-        #[arg(long, value_parser = ["text", "json"], default_value = "text")]
-        format: String,
-        /// Write the report to this file instead of stderr.
-        #[arg(long)]
+        /// Time between samples (gpu_tracker's --st, in seconds): 100ms by default,
+        /// at least 10ms. gpu_tracker samples every second; our peaks are exact
+        /// whatever the interval (the kernel's high-water marks), the interval only
+        /// sets how fine the timeline is.
+        #[arg(long, visible_alias = "st", value_parser = args::duration, allow_hyphen_values = true)]
+        interval: Option<Duration>,
+        /// Unit of RAM: bytes, kilobytes, megabytes, gigabytes (default), terabytes
+        /// (decimal).
+        #[arg(long, visible_alias = "ru")]
+        ram_unit: Option<tt_tracker::RamUnit>,
+        /// Unit of GPU RAM (default gigabytes).
+        #[arg(long, visible_alias = "gru")]
+        gpu_ram_unit: Option<tt_tracker::RamUnit>,
+        /// Unit of time: seconds, minutes, hours (default), days.
+        #[arg(long, visible_alias = "tu")]
+        time_unit: Option<tt_tracker::TimeUnit>,
+        /// Report format: text (default) or json.
+        #[arg(short, long, value_parser = ["text", "json"])]
+        format: Option<String>,
+        /// Write the report to this file instead of stdout (replaced if it exists).
+        #[arg(short, long)]
         output: Option<std::path::PathBuf>,
-        /// Write every sample to this file: .csv, .jsonl or .sqlite.
-        #[arg(long)]
+        /// Write every sample to this file: .csv, .jsonl or .sqlite (gpu_tracker's --tf).
+        #[arg(long, visible_alias = "tf")]
         timeline: Option<std::path::PathBuf>,
         /// Replace an existing --timeline file.
         #[arg(long)]
@@ -97,13 +105,29 @@ enum Command {
         #[arg(long)]
         plot: Option<std::path::PathBuf>,
         /// Cores the command is expected to use (denominator of hardware percentages).
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        #[arg(long, visible_alias = "nec", value_parser = clap::value_parser!(u32).range(1..))]
         n_expected_cores: Option<u32>,
         /// GPUs (UUIDs, comma-separated) whose utilisation and energy count.
-        #[arg(long, value_delimiter = ',')]
+        #[arg(long, visible_alias = "guuids", value_delimiter = ',')]
         gpu_uuids: Option<Vec<String>>,
+        /// gpu_tracker's GPU brand: nvidia (the one torchtools reads, through NVML).
+        #[arg(long = "gb", value_name = "BRAND", value_parser = ["nvidia", "amd"])]
+        gpu_brand: Option<String>,
+        /// Do not print the tracker's warnings (they stay in the report).
+        #[arg(long)]
+        disable_logs: bool,
+        /// gpu_tracker's JSON file of Tracker arguments (sleep_time, ram_unit,
+        /// gpu_ram_unit, time_unit, n_expected_cores, gpu_uuids, disable_logs,
+        /// gpu_brand, tracking_file, overwrite); options on the command line win.
+        #[arg(long, value_name = "FILE")]
+        tconfig: Option<std::path::PathBuf>,
+        /// gpu_tracker's -e: the command and its arguments in one string, split on
+        /// whitespace as gpu_tracker splits it (no quoting). Prefer `-- CMD ARGS`,
+        /// which passes arguments as they are.
+        #[arg(short = 'e', long, value_name = "COMMAND", conflicts_with = "command")]
+        execute: Option<String>,
         /// The command and its arguments, after `--`, passed as they are.
-        #[arg(last = true, required = true, value_name = "CMD")]
+        #[arg(last = true, required_unless_present = "execute", value_name = "CMD")]
         command: Vec<OsString>,
     },
     /// Probe a command's peak memory: run it with TORCHTOOLS_PROBE=1 and
@@ -339,29 +363,33 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             plot,
             n_expected_cores,
             gpu_uuids,
+            gpu_brand,
+            disable_logs,
+            tconfig,
+            execute,
             command,
         } => {
-            if interval < tt_tracker::MIN_INTERVAL {
-                return Err(child::Exit(
-                    2,
-                    format!("--interval {interval:?} is below the 10ms minimum"),
-                )
-                .into());
-            }
-            track::track(track::Request {
+            let given = track::Given {
                 interval,
                 ram_unit,
                 gpu_ram_unit,
                 time_unit,
-                json: format == "json",
-                output,
+                n_expected_cores,
+                gpu_uuids,
+                gpu_brand,
+                disable_logs,
                 timeline,
                 overwrite,
+            };
+            track::track(track::request(
+                given,
+                tconfig.as_deref(),
+                format.as_deref() == Some("json"),
+                output,
                 plot,
-                n_expected_cores: n_expected_cores.map(|n| n as usize),
-                gpu_uuids,
+                execute,
                 command,
-            })
+            )?)
         }
     }
 }

@@ -9,10 +9,238 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use tt_tracker::{RamUnit, Target, TimeUnit, Tracker, TrackerConfig};
 
 use crate::child::{self, Exit};
+
+/// The tracker options as typed (absent when not given): the command line wins
+/// over `--tconfig`, which wins over the defaults.
+pub(crate) struct Given {
+    pub(crate) interval: Option<Duration>,
+    pub(crate) ram_unit: Option<RamUnit>,
+    pub(crate) gpu_ram_unit: Option<RamUnit>,
+    pub(crate) time_unit: Option<TimeUnit>,
+    pub(crate) n_expected_cores: Option<u32>,
+    pub(crate) gpu_uuids: Option<Vec<String>>,
+    pub(crate) gpu_brand: Option<String>,
+    pub(crate) disable_logs: bool,
+    pub(crate) timeline: Option<PathBuf>,
+    pub(crate) overwrite: bool,
+}
+
+fn bad(message: String) -> anyhow::Error {
+    Exit(2, message).into()
+}
+
+/// gpu_tracker's `--tconfig`: a JSON object of `Tracker` arguments, read into the
+/// options the command line left unset.
+fn apply_tconfig(given: &mut Given, path: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| bad(format!("--tconfig {}: {e}", path.display())))?;
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&text).map_err(|e| {
+            bad(format!(
+                "--tconfig {}: not a JSON object: {e}",
+                path.display()
+            ))
+        })?;
+    let wrong = |key: &str, want: &str| {
+        bad(format!(
+            "--tconfig {}: {key:?} must be {want}",
+            path.display()
+        ))
+    };
+    for (key, value) in map {
+        let text = value.as_str();
+        match key.as_str() {
+            "sleep_time" => {
+                let secs = value
+                    .as_f64()
+                    .ok_or_else(|| wrong(&key, "a number of seconds"))?;
+                let d = Duration::try_from_secs_f64(secs)
+                    .map_err(|_| wrong(&key, "a positive number of seconds"))?;
+                given.interval.get_or_insert(d);
+            }
+            "ram_unit" | "gpu_ram_unit" => {
+                let unit: RamUnit = text.and_then(|t| t.parse().ok()).ok_or_else(|| {
+                    wrong(&key, "bytes, kilobytes, megabytes, gigabytes or terabytes")
+                })?;
+                let slot = if key == "ram_unit" {
+                    &mut given.ram_unit
+                } else {
+                    &mut given.gpu_ram_unit
+                };
+                slot.get_or_insert(unit);
+            }
+            "time_unit" => {
+                let unit: TimeUnit = text
+                    .and_then(|t| t.parse().ok())
+                    .ok_or_else(|| wrong(&key, "seconds, minutes, hours or days"))?;
+                given.time_unit.get_or_insert(unit);
+            }
+            "n_expected_cores" => {
+                let n = value
+                    .as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| wrong(&key, "a positive integer"))?;
+                given.n_expected_cores.get_or_insert(n);
+            }
+            "gpu_uuids" => {
+                let uuids: Vec<String> = value
+                    .as_array()
+                    .and_then(|a| a.iter().map(|v| v.as_str().map(str::to_owned)).collect())
+                    .ok_or_else(|| wrong(&key, "a list of GPU UUIDs"))?;
+                given.gpu_uuids.get_or_insert(uuids);
+            }
+            "gpu_brand" => {
+                let brand = text.ok_or_else(|| wrong(&key, "\"nvidia\" or \"amd\""))?;
+                given.gpu_brand.get_or_insert(brand.to_owned());
+            }
+            "tracking_file" => {
+                let file = text.ok_or_else(|| wrong(&key, "a file path"))?;
+                given.timeline.get_or_insert(PathBuf::from(file));
+            }
+            "disable_logs" | "overwrite" => {
+                let on = value
+                    .as_bool()
+                    .ok_or_else(|| wrong(&key, "true or false"))?;
+                let slot = if key == "overwrite" {
+                    &mut given.overwrite
+                } else {
+                    &mut given.disable_logs
+                };
+                *slot |= on;
+            }
+            other => {
+                return Err(bad(format!(
+                    "--tconfig {}: unknown key {other:?}; known: sleep_time, ram_unit, \
+                     gpu_ram_unit, time_unit, n_expected_cores, gpu_uuids, disable_logs, \
+                     gpu_brand, tracking_file, overwrite",
+                    path.display()
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A report or plot path, checked before the command starts: an existing directory
+/// to write in, not a directory itself, writable.
+fn check_output(option: &str, path: &Path) -> Result<()> {
+    if path.is_dir() {
+        return Err(bad(format!(
+            "{option} {} is a directory: give a file name, e.g. {}",
+            path.display(),
+            path.join("report.txt").display()
+        )));
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        return Err(bad(format!(
+            "{option} {}: the directory {} does not exist: create it first, or choose \
+             another path",
+            path.display(),
+            parent.display()
+        )));
+    }
+    let target = if path.exists() { path } else { parent };
+    let c_path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()).map_err(|_| {
+        bad(format!(
+            "{option} {}: a path with a NUL byte",
+            path.display()
+        ))
+    })?;
+    // SAFETY: access(2) reads the NUL-terminated path, which lives across the call.
+    if unsafe { libc::access(c_path.as_ptr(), libc::W_OK) } != 0 {
+        return Err(bad(format!(
+            "{option} {}: cannot write there ({})",
+            path.display(),
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(())
+}
+
+/// Everything `track` needs, every value checked: nothing runs before this is `Ok`.
+pub(crate) fn request(
+    mut given: Given,
+    tconfig: Option<&Path>,
+    json: bool,
+    output: Option<PathBuf>,
+    plot: Option<PathBuf>,
+    execute: Option<String>,
+    command: Vec<OsString>,
+) -> Result<Request> {
+    if let Some(path) = tconfig {
+        apply_tconfig(&mut given, path)?;
+    }
+    let interval = given
+        .interval
+        .unwrap_or(tt_tracker::TrackerConfig::default().interval);
+    if interval < tt_tracker::MIN_INTERVAL {
+        return Err(bad(format!(
+            "--interval {interval:?} is below the 10ms minimum: use e.g. --interval 100ms \
+             (or --st 0.1)"
+        )));
+    }
+    if given.gpu_brand.as_deref() == Some("amd") {
+        return Err(bad(
+            "--gb amd: torchtools reads NVIDIA GPUs only (through NVML); leave --gb out, or \
+             use --gb nvidia"
+                .into(),
+        ));
+    }
+    if let Some(path) = &given.timeline {
+        tt_tracker::check_timeline_path(path, given.overwrite).map_err(|e| match e {
+            tt_tracker::Error::TimelineExists { path } => bad(format!(
+                "--timeline {} already exists: add --overwrite to replace it, or choose \
+                 another path",
+                path.display()
+            )),
+            other => bad(format!("--timeline: {other}")),
+        })?;
+    }
+    if let Some(path) = &output {
+        check_output("--output", path)?;
+    }
+    if let Some(path) = &plot {
+        check_output("--plot", path)?;
+    }
+    let command = match execute {
+        Some(line) => {
+            let words: Vec<OsString> = line.split_whitespace().map(OsString::from).collect();
+            if words.is_empty() {
+                return Err(bad("-e/--execute is empty: give the command to run".into()));
+            }
+            eprintln!(
+                "torchtools track: -e splits the command on whitespace as gpu_tracker does \
+                 (no quoting); `torchtools track -- CMD ARGS` passes arguments as they are"
+            );
+            words
+        }
+        None => command,
+    };
+    Ok(Request {
+        interval,
+        ram_unit: given.ram_unit.unwrap_or_default(),
+        gpu_ram_unit: given.gpu_ram_unit.unwrap_or_default(),
+        time_unit: given.time_unit.unwrap_or_default(),
+        json,
+        output,
+        timeline: given.timeline,
+        overwrite: given.overwrite,
+        plot,
+        n_expected_cores: given.n_expected_cores.map(|n| n as usize),
+        gpu_uuids: given.gpu_uuids,
+        disable_logs: given.disable_logs,
+        command,
+    })
+}
 
 /// What `track` was asked for.
 pub(crate) struct Request {
@@ -27,6 +255,7 @@ pub(crate) struct Request {
     pub(crate) plot: Option<PathBuf>,
     pub(crate) n_expected_cores: Option<usize>,
     pub(crate) gpu_uuids: Option<Vec<String>>,
+    pub(crate) disable_logs: bool,
     pub(crate) command: Vec<OsString>,
 }
 
@@ -125,12 +354,31 @@ pub(crate) fn track(req: Request) -> Result<ExitCode> {
         keep_series: req.plot.is_some(),
         cgroup: cgroup.as_ref().map(|c| c.dir.clone()),
     });
-    // Whatever happens to the tracker, the command runs to its end and is reaped.
+    // Whatever happens to the tracker, the command runs to its end and is reaped, and
+    // its exit status is ours: a tracking or writing failure is said, never swapped in.
     let ended = running.wait()?;
-    let tracker = tracker.context("starting the tracker")?;
+    let status = ExitCode::from(ended.code);
+    let tracker = match tracker {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("torchtools track: the tracker did not start, nothing was tracked: {e}");
+            return Ok(status);
+        }
+    };
     tracker.target_exited(ended.max_rss, i32::from(ended.code));
-    let (usage, series) = tracker.stop_with_series().context("tracking")?;
+    let (usage, series) = match tracker.stop_with_series() {
+        Ok(done) => done,
+        Err(e) => {
+            eprintln!("torchtools track: tracking failed: {e}");
+            return Ok(status);
+        }
+    };
     drop(cgroup);
+    if !req.disable_logs {
+        for w in &usage.torchtools.warnings {
+            eprintln!("torchtools track: warning: {w}");
+        }
+    }
     let text = if req.json {
         serde_json::to_string_pretty(&usage)? + "\n"
     } else {
@@ -139,16 +387,31 @@ pub(crate) fn track(req: Request) -> Result<ExitCode> {
             ended.code
         )
     };
-    match &req.output {
+    let written = match &req.output {
         Some(path) => File::create(path)
-            .and_then(|mut f| f.write_all(text.as_bytes()))
-            .with_context(|| format!("writing the report to {}", path.display()))?,
-        None => eprint!("{text}"),
+            .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|()| f.sync_all()))
+            .map_err(|e| (path, e)),
+        None => {
+            print!("{text}");
+            Ok(())
+        }
+    };
+    if let Err((path, e)) = written {
+        eprintln!(
+            "torchtools track: could not write the report to {} ({e}); here it is:",
+            path.display()
+        );
+        print!("{text}");
     }
     if let Some(path) = &req.plot {
-        tt_tracker::plot(path, &series)?;
+        if let Err(e) = tt_tracker::plot(path, &series) {
+            eprintln!(
+                "torchtools track: could not draw the plot {}: {e}",
+                path.display()
+            );
+        }
     }
-    Ok(ExitCode::from(ended.code))
+    Ok(status)
 }
 
 pub(crate) fn compare(files: &[PathBuf], json: bool) -> Result<ExitCode> {

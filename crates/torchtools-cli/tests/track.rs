@@ -74,7 +74,7 @@ fn arguments_are_passed_as_they_are_not_split_on_spaces() {
 }
 
 #[test]
-fn the_text_report_goes_to_stderr_in_gpu_trackers_layout() {
+fn the_text_report_goes_to_stdout_in_gpu_trackers_layout() {
     let out = track(&[
         "--ram-unit",
         "megabytes",
@@ -85,7 +85,7 @@ fn the_text_report_goes_to_stderr_in_gpu_trackers_layout() {
         "0.2",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let text = stderr(&out);
+    let text = String::from_utf8(out.stdout.clone()).unwrap();
     assert!(text.starts_with("Resource tracking complete. Process completed with status code: 0\nMax RAM:\n   Unit: megabytes\n"), "{text}");
     for needle in [
         "CPU utilization:",
@@ -95,7 +95,195 @@ fn the_text_report_goes_to_stderr_in_gpu_trackers_layout() {
     ] {
         assert!(text.contains(needle), "{needle}: {text}");
     }
-    assert!(out.stdout.is_empty());
+    assert!(
+        !stderr(&out).contains("Resource tracking complete"),
+        "the report is on stdout only"
+    );
+}
+
+/// A command that leaves a mark when it runs.
+fn marking(dir: &Path) -> (String, std::path::PathBuf) {
+    let mark = dir.join("ran");
+    (format!("touch {}", mark.display()), mark)
+}
+
+#[test]
+fn a_bad_output_path_is_refused_before_the_command_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (script, mark) = marking(tmp.path());
+    let existing = tmp.path().join("old.csv");
+    std::fs::write(&existing, "keep me").unwrap();
+    let missing_dir = tmp.path().join("no/such/dir/r.json");
+    let missing = missing_dir.to_str().unwrap();
+    let missing_csv = missing_dir.with_extension("csv");
+    let dir = tmp.path().to_str().unwrap();
+    let unknown = tmp.path().join("t.parquet");
+    let cases: [(Vec<&str>, &str); 7] = [
+        (vec!["--output", missing], "does not exist"),
+        (vec!["-o", dir], "is a directory"),
+        (vec!["--plot", missing], "does not exist"),
+        (
+            vec!["--timeline", missing_csv.to_str().unwrap()],
+            "does not exist",
+        ),
+        (
+            vec!["--timeline", existing.to_str().unwrap()],
+            "--overwrite",
+        ),
+        (vec!["--tf", unknown.to_str().unwrap()], "*.csv"),
+        (vec!["--timeline", dir], "is a directory"),
+    ];
+    for (args, needle) in cases {
+        let mut all = args.clone();
+        all.extend(["--", "sh", "-c", &script]);
+        let out = track(&all);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(needle), "{args:?}: {}", stderr(&out));
+        assert!(!mark.exists(), "{args:?}: the command ran");
+    }
+    assert_eq!(std::fs::read_to_string(&existing).unwrap(), "keep me");
+    // --overwrite allows the existing timeline; the command runs.
+    let out = track(&[
+        "--timeline",
+        existing.to_str().unwrap(),
+        "--overwrite",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(mark.exists());
+}
+
+#[test]
+fn the_exit_status_survives_a_report_that_cannot_be_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("reports");
+    std::fs::create_dir(&dir).unwrap();
+    let report = dir.join("r.txt");
+    // The directory is valid at start and gone at the end (a disk that filled, say).
+    let script = format!("rm -r {}; exit 3", dir.display());
+    let out = track(&["-o", report.to_str().unwrap(), "--", "sh", "-c", &script]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("could not write the report to") && err.contains("r.txt"),
+        "{err}"
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.starts_with("Resource tracking complete. Process completed with status code: 3"),
+        "the report is printed instead: {text}"
+    );
+}
+
+#[test]
+fn a_gpu_tracker_command_line_works_with_torchtools_track_in_front() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_file = tmp.path().join("r.json");
+    let out = track(&[
+        "-e",
+        "sleep 0.3",
+        "--st=0.05",
+        "--ru=megabytes",
+        "--gru=kilobytes",
+        "--tu=seconds",
+        "--nec=1",
+        "--gb=nvidia",
+        "--disable-logs",
+        "-f",
+        "json",
+        "-o",
+        out_file.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("splits the command on whitespace"));
+    let r = report(&out_file);
+    assert_eq!(r["max_ram"]["unit"], "megabytes");
+    assert_eq!(r["max_gpu_ram"]["unit"], "kilobytes");
+    assert_eq!(r["compute_time"]["unit"], "seconds");
+    let secs = r["compute_time"]["time"].as_f64().unwrap();
+    assert!(secs >= 0.3, "the whole command ran: {secs}");
+    // --tconfig: gpu_tracker's Tracker arguments; the command line wins.
+    let config = tmp.path().join("tconfig.json");
+    std::fs::write(
+        &config,
+        r#"{"ram_unit": "kilobytes", "time_unit": "minutes", "sleep_time": 0.05}"#,
+    )
+    .unwrap();
+    let out = track(&[
+        "--tconfig",
+        config.to_str().unwrap(),
+        "--ru",
+        "megabytes",
+        "-f",
+        "json",
+        "--",
+        "true",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["max_ram"]["unit"], "megabytes", "the command line wins");
+    assert_eq!(
+        r["compute_time"]["unit"], "minutes",
+        "the config fills the rest"
+    );
+    std::fs::write(&config, r#"{"sleep_tme": 1}"#).unwrap();
+    let out = track(&["--tconfig", config.to_str().unwrap(), "--", "true"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("unknown key \"sleep_tme\""),
+        "{}",
+        stderr(&out)
+    );
+    let out = track(&["--gb", "amd", "--", "true"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("NVIDIA GPUs only"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn the_timeline_has_no_row_of_a_dead_process_nor_a_cpu_of_zero_at_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let timeline = tmp.path().join("t.jsonl");
+    // Busy for about a second: every interval sees CPU time.
+    let out = track(&[
+        "--interval",
+        "200ms",
+        "--timeline",
+        timeline.to_str().unwrap(),
+        "--",
+        &python(),
+        "-c",
+        "import time\nend = time.time() + 1.2\nwhile time.time() < end: pass",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&timeline)
+        .unwrap()
+        .lines()
+        .skip(1) // static data
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(!rows.is_empty(), "at least one sample");
+    for (i, row) in rows.iter().enumerate() {
+        assert!(row["main_ram"].as_f64().unwrap() > 0.0, "row {i}: {row}");
+        assert!(
+            row["main_n_threads"].as_u64().unwrap() > 0,
+            "row {i}: {row}"
+        );
+    }
+    let first_cpu = rows[0]["cpu_main_sum_utilization_percent"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        first_cpu > 0.0,
+        "the first CPU figure covers a real interval: {}",
+        rows[0]
+    );
 }
 
 #[test]
@@ -120,6 +308,12 @@ fn a_forwarded_signal_ends_the_command_and_the_report_is_still_written() {
 fn bad_arguments_exit_2() {
     for (args, needle) in [
         (&["--interval", "5ms", "--", "true"][..], "10ms"),
+        (
+            &["--interval", "0", "--", "true"][..],
+            "below the 10ms minimum",
+        ),
+        (&["--interval", "-1", "--", "true"][..], "is negative"),
+        (&["--st", "-0.5", "--", "true"][..], "is negative"),
         (
             &["--interval", "soon", "--", "true"][..],
             "is not a duration",

@@ -60,7 +60,7 @@ mod usage;
 
 pub use error::{Error, Result};
 pub use plot::plot;
-pub use timeline::Sample;
+pub use timeline::{check_timeline_path, Sample};
 pub use tracker::{Block, SeriesPoint, Target, Tracker, TrackerConfig, MIN_INTERVAL};
 pub use units::{RamUnit, TimeUnit};
 pub use usage::{

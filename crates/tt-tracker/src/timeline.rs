@@ -252,6 +252,52 @@ pub(crate) enum Timeline {
     },
 }
 
+/// The timeline formats, by extension (lowercase).
+fn format_of(path: &Path) -> Option<&'static str> {
+    let ext = path.extension()?.to_str()?.to_ascii_lowercase();
+    match ext.as_str() {
+        "csv" => Some("csv"),
+        "jsonl" | "ndjson" => Some("jsonl"),
+        "sqlite" | "db" | "sqlite3" => Some("sqlite"),
+        _ => None,
+    }
+}
+
+/// Checks, before anything is tracked, that a timeline can be created at `path`: a
+/// known extension, an existing directory, not a directory itself, and not an
+/// existing file unless `overwrite`. The tracker creates the file at start; this
+/// lets a command-line tool refuse a typo before it starts a long command.
+pub fn check_timeline_path(path: &Path, overwrite: bool) -> Result<()> {
+    let bad = |reason: String| Error::Timeline {
+        path: path.to_owned(),
+        reason,
+    };
+    if path.is_dir() {
+        return Err(bad("it is a directory: give a file name in it".into()));
+    }
+    if format_of(path).is_none() {
+        return Err(Error::TimelineFormat {
+            path: path.to_owned(),
+        });
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        return Err(bad(format!(
+            "the directory {} does not exist: create it first, or choose another path",
+            parent.display()
+        )));
+    }
+    if path.exists() && !overwrite {
+        return Err(Error::TimelineExists {
+            path: path.to_owned(),
+        });
+    }
+    Ok(())
+}
+
 fn create_file(path: &Path, overwrite: bool) -> Result<File> {
     let mut o = OpenOptions::new();
     o.write(true);

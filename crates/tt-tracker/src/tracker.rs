@@ -348,7 +348,10 @@ struct Sampler {
     gpus: Gpus,
     warnings: Vec<String>,
     timeline: Option<Timeline>,
+    /// Samples recorded (live process, real CPU interval).
     samples: u64,
+    /// Reads made, the baseline included.
+    ticks: u64,
     blocks: BTreeMap<String, BlockAcc>,
     series: Vec<SeriesPoint>,
     series_stride: usize,
@@ -415,6 +418,7 @@ impl Sampler {
             warnings: gpu_warning.into_iter().collect(),
             timeline,
             samples: 0,
+            ticks: 0,
             blocks: BTreeMap::new(),
             series: Vec::new(),
             series_stride: 1,
@@ -518,7 +522,7 @@ impl Sampler {
             // and at the last sample. A high-water mark loses nothing while its process
             // lives; the tracked command's is then exact from wait4, this process's from
             // the last sample.
-            let want_hwm = full_walk || self.stopping || self.samples == 0;
+            let want_hwm = full_walk || self.stopping || self.ticks == 0;
             let Some((stat, status)) = self
                 .files
                 .get(&pid)
@@ -530,7 +534,7 @@ impl Sampler {
             if !is_main {
                 alive_desc.insert(pid);
             }
-            if self.seen.insert(pid) && !is_main && self.samples == 0 && !procfs::reset_hwm(pid) {
+            if self.seen.insert(pid) && !is_main && self.ticks == 0 && !procfs::reset_hwm(pid) {
                 // Existed before tracking and its peak cannot be reset: its VmHWM may
                 // predate the tracking, so it is not used.
                 self.hwm_reset_failed.insert(pid);
@@ -632,9 +636,16 @@ impl Sampler {
             cpu[3] = cpu[1] + cpu[2];
             cpu[0] = system_pct;
         }
+        // A sample is recorded only for a live process, and only with CPU figures
+        // from a real interval: the first read is the baseline (gpu_tracker's readers
+        // would otherwise see a minimum of 0 for CPU, and for RAM and threads after
+        // the command exited).
         let first = self.last.is_none();
+        let main_alive = cpu_ticks.contains_key(&main);
+        let emit = !first && main_alive;
+        self.ticks += 1;
         let mut hw = [0.0f64; 4];
-        if !first {
+        if emit {
             hw[0] = self.cpu[0].add(cpu[0], self.cores);
             for k in 1..4 {
                 hw[k] = self.cpu[k].add(cpu[k], self.expected_cores);
@@ -645,7 +656,7 @@ impl Sampler {
         // GPU.
         let g = self.gpus.sample(main, &alive_desc);
         let (_, tracked) = self.gpus.counts();
-        let gpu_hw = if self.gpus.available() {
+        let gpu_hw = if self.gpus.available() && emit {
             self.gpu_pct.add(g.util_sum, tracked)
         } else {
             0.0
@@ -655,6 +666,9 @@ impl Sampler {
         self.max_gpu.2 = self.max_gpu.2.max(g.main + g.descendants);
         self.max_gpu.3 = self.max_gpu.3.max(g.system);
 
+        if !emit {
+            return Ok(());
+        }
         let ram = |b: u64| self.config.ram_unit.of(b as f64);
         let gram = |b: u64| self.config.gpu_ram_unit.of(b as f64);
         let sample = Sample {
