@@ -61,12 +61,14 @@ pub(crate) fn run() -> Result<()> {
             "demo",
         ]),
     )?;
-    // The tracker's baseline, for the benchmark only (not part of the setup).
-    steps::run("pip install gpu-tracker==5.0.1 (tt-tracker's baseline)", {
-        let mut c = Command::new(&python);
-        c.args(["-m", "pip", "install", "--quiet", "gpu-tracker==5.0.1"]);
-        c
-    })?;
+    // The tracker's baseline: in our venv already (setup), into a user's Python here.
+    if matches!(libtorch, Libtorch::User) {
+        steps::run("pip install gpu-tracker (tt-tracker's baseline)", {
+            let mut c = Command::new(&python);
+            c.args(["-m", "pip", "install", "--quiet", crate::setup::GPU_TRACKER]);
+            c
+        })?;
+    }
     let root = crate::root();
     let cli = root.join("target/release/torchtools");
     let demo = root.join("target/release/examples/demo");

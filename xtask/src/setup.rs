@@ -21,13 +21,18 @@ pub(crate) const TORCH_VERSION: &str = "2.11.0";
 /// completed in place. (`packaging` and `numpy`: `safetensors.torch` needs them without declaring them.)
 /// (`cuda-toolkit[cccl,nvcc]`: CUDA's headers, `crt/` included, so tt-sys builds
 /// ProcessGroupNCCL against the wheel's NCCL headers; ~100 MB.)
-const REQUIREMENTS: [&str; 5] = [
+/// (`gpu-tracker`: tt-tracker's tests run its own readers on our timelines, and the
+/// benchmark's baseline; it brings pandas and SQLAlchemy, ~60 MB.)
+const REQUIREMENTS: [&str; 6] = [
     "torch==2.11.0",
     "safetensors==0.7.0",
     "packaging>=23",
     "numpy>=2",
     "cuda-toolkit[cccl,nvcc]==13.0.2",
+    GPU_TRACKER,
 ];
+/// The gpu_tracker release our tracker is compared with.
+pub(crate) const GPU_TRACKER: &str = "gpu-tracker==5.0.1";
 /// Free space the wheel and its CUDA libraries need (about 4.6 GB installed).
 const NEEDED_BYTES: u64 = 6 << 30;
 const MARKER: &str = ".torchtools-ready";

@@ -1,7 +1,9 @@
 //! Every sample to a file, as gpu_tracker's `tracking_file`: CSV (static data in the
 //! first two lines, then one row per sample, the layout gpu_tracker's analyzer reads),
-//! JSON Lines, or SQLite (tables `static_data`, `data`, and `sub_tracking` for blocks).
-//! With CSV, block events go to `<name>.blocks.csv`, in gpu_tracker's sub-tracking layout.
+//! JSON Lines, or SQLite (tables `static_data` and `data`). Block events go to a
+//! sub-tracking file beside it, as gpu_tracker's `SubTracker` writes one:
+//! `<name>.blocks.csv`, or `<name>.blocks.sqlite` with its table `data`; gpu_tracker's
+//! `sub-track analyze --tf <name>.sqlite --stf <name>.blocks.sqlite` reads the pair.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -249,6 +251,9 @@ pub(crate) enum Timeline {
         path: PathBuf,
         conn: Box<rusqlite::Connection>,
         last_commit: Instant,
+        blocks_path: PathBuf,
+        /// The sub-tracking database, created at the first block event.
+        blocks: Option<Box<rusqlite::Connection>>,
     },
 }
 
@@ -378,9 +383,7 @@ impl Timeline {
                 let stat = static_data.row();
                 let sample = Sample::default().row();
                 conn.execute_batch(&format!(
-                    "CREATE TABLE static_data ({}); CREATE TABLE data ({}); \
-                     CREATE TABLE sub_tracking (process_id INTEGER, code_block_name TEXT, \
-                     position INTEGER, timestamp REAL);",
+                    "CREATE TABLE static_data ({}); CREATE TABLE data ({});",
                     columns(&stat),
                     columns(&sample)
                 ))
@@ -391,6 +394,8 @@ impl Timeline {
                     path: path.to_owned(),
                     conn: Box::new(conn),
                     last_commit: Instant::now(),
+                    blocks_path: path.with_extension("blocks.sqlite"),
+                    blocks: None,
                 })
             }
             _ => Err(Error::TimelineFormat {
@@ -464,8 +469,30 @@ impl Timeline {
                     .map_err(|e| e.to_string())
                     .and_then(|l| writeln!(out, "{l}").map_err(|e| e.to_string()))
             }
-            Timeline::Sqlite { conn, .. } => {
-                insert(conn, "sub_tracking", &e.row()).map_err(|e| e.to_string())
+            Timeline::Sqlite {
+                blocks_path,
+                blocks,
+                ..
+            } => {
+                if blocks.is_none() {
+                    // Replaced, as the CSV sub-tracking file is: it belongs to this timeline.
+                    let _ = std::fs::remove_file(&*blocks_path);
+                    let opened = rusqlite::Connection::open(&*blocks_path).and_then(|c| {
+                        c.execute_batch(
+                            "CREATE TABLE data (process_id INTEGER, code_block_name TEXT, \
+                             position INTEGER, timestamp REAL);",
+                        )
+                        .map(|()| c)
+                    });
+                    match opened {
+                        Ok(c) => *blocks = Some(Box::new(c)),
+                        Err(e) => return Err(self.error(&e)),
+                    }
+                }
+                match blocks {
+                    Some(c) => insert(c, "data", &e.row()).map_err(|e| e.to_string()),
+                    None => Ok(()),
+                }
             }
         };
         r.map_err(|e| self.error(&e))

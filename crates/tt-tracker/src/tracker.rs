@@ -261,13 +261,57 @@ impl Drop for Tracker {
     }
 }
 
-/// Running min / max / sum of each measure inside a block.
+/// Running min / max / mean / spread of one measure (Welford's update).
+#[derive(Clone, Copy)]
+struct Running {
+    min: f64,
+    max: f64,
+    n: u64,
+    mean: f64,
+    /// Sum of squared differences from the mean.
+    m2: f64,
+}
+
+impl Default for Running {
+    fn default() -> Self {
+        Running {
+            min: f64::INFINITY,
+            max: f64::NEG_INFINITY,
+            n: 0,
+            mean: 0.0,
+            m2: 0.0,
+        }
+    }
+}
+
+impl Running {
+    fn add(&mut self, v: f64) {
+        self.min = self.min.min(v);
+        self.max = self.max.max(v);
+        self.n += 1;
+        let delta = v - self.mean;
+        self.mean += delta / self.n as f64;
+        self.m2 += delta * (v - self.mean);
+    }
+
+    /// gpu_tracker's statistics: the population standard deviation (`ddof=0`).
+    fn stat(&self) -> Stat {
+        Stat {
+            min: self.min,
+            max: self.max,
+            mean: self.mean,
+            std: (self.m2 / self.n.max(1) as f64).max(0.0).sqrt(),
+        }
+    }
+}
+
+/// Each measure's running statistics inside a block.
 #[derive(Default)]
 struct BlockAcc {
     calls: u64,
     seconds: f64,
     samples: u64,
-    stats: Vec<(f64, f64, f64)>,
+    stats: Vec<Running>,
     open: Vec<f64>,
 }
 
@@ -702,12 +746,10 @@ impl Sampler {
         let measures = sample.measures();
         for acc in self.blocks.values_mut().filter(|a| !a.open.is_empty()) {
             if acc.stats.is_empty() {
-                acc.stats = vec![(f64::INFINITY, f64::NEG_INFINITY, 0.0); measures.len()];
+                acc.stats = vec![Running::default(); measures.len()];
             }
             for (s, (_, v)) in acc.stats.iter_mut().zip(measures.iter()) {
-                s.0 = s.0.min(*v);
-                s.1 = s.1.max(*v);
-                s.2 += v;
+                s.add(*v);
             }
             acc.samples += 1;
         }
@@ -827,16 +869,7 @@ impl Sampler {
                     .stats
                     .iter()
                     .zip(&names)
-                    .map(|((min, max, sum), n)| {
-                        (
-                            (*n).to_owned(),
-                            Stat {
-                                min: *min,
-                                max: *max,
-                                mean: sum / acc.samples.max(1) as f64,
-                            },
-                        )
-                    })
+                    .map(|(running, n)| ((*n).to_owned(), running.stat()))
                     .collect(),
             })
             .collect();
@@ -898,5 +931,34 @@ impl Sampler {
             },
         };
         Ok((usage, std::mem::take(&mut self.series)))
+    }
+}
+
+#[cfg(test)]
+mod running_tests {
+    use super::Running;
+
+    #[test]
+    fn block_statistics_are_gpu_trackers() {
+        let mut r = Running::default();
+        for v in [1.0, 2.0, 3.0, 4.0, 1e9] {
+            r.add(v);
+        }
+        let s = r.stat();
+        // numpy: np.std([1, 2, 3, 4, 1e9]) (ddof=0, as gpu_tracker's analysis).
+        let mean = (10.0 + 1e9) / 5.0;
+        let var = [1.0, 2.0, 3.0, 4.0, 1e9]
+            .iter()
+            .map(|v: &f64| (v - mean).powi(2))
+            .sum::<f64>()
+            / 5.0;
+        assert_eq!((s.min, s.max), (1.0, 1e9));
+        assert!((s.mean - mean).abs() < 1e-6);
+        assert!(
+            (s.std - var.sqrt()).abs() / var.sqrt() < 1e-12,
+            "{} vs {}",
+            s.std,
+            var.sqrt()
+        );
     }
 }

@@ -131,7 +131,8 @@ pub struct GpuEnergy {
     pub joules: f64,
 }
 
-/// Min / max / mean of one measure over a block's samples.
+/// Min / max / mean / standard deviation of one measure over a block's samples, the
+/// statistics of gpu_tracker's sub-tracking analysis.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Stat {
     /// Smallest.
@@ -140,6 +141,10 @@ pub struct Stat {
     pub max: f64,
     /// Mean.
     pub mean: f64,
+    /// Population standard deviation (gpu_tracker's `std(ddof=0)`); 0 in reports
+    /// written before it was recorded.
+    #[serde(default)]
+    pub std: f64,
 }
 
 /// A named code block (`Tracker::block`): how often, how long, and its measures.
@@ -365,8 +370,8 @@ impl fmt::Display for ResourceUsage {
             for (measure, s) in &b.measures {
                 writeln!(
                     f,
-                    "      {measure}: min {:.3} max {:.3} mean {:.3}",
-                    s.min, s.max, s.mean
+                    "      {measure}: min {:.3} max {:.3} mean {:.3} std {:.3}",
+                    s.min, s.max, s.mean, s.std
                 )?;
             }
         }

@@ -92,6 +92,7 @@ fn usage() -> ResourceUsage {
                         min: 1.0,
                         max: 1.5,
                         mean: 1.25,
+                        std: 0.25,
                     },
                 )]),
             }],

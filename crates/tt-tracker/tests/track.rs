@@ -229,12 +229,46 @@ fn timelines_hold_every_sample_and_the_blocks() {
                     .query_row("SELECT ram_unit FROM static_data", [], |r| r.get(0))
                     .unwrap();
                 assert_eq!(unit, "bytes");
-                let events: i64 = db
-                    .query_row("SELECT COUNT(*) FROM sub_tracking", [], |r| r.get(0))
+                // Blocks: a sub-tracking file beside it, in gpu_tracker's schema.
+                let blocks =
+                    rusqlite::Connection::open(tmp.path().join("timeline.blocks.sqlite")).unwrap();
+                let events: Vec<(i64, String, i64)> = blocks
+                    .prepare("SELECT process_id, code_block_name, position FROM data")
+                    .unwrap()
+                    .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                    .unwrap()
+                    .collect::<Result<_, _>>()
                     .unwrap();
-                assert_eq!(events, 2);
+                let pid = i64::from(std::process::id());
+                assert_eq!(
+                    events,
+                    [
+                        (pid, "allocate".to_owned(), 0),
+                        (pid, "allocate".to_owned(), 1)
+                    ]
+                );
             }
         }
+    }
+    // gpu_tracker's own analysis reads our timelines with their blocks.
+    for ext in ["csv", "sqlite"] {
+        let tf = tmp.path().join(format!("timeline.{ext}"));
+        let stf = tmp.path().join(format!("timeline.blocks.{ext}"));
+        let analysis = gpu_tracker(&[
+            "sub-track",
+            "analyze",
+            &format!("--tf={}", tf.display()),
+            &format!("--stf={}", stf.display()),
+            "--format=json",
+        ]);
+        let results: serde_json::Value = serde_json::from_str(&analysis).unwrap();
+        let block = &results["code_block_results"][0];
+        assert_eq!(block["name"], "allocate", "{ext}: {analysis}");
+        assert_eq!(block["num_calls"], 1, "{ext}: {analysis}");
+        assert!(
+            block["compute_time"]["total"].as_f64().unwrap() >= 0.05,
+            "{ext}: {analysis}"
+        );
     }
     // An existing file is kept unless overwrite is set; a strange extension is refused.
     let existing = tmp.path().join("timeline.csv");
@@ -274,4 +308,22 @@ fn a_plot_is_drawn_with_the_peaks() {
         "{}",
         &svg[..200.min(svg.len())]
     );
+}
+
+/// gpu_tracker 5.0.1's command line (installed in the setup venv by `cargo xtask
+/// setup`), its stdout. Fails, never skips, without it.
+fn gpu_tracker(args: &[&str]) -> String {
+    let py = std::env::var("TORCHTOOLS_PYTHON")
+        .unwrap_or_else(|_| panic!("TORCHTOOLS_PYTHON is not set: run `cargo xtask setup`"));
+    let out = std::process::Command::new(py)
+        .args(["-W", "ignore", "-m", "gpu_tracker"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "gpu-tracker {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
 }
