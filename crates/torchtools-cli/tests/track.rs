@@ -182,9 +182,11 @@ fn the_exit_status_survives_a_report_that_cannot_be_written() {
 fn a_gpu_tracker_command_line_works_with_torchtools_track_in_front() {
     let tmp = tempfile::tempdir().unwrap();
     let out_file = tmp.path().join("r.json");
+    let mark = tmp.path().join("ran");
+    let line = format!("touch {}", mark.display());
     let out = track(&[
         "-e",
-        "sleep 0.3",
+        &line,
         "--st=0.05",
         "--ru=megabytes",
         "--gru=kilobytes",
@@ -203,8 +205,10 @@ fn a_gpu_tracker_command_line_works_with_torchtools_track_in_front() {
     assert_eq!(r["max_ram"]["unit"], "megabytes");
     assert_eq!(r["max_gpu_ram"]["unit"], "kilobytes");
     assert_eq!(r["compute_time"]["unit"], "seconds");
-    let secs = r["compute_time"]["time"].as_f64().unwrap();
-    assert!(secs >= 0.3, "the whole command ran: {secs}");
+    assert!(
+        mark.exists(),
+        "the -e line ran, split into a command and its argument"
+    );
     // --tconfig: gpu_tracker's Tracker arguments; the command line wins.
     let config = tmp.path().join("tconfig.json");
     std::fs::write(
