@@ -379,13 +379,18 @@ pub(crate) fn track(req: Request) -> Result<ExitCode> {
             eprintln!("torchtools track: warning: {w}");
         }
     }
+    // As gpu_tracker: the status line on stdout, the report after it or in --output.
+    // With JSON the line goes to stderr, so that stdout parses as JSON.
+    let done = format!(
+        "Resource tracking complete. Process completed with status code: {}",
+        ended.code
+    );
     let text = if req.json {
+        eprintln!("{done}");
         serde_json::to_string_pretty(&usage)? + "\n"
     } else {
-        format!(
-            "Resource tracking complete. Process completed with status code: {}\n{usage}",
-            ended.code
-        )
+        println!("{done}");
+        format!("{usage}")
     };
     let written = match &req.output {
         Some(path) => File::create(path)

@@ -96,8 +96,96 @@ fn the_text_report_goes_to_stdout_in_gpu_trackers_layout() {
         assert!(text.contains(needle), "{needle}: {text}");
     }
     assert!(
-        !stderr(&out).contains("Resource tracking complete"),
+        !stderr(&out).contains("Max RAM"),
         "the report is on stdout only"
+    );
+}
+
+/// Every key path of a JSON value (`max_ram.main.total_rss`, ...).
+fn key_paths(v: &serde_json::Value, prefix: &str, out: &mut Vec<String>) {
+    if let Some(map) = v.as_object() {
+        for (k, child) in map {
+            let path = format!("{prefix}{k}");
+            out.push(path.clone());
+            key_paths(child, &format!("{path}."), out);
+        }
+    }
+}
+
+/// The labels of a text report, values dropped: its layout.
+fn layout(text: &str) -> Vec<String> {
+    text.lines()
+        .map(|l| match l.find(": ") {
+            Some(i) => l[..i].to_owned(),
+            None => l.trim_end().to_owned(),
+        })
+        .collect()
+}
+
+#[test]
+fn the_same_command_line_as_gpu_tracker_gives_the_same_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let py = std::env::var("TORCHTOOLS_PYTHON")
+        .unwrap_or_else(|_| panic!("TORCHTOOLS_PYTHON is not set: run `cargo xtask setup`"));
+    let line = |format: &str, output: &Path| {
+        vec![
+            "-e".to_owned(),
+            "sleep 0.2".to_owned(),
+            "--ru=megabytes".to_owned(),
+            "--gru=megabytes".to_owned(),
+            "--tu=seconds".to_owned(),
+            "--st=0.1".to_owned(),
+            format!("--format={format}"),
+            format!("--output={}", output.display()),
+        ]
+    };
+    let mut outputs = Vec::new();
+    for format in ["json", "text"] {
+        let theirs = tmp.path().join(format!("theirs.{format}"));
+        let ours = tmp.path().join(format!("ours.{format}"));
+        let gt = Command::new(&py)
+            .args(["-W", "ignore", "-m", "gpu_tracker"])
+            .args(line(format, &theirs))
+            .output()
+            .unwrap();
+        assert!(gt.status.success(), "gpu-tracker: {}", stderr(&gt));
+        let args = line(format, &ours);
+        let tt = track(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(tt.status.success(), "{}", stderr(&tt));
+        if format == "text" {
+            assert_eq!(
+                String::from_utf8_lossy(&tt.stdout),
+                String::from_utf8_lossy(&gt.stdout),
+                "the same status line on stdout"
+            );
+        }
+        outputs.push((
+            std::fs::read_to_string(&theirs).unwrap(),
+            std::fs::read_to_string(&ours).unwrap(),
+        ));
+    }
+    // JSON: every key of gpu_tracker's, with the same units; ours adds `torchtools`.
+    let (theirs, ours) = (&outputs[0].0, &outputs[0].1);
+    let (theirs, ours): (serde_json::Value, serde_json::Value) = (
+        serde_json::from_str(theirs).unwrap(),
+        serde_json::from_str(ours).unwrap(),
+    );
+    let (mut tk, mut ok) = (Vec::new(), Vec::new());
+    key_paths(&theirs, "", &mut tk);
+    key_paths(&ours, "", &mut ok);
+    ok.retain(|k| !k.starts_with("torchtools"));
+    tk.sort();
+    ok.sort();
+    assert_eq!(ok, tk, "the same key tree");
+    for unit in ["max_ram", "max_gpu_ram", "compute_time"] {
+        assert_eq!(ours[unit]["unit"], theirs[unit]["unit"], "{unit}");
+    }
+    // Text: gpu_tracker's layout line for line, then ours.
+    let (theirs, ours) = (layout(&outputs[1].0), layout(&outputs[1].1));
+    assert_eq!(
+        ours[..theirs.len()],
+        theirs[..],
+        "gpu_tracker's layout first"
     );
 }
 
