@@ -14,9 +14,17 @@ fn track(args: &[&str]) -> Output {
         .unwrap()
 }
 
-/// The setup venv's Python (`TORCHTOOLS_PYTHON`, set for cargo), else `python3`.
+/// The setup venv's Python (`TORCHTOOLS_PYTHON`, set for cargo), with gpu-tracker
+/// 5.0.1: fails, never skips or falls back to another Python, without it.
 fn python() -> String {
-    std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into())
+    std::env::var("TORCHTOOLS_PYTHON")
+        .unwrap_or_else(|_| panic!("TORCHTOOLS_PYTHON is not set: run `cargo xtask setup`"))
+}
+
+/// `out` is a refusal before anything ran: exit 2, saying `needle`.
+fn refused(out: &Output, needle: &str) {
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(out));
+    assert!(stderr(out).contains(needle), "{needle}: {}", stderr(out));
 }
 
 fn stderr(out: &Output) -> String {
@@ -125,8 +133,7 @@ fn layout(text: &str) -> Vec<String> {
 #[test]
 fn the_same_command_line_as_gpu_tracker_gives_the_same_report() {
     let tmp = tempfile::tempdir().unwrap();
-    let py = std::env::var("TORCHTOOLS_PYTHON")
-        .unwrap_or_else(|_| panic!("TORCHTOOLS_PYTHON is not set: run `cargo xtask setup`"));
+    let py = python();
     let line = |format: &str, output: &Path| {
         vec![
             "-e".to_owned(),
@@ -323,19 +330,8 @@ fn a_gpu_tracker_command_line_works_with_torchtools_track_in_front() {
     );
     std::fs::write(&config, r#"{"sleep_tme": 1}"#).unwrap();
     let out = track(&["--tconfig", config.to_str().unwrap(), "--", "true"]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(
-        stderr(&out).contains("unknown key \"sleep_tme\""),
-        "{}",
-        stderr(&out)
-    );
-    let out = track(&["--gb", "amd", "--", "true"]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(
-        stderr(&out).contains("NVIDIA GPUs only"),
-        "{}",
-        stderr(&out)
-    );
+    refused(&out, "unknown key \"sleep_tme\"");
+    refused(&track(&["--gb", "amd", "--", "true"]), "NVIDIA GPUs only");
 }
 
 #[test]

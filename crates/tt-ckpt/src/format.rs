@@ -207,9 +207,9 @@ impl<'a> Checkpoint<'a> {
 
     /// Writes the checkpoint to `path` with [`atomic_write`](crate::atomic_write)'s
     /// guarantees (unique temp file, fsync, rename, fsync of the directory). The
-    /// tensors' bytes go to the file straight from their memory while their
-    /// checksums are computed on another core; writeback starts chunk by chunk, so
-    /// the disk is busy from the start.
+    /// tensors' bytes go to the disk in chunks (`O_DIRECT` where the filesystem takes
+    /// it) while their checksums are computed on another core, so the disk is busy
+    /// from the start.
     pub fn write_to(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let mut file = AtomicFile::new(path)?;

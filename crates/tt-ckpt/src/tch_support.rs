@@ -1,5 +1,7 @@
 //! tch tensors and VarStores in checkpoints (feature `tch`).
 
+use std::collections::BTreeMap;
+
 use tch::{Device, Kind, Tensor};
 
 use crate::{Checkpoint, Dtype, Error, LoadedCheckpoint, Result, TensorData, TensorFile};
@@ -149,22 +151,21 @@ impl TensorFile {
         vs: &mut tch::nn::VarStore,
         options: LoadOptions,
     ) -> Result<LoadReport> {
-        let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let names = self.names();
+        // By name, sorted: reports and errors list names in order.
+        let vars: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
         let mut report = LoadReport {
-            unexpected: names
-                .iter()
-                .filter(|n| !vars.iter().any(|(v, _)| v == *n))
-                .cloned()
+            unexpected: self
+                .names()
+                .into_iter()
+                .filter(|n| !vars.contains_key(n))
                 .collect(),
             ..LoadReport::default()
         };
         let mut mismatched = Vec::new();
         let mut plan = Vec::new();
-        for (name, var) in &vars {
-            let Ok(view) = self.tensor(name) else {
-                report.missing.push(name.clone());
+        for (name, var) in vars {
+            let Ok(view) = self.tensor(&name) else {
+                report.missing.push(name);
                 continue;
             };
             let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
@@ -190,7 +191,7 @@ impl TensorFile {
                 ));
                 continue;
             }
-            plan.push(name.clone());
+            plan.push((name, var));
         }
         let strict_failure =
             options.strict && !(report.missing.is_empty() && report.unexpected.is_empty());
@@ -203,11 +204,11 @@ impl TensorFile {
                 strict: options.strict,
             });
         }
-        for (name, var) in vars.iter_mut().filter(|(n, _)| plan.contains(n)) {
-            let saved = self.tch(name, var.device())?;
+        for (name, mut var) in plan {
+            let saved = self.tch(&name, var.device())?;
             tch::no_grad(|| var.f_copy_(&saved))
                 .map_err(read_err(format!("load variable {name:?}")))?;
-            report.loaded.push(name.clone());
+            report.loaded.push(name);
         }
         Ok(report)
     }

@@ -394,8 +394,6 @@ struct Sampler {
     timeline: Option<Timeline>,
     /// Samples recorded (live process, real CPU interval).
     samples: u64,
-    /// Reads made, the baseline included.
-    ticks: u64,
     blocks: BTreeMap<String, BlockAcc>,
     series: Vec<SeriesPoint>,
     series_stride: usize,
@@ -462,7 +460,6 @@ impl Sampler {
             warnings: gpu_warning.into_iter().collect(),
             timeline,
             samples: 0,
-            ticks: 0,
             blocks: BTreeMap::new(),
             series: Vec::new(),
             series_stride: 1,
@@ -529,6 +526,8 @@ impl Sampler {
     /// One sample of the whole tree.
     fn tick(&mut self) -> Result<()> {
         let now = Instant::now();
+        // The first read is the baseline (no previous CPU ticks yet).
+        let first = self.last.is_none();
         let main = self.main;
         // Children of every thread about once a second; of main threads in between.
         let full_walk = self
@@ -566,7 +565,7 @@ impl Sampler {
             // and at the last sample. A high-water mark loses nothing while its process
             // lives; the tracked command's is then exact from wait4, this process's from
             // the last sample.
-            let want_hwm = full_walk || self.stopping || self.ticks == 0;
+            let want_hwm = full_walk || self.stopping || first;
             let Some((stat, status)) = self
                 .files
                 .get(&pid)
@@ -578,7 +577,7 @@ impl Sampler {
             if !is_main {
                 alive_desc.insert(pid);
             }
-            if self.seen.insert(pid) && !is_main && self.ticks == 0 && !procfs::reset_hwm(pid) {
+            if self.seen.insert(pid) && !is_main && first && !procfs::reset_hwm(pid) {
                 // Existed before tracking and its peak cannot be reset: its VmHWM may
                 // predate the tracking, so it is not used.
                 self.hwm_reset_failed.insert(pid);
@@ -684,10 +683,8 @@ impl Sampler {
         // from a real interval: the first read is the baseline (gpu_tracker's readers
         // would otherwise see a minimum of 0 for CPU, and for RAM and threads after
         // the command exited).
-        let first = self.last.is_none();
         let main_alive = cpu_ticks.contains_key(&main);
         let emit = !first && main_alive;
-        self.ticks += 1;
         let mut hw = [0.0f64; 4];
         if emit {
             hw[0] = self.cpu[0].add(cpu[0], self.cores);
