@@ -9,20 +9,23 @@
 //!
 //! `TORCHTOOLS_TRAIN_CKPT=DIR` checkpoints there every 20 steps and resumes from it;
 //! send SIGTERM (or Ctrl-C) mid-run and start it again: it continues exactly where it
-//! stopped. `TORCHTOOLS_TRAIN_EPOCHS` (default 3) sets the epochs.
+//! stopped; a preempted run exits with status 75 (`torchtools::train::EXIT_PREEMPTED`),
+//! which `torchtools launch` passes on without restarting. `TORCHTOOLS_TRAIN_EPOCHS`
+//! (default 3) sets the epochs; `TORCHTOOLS_LOG=debug` shows more of what happens.
 
 use std::error::Error;
 use std::process::ExitCode;
 
 use torchtools::optim::{Optimizer, SgdConfig};
 use torchtools::tch::{nn, nn::Module, Kind, Reduction, Tensor};
-use torchtools::trainer::{FitOutcome, TrainConfig, Trainer};
+use torchtools::train::{FitOutcome, TrainConfig, Trainer};
 
 const SAMPLES: u64 = 2048;
 
 fn main() -> ExitCode {
+    torchtools::init_logging();
     match run() {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("train: {e}");
             ExitCode::FAILURE
@@ -44,7 +47,7 @@ fn epochs() -> Result<u64, String> {
     }
 }
 
-fn run() -> Result<(), Box<dyn Error>> {
+fn run() -> Result<ExitCode, Box<dyn Error>> {
     let mut config = TrainConfig::new(SAMPLES, 32, epochs()?).seed(1);
     config.log_every = 20;
     if let Some(dir) = std::env::var_os("TORCHTOOLS_TRAIN_CKPT") {
@@ -103,5 +106,5 @@ fn run() -> Result<(), Box<dyn Error>> {
             ),
         }
     }
-    Ok(())
+    Ok(report.exit_code())
 }

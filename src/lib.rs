@@ -16,12 +16,14 @@
 //! | [`ckpt`] | `tt-ckpt` | atomic, verified, Python-readable checkpoints; a directory that survives `kill -9` |
 //! | [`optim`] | `tt-optim` | SGD / Adam / AdamW with torch.optim's rules and LR schedules, state saved in checkpoints |
 //! | [`dist`] | `tt-dist` | torchrun / Slurm environments, a torchrun-style launcher; with `dist`: c10d process groups (Gloo, NCCL), DDP |
-//! | `trainer` (feature `dist`) | here | one training loop for one process or many: sharding, DDP, rank-0 checkpoints with sampler and optimizer state, preemption |
+//! | [`reserve`] | `tt-reserve` | lock + fence as one guard: the Python torchtools' `reserve_gpu_for_training` |
+//! | [`train`] | `tt-train` | one training loop for one process or many (torchhandy's `Parallel_Trainer`), `TrainState` for loops of your own, batches across epochs |
 //!
-//! The flows that join them: [`reserve_gpu_for_training`] (lock + fence, the seed's
-//! context manager as a guard), `run_training_with_reservation` (feature `tch`: probe →
-//! reserve with the estimate → train) and [`fence_release_hook`] (tt-adaptive hands fence
-//! memory back before it lowers a batch size).
+//! The flows that join them, re-exported here: [`reserve_gpu_for_training`] (lock +
+//! fence as a guard), `run_training_with_reservation` (feature `tch`: probe → reserve
+//! with the estimate → train, from `tt-probe`) and [`fence_release_hook`] (tt-adaptive
+//! hands fence memory back before it lowers a batch size). [`init_logging`] shows what
+//! they do (resumes, preemption, OOM retries) on stderr.
 //!
 //! Every crate's core builds without libtorch; libtorch comes in only with the `tch`
 //! feature (on by default here). The `torchtools` command (crate `torchtools-cli`)
@@ -45,19 +47,38 @@
 //! A binary that uses the `tch` feature runs from any directory when its build script
 //! calls [`tt_sys::build::link_libtorch_rpath`] (see that module).
 
-mod reserve;
-#[cfg(feature = "tch")]
-mod run;
-#[cfg(feature = "dist")]
-pub mod trainer;
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
-pub use reserve::{
-    fence_release_hook, reserve_gpu_for_training, Reservation, ReserveError, ReserveOptions,
-    ReservedGpu,
+pub mod prelude;
+
+pub use tt_reserve::{
+    fence_release_hook, reserve as reserve_gpu_for_training, Error as ReserveError, Reservation,
+    ReserveOptions, ReservedGpu,
 };
 
 #[cfg(feature = "tch")]
-pub use run::{run_training_with_reservation, RunError, RunOptions, RunPlan};
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
+pub use tt_probe::{run_training_with_reservation, RunError, RunOptions, RunPlan};
+
+#[doc(inline)]
+pub use tt_reserve as reserve;
+
+#[doc(inline)]
+pub use tt_train as train;
+
+/// Logs of every torchtools crate (resumes, preemption, OOM retries, waits for a
+/// GPU) on stderr, through a `tracing` subscriber that honours `TORCHTOOLS_LOG`
+/// (`RUST_LOG` syntax; default `info`). Call it first in `main`; it does nothing when
+/// the program already installed a subscriber of its own.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TORCHTOOLS_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // An error means a subscriber is already installed: theirs wins.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
 
 #[doc(inline)]
 pub use tt_device as device;

@@ -15,13 +15,13 @@ fn libtorch_gets_what_the_fence_gives_back() {
     // Initialise libtorch's CUDA state first, as a training program would.
     let _warm = Tensor::zeros([1], (Kind::Float, Device::Cuda(0)));
     let mut r = reserve_gpu_for_training(ReserveOptions {
-        gpu: GpuSpec::Cuda(0),
+        gpus: vec![GpuSpec::Cuda(0)],
         training_reserved_bytes: Bytes::gib(2),
         ..ReserveOptions::default()
     })
     .unwrap();
     assert_eq!(r.ordinal(), Some(0));
-    assert_eq!(r.device(), Device::Cuda(0));
+    assert_eq!(r.device().unwrap(), Device::Cuda(0));
     assert!(r.fenced().0 > 0);
     let free = torchtools::sys::mem_get_info(0).unwrap().free;
     let expected = Bytes::gib(2).0 + torchtools::fence::DEFAULT_SAFETY_MARGIN.0;

@@ -5,7 +5,7 @@ use anyhow::{bail, Result};
 use crate::steps::{cargo, run_counted, summarize, StepResult};
 
 /// The publishable crates, each tested on its own.
-pub(crate) const CRATES: [&str; 13] = [
+pub(crate) const CRATES: [&str; 15] = [
     "tt-sys",
     "tt-device",
     "tt-lock",
@@ -17,17 +17,30 @@ pub(crate) const CRATES: [&str; 13] = [
     "tt-sampler",
     "tt-ckpt",
     "tt-optim",
+    "tt-reserve",
+    "tt-train",
     "torchtools-cli",
     "torchtools",
 ];
 /// Crates whose default and `--no-default-features` builds are the same (no libtorch
 /// feature), so they are tested once, and not again in the workspace run (tt-sampler's
 /// PyTorch comparisons take half a minute; tt-lock's tests spawn processes).
-const FEATURELESS: [&str; 5] = ["tt-sampler", "tt-lock", "tt-fence", "tt-tracker", "tt-dist"];
+const FEATURELESS: [&str; 6] = [
+    "tt-sampler",
+    "tt-lock",
+    "tt-fence",
+    "tt-tracker",
+    "tt-dist",
+    "tt-reserve",
+];
 
 /// Optional features tested on their own, beyond default and none: libtorch's
 /// distributed engine (needs gloo's headers, which setup installs).
-const EXTRA_FEATURES: [(&str, &str); 2] = [("tt-sys", "c10d"), ("tt-dist", "c10d")];
+const EXTRA_FEATURES: [(&str, &str); 3] = [
+    ("tt-sys", "c10d"),
+    ("tt-dist", "c10d"),
+    ("tt-reserve", "tch"),
+];
 
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).
 pub(crate) const GPU_CRATES: [&str; 10] = [

@@ -2,12 +2,12 @@
 
 use std::ffi::OsString;
 use std::process::{Command, ExitCode};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use tt_device::{Bytes, Inventory};
-use tt_fence::{Fence, FenceOptions};
-use tt_lock::{GpuKey, GpuLock, GpuSpec, Holder, LockDir, LockState, Wait};
+use tt_lock::{GpuKey, GpuSpec, Holder, LockDir, LockState};
+use tt_reserve::ReserveOptions;
 
 use crate::child::{self, Exit};
 
@@ -34,8 +34,6 @@ pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
         )
         .into());
     }
-    let dir = LockDir::from_env()?;
-    let inventory = Inventory::query();
     let command_text: Vec<String> = req
         .command
         .iter()
@@ -45,126 +43,54 @@ pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
     if let Some(bytes) = req.bytes {
         holder = holder.reserving(bytes);
     }
-    let locks = take_locks(&dir, &inventory, &req, &holder)?;
-    let keys: Vec<GpuKey> = locks.iter().map(|l| l.key().clone()).collect();
-    eprintln!(
-        "torchtools: reserved {}",
-        keys.iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-
-    // The fence, in this process: it lives as long as `torchtools` does.
-    let mut fences = Vec::new();
-    if req.fence {
-        let options = FenceOptions {
-            safety_margin: req.margin,
-            ..FenceOptions::keep_free(req.bytes.unwrap_or_default())
-        };
-        for key in &keys {
-            let GpuKey::Uuid(uuid) = key else {
-                bail!(
-                    "cannot fence {key}: without NVML the GPU's identity is unknown; \
-                     use --no-fence to reserve with the lock alone"
-                );
-            };
-            let fence = Fence::raise_on_uuid(uuid, &options)?;
-            eprintln!("torchtools: {}", fence.report());
-            fences.push(fence);
-        }
+    let options = ReserveOptions {
+        gpus: req.gpus,
+        count: req.count,
+        training_reserved_bytes: req.bytes.unwrap_or_default(),
+        safety_margin_bytes: req.margin,
+        blocking: true,
+        timeout: req.timeout,
+        fence: req.fence,
+        holder: Some(holder),
+    };
+    let mut reservation = tt_reserve::reserve_with(options, |w| eprintln!("torchtools: {w}"))
+        .map_err(|e| {
+            if e.is_busy() {
+                Exit(EXIT_LOCKED, e.to_string()).into()
+            } else if e.is_bad_request() {
+                Exit(2, format!("{e} (see --gpu and --count)")).into()
+            } else {
+                anyhow::Error::from(e)
+            }
+        })?;
+    if reservation.is_empty() {
+        eprintln!("torchtools: no GPU on this machine: nothing reserved, running the command");
+    } else {
+        eprintln!(
+            "torchtools: reserved {}",
+            reservation
+                .gpus()
+                .iter()
+                .map(|g| g.key.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    for fence in reservation.fences() {
+        eprintln!("torchtools: {}", fence.report());
     }
 
     let mut cmd = Command::new(&req.command[0]);
-    cmd.args(&req.command[1..]).env(
-        "CUDA_VISIBLE_DEVICES",
-        keys.iter()
-            .map(GpuKey::cuda_visible_entry)
-            .collect::<Vec<_>>()
-            .join(","),
-    );
-    tt_lock::share_with(&mut cmd, &locks);
+    cmd.args(&req.command[1..]);
+    reservation.prepare(&mut cmd);
     let running = child::spawn(&mut cmd, &command_text[0])?;
-    let child_pid = running.pid();
-    let mut locks = locks;
-    for lock in &mut locks {
-        let mut record = lock.holder().clone();
-        record.command_pid = Some(child_pid);
-        if let Err(e) = lock.set_holder(record) {
-            tracing::warn!("cannot record the command's pid: {e}");
-        }
+    if let Err(e) = reservation.record_command_pid(running.pid()) {
+        tracing::warn!("cannot record the command's pid: {e}");
     }
     let ended = running.wait()?;
-    drop(fences);
-    drop(locks);
+    // The reservation (fences, then locks) lives exactly as long as the command.
+    drop(reservation);
     Ok(ExitCode::from(ended.code))
-}
-
-fn take_locks(
-    dir: &LockDir,
-    inventory: &Inventory,
-    req: &Request,
-    holder: &Holder,
-) -> Result<Vec<GpuLock>> {
-    let wait = match req.timeout {
-        Some(t) => Wait::Timeout(t),
-        None => Wait::Block,
-    };
-    let auto = req.gpus.contains(&GpuSpec::Auto);
-    let attempt = |wait: Wait| -> tt_lock::Result<Vec<GpuLock>> {
-        if auto {
-            dir.lock_auto(inventory, req.count.unwrap_or(1), wait, holder.clone())
-        } else {
-            let keys = req
-                .gpus
-                .iter()
-                .map(|spec| spec.resolve(inventory))
-                .collect::<tt_lock::Result<Vec<_>>>()?;
-            dir.lock_many(&keys, wait, holder.clone())
-        }
-    };
-    if auto && req.gpus.len() > 1 {
-        return Err(Exit(2, "--gpu auto cannot be combined with other GPUs".into()).into());
-    }
-    if let (false, Some(count)) = (auto, req.count) {
-        if count != req.gpus.len() {
-            return Err(Exit(
-                2,
-                format!(
-                    "--count {count} but {} GPU(s) named: use --count with --gpu auto",
-                    req.gpus.len()
-                ),
-            )
-            .into());
-        }
-    }
-    let start = Instant::now();
-    let first = attempt(Wait::Try);
-    let locked = match first {
-        Err(tt_lock::Error::WouldBlock { gpu, holder }) if wait != Wait::Try => {
-            let by = holder.map_or("a process that left no record".into(), |h| h.to_string());
-            let until = match req.timeout {
-                Some(t) => format!(" (at most {t:?})"),
-                None => String::new(),
-            };
-            eprintln!("torchtools: {gpu} is locked by {by}; waiting{until}");
-            let remaining = match wait {
-                Wait::Timeout(t) => Wait::Timeout(t.saturating_sub(start.elapsed())),
-                other => other,
-            };
-            attempt(remaining)
-        }
-        other => other,
-    };
-    locked.map_err(|e| match e {
-        e @ (tt_lock::Error::Timeout { .. } | tt_lock::Error::WouldBlock { .. }) => {
-            Exit(EXIT_LOCKED, e.to_string()).into()
-        }
-        e @ (tt_lock::Error::InvalidGpu { .. } | tt_lock::Error::UnknownGpu { .. }) => {
-            Exit(2, e.to_string()).into()
-        }
-        e => anyhow::Error::from(e),
-    })
 }
 
 pub(crate) fn locks(json: bool) -> Result<ExitCode> {

@@ -263,14 +263,19 @@ impl CheckpointDir {
     /// The newest valid checkpoint: the highest step that verifies, with the newer
     /// files it skipped and why. This is the file `latest` names, unless a crash came
     /// between the checkpoint's rename and the pointer's, when it is the newer,
-    /// complete file. No valid checkpoint is [`Error::NoCheckpoint`] (listing what
-    /// was tried); an empty directory too.
+    /// complete file. `None` when the directory has no checkpoint yet (a first run);
+    /// files that are all damaged are [`Error::NoCheckpoint`], listing what was tried
+    /// and why, never a silent start from scratch.
     ///
     /// The skipped files are remembered: this directory's next save past them moves
     /// them into `damaged/` (see [one directory, one run](Self#one-directory-one-run)).
-    pub fn load_latest(&self) -> Result<Loaded> {
+    pub fn load_latest(&self) -> Result<Option<Loaded>> {
         let mut skipped = Vec::new();
-        let candidates = self.rules.list()?.into_iter().rev().map(|e| e.path);
+        let entries = self.rules.list()?;
+        if entries.is_empty() {
+            return Ok(None);
+        }
+        let candidates = entries.into_iter().rev().map(|e| e.path);
         let mut found = None;
         for path in candidates {
             match LoadedCheckpoint::read(&path) {
@@ -286,10 +291,10 @@ impl CheckpointDir {
             *damaged = skipped.iter().map(|(p, _)| p.clone()).collect();
         }
         match found {
-            Some(checkpoint) => Ok(Loaded {
+            Some(checkpoint) => Ok(Some(Loaded {
                 checkpoint,
                 skipped,
-            }),
+            })),
             None => Err(Error::NoCheckpoint {
                 dir: self.rules.dir.clone(),
                 skipped,

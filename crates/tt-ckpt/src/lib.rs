@@ -30,7 +30,7 @@
 //!     dir.save(&ckpt)?;
 //! }
 //! assert_eq!(dir.list()?.len(), 2); // rotation kept the newest two
-//! let loaded = dir.load_latest()?;
+//! let loaded = dir.load_latest()?.expect("three were saved"); // None: nothing yet
 //! assert!(loaded.skipped.is_empty());
 //! assert_eq!(loaded.checkpoint.step(), 300);
 //! assert_eq!(loaded.checkpoint.value::<f64>("lr")?, 0.01);

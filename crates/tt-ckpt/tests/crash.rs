@@ -27,8 +27,8 @@ fn crash_child() {
     let dir = CheckpointDir::open(&dir).unwrap().keep_last(3);
     let start = dir
         .load_latest()
-        .map(|l| l.checkpoint.step() + 1)
-        .unwrap_or(0);
+        .unwrap()
+        .map_or(0, |l| l.checkpoint.step() + 1);
     // The kill delay counts from here, whatever the process's start-up cost.
     println!("ready");
     std::io::Write::flush(&mut std::io::stdout()).unwrap();
@@ -41,6 +41,9 @@ fn crash_child() {
         .unwrap();
         c.set_value("step_again", &step).unwrap();
         dir.save(&c).unwrap();
+        // The parent counts saves by these lines, never by time.
+        println!("saved {step}");
+        std::io::Write::flush(&mut std::io::stdout()).unwrap();
     }
 }
 
@@ -70,11 +73,22 @@ fn two_hundred_kill_9s_never_lose_the_latest_valid_checkpoint() {
             lines.any(|l| l.is_ok_and(|l| l.contains("ready"))),
             "round {round}: the child did not start"
         );
+        // Driven by events: let the child report 1-3 saves of its own, then kill it at
+        // a random moment of the saves that follow (whatever the machine's load).
+        let saves = 1 + next() % 3;
+        let mut seen = 0;
+        while seen < saves {
+            match lines.next() {
+                Some(Ok(l)) if l.starts_with("saved ") => seen += 1,
+                Some(Ok(_)) => {}
+                other => panic!("round {round}: the child stopped before saving: {other:?}"),
+            }
+        }
         std::thread::sleep(Duration::from_micros(next() % 25_000));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
         match CheckpointDir::open(root.path()).unwrap().load_latest() {
-            Ok(loaded) => {
+            Ok(Some(loaded)) => {
                 let c = loaded.checkpoint;
                 let step = c.step();
                 assert_eq!(c.value::<u64>("step_again").unwrap(), step, "round {round}");
@@ -91,18 +105,16 @@ fn two_hundred_kill_9s_never_lose_the_latest_valid_checkpoint() {
                     loaded.skipped
                 );
                 if let Some(prev) = last_step {
+                    // This round's child reported at least one save past `prev`.
                     assert!(
-                        step >= prev,
-                        "round {round}: went back from step {prev} to {step}"
+                        step > prev,
+                        "round {round}: step {step} after {prev}: a reported save was lost"
                     );
                 }
                 last_step = Some(step);
                 kills_with_checkpoint += 1;
             }
-            Err(e) => assert!(
-                last_step.is_none(),
-                "round {round}: lost every checkpoint: {e}"
-            ),
+            other => panic!("round {round}: no checkpoint after a reported save: {other:?}"),
         }
         // At most the killed writer's own temp file; the next save cleans it.
         assert!(
@@ -111,9 +123,6 @@ fn two_hundred_kill_9s_never_lose_the_latest_valid_checkpoint() {
             temps(root.path())
         );
     }
-    assert!(
-        kills_with_checkpoint > 150,
-        "most kills should land after a first save ({kills_with_checkpoint})"
-    );
-    assert!(last_step.unwrap() > 200, "the children made progress");
+    assert_eq!(kills_with_checkpoint, 200);
+    assert!(last_step.unwrap() >= 200, "every round saved at least once");
 }

@@ -21,7 +21,7 @@ fn scenario(dir: &Path) -> String {
     let ckpts = CheckpointDir::open(dir).unwrap();
     ckpts.save(&checkpoint(1, 1000)).unwrap();
     let err = ckpts.save(&checkpoint(2, 1 << 20)).unwrap_err().to_string(); // 4 MiB
-    let loaded = ckpts.load_latest().unwrap();
+    let loaded = ckpts.load_latest().unwrap().unwrap();
     assert_eq!(
         loaded.checkpoint.step(),
         1,

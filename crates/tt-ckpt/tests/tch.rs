@@ -29,6 +29,7 @@ fn a_var_store_round_trips_exactly() {
     assert!(!before.equal(&vs.variables()["l1.weight"]));
     dir.load_latest()
         .unwrap()
+        .unwrap()
         .checkpoint
         .load_var_store(&mut fresh)
         .unwrap();
@@ -121,7 +122,7 @@ fn recycled_host_buffers_hold_exactly_the_new_data() {
     second.add_tch("z", &(big.shallow_clone() * 2.0)).unwrap();
     dir.save_async(second).unwrap();
     dir.wait().unwrap();
-    let loaded = dir.load_latest().unwrap().checkpoint;
+    let loaded = dir.load_latest().unwrap().unwrap().checkpoint;
     assert_eq!(loaded.step(), 2);
     assert!(loaded.tch("y", Device::Cpu).unwrap().equal(&small));
     assert!(loaded.tch("z", Device::Cpu).unwrap().equal(&(big * 2.0)));

@@ -56,13 +56,19 @@ impl LaunchConfig {
     }
 }
 
+/// Exit status of a rank that stopped because it was preempted (SIGTERM from a
+/// scheduler) after writing its checkpoint: sysexits' `EX_TEMPFAIL` (75), "try again".
+/// The launcher neither counts it as a failure (no other rank is killed, no restart)
+/// nor hides it: it becomes the launch's status, so a scheduler can requeue the job.
+pub const EXIT_PREEMPTED: i32 = 75;
+
 /// How a launch ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaunchOutcome {
     /// 0 when every rank succeeded; else the failed rank's status (128 + signal when
     /// killed).
     pub code: i32,
-    /// The first rank that failed, and how.
+    /// The first rank that failed (or, with [`EXIT_PREEMPTED`], was preempted), and how.
     pub failed: Option<(usize, String)>,
     /// Restarts made.
     pub restarts: u32,
@@ -197,7 +203,9 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
                 })
             }
             Some((rank, code, how)) => {
-                if restarts < cfg.max_restarts {
+                // A preempted job is stopped on purpose: restarting it here would
+                // fight the scheduler that asked it to go.
+                if restarts < cfg.max_restarts && code != EXIT_PREEMPTED {
                     restarts += 1;
                     tracing::warn!(
                         "rank {rank} {how}: restarting the group ({restarts}/{})",
@@ -222,6 +230,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
 fn supervise(cfg: &LaunchConfig, ranks: &mut [(usize, Child)]) -> Option<(usize, i32, String)> {
     let mut done = vec![false; ranks.len()];
     let mut failed: Option<(usize, i32, String)> = None;
+    let mut preempted: Option<usize> = None;
     let mut term_sent: Option<Instant> = None;
     let mut killed = false;
     loop {
@@ -242,14 +251,25 @@ fn supervise(cfg: &LaunchConfig, ranks: &mut [(usize, Child)]) -> Option<(usize,
             }
             if let Ok(Some(status)) = child.try_wait() {
                 done[i] = true;
-                if !status.success() && failed.is_none() {
+                if status.code() == Some(EXIT_PREEMPTED) {
+                    // Stopping with a checkpoint, as the other ranks are: let them.
+                    preempted.get_or_insert(*rank);
+                } else if !status.success() && failed.is_none() {
                     let (code, how) = describe(status);
                     failed = Some((*rank, code, how));
                 }
             }
         }
         if done.iter().all(|d| *d) {
-            return failed;
+            return failed.or_else(|| {
+                preempted.map(|rank| {
+                    (
+                        rank,
+                        EXIT_PREEMPTED,
+                        "was preempted (checkpoint written)".into(),
+                    )
+                })
+            });
         }
         if failed.is_some() {
             match term_sent {

@@ -51,4 +51,4 @@ pub use group::{BackendKind, GroupOptions, ProcessGroup, ReduceOp, Work, DEFAULT
 
 pub use env::{first_host, DistEnv, Source, DEFAULT_PORT};
 pub use error::{Error, Result};
-pub use launch::{free_port, launch, LaunchConfig, LaunchOutcome};
+pub use launch::{free_port, launch, LaunchConfig, LaunchOutcome, EXIT_PREEMPTED};

@@ -140,6 +140,7 @@ fn a_killed_and_resumed_run_ends_exactly_like_an_uninterrupted_one() {
             .unwrap()
             .load_latest()
             .unwrap()
+            .unwrap()
             .checkpoint;
         loaded.load_var_store(&mut vs).unwrap();
         opt.load_from(&loaded, "optim").unwrap();

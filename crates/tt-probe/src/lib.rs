@@ -45,27 +45,17 @@ mod command;
 mod error;
 mod report;
 #[cfg(feature = "tch")]
+mod run;
+#[cfg(feature = "tch")]
 mod rust_probe;
 
 pub use command::{probe_command, CommandProbe, PROBE_ENV, PROBE_STEPS_ENV};
 pub use error::{ProbeError, Result};
 pub use report::{EstimatePolicy, MemoryKind, ProbeReport};
 #[cfg(feature = "tch")]
+pub use run::{run_training_with_reservation, RunError, RunOptions, RunPlan};
+#[cfg(feature = "tch")]
 pub use rust_probe::{
     entry, probe, BoxError, Loss, Optim, ProbeContext, ProbeFn, ProbeOptions, ProbeSpec, Step,
     PROBE_RUN_ENV,
 };
-
-/// Whether an error message is an out-of-memory (libtorch's CUDA, cuDNN, cuBLAS, CPU,
-/// MPS wordings).
-#[cfg_attr(not(feature = "tch"), allow(dead_code))]
-pub(crate) fn is_oom_message(message: &str) -> bool {
-    [
-        "out of memory",
-        "can't allocate memory",
-        "CUDNN_STATUS_ALLOC_FAILED",
-        "CUBLAS_STATUS_ALLOC_FAILED",
-    ]
-    .iter()
-    .any(|m| message.contains(m))
-}

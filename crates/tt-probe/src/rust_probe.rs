@@ -132,7 +132,7 @@ pub fn entry(probes: &[(&str, ProbeFn)]) {
 fn run_in_child(name: &str, probes: &[(&str, ProbeFn)]) -> std::result::Result<(), (i32, String)> {
     let fail = |e: &dyn std::fmt::Display| {
         let text = e.to_string();
-        let code = if crate::is_oom_message(&text) {
+        let code = if tt_adaptive::classify_message(&text).is_some() {
             EXIT_OOM
         } else {
             EXIT_FAILED

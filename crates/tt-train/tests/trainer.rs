@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
-use torchtools::optim::{Optimizer, SgdConfig};
-use torchtools::trainer::{FitOutcome, TrainConfig, TrainError, Trainer};
+use tt_optim::{Optimizer, SgdConfig};
+use tt_train::{FitOutcome, TrainConfig, TrainError, Trainer};
 
 type TestResult = Result<(), String>;
 type Test = (&'static str, fn() -> TestResult);
@@ -41,11 +41,8 @@ fn main() {
             preemption,
         ),
         ("ranks_agree_on_the_smallest_adaptive_batch_size", agree),
-        (
-            "the_train_example_runs_alone_and_under_the_launcher",
-            train_example,
-        ),
         ("bad_configuration_is_a_clear_error", bad_config),
+        ("a_failed_step_keeps_its_error_as_the_source", step_error),
     ];
     let filter: Vec<String> = std::env::args()
         .skip(1)
@@ -96,7 +93,7 @@ fn sample(indices: &[u64], device: tch::Device) -> (Tensor, Tensor) {
 fn agree_process() -> TestResult {
     let trainer = Trainer::from_env(TrainConfig::new(DATASET, 4, 1)).map_err(|e| e.to_string())?;
     let rank = trainer.group().rank();
-    let adaptive = torchtools::adaptive::Adaptive::new().agree(trainer.batch_agreement());
+    let adaptive = tt_adaptive::Adaptive::new().agree(trainer.batch_agreement());
     let mine = 64 - 10 * rank;
     let mut started = None;
     adaptive
@@ -243,7 +240,7 @@ fn outcome(stdout: &str) -> String {
 }
 
 fn port() -> u16 {
-    torchtools::dist::free_port("127.0.0.1").expect("a free port")
+    tt_dist::free_port("127.0.0.1").expect("a free port")
 }
 
 /// Runs `world` ranks (0: one plain process) to the end; returns rank 0's parameters.
@@ -387,61 +384,46 @@ fn agree() -> TestResult {
     finish(children).map(|_| ())
 }
 
-fn train_example() -> TestResult {
-    // cargo test builds examples: target/debug/deps/trainer-<hash> -> target/debug/examples/train.
-    let example = exe()
-        .parent()
-        .and_then(Path::parent)
-        .map(|d| d.join("examples/train"))
-        .ok_or("no target directory")?;
-    if !example.exists() {
-        return Err(format!("{} was not built", example.display()));
-    }
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let out = Command::new(&example)
-        .env("TORCHTOOLS_TRAIN_EPOCHS", "1")
-        .env("TORCHTOOLS_DEVICE", "cpu")
-        .output()
-        .map_err(|e| e.to_string())?;
-    let said = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() || !said.contains("finished: 64 steps") {
-        return Err(format!("alone: {} {said}", out.status));
-    }
-    // Two ranks through the launcher `torchtools launch` uses, with checkpoints.
-    std::env::set_var("TORCHTOOLS_TRAIN_EPOCHS", "1");
-    std::env::set_var("TORCHTOOLS_TRAIN_CKPT", dir.path());
-    let outcome = torchtools::dist::launch(&torchtools::dist::LaunchConfig::local(
-        2,
-        example.as_os_str(),
-        Vec::new(),
-    ));
-    std::env::remove_var("TORCHTOOLS_TRAIN_EPOCHS");
-    std::env::remove_var("TORCHTOOLS_TRAIN_CKPT");
-    let outcome = outcome.map_err(|e| e.to_string())?;
-    if outcome.code != 0 {
-        return Err(format!("launched: {outcome:?}"));
-    }
-    // 2048 samples / (2 ranks x 32) = 32 steps; the last checkpoint is step 32.
-    let latest = std::fs::read_to_string(dir.path().join("latest")).map_err(|e| e.to_string())?;
-    if !latest.contains("00000032") {
-        return Err(format!("latest checkpoint: {latest}"));
-    }
-    Ok(())
-}
-
 fn bad_config() -> TestResult {
     for (cfg, word) in [
         (TrainConfig::new(0, 4, 1), "dataset_len"),
         (TrainConfig::new(10, 0, 1), "batch_size"),
     ] {
-        match Trainer::with_group(
-            cfg,
-            torchtools::dist::ProcessGroup::single(),
-            tch::Device::Cpu,
-        ) {
+        match Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), tch::Device::Cpu) {
             Err(TrainError::Config(m)) if m.contains(word) => {}
             other => return Err(format!("{word}: {other:?}")),
         }
+    }
+    Ok(())
+}
+
+fn step_error() -> TestResult {
+    let mut cfg = TrainConfig::new(64, 4, 1);
+    cfg.handle_signals = false;
+    let mut trainer = Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), tch::Device::Cpu)
+        .map_err(|e| e.to_string())?;
+    let mut vs = nn::VarStore::new(tch::Device::Cpu);
+    let net = nn::linear(vs.root(), 8, 1, Default::default());
+    let mut opt = Optimizer::sgd(&vs, SgdConfig::default()).map_err(|e| e.to_string())?;
+    let result = trainer.fit(&mut vs, &mut opt, |ctx| {
+        if ctx.step == 2 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "shard 3 is missing",
+            ));
+        }
+        let (x, y) = sample(ctx.indices, ctx.device);
+        Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+    });
+    let e = match result {
+        Err(e @ TrainError::Step { step: 2, .. }) => e,
+        other => return Err(format!("want a step-2 error: {other:?}")),
+    };
+    let io = std::error::Error::source(&e)
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .ok_or("the step's io::Error is not the source")?;
+    if io.kind() != std::io::ErrorKind::NotFound || !e.to_string().contains("shard 3 is missing") {
+        return Err(format!("{e}: {io:?}"));
     }
     Ok(())
 }

@@ -11,42 +11,10 @@ use tch::{Device, Tensor};
 use tt_ckpt::CheckpointDir;
 use tt_dist::{Ddp, ProcessGroup, ReduceOp};
 use tt_optim::Optimizer;
-use tt_sampler::{BatchSampler, DistributedSampler, Reshard, SamplerState};
+use tt_sampler::{DistributedSampler, Reshard};
 
-/// Errors of the [`Trainer`].
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum TrainError {
-    /// A configuration value is unusable.
-    #[error("trainer configuration: {0}")]
-    Config(String),
-    /// Forming the group or a collective failed.
-    #[error(transparent)]
-    Dist(#[from] tt_dist::Error),
-    /// Choosing the device failed.
-    #[error(transparent)]
-    Device(#[from] tt_device::Error),
-    /// Saving or loading a checkpoint failed.
-    #[error(transparent)]
-    Checkpoint(#[from] tt_ckpt::Error),
-    /// The optimizer failed (or its saved state did not fit).
-    #[error(transparent)]
-    Optim(#[from] tt_optim::Error),
-    /// The sampler refused a state or a shape.
-    #[error(transparent)]
-    Sampler(#[from] tt_sampler::Error),
-    /// The step function failed at `step`.
-    #[error("training step {step} failed: {message}")]
-    Step {
-        /// The step (0-based count of finished steps before it).
-        step: u64,
-        /// Its error.
-        message: String,
-    },
-    /// Installing the SIGTERM / SIGINT handlers failed.
-    #[error("cannot install the preemption signal handler: {0}")]
-    Signal(#[source] std::io::Error),
-}
+use crate::state::{resume_parts, save_parts};
+use crate::{EpochBatches, TrainError};
 
 /// What to train on and how often to checkpoint.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,6 +39,15 @@ pub struct TrainConfig {
     pub keep_last: usize,
     /// Average the loss over the ranks and log it (rank 0) every this many steps.
     pub log_every: u64,
+    /// Resume a checkpoint written by another number of processes, continuing its
+    /// epoch over this run's ranks (default `false`: refused with
+    /// [`TrainError::WorldSizeChanged`], since it changes which samples each rank
+    /// sees).
+    pub allow_reshard: bool,
+    /// Install the process's SIGTERM / SIGINT handlers (default `true`, once per
+    /// process: see [`install_signal_handlers`](crate::install_signal_handlers)).
+    /// `false` leaves signals to you; [`Trainer::request_stop`] still stops.
+    pub handle_signals: bool,
 }
 
 impl TrainConfig {
@@ -87,6 +64,8 @@ impl TrainConfig {
             checkpoint_every: 0,
             keep_last: 3,
             log_every: 50,
+            allow_reshard: false,
+            handle_signals: true,
         }
     }
 
@@ -148,7 +127,9 @@ pub enum FitOutcome {
     Finished,
     /// SIGTERM or SIGINT reached some rank: the step in flight finished, a
     /// checkpoint was written (when a directory is configured) and every rank
-    /// stopped at the same step. Start the same command again to resume.
+    /// stopped at the same step. Start the same command again to resume; exit with
+    /// [`FitReport::exit_code`] ([`EXIT_PREEMPTED`](crate::EXIT_PREEMPTED)) so that a
+    /// launcher or scheduler knows.
     Preempted,
 }
 
@@ -169,6 +150,18 @@ pub struct FitReport {
     pub checkpoint: Option<PathBuf>,
 }
 
+impl FitReport {
+    /// The process's exit status for this outcome: success when finished,
+    /// [`EXIT_PREEMPTED`](crate::EXIT_PREEMPTED) (75) when preempted, which
+    /// `torchtools launch` passes on without restarting and a scheduler can requeue on.
+    pub fn exit_code(&self) -> std::process::ExitCode {
+        match self.outcome {
+            FitOutcome::Finished => std::process::ExitCode::SUCCESS,
+            FitOutcome::Preempted => std::process::ExitCode::from(crate::EXIT_PREEMPTED as u8),
+        }
+    }
+}
+
 /// One training loop for one process or many.
 ///
 /// Started plainly (`cargo run`), it is a group of one on this process's device;
@@ -186,14 +179,16 @@ pub struct FitReport {
 /// - on SIGTERM / SIGINT (a scheduler cycling jobs) finishes the step, agrees with
 ///   every rank to stop at the same one, checkpoints and returns
 ///   [`FitOutcome::Preempted`]; a second signal exits at once (status 128 + signal).
+///   The handlers are installed once per process by [`Trainer::from_env`] and
+///   [`Trainer::with_group`] unless [`TrainConfig::handle_signals`] is `false`.
 ///
 /// # Example
 ///
 /// ```no_run
 /// use tch::nn::{self, Module};
 /// use tch::{Kind, Tensor};
-/// use torchtools::trainer::{TrainConfig, Trainer};
-/// use torchtools::optim::{Optimizer, SgdConfig};
+/// use tt_optim::{Optimizer, SgdConfig};
+/// use tt_train::{TrainConfig, Trainer};
 ///
 /// let mut trainer = Trainer::from_env(TrainConfig::new(1024, 32, 3).checkpoints("ckpt", 100))?;
 /// let mut vs = nn::VarStore::new(trainer.device());
@@ -207,6 +202,8 @@ pub struct FitReport {
 /// if trainer.is_main() {
 ///     println!("{:?} after {} steps", report.outcome, report.steps);
 /// }
+/// // Return it from `main`: 0 when finished, 75 when preempted (run it again to resume).
+/// let status: std::process::ExitCode = report.exit_code();
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct Trainer {
@@ -226,9 +223,37 @@ impl std::fmt::Debug for Trainer {
     }
 }
 
+/// The running loss: summed over the ranks and steps since the last log line.
+#[derive(Default)]
+struct LossWindow {
+    sum: f64,
+    steps: u64,
+}
+
+impl LossWindow {
+    fn take_mean(&mut self) -> Option<f64> {
+        let mean = (self.steps > 0).then(|| self.sum / self.steps as f64);
+        *self = LossWindow::default();
+        mean
+    }
+}
+
+/// What one loop of [`Trainer::fit`] carries between steps.
+struct Run<'a> {
+    batches: EpochBatches,
+    dir: Option<CheckpointDir>,
+    ddp: Ddp<'a>,
+    steps: u64,
+    resumed_from: Option<u64>,
+    losses: Vec<(u64, f64)>,
+    window: LossWindow,
+    last_ckpt: Option<PathBuf>,
+}
+
 impl Trainer {
     /// The group from the environment ([`ProcessGroup::from_env`]), the device from
-    /// tt-device (`TORCHTOOLS_DEVICE`, `LOCAL_RANK`), and the signal handlers.
+    /// tt-device (`TORCHTOOLS_DEVICE`, `LOCAL_RANK`), and the signal handlers (once per
+    /// process, unless [`TrainConfig::handle_signals`] is `false`).
     pub fn from_env(config: TrainConfig) -> Result<Trainer, TrainError> {
         config.validate()?;
         let device = tt_device::select()?;
@@ -243,13 +268,11 @@ impl Trainer {
         device: Device,
     ) -> Result<Trainer, TrainError> {
         config.validate()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-            // A second signal (the flag already set) exits at once.
-            signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, Arc::clone(&stop))
-                .map_err(TrainError::Signal)?;
-            signal_hook::flag::register(sig, Arc::clone(&stop)).map_err(TrainError::Signal)?;
-        }
+        let stop = if config.handle_signals {
+            crate::install_signal_handlers().map_err(TrainError::Signal)?
+        } else {
+            Arc::new(AtomicBool::new(false))
+        };
         Ok(Trainer {
             pg: Arc::new(pg),
             device,
@@ -278,7 +301,7 @@ impl Trainer {
         self.stop.store(true, Ordering::SeqCst);
     }
 
-    /// A hook for [`tt_adaptive::Adaptive::agree`]: every rank starts from the
+    /// A hook for `tt_adaptive::Adaptive::agree`: every rank starts from the
     /// smallest batch size any rank found (a collective: all ranks must call the
     /// adaptive function together). If the collective fails, the rank keeps its own
     /// size and the failure surfaces at the next collective.
@@ -294,23 +317,45 @@ impl Trainer {
     }
 
     /// Trains `vs` with `opt`; `step` computes this rank's loss for a batch of sample
-    /// indices. See [`Trainer`] for what happens around it.
-    pub fn fit<F>(
+    /// indices (its error, of any type, comes back as [`TrainError::Step`] with the
+    /// error as the source). See [`Trainer`] for what happens around it.
+    pub fn fit<F, E>(
         &mut self,
         vs: &mut VarStore,
         opt: &mut Optimizer,
         mut step: F,
     ) -> Result<FitReport, TrainError>
     where
-        F: FnMut(&StepContext<'_>) -> Result<Tensor, tch::TchError>,
+        F: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        let cfg = self.config.clone();
-        let pg = Arc::clone(&self.pg);
+        let mut run = self.start(vs, opt)?;
+        while let Some(batch) = run.batches.next_batch()? {
+            let loss = self.step(&mut run, opt, &batch.indices, batch.epoch, &mut step)?;
+            let any_stop = self.agree(&mut run, loss, batch.epoch)?;
+            if any_stop {
+                return self.finish(run, vs, opt, FitOutcome::Preempted, batch.epoch);
+            }
+            if self.config.checkpoint_every > 0 && run.steps % self.config.checkpoint_every == 0 {
+                self.checkpoint(&mut run, vs, opt)?;
+            }
+        }
+        if let Some(mean) = run.window.take_mean() {
+            run.losses.push((run.steps, mean));
+        }
+        let epochs = self.config.epochs;
+        self.finish(run, vs, opt, FitOutcome::Finished, epochs)
+    }
+
+    /// The sampler, the checkpoint directory, the resume, the DDP wrapper.
+    fn start<'a>(&'a self, vs: &mut VarStore, opt: &mut Optimizer) -> Result<Run<'a>, TrainError> {
+        let cfg = &self.config;
+        let pg = &self.pg;
         let sampler =
             DistributedSampler::new(cfg.dataset_len, pg.world_size() as u64, pg.rank() as u64)?
                 .with_shuffle(cfg.shuffle)
                 .with_seed(cfg.seed);
-        let mut batches = BatchSampler::new(sampler, cfg.batch_size, false)?;
+        let mut batches = EpochBatches::new(sampler, cfg.batch_size, cfg.epochs)?;
         let dir = match &cfg.checkpoint_dir {
             Some(d) => Some(
                 CheckpointDir::open(d)?
@@ -319,137 +364,118 @@ impl Trainer {
             ),
             None => None,
         };
-        // Resume: every rank reads the same file, so all agree without a broadcast.
-        let mut steps = 0u64;
-        let mut resumed_from = None;
-        if let Some(dir) = &dir {
-            if !dir.list()?.is_empty() {
-                let loaded = dir.load_latest()?;
-                for (path, why) in &loaded.skipped {
-                    tracing::warn!("skipped checkpoint {}: {why}", path.display());
-                }
-                let ckpt = loaded.checkpoint;
-                ckpt.load_var_store(vs)?;
-                opt.load_from(&ckpt, "optim")?;
-                let state: SamplerState = ckpt.value("sampler")?;
-                batches.sampler_mut().load_state(&state, Reshard::Allow)?;
-                steps = ckpt.step();
-                resumed_from = Some(steps);
-                if pg.is_main() {
-                    tracing::info!(
-                        step = steps,
-                        epoch = state.epoch,
-                        "resumed from {}",
-                        ckpt.path().display()
-                    );
-                }
-            }
-        }
-        let ddp = Ddp::new(&pg, vs)?;
-        let mut losses = Vec::new();
-        let mut last_ckpt = None;
-        let mut window = (0.0f64, 0u64);
-        loop {
-            let epoch = batches.sampler().epoch();
-            if epoch >= cfg.epochs {
-                break;
-            }
-            let Some(batch) = batches.next_batch()? else {
-                batches.sampler_mut().set_epoch(epoch + 1);
-                continue;
-            };
-            opt.zero_grad();
-            let ctx = StepContext {
-                indices: &batch,
-                device: self.device,
-                epoch,
-                step: steps,
-            };
-            let loss = step(&ctx).map_err(|e| TrainError::Step {
-                step: steps,
-                message: e.to_string(),
-            })?;
-            let loss_value = loss.f_double_value(&[]).map_err(|e| TrainError::Step {
-                step: steps,
-                message: format!("the loss must be a scalar tensor: {e}"),
-            })?;
-            ddp.backward(&loss)?;
-            opt.step()?;
-            steps += 1;
-            // One small all-reduce a step: the loss summed over the ranks (for the log)
-            // and whether any rank was signalled, so that all stop after the same step.
-            let stop_here = self.stop.load(Ordering::SeqCst);
-            let flags = Tensor::from_slice(&[loss_value, f64::from(u8::from(stop_here))]);
-            pg.all_reduce(&flags, ReduceOp::Sum)?;
-            let any_stop = flags.double_value(&[1]) > 0.0;
-            window.0 += flags.double_value(&[0]) / pg.world_size() as f64;
-            window.1 += 1;
-            if steps % cfg.log_every == 0 || any_stop {
-                let mean = window.0 / window.1 as f64;
-                window = (0.0, 0);
-                losses.push((steps, mean));
-                if pg.is_main() {
-                    tracing::info!(step = steps, epoch, loss = mean, "training");
-                }
-            }
-            if any_stop {
-                if let Some(dir) = &dir {
-                    last_ckpt = save(&pg, dir, vs, opt, &batches, steps)?;
-                }
-                pg.barrier()?;
-                if pg.is_main() {
-                    tracing::info!(step = steps, "preempted: checkpoint written, stopping");
-                }
-                return Ok(FitReport {
-                    outcome: FitOutcome::Preempted,
-                    steps,
-                    epoch,
-                    resumed_from,
-                    losses,
-                    checkpoint: last_ckpt,
-                });
-            }
-            if cfg.checkpoint_every > 0 && steps % cfg.checkpoint_every == 0 {
-                if let Some(dir) = &dir {
-                    last_ckpt = save(&pg, dir, vs, opt, &batches, steps)?;
-                }
-            }
-        }
-        if window.1 > 0 {
-            let mean = window.0 / window.1 as f64;
-            losses.push((steps, mean));
-        }
-        if let Some(dir) = &dir {
-            last_ckpt = save(&pg, dir, vs, opt, &batches, steps)?;
-        }
-        pg.barrier()?;
-        Ok(FitReport {
-            outcome: FitOutcome::Finished,
-            steps,
-            epoch: cfg.epochs,
+        // Every rank reads the same file, so all agree without a broadcast.
+        let reshard = if cfg.allow_reshard {
+            Reshard::Allow
+        } else {
+            Reshard::Refuse
+        };
+        let resumed_from = match &dir {
+            Some(dir) => resume_parts(dir, vs, opt, &mut batches, reshard)?,
+            None => None,
+        };
+        let ddp = Ddp::new(pg, vs)?;
+        Ok(Run {
+            batches,
+            dir,
+            ddp,
+            steps: resumed_from.unwrap_or(0),
             resumed_from,
-            losses,
-            checkpoint: last_ckpt,
+            losses: Vec::new(),
+            window: LossWindow::default(),
+            last_ckpt: None,
         })
     }
-}
 
-/// Rank 0 writes; the others return `None` without building anything.
-fn save(
-    pg: &ProcessGroup,
-    dir: &CheckpointDir,
-    vs: &VarStore,
-    opt: &Optimizer,
-    batches: &BatchSampler,
-    steps: u64,
-) -> Result<Option<PathBuf>, TrainError> {
-    if !pg.is_main() {
-        return Ok(None);
+    /// One step: the user's loss, DDP's backward, the optimizer. Returns the loss.
+    fn step<F, E>(
+        &self,
+        run: &mut Run<'_>,
+        opt: &mut Optimizer,
+        indices: &[u64],
+        epoch: u64,
+        step: &mut F,
+    ) -> Result<f64, TrainError>
+    where
+        F: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        opt.zero_grad();
+        let ctx = StepContext {
+            indices,
+            device: self.device,
+            epoch,
+            step: run.steps,
+        };
+        let failed = |source: Box<dyn std::error::Error + Send + Sync>| TrainError::Step {
+            step: run.steps,
+            source,
+        };
+        let loss = step(&ctx).map_err(|e| failed(e.into()))?;
+        let value = loss
+            .f_double_value(&[])
+            .map_err(|e| failed(format!("the loss must be a scalar tensor: {e}").into()))?;
+        run.ddp.backward(&loss)?;
+        opt.step()?;
+        run.steps += 1;
+        Ok(value)
     }
-    let state = batches.state();
-    let mut ckpt = dir.checkpoint(steps).with_epoch(state.epoch);
-    ckpt.add_var_store(vs)?;
-    opt.save_into(&mut ckpt, "optim")?;
-    ckpt.set_value("sampler", &state)?;
-    Ok(dir.save(&ckpt)?)
+
+    /// One small all-reduce a step: the loss summed over the ranks (for the log) and
+    /// whether any rank was signalled, so that all stop after the same step. Logs
+    /// every `log_every` steps; returns whether to stop.
+    fn agree(&self, run: &mut Run<'_>, loss: f64, epoch: u64) -> Result<bool, TrainError> {
+        let stop_here = self.stop.load(Ordering::SeqCst);
+        let flags = Tensor::from_slice(&[loss, f64::from(u8::from(stop_here))]);
+        self.pg.all_reduce(&flags, ReduceOp::Sum)?;
+        let any_stop = flags.double_value(&[1]) > 0.0;
+        run.window.sum += flags.double_value(&[0]) / self.pg.world_size() as f64;
+        run.window.steps += 1;
+        if run.steps % self.config.log_every == 0 || any_stop {
+            if let Some(mean) = run.window.take_mean() {
+                run.losses.push((run.steps, mean));
+                if self.pg.is_main() {
+                    tracing::info!(step = run.steps, epoch, loss = mean, "training");
+                }
+            }
+        }
+        Ok(any_stop)
+    }
+
+    /// Rank 0 writes; the others build nothing.
+    fn checkpoint(
+        &self,
+        run: &mut Run<'_>,
+        vs: &VarStore,
+        opt: &Optimizer,
+    ) -> Result<(), TrainError> {
+        if let (Some(dir), true) = (&run.dir, self.pg.is_main()) {
+            run.last_ckpt = save_parts(dir, run.steps, vs, opt, &run.batches)?;
+        }
+        Ok(())
+    }
+
+    /// The last checkpoint, the barrier, the report.
+    fn finish(
+        &self,
+        mut run: Run<'_>,
+        vs: &VarStore,
+        opt: &Optimizer,
+        outcome: FitOutcome,
+        epoch: u64,
+    ) -> Result<FitReport, TrainError> {
+        self.checkpoint(&mut run, vs, opt)?;
+        self.pg.barrier()?;
+        if outcome == FitOutcome::Preempted && self.pg.is_main() {
+            tracing::info!(step = run.steps, "preempted: checkpoint written, stopping");
+        }
+        Ok(FitReport {
+            outcome,
+            steps: run.steps,
+            epoch,
+            resumed_from: run.resumed_from,
+            losses: run.losses,
+            checkpoint: run.last_ckpt,
+        })
+    }
 }

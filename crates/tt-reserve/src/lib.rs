@@ -1,0 +1,461 @@
+//! Reserve GPUs for a training job on a machine you share: the cooperative lock
+//! ([`tt_lock`]) and the memory fence ([`tt_fence`]) taken as one guard, in Rust, as the
+//! Python torchtools' `reserve_gpu_for_training` context manager does, without its
+//! defects (a timeout that never fired, locks keyed by the logical index, no owner
+//! record, fence memory kept in a cache).
+//!
+//! ```
+//! use tt_reserve::{reserve, ReserveOptions};
+//! use tt_device::Bytes;
+//!
+//! let reservation = reserve(ReserveOptions {
+//!     training_reserved_bytes: Bytes::gib(6),
+//!     ..ReserveOptions::default()
+//! })?;
+//! // On a machine without GPUs the reservation is empty and training goes on the CPU;
+//! // on a GPU machine it holds the lock of the free GPU with the most memory and a
+//! // fence leaving 6 GiB (+ 50 MiB margin) free for this job.
+//! println!("reserved {:?}", reservation.gpus());
+//! # Ok::<(), tt_reserve::Error>(())
+//! ```
+//!
+//! No libtorch: the `torchtools reserve` command is built on this crate. With the
+//! feature `tch`, [`Reservation::device`] gives the `tch::Device` to train on.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+use std::fmt;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use tt_device::{Bytes, CudaDriver, Inventory, NvmlStatus};
+use tt_fence::{Fence, FenceOptions, DEFAULT_SAFETY_MARGIN};
+use tt_lock::{GpuKey, GpuLock, GpuSpec, Holder, LockDir, Wait};
+
+/// What to reserve, and how long to wait. The fields and defaults follow the Python
+/// torchtools' `reserve_gpu_for_training(gpu=None, training_reserved_bytes=0,
+/// safety_margin_bytes=50 MiB, blocking=True, timeout=None, fence=True)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReserveOptions {
+    /// Which GPUs: NVML indices, UUIDs, `cuda:N` of this process, or one
+    /// [`GpuSpec::Auto`] (default: the free GPU(s) with the most free memory).
+    pub gpus: Vec<GpuSpec>,
+    /// How many GPUs `Auto` takes (`None`: 1). With named GPUs it may only repeat
+    /// their number.
+    pub count: Option<usize>,
+    /// Memory the training job needs: the fence leaves this much free.
+    pub training_reserved_bytes: Bytes,
+    /// Left free on top of `training_reserved_bytes` (default 50 MiB, as in Python).
+    pub safety_margin_bytes: Bytes,
+    /// Wait for a GPU someone else holds (default); `false` fails at once.
+    pub blocking: bool,
+    /// With `blocking`, give up after this long (default: wait as long as it takes).
+    pub timeout: Option<Duration>,
+    /// Raise a memory fence (default); `false` takes the lock alone.
+    pub fence: bool,
+    /// The record left in the lock file (default: this process, with
+    /// `training_reserved_bytes` as the reserved bytes).
+    pub holder: Option<Holder>,
+}
+
+impl Default for ReserveOptions {
+    fn default() -> Self {
+        ReserveOptions {
+            gpus: vec![GpuSpec::Auto],
+            count: None,
+            training_reserved_bytes: Bytes(0),
+            safety_margin_bytes: DEFAULT_SAFETY_MARGIN,
+            blocking: true,
+            timeout: None,
+            fence: true,
+            holder: None,
+        }
+    }
+}
+
+impl ReserveOptions {
+    /// The defaults on one named GPU (`"3"`, a UUID, `"cuda:1"`, or `Auto`).
+    pub fn on(gpu: GpuSpec) -> Self {
+        ReserveOptions {
+            gpus: vec![gpu],
+            ..ReserveOptions::default()
+        }
+    }
+}
+
+/// Why a reservation failed, or why a held one cannot do what was asked.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Taking the GPU lock failed (busy past the timeout, bad GPU, lock directory).
+    #[error("reserving a GPU: {0}")]
+    Lock(#[from] tt_lock::Error),
+    /// Raising the memory fence failed; the locks were released.
+    #[error("reserving a GPU: {0}")]
+    Fence(#[from] tt_fence::Error),
+    /// The options contradict each other; nothing was taken.
+    #[error("reserving a GPU: {0}")]
+    Options(String),
+    /// The fence needs to know which physical GPU to fence.
+    #[error(
+        "reserving a GPU: cannot fence {gpu}: without NVML the GPU's identity is unknown; \
+         reserve with the lock alone (fence: false, or `torchtools reserve --no-fence`)"
+    )]
+    FenceWithoutNvml {
+        /// The GPU locked.
+        gpu: GpuKey,
+    },
+    /// A GPU is reserved but this process's CUDA driver does not show it (no driver,
+    /// `CUDA_VISIBLE_DEVICES` hides it, or only its index lock is held): training on
+    /// the CPU instead would silently give up the GPU that was waited for.
+    #[error(
+        "the reserved GPU {gpu} is not visible to CUDA in this process (no CUDA driver, or \
+         CUDA_VISIBLE_DEVICES hides it); run where the driver sees it, or reserve with \
+         `gpus: vec![GpuSpec::Auto]` to train on the CPU when the machine has no GPU"
+    )]
+    NoCudaDevice {
+        /// The GPU reserved.
+        gpu: GpuKey,
+    },
+}
+
+impl Error {
+    /// Whether it failed because the GPUs stayed held by someone else (past the timeout,
+    /// or at once with `blocking: false`): try later, not a mistake in the request.
+    pub fn is_busy(&self) -> bool {
+        matches!(
+            self,
+            Error::Lock(tt_lock::Error::Timeout { .. } | tt_lock::Error::WouldBlock { .. })
+        )
+    }
+
+    /// Whether the request itself is wrong (an unknown or malformed GPU, contradicting
+    /// options): fix the arguments.
+    pub fn is_bad_request(&self) -> bool {
+        matches!(
+            self,
+            Error::Options(_)
+                | Error::Lock(
+                    tt_lock::Error::InvalidGpu { .. } | tt_lock::Error::UnknownGpu { .. }
+                )
+        )
+    }
+}
+
+/// One reserved GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReservedGpu {
+    /// Its lock key: the UUID, or the index without NVML.
+    pub key: GpuKey,
+    /// `cuda:N` in this process, when the CUDA driver sees it.
+    pub ordinal: Option<usize>,
+    /// What the fence holds on it.
+    pub fenced: Bytes,
+}
+
+/// The GPU a reservation waits for, passed to [`reserve_with`]'s observer.
+#[derive(Debug, Clone)]
+pub struct Waiting {
+    /// The GPU someone else holds.
+    pub gpu: GpuKey,
+    /// Their record, when they left one.
+    pub holder: Option<Holder>,
+    /// How long it will wait at most (`None`: as long as it takes).
+    pub timeout: Option<Duration>,
+}
+
+impl fmt::Display for Waiting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} is locked by ", self.gpu)?;
+        match &self.holder {
+            Some(h) => write!(f, "{h}")?,
+            None => f.write_str("a process that left no record")?,
+        }
+        f.write_str("; waiting")?;
+        if let Some(t) = self.timeout {
+            write!(f, " (at most {t:?})")?;
+        }
+        Ok(())
+    }
+}
+
+/// A held reservation: the locks and fences, released on drop (fences first).
+///
+/// On a machine without GPUs, `Auto` gives an empty reservation
+/// ([`Reservation::is_empty`]): the same training code then runs on the CPU with no
+/// special case. Naming a GPU there reserves its index lock with `fence: false` (what
+/// scripts that only serialise jobs need), and is an error with a fence.
+#[derive(Debug)]
+#[must_use = "the GPUs are released when the reservation is dropped"]
+pub struct Reservation {
+    // Field order is drop order: fences go back to the driver before the locks go.
+    fences: Vec<Fence>,
+    locks: Vec<GpuLock>,
+    gpus: Vec<ReservedGpu>,
+}
+
+/// Reserves GPU(s) for a training job: takes the lock of each (waiting as `options`
+/// say), then raises a fence leaving `training_reserved_bytes + safety_margin_bytes`
+/// free for the job. Hold the returned [`Reservation`] while training. Waiting for a
+/// GPU someone else holds is logged (`tracing`, level info); [`reserve_with`] lets you
+/// show it yourself.
+pub fn reserve(options: ReserveOptions) -> Result<Reservation, Error> {
+    reserve_with(options, |w| tracing::info!("{w}"))
+}
+
+/// [`reserve`], calling `on_wait` once when a GPU is held by someone else and the
+/// options say to wait.
+pub fn reserve_with(
+    options: ReserveOptions,
+    on_wait: impl FnOnce(&Waiting),
+) -> Result<Reservation, Error> {
+    let auto = options.gpus.contains(&GpuSpec::Auto);
+    if options.gpus.is_empty() {
+        return Err(Error::Options(
+            "no GPU named: give one or more, or GpuSpec::Auto".into(),
+        ));
+    }
+    if auto && options.gpus.len() > 1 {
+        return Err(Error::Options(
+            "auto cannot be combined with named GPUs".into(),
+        ));
+    }
+    let count = match options.count {
+        Some(0) => {
+            return Err(Error::Options(
+                "a count of 0 reserves nothing: ask for 1 or more".into(),
+            ))
+        }
+        Some(n) if !auto && n != options.gpus.len() => {
+            return Err(Error::Options(format!(
+                "a count of {n} but {} GPU(s) named: give a count only with auto",
+                options.gpus.len()
+            )))
+        }
+        Some(n) => n,
+        None => 1,
+    };
+    let inventory = Inventory::query();
+    let no_gpu =
+        !matches!(inventory.nvml, NvmlStatus::Available { .. }) || inventory.gpus.is_empty();
+    if auto && no_gpu {
+        tracing::info!("no GPU on this machine: nothing to reserve");
+        return Ok(Reservation {
+            fences: Vec::new(),
+            locks: Vec::new(),
+            gpus: Vec::new(),
+        });
+    }
+    // Named GPUs resolve before anything is taken: a typo waits for nothing.
+    let keys = if auto {
+        Vec::new()
+    } else {
+        options
+            .gpus
+            .iter()
+            .map(|spec| spec.resolve(&inventory))
+            .collect::<tt_lock::Result<Vec<_>>>()?
+    };
+    let dir = LockDir::from_env()?;
+    let holder = options
+        .holder
+        .clone()
+        .unwrap_or_else(|| Holder::current().reserving(options.training_reserved_bytes));
+    let attempt = |wait: Wait| -> tt_lock::Result<Vec<GpuLock>> {
+        if auto {
+            dir.lock_auto(&inventory, count, wait, holder.clone())
+        } else {
+            dir.lock_many(&keys, wait, holder.clone())
+        }
+    };
+    let start = Instant::now();
+    let locks = match (options.blocking, attempt(Wait::Try)) {
+        (true, Err(tt_lock::Error::WouldBlock { gpu, holder })) => {
+            on_wait(&Waiting {
+                gpu,
+                holder: holder.map(|h| *h),
+                timeout: options.timeout,
+            });
+            attempt(match options.timeout {
+                Some(t) => Wait::Timeout(t.saturating_sub(start.elapsed())),
+                None => Wait::Block,
+            })?
+        }
+        (_, first) => first?,
+    };
+    let driver = CudaDriver::init().ok();
+    let mut reservation = Reservation {
+        fences: Vec::new(),
+        gpus: locks
+            .iter()
+            .map(|lock| ReservedGpu {
+                key: lock.key().clone(),
+                ordinal: match (lock.key(), &driver) {
+                    (GpuKey::Uuid(uuid), Some(d)) => d.ordinal_of(uuid).ok().flatten(),
+                    _ => None,
+                },
+                fenced: Bytes(0),
+            })
+            .collect(),
+        locks,
+    };
+    if options.fence {
+        let fence_options = FenceOptions {
+            safety_margin: options.safety_margin_bytes,
+            ..FenceOptions::keep_free(options.training_reserved_bytes)
+        };
+        for gpu in &mut reservation.gpus {
+            let GpuKey::Uuid(uuid) = &gpu.key else {
+                return Err(Error::FenceWithoutNvml {
+                    gpu: gpu.key.clone(),
+                });
+            };
+            // On error the reservation so far is dropped: fences lowered, locks released.
+            let fence = Fence::raise_on_uuid(uuid, &fence_options)?;
+            gpu.fenced = fence.fenced();
+            reservation.fences.push(fence);
+        }
+    }
+    Ok(reservation)
+}
+
+impl Reservation {
+    /// The reserved GPUs, in lock order.
+    pub fn gpus(&self) -> &[ReservedGpu] {
+        &self.gpus
+    }
+
+    /// The held locks (their files and holder records).
+    pub fn locks(&self) -> &[GpuLock] {
+        &self.locks
+    }
+
+    /// The raised fences, one per reserved GPU (none with `fence: false`).
+    pub fn fences(&self) -> &[Fence] {
+        &self.fences
+    }
+
+    /// Whether nothing was reserved (`Auto` on a machine without GPUs).
+    pub fn is_empty(&self) -> bool {
+        self.gpus.is_empty()
+    }
+
+    /// `cuda:N` of the first reserved GPU in this process, when the CUDA driver sees it.
+    pub fn ordinal(&self) -> Option<usize> {
+        self.gpus.first().and_then(|g| g.ordinal)
+    }
+
+    /// The device to train on: the first reserved GPU as `cuda:N`, or the CPU when
+    /// nothing was reserved because the machine has no GPU. A GPU that is reserved but
+    /// not visible to CUDA here is [`Error::NoCudaDevice`], never the CPU.
+    #[cfg(feature = "tch")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
+    pub fn device(&self) -> Result<tch::Device, Error> {
+        match self.gpus.first() {
+            None => Ok(tch::Device::Cpu),
+            Some(ReservedGpu {
+                ordinal: Some(n), ..
+            }) => Ok(tch::Device::Cuda(*n)),
+            Some(gpu) => Err(Error::NoCudaDevice {
+                gpu: gpu.key.clone(),
+            }),
+        }
+    }
+
+    /// `CUDA_VISIBLE_DEVICES` for a child that should see exactly the reserved GPUs
+    /// (UUIDs, or indices without NVML); empty when nothing was reserved.
+    pub fn cuda_visible_devices(&self) -> String {
+        self.gpus
+            .iter()
+            .map(|g| g.key.cuda_visible_entry())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Prepares `command` to run on the reservation: `CUDA_VISIBLE_DEVICES` set to the
+    /// reserved GPUs (when any), and the lock descriptors inherited, so that torchtools
+    /// inside the child takes them over instead of waiting for its own parent.
+    pub fn prepare(&self, command: &mut Command) {
+        if !self.gpus.is_empty() {
+            command.env("CUDA_VISIBLE_DEVICES", self.cuda_visible_devices());
+        }
+        tt_lock::share_with(command, &self.locks);
+    }
+
+    /// Records `pid` as the command running on the reservation, in every lock's holder
+    /// record (what `torchtools locks` shows).
+    pub fn record_command_pid(&mut self, pid: u32) -> Result<(), Error> {
+        for lock in &mut self.locks {
+            let mut record = lock.holder().clone();
+            record.command_pid = Some(pid);
+            lock.set_holder(record)?;
+        }
+        Ok(())
+    }
+
+    /// What the fences hold in all.
+    pub fn fenced(&self) -> Bytes {
+        Bytes(self.fences.iter().map(|f| f.fenced().0).sum())
+    }
+
+    /// Hands at least `bytes` of fence memory back (to the driver, where this process's
+    /// libtorch allocator can take it at once), from the first fence that holds any;
+    /// returns what was freed.
+    pub fn release_fence(&mut self, bytes: Bytes) -> Result<Bytes, Error> {
+        let mut freed = 0u64;
+        for (fence, gpu) in self.fences.iter_mut().zip(self.gpus.iter_mut()) {
+            if freed >= bytes.0 {
+                break;
+            }
+            freed += fence.shrink(Bytes(bytes.0 - freed))?.0;
+            gpu.fenced = fence.fenced();
+        }
+        Ok(Bytes(freed))
+    }
+
+    /// Lowers every fence, keeping the locks; returns what was freed.
+    pub fn lower_fences(&mut self) -> Result<Bytes, Error> {
+        let mut freed = 0;
+        for (fence, gpu) in self.fences.iter_mut().zip(self.gpus.iter_mut()) {
+            freed += fence.lower()?.0;
+            gpu.fenced = Bytes(0);
+        }
+        Ok(Bytes(freed))
+    }
+}
+
+/// tt-adaptive's OOM hook backed by a reservation's fence: on an out-of-memory, hand
+/// `step` of fence memory back (to the driver, where libtorch's allocator takes it) and
+/// retry the same size before lowering it; `false` once the fence is empty.
+///
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use tt_device::Bytes;
+/// use tt_reserve::{fence_release_hook, reserve, ReserveOptions};
+///
+/// let reservation = Arc::new(Mutex::new(reserve(ReserveOptions::default())?));
+/// let adaptive = tt_adaptive::Adaptive::new()
+///     .on_oom(fence_release_hook(Arc::clone(&reservation), Bytes::gib(1)));
+/// # drop(adaptive);
+/// # Ok::<(), tt_reserve::Error>(())
+/// ```
+pub fn fence_release_hook(
+    reservation: std::sync::Arc<std::sync::Mutex<Reservation>>,
+    step: Bytes,
+) -> impl Fn(tt_adaptive::OomKind, usize) -> bool + Send + Sync + 'static {
+    move |kind, size| {
+        let Ok(mut r) = reservation.lock() else {
+            return false;
+        };
+        match r.release_fence(step) {
+            Ok(freed) if freed.0 > 0 => {
+                tracing::info!(%kind, size, %freed, "out of memory: released fence memory, retrying");
+                true
+            }
+            Ok(_) => false,
+            Err(e) => {
+                tracing::warn!("releasing fence memory after an OOM: {e}");
+                false
+            }
+        }
+    }
+}
