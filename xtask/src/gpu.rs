@@ -101,6 +101,8 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 py=${PYTHON:-python3}
+# The tests' reference Python (tt-testkit reads it; they fail, never guess, without it).
+export TORCHTOOLS_PYTHON="$(command -v "$py" || echo "$py")"
 torch_lib=$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null) || {
   echo "run.sh: '$py' cannot import torch: install PyTorch 2.11 or set PYTHON" >&2; exit 1; }
 export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

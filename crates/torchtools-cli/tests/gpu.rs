@@ -74,7 +74,7 @@ fn two_reserves_of_one_gpu_take_turns() {
 #[test]
 fn probe_of_a_python_command_sees_its_2_gib_on_cuda() {
     require_gpu();
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let python = tt_testkit::python_path();
     let out = torchtools()
         .args(["probe", "--json", "--", &python, "-c"])
         .arg("import torch, time; x = torch.ones(2 << 30, dtype=torch.uint8, device='cuda'); torch.cuda.synchronize(); time.sleep(0.5)")

@@ -16,8 +16,9 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// The setup venv's Python: fails, never falls back to another interpreter.
 fn python() -> String {
-    std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into())
+    tt_testkit::python_path()
 }
 
 #[test]

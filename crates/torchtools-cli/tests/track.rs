@@ -17,8 +17,7 @@ fn track(args: &[&str]) -> Output {
 /// The setup venv's Python (`TORCHTOOLS_PYTHON`, set for cargo), with gpu-tracker
 /// 5.0.1: fails, never skips or falls back to another Python, without it.
 fn python() -> String {
-    std::env::var("TORCHTOOLS_PYTHON")
-        .unwrap_or_else(|_| panic!("TORCHTOOLS_PYTHON is not set: run `cargo xtask setup`"))
+    tt_testkit::python_path()
 }
 
 /// `out` is a refusal before anything ran: exit 2, saying `needle`.

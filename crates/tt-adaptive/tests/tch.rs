@@ -3,8 +3,6 @@
 #![cfg(feature = "tch")]
 #![allow(clippy::unwrap_used)]
 
-use std::process::Command;
-
 use tch::{Device, Kind, TchError, Tensor};
 use tt_adaptive::{set_cpu_memory_limit, Adaptive, AdaptiveError, OomClassify, OomKind, Policy};
 
@@ -85,13 +83,7 @@ fn child_real_cpu_oom() {
 
 #[test]
 fn a_real_cpu_oom_is_retried_to_success() {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "child_real_cpu_oom",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+    let out = tt_testkit::rerun("child_real_cpu_oom")
         .env("TT_ADAPTIVE_CHILD", "1")
         .output()
         .unwrap();

@@ -6,7 +6,7 @@ mod common;
 use common::temps;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use tt_ckpt::{Checkpoint, CheckpointDir, TensorData};
@@ -50,7 +50,6 @@ fn crash_child() {
 #[test]
 fn two_hundred_kill_9s_never_lose_the_latest_valid_checkpoint() {
     let root = tempfile::tempdir().unwrap();
-    let exe = std::env::current_exe().unwrap();
     // SplitMix64 for the kill delays: reproducible, spread over 0-25 ms.
     let mut seed = 42u64;
     let mut next = move || {
@@ -61,8 +60,7 @@ fn two_hundred_kill_9s_never_lose_the_latest_valid_checkpoint() {
     let mut last_step = None;
     let mut kills_with_checkpoint = 0;
     for round in 0..200 {
-        let mut child = Command::new(&exe)
-            .args(["--exact", "crash_child", "--test-threads=1", "--nocapture"])
+        let mut child = tt_testkit::rerun("crash_child")
             .env("TT_CKPT_CRASH_DIR", root.path())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())

@@ -63,8 +63,7 @@ fn rlimit_child() {
 #[test]
 fn a_file_size_limit_fails_the_save_and_keeps_the_previous_checkpoint() {
     let root = tempfile::tempdir().unwrap();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "rlimit_child", "--nocapture"])
+    let out = tt_testkit::rerun("rlimit_child")
         .env("TT_CKPT_RLIMIT_DIR", root.path())
         .output()
         .unwrap();

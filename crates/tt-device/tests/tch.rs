@@ -2,8 +2,6 @@
 #![cfg(feature = "tch")]
 #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
-use std::process::Command;
-
 use tch::{nn, nn::Module, nn::OptimizerConfig, Kind, Tensor};
 
 #[test]
@@ -52,8 +50,7 @@ fn the_report_agrees_with_select_and_libtorch() {
 
 /// Runs this test binary again with `vars`, executing only `child_select`.
 fn select_in_child(vars: &[(&str, &str)]) -> (bool, String) {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", "child_select", "--nocapture", "--test-threads=1"]);
+    let mut cmd = tt_testkit::rerun("child_select");
     cmd.env("TT_DEVICE_TEST_CHILD", "1");
     for var in ["TORCHTOOLS_DEVICE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"] {
         cmd.env_remove(var);

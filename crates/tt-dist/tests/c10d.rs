@@ -445,8 +445,7 @@ print("python rank", r, "ok")
 "#;
 
 fn python() -> String {
-    std::env::var("TORCHTOOLS_PYTHON")
-        .unwrap_or_else(|_| panic!("TORCHTOOLS_PYTHON is not set: run `cargo xtask setup`"))
+    tt_testkit::python_path()
 }
 
 fn python_interop() -> TestResult {

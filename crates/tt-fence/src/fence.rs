@@ -6,7 +6,7 @@ use tt_device::{Bytes, CudaDriver};
 
 use crate::{Error, Result};
 
-/// Memory left free on top of `keep_free`, as the seed's `safety_margin_bytes`: room for
+/// Memory left free on top of `keep_free`, as the Python torchtools' `safety_margin_bytes`: room for
 /// the driver's and other small allocations, so the job does not start at the edge.
 pub const DEFAULT_SAFETY_MARGIN: Bytes = Bytes::mib(50);
 

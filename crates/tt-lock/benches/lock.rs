@@ -1,6 +1,6 @@
 //! `cargo bench -p tt-lock` (and `cargo xtask bench`): lock latencies against the
 //! issue's goals (uncontended acquire + release ≤ 20 µs median, hand-off ≤ 1 ms median)
-//! and against the seed's way in Python (`open` + `fcntl.flock` + unlock).
+//! and against the Python torchtools' way (`open` + `fcntl.flock` + unlock).
 //!
 //! Prints `row|<what>|<ours>|<baseline name>|<baseline>|<unit>|<better>` lines, which
 //! `cargo xtask bench` gathers into its table, after a human-readable summary.
@@ -129,7 +129,7 @@ fn main() {
     println!("  hand-off to a blocked waiter: {blocked:.1} µs; to a timed waiter: {timed:.1} µs");
     println!("row|GPU lock acquire+release, uncontended (µs)|{acquire:.1}|goal|20.0|µs|lower");
     if let Some(py) = python_flock_us(&dir) {
-        println!("  python open + fcntl.flock + unlock (the seed's way, no record): {py:.1} µs");
+        println!("  python open + fcntl.flock + unlock (the Python torchtools' way, no record): {py:.1} µs");
         println!("row|GPU lock acquire+release, uncontended (µs)|{acquire:.1}|python fcntl.flock (seed)|{py:.1}|µs|lower");
     }
     println!("row|lock hand-off to a blocked waiter (µs)|{blocked:.1}|goal|1000.0|µs|lower");

@@ -75,11 +75,8 @@ fn now_ns() -> u128 {
 }
 
 fn spawn(role: &str, dir: &Path, extra: &[(&str, String)]) -> Command {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", "child", "--nocapture", "--test-threads=1"])
-        .env(ROLE, role)
-        .env(DIR, dir)
-        .stdin(Stdio::null());
+    let mut cmd = tt_testkit::rerun("child");
+    cmd.env(ROLE, role).env(DIR, dir).stdin(Stdio::null());
     for (k, v) in extra {
         cmd.env(k, v);
     }

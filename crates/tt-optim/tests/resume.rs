@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use tch::{nn, nn::Module, Device, Kind, Tensor};
 use tt_ckpt::{Checkpoint, CheckpointDir};
@@ -118,8 +118,7 @@ fn a_killed_and_resumed_run_ends_exactly_like_an_uninterrupted_one() {
         train(&net_full, &mut opt_full, 0..2 * HALF);
 
         let root = tempfile::tempdir().unwrap();
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "resume_child", "--nocapture", "--test-threads=1"])
+        let mut child = tt_testkit::rerun("resume_child")
             .env("TT_OPTIM_DIR", root.path())
             .env("TT_OPTIM_ALG", name)
             .stdout(Stdio::piped())

@@ -4,8 +4,6 @@
 #![cfg(feature = "tch")]
 #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
-use std::process::Command;
-
 use serde_json::{json, Value};
 use tch::{nn, Device, Kind, Tensor};
 use tt_optim::{AdamConfig, Algorithm, Optimizer, Schedule, SgdConfig};
@@ -181,9 +179,7 @@ fn sgd_adam_adamw_and_schedules_match_torch_optim() {
             j
         })
         .collect();
-    let py = std::env::var("TORCHTOOLS_PYTHON")
-        .unwrap_or_else(|_| panic!("TORCHTOOLS_PYTHON is not set: run `cargo xtask setup`"));
-    let mut child = Command::new(py)
+    let mut child = tt_testkit::python()
         .args(["-W", "ignore", "-c", REFERENCE])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())

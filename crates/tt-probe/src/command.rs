@@ -17,7 +17,7 @@ pub const PROBE_STEPS_ENV: &str = "TORCHTOOLS_PROBE_STEPS";
 pub struct CommandProbe {
     /// Steps the command is asked to run (`TORCHTOOLS_PROBE_STEPS`); default 5.
     pub steps: u64,
-    /// The command is stopped after this long (default 60 s, as the seed); its peak so
+    /// The command is stopped after this long (default 60 s, as the Python torchtools' probe); its peak so
     /// far is reported, marked `ended_by_timeout`.
     pub timeout: Duration,
     /// Run it on this GPU only (`CUDA_VISIBLE_DEVICES=<uuid>`).

@@ -1,5 +1,5 @@
 //! Measure a training step's peak memory in a fresh child process, and turn it into the
-//! bytes to reserve (the seed's `estimate_gpu_usage_by_probe` / `make_probe_fn`, without
+//! bytes to reserve (the Python torchtools' `estimate_gpu_usage_by_probe` / `make_probe_fn`, without
 //! its low estimates).
 //!
 //! Two ways to probe:

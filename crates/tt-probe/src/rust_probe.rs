@@ -47,7 +47,7 @@ pub struct ProbeContext {
 pub struct ProbeOptions {
     /// Steps (forward + backward + optimizer step each); default 5.
     pub steps: u64,
-    /// The child is killed after this long (default 60 s, as the seed).
+    /// The child is killed after this long (default 60 s, as the Python torchtools' probe).
     pub timeout: Duration,
     /// `TORCHTOOLS_DEVICE` for the child (default: inherited).
     pub device: Option<String>,
@@ -326,7 +326,7 @@ pub enum Optim {
 /// Builds a model's variables under a `VarStore` path.
 type ModelFn = Box<dyn Fn(&nn::Path) -> Box<dyn nn::ModuleT>>;
 
-/// A probe built from parts (the seed's `make_probe_fn`): a model on a `VarStore`, a
+/// A probe built from parts (the Python torchtools' `make_probe_fn`): a model on a `VarStore`, a
 /// batch of a given shape (random inputs), a loss and an optimizer. Each step is
 /// forward (train mode) + backward + optimizer step, so activations, gradients and
 /// optimizer state are all counted — the Python original ran eval mode and never

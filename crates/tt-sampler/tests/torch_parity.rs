@@ -48,10 +48,7 @@ struct Answer {
 }
 
 fn python() -> Command {
-    let py = std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| {
-        panic!("TORCHTOOLS_PYTHON is not set: run `cargo xtask setup` (it installs torch and sets it for cargo)")
-    });
-    Command::new(py)
+    tt_testkit::python()
 }
 
 fn ask_torch(script: &str, configs: &[Config]) -> Vec<Answer> {

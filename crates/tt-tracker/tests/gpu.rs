@@ -18,7 +18,7 @@ fn a_child_allocating_2_gib_on_cuda_is_counted_under_descendants() {
         ..TrackerConfig::default()
     })
     .unwrap();
-    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let python = tt_testkit::python_path();
     let mut child = Command::new(python)
         .args([
             "-c",

@@ -139,9 +139,7 @@ fn units_parse_and_convert() {
 /// same on our JSON. Fails, never skips, without that Python (`cargo xtask setup`).
 #[test]
 fn python_reads_our_json_with_gpu_trackers_keys() {
-    let python = std::env::var("TORCHTOOLS_PYTHON").expect(
-        "TORCHTOOLS_PYTHON (set for cargo by .cargo/config.toml after `cargo xtask setup`)",
-    );
+    let python = tt_testkit::python_path();
     let json = serde_json::to_string(&usage()).unwrap();
     let script = r#"
 import json, sys

@@ -67,8 +67,7 @@ fn within(reported: f64, truth: u64, tolerance: f64) -> bool {
 fn a_50ms_spike_in_a_descendant_is_exact_at_a_1s_interval() {
     let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
     let tracker = Tracker::start(config(Duration::from_secs(1))).unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+    let mut child = tt_testkit::rerun("child")
         .env(ROLE, "spike")
         .env("MIB", "256")
         .stdin(Stdio::piped())
@@ -313,9 +312,7 @@ fn a_plot_is_drawn_with_the_peaks() {
 /// gpu_tracker 5.0.1's command line (installed in the setup venv by `cargo xtask
 /// setup`), its stdout. Fails, never skips, without it.
 fn gpu_tracker(args: &[&str]) -> String {
-    let py = std::env::var("TORCHTOOLS_PYTHON")
-        .unwrap_or_else(|_| panic!("TORCHTOOLS_PYTHON is not set: run `cargo xtask setup`"));
-    let out = std::process::Command::new(py)
+    let out = tt_testkit::python()
         .args(["-W", "ignore", "-m", "gpu_tracker"])
         .args(args)
         .output()

@@ -18,17 +18,5 @@ pub(crate) fn temps(dir: &Path) -> usize {
 /// skips, without it.
 #[allow(dead_code)] // not every test crate talks to Python
 pub(crate) fn python(script: &str, args: &[&str]) -> String {
-    let py = std::env::var("TORCHTOOLS_PYTHON")
-        .unwrap_or_else(|_| panic!("TORCHTOOLS_PYTHON is not set: run `cargo xtask setup`"));
-    let out = std::process::Command::new(py)
-        .args(["-W", "ignore", "-c", script])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "python failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    tt_testkit::run_python(script, args)
 }
