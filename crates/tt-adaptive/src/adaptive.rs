@@ -81,7 +81,21 @@ impl<E: fmt::Display> fmt::Display for AdaptiveError<E> {
     }
 }
 
-impl<E: fmt::Debug + fmt::Display> std::error::Error for AdaptiveError<E> {}
+/// `Failed` is transparent (its source is the error's own source); `NoFit`'s source is
+/// the last out-of-memory error. Error types without `std::error::Error` (a `String`)
+/// still print and match; convert with `.map_err(|e| e.to_string())` to use `?`.
+impl<E: std::error::Error + 'static> std::error::Error for AdaptiveError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            AdaptiveError::Failed(e) => e.source(),
+            AdaptiveError::NoFit {
+                last_error: Some(e),
+                ..
+            } => Some(e),
+            AdaptiveError::NoFit { .. } => None,
+        }
+    }
+}
 
 /// What one call site has done.
 #[derive(Debug, Clone, PartialEq, Eq)]

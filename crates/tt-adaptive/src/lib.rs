@@ -36,12 +36,15 @@
 //! let adaptive = Adaptive::new().policy(Policy::Search);
 //! let mut sizes = Vec::new();
 //! for _ in 0..6 {
-//!     sizes.push(adaptive.batch(4096, step)?); // one call site: one cache entry
+//!     // One call site: one cache entry. (A `String` error is not a std error: convert
+//!     // it for `?`; tch's and your own error types work as they are.)
+//!     sizes.push(adaptive.batch(4096, step).map_err(|e| e.to_string())?);
 //! }
 //! assert_eq!(sizes[0], 512);                    // 4096, 2048, 1024 ran out of memory
 //! assert!(*sizes.last().unwrap() >= 950);       // then searched up to >= 95% of 1000
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod adaptive;
 mod classify;

@@ -22,13 +22,12 @@ impl MemoryProbe for CpuMemory {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum LimitError {
-    /// CUDA is loaded: it reserves far more address space than memory, so an
-    /// address-space limit would break it.
+    /// The CUDA driver is loaded: its contexts reserve far more address space than
+    /// memory, so an address-space limit would break them.
     #[error(
-        "refusing to limit the address space (RLIMIT_AS): CUDA is loaded in this process \
-         and reserves far more address space than memory (VmSize is ~2.6 GB right after \
-         libtorch_cuda loads); limit memory with a cgroup (e.g. systemd-run -p MemoryMax=) \
-         instead"
+        "refusing to limit the address space (RLIMIT_AS): the CUDA driver is loaded in this \
+         process and its contexts reserve far more address space than memory; limit memory \
+         with a cgroup (e.g. systemd-run -p MemoryMax=) instead"
     )]
     CudaLoaded,
     /// The limit is below what the process already uses.
@@ -58,19 +57,21 @@ fn vm_size() -> Option<u64> {
     )
 }
 
-/// Whether CUDA's libraries are mapped into this process.
+/// Whether the CUDA driver (`libcuda.so`) is loaded in this process: only then can a
+/// CUDA context exist, with its huge address-space reservation. libtorch's CUDA
+/// libraries alone (`libtorch_cuda.so`, which the CUDA wheel maps into every binary
+/// that selects a device, even on a machine without a driver) do not count.
 pub fn cuda_loaded() -> bool {
-    std::fs::read_to_string("/proc/self/maps").is_ok_and(|maps| {
-        maps.lines()
-            .any(|l| l.contains("libcuda.so") || l.contains("libtorch_cuda.so"))
-    })
+    std::fs::read_to_string("/proc/self/maps")
+        .is_ok_and(|maps| maps.lines().any(|l| l.contains("/libcuda.so")))
 }
 
 /// Sets the soft address-space limit (`RLIMIT_AS`) to `bytes` (toma's
 /// `set_cpu_memory_limit`, in bytes rather than GB), keeping the hard limit so that it
 /// can be raised back; `None` removes it (up to the hard limit). Allocations past it
-/// fail with libtorch's CPU OOM, which the adaptive helpers retry. Refused when CUDA is
-/// loaded (see [`LimitError::CudaLoaded`]).
+/// fail with libtorch's CPU OOM, which the adaptive helpers retry. Refused when the CUDA
+/// driver is loaded (see [`cuda_loaded`] and [`LimitError::CudaLoaded`]); libtorch's
+/// CUDA libraries without a driver are fine.
 pub fn set_cpu_memory_limit(bytes: Option<u64>) -> Result<(), LimitError> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,

@@ -103,6 +103,54 @@ fn below_the_minimum_is_no_fit_with_the_last_error() {
     assert!(e.contains("minimum size 600"), "{e}");
 }
 
+/// A user's own error type: a device error wrapping the driver's message.
+#[derive(Debug)]
+struct DeviceError {
+    message: String,
+    cause: std::io::Error,
+}
+
+impl std::fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for DeviceError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.cause)
+    }
+}
+
+impl tt_adaptive::OomClassify for DeviceError {
+    fn oom_kind(&self) -> Option<OomKind> {
+        tt_adaptive::classify_message(&self.message)
+    }
+}
+
+#[test]
+fn the_error_chain_keeps_the_cause() {
+    use std::error::Error as _;
+    let fail = |message: &str| DeviceError {
+        message: message.into(),
+        cause: std::io::Error::other("driver says no"),
+    };
+    // No fit: the source is the last OOM error itself.
+    let a = Adaptive::new().policy(Policy::Halve).min(64);
+    let e = a
+        .batch(128, |_| -> Result<(), _> { Err(fail(CUDA_OOM)) })
+        .unwrap_err();
+    let source = e.source().expect("NoFit has the last OOM as its source");
+    assert_eq!(source.to_string(), CUDA_OOM);
+    assert_eq!(source.source().unwrap().to_string(), "driver says no");
+    // Another error passes through transparently: its source is the error's own.
+    let e = a
+        .batch(128, |_| -> Result<(), _> { Err(fail("dataset missing")) })
+        .unwrap_err();
+    assert_eq!(e.to_string(), "dataset missing");
+    assert_eq!(e.source().unwrap().to_string(), "driver says no");
+}
+
 #[test]
 fn other_errors_pass_through_untouched_and_are_not_retried() {
     let a = Adaptive::new();

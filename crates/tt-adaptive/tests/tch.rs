@@ -61,6 +61,20 @@ fn child_real_cpu_oom() {
         return;
     }
     let _warm = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+    // As any program that selects a device does: with the CUDA wheel this maps
+    // libtorch_cuda.so, driver or not. Only a loaded driver may refuse the limit.
+    let _ = tt_sys::ensure_cuda_loaded();
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    println!(
+        "\n@@libtorch_cuda_mapped={}@@",
+        maps.contains("libtorch_cuda.so")
+    );
+    if tt_adaptive::cuda_loaded() {
+        let e = set_cpu_memory_limit(Some(1 << 40)).unwrap_err();
+        assert!(matches!(e, tt_adaptive::LimitError::CudaLoaded), "{e:?}");
+        println!("\n@@driver loaded: refused@@");
+        return;
+    }
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     let vm: u64 = status.lines().find(|l| l.starts_with("VmSize:")).unwrap()[7..]
         .trim()
@@ -92,6 +106,16 @@ fn a_real_cpu_oom_is_retried_to_success() {
         out.status.success(),
         "{text}{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    if text.contains("@@driver loaded: refused@@") {
+        return; // a GPU machine: the refusal was checked in the child
+    }
+    // The CUDA wheel's libtorch_cuda.so was mapped, and the limit worked anyway.
+    let wheel_has_cuda =
+        tt_sys::libtorch_lib_dir().is_ok_and(|d| d.join("libtorch_cuda.so").exists());
+    assert!(
+        !wheel_has_cuda || text.contains("@@libtorch_cuda_mapped=true@@"),
+        "{text}"
     );
     let line = text
         .lines()

@@ -39,6 +39,7 @@
 //! ```
 //!
 //! [safetensors]: https://huggingface.co/docs/safetensors
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod atomic;
 mod dir;

@@ -8,6 +8,35 @@ use std::sync::OnceLock;
 
 use cudarc::driver::{result, sys};
 
+/// Why the CUDA driver could not answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaError {
+    /// No `libcuda.so`: a machine without an NVIDIA driver.
+    #[error("no CUDA driver (libcuda.so could not be loaded)")]
+    NoDriver,
+    /// The driver is there but `cuInit` failed (a driver/library mismatch, no device
+    /// node, a container without the GPU).
+    #[error("the CUDA driver failed to initialise: {0}")]
+    Init(String),
+    /// A logical ordinal beyond what this process sees.
+    #[error("cuda:{ordinal} does not exist: this process sees {count} CUDA device(s)")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// The devices visible (after `CUDA_VISIBLE_DEVICES`).
+        count: usize,
+    },
+    /// A driver call failed.
+    #[error("{call} failed: {message}")]
+    Call {
+        /// The call, with its argument.
+        call: String,
+        /// What the driver said.
+        message: String,
+    },
+}
+
 /// The CUDA driver, initialised (`cuInit`) in this process.
 #[derive(Debug, Clone, Copy)]
 pub struct CudaDriver {
@@ -17,51 +46,57 @@ pub struct CudaDriver {
 impl CudaDriver {
     /// Loads `libcuda.so` and calls `cuInit`. Fails, never panics, when there is no
     /// driver (a machine without NVIDIA GPUs) or it cannot initialise; the error says why.
-    pub fn init() -> Result<CudaDriver, String> {
-        static INIT: OnceLock<Result<(), String>> = OnceLock::new();
+    pub fn init() -> Result<CudaDriver, CudaError> {
+        static INIT: OnceLock<Result<(), CudaError>> = OnceLock::new();
         INIT.get_or_init(|| {
             // SAFETY: `is_culib_present` only tries to dlopen the library and closes it;
             // it is the documented way to avoid cudarc's panic when the library is absent.
             if !unsafe { sys::is_culib_present() } {
-                return Err("no CUDA driver (libcuda.so could not be loaded)".to_owned());
+                return Err(CudaError::NoDriver);
             }
-            result::init().map_err(|e| format!("the CUDA driver failed to initialise: {e}"))
+            result::init().map_err(|e| CudaError::Init(e.to_string()))
         })
         .clone()
         .map(|()| CudaDriver { _private: () })
     }
 
     /// How many devices this process sees (after `CUDA_VISIBLE_DEVICES`).
-    pub fn device_count(&self) -> Result<usize, String> {
-        let count =
-            result::device::get_count().map_err(|e| format!("cuDeviceGetCount failed: {e}"))?;
+    pub fn device_count(&self) -> Result<usize, CudaError> {
+        let count = result::device::get_count().map_err(|e| CudaError::Call {
+            call: "cuDeviceGetCount".into(),
+            message: e.to_string(),
+        })?;
         Ok(usize::try_from(count).unwrap_or(0))
     }
 
     /// The `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` UUID of logical device `ordinal`,
     /// in the form NVML and `nvidia-smi -L` print.
-    pub fn uuid(&self, ordinal: usize) -> Result<String, String> {
+    pub fn uuid(&self, ordinal: usize) -> Result<String, CudaError> {
         let count = self.device_count()?;
         if ordinal >= count {
-            return Err(format!(
-                "cuda:{ordinal} does not exist: this process sees {count} CUDA device(s)"
-            ));
+            return Err(CudaError::NoSuchDevice { ordinal, count });
         }
-        let dev = result::device::get(ordinal as i32)
-            .map_err(|e| format!("cuDeviceGet({ordinal}) failed: {e}"))?;
+        let call = |call: String| {
+            move |e: result::DriverError| CudaError::Call {
+                call,
+                message: e.to_string(),
+            }
+        };
+        let dev =
+            result::device::get(ordinal as i32).map_err(call(format!("cuDeviceGet({ordinal})")))?;
         let uuid = result::device::get_uuid(dev)
-            .map_err(|e| format!("cuDeviceGetUuid(cuda:{ordinal}) failed: {e}"))?;
+            .map_err(call(format!("cuDeviceGetUuid(cuda:{ordinal})")))?;
         Ok(format_uuid(&uuid.bytes.map(|b| b as u8)))
     }
 
     /// Every visible device's UUID, in logical order.
-    pub fn uuids(&self) -> Result<Vec<String>, String> {
+    pub fn uuids(&self) -> Result<Vec<String>, CudaError> {
         (0..self.device_count()?).map(|i| self.uuid(i)).collect()
     }
 
     /// The logical ordinal of the GPU with this UUID (a full `GPU-...` UUID), if this
     /// process sees it.
-    pub fn ordinal_of(&self, uuid: &str) -> Result<Option<usize>, String> {
+    pub fn ordinal_of(&self, uuid: &str) -> Result<Option<usize>, CudaError> {
         Ok(self
             .uuids()?
             .iter()
@@ -106,7 +141,13 @@ mod tests {
                 let uuids = driver.uuids().unwrap_or_default();
                 assert!(uuids.iter().all(|u| u.starts_with("GPU-") && u.len() == 40));
             }
-            Err(reason) => assert!(reason.contains("CUDA driver"), "{reason}"),
+            Err(e) => {
+                assert!(
+                    matches!(e, CudaError::NoDriver | CudaError::Init(_)),
+                    "{e:?}"
+                );
+                assert!(e.to_string().contains("CUDA driver"), "{e}");
+            }
         }
     }
 }

@@ -47,6 +47,7 @@
 //! ```
 //!
 //! [torchtools]: https://docs.rs/torchtools
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod bytes;
 mod cuda;
@@ -59,7 +60,7 @@ mod report;
 mod select;
 
 pub use bytes::Bytes;
-pub use cuda::CudaDriver;
+pub use cuda::{CudaDriver, CudaError};
 pub use env::{
     CudaVisibleDevices, DeviceRequest, EnvConfig, RawEnv, VisibleEntry, CUDA_VISIBLE_DEVICES,
     LOCAL_RANK, TORCHTOOLS_DEVICE,

@@ -30,6 +30,9 @@ pub struct DistEnv {
     pub master_port: u16,
     /// Where these came from.
     pub source: Source,
+    /// Whether torchrun's agent serves the rendezvous store (it sets
+    /// `TORCHELASTIC_USE_AGENT_STORE=True`): every rank is then a client.
+    pub agent_store: bool,
 }
 
 /// Slurm's default rendezvous port (torchrun's too), unless `MASTER_PORT` is set.
@@ -60,6 +63,21 @@ impl fmt::Display for DistEnv {
     }
 }
 
+/// torchrun's `TORCHELASTIC_USE_AGENT_STORE`: `True`, `False` or unset.
+fn agent_store(get: &impl Fn(&str) -> Option<String>) -> Result<bool> {
+    const NAME: &str = "TORCHELASTIC_USE_AGENT_STORE";
+    match get(NAME).as_deref().map(str::trim) {
+        None | Some("False") => Ok(false),
+        Some("True") => Ok(true),
+        Some(other) => Err(Error::Invalid {
+            name: NAME,
+            value: other.to_owned(),
+            reason: "not True or False (torchrun sets it; unset it when starting ranks yourself)"
+                .into(),
+        }),
+    }
+}
+
 impl DistEnv {
     /// One process, no network (what nothing set means).
     pub fn single() -> DistEnv {
@@ -71,6 +89,7 @@ impl DistEnv {
             master_addr: "127.0.0.1".into(),
             master_port: DEFAULT_PORT,
             source: Source::Single,
+            agent_store: false,
         }
     }
 
@@ -116,6 +135,7 @@ impl DistEnv {
                 master_addr: get("MASTER_ADDR").unwrap_or_default(),
                 master_port: port(&get)?.unwrap_or(DEFAULT_PORT),
                 source: Source::Torchrun,
+                agent_store: agent_store(&get)?,
             };
             return env.checked();
         }
@@ -157,6 +177,7 @@ impl DistEnv {
                 master_addr,
                 master_port: port(&get)?.unwrap_or(DEFAULT_PORT),
                 source: Source::Slurm,
+                agent_store: false,
             };
             return env.checked();
         }
@@ -300,6 +321,30 @@ mod tests {
             ("10.0.0.1", 1234, Source::Torchrun)
         );
         assert!(e.is_distributed() && !e.is_main());
+        assert!(!e.agent_store);
+    }
+
+    #[test]
+    fn torchruns_agent_store_is_read_with_the_other_variables() {
+        let base = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let with = |v: &str| {
+            let mut vars = base.to_vec();
+            vars.push(("TORCHELASTIC_USE_AGENT_STORE", v));
+            env(&vars)
+        };
+        assert!(with("True").unwrap().agent_store);
+        assert!(!with("False").unwrap().agent_store);
+        let e = with("yes").unwrap_err().to_string();
+        assert!(
+            e.contains("TORCHELASTIC_USE_AGENT_STORE=\"yes\"") && e.contains("True or False"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -37,6 +37,14 @@ pub enum Error {
         /// What c10d said, and the hint.
         message: String,
     },
+    /// The backend asked for is not in this build; nothing was contacted.
+    #[error("the {backend} backend was asked for but this build has none: {fix}")]
+    BackendUnavailable {
+        /// `nccl` or `gloo`.
+        backend: &'static str,
+        /// How to get it, or what to use instead.
+        fix: &'static str,
+    },
     /// A collective failed: a peer died or hung past the timeout, or the tensors were
     /// wrong. The process group is unusable afterwards.
     #[error("{op} failed on rank {rank}: {message}")]

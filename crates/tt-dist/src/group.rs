@@ -175,15 +175,13 @@ impl ProcessGroup {
             None => auto_backend(),
         };
         if kind == BackendKind::Nccl && !tt_sys::c10d::nccl_built() {
-            return Err(Error::Rendezvous {
-                addr: env.master_addr.clone(),
-                port: env.master_port,
-                message: "the NCCL backend was asked for but this build has none: build tt-sys \
-                          with its `nccl` feature, or use gloo (TORCHTOOLS_DIST_BACKEND=gloo)"
-                    .into(),
+            return Err(Error::BackendUnavailable {
+                backend: "nccl",
+                fix: "build tt-sys with its `nccl` feature, or use gloo \
+                      (TORCHTOOLS_DIST_BACKEND=gloo)",
             });
         }
-        let agent = std::env::var("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Ok("True");
+        let agent = env.agent_store;
         let tcp = Store::tcp(
             &env.master_addr,
             env.master_port,

@@ -35,6 +35,7 @@
 //! // In a real process: DistEnv::from_env()?
 //! # Ok::<(), tt_dist::Error>(())
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(feature = "c10d")]
 mod ddp;

@@ -37,6 +37,7 @@ impl FenceOptions {
 
 /// What a fence holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[must_use]
 pub struct FenceReport {
     /// Logical CUDA device in this process.
     pub ordinal: usize,
@@ -82,6 +83,7 @@ impl fmt::Display for FenceReport {
 
 /// GPU memory held so that other processes cannot take it. Freed on [`Fence::lower`]
 /// or drop; the memory goes back to the driver (`cuMemFree`), not into a cache.
+#[must_use = "the fence is lowered when it is dropped: hold it while the GPU is reserved"]
 pub struct Fence {
     ordinal: usize,
     device: sys::CUdevice,
@@ -137,10 +139,12 @@ impl Fence {
     /// Raises a fence on logical device `ordinal` (`cuda:N` in this process, after
     /// `CUDA_VISIBLE_DEVICES`), leaving `keep_free + safety_margin` free.
     pub fn raise(ordinal: usize, options: &FenceOptions) -> Result<Fence> {
-        let cuda = CudaDriver::init().map_err(|reason| Error::NoDriver { reason })?;
-        let uuid = cuda.uuid(ordinal).map_err(|reason| Error::NoSuchGpu {
+        let cuda = CudaDriver::init().map_err(|e| Error::NoDriver {
+            reason: e.to_string(),
+        })?;
+        let uuid = cuda.uuid(ordinal).map_err(|e| Error::NoSuchGpu {
             gpu: format!("cuda:{ordinal}"),
-            reason,
+            reason: e.to_string(),
         })?;
         let device =
             result::device::get(ordinal as i32).map_err(|e| driver("cuDeviceGet", ordinal, e))?;
@@ -171,12 +175,14 @@ impl Fence {
     /// Raises a fence on the GPU with this UUID (`GPU-...`), which must be visible to
     /// this process.
     pub fn raise_on_uuid(uuid: &str, options: &FenceOptions) -> Result<Fence> {
-        let cuda = CudaDriver::init().map_err(|reason| Error::NoDriver { reason })?;
+        let cuda = CudaDriver::init().map_err(|e| Error::NoDriver {
+            reason: e.to_string(),
+        })?;
         let ordinal = cuda
             .ordinal_of(uuid)
-            .map_err(|reason| Error::NoSuchGpu {
+            .map_err(|e| Error::NoSuchGpu {
                 gpu: uuid.to_owned(),
-                reason,
+                reason: e.to_string(),
             })?
             .ok_or_else(|| Error::NoSuchGpu {
                 gpu: uuid.to_owned(),

@@ -43,6 +43,7 @@
 //! ```
 //!
 //! [tt-lock]: https://docs.rs/tt-lock
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod error;
 mod fence;

@@ -171,9 +171,9 @@ impl GpuSpec {
             GpuSpec::Cuda(ordinal) => {
                 let uuid = CudaDriver::init()
                     .and_then(|driver| driver.uuid(*ordinal))
-                    .map_err(|reason| Error::Cuda {
+                    .map_err(|e| Error::Cuda {
                         spec: self.to_string(),
-                        reason,
+                        reason: e.to_string(),
                     })?;
                 Ok(GpuKey::Uuid(normalize_uuid(&uuid)))
             }

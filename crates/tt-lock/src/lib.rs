@@ -44,6 +44,7 @@
 //! assert!(dir.list()?.iter().any(|s| s.gpu == gpu && !s.held));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod dir;
 mod error;

@@ -37,6 +37,7 @@ const FIRST_POLL: Duration = Duration::from_micros(50);
 
 /// A held GPU lock: released when dropped, or by the kernel when the process dies.
 #[derive(Debug)]
+#[must_use = "the lock is released when it is dropped: hold it while using the GPU"]
 pub struct GpuLock {
     file: File,
     key: GpuKey,

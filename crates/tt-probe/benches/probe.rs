@@ -74,7 +74,8 @@ fn main() {
         (0..10)
             .map(|_| {
                 let t = Instant::now();
-                probe_command(&"true".into(), &[], &CommandProbe::default()).expect("probe");
+                let _report =
+                    probe_command(&"true".into(), &[], &CommandProbe::default()).expect("probe");
                 t.elapsed().as_secs_f64() * 1e3
             })
             .collect(),

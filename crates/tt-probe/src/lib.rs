@@ -39,6 +39,7 @@
 //! println!("{report}; reserve {}", report.estimate(&EstimatePolicy::default()));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod child;
 mod command;
@@ -56,6 +57,6 @@ pub use report::{EstimatePolicy, MemoryKind, ProbeReport};
 pub use run::{run_training_with_reservation, RunError, RunOptions, RunPlan};
 #[cfg(feature = "tch")]
 pub use rust_probe::{
-    entry, probe, BoxError, Loss, Optim, ProbeContext, ProbeFn, ProbeOptions, ProbeSpec, Step,
+    entry, probe, BoxError, Loss, ProbeContext, ProbeFn, ProbeOptions, ProbeSpec, Step,
     PROBE_RUN_ENV,
 };

@@ -16,6 +16,7 @@ pub enum MemoryKind {
 
 /// What a probe measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[must_use]
 pub struct ProbeReport {
     /// GPU or CPU memory.
     pub memory: MemoryKind,

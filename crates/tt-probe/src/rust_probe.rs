@@ -8,9 +8,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tch::nn::{self, OptimizerConfig};
+use tch::nn;
 use tch::{Device, Kind, Tensor};
 use tt_device::Bytes;
+use tt_optim::{AdamConfig, Algorithm, Optimizer, Schedule};
 
 use crate::child::{self, Options, REPORT_FD_ENV};
 use crate::command::{failure, PROBE_STEPS_ENV};
@@ -299,30 +300,6 @@ pub enum Loss {
     Mse,
 }
 
-/// The optimizer of a [`ProbeSpec`]: its state (moments) is counted.
-#[derive(Debug, Clone, Copy)]
-pub enum Optim {
-    /// SGD with momentum.
-    Sgd {
-        /// Learning rate.
-        lr: f64,
-        /// Momentum (a buffer per parameter when non-zero).
-        momentum: f64,
-    },
-    /// Adam (two buffers per parameter).
-    Adam {
-        /// Learning rate.
-        lr: f64,
-    },
-    /// AdamW.
-    AdamW {
-        /// Learning rate.
-        lr: f64,
-        /// Weight decay.
-        wd: f64,
-    },
-}
-
 /// Builds a model's variables under a `VarStore` path.
 type ModelFn = Box<dyn Fn(&nn::Path) -> Box<dyn nn::ModuleT>>;
 
@@ -335,13 +312,14 @@ pub struct ProbeSpec {
     model: ModelFn,
     input: Vec<i64>,
     loss: Loss,
-    optim: Optim,
+    algorithm: Algorithm,
 }
 
 impl ProbeSpec {
     /// A probe of the model `build` makes (e.g. `|p| Box::new(nn::seq_t().add(...))`),
     /// on batches of shape `input` (first dimension: the batch size), with
-    /// cross-entropy over 10 classes and Adam(1e-3) until told otherwise.
+    /// cross-entropy over 10 classes and Adam (`AdamConfig::adam()`, lr 1e-3) until
+    /// told otherwise.
     pub fn new(
         build: impl Fn(&nn::Path) -> Box<dyn nn::ModuleT> + 'static,
         input: impl Into<Vec<i64>>,
@@ -350,7 +328,7 @@ impl ProbeSpec {
             model: Box::new(build),
             input: input.into(),
             loss: Loss::CrossEntropy { classes: 10 },
-            optim: Optim::Adam { lr: 1e-3 },
+            algorithm: Algorithm::Adam(AdamConfig::adam()),
         }
     }
 
@@ -360,9 +338,11 @@ impl ProbeSpec {
         self
     }
 
-    /// The optimizer.
-    pub fn optimizer(mut self, optim: Optim) -> ProbeSpec {
-        self.optim = optim;
+    /// The optimizer, as training configures it: tt-optim's [`Algorithm`] (SGD with
+    /// momentum keeps one buffer per parameter, Adam / AdamW two, AMSGrad three), so
+    /// the probe measures the state the training run will hold.
+    pub fn optimizer(mut self, algorithm: Algorithm) -> ProbeSpec {
+        self.algorithm = algorithm;
         self
     }
 
@@ -371,19 +351,7 @@ impl ProbeSpec {
         let device = ctx.device;
         let vs = nn::VarStore::new(device);
         let model = (self.model)(&vs.root());
-        let mut opt = match self.optim {
-            Optim::Sgd { lr, momentum } => nn::Sgd {
-                momentum,
-                ..Default::default()
-            }
-            .build(&vs, lr)?,
-            Optim::Adam { lr } => nn::Adam::default().build(&vs, lr)?,
-            Optim::AdamW { lr, wd } => nn::AdamW {
-                wd,
-                ..Default::default()
-            }
-            .build(&vs, lr)?,
-        };
+        let mut opt = Optimizer::new(&vs, self.algorithm, Schedule::Constant)?;
         let x = Tensor::f_randn(self.input.as_slice(), (Kind::Float, device))?;
         let batch = self.input.first().copied().unwrap_or(1);
         let loss = self.loss;
@@ -410,8 +378,7 @@ impl ProbeSpec {
                     out.f_mse_loss(t, tch::Reduction::Mean)?
                 }
             };
-            l.f_backward()?;
-            opt.step();
+            opt.backward_step(&l)?;
             Ok(())
         }))
     }

@@ -11,6 +11,7 @@ use tt_probe::{probe_command, CommandProbe, MemoryKind, ProbeError};
 mod rust_probes {
     use super::*;
     use tch::nn;
+    use tt_optim::{AdamConfig, Algorithm, SgdConfig};
     use tt_probe::{probe, BoxError, ProbeContext, ProbeOptions, ProbeSpec, Step};
 
     const MIB_64: i64 = 64 << 20;
@@ -63,6 +64,25 @@ mod rust_probes {
         .build(ctx)
     }
 
+    /// One 4096 x 4096 layer (64 MiB of weights), stepped by `algorithm`.
+    fn wide(ctx: &ProbeContext, algorithm: Algorithm) -> Result<Step, BoxError> {
+        ProbeSpec::new(
+            |p| Box::new(nn::seq_t().add(nn::linear(p / "l", 4096, 4096, Default::default()))),
+            [8, 4096],
+        )
+        .loss(tt_probe::Loss::Mse)
+        .optimizer(algorithm)
+        .build(ctx)
+    }
+
+    fn wide_sgd(ctx: &ProbeContext) -> Result<Step, BoxError> {
+        wide(ctx, Algorithm::Sgd(SgdConfig::default()))
+    }
+
+    fn wide_adam(ctx: &ProbeContext) -> Result<Step, BoxError> {
+        wide(ctx, Algorithm::Adam(AdamConfig::adam()))
+    }
+
     /// The probe child's side: runs when re-executed with TORCHTOOLS_PROBE_RUN.
     #[test]
     fn probe_child() {
@@ -73,6 +93,8 @@ mod rust_probes {
             ("sleeps", sleeps),
             ("ooms", ooms),
             ("mlp", mlp),
+            ("wide_sgd", wide_sgd),
+            ("wide_adam", wide_adam),
         ]);
     }
 
@@ -100,6 +122,21 @@ mod rust_probes {
         // Weights (3.2 MB) + Adam's two moments + gradients + activations.
         assert!(r.rss_peak.unwrap() > Bytes::mib(8), "{r}");
         assert_eq!(r.steps, 3);
+    }
+
+    #[test]
+    fn the_training_optimizers_state_is_in_the_peak() {
+        // Plain SGD keeps no state; Adam (tt-optim's, as training runs it) keeps two
+        // moments per weight: 2 x 64 MiB more.
+        let sgd = probe("wide_sgd", &ProbeOptions { steps: 2, ..opts() }).unwrap();
+        let adam = probe("wide_adam", &ProbeOptions { steps: 2, ..opts() }).unwrap();
+        let (sgd, adam) = (sgd.rss_peak.unwrap().0, adam.rss_peak.unwrap().0);
+        assert!(
+            adam >= sgd + (110 << 20),
+            "Adam {} vs SGD {}: the moments are missing",
+            Bytes(adam),
+            Bytes(sgd)
+        );
     }
 
     #[test]

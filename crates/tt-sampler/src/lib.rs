@@ -42,6 +42,7 @@
 //! assert_eq!([vec![first.unwrap()], rest].concat(), whole.collect::<Vec<_>>());
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod batch;
 mod env;

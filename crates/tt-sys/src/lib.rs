@@ -39,6 +39,7 @@
 //! ```
 //!
 //! [torchtools]: https://docs.rs/torchtools
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod build;
 

@@ -46,6 +46,7 @@
 //! assert!(json["max_ram"]["main"]["total_rss"].as_f64().is_some());
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod compare;
 mod error;

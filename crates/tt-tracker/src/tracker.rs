@@ -111,6 +111,7 @@ struct Shared {
 
 /// A running tracker: a thread sampling the target's process tree. [`Tracker::stop`]
 /// returns the [`ResourceUsage`]; dropping it stops it too (discarding the report).
+#[must_use = "dropping the tracker stops it and discards the report: keep it and call stop()"]
 pub struct Tracker {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<Result<Finished>>>,
@@ -132,6 +133,7 @@ struct SystemReads {
 }
 
 /// A named code block being tracked; ends when dropped. See [`Tracker::block`].
+#[must_use = "the block ends when it is dropped: bind it (`let _block = ...`) for the code to track"]
 pub struct Block {
     shared: Arc<Shared>,
     name: String,

@@ -187,6 +187,7 @@ pub struct Additions {
 /// Everything a tracking session measured: gpu_tracker 5's `ResourceUsage` (same keys,
 /// same units), plus [`Additions`] under `torchtools`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[must_use]
 pub struct ResourceUsage {
     /// Peak RAM.
     pub max_ram: MaxRam,
