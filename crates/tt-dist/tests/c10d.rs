@@ -27,8 +27,7 @@ fn main() {
         };
         std::process::exit(code);
     }
-    type Test = (&'static str, fn() -> TestResult);
-    let tests: &[Test] = &[
+    let tests: Vec<(&str, fn() -> TestResult)> = vec![
         ("collectives_on_2_ranks", || collectives(2)),
         ("collectives_on_4_ranks", || collectives(4)),
         ("world_size_1_group_and_single_process_group", world_of_one),
@@ -51,37 +50,12 @@ fn main() {
         ("a_busy_port_is_a_clear_error", busy_port),
         ("bad_environment_is_a_clear_error", bad_env),
     ];
-    let filter: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let mut failed = Vec::new();
-    let mut ran = 0;
-    for (name, test) in tests {
-        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        ran += 1;
-        let start = Instant::now();
-        let result = test();
-        let secs = start.elapsed().as_secs_f64();
-        match result {
-            Ok(()) => println!("test {name} ... ok ({secs:.1}s)"),
-            Err(e) => {
-                println!("test {name} ... FAILED ({secs:.1}s)\n  {e}");
-                failed.push(*name);
-            }
-        }
-    }
-    println!(
-        "\ntest result: {}. {} passed; {} failed",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        ran - failed.len(),
-        failed.len()
+    tt_testkit::run_tests(
+        tests
+            .into_iter()
+            .map(|(name, f)| -> tt_testkit::Test<'_> { (name, Box::new(f)) })
+            .collect(),
     );
-    if !failed.is_empty() {
-        std::process::exit(1);
-    }
 }
 
 // ---------------------------------------------------------------- ranks

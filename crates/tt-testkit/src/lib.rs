@@ -90,3 +90,127 @@ pub fn wait_for_line(from: impl Read + Send + 'static, marker: &str, limit: Dura
         }
     }
 }
+
+/// A test of a custom-harness binary: its name and body (`Err` = failed, with why).
+pub type Test<'a> = (&'a str, Box<dyn Fn() -> Result<(), String> + 'a>);
+
+/// Which tests a custom-harness binary runs, by libtest's own argument rules: names
+/// containing any positional filter (all when none), `--exact` for whole names,
+/// `--skip PATTERN` (repeatable) to leave some out, `--list` to print them; libtest's
+/// other flags (`--nocapture`, `--test-threads N`, ...) are accepted and ignored.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Selection {
+    /// Positional filters.
+    pub filters: Vec<String>,
+    /// Patterns to leave out.
+    pub skip: Vec<String>,
+    /// Filters match whole names.
+    pub exact: bool,
+    /// Print the names instead of running.
+    pub list: bool,
+}
+
+impl Selection {
+    /// From arguments, as libtest reads them (without the program name).
+    pub fn parse(args: impl IntoIterator<Item = String>) -> Selection {
+        /// libtest's flags that take a value as the next argument.
+        const WITH_VALUE: [&str; 6] = [
+            "--skip",
+            "--test-threads",
+            "--format",
+            "--color",
+            "--logfile",
+            "--shuffle-seed",
+        ];
+        let mut sel = Selection::default();
+        let mut args = args.into_iter();
+        while let Some(arg) = args.next() {
+            match arg.as_str() {
+                "--exact" => sel.exact = true,
+                "--list" => sel.list = true,
+                "--skip" => sel.skip.extend(args.next()),
+                a if a.starts_with("--skip=") => sel.skip.push(a["--skip=".len()..].to_owned()),
+                a if WITH_VALUE.contains(&a) => {
+                    args.next();
+                }
+                a if a.starts_with('-') => {}
+                _ => sel.filters.push(arg),
+            }
+        }
+        sel
+    }
+
+    /// Whether the test `name` runs.
+    pub fn runs(&self, name: &str) -> bool {
+        let matches = |f: &String| {
+            if self.exact {
+                name == f
+            } else {
+                name.contains(f.as_str())
+            }
+        };
+        (self.filters.is_empty() || self.filters.iter().any(matches))
+            && !self.skip.iter().any(|s| name.contains(s.as_str()))
+    }
+}
+
+/// Runs the selected `tests` (see [`Selection`]) one after the other, printing libtest's
+/// lines (`test NAME ... ok`, `test result: ok. N passed; M failed`), and exits
+/// non-zero when one failed.
+pub fn run_tests(tests: Vec<Test<'_>>) {
+    let sel = Selection::parse(std::env::args().skip(1));
+    let chosen: Vec<&Test<'_>> = tests.iter().filter(|(name, _)| sel.runs(name)).collect();
+    if sel.list {
+        for (name, _) in &chosen {
+            println!("{name}: test");
+        }
+        return;
+    }
+    println!("\nrunning {} tests", chosen.len());
+    let mut failed = Vec::new();
+    for (name, test) in &chosen {
+        let start = std::time::Instant::now();
+        let result = test();
+        let secs = start.elapsed().as_secs_f64();
+        match result {
+            Ok(()) => println!("test {name} ... ok ({secs:.1}s)"),
+            Err(e) => {
+                println!("test {name} ... FAILED ({secs:.1}s)\n  {e}");
+                failed.push(*name);
+            }
+        }
+    }
+    println!(
+        "\ntest result: {}. {} passed; {} failed; 0 ignored; 0 measured; {} filtered out",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        chosen.len() - failed.len(),
+        failed.len(),
+        tests.len() - chosen.len()
+    );
+    if !failed.is_empty() {
+        std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Selection;
+
+    fn sel(args: &[&str]) -> Selection {
+        Selection::parse(args.iter().map(|a| (*a).to_owned()))
+    }
+
+    #[test]
+    fn libtests_argument_rules() {
+        let all = sel(&["--nocapture", "--test-threads", "1"]);
+        assert!(all.runs("a") && all.runs("b"), "{all:?}");
+        // --skip takes the next argument as a pattern to leave out, not a filter.
+        let s = sel(&["--skip", "slow"]);
+        assert!(s.runs("fast_one") && !s.runs("slow_one"), "{s:?}");
+        let s = sel(&["--skip=slow", "one"]);
+        assert!(s.runs("fast_one") && !s.runs("slow_one") && !s.runs("two"));
+        let s = sel(&["one", "--exact"]);
+        assert!(s.runs("one") && !s.runs("one_more"));
+        assert!(sel(&["--list"]).list);
+    }
+}

@@ -13,7 +13,6 @@ use tt_optim::{Optimizer, SgdConfig};
 use tt_train::{FitOutcome, TrainConfig, TrainError, Trainer};
 
 type TestResult = Result<(), String>;
-type Test = (&'static str, fn() -> TestResult);
 
 const DATASET: u64 = 96;
 const EPOCHS: u64 = 3;
@@ -34,7 +33,7 @@ fn main() {
         };
         std::process::exit(code);
     }
-    let tests: &[Test] = &[
+    let tests: Vec<(&str, fn() -> TestResult)> = vec![
         ("one_process_and_two_ranks_train_the_same_model", same_code),
         (
             "sigterm_mid_epoch_checkpoints_and_the_restart_resumes_exactly",
@@ -44,34 +43,12 @@ fn main() {
         ("bad_configuration_is_a_clear_error", bad_config),
         ("a_failed_step_keeps_its_error_as_the_source", step_error),
     ];
-    let filter: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let mut failed = 0;
-    let mut ran = 0;
-    for (name, test) in tests {
-        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
-            continue;
-        }
-        ran += 1;
-        let start = Instant::now();
-        match test() {
-            Ok(()) => println!("test {name} ... ok ({:.1}s)", start.elapsed().as_secs_f64()),
-            Err(e) => {
-                failed += 1;
-                println!("test {name} ... FAILED\n  {e}");
-            }
-        }
-    }
-    println!(
-        "\ntest result: {}. {} passed; {failed} failed",
-        if failed == 0 { "ok" } else { "FAILED" },
-        ran - failed
+    tt_testkit::run_tests(
+        tests
+            .into_iter()
+            .map(|(name, f)| -> tt_testkit::Test<'_> { (name, Box::new(f)) })
+            .collect(),
     );
-    if failed > 0 {
-        std::process::exit(1);
-    }
 }
 
 fn var(name: &str) -> Option<String> {
