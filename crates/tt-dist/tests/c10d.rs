@@ -27,7 +27,7 @@ fn main() {
         };
         std::process::exit(code);
     }
-    let tests: Vec<(&str, fn() -> TestResult)> = vec![
+    let tests: &[(&str, tt_testkit::TestFn)] = &[
         ("collectives_on_2_ranks", || collectives(2)),
         ("collectives_on_4_ranks", || collectives(4)),
         ("world_size_1_group_and_single_process_group", world_of_one),
@@ -50,12 +50,7 @@ fn main() {
         ("a_busy_port_is_a_clear_error", busy_port),
         ("bad_environment_is_a_clear_error", bad_env),
     ];
-    tt_testkit::run_tests(
-        tests
-            .into_iter()
-            .map(|(name, f)| -> tt_testkit::Test<'_> { (name, Box::new(f)) })
-            .collect(),
-    );
+    tt_testkit::run_tests(tests);
 }
 
 // ---------------------------------------------------------------- ranks

@@ -91,8 +91,8 @@ pub fn wait_for_line(from: impl Read + Send + 'static, marker: &str, limit: Dura
     }
 }
 
-/// A test of a custom-harness binary: its name and body (`Err` = failed, with why).
-pub type Test<'a> = (&'a str, Box<dyn Fn() -> Result<(), String> + 'a>);
+/// A test body of a custom-harness binary: `Err` = failed, with why.
+pub type TestFn = fn() -> Result<(), String>;
 
 /// Which tests a custom-harness binary runs, by libtest's own argument rules: names
 /// containing any positional filter (all when none), `--exact` for whole names,
@@ -157,9 +157,9 @@ impl Selection {
 /// Runs the selected `tests` (see [`Selection`]) one after the other, printing libtest's
 /// lines (`test NAME ... ok`, `test result: ok. N passed; M failed`), and exits
 /// non-zero when one failed.
-pub fn run_tests(tests: Vec<Test<'_>>) {
+pub fn run_tests(tests: &[(&str, TestFn)]) {
     let sel = Selection::parse(std::env::args().skip(1));
-    let chosen: Vec<&Test<'_>> = tests.iter().filter(|(name, _)| sel.runs(name)).collect();
+    let chosen: Vec<&(&str, TestFn)> = tests.iter().filter(|(name, _)| sel.runs(name)).collect();
     if sel.list {
         for (name, _) in &chosen {
             println!("{name}: test");

@@ -33,7 +33,7 @@ fn main() {
         };
         std::process::exit(code);
     }
-    let tests: Vec<(&str, fn() -> TestResult)> = vec![
+    let tests: &[(&str, tt_testkit::TestFn)] = &[
         ("one_process_and_two_ranks_train_the_same_model", same_code),
         (
             "sigterm_mid_epoch_checkpoints_and_the_restart_resumes_exactly",
@@ -43,12 +43,7 @@ fn main() {
         ("bad_configuration_is_a_clear_error", bad_config),
         ("a_failed_step_keeps_its_error_as_the_source", step_error),
     ];
-    tt_testkit::run_tests(
-        tests
-            .into_iter()
-            .map(|(name, f)| -> tt_testkit::Test<'_> { (name, Box::new(f)) })
-            .collect(),
-    );
+    tt_testkit::run_tests(tests);
 }
 
 fn var(name: &str) -> Option<String> {
