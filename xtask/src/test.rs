@@ -35,11 +35,13 @@ const FEATURELESS: [&str; 6] = [
 ];
 
 /// Optional features tested on their own, beyond default and none: libtorch's
-/// distributed engine (needs gloo's headers, which setup installs).
-const EXTRA_FEATURES: [(&str, &str); 3] = [
+/// distributed engine (needs gloo's headers, which setup installs), the reservation's
+/// tch device, the tracker's SQLite timelines and plots.
+const EXTRA_FEATURES: [(&str, &str); 4] = [
     ("tt-sys", "c10d"),
     ("tt-dist", "c10d"),
     ("tt-reserve", "tch"),
+    ("tt-tracker", "sqlite,plot"),
 ];
 
 /// Crates with GPU tests (`tests/gpu.rs`, feature `gpu-tests`).

@@ -51,6 +51,7 @@
 pub mod compare;
 mod error;
 mod gpu;
+#[cfg(feature = "plot")]
 mod plot;
 pub mod process;
 mod procfs;
@@ -60,6 +61,7 @@ mod units;
 mod usage;
 
 pub use error::{Error, Result};
+#[cfg(feature = "plot")]
 pub use plot::plot;
 pub use timeline::{check_timeline_path, Sample};
 pub use tracker::{Block, SeriesPoint, Target, Tracker, TrackerConfig, MIN_INTERVAL};

@@ -8,6 +8,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+#[cfg(feature = "sqlite")]
 use std::time::Instant;
 
 use serde::Serialize;
@@ -247,6 +248,7 @@ pub(crate) enum Timeline {
         path: PathBuf,
         out: BufWriter<File>,
     },
+    #[cfg(feature = "sqlite")]
     Sqlite {
         path: PathBuf,
         conn: Box<rusqlite::Connection>,
@@ -268,6 +270,19 @@ fn format_of(path: &Path) -> Option<&'static str> {
     }
 }
 
+/// A `.sqlite` timeline in a build without SQLite: an error that says how to get it.
+fn no_sqlite_here(path: &Path) -> Result<()> {
+    if cfg!(feature = "sqlite") || format_of(path) != Some("sqlite") {
+        return Ok(());
+    }
+    Err(Error::Timeline {
+        path: path.to_owned(),
+        reason: "this build has no SQLite: enable tt-tracker's `sqlite` feature (the \
+                 `torchtools` command has it), or write .csv or .jsonl"
+            .into(),
+    })
+}
+
 /// Checks, before anything is tracked, that a timeline can be created at `path`: a
 /// known extension, an existing directory, not a directory itself, and not an
 /// existing file unless `overwrite`. The tracker creates the file at start; this
@@ -285,6 +300,7 @@ pub fn check_timeline_path(path: &Path, overwrite: bool) -> Result<()> {
             path: path.to_owned(),
         });
     }
+    no_sqlite_here(path)?;
     let parent = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -331,15 +347,11 @@ impl Timeline {
         overwrite: bool,
         static_data: &StaticData,
     ) -> Result<Timeline> {
-        let ext = path
-            .extension()
-            .and_then(|e| e.to_str())
-            .map(str::to_ascii_lowercase);
         let err = |e: &dyn std::fmt::Display| Error::Timeline {
             path: path.to_owned(),
             reason: e.to_string(),
         };
-        match ext.as_deref() {
+        match format_of(path) {
             Some("csv") => {
                 let mut data = BufWriter::new(create_file(path, overwrite)?);
                 data.write_all(csv_lines(static_data, true).as_bytes())
@@ -355,7 +367,7 @@ impl Timeline {
                     blocks: None,
                 })
             }
-            Some("jsonl") | Some("ndjson") => {
+            Some("jsonl") => {
                 let mut out = BufWriter::new(create_file(path, overwrite)?);
                 let line = serde_json::json!({ "static_data": static_data });
                 writeln!(out, "{line}").map_err(|e| err(&e))?;
@@ -364,7 +376,12 @@ impl Timeline {
                     out,
                 })
             }
-            Some("sqlite") | Some("db") | Some("sqlite3") => {
+            #[cfg(not(feature = "sqlite"))]
+            Some("sqlite") => Err(no_sqlite_here(path).err().unwrap_or(Error::TimelineFormat {
+                path: path.to_owned(),
+            })),
+            #[cfg(feature = "sqlite")]
+            Some("sqlite") => {
                 drop(create_file(path, overwrite)?);
                 let conn = rusqlite::Connection::open(path).map_err(|e| err(&e))?;
                 let columns = |v: &[(&'static str, Cell)]| {
@@ -406,9 +423,9 @@ impl Timeline {
 
     fn path(&self) -> &Path {
         match self {
-            Timeline::Csv { path, .. }
-            | Timeline::Jsonl { path, .. }
-            | Timeline::Sqlite { path, .. } => path,
+            Timeline::Csv { path, .. } | Timeline::Jsonl { path, .. } => path,
+            #[cfg(feature = "sqlite")]
+            Timeline::Sqlite { path, .. } => path,
         }
     }
 
@@ -427,6 +444,7 @@ impl Timeline {
             Timeline::Jsonl { out, .. } => serde_json::to_string(s)
                 .map_err(|e| e.to_string())
                 .and_then(|l| writeln!(out, "{l}").map_err(|e| e.to_string())),
+            #[cfg(feature = "sqlite")]
             Timeline::Sqlite {
                 conn, last_commit, ..
             } => insert(conn, "data", &s.row())
@@ -469,6 +487,7 @@ impl Timeline {
                     .map_err(|e| e.to_string())
                     .and_then(|l| writeln!(out, "{l}").map_err(|e| e.to_string()))
             }
+            #[cfg(feature = "sqlite")]
             Timeline::Sqlite {
                 blocks_path,
                 blocks,
@@ -514,12 +533,14 @@ impl Timeline {
                 }
             }
             Timeline::Jsonl { mut out, .. } => out.flush().map_err(|e| err(&e))?,
+            #[cfg(feature = "sqlite")]
             Timeline::Sqlite { conn, .. } => conn.execute_batch("COMMIT").map_err(|e| err(&e))?,
         }
         Ok(())
     }
 }
 
+#[cfg(feature = "sqlite")]
 fn insert(
     conn: &rusqlite::Connection,
     table: &str,

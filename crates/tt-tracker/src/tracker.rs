@@ -53,7 +53,7 @@ pub struct TrackerConfig {
     pub gpu_uuids: Option<Vec<String>>,
     /// The process to track.
     pub target: Target,
-    /// Write every sample here (`.csv`, `.jsonl`, `.sqlite`).
+    /// Write every sample here (`.csv`, `.jsonl`; `.sqlite` with the `sqlite` feature).
     pub timeline: Option<PathBuf>,
     /// Replace an existing timeline file.
     pub overwrite: bool,

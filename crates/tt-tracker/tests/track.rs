@@ -172,7 +172,13 @@ fn another_process_can_be_tracked_and_a_missing_one_is_an_error() {
 fn timelines_hold_every_sample_and_the_blocks() {
     let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
     let tmp = tempfile::tempdir().unwrap();
-    for ext in ["csv", "jsonl", "sqlite"] {
+    // SQLite with the `sqlite` feature (`cargo xtask test` runs both builds).
+    let formats: &[&str] = if cfg!(feature = "sqlite") {
+        &["csv", "jsonl", "sqlite"]
+    } else {
+        &["csv", "jsonl"]
+    };
+    for &ext in formats {
         let path = tmp.path().join(format!("timeline.{ext}"));
         let tracker = Tracker::start(TrackerConfig {
             timeline: Some(path.clone()),
@@ -218,7 +224,8 @@ fn timelines_hold_every_sample_and_the_blocks() {
                 );
                 assert_eq!(rows.iter().filter(|r| r["block"].is_object()).count(), 2);
             }
-            _ => {
+            #[cfg(feature = "sqlite")]
+            "sqlite" => {
                 let db = rusqlite::Connection::open(&path).unwrap();
                 let n: i64 = db
                     .query_row("SELECT COUNT(*) FROM data", [], |r| r.get(0))
@@ -247,10 +254,25 @@ fn timelines_hold_every_sample_and_the_blocks() {
                     ]
                 );
             }
+            other => unreachable!("{other}"),
         }
     }
+    // Without the feature, a .sqlite timeline is refused before anything is tracked.
+    if !cfg!(feature = "sqlite") {
+        let path = tmp.path().join("timeline.sqlite");
+        let e = tt_tracker::check_timeline_path(&path, false).unwrap_err();
+        assert!(e.to_string().contains("`sqlite` feature"), "{e}");
+        let e = Tracker::start(TrackerConfig {
+            timeline: Some(path.clone()),
+            ..TrackerConfig::default()
+        })
+        .err()
+        .unwrap();
+        assert!(e.to_string().contains("`sqlite` feature"), "{e}");
+        assert!(!path.exists());
+    }
     // gpu_tracker's own analysis reads our timelines with their blocks.
-    for ext in ["csv", "sqlite"] {
+    for &ext in formats.iter().filter(|&&e| e != "jsonl") {
         let tf = tmp.path().join(format!("timeline.{ext}"));
         let stf = tmp.path().join(format!("timeline.blocks.{ext}"));
         let analysis = gpu_tracker(&[
@@ -287,6 +309,7 @@ fn timelines_hold_every_sample_and_the_blocks() {
     assert!(e.to_string().contains("*.csv"), "{e}");
 }
 
+#[cfg(feature = "plot")]
 #[test]
 fn a_plot_is_drawn_with_the_peaks() {
     let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
