@@ -364,6 +364,59 @@ impl Rss {
     }
 }
 
+/// Thread counts of the tree (one sample, or the peaks).
+#[derive(Default, Clone, Copy)]
+struct Threads {
+    main: u64,
+    descendants: u64,
+    combined: u64,
+}
+
+impl Threads {
+    fn max(&mut self, other: Threads) {
+        self.main = self.main.max(other.main);
+        self.descendants = self.descendants.max(other.descendants);
+        self.combined = self.combined.max(other.combined);
+    }
+}
+
+/// GPU memory peaks, in bytes.
+#[derive(Default, Clone, Copy)]
+struct GpuPeaks {
+    main: u64,
+    descendants: u64,
+    combined: u64,
+    system: u64,
+}
+
+/// CPU utilisation of one sample, as gpu_tracker's sums of per-core percentages.
+#[derive(Default, Clone, Copy)]
+struct CpuSample {
+    system: f64,
+    main: f64,
+    descendants: f64,
+    combined: f64,
+}
+
+/// The CPU utilisation series: peaks and means of each.
+#[derive(Default, Clone)]
+struct CpuSeries {
+    system: Pct,
+    main: Pct,
+    descendants: Pct,
+    combined: Pct,
+}
+
+/// The process tree at one moment.
+struct TreeReading {
+    cpu_ticks: HashMap<u32, u64>,
+    main: Rss,
+    descendants: Rss,
+    combined: Rss,
+    threads: Threads,
+    alive_descendants: HashSet<u32>,
+}
+
 struct Sampler {
     config: TrackerConfig,
     main: u32,
@@ -387,9 +440,9 @@ struct Sampler {
     max_comb: Rss,
     max_system: u64,
     system_capacity: u64,
-    max_gpu: (u64, u64, u64, u64),
-    threads: (u64, u64, u64),
-    cpu: [Pct; 4],
+    max_gpu: GpuPeaks,
+    threads: Threads,
+    cpu: CpuSeries,
     gpu_pct: Pct,
     gpus: Gpus,
     warnings: Vec<String>,
@@ -454,9 +507,9 @@ impl Sampler {
             max_comb: Rss::default(),
             max_system: 0,
             system_capacity,
-            max_gpu: (0, 0, 0, 0),
-            threads: (0, 0, 0),
-            cpu: Default::default(),
+            max_gpu: GpuPeaks::default(),
+            threads: Threads::default(),
+            cpu: CpuSeries::default(),
             gpu_pct: Pct::default(),
             gpus,
             warnings: gpu_warning.into_iter().collect(),
@@ -526,10 +579,104 @@ impl Sampler {
     }
 
     /// One sample of the whole tree.
+    /// One sample: read the tree, the system and the GPUs, fold them into the peaks,
+    /// and record the sample (timeline, open blocks, plot series).
     fn tick(&mut self) -> Result<()> {
         let now = Instant::now();
         // The first read is the baseline (no previous CPU ticks yet).
         let first = self.last.is_none();
+        let tree = self.read_tree(now, first);
+        self.max_main.max(tree.main);
+        self.max_desc.max(tree.descendants);
+        self.max_comb.max(tree.combined);
+        self.threads.max(tree.threads);
+        let (system_used, system_pct) = self.read_system(now);
+        self.max_system = self.max_system.max(system_used);
+        let cpu = self.cpu_percents(now, &tree.cpu_ticks, system_pct);
+        // A sample is recorded only for a live process, and only with CPU figures
+        // from a real interval: the first read is the baseline (gpu_tracker's readers
+        // would otherwise see a minimum of 0 for CPU, and for RAM and threads after
+        // the command exited).
+        let emit = !first && tree.cpu_ticks.contains_key(&self.main);
+        let hw = if emit {
+            CpuSample {
+                system: self.cpu.system.add(cpu.system, self.cores),
+                main: self.cpu.main.add(cpu.main, self.expected_cores),
+                descendants: self
+                    .cpu
+                    .descendants
+                    .add(cpu.descendants, self.expected_cores),
+                combined: self.cpu.combined.add(cpu.combined, self.expected_cores),
+            }
+        } else {
+            CpuSample::default()
+        };
+        let g = self.gpus.sample(self.main, &tree.alive_descendants);
+        let (_, tracked) = self.gpus.counts();
+        let gpu_hw = if self.gpus.available() && emit {
+            self.gpu_pct.add(g.util_sum, tracked)
+        } else {
+            0.0
+        };
+        let peaks = &mut self.max_gpu;
+        peaks.main = peaks.main.max(g.main);
+        peaks.descendants = peaks.descendants.max(g.descendants);
+        peaks.combined = peaks.combined.max(g.main + g.descendants);
+        peaks.system = peaks.system.max(g.system);
+        let TreeReading {
+            cpu_ticks,
+            main,
+            descendants,
+            combined,
+            threads,
+            ..
+        } = tree;
+        self.last = Some((now, cpu_ticks));
+        if !emit {
+            return Ok(());
+        }
+        let ram = |b: u64| self.config.ram_unit.of(b as f64);
+        let gram = |b: u64| self.config.gpu_ram_unit.of(b as f64);
+        let sample = Sample {
+            main_ram: ram(main.total),
+            descendants_ram: ram(descendants.total),
+            combined_ram: ram(combined.total),
+            system_ram: ram(system_used),
+            main_gpu_ram: gram(g.main),
+            descendants_gpu_ram: gram(g.descendants),
+            combined_gpu_ram: gram(g.main + g.descendants),
+            system_gpu_ram: gram(g.system),
+            gpu_sum_utilization_percent: g.util_sum,
+            gpu_hardware_utilization_percent: gpu_hw,
+            main_n_threads: threads.main,
+            descendants_n_threads: threads.descendants,
+            combined_n_threads: threads.combined,
+            cpu_system_sum_utilization_percent: cpu.system,
+            cpu_system_hardware_utilization_percent: hw.system,
+            cpu_main_sum_utilization_percent: cpu.main,
+            cpu_main_hardware_utilization_percent: hw.main,
+            cpu_descendants_sum_utilization_percent: cpu.descendants,
+            cpu_descendants_hardware_utilization_percent: hw.descendants,
+            cpu_combined_sum_utilization_percent: cpu.combined,
+            cpu_combined_hardware_utilization_percent: hw.combined,
+            timestamp: now_unix(),
+        };
+        self.record(&sample)?;
+        if self.config.keep_series {
+            self.push_series(SeriesPoint {
+                t: now.duration_since(self.start).as_secs_f64(),
+                ram: combined.total as f64,
+                gpu_ram: (g.main + g.descendants) as f64,
+                cpu: cpu.combined,
+            });
+        }
+        Ok(())
+    }
+
+    /// The tracked process and its descendants: RSS (private / shared), threads and
+    /// CPU ticks of each live one; the expensive reads (children of every thread,
+    /// `smaps_rollup`, VmHWM) at most about once a second.
+    fn read_tree(&mut self, now: Instant, first: bool) -> TreeReading {
         let main = self.main;
         // Children of every thread about once a second; of main threads in between.
         let full_walk = self
@@ -550,9 +697,8 @@ impl Sampler {
         let mut cpu_ticks: HashMap<u32, u64> = HashMap::with_capacity(descendants.len() + 1);
         let mut main_rss = Rss::default();
         let mut desc_rss = Rss::default();
-        let mut desc_private = 0u64;
-        let mut threads = (0u64, 0u64);
-        let mut alive_desc = HashSet::with_capacity(descendants.len());
+        let mut threads = Threads::default();
+        let mut alive_descendants = HashSet::with_capacity(descendants.len());
         for (i, &pid) in std::iter::once(&main).chain(&descendants).enumerate() {
             let is_main = i == 0;
             if let std::collections::hash_map::Entry::Vacant(slot) = self.files.entry(pid) {
@@ -577,7 +723,7 @@ impl Sampler {
                 continue;
             };
             if !is_main {
-                alive_desc.insert(pid);
+                alive_descendants.insert(pid);
             }
             if self.seen.insert(pid) && !is_main && first && !procfs::reset_hwm(pid) {
                 // Existed before tracking and its peak cannot be reset: its VmHWM may
@@ -587,23 +733,7 @@ impl Sampler {
             let hwm = self.hwm.entry(pid).or_default();
             *hwm = (*hwm).max(status.hwm);
             cpu_ticks.insert(pid, stat.cpu_ticks);
-            // smaps_rollup is the expensive read: at most once a second, and only when
-            // the process's RSS moved by 1 MiB since (or every 10 s regardless).
-            let rollup = match self.rollups.get(&pid) {
-                Some((at, rss, r))
-                    if now.duration_since(*at) < ROLLUP_EVERY
-                        || (status.rss.abs_diff(*rss) < 1 << 20
-                            && now.duration_since(*at) < ROLLUP_EVERY * 10) =>
-                {
-                    *r
-                }
-                _ => {
-                    let r = procfs::smaps_rollup(pid, &mut self.buf).unwrap_or_default();
-                    self.rollups.insert(pid, (now, status.rss, r));
-                    r
-                }
-            };
-            let shared = rollup.shared.min(status.rss);
+            let shared = self.shared_rss(pid, now, status.rss);
             let private = status.rss - shared;
             if is_main {
                 main_rss = Rss {
@@ -611,37 +741,61 @@ impl Sampler {
                     private,
                     shared,
                 };
-                threads.0 = stat.threads;
+                threads.main = stat.threads;
             } else {
-                desc_private += private;
+                desc_rss.private += private;
                 // Pages shared inside the tree are counted once: the largest share.
                 desc_rss.shared = desc_rss.shared.max(shared);
-                threads.1 += stat.threads;
+                threads.descendants += stat.threads;
             }
         }
         self.rollups.retain(|pid, _| cpu_ticks.contains_key(pid));
         self.files.retain(|pid, _| cpu_ticks.contains_key(pid));
-        desc_rss.private = desc_private;
-        desc_rss.total = desc_private + desc_rss.shared;
+        desc_rss.total = desc_rss.private + desc_rss.shared;
+        threads.combined = threads.main + threads.descendants;
         let comb_shared = main_rss.shared.max(desc_rss.shared);
-        let comb = Rss {
-            total: main_rss.private + desc_private + comb_shared,
-            private: main_rss.private + desc_private,
-            shared: comb_shared,
+        TreeReading {
+            cpu_ticks,
+            main: main_rss,
+            descendants: desc_rss,
+            combined: Rss {
+                total: main_rss.private + desc_rss.private + comb_shared,
+                private: main_rss.private + desc_rss.private,
+                shared: comb_shared,
+            },
+            threads,
+            alive_descendants,
+        }
+    }
+
+    /// A process's shared RSS, from `smaps_rollup`: the expensive read, at most once a
+    /// second, and only when its RSS moved by 1 MiB since (or every 10 s regardless).
+    fn shared_rss(&mut self, pid: u32, now: Instant, rss: u64) -> u64 {
+        let rollup = match self.rollups.get(&pid) {
+            Some((at, last_rss, r))
+                if now.duration_since(*at) < ROLLUP_EVERY
+                    || (rss.abs_diff(*last_rss) < 1 << 20
+                        && now.duration_since(*at) < ROLLUP_EVERY * 10) =>
+            {
+                *r
+            }
+            _ => {
+                let r = procfs::smaps_rollup(pid, &mut self.buf).unwrap_or_default();
+                self.rollups.insert(pid, (now, rss, r));
+                r
+            }
         };
-        self.max_main.max(main_rss);
-        self.max_desc.max(desc_rss);
-        self.max_comb.max(comb);
-        self.threads.0 = self.threads.0.max(threads.0);
-        self.threads.1 = self.threads.1.max(threads.1);
-        self.threads.2 = self.threads.2.max(threads.0 + threads.1);
-        // System-wide RAM and CPU: kernel-generated files that cost more than a
-        // process's; read at most every SYSTEM_EVERY (and at the last sample).
-        let system_due = self
+        rollup.shared.min(rss)
+    }
+
+    /// System-wide RAM used and CPU percent: kernel-generated files that cost more than
+    /// a process's, read at most every SYSTEM_EVERY (and at the last sample).
+    fn read_system(&mut self, now: Instant) -> (u64, f64) {
+        let due = self
             .system
             .as_ref()
             .is_none_or(|s| now.duration_since(s.at) >= SYSTEM_EVERY || self.stopping);
-        if system_due {
+        if due {
             let (_, used) = procfs::meminfo(&mut self.buf);
             let times = procfs::cpu_times(&mut self.buf);
             let pct = self.system.as_ref().map_or(0.0, |prev| {
@@ -665,82 +819,36 @@ impl Sampler {
                 used,
             });
         }
-        let (system_used, system_pct) = self.system.as_ref().map_or((0, 0.0), |s| (s.used, s.pct));
-        self.max_system = self.max_system.max(system_used);
+        self.system.as_ref().map_or((0, 0.0), |s| (s.used, s.pct))
+    }
 
-        // CPU of the tree: differences since the last sample.
-        let mut cpu = [0.0f64; 4];
-        if let Some((at, prev_ticks)) = &self.last {
-            let dt = now.duration_since(*at).as_secs_f64().max(1e-9);
-            for (pid, t) in &cpu_ticks {
-                if let Some(p) = prev_ticks.get(pid) {
-                    let pct = t.saturating_sub(*p) as f64 / self.tck / dt * 100.0;
-                    cpu[if *pid == main { 1 } else { 2 }] += pct;
+    /// CPU percents of the tree since the last sample (zero at the baseline read).
+    fn cpu_percents(&self, now: Instant, ticks: &HashMap<u32, u64>, system: f64) -> CpuSample {
+        let mut cpu = CpuSample::default();
+        let Some((at, prev_ticks)) = &self.last else {
+            return cpu;
+        };
+        let dt = now.duration_since(*at).as_secs_f64().max(1e-9);
+        for (pid, t) in ticks {
+            if let Some(p) = prev_ticks.get(pid) {
+                let pct = t.saturating_sub(*p) as f64 / self.tck / dt * 100.0;
+                if *pid == self.main {
+                    cpu.main += pct;
+                } else {
+                    cpu.descendants += pct;
                 }
             }
-            cpu[3] = cpu[1] + cpu[2];
-            cpu[0] = system_pct;
         }
-        // A sample is recorded only for a live process, and only with CPU figures
-        // from a real interval: the first read is the baseline (gpu_tracker's readers
-        // would otherwise see a minimum of 0 for CPU, and for RAM and threads after
-        // the command exited).
-        let main_alive = cpu_ticks.contains_key(&main);
-        let emit = !first && main_alive;
-        let mut hw = [0.0f64; 4];
-        if emit {
-            hw[0] = self.cpu[0].add(cpu[0], self.cores);
-            for k in 1..4 {
-                hw[k] = self.cpu[k].add(cpu[k], self.expected_cores);
-            }
-        }
-        self.last = Some((now, cpu_ticks));
+        cpu.combined = cpu.main + cpu.descendants;
+        cpu.system = system;
+        cpu
+    }
 
-        // GPU.
-        let g = self.gpus.sample(main, &alive_desc);
-        let (_, tracked) = self.gpus.counts();
-        let gpu_hw = if self.gpus.available() && emit {
-            self.gpu_pct.add(g.util_sum, tracked)
-        } else {
-            0.0
-        };
-        self.max_gpu.0 = self.max_gpu.0.max(g.main);
-        self.max_gpu.1 = self.max_gpu.1.max(g.descendants);
-        self.max_gpu.2 = self.max_gpu.2.max(g.main + g.descendants);
-        self.max_gpu.3 = self.max_gpu.3.max(g.system);
-
-        if !emit {
-            return Ok(());
-        }
-        let ram = |b: u64| self.config.ram_unit.of(b as f64);
-        let gram = |b: u64| self.config.gpu_ram_unit.of(b as f64);
-        let sample = Sample {
-            main_ram: ram(main_rss.total),
-            descendants_ram: ram(desc_rss.total),
-            combined_ram: ram(comb.total),
-            system_ram: ram(system_used),
-            main_gpu_ram: gram(g.main),
-            descendants_gpu_ram: gram(g.descendants),
-            combined_gpu_ram: gram(g.main + g.descendants),
-            system_gpu_ram: gram(g.system),
-            gpu_sum_utilization_percent: g.util_sum,
-            gpu_hardware_utilization_percent: gpu_hw,
-            main_n_threads: threads.0,
-            descendants_n_threads: threads.1,
-            combined_n_threads: threads.0 + threads.1,
-            cpu_system_sum_utilization_percent: cpu[0],
-            cpu_system_hardware_utilization_percent: hw[0],
-            cpu_main_sum_utilization_percent: cpu[1],
-            cpu_main_hardware_utilization_percent: hw[1],
-            cpu_descendants_sum_utilization_percent: cpu[2],
-            cpu_descendants_hardware_utilization_percent: hw[2],
-            cpu_combined_sum_utilization_percent: cpu[3],
-            cpu_combined_hardware_utilization_percent: hw[3],
-            timestamp: now_unix(),
-        };
+    /// A recorded sample: into the timeline and the statistics of the open blocks.
+    fn record(&mut self, sample: &Sample) -> Result<()> {
         self.samples += 1;
         if let Some(t) = &mut self.timeline {
-            t.sample(&sample)?;
+            t.sample(sample)?;
         }
         let measures = sample.measures();
         for acc in self.blocks.values_mut().filter(|a| !a.open.is_empty()) {
@@ -751,14 +859,6 @@ impl Sampler {
                 s.add(*v);
             }
             acc.samples += 1;
-        }
-        if self.config.keep_series {
-            self.push_series(SeriesPoint {
-                t: now.duration_since(self.start).as_secs_f64(),
-                ram: comb.total as f64,
-                gpu_ram: (g.main + g.descendants) as f64,
-                cpu: cpu[3],
-            });
         }
         Ok(())
     }
@@ -884,21 +984,21 @@ impl Sampler {
             max_gpu_ram: MaxGpuRam {
                 unit: self.config.gpu_ram_unit,
                 system_capacity: gram(self.gpus.capacity),
-                system: gram(self.max_gpu.3),
-                main: gram(self.max_gpu.0),
-                descendants: gram(self.max_gpu.1),
-                combined: gram(self.max_gpu.2),
+                system: gram(self.max_gpu.system),
+                main: gram(self.max_gpu.main),
+                descendants: gram(self.max_gpu.descendants),
+                combined: gram(self.max_gpu.combined),
             },
             cpu_utilization: CpuUtilization {
                 system_core_count: self.cores,
                 n_expected_cores: self.expected_cores,
-                system: self.cpu[0].report(),
-                main: self.cpu[1].report(),
-                descendants: self.cpu[2].report(),
-                combined: self.cpu[3].report(),
-                main_n_threads: self.threads.0,
-                descendants_n_threads: self.threads.1,
-                combined_n_threads: self.threads.2,
+                system: self.cpu.system.report(),
+                main: self.cpu.main.report(),
+                descendants: self.cpu.descendants.report(),
+                combined: self.cpu.combined.report(),
+                main_n_threads: self.threads.main,
+                descendants_n_threads: self.threads.descendants,
+                combined_n_threads: self.threads.combined,
             },
             gpu_utilization: GpuUtilization {
                 system_gpu_count: gpu_count,
