@@ -67,11 +67,7 @@ fn a_file_size_limit_fails_the_save_and_keeps_the_previous_checkpoint() {
         .env("TT_CKPT_RLIMIT_DIR", root.path())
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    tt_testkit::assert_ran_one(&out);
 }
 
 struct Mount<'a>(&'a Path);

@@ -372,7 +372,6 @@ fn from_env_reads_torchrun_variables_in_a_real_process() {
         assert_eq!(got, expect);
         return;
     }
-    let exe = std::env::current_exe().unwrap();
     for (vars, expect) in [
         (vec![], "1 0"),
         (vec![("WORLD_SIZE", "8"), ("RANK", "5")], "8 5"),
@@ -381,21 +380,13 @@ fn from_env_reads_torchrun_variables_in_a_real_process() {
             "rank 2 is out of range for 2 replica(s): ranks are 0 to 1",
         ),
     ] {
-        let out = std::process::Command::new(&exe)
-            .args([
-                "--exact",
-                "from_env_reads_torchrun_variables_in_a_real_process",
-            ])
+        let out = tt_testkit::rerun("from_env_reads_torchrun_variables_in_a_real_process")
             .env_remove("WORLD_SIZE")
             .env_remove("RANK")
             .envs(vars)
             .env("TT_SAMPLER_CHILD", expect)
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{expect}: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
+        tt_testkit::assert_ran_one(&out);
     }
 }
