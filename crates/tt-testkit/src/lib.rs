@@ -192,6 +192,18 @@ pub fn run_tests(tests: &[(&str, TestFn)]) {
     }
 }
 
+/// Checks a [`rerun`] child's output: it succeeded and ran exactly one test (a renamed
+/// or filtered-out child test would run none and still exit 0).
+pub fn assert_ran_one(out: &std::process::Output) {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("test result: ok. 1 passed"),
+        "the child test did not run exactly one test ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::Selection;
@@ -213,16 +225,4 @@ mod tests {
         assert!(s.runs("one") && !s.runs("one_more"));
         assert!(sel(&["--list"]).list);
     }
-}
-
-/// Checks a [`rerun`] child's output: it succeeded and ran exactly one test (a renamed
-/// or filtered-out child test would run none and still exit 0).
-pub fn assert_ran_one(out: &std::process::Output) {
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("test result: ok. 1 passed"),
-        "the child test did not run exactly one test ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
