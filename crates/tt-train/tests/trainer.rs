@@ -21,6 +21,8 @@ fn main() {
     if let Some(role) = std::env::var_os("TT_TRAIN_ROLE") {
         let result = if role == "agree" {
             agree_process()
+        } else if role == "signals" {
+            signals_process()
         } else {
             train_process()
         };
@@ -42,6 +44,10 @@ fn main() {
         ("ranks_agree_on_the_smallest_adaptive_batch_size", agree),
         ("bad_configuration_is_a_clear_error", bad_config),
         ("a_failed_step_keeps_its_error_as_the_source", step_error),
+        (
+            "signal_handlers_are_installed_once_and_can_be_declined",
+            signals,
+        ),
     ];
     tt_testkit::run_tests(tests);
 }
@@ -396,6 +402,69 @@ fn step_error() -> TestResult {
         .ok_or("the step's io::Error is not the source")?;
     if io.kind() != std::io::ErrorKind::NotFound || !e.to_string().contains("shard 3 is missing") {
         return Err(format!("{e}: {io:?}"));
+    }
+    Ok(())
+}
+
+/// Trainers made one after another: with `TT_HANDLE=0` none installs a handler (SIGTERM
+/// then ends the process as it would without torchtools); otherwise the first installs
+/// them once for the process and later ones share them.
+fn signals_process() -> TestResult {
+    let handle = var("TT_HANDLE").as_deref() != Some("0");
+    let mut trainers = Vec::new();
+    for _ in 0..3 {
+        let mut cfg = TrainConfig::new(8, 4, 1);
+        cfg.handle_signals = handle;
+        trainers.push(
+            Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), tch::Device::Cpu)
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    if handle {
+        // The process's flag, shared by every trainer: asking again changes nothing.
+        let a = tt_train::install_signal_handlers().map_err(|e| e.to_string())?;
+        let b = tt_train::install_signal_handlers().map_err(|e| e.to_string())?;
+        if !std::sync::Arc::ptr_eq(&a, &b) {
+            return Err("a second set of handlers was installed".into());
+        }
+    }
+    println!("ready");
+    std::thread::sleep(Duration::from_secs(60));
+    Ok(())
+}
+
+fn signals() -> TestResult {
+    use std::os::unix::process::ExitStatusExt;
+    for handle in ["0", "1"] {
+        let mut child = Command::new(exe())
+            .env("TT_TRAIN_ROLE", "signals")
+            .env("TT_HANDLE", handle)
+            .env("TORCHTOOLS_DEVICE", "cpu")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        let out = child.stdout.take().ok_or("no stdout")?;
+        tt_testkit::wait_for_line(out, "ready", Duration::from_secs(120));
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        if handle == "1" {
+            // Handled: the first SIGTERM only asks to stop; the second exits 128 + 15.
+            std::thread::sleep(Duration::from_millis(200));
+            if child.try_wait().map_err(|e| e.to_string())?.is_some() {
+                return Err("the first SIGTERM ended a process with handlers".into());
+            }
+            // SAFETY: as above.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        }
+        let status = child.wait().map_err(|e| e.to_string())?;
+        let ok = match handle {
+            "0" => status.signal() == Some(libc::SIGTERM),
+            _ => status.code() == Some(128 + libc::SIGTERM),
+        };
+        if !ok {
+            return Err(format!("TT_HANDLE={handle}: ended {status}"));
+        }
     }
     Ok(())
 }
