@@ -70,5 +70,8 @@ fn the_train_example_runs_alone_and_under_the_launcher() {
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("resumed from"), "{err}");
-    assert!(said.contains("finished: 128 steps (resumed from step 64)"), "{said}");
+    assert!(
+        said.contains("finished: 128 steps (resumed from step 64)"),
+        "{said}"
+    );
 }

@@ -70,7 +70,13 @@ fn built_executables(args: &[&str]) -> Result<Vec<PathBuf>> {
         let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
             continue;
         };
-        if let Some(exe) = msg.get("executable").and_then(|e| e.as_str()) {
+        // Test targets only: `cargo test -p torchtools-cli --no-run` also builds the
+        // `torchtools` binary itself, which must not stand in for the tests.
+        let is_test = msg["target"]["kind"]
+            .as_array()
+            .is_some_and(|kinds| kinds.iter().any(|k| k == "test"))
+            && msg["profile"]["test"] == true;
+        if let (true, Some(exe)) = (is_test, msg.get("executable").and_then(|e| e.as_str())) {
             exes.push(PathBuf::from(exe));
         }
     }
@@ -137,9 +143,12 @@ pub(crate) fn bundle(dir: &Path) -> Result<()> {
             krate,
             &["--no-run", "--message-format=json"],
         ))?;
-        let exe = exes
-            .first()
-            .with_context(|| format!("cargo built no GPU test binary for {krate}"))?;
+        let [exe] = exes.as_slice() else {
+            bail!(
+                "cargo built {} GPU test binaries for {krate}, not one: {exes:?}",
+                exes.len()
+            );
+        };
         strip_into(exe, &bin.join(format!("{krate}-gpu")))?;
     }
     crate::steps::run(

@@ -79,12 +79,19 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
     let ok = match cmd.stdout(Stdio::piped()).spawn() {
         Ok(mut child) => {
             if let Some(out) = child.stdout.take() {
-                for line in BufReader::new(out).lines().map_while(Result::ok) {
+                // Lossy: a test printing bytes that are not UTF-8 must not hide the
+                // counts of the lines after it.
+                let mut reader = BufReader::new(out);
+                let mut raw = Vec::new();
+                while reader.read_until(b'\n', &mut raw).is_ok_and(|n| n > 0) {
+                    let line = String::from_utf8_lossy(&raw);
+                    let line = line.trim_end_matches(['\n', '\r']);
                     println!("{line}");
-                    if let Some(c) = Counts::parse_line(&line) {
+                    if let Some(c) = Counts::parse_line(line) {
                         counts.add(c);
                         saw_tests = true;
                     }
+                    raw.clear();
                 }
             }
             child.wait().map(|s| s.success()).unwrap_or(false)
@@ -100,6 +107,17 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
         time: start.elapsed(),
         counts: saw_tests.then_some(counts),
     }
+}
+
+/// [`run_counted`] for a step that must run tests: one that passed none (a filter that
+/// matches nothing, a target left out by its features) fails instead of reading ok.
+pub(crate) fn run_tests_counted(name: &str, cmd: Command) -> StepResult {
+    let mut result = run_counted(name, cmd);
+    if result.ok && result.counts.is_none_or(|c| c.passed == 0) {
+        eprintln!("{name}: ran no test");
+        result.ok = false;
+    }
+    result
 }
 
 /// Prints the table of a matrix and the closing `N passed, N failed` line.
