@@ -377,13 +377,17 @@ fn the_timeline_has_no_row_of_a_dead_process_nor_a_cpu_of_zero_at_start() {
 fn a_forwarded_signal_ends_the_command_and_the_report_is_still_written() {
     let tmp = tempfile::tempdir().unwrap();
     let out_file = tmp.path().join("r.json");
-    let child = Command::new(env!("CARGO_BIN_EXE_torchtools"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_torchtools"))
         .args(["track", "--format", "json", "--output"])
         .arg(&out_file)
-        .args(["--", "sleep", "30"])
+        .args(["--", "sh", "-c", "echo ready; exec sleep 30"])
+        .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // The command is running, so torchtools's handlers are installed (before the
+    // spawn): driven by the command's own line, never by a sleep.
+    let stdout = child.stdout.take().unwrap();
+    tt_testkit::wait_for_line(stdout, "ready", Duration::from_secs(120));
     // SAFETY: kill(2) has no memory-safety preconditions.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     let out = child.wait_with_output().unwrap();

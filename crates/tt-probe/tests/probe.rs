@@ -162,7 +162,8 @@ mod rust_probes {
         let took = start.elapsed();
         assert!(matches!(e, ProbeError::Timeout { .. }), "{e:?}");
         assert!(
-            took >= Duration::from_secs(2) && took < Duration::from_secs(3),
+            // Never before the timeout; well before the 30 s the child would sleep.
+            took >= Duration::from_secs(2) && took < Duration::from_secs(20),
             "{took:?}"
         );
     }
@@ -239,8 +240,10 @@ fn command_failures_and_timeouts() {
     )
     .unwrap();
     assert!(r.ended_by_timeout);
+    // Not waiting for the 30 s sleeps (the group was killed); a bound far from both
+    // numbers, so that a busy machine cannot fail it.
     assert!(
-        start.elapsed() < Duration::from_millis(1500),
+        start.elapsed() < Duration::from_secs(20),
         "{:?}",
         start.elapsed()
     );

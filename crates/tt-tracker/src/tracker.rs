@@ -107,6 +107,8 @@ struct Control {
 struct Shared {
     control: Mutex<Control>,
     wake: Condvar,
+    /// Samples recorded so far (read by [`Tracker::samples`]).
+    samples: std::sync::atomic::AtomicU64,
 }
 
 /// A running tracker: a thread sampling the target's process tree. [`Tracker::stop`]
@@ -183,6 +185,7 @@ impl Tracker {
         let shared = Arc::new(Shared {
             control: Mutex::new(Control::default()),
             wake: Condvar::new(),
+            samples: std::sync::atomic::AtomicU64::new(0),
         });
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -200,6 +203,14 @@ impl Tracker {
         let tracker = Tracker::start(config)?;
         let result = work();
         Ok((result, tracker.stop()?))
+    }
+
+    /// Samples recorded so far (the first read is a baseline, not a sample): a way to
+    /// show progress, or to wait until the tracker has looked at something.
+    pub fn samples(&self) -> u64 {
+        self.shared
+            .samples
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Marks a named code block from now until the guard drops: its start and stop go
@@ -543,6 +554,9 @@ impl Sampler {
             self.events(events)?;
             self.stopping = stop;
             self.tick()?;
+            shared
+                .samples
+                .store(self.samples, std::sync::atomic::Ordering::Release);
             if stop {
                 let c = shared.control.lock().unwrap_or_else(|e| e.into_inner());
                 let (max_rss, status) = (c.exit_max_rss, c.exit_status);
