@@ -203,18 +203,17 @@ impl LockDir {
                 source,
             })?;
             if !meta.file_type().is_file() {
-                return Err(Error::Unsafe {
-                    path,
-                    reason: "the lock path is not a regular file; remove it (only torchtools \
-                             should create files named gpu-*.lock there)"
-                        .into(),
-                });
+                return Err(not_a_regular_file(path));
             }
             return Ok(file);
         }
     }
 
     fn open_error(&self, path: &Path, e: io::Error) -> Error {
+        // A directory cannot even be opened for writing: the same refusal as a FIFO's.
+        if e.raw_os_error() == Some(libc::EISDIR) {
+            return not_a_regular_file(path.to_owned());
+        }
         if e.raw_os_error() == Some(libc::ELOOP) {
             return Error::Unsafe {
                 path: path.to_owned(),
@@ -234,5 +233,15 @@ impl LockDir {
             path: path.to_owned(),
             source: e,
         }
+    }
+}
+
+/// A lock path that is a directory, a FIFO, a device or a socket.
+fn not_a_regular_file(path: PathBuf) -> Error {
+    Error::Unsafe {
+        path,
+        reason: "the lock path is not a regular file; remove it (only torchtools should \
+                 create files named gpu-*.lock there)"
+            .into(),
     }
 }

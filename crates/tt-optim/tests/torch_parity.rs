@@ -195,10 +195,24 @@ fn sgd_adam_adamw_and_schedules_match_torch_optim() {
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());
     let torch: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+    // zip stops at the shorter side: equal lengths first, or a short answer would pass.
+    assert_eq!(
+        torch.len(),
+        cases.len(),
+        "torch answered another number of cases"
+    );
     for ((spec, alg, schedule), t) in cases.into_iter().zip(torch) {
         let (a, b, lrs) = run_ours(alg, schedule);
+        assert_eq!(
+            lrs.len(),
+            t["lrs"].as_array().unwrap().len(),
+            "{spec}: lr steps"
+        );
         for (name, ours, theirs) in [("a", &a, &t["a"]), ("b", &b, &t["b"])] {
-            for (i, (x, y)) in ours.iter().zip(theirs.as_array().unwrap()).enumerate() {
+            let theirs = theirs.as_array().unwrap();
+            assert!(!ours.is_empty(), "{spec}: {name} is empty");
+            assert_eq!(ours.len(), theirs.len(), "{spec}: {name} lengths");
+            for (i, (x, y)) in ours.iter().zip(theirs).enumerate() {
                 let y = y.as_f64().unwrap() as f32;
                 assert!(
                     (x - y).abs() <= 1e-5 * (1.0 + y.abs()),

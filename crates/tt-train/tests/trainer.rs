@@ -115,6 +115,11 @@ fn train_process() -> TestResult {
         },
     )
     .map_err(|e| e.to_string())?;
+    if let (Some(out), 0) = (var("TT_OUT"), rank) {
+        // The starting point (every replica starts from rank 0's), to prove training moved.
+        vs.save(format!("{out}.init.safetensors"))
+            .map_err(|e| e.to_string())?;
+    }
     let slow = var("TT_SLOW_MS").map(|v| Duration::from_millis(v.parse().unwrap_or(0)));
     let progress = var("TT_PROGRESS").map(PathBuf::from);
     let report = trainer
@@ -253,7 +258,12 @@ fn run_with_outcome(
     Ok((params, outcome(&outs[0])))
 }
 
+/// The largest difference between two sets of parameters of the same names; an error
+/// when the sets differ (an empty set would otherwise compare as 0).
 fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> Result<f64, String> {
+    if a.is_empty() || a.len() != b.len() {
+        return Err(format!("{} vs {} tensors", a.len(), b.len()));
+    }
     let mut worst = 0.0f64;
     for (name, t) in a {
         let other = b
@@ -280,6 +290,15 @@ fn same_code() -> TestResult {
         .map_err(|e| e.to_string())?;
     if max_diff(&two, &rank1)? != 0.0 {
         return Err("the ranks' replicas differ".into());
+    }
+    // And they trained: equal because both moved the same way, not because neither moved.
+    let init = Tensor::read_safetensors(dir.path().join("two.init.safetensors"))
+        .map_err(|e| e.to_string())?;
+    let moved = max_diff(&two, &init)?;
+    if moved < 1e-3 {
+        return Err(format!(
+            "the parameters barely moved ({moved}): no training happened"
+        ));
     }
     Ok(())
 }
