@@ -49,15 +49,21 @@ fn hold_until_sampled(tracker: &Tracker, mib: usize) {
     let seen = tracker.samples();
     // At least 50 ms, as the blocks' durations below assume.
     std::thread::sleep(Duration::from_millis(50));
+    wait_for_samples(tracker, seen + 2);
+    drop(v);
+}
+
+/// Waits until `tracker` has recorded `n` samples (a generous bound only against a
+/// tracker that stopped).
+fn wait_for_samples(tracker: &Tracker, n: u64) {
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while tracker.samples() < seen + 2 {
+    while tracker.samples() < n {
         assert!(
             std::time::Instant::now() < deadline,
             "the tracker stopped sampling"
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    drop(v);
 }
 
 /// The child side: spike, report its own high-water mark, wait for stdin to close.
@@ -110,15 +116,7 @@ fn a_50ms_spike_in_a_descendant_is_exact_at_a_1s_interval() {
     // The spike is long over; the child lives until the tracker has taken a whole
     // sample after its report (two more: the first may have begun before it), then
     // exits. Waiting on the tracker's own count holds on a busy machine.
-    let seen = tracker.samples();
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while tracker.samples() < seen + 2 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the tracker stopped sampling"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_samples(&tracker, tracker.samples() + 2);
     drop(child.stdin.take());
     child.wait().unwrap();
     let usage = tracker.stop().unwrap();
