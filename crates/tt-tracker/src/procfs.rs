@@ -355,7 +355,10 @@ mod tests {
         let me = std::process::id();
         let files = ProcFiles::open(me).unwrap_or_else(|| panic!("no /proc/self"));
         let (_, st) = files.read(&mut buf, true).unwrap_or_default();
-        assert!(st.rss > 0 && st.hwm >= st.rss);
+        // Not `hwm >= rss`: the two come from different files, and another test of this
+        // binary resets this process's high-water mark (`clear_refs`) between the reads
+        // (it failed so once under load).
+        assert!(st.rss > 0 && st.hwm > 0, "{st:?}");
         let _big = std::hint::black_box(vec![1u8; 32 << 20]);
         let (_, again) = files.read(&mut buf, false).unwrap_or_default();
         assert!(
