@@ -132,7 +132,6 @@ fn layout(text: &str) -> Vec<String> {
 #[test]
 fn the_same_command_line_as_gpu_tracker_gives_the_same_report() {
     let tmp = tempfile::tempdir().unwrap();
-    let py = python();
     let line = |format: &str, output: &Path| {
         vec![
             "-e".to_owned(),
@@ -149,19 +148,18 @@ fn the_same_command_line_as_gpu_tracker_gives_the_same_report() {
     for format in ["json", "text"] {
         let theirs = tmp.path().join(format!("theirs.{format}"));
         let ours = tmp.path().join(format!("ours.{format}"));
-        let gt = Command::new(&py)
-            .args(["-W", "ignore", "-m", "gpu_tracker"])
-            .args(line(format, &theirs))
-            .output()
-            .unwrap();
-        assert!(gt.status.success(), "gpu-tracker: {}", stderr(&gt));
+        let theirs_line = line(format, &theirs);
+        let gt_stdout = tt_testkit::run_python_module(
+            "gpu_tracker",
+            &theirs_line.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
         let args = line(format, &ours);
         let tt = track(&args.iter().map(String::as_str).collect::<Vec<_>>());
         assert!(tt.status.success(), "{}", stderr(&tt));
         if format == "text" {
             assert_eq!(
                 String::from_utf8_lossy(&tt.stdout),
-                String::from_utf8_lossy(&gt.stdout),
+                gt_stdout,
                 "the same status line on stdout"
             );
         }

@@ -31,14 +31,27 @@ pub fn python() -> Command {
 /// Runs `script` (`python -W ignore -c script args..`) and returns its stdout; the
 /// test fails with Python's stderr when it does.
 pub fn run_python(script: &str, args: &[&str]) -> String {
+    run_checked(&["-c", script], args)
+}
+
+/// Runs a module of the reference Python (`python -W ignore -m module args..`, e.g.
+/// gpu_tracker's command line) and returns its stdout; the test fails with its stderr
+/// when it does.
+pub fn run_python_module(module: &str, args: &[&str]) -> String {
+    run_checked(&["-m", module], args)
+}
+
+/// `python -W ignore WHAT.. ARGS..`, its stdout; fails the test when it fails.
+fn run_checked(what: &[&str], args: &[&str]) -> String {
     let out = python()
-        .args(["-W", "ignore", "-c", script])
+        .args(["-W", "ignore"])
+        .args(what)
         .args(args)
         .output()
         .unwrap_or_else(|e| panic!("cannot start {}: {e}", python_path()));
     assert!(
         out.status.success(),
-        "python failed ({}): {}",
+        "python {what:?} {args:?} failed ({}): {}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );

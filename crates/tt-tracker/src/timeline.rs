@@ -347,6 +347,8 @@ impl Timeline {
         overwrite: bool,
         static_data: &StaticData,
     ) -> Result<Timeline> {
+        // Before anything is created: a build without SQLite says how to get it.
+        no_sqlite_here(path)?;
         let err = |e: &dyn std::fmt::Display| Error::Timeline {
             path: path.to_owned(),
             reason: e.to_string(),
@@ -376,10 +378,6 @@ impl Timeline {
                     out,
                 })
             }
-            #[cfg(not(feature = "sqlite"))]
-            Some("sqlite") => Err(no_sqlite_here(path).err().unwrap_or(Error::TimelineFormat {
-                path: path.to_owned(),
-            })),
             #[cfg(feature = "sqlite")]
             Some("sqlite") => {
                 drop(create_file(path, overwrite)?);

@@ -370,15 +370,5 @@ fn a_plot_is_drawn_with_the_peaks() {
 /// gpu_tracker 5.0.1's command line (installed in the setup venv by `cargo xtask
 /// setup`), its stdout. Fails, never skips, without it.
 fn gpu_tracker(args: &[&str]) -> String {
-    let out = tt_testkit::python()
-        .args(["-W", "ignore", "-m", "gpu_tracker"])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "gpu-tracker {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    tt_testkit::run_python_module("gpu_tracker", args)
 }
