@@ -1,4 +1,5 @@
-//! `torchtools track -- CMD` and `torchtools track compare A.json B.json`.
+//! `torchtools track -- CMD` and `torchtools track compare A.json B.json`
+//! (`track sub-track ...` is in `subtrack.rs`).
 
 use std::ffi::OsString;
 use std::fs::File;
@@ -128,7 +129,7 @@ fn apply_tconfig(given: &mut Given, path: &Path) -> Result<()> {
 
 /// A report or plot path, checked before the command starts: an existing directory
 /// to write in, not a directory itself, writable.
-fn check_output(option: &str, path: &Path) -> Result<()> {
+pub(crate) fn check_output(option: &str, path: &Path) -> Result<()> {
     if path.is_dir() {
         return Err(bad(format!(
             "{option} {} is a directory: give a file name, e.g. {}",

@@ -65,6 +65,15 @@ pub enum Error {
         /// What went wrong.
         reason: String,
     },
+    /// A tracking, sub-tracking or results file that cannot be analysed, combined
+    /// or compared.
+    #[error("{path}: {reason}")]
+    SubTracking {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, and the fix.
+        reason: String,
+    },
     /// The sampler thread panicked or could not start.
     #[error("the tracker's sampling thread failed: {0}")]
     Sampler(String),

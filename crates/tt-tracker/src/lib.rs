@@ -19,6 +19,8 @@
 //! - **Timeline** of every sample ([`TrackerConfig::timeline`]: CSV, JSON Lines,
 //!   SQLite), **blocks** ([`Tracker::block`]) summarised in the report, a **plot**
 //!   ([`plot`]), and a **comparison** of sessions ([`compare`]).
+//! - [`subtrack`]: gpu_tracker's sub-tracking analysis (`sub-track analyze`, `combine`,
+//!   `compare`) on both tools' tracking and sub-tracking files, without Python.
 //! - [`process`]: the kernel's exact figures for one child — wait for its end without
 //!   reaping it, reap it with `wait4`'s peak RSS, read and reset its high-water mark —
 //!   shared by `torchtools track` / `reserve` and tt-probe.
@@ -55,6 +57,7 @@ mod gpu;
 mod plot;
 pub mod process;
 mod procfs;
+pub mod subtrack;
 mod timeline;
 mod tracker;
 mod units;

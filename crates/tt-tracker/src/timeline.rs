@@ -146,6 +146,11 @@ pub(crate) struct BlockEvent {
     pub(crate) timestamp: f64,
 }
 
+/// gpu_tracker's sub-tracking table.
+#[cfg(feature = "sqlite")]
+pub(crate) const BLOCKS_SCHEMA: &str = "CREATE TABLE data (process_id INTEGER, code_block_name \
+                                        TEXT, position INTEGER, timestamp REAL);";
+
 /// One value of a row.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Cell {
@@ -221,7 +226,7 @@ fn csv_value(v: &Cell) -> String {
     }
 }
 
-fn csv_lines(value: &impl Row, header: bool) -> String {
+pub(crate) fn csv_lines(value: &impl Row, header: bool) -> String {
     let f = value.row();
     let mut out = String::new();
     if header {
@@ -494,13 +499,8 @@ impl Timeline {
                 if blocks.is_none() {
                     // Replaced, as the CSV sub-tracking file is: it belongs to this timeline.
                     let _ = std::fs::remove_file(&*blocks_path);
-                    let opened = rusqlite::Connection::open(&*blocks_path).and_then(|c| {
-                        c.execute_batch(
-                            "CREATE TABLE data (process_id INTEGER, code_block_name TEXT, \
-                             position INTEGER, timestamp REAL);",
-                        )
-                        .map(|()| c)
-                    });
+                    let opened = rusqlite::Connection::open(&*blocks_path)
+                        .and_then(|c| c.execute_batch(BLOCKS_SCHEMA).map(|()| c));
                     match opened {
                         Ok(c) => *blocks = Some(Box::new(c)),
                         Err(e) => return Err(self.error(&e)),
@@ -539,7 +539,7 @@ impl Timeline {
 }
 
 #[cfg(feature = "sqlite")]
-fn insert(
+pub(crate) fn insert(
     conn: &rusqlite::Connection,
     table: &str,
     values: &[(&'static str, Cell)],

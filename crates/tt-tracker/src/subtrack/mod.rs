@@ -1,0 +1,653 @@
+//! gpu_tracker's sub-tracking analysis, without Python: per code block statistics of a
+//! tracking file's samples ([`analyze`], gpu_tracker's `sub-track analyze` and
+//! `SubTrackingAnalyzer`), sub-tracking files merged ([`combine`], `sub-track combine`),
+//! and sessions compared ([`compare`], `sub-track compare` and `TrackingComparison`).
+//!
+//! It reads both tools' files: a tracking file written by `torchtools track --timeline`
+//! or by gpu_tracker's `Tracker(tracking_file=...)` (CSV with the static data in its
+//! first two lines, SQLite with tables `static_data` and `data`, or our JSON Lines), and
+//! a sub-tracking file written by gpu_tracker's `SubTracker` or by our
+//! [`Tracker::block`](crate::Tracker::block) (CSV or SQLite, columns `process_id`,
+//! `code_block_name`, `position`, `timestamp`; a JSON Lines timeline holds its own
+//! blocks). The results have gpu_tracker's JSON keys and text layout.
+//!
+//! Comparisons read results as JSON (`sub-track analyze --format json`, from either
+//! tool). gpu_tracker's comparison reads pickles; a pickle can run arbitrary code when
+//! loaded and holds pandas objects, so it is refused with the command that writes JSON.
+//!
+//! ```
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?;
+//! # let (tf, stf) = (dir.path().join("t.csv"), dir.path().join("blocks.csv"));
+//! # std::fs::write(&tf, "ram_unit,gpu_ram_unit,time_unit\ngigabytes,gigabytes,hours\n\
+//! #   main_ram,timestamp\n1.5,10.0\n2.5,11.0\n")?;
+//! # std::fs::write(&stf, "process_id,code_block_name,position,timestamp\n7,load,0,10.5\n7,load,1,11.5\n")?;
+//! use tt_tracker::subtrack;
+//!
+//! let results = subtrack::analyze(&tf, &stf)?;
+//! let load = &results.code_block_results[0];
+//! assert_eq!((load.name.as_str(), load.num_calls, load.num_timepoints), ("load", 1, 1));
+//! assert_eq!(load.resource_usage.get("main_ram").map(|s| s.max), Some(2.5));
+//! println!("{results}"); // gpu_tracker's text layout
+//! # Ok(()) }
+//! ```
+
+mod read;
+mod text;
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::de::{MapAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::{Error, Result};
+
+pub use read::combine;
+
+fn error(path: &Path, reason: impl Into<String>) -> Error {
+    Error::SubTracking {
+        path: path.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// A map that keeps its keys in the order they were inserted or read (gpu_tracker's
+/// pandas indexes keep theirs: measures in sampling order, sessions as given).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OrderedMap<V>(pub Vec<(String, V)>);
+
+impl<V> Default for OrderedMap<V> {
+    fn default() -> Self {
+        Self(Vec::new())
+    }
+}
+
+impl<V> OrderedMap<V> {
+    /// The value of `key`.
+    pub fn get(&self, key: &str) -> Option<&V> {
+        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    /// The keys in order.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|(k, _)| k.as_str())
+    }
+
+    /// Sets `key` (replaced in place if present, else appended).
+    pub fn insert(&mut self, key: String, value: V) {
+        match self.0.iter_mut().find(|(k, _)| *k == key) {
+            Some(slot) => slot.1 = value,
+            None => self.0.push((key, value)),
+        }
+    }
+
+    /// Entries in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &V)> {
+        self.0.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// No entries.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl<V: Serialize> Serialize for OrderedMap<V> {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
+    }
+}
+
+impl<'de, V: Deserialize<'de>> Deserialize<'de> for OrderedMap<V> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Ordered<V>(std::marker::PhantomData<V>);
+        impl<'de, V: Deserialize<'de>> Visitor<'de> for Ordered<V> {
+            type Value = OrderedMap<V>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Self::Value, A::Error> {
+                let mut out = OrderedMap::default();
+                while let Some((k, v)) = map.next_entry::<String, V>()? {
+                    out.insert(k, v);
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_map(Ordered(std::marker::PhantomData))
+    }
+}
+
+/// A number that may be missing: gpu_tracker writes `NaN` (statistics of no samples),
+/// which is read here as `null` and kept as NaN; NaN is written as `null`.
+fn de_number<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+/// gpu_tracker's summary statistics of a measure: min, max, mean and the population
+/// standard deviation (`std(ddof=0)`). NaN (JSON `null`) when there were no samples.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Smallest.
+    #[serde(deserialize_with = "de_number")]
+    pub min: f64,
+    /// Largest.
+    #[serde(deserialize_with = "de_number")]
+    pub max: f64,
+    /// Mean.
+    #[serde(deserialize_with = "de_number")]
+    pub mean: f64,
+    /// Population standard deviation.
+    #[serde(deserialize_with = "de_number")]
+    pub std: f64,
+}
+
+impl Stats {
+    /// The statistics of `values` (NaN skipped, as pandas does).
+    pub fn of(values: impl IntoIterator<Item = f64>) -> Stats {
+        let xs: Vec<f64> = values.into_iter().filter(|x| !x.is_nan()).collect();
+        if xs.is_empty() {
+            return Stats {
+                min: f64::NAN,
+                max: f64::NAN,
+                mean: f64::NAN,
+                std: f64::NAN,
+            };
+        }
+        let n = xs.len() as f64;
+        let mean = xs.iter().sum::<f64>() / n;
+        let var = xs.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n;
+        Stats {
+            min: xs.iter().copied().fold(f64::INFINITY, f64::min),
+            max: xs.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            mean,
+            std: var.sqrt(),
+        }
+    }
+
+    /// One statistic.
+    pub fn get(&self, statistic: Statistic) -> f64 {
+        match statistic {
+            Statistic::Min => self.min,
+            Statistic::Max => self.max,
+            Statistic::Mean => self.mean,
+            Statistic::Std => self.std,
+        }
+    }
+}
+
+/// A code block's times between its start and its stop: [`Stats`] and their total.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ComputeTimeStats {
+    /// Shortest call.
+    #[serde(deserialize_with = "de_number")]
+    pub min: f64,
+    /// Longest call.
+    #[serde(deserialize_with = "de_number")]
+    pub max: f64,
+    /// Mean call.
+    #[serde(deserialize_with = "de_number")]
+    pub mean: f64,
+    /// Population standard deviation.
+    #[serde(deserialize_with = "de_number")]
+    pub std: f64,
+    /// All calls together.
+    #[serde(deserialize_with = "de_number")]
+    pub total: f64,
+}
+
+impl ComputeTimeStats {
+    /// One statistic.
+    pub fn get(&self, statistic: Statistic) -> f64 {
+        match statistic {
+            Statistic::Min => self.min,
+            Statistic::Max => self.max,
+            Statistic::Mean => self.mean,
+            Statistic::Std => self.std,
+        }
+    }
+}
+
+/// A static-data value as read: text, integer or real.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Scalar {
+    /// An integer (core and GPU counts).
+    Int(i64),
+    /// A real number (capacities).
+    Real(f64),
+    /// Text (units).
+    Text(String),
+}
+
+impl Scalar {
+    /// Reads a CSV cell as pandas would type it: integer, else real, else text.
+    pub(crate) fn parse(text: &str) -> Scalar {
+        if let Ok(i) = text.parse::<i64>() {
+            Scalar::Int(i)
+        } else if let Ok(x) = text.parse::<f64>() {
+            Scalar::Real(x)
+        } else {
+            Scalar::Text(text.to_owned())
+        }
+    }
+}
+
+/// One code block's results (gpu_tracker's `CodeBlockResults`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CodeBlockResults {
+    /// The block's name.
+    pub name: String,
+    /// Samples taken while the block ran (a sample counted once).
+    pub num_timepoints: usize,
+    /// Times the block ran (start/stop pairs).
+    pub num_calls: usize,
+    /// Calls during which at least one sample was taken.
+    pub num_non_empty_calls: usize,
+    /// Time per call.
+    pub compute_time: ComputeTimeStats,
+    /// Every measure's statistics over the block's samples.
+    pub resource_usage: OrderedMap<Stats>,
+}
+
+/// A tracking session's analysis (gpu_tracker's `SubTrackingResults`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SubTrackingResults {
+    /// Every measure's statistics over all samples.
+    pub overall: OrderedMap<Stats>,
+    /// The tracking file's static data (units, capacities, counts).
+    pub static_data: OrderedMap<Scalar>,
+    /// Each code block, by name.
+    pub code_block_results: Vec<CodeBlockResults>,
+}
+
+/// One start/stop record of a sub-tracking file.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Event {
+    pub(crate) process_id: i64,
+    pub(crate) code_block_name: String,
+    pub(crate) position: i64,
+    pub(crate) timestamp: f64,
+}
+
+/// A tracking file's samples.
+pub(crate) struct Timepoints {
+    pub(crate) static_data: OrderedMap<Scalar>,
+    /// Measure names, in the file's order (timestamp excluded).
+    pub(crate) measures: Vec<String>,
+    /// Per sample: the measures in `measures` order, then the timestamp.
+    pub(crate) rows: Vec<Vec<f64>>,
+}
+
+impl Timepoints {
+    fn stats(&self, rows: &[&Vec<f64>]) -> OrderedMap<Stats> {
+        OrderedMap(
+            self.measures
+                .iter()
+                .enumerate()
+                .map(|(i, m)| (m.clone(), Stats::of(rows.iter().map(|r| r[i]))))
+                .collect(),
+        )
+    }
+}
+
+/// The start/stop pairs of one block, as gpu_tracker pairs them: events sorted by
+/// process, time and position; a start left open at a process's end (the block was
+/// running when the file was read) dropped; then start, stop, start, stop...
+fn timestamp_pairs(path: &Path, events: &[Event], name: &str) -> Result<Vec<(f64, f64)>> {
+    let mut mine: Vec<&Event> = events
+        .iter()
+        .filter(|e| e.code_block_name == name)
+        .collect();
+    mine.sort_by(|a, b| {
+        a.process_id
+            .cmp(&b.process_id)
+            .then(a.timestamp.total_cmp(&b.timestamp))
+            .then(a.position.cmp(&b.position))
+    });
+    // A process's last event still open: drop it.
+    let mut kept = Vec::with_capacity(mine.len());
+    for (i, e) in mine.iter().enumerate() {
+        let last_of_process = mine.get(i + 1).is_none_or(|n| n.process_id != e.process_id);
+        if !(last_of_process && e.position == 0) {
+            kept.push(*e);
+        }
+    }
+    let mut pairs = Vec::with_capacity(kept.len() / 2);
+    for pair in kept.chunks(2) {
+        let [start, stop] = pair else {
+            return Err(error(
+                path,
+                format!(
+                    "code block {name:?} of process {} stops at {} without a start",
+                    pair[0].process_id, pair[0].timestamp
+                ),
+            ));
+        };
+        if start.process_id != stop.process_id || start.position != 0 || stop.position != 1 {
+            return Err(error(
+                path,
+                format!(
+                    "code block {name:?}: the events at {} (process {}, position {}) and {} \
+                     (process {}, position {}) do not form a start/stop pair; each call must \
+                     write a start (0) then a stop (1) in its process",
+                    start.timestamp,
+                    start.process_id,
+                    start.position,
+                    stop.timestamp,
+                    stop.process_id,
+                    stop.position
+                ),
+            ));
+        }
+        pairs.push((start.timestamp, stop.timestamp));
+    }
+    Ok(pairs)
+}
+
+/// gpu_tracker's `sub-track analyze --tf TRACKING_FILE --stf SUB_TRACKING_FILE`: the
+/// statistics of every measure over all samples, and per code block over the samples
+/// taken while it ran (bounds included), with its call times.
+pub fn analyze(tracking_file: &Path, sub_tracking_file: &Path) -> Result<SubTrackingResults> {
+    let tp = read::timepoints(tracking_file)?;
+    let events = read::events(sub_tracking_file)?;
+    let all: Vec<&Vec<f64>> = tp.rows.iter().collect();
+    let ts = tp.measures.len();
+    let names: BTreeSet<&str> = events.iter().map(|e| e.code_block_name.as_str()).collect();
+    let mut code_block_results = Vec::with_capacity(names.len());
+    for name in names {
+        let pairs = timestamp_pairs(sub_tracking_file, &events, name)?;
+        let within = |t: f64, &(a, b): &(f64, f64)| a <= t && t <= b;
+        let rows: Vec<&Vec<f64>> = tp
+            .rows
+            .iter()
+            .filter(|r| pairs.iter().any(|p| within(r[ts], p)))
+            .collect();
+        let non_empty = pairs
+            .iter()
+            .filter(|p| rows.iter().any(|r| within(r[ts], p)))
+            .count();
+        let durations: Vec<f64> = pairs.iter().map(|(a, b)| b - a).collect();
+        let s = Stats::of(durations.iter().copied());
+        code_block_results.push(CodeBlockResults {
+            name: name.to_owned(),
+            num_timepoints: rows.len(),
+            num_calls: pairs.len(),
+            num_non_empty_calls: non_empty,
+            compute_time: ComputeTimeStats {
+                min: s.min,
+                max: s.max,
+                mean: s.mean,
+                std: s.std,
+                total: durations.iter().sum(),
+            },
+            resource_usage: tp.stats(&rows),
+        });
+    }
+    Ok(SubTrackingResults {
+        overall: tp.stats(&all),
+        static_data: tp.static_data,
+        code_block_results,
+    })
+}
+
+/// The statistic a comparison shows (gpu_tracker's `--stat`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Statistic {
+    /// Smallest.
+    Min,
+    /// Largest.
+    Max,
+    /// Mean (the default).
+    #[default]
+    Mean,
+    /// Population standard deviation.
+    Std,
+}
+
+impl FromStr for Statistic {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "min" => Ok(Statistic::Min),
+            "max" => Ok(Statistic::Max),
+            "mean" => Ok(Statistic::Mean),
+            "std" => Ok(Statistic::Std),
+            other => Err(Error::InvalidUnit {
+                value: other.to_owned(),
+                kind: "summary statistic",
+                valid: "min, max, mean, std",
+            }),
+        }
+    }
+}
+
+impl SubTrackingResults {
+    /// Reads results written as JSON by `sub-track analyze --format json` (ours or
+    /// gpu_tracker's, whose `NaN` is read as a missing number). A pickle is refused
+    /// with the command that writes JSON instead.
+    pub fn load(path: &Path) -> Result<SubTrackingResults> {
+        let bytes = std::fs::read(path).map_err(|e| error(path, e.to_string()))?;
+        let pickled = bytes.first() == Some(&0x80)
+            || path
+                .extension()
+                .is_some_and(|e| e == "pkl" || e == "pickle");
+        if pickled {
+            return Err(error(
+                path,
+                "a pickle is not read (loading one can run any code, and gpu_tracker's holds \
+                 pandas objects): write the analysis as JSON with `sub-track analyze ... \
+                 --format json --output FILE.json` (gpu-tracker's or torchtools') and \
+                 compare those",
+            ));
+        }
+        let text = String::from_utf8_lossy(&bytes);
+        serde_json::from_str(&read::nan_to_null(&text)).map_err(|e| {
+            error(
+                path,
+                format!(
+                    "{e}: expected the JSON of `sub-track analyze --format json` (torchtools' \
+                     or gpu-tracker's)"
+                ),
+            )
+        })
+    }
+
+    /// gpu_tracker's JSON (`json.dumps(indent=1)`), NaN written as `null`, ending with
+    /// a newline.
+    pub fn to_json(&self) -> String {
+        text::pretty_json(self)
+    }
+}
+
+/// Sessions compared (gpu_tracker's `ComparisonResults`): per measure, then per code
+/// block, the chosen statistic of each session, smallest first.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Comparison {
+    /// Measure -> session -> value.
+    pub overall_resource_usage: OrderedMap<OrderedMap<f64>>,
+    /// Measure -> code block -> session -> value.
+    pub code_block_resource_usage: OrderedMap<OrderedMap<OrderedMap<f64>>>,
+    /// Code block -> session -> compute time.
+    pub code_block_compute_time: OrderedMap<OrderedMap<f64>>,
+}
+
+impl Comparison {
+    /// gpu_tracker's JSON, NaN as `null`, ending with a newline.
+    pub fn to_json(&self) -> String {
+        text::pretty_json(self)
+    }
+}
+
+/// The line number of a `path:line` block name (gpu_tracker's default names).
+fn line_number(name: &str) -> Option<&str> {
+    let (_, last) = name.rsplit_once(':')?;
+    last.parse::<i64>().ok().map(|_| last)
+}
+
+/// Blocks in gpu_tracker's comparison order: by name, line numbers compared as numbers.
+fn sorted_blocks(results: &SubTrackingResults) -> Vec<&CodeBlockResults> {
+    let width = results
+        .code_block_results
+        .iter()
+        .filter_map(|b| line_number(&b.name).map(str::len))
+        .max()
+        .unwrap_or(0);
+    let key = |name: &str| match (line_number(name), name.rsplit_once(':')) {
+        (Some(line), Some((head, _))) => format!("{head}:{line:0>width$}"),
+        _ => name.to_owned(),
+    };
+    let mut blocks: Vec<&CodeBlockResults> = results.code_block_results.iter().collect();
+    blocks.sort_by_cached_key(|b| key(&b.name));
+    blocks
+}
+
+fn ascending(mut values: Vec<(String, f64)>) -> OrderedMap<f64> {
+    // pandas' sort_values: NaN last.
+    values.sort_by(|a, b| match (a.1.is_nan(), b.1.is_nan()) {
+        (false, false) => a.1.total_cmp(&b.1),
+        (x, y) => x.cmp(&y),
+    });
+    OrderedMap(values)
+}
+
+/// gpu_tracker's `sub-track compare -m NAME=FILE... --stat STATISTIC`: sessions (in the
+/// order given; a later one of the same name replaces the earlier) compared measure by
+/// measure and code block by code block. Blocks are matched by name in sorted order;
+/// names that differ only in their line number (`train.py:12` and `train.py:14`) match,
+/// with a warning, as in gpu_tracker. `paths` name the sessions' files in errors.
+pub fn compare(
+    sessions: &[(String, SubTrackingResults, PathBuf)],
+    statistic: Statistic,
+) -> Result<Comparison> {
+    let Some(first) = sessions.iter().min_by(|a, b| a.0.cmp(&b.0)) else {
+        return Err(error(
+            Path::new("-m"),
+            "no session to compare: give -m NAME=FILE.json (twice or more) or --cconfig",
+        ));
+    };
+    let sorted: Vec<Vec<&CodeBlockResults>> =
+        sessions.iter().map(|s| sorted_blocks(&s.1)).collect();
+    let blocks1 = sorted_blocks(&first.1);
+    for ((name, _, path), blocks) in sessions.iter().zip(&sorted) {
+        if blocks.len() != blocks1.len() {
+            return Err(error(
+                path,
+                format!(
+                    "session {name:?} has {} code blocks but {:?} has {}: every session must \
+                     have the same code blocks",
+                    blocks.len(),
+                    first.0,
+                    blocks1.len()
+                ),
+            ));
+        }
+        for (b1, b) in blocks1.iter().zip(blocks) {
+            if b1.name == b.name {
+                continue;
+            }
+            let same_place = matches!(
+                (line_number(&b1.name), line_number(&b.name)),
+                (Some(_), Some(_))
+            ) && b1.name.rsplit_once(':').map(|x| x.0)
+                == b.name.rsplit_once(':').map(|x| x.0);
+            if !same_place {
+                return Err(error(
+                    path,
+                    format!(
+                        "code block {:?} of session {:?} does not match code block {:?} of \
+                         session {name:?}: name the blocks alike in every session",
+                        b1.name, first.0, b.name
+                    ),
+                ));
+            }
+            tracing::warn!(
+                "code block {:?} of session {:?} matched with {:?} of session {name:?}: they \
+                 differ only by line number; if they are different blocks, name them",
+                b1.name,
+                first.0,
+                b.name
+            );
+        }
+    }
+    let mut overall = OrderedMap::default();
+    let mut per_block = OrderedMap::default();
+    for measure in first.1.overall.keys() {
+        let mut values = Vec::with_capacity(sessions.len());
+        for (name, results, path) in sessions {
+            let stats = results.overall.get(measure).ok_or_else(|| {
+                error(
+                    path,
+                    format!("session {name:?} has no overall {measure:?} to compare"),
+                )
+            })?;
+            values.push((name.clone(), stats.get(statistic)));
+        }
+        overall.insert(measure.to_owned(), ascending(values));
+        if !blocks1.is_empty() {
+            let mut blocks = OrderedMap::default();
+            for i in 0..blocks1.len() {
+                let mut values = Vec::with_capacity(sessions.len());
+                for ((name, _, path), sorted) in sessions.iter().zip(&sorted) {
+                    let stats = sorted[i].resource_usage.get(measure).ok_or_else(|| {
+                        error(
+                            path,
+                            format!(
+                                "code block {:?} of session {name:?} has no {measure:?}",
+                                sorted[i].name
+                            ),
+                        )
+                    })?;
+                    values.push((name.clone(), stats.get(statistic)));
+                }
+                blocks.insert(block_key(&sorted, i), ascending(values));
+            }
+            per_block.insert(measure.to_owned(), blocks);
+        }
+    }
+    let mut times = OrderedMap::default();
+    for i in 0..blocks1.len() {
+        let values = sessions
+            .iter()
+            .zip(&sorted)
+            .map(|((name, ..), sorted)| (name.clone(), sorted[i].compute_time.get(statistic)))
+            .collect();
+        times.insert(block_key(&sorted, i), ascending(values));
+    }
+    Ok(Comparison {
+        overall_resource_usage: overall,
+        code_block_resource_usage: per_block,
+        code_block_compute_time: times,
+    })
+}
+
+/// The names of the i-th block of every session, distinct, sorted, joined by " -> ".
+fn block_key(sorted: &[Vec<&CodeBlockResults>], i: usize) -> String {
+    let names: BTreeSet<&str> = sorted.iter().map(|s| s[i].name.as_str()).collect();
+    names.into_iter().collect::<Vec<_>>().join(" -> ")
+}
+
+impl fmt::Display for SubTrackingResults {
+    /// gpu_tracker's text layout.
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(&text::results(self))
+    }
+}
+
+impl fmt::Display for Comparison {
+    /// gpu_tracker's text layout.
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(&text::comparison(self))
+    }
+}
