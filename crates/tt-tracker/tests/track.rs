@@ -305,10 +305,22 @@ fn timelines_hold_every_sample_and_the_blocks() {
         assert!(e.to_string().contains("`sqlite` feature"), "{e}");
         assert!(!path.exists());
     }
-    // gpu_tracker's own analysis reads our timelines with their blocks.
+    // gpu_tracker's own analysis reads our timelines with their blocks, and its
+    // `combine` our blocks (given a directory, it combines the files in it).
     for &ext in formats.iter().filter(|&&e| e != "jsonl") {
         let tf = tmp.path().join(format!("timeline.{ext}"));
-        let stf = tmp.path().join(format!("timeline.blocks.{ext}"));
+        let ours = tmp.path().join(format!("blocks_{ext}"));
+        std::fs::create_dir(&ours).unwrap();
+        let copy = ours.join(format!("timeline.blocks.{ext}"));
+        std::fs::copy(tmp.path().join(format!("timeline.blocks.{ext}")), &copy).unwrap();
+        let stf = tmp.path().join(format!("combined.{ext}"));
+        gpu_tracker(&[
+            "sub-track",
+            "combine",
+            &format!("--stf={}", stf.display()),
+            "-p",
+            ours.to_str().unwrap(),
+        ]);
         let analysis = gpu_tracker(&[
             "sub-track",
             "analyze",
