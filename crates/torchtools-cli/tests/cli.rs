@@ -81,16 +81,24 @@ fn bad_values_exit_2_and_name_the_variable() {
 }
 
 #[test]
-fn cuda_on_a_machine_without_gpus_is_refused_with_the_reason() {
-    if has_nvml() {
-        return; // covered by the GPU machine's run of the bundle
-    }
-    let out = torchtools(&["devices"], &[("TORCHTOOLS_DEVICE", "cuda")]);
-    assert_eq!(out.status.code(), Some(2));
+fn cuda_without_a_usable_gpu_is_refused_with_the_reason() {
+    // CUDA_VISIBLE_DEVICES="" leaves no GPU on any machine: without a driver the
+    // reason is the driver, with one it is the variable hiding every GPU.
+    let out = torchtools(
+        &["devices"],
+        &[("TORCHTOOLS_DEVICE", "cuda"), ("CUDA_VISIBLE_DEVICES", "")],
+    );
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
     let stderr = String::from_utf8(out.stderr).unwrap();
+    let reason = if has_nvml() {
+        "CUDA is not usable: CUDA_VISIBLE_DEVICES=\"\" hides all "
+    } else {
+        "CUDA is not usable: no NVIDIA driver (NVML: "
+    };
+    assert!(stderr.contains(reason), "{reason}: {stderr}");
     assert!(
-        stderr.contains("CUDA is not usable: no NVIDIA driver (NVML: "),
-        "{stderr}"
+        stderr.contains("set TORCHTOOLS_DEVICE=cpu (or auto)"),
+        "the fix: {stderr}"
     );
 }
 

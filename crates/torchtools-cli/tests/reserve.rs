@@ -298,6 +298,7 @@ fn locks_shows_the_holder_with_its_command() {
 /// Child side of the next test: a program that locks its GPU through tt-lock while
 /// running under `torchtools reserve`.
 #[test]
+#[ignore = "a child process's entry point, run by the reserve tests"]
 fn child_locking_under_reserve() {
     if std::env::var_os("TT_CLI_TEST_CHILD").is_none() {
         return;
@@ -313,7 +314,12 @@ fn a_program_under_reserve_uses_the_inherited_lock_instead_of_waiting_for_itself
     let out = torchtools(tmp.path())
         .args(["reserve", "--gpu", "0", "--no-fence", "--"])
         .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "child_locking_under_reserve", "--nocapture"])
+        .args([
+            "--exact",
+            "child_locking_under_reserve",
+            "--include-ignored",
+            "--nocapture",
+        ])
         .env("TT_CLI_TEST_CHILD", "1")
         .output()
         .unwrap();

@@ -275,6 +275,21 @@ fn oom_panics_are_caught_only_when_asked() {
         })
     }));
     assert!(other.is_err());
+    // Not asked (the default): an OOM panic propagates at the first try, unretried.
+    let tries = std::sync::atomic::AtomicUsize::new(0);
+    let not_asked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Adaptive::new().batch(1024, |_| -> Result<usize, String> {
+            tries.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            panic!("Torch(\"{CUDA_OOM}\")");
+        })
+    }));
+    let message = not_asked.expect_err("an OOM panic is not caught unless asked");
+    let text = message
+        .downcast_ref::<String>()
+        .cloned()
+        .unwrap_or_default();
+    assert!(text.contains("out of memory"), "{text}");
+    assert_eq!(tries.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
 /// A fixed amount of free memory: one cache bucket whatever else runs on the machine.

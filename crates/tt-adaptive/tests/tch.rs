@@ -56,6 +56,7 @@ fn tch_errors_are_classified() {
 /// Child: under an address-space limit 1 GiB above what it uses, allocate rows of 4 KiB
 /// starting from 1 Mi rows (4 GiB): real CPU OOMs, retried to a size that fits.
 #[test]
+#[ignore = "a child process's entry point, run by the real CPU OOM test"]
 fn child_real_cpu_oom() {
     if std::env::var_os("TT_ADAPTIVE_CHILD").is_none() {
         return;

@@ -62,6 +62,7 @@ fn select_in_child(vars: &[(&str, &str)]) -> (bool, String) {
 }
 
 #[test]
+#[ignore = "a child process's entry point, run by the device-selection tests"]
 fn child_select() {
     if std::env::var_os("TT_DEVICE_TEST_CHILD").is_none() {
         return; // only meaningful as the child of `environment_reaches_select`

@@ -16,6 +16,7 @@ const DIR: &str = "TT_LOCK_TEST_DIR";
 /// The child side of every test: does nothing unless started by a test below with
 /// `TT_LOCK_TEST_ROLE` set (the test binary re-executes itself with `--exact child`).
 #[test]
+#[ignore = "a child process's entry point, run by the cross-process lock tests"]
 fn child() {
     let Ok(role) = std::env::var(ROLE) else {
         return;
@@ -49,7 +50,10 @@ fn child() {
             // SAFETY: prctl(PR_SET_PDEATHSIG) has no memory-safety preconditions.
             unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
             let dir = LockDir::open(&dir_path).unwrap();
-            let key = GpuKey::Index(std::env::var("GPU").unwrap().parse().unwrap());
+            let key = match std::env::var("UUID") {
+                Ok(uuid) => GpuKey::Uuid(uuid),
+                Err(_) => GpuKey::Index(std::env::var("GPU").unwrap().parse().unwrap()),
+            };
             let _lock = dir.lock(&key, Wait::Block, Holder::current()).unwrap();
             println!("\n@@locked@@");
             std::io::stdout().flush().unwrap();
@@ -85,7 +89,16 @@ fn spawn(role: &str, dir: &Path, extra: &[(&str, String)]) -> Command {
 
 /// Starts a child that holds `gpu` and returns once it has it.
 fn holder(dir: &Path, gpu: u32) -> Child {
-    let mut child = spawn("hold", dir, &[("GPU", gpu.to_string())])
+    holder_of(dir, &[("GPU", gpu.to_string())])
+}
+
+/// Starts a child that holds the GPU of this UUID and returns once it has it.
+fn holder_by_uuid(dir: &Path, uuid: &str) -> Child {
+    holder_of(dir, &[("UUID", uuid.to_owned())])
+}
+
+fn holder_of(dir: &Path, which: &[(&str, String)]) -> Child {
+    let mut child = spawn("hold", dir, which)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -392,10 +405,16 @@ fn open_as_unprivileged(dir: &Path) -> String {
         (None, exe)
     };
     let mut cmd = Command::new(&program);
-    cmd.args(["--exact", "child", "--nocapture", "--test-threads=1"])
-        .env(ROLE, "open")
-        .env(DIR, dir)
-        .current_dir("/");
+    cmd.args([
+        "--exact",
+        "child",
+        "--include-ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(ROLE, "open")
+    .env(DIR, dir)
+    .current_dir("/");
     if root {
         use std::os::unix::process::CommandExt;
         cmd.uid(65534).gid(65534);
@@ -441,4 +460,178 @@ fn a_directory_this_user_cannot_write_is_a_clear_error() {
     )
     .unwrap();
     assert!(open_as_unprivileged(&dir).contains("@@OK@@"));
+}
+
+/// A machine of three GPUs with 10, 70 and 40 GiB free (what NVML would say).
+fn three_gpus() -> tt_device::Inventory {
+    let free = [10, 70, 40];
+    tt_device::Inventory {
+        nvml: tt_device::NvmlStatus::Available {
+            driver_version: "test".into(),
+        },
+        gpus: (0..3)
+            .map(|i| tt_device::GpuInfo {
+                nvml_index: i,
+                uuid: uuid(i),
+                name: "H100".into(),
+                total: tt_device::Bytes::gib(80),
+                free: tt_device::Bytes::gib(free[i as usize]),
+                used: tt_device::Bytes::gib(80 - free[i as usize]),
+                processes: vec![],
+            })
+            .collect(),
+        errors: vec![],
+    }
+}
+
+fn uuid(i: u32) -> String {
+    format!("GPU-{i}{i}{i}{i}{i}{i}{i}{i}-0000-4000-8000-000000000000")
+}
+
+fn uuids(locks: &[tt_lock::GpuLock]) -> Vec<GpuKey> {
+    locks.iter().map(|l| l.key().clone()).collect()
+}
+
+#[test]
+fn auto_takes_the_free_gpus_with_the_most_free_memory_all_or_nothing() {
+    let (_tmp, dir) = lock_dir();
+    let inv = three_gpus();
+    let me = Holder::current;
+    let one = dir.lock_auto(&inv, 1, Wait::Try, me()).unwrap();
+    assert_eq!(uuids(&one), [GpuKey::Uuid(uuid(1))], "70 GiB free");
+    drop(one);
+    let two = dir.lock_auto(&inv, 2, Wait::Try, me()).unwrap();
+    assert_eq!(
+        uuids(&two),
+        [GpuKey::Uuid(uuid(1)), GpuKey::Uuid(uuid(2))],
+        "70 then 40 GiB"
+    );
+    drop(two);
+    // The best one held by another process: the next best.
+    let mut child = holder_by_uuid(dir.path(), &uuid(1));
+    let one = dir.lock_auto(&inv, 1, Wait::Try, me()).unwrap();
+    assert_eq!(uuids(&one), [GpuKey::Uuid(uuid(2))]);
+    drop(one);
+    // Three asked, two free: none taken, and the busy one named.
+    let r = dir.lock_auto(&inv, 3, Wait::Try, me());
+    assert!(
+        matches!(&r, Err(Error::WouldBlock { gpu: GpuKey::Uuid(u), .. }) if *u == uuid(1)),
+        "{r:?}"
+    );
+    let held: Vec<GpuKey> = dir
+        .list()
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.held)
+        .map(|s| s.gpu)
+        .collect();
+    assert_eq!(
+        held,
+        [GpuKey::Uuid(uuid(1))],
+        "nothing kept by the failed attempt"
+    );
+    // Waiting for all three: a timeout at its deadline, never before.
+    let limit = Duration::from_millis(300);
+    let start = Instant::now();
+    let r = dir.lock_auto(&inv, 3, Wait::Timeout(limit), me());
+    assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+    assert!(start.elapsed() >= limit);
+    // Once the holder is gone, all three.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let all = dir.lock_auto(&inv, 3, Wait::Try, me()).unwrap();
+    assert_eq!(all.len(), 3);
+    drop(all);
+    // More than the machine has, or no NVML: a clear error, nothing waited for.
+    let e = dir.lock_auto(&inv, 4, Wait::Block, me()).unwrap_err();
+    assert!(e.to_string().contains("the machine has 3 GPU(s)"), "{e}");
+    let no_nvml = tt_device::Inventory {
+        nvml: tt_device::NvmlStatus::Unavailable {
+            reason: "no driver".into(),
+        },
+        gpus: vec![],
+        errors: vec![],
+    };
+    let e = dir.lock_auto(&no_nvml, 1, Wait::Block, me()).unwrap_err();
+    assert!(e.to_string().contains("name them (--gpu 0)"), "{e}");
+}
+
+/// The lock files among the descriptors a child shell was started with.
+fn inherited_lock_files(share: Option<&tt_lock::GpuLock>) -> String {
+    let mut cmd = Command::new("sh");
+    cmd.args([
+        "-c",
+        "for f in /proc/$$/fd/*; do readlink \"$f\"; done; true",
+    ]);
+    if let Some(lock) = share {
+        tt_lock::share_with(&mut cmd, std::slice::from_ref(lock));
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.ends_with(".lock"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn lock_descriptors_are_close_on_exec_unless_shared() {
+    let (_tmp, dir) = lock_dir();
+    let lock = dir
+        .lock(&GpuKey::Index(3), Wait::Try, Holder::current())
+        .unwrap();
+    let name = lock.path().to_string_lossy().into_owned();
+    // A command started the usual way does not get the lock (it would keep the GPU
+    // locked after we release it, for as long as it runs).
+    assert_eq!(
+        inherited_lock_files(None),
+        "",
+        "no lock descriptor inherited"
+    );
+    // Handed over on purpose, it does.
+    assert_eq!(inherited_lock_files(Some(&lock)), name);
+}
+
+#[test]
+fn a_lock_file_replaced_while_waiting_is_locked_anew() {
+    // A /tmp cleaner deletes a held lock file; a waiter already blocked on it gets the
+    // deleted file's lock when the holder goes. It must start over on the new file, or
+    // it would hold a lock nobody else sees.
+    let (_tmp, dir) = lock_dir();
+    let mut child = holder(dir.path(), 7);
+    let path = dir.path().join(GpuKey::Index(7).file_name());
+    let waiter = {
+        let dir = LockDir::open(dir.path()).unwrap();
+        std::thread::spawn(move || dir.lock(&GpuKey::Index(7), Wait::Block, Holder::current()))
+    };
+    // Event: the waiter has the file open (then it blocks on it).
+    let opened = |p: &Path| {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .any(|t| t == p)
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !opened(&path) {
+        assert!(
+            Instant::now() < deadline,
+            "the waiter never opened {}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::fs::remove_file(&path).unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let lock = waiter.join().unwrap().unwrap();
+    assert!(path.exists(), "a new lock file was created");
+    let state = dir
+        .list()
+        .unwrap()
+        .into_iter()
+        .find(|s| s.gpu == GpuKey::Index(7))
+        .unwrap();
+    assert!(state.held, "the lock others see is held: {state:?}");
+    drop(lock);
 }

@@ -90,6 +90,7 @@ fn fresh(
 
 /// The child: train the first half, checkpoint, say so, then wait to be killed.
 #[test]
+#[ignore = "a child process's entry point, run by the resume tests"]
 fn resume_child() {
     let (Ok(dir), Ok(which)) = (std::env::var("TT_OPTIM_DIR"), std::env::var("TT_OPTIM_ALG"))
     else {

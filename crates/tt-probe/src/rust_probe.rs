@@ -70,13 +70,21 @@ impl Default for ProbeOptions {
 
 impl ProbeOptions {
     /// Under `cargo test`, libtest owns `main`: the child re-runs the test binary with
-    /// `--exact <test>`, and that test calls [`entry`] (which then never returns).
+    /// `--exact <test> --include-ignored`, and that test calls [`entry`] (which then
+    /// never returns). Mark that test `#[ignore = "..."]` so that a normal run does
+    /// not count it as a test that passed.
     pub fn in_test(test: &str) -> ProbeOptions {
         ProbeOptions {
-            child_args: ["--exact", test, "--nocapture", "--test-threads=1"]
-                .iter()
-                .map(OsString::from)
-                .collect(),
+            child_args: [
+                "--exact",
+                test,
+                "--include-ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ]
+            .iter()
+            .map(OsString::from)
+            .collect(),
             ..ProbeOptions::default()
         }
     }

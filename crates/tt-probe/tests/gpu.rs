@@ -35,6 +35,7 @@ fn large(ctx: &ProbeContext) -> Result<Step, BoxError> {
 }
 
 #[test]
+#[ignore = "a child process's entry point, run by the GPU probe tests"]
 fn probe_child() {
     tt_probe::entry(&[("small", small), ("medium", medium), ("large", large)]);
 }

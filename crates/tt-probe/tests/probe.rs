@@ -85,6 +85,7 @@ mod rust_probes {
 
     /// The probe child's side: runs when re-executed with TORCHTOOLS_PROBE_RUN.
     #[test]
+    #[ignore = "a child process's entry point, run by the probe tests"]
     fn probe_child() {
         tt_probe::entry(&[
             ("alloc_64m", alloc_64m),

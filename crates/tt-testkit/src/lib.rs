@@ -59,11 +59,19 @@ fn run_checked(what: &[&str], args: &[&str]) -> String {
 }
 
 /// This test binary as a child process running only `test` (`--exact`, one thread,
-/// output not captured): how a test gets a real second process. Set the child's
-/// role through an environment variable the test reads.
+/// output not captured, ignored tests included): how a test gets a real second
+/// process. Set the child's role through an environment variable the test reads, and
+/// mark a test that is only a child's entry point `#[ignore = "..."]`, so that a
+/// normal run reports it ignored instead of counting an empty pass.
 pub fn rerun(test: &str) -> Command {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args(["--exact", test, "--test-threads=1", "--nocapture"]);
+    cmd.args([
+        "--exact",
+        test,
+        "--include-ignored",
+        "--test-threads=1",
+        "--nocapture",
+    ]);
     cmd
 }
 

@@ -68,6 +68,7 @@ fn wait_for_samples(tracker: &Tracker, n: u64) {
 
 /// The child side: spike, report its own high-water mark, wait for stdin to close.
 #[test]
+#[ignore = "a child process's entry point, run by the descendant-spike test"]
 fn child() {
     if std::env::var(ROLE).as_deref() != Ok("spike") {
         return;
