@@ -7,10 +7,13 @@
 //! cargo xtask test-gpu              run the GPU tests; fails without a usable GPU
 //! cargo xtask test-gpu --bundle DIR build stripped GPU test binaries + run.sh into DIR
 //! cargo xtask bench                 run the benchmarks, print one table
+//! cargo xtask mutants [CRATE..] [--shard K/N | --full]
+//!                                   mutation testing of the libtorch-free crates
 //! ```
 
 mod bench;
 mod gpu;
+mod mutants;
 mod setup;
 mod steps;
 mod test;
@@ -18,7 +21,8 @@ mod test;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: cargo xtask <setup | demo | test | test-gpu [--bundle DIR] | bench>";
+const USAGE: &str = "usage: cargo xtask <setup | demo | test | test-gpu [--bundle DIR] | bench | \
+                     mutants [CRATE..] [--shard K/N | --full]>";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -30,6 +34,7 @@ fn main() -> ExitCode {
         ["test-gpu"] => gpu::run_gpu_tests(),
         ["test-gpu", "--bundle", dir] => gpu::bundle(&PathBuf::from(dir)),
         ["bench"] => bench::run(),
+        ["mutants", rest @ ..] => mutants::run(rest),
         ["help" | "--help" | "-h"] | [] => {
             println!("{USAGE}");
             return if args.is_empty() {

@@ -109,12 +109,19 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
     }
 }
 
-/// [`run_counted`] for a step that must run tests: one that passed none (a filter that
-/// matches nothing, a target left out by its features) fails instead of reading ok.
-pub(crate) fn run_tests_counted(name: &str, cmd: Command) -> StepResult {
+/// [`run_counted`] for a step that must run tests: one that passed fewer than
+/// `minimum` (a filter that matches nothing, a target left out by its features, tests
+/// lost) fails instead of reading ok. `u64::MAX`: the step has no expected figure yet,
+/// which fails too, saying so.
+pub(crate) fn run_tests_counted(name: &str, cmd: Command, minimum: u64) -> StepResult {
     let mut result = run_counted(name, cmd);
-    if result.ok && result.counts.is_none_or(|c| c.passed == 0) {
-        eprintln!("{name}: ran no test");
+    let passed = result.counts.map_or(0, |c| c.passed);
+    if result.ok && (passed == 0 || passed < minimum) {
+        if minimum == u64::MAX {
+            eprintln!("{name}: no expected minimum: add it to MIN_PASSED in xtask/src/test.rs");
+        } else {
+            eprintln!("{name}: passed {passed} tests, expected at least {minimum}");
+        }
         result.ok = false;
     }
     result

@@ -118,3 +118,38 @@ fn run_probes_then_reserves_then_runs_for_real() {
     let out = torchtools(&["run", "--", "true"], tmp.path());
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn a_failed_probe_exits_1_and_the_command_never_runs_for_real() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mark = tmp.path().join("ran-for-real");
+    // Fails in probe mode only; would leave a mark when run for real.
+    let script = format!(
+        "if [ -n \"$TORCHTOOLS_PROBE\" ]; then echo 'probe broke' >&2; exit 3; fi; touch {}",
+        mark.display()
+    );
+    let out = torchtools(
+        &[
+            "run",
+            "--probe",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("exited with status 3") && stderr(&out).contains("probe broke"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!mark.exists(), "nothing runs for real after a failed probe");
+    // `probe` alone: the same status 1.
+    let out = torchtools(&["probe", "--", "sh", "-c", "exit 5"], tmp.path());
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+}

@@ -328,3 +328,42 @@ fn a_program_under_reserve_uses_the_inherited_lock_instead_of_waiting_for_itself
     assert!(text.contains("@@inherited=true@@"), "{text}");
     assert!(!held(tmp.path()));
 }
+
+#[test]
+fn a_command_that_is_not_executable_exits_126_and_an_unusable_lock_directory_exits_1() {
+    let tmp = tempfile::tempdir().unwrap();
+    let script = tmp.path().join("train.sh");
+    std::fs::write(&script, "#!/bin/sh\necho never\n").unwrap(); // mode 0644
+    let locks = tmp.path().join("locks");
+    let out = run(
+        &locks,
+        &[
+            "reserve",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            script.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(126), "{}", stderr(&out));
+    assert!(stderr(&out).contains("not executable"), "{}", stderr(&out));
+    assert!(!held(&locks), "the lock is released");
+    let out = Command::new(env!("CARGO_BIN_EXE_torchtools"))
+        .args(["track", "--", script.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(126), "{}", stderr(&out));
+    // A lock directory that is a file: `locks` and `reserve` say so and exit 1.
+    let file = tmp.path().join("not-a-dir");
+    std::fs::write(&file, "").unwrap();
+    for args in [&["locks"][..], &RESERVE_SH[..]] {
+        let mut args = args.to_vec();
+        if args[0] == "reserve" {
+            args.push("true");
+        }
+        let out = run(&file, &args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains("not-a-dir"), "{}", stderr(&out));
+    }
+}

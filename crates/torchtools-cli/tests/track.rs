@@ -460,7 +460,28 @@ fn timeline_plot_and_compare() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains("small") && text.contains("large"), "{text}");
-    assert!(text.contains("max RAM combined total RSS"), "{text}");
+    // The peaks hold what each program allocated (the kernel's figure for the reaped
+    // command), and the comparison shows each report's own figures.
+    let (small, large) = (
+        report(&tmp.path().join("small.json")),
+        report(&tmp.path().join("large.json")),
+    );
+    let peak = |r: &serde_json::Value| r["max_ram"]["main"]["total_rss"].as_f64().unwrap();
+    let mb = |mib: f64| mib * 1.048576;
+    assert!(peak(&small) >= mb(16.0), "{small}");
+    assert!(peak(&large) >= mb(128.0), "{large}");
+    assert!(
+        peak(&large) - peak(&small) >= mb(112.0) * 0.95,
+        "{small} {large}"
+    );
+    let row = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("max RAM main total RSS"))
+        .unwrap_or_else(|| panic!("no main RSS row: {text}"));
+    for r in [&small, &large] {
+        let shown = format!("{:.3} megabytes", peak(r));
+        assert!(row.contains(&shown), "{shown} in {row:?}");
+    }
     let out = Command::new(env!("CARGO_BIN_EXE_torchtools"))
         .args(["track", "compare", &p("small.json"), &p("missing.json")])
         .output()

@@ -1,4 +1,4 @@
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -21,6 +21,10 @@ const ROLLUP_EVERY: Duration = Duration::from_secs(1);
 
 /// System RAM and CPU (`/proc/meminfo`, `/proc/stat`) are read at most this often.
 const SYSTEM_EVERY: Duration = Duration::from_millis(100);
+
+/// The shortest time a process's CPU percent is measured over (the kernel's clock
+/// ticks would make shorter ones coarse).
+const CPU_WINDOW: Duration = Duration::from_millis(100);
 
 /// Points kept for a plot; neighbours are merged (keeping maxima) beyond it.
 const SERIES_POINTS: usize = 4096;
@@ -436,7 +440,9 @@ struct Sampler {
     start: Instant,
     cores: usize,
     expected_cores: usize,
-    last: Option<CpuBase>,
+    /// The CPU ticks of recent samples, oldest first: one older than [`CPU_WINDOW`]
+    /// and those since.
+    history: VecDeque<CpuBase>,
     system: Option<SystemReads>,
     stopping: bool,
     rollups: HashMap<u32, (Instant, u64, Rollup)>,
@@ -504,7 +510,7 @@ impl Sampler {
             start: Instant::now(),
             cores,
             expected_cores,
-            last: None,
+            history: VecDeque::new(),
             system: None,
             stopping: false,
             rollups: HashMap::new(),
@@ -598,7 +604,7 @@ impl Sampler {
     fn tick(&mut self) -> Result<()> {
         let now = Instant::now();
         // The first read is the baseline (no previous CPU ticks yet).
-        let first = self.last.is_none();
+        let first = self.history.is_empty();
         let tree = self.read_tree(now, first);
         self.max_main.max(tree.main);
         self.max_desc.max(tree.descendants);
@@ -645,7 +651,14 @@ impl Sampler {
             threads,
             ..
         } = tree;
-        self.last = Some((now, cpu_ticks));
+        self.history.push_back((now, cpu_ticks));
+        while self
+            .history
+            .get(1)
+            .is_some_and(|(at, _)| now.duration_since(*at) >= CPU_WINDOW)
+        {
+            self.history.pop_front();
+        }
         if !emit {
             return Ok(());
         }
@@ -836,16 +849,25 @@ impl Sampler {
         self.system.as_ref().map_or((0, 0.0), |s| (s.used, s.pct))
     }
 
-    /// CPU percents of the tree since the last sample (zero at the baseline read).
+    /// CPU percents of the tree (zero at the baseline read), each process's over the
+    /// last [`CPU_WINDOW`] at least: the kernel counts CPU time in clock ticks (10 ms
+    /// at 100 Hz), so over one 20 ms interval a single thread could read 50% or 150%.
     fn cpu_percents(&self, now: Instant, ticks: &HashMap<u32, u64>, system: f64) -> CpuSample {
         let mut cpu = CpuSample::default();
-        let Some((at, prev_ticks)) = &self.last else {
-            return cpu;
-        };
-        let dt = now.duration_since(*at).as_secs_f64().max(1e-9);
         for (pid, t) in ticks {
-            if let Some(p) = prev_ticks.get(pid) {
-                let pct = t.saturating_sub(*p) as f64 / self.tck / dt * 100.0;
+            // The newest reading of this process at least a window old, else its
+            // oldest one.
+            let mut reference = None;
+            for (at, map) in &self.history {
+                if let Some(p) = map.get(pid) {
+                    if reference.is_none() || now.duration_since(*at) >= CPU_WINDOW {
+                        reference = Some((*at, *p));
+                    }
+                }
+            }
+            if let Some((at, p)) = reference {
+                let dt = now.duration_since(at).as_secs_f64().max(1e-9);
+                let pct = t.saturating_sub(p) as f64 / self.tck / dt * 100.0;
                 if *pid == self.main {
                     cpu.main += pct;
                 } else {

@@ -385,3 +385,161 @@ fn a_plot_is_drawn_with_the_peaks() {
 fn gpu_tracker(args: &[&str]) -> String {
     tt_testkit::run_python_module("gpu_tracker", args)
 }
+
+/// A Python parent and its forked child sharing 64 MiB (both touched every page), the
+/// parent also holding 32 MiB of its own, with 3 extra threads; both say "ready" and
+/// wait for stdin to close.
+const SHARING: &str = r#"
+import mmap, os, sys, threading
+shared = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_SHARED)
+for i in range(0, 64 << 20, 4096):
+    shared[i] = 1
+pid = os.fork()
+if pid == 0:
+    total = sum(shared[i] for i in range(0, 64 << 20, 4096))
+    print('child ready', total, flush=True)
+    sys.stdin.read()
+    os._exit(0)
+own = bytearray(32 << 20)
+for i in range(0, 32 << 20, 4096):
+    own[i] = 1
+stop = threading.Event()
+threads = [threading.Thread(target=stop.wait) for _ in range(3)]
+for t in threads:
+    t.start()
+print('parent ready', flush=True)
+sys.stdin.read()
+stop.set()
+os.waitpid(pid, 0)
+"#;
+
+#[test]
+fn private_and_shared_rss_and_threads_are_what_the_processes_hold() {
+    let mut child = Command::new(tt_testkit::python_path())
+        .args(["-c", SHARING])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let mut lines = std::io::BufReader::new(out).lines();
+    let mut ready = 0;
+    while ready < 2 {
+        let line = lines
+            .next()
+            .expect("the program ended before it was ready")
+            .unwrap();
+        ready += usize::from(line.contains("ready"));
+    }
+    let tracker = Tracker::start(TrackerConfig {
+        target: tt_tracker::Target::Pid(child.id()),
+        ..config(Duration::from_millis(20))
+    })
+    .unwrap();
+    wait_for_samples(&tracker, 3);
+    let usage = tracker.stop().unwrap();
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+    let mib = |x: f64| x / f64::from(1u32 << 20);
+    let ram = &usage.max_ram;
+    let (main, desc, both) = (&ram.main, &ram.descendants, &ram.combined);
+    assert!(
+        mib(main.private_rss) >= 32.0,
+        "the parent's own 32 MiB: {ram:?}"
+    );
+    assert!(
+        mib(main.shared_rss) >= 64.0 * 0.98,
+        "64 MiB shared: {ram:?}"
+    );
+    assert!(
+        mib(desc.shared_rss) >= 64.0 * 0.98,
+        "the child maps it too: {ram:?}"
+    );
+    assert!(
+        mib(desc.private_rss) < 32.0,
+        "the child holds no 32 MiB of its own: {ram:?}"
+    );
+    // Shared pages are counted once in the sum of the tree, not once per process.
+    assert!(
+        both.shared_rss < main.shared_rss + desc.shared_rss - f64::from(48u32 << 20),
+        "{ram:?}"
+    );
+    assert!(both.total_rss <= main.total_rss + desc.total_rss, "{ram:?}");
+    let cpu = &usage.cpu_utilization;
+    assert!(cpu.main_n_threads >= 4, "3 threads + the main one: {cpu:?}");
+    assert_eq!(cpu.descendants_n_threads, 1, "{cpu:?}");
+    assert_eq!(cpu.combined_n_threads, cpu.main_n_threads + 1, "{cpu:?}");
+}
+
+/// A child that burns 0.6 s of CPU time (whatever the machine's load), then waits.
+const BURN: &str = r#"
+import sys, time
+while time.process_time() < 0.6:
+    pass
+print('burnt', flush=True)
+sys.stdin.read()
+"#;
+
+#[test]
+fn cpu_utilisation_over_time_adds_up_to_the_cpu_time_used() {
+    // Percentages times the time between samples must give back the CPU seconds the
+    // kernel charged: a rate checked as an amount, so load cannot fail it.
+    let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let timeline = tmp.path().join("t.jsonl");
+    let mut child = Command::new(tt_testkit::python_path())
+        .args(["-c", BURN])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let tracker = Tracker::start(TrackerConfig {
+        target: tt_tracker::Target::Pid(child.id()),
+        timeline: Some(timeline.clone()),
+        ..config(Duration::from_millis(20))
+    })
+    .unwrap();
+    let out = child.stdout.take().unwrap();
+    tt_testkit::wait_for_line(out, "burnt", Duration::from_secs(300));
+    let seen = tracker.samples();
+    wait_for_samples(&tracker, seen + 2);
+    // The kernel's count of the child's CPU time (user + system), in seconds.
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let charged = (fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap()) / hz;
+    let usage = tracker.stop().unwrap();
+    drop(child.stdin.take());
+    child.wait().unwrap();
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&timeline)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|r: &serde_json::Value| r["timestamp"].is_number())
+        .collect();
+    let mut integral = 0.0;
+    for pair in rows.windows(2) {
+        let dt = pair[1]["timestamp"].as_f64().unwrap() - pair[0]["timestamp"].as_f64().unwrap();
+        integral += pair[1]["cpu_main_sum_utilization_percent"]
+            .as_f64()
+            .unwrap()
+            / 100.0
+            * dt;
+    }
+    assert!(charged >= 0.55, "0.6 s burnt, in clock ticks: {charged}");
+    // What the first sample cannot see (the interpreter's start) is at most a little.
+    assert!(
+        integral >= charged * 0.7 && integral <= charged * 1.1,
+        "CPU seconds from the percentages {integral:.3} vs charged {charged:.3}"
+    );
+    let main = &usage.cpu_utilization.main;
+    // One thread: at most 100%, give or take a clock tick over the 100 ms window.
+    assert!(main.max_sum_percent <= 120.0, "one thread: {main:?}");
+    assert!(main.max_sum_percent > 0.0, "{main:?}");
+}

@@ -1,0 +1,179 @@
+//! `cargo xtask mutants [CRATE...] [--shard K/N | --full]`: mutation testing with
+//! cargo-mutants (installed at a pinned version when missing) of the libtorch-free
+//! crates, each with its own tests. Not part of `cargo xtask test`: a whole crate takes
+//! an hour or more on 2 cores, so a shard (1/8 of the mutants) is the default.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+use crate::setup::Libtorch;
+use crate::steps::cargo;
+
+/// The cargo-mutants release this project's figures come from.
+const VERSION: &str = "27.1.0";
+
+/// Crates measured, with the features their core is measured with.
+const TARGETS: [(&str, &[&str]); 4] = [
+    ("tt-lock", &[]),
+    ("tt-tracker", &["--features", "sqlite"]),
+    ("tt-sampler", &[]),
+    ("tt-ckpt", &["--no-default-features"]),
+];
+
+/// Code no CPU test can reach, left out of the measure, and why.
+const EXCLUDED: [(&str, &str); 3] = [
+    (
+        "crates/tt-tracker/src/gpu.rs",
+        "NVML readings of a real GPU: the GPU tests cover it (cargo xtask test-gpu)",
+    ),
+    (
+        "crates/tt-tracker/src/plot.rs",
+        "SVG drawing behind the `plot` feature, not in the measured build",
+    ),
+    (
+        "crates/tt-ckpt/src/tch_support.rs",
+        "libtorch tensors behind the `tch` feature: not in the core",
+    ),
+];
+
+/// The default shard: the first of 8.
+const DEFAULT_SHARD: &str = "0/8";
+
+pub(crate) fn run(args: &[&str]) -> Result<()> {
+    let mut shard = Some(DEFAULT_SHARD.to_owned());
+    let mut crates = Vec::new();
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        match *arg {
+            "--full" => shard = None,
+            "--shard" => {
+                let value = args.next().context("--shard needs K/N, e.g. --shard 3/8")?;
+                let ok = value
+                    .split_once('/')
+                    .and_then(|(k, n)| Some((k.parse::<u32>().ok()?, n.parse::<u32>().ok()?)))
+                    .is_some_and(|(k, n)| n > 0 && k < n);
+                if !ok {
+                    bail!("--shard {value}: give K/N with K below N, e.g. --shard 3/8");
+                }
+                shard = Some((*value).to_owned());
+            }
+            name => match TARGETS.iter().find(|(c, _)| *c == name) {
+                Some(t) => crates.push(*t),
+                None => bail!(
+                    "{name}: not a measured crate; choose among {}",
+                    TARGETS.map(|t| t.0).join(", ")
+                ),
+            },
+        }
+    }
+    if crates.is_empty() {
+        crates = TARGETS.to_vec();
+    }
+    install()?;
+    let python = match crate::setup::setup()? {
+        Libtorch::Cached { venv } => venv.join("bin/python"),
+        Libtorch::User => std::env::var("PYTHON")
+            .unwrap_or_else(|_| "python3".into())
+            .into(),
+    };
+    println!("left out of the measure:");
+    for (file, why) in EXCLUDED {
+        println!("  {file}: {why}");
+    }
+    let mut rows = Vec::new();
+    for (krate, features) in crates {
+        let out = crate::root().join("target/mutants").join(krate);
+        let _ = std::fs::remove_dir_all(&out);
+        std::fs::create_dir_all(&out)?;
+        let mut args = vec!["mutants", "-p", krate, "--output"];
+        let out_arg = out.to_string_lossy().into_owned();
+        args.push(&out_arg);
+        args.extend(features.iter().copied());
+        args.extend(["--timeout-multiplier", "3", "--no-shuffle"]);
+        if let Some(s) = &shard {
+            args.extend(["--shard", s]);
+        }
+        for (file, _) in EXCLUDED {
+            args.extend(["--exclude", file]);
+        }
+        let mut cmd = cargo(&args);
+        // The copy cargo-mutants builds in has no `.torchtools` link: name the venv's
+        // Python (the reference of the PyTorch and gpu_tracker comparisons) outright.
+        cmd.env("TORCHTOOLS_PYTHON", &python);
+        eprintln!("\n==> cargo {}", args.join(" "));
+        // cargo-mutants exits non-zero when a mutant is missed: the table says it.
+        let _ = cmd.status().context("could not start cargo mutants")?;
+        rows.push((krate, outcomes(&out.join("mutants.out/outcomes.json"))?));
+    }
+    println!(
+        "\nmutation testing{}",
+        shard
+            .as_ref()
+            .map_or(String::new(), |s| format!(" (shard {s})"))
+    );
+    println!(
+        "{:<12} {:>7} {:>7} {:>7} {:>9} {:>9} {:>8}",
+        "crate", "tested", "caught", "missed", "timeout", "unviable", "caught%"
+    );
+    for (krate, o) in &rows {
+        let scored = o.caught + o.missed;
+        let pct = if scored == 0 {
+            "-".to_owned()
+        } else {
+            format!(
+                "{:.0}%",
+                100.0 * (o.caught + o.timeout) as f64 / (scored + o.timeout) as f64
+            )
+        };
+        println!(
+            "{krate:<12} {:>7} {:>7} {:>7} {:>9} {:>9} {pct:>8}",
+            o.caught + o.missed + o.timeout + o.unviable,
+            o.caught,
+            o.missed,
+            o.timeout,
+            o.unviable
+        );
+    }
+    println!("(missed mutants: target/mutants/CRATE/mutants.out/missed.txt)");
+    Ok(())
+}
+
+#[derive(Default)]
+struct Outcomes {
+    caught: u64,
+    missed: u64,
+    timeout: u64,
+    unviable: u64,
+}
+
+/// Counts from cargo-mutants' `outcomes.json`.
+fn outcomes(path: &Path) -> Result<Outcomes> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cargo mutants wrote no {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let n = |k: &str| v[k].as_u64().unwrap_or(0);
+    Ok(Outcomes {
+        caught: n("caught"),
+        missed: n("missed"),
+        timeout: n("timeout"),
+        unviable: n("unviable"),
+    })
+}
+
+/// cargo-mutants at the pinned version, installed from crates.io when missing.
+fn install() -> Result<()> {
+    let have = std::process::Command::new("cargo")
+        .args(["mutants", "--version"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+    if have.as_deref().is_some_and(|v| v.contains(VERSION)) {
+        return Ok(());
+    }
+    crate::steps::run(
+        &format!("install cargo-mutants {VERSION}"),
+        cargo(&["install", "cargo-mutants", "--locked", "--version", VERSION]),
+    )
+}
