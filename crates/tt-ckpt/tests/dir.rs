@@ -431,3 +431,43 @@ fn files_are_readable_by_others_and_keep_the_mode_they_replace() {
     atomic_write(&notes, |w| w.write_all(b"b")).unwrap();
     assert_eq!(mode(&notes), 0o600, "a replaced file keeps its mode");
 }
+
+/// The child side of the `RANK` test: opens the directory as a rank would, saves step
+/// 1, and prints what `save` returned.
+#[test]
+#[ignore = "a child process's entry point, run by the RANK test"]
+fn rank_child() {
+    let Ok(path) = std::env::var("TT_CKPT_RANK_DIR") else {
+        return;
+    };
+    let dir = CheckpointDir::open(path).unwrap();
+    let saved = dir.save(&ckpt(1)).unwrap();
+    println!("\n@@saved={}@@", saved.is_some());
+}
+
+#[test]
+fn only_rank_0_writes_under_torchrun() {
+    // RANK as torchrun sets it, in real processes (a process's environment is its own).
+    for (rank, writes) in [
+        (Some("1"), false),
+        (Some("3"), false),
+        (Some("0"), true),
+        (None, true),
+    ] {
+        let root = tempfile::tempdir().unwrap();
+        let mut cmd = tt_testkit::rerun("rank_child");
+        cmd.env("TT_CKPT_RANK_DIR", root.path()).env_remove("RANK");
+        if let Some(r) = rank {
+            cmd.env("RANK", r);
+        }
+        let out = cmd.output().unwrap();
+        tt_testkit::assert_ran_one(&out);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains(&format!("@@saved={writes}@@")),
+            "RANK={rank:?}: {text}"
+        );
+        let files = std::fs::read_dir(root.path()).unwrap().count();
+        assert_eq!(files > 0, writes, "RANK={rank:?}: files written: {files}");
+    }
+}
