@@ -85,3 +85,28 @@ fn the_group_is_restarted_up_to_max_restarts() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--node-rank 2"));
 }
+
+#[test]
+fn omp_num_threads_is_set_to_1_only_when_unset() {
+    // Unset (above): 1 per rank, as torchrun does. Set by the user: theirs, untouched.
+    let out = Command::new(env!("CARGO_BIN_EXE_torchtools"))
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "echo omp=$OMP_NUM_THREADS",
+        ])
+        .env("OMP_NUM_THREADS", "3")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.matches("omp=3").count(), 2, "{text}");
+}

@@ -214,6 +214,19 @@ fn expect_eq(got: &Tensor, want: &Tensor, what: &str) -> TestResult {
 }
 
 fn check_collectives(pg: &ProcessGroup) -> TestResult {
+    // No backend asked for: NCCL for a CUDA device when NCCL is built, else Gloo.
+    let cuda = matches!(tt_device::select(), Ok(tch::Device::Cuda(_)));
+    let expected = if cuda && tt_sys::c10d::nccl_built() {
+        tt_dist::BackendKind::Nccl
+    } else {
+        tt_dist::BackendKind::Gloo
+    };
+    if pg.backend() != Some(expected) {
+        return Err(format!(
+            "the default backend is {:?}, expected {expected:?} (CUDA: {cuda})",
+            pg.backend()
+        ));
+    }
     let w = pg.world_size() as i64;
     let r = pg.rank() as i64;
     let err = |e: tt_dist::Error| e.to_string();

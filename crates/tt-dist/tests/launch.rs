@@ -25,3 +25,31 @@ fn a_failure_is_restarted_then_passed_on() {
     let out = sh(2, "exit 0", 1);
     assert_eq!((out.code, out.restarts), (0, 0), "{out:?}");
 }
+
+#[test]
+fn a_rank_that_ignores_sigterm_is_killed_after_the_grace_period() {
+    // Rank 1 fails once rank 0 is ready; rank 0 ignores SIGTERM, so only the SIGKILL
+    // that follows the grace period ends it, and never before that period.
+    let dir = tempfile::tempdir().unwrap();
+    let ready = dir.path().join("ready");
+    let script = format!(
+        "if [ \"$RANK\" = 1 ]; then while [ ! -e {r} ]; do sleep 0.01; done; exit 3; fi; \
+         trap '' TERM; touch {r}; while :; do sleep 0.05; done",
+        r = ready.display()
+    );
+    let mut cfg = LaunchConfig::local(2, "sh", vec!["-c".into(), script.into()]);
+    cfg.grace = std::time::Duration::from_millis(500);
+    let start = std::time::Instant::now();
+    let out = launch(&cfg).unwrap();
+    assert_eq!(out.code, 3, "the failed rank's status: {out:?}");
+    assert_eq!(
+        out.failed.as_ref().map(|(r, how)| (*r, how.as_str())),
+        Some((1, "exited with status 3")),
+        "{out:?}"
+    );
+    assert!(
+        start.elapsed() >= cfg.grace,
+        "rank 0 was given its grace period: {:?}",
+        start.elapsed()
+    );
+}
