@@ -399,3 +399,43 @@ fn a_helper_shared_by_models_keeps_one_entry_per_key() {
     let sizes: Vec<(String, usize)> = g.stats().into_iter().map(|s| (s.site, s.size)).collect();
     assert_eq!(sizes, [("a".to_owned(), 512), ("b".to_owned(), 64)]);
 }
+
+/// Free memory as a fixed figure, counting how often it is read.
+struct Counting(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+impl MemoryProbe for Counting {
+    fn free_bytes(&self) -> Option<u64> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Some(8 << 30)
+    }
+}
+
+#[test]
+fn free_memory_is_read_at_most_once_a_second_and_again_after_an_oom() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let reads = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let a = Adaptive::new().memory(Counting(reads.clone()));
+    let start = std::time::Instant::now();
+    for _ in 0..2000 {
+        a.batch(64, |n| -> Result<usize, String> { Ok(n) }).unwrap();
+    }
+    // The success path's hot loop: one read per second elapsed at most (plus the
+    // first), however long 2000 calls took on this machine.
+    let allowed = start.elapsed().as_secs() as usize + 1;
+    let on_success = reads.load(SeqCst);
+    assert!(
+        (1..=allowed).contains(&on_success),
+        "{on_success} reads in {:?}",
+        start.elapsed()
+    );
+    // An OOM forces a fresh read (the memory free changed).
+    let before = reads.load(SeqCst);
+    a.batch(64, |n| -> Result<usize, String> {
+        if n > 32 {
+            Err(CUDA_OOM.to_owned())
+        } else {
+            Ok(n)
+        }
+    })
+    .unwrap();
+    assert!(reads.load(SeqCst) > before, "an OOM re-reads free memory");
+}

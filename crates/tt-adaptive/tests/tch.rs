@@ -94,6 +94,10 @@ fn child_real_cpu_oom() {
         .unwrap();
     let ooms: u64 = a.stats().iter().map(|s| s.ooms).sum();
     println!("\n@@rows={rows} ooms={ooms}@@");
+    // Raised back: what the limit refused now fits (address space only, untouched).
+    set_cpu_memory_limit(None).unwrap();
+    let raised = Tensor::f_empty([(1i64 << 30) / 4 * 2], (Kind::Float, Device::Cpu)).is_ok();
+    println!("\n@@raised={raised}@@");
 }
 
 #[test]
@@ -130,6 +134,10 @@ fn a_real_cpu_oom_is_retried_to_success() {
     let (rows, ooms) = (fields[0], fields[1]);
     assert!(ooms >= 2, "{line}");
     assert!(rows * 4096 < 1 << 30 && rows >= 1 << 16, "{line}");
+    assert!(
+        text.contains("@@raised=true@@"),
+        "2 GiB fit once the limit is removed: {text}"
+    );
 }
 
 #[test]
