@@ -90,7 +90,13 @@ pub(crate) fn run(args: &[&str]) -> Result<()> {
         let out_arg = out.to_string_lossy().into_owned();
         args.push(&out_arg);
         args.extend(features.iter().copied());
-        args.extend(["--timeout-multiplier", "3", "--no-shuffle"]);
+        args.extend([
+            "--timeout-multiplier",
+            "3",
+            "--no-shuffle",
+            "--sharding",
+            "round-robin",
+        ]);
         if let Some(s) = &shard {
             args.extend(["--shard", s]);
         }

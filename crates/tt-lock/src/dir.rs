@@ -82,14 +82,15 @@ impl LockDir {
                 let meta = fs::symlink_metadata(&self.path)
                     .map_err(|e| self.error(format!("cannot read it after creating it: {e}")))?;
                 // SAFETY: geteuid has no preconditions.
-                if meta.uid() == unsafe { libc::geteuid() } && meta.mode() & 0o7777 != 0o1777 {
+                if meta.uid() == unsafe { libc::geteuid() } {
                     fs::set_permissions(&self.path, Permissions::from_mode(0o1777)).map_err(
                         |e| self.error(format!("cannot make it mode 1777 after creating it: {e}")),
                     )?;
                 }
                 Ok(())
             }
-            // Another process created it first: check what is there.
+            // (Another process creating the directory first is Ok for create_dir_all;
+            // something else created there first is caught by the check that follows.)
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
             Err(e) => Err(self.error(format!("cannot create it: {e}"))),
         }

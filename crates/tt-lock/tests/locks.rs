@@ -21,7 +21,7 @@ fn child() {
     let Ok(role) = std::env::var(ROLE) else {
         return;
     };
-    let dir_path = PathBuf::from(std::env::var(DIR).unwrap());
+    let dir_path = PathBuf::from(std::env::var(DIR).unwrap_or_default());
     match role.as_str() {
         // Take two locks in turn many times; log each hold's interval.
         "contend" => {
@@ -59,6 +59,11 @@ fn child() {
             std::io::stdout().flush().unwrap();
             std::thread::sleep(Duration::from_secs(600));
         }
+        // The directory TORCHTOOLS_LOCK_DIR names (the test sets it, or not).
+        "from_env" => match LockDir::from_env() {
+            Ok(d) => println!("\n@@dir={}@@", d.path().display()),
+            Err(e) => println!("\n@@error={e}@@"),
+        },
         // Try to use a directory; print the error.
         "open" => match LockDir::open(&dir_path).and_then(|d| {
             d.lock(&GpuKey::Index(0), Wait::Try, Holder::current())
@@ -634,4 +639,57 @@ fn a_lock_file_replaced_while_waiting_is_locked_anew() {
         .unwrap();
     assert!(state.held, "the lock others see is held: {state:?}");
     drop(lock);
+}
+
+/// `LockDir::from_env()` in a child whose `TORCHTOOLS_LOCK_DIR` is `value` (unset for
+/// `None`): what it printed.
+fn from_env(value: Option<&str>) -> String {
+    let mut cmd = tt_testkit::rerun("child");
+    cmd.env(ROLE, "from_env").env_remove("TORCHTOOLS_LOCK_DIR");
+    if let Some(v) = value {
+        cmd.env("TORCHTOOLS_LOCK_DIR", v);
+    }
+    let out = cmd.output().unwrap();
+    tt_testkit::assert_ran_one(&out);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn the_environment_names_the_directory_and_it_must_be_absolute() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("from-env");
+    let text = from_env(Some(dir.to_str().unwrap()));
+    assert!(
+        text.contains(&format!("@@dir={}@@", dir.display())),
+        "{text}"
+    );
+    assert!(dir.is_dir(), "created");
+    for bad in ["relative/locks", "", "  "] {
+        let text = from_env(Some(bad));
+        assert!(
+            text.contains("TORCHTOOLS_LOCK_DIR") && text.contains("it must be an absolute path"),
+            "{bad:?}: {text}"
+        );
+    }
+    let text = from_env(None);
+    assert!(
+        text.contains(&format!("@@dir={}@@", tt_lock::DEFAULT_LOCK_DIR))
+            || text.contains("@@error="),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_directory_that_cannot_be_read_or_created_says_which() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Under a regular file: the path cannot even be looked up.
+    let file = tmp.path().join("file");
+    std::fs::write(&file, "").unwrap();
+    let e = LockDir::open(file.join("locks")).unwrap_err().to_string();
+    assert!(e.contains("cannot read it"), "{e}");
+    // Where nothing can be created (/proc): looked up fine, then creation fails.
+    let e = LockDir::open("/proc/tt-lock-test/locks")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cannot create it"), "{e}");
 }
