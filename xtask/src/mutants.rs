@@ -90,15 +90,10 @@ pub(crate) fn run(args: &[&str]) -> Result<()> {
         let out_arg = out.to_string_lossy().into_owned();
         args.push(&out_arg);
         args.extend(features.iter().copied());
-        args.extend([
-            "--timeout-multiplier",
-            "3",
-            "--no-shuffle",
-            "--sharding",
-            "round-robin",
-        ]);
+        args.extend(["--timeout-multiplier", "3", "--no-shuffle"]);
         if let Some(s) = &shard {
-            args.extend(["--shard", s]);
+            // Round-robin: a shard samples every file, not the first files only.
+            args.extend(["--shard", s, "--sharding", "round-robin"]);
         }
         for (file, _) in EXCLUDED {
             args.extend(["--exclude", file]);

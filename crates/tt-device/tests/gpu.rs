@@ -33,17 +33,26 @@ fn the_report_lists_the_gpu_with_its_uuid() {
 #[test]
 fn nvml_sees_this_process_once_it_holds_gpu_memory() {
     tt_sys::require_cuda();
+    let pids = |inv: &Inventory| -> Vec<(u32, u64)> {
+        inv.gpus
+            .iter()
+            .flat_map(|g| &g.processes)
+            .map(|p| (p.pid, p.used.map_or(0, |b| b.0)))
+            .collect()
+    };
+    let before = pids(&Inventory::query());
+    // 256 MiB on the GPU (plus this process's CUDA context).
     let _t = tch::Tensor::zeros([64 << 20], (tch::Kind::Float, tch::Device::Cuda(0)));
+    let after = pids(&Inventory::query());
     let me = std::process::id();
-    let inv = Inventory::query();
-    let listed = inv
-        .gpus
+    // This process, by its pid, or (in a container, NVML speaks the host's pids) a
+    // process that was not there before, holding at least the 256 MiB: another
+    // process already on the GPU no longer passes for this one.
+    let new: Vec<&(u32, u64)> = after
         .iter()
-        .flat_map(|g| &g.processes)
-        .any(|p| p.pid == me);
-    // In a container NVML may report host pids; then at least one process is listed.
-    assert!(
-        listed || inv.gpus.iter().any(|g| !g.processes.is_empty()),
-        "{inv:?}"
-    );
+        .filter(|(pid, _)| !before.iter().any(|(b, _)| b == pid))
+        .collect();
+    let seen =
+        after.iter().any(|(pid, _)| *pid == me) || new.iter().any(|(_, used)| *used >= 256 << 20);
+    assert!(seen, "before {before:?}, after {after:?}, this pid {me}");
 }

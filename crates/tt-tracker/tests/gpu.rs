@@ -24,7 +24,11 @@ fn a_child_allocating_2_gib_on_cuda_is_counted_under_descendants() {
             "-c",
             "import torch, time, sys\n\
              x = torch.ones(2 << 30, dtype=torch.uint8, device='cuda')\n\
-             torch.cuda.synchronize(); print('ready', flush=True); time.sleep(1.0)",
+             a = torch.randn(4096, 4096, device='cuda')\n\
+             t = time.time()\n\
+             while time.time() - t < 1.5:\n\
+             \x20   a = (a @ a).clamp_(-1, 1)\n\
+             torch.cuda.synchronize(); print('ready', flush=True); time.sleep(0.5)",
         ])
         .stdout(Stdio::piped())
         .spawn()
@@ -49,4 +53,10 @@ fn a_child_allocating_2_gib_on_cuda_is_counted_under_descendants() {
         usage.torchtools.energy.len(),
         usage.gpu_utilization.n_expected_gpus
     );
+    // 1.5 s of matrix products: the GPUs used energy, and one was busy.
+    for e in &usage.torchtools.energy {
+        assert!(e.joules > 0.0, "{e:?}");
+    }
+    let busy = &usage.gpu_utilization.gpu_percentages;
+    assert!(busy.max_sum_percent > 0.0, "{busy:?}");
 }
