@@ -82,7 +82,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-sys --no-default-features", 2),
     ("test -p tt-device (default features)", 20),
     ("test -p tt-device --no-default-features", 17),
-    ("test -p tt-lock (no features)", 25),
+    ("test -p tt-lock (no features)", 33),
     ("test -p tt-fence (no features)", 2),
     ("test -p tt-tracker (no features)", 25),
     ("test -p tt-adaptive (default features)", 23),

@@ -252,6 +252,50 @@ mod tests {
     const B: &str = "GPU-8a1b9999-4e5f-6071-8293-a4b5c6d7e8f9";
 
     #[test]
+    fn edge_forms_are_refused_or_read_as_they_should() {
+        // "GPU-" alone or "MIG-" alone: nothing after the prefix, not a UUID.
+        for bare in ["GPU-", "gpu-", "MIG-"] {
+            let e = bare.parse::<GpuSpec>().unwrap_err().to_string();
+            assert!(!e.contains("MIG instances"), "{bare}: {e}");
+            assert!(!e.contains("only hex digits"), "{bare}: {e}");
+        }
+        assert!("MIG-1234"
+            .parse::<GpuSpec>()
+            .unwrap_err()
+            .to_string()
+            .contains("MIG instances are not locked separately"));
+        assert_eq!(
+            "GPU-A".parse::<GpuSpec>().ok(),
+            Some(GpuSpec::Uuid("GPU-a".into()))
+        );
+        // Lock file names: ours only.
+        let uuid = "GPU-8a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9";
+        assert_eq!(
+            GpuKey::from_file_name(&format!("gpu-{uuid}.lock")),
+            Some(GpuKey::Uuid(uuid.into()))
+        );
+        assert_eq!(GpuKey::from_file_name("gpu-3.lock"), Some(GpuKey::Index(3)));
+        for other in [
+            "gpu-GPU-.lock",
+            "gpu-GPU-xyz.lock",
+            "gpu-3.lck",
+            "cpu-3.lock",
+            "gpu-.lock",
+        ] {
+            assert_eq!(GpuKey::from_file_name(other), None, "{other}");
+        }
+        // What users read in messages.
+        assert_eq!(GpuKey::Uuid(uuid.into()).to_string(), format!("GPU {uuid}"));
+        assert_eq!(
+            GpuKey::Index(2).to_string(),
+            "GPU index 2 (keyed by index: no NVML)"
+        );
+        // UUIDs are compared in NVML's spelling whatever the case typed.
+        assert_eq!(normalize_uuid("gpu-ABC"), "GPU-abc");
+        assert_eq!(normalize_uuid("ABC"), "abc");
+    }
+
+    #[test]
     fn parses_every_form() {
         assert_eq!("3".parse::<GpuSpec>().ok(), Some(GpuSpec::Nvml(3)));
         assert_eq!(" auto ".parse::<GpuSpec>().ok(), Some(GpuSpec::Auto));

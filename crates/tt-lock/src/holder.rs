@@ -182,3 +182,78 @@ mod tests {
         assert_eq!(back, h);
     }
 }
+
+#[cfg(test)]
+mod display_tests {
+    use super::*;
+
+    #[test]
+    fn utc_dates_are_the_calendars() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc(951_782_400), "2000-02-29 00:00:00 UTC"); // a leap day
+        assert_eq!(utc(1_795_453_057), "2026-11-23 16:57:37 UTC");
+        assert_eq!(utc(4_107_542_399), "2100-02-28 23:59:59 UTC"); // 2100: no leap day
+        assert_eq!(utc(4_107_542_400), "2100-03-01 00:00:00 UTC");
+    }
+
+    fn holder() -> Holder {
+        Holder {
+            pid: 42,
+            user: "ada".into(),
+            host: "gpu1".into(),
+            since_unix: 0,
+            reserved: None,
+            command: vec![],
+            gpu: String::new(),
+            command_pid: None,
+        }
+    }
+
+    #[test]
+    fn display_says_who_since_when_how_much_and_what() {
+        let mut h = holder();
+        assert_eq!(h.since_utc(), "1970-01-01 00:00:00 UTC");
+        assert_eq!(
+            h.to_string(),
+            "pid 42 (ada@gpu1) since 1970-01-01 00:00:00 UTC"
+        );
+        h.command_pid = Some(7);
+        h = h.reserving(Bytes::gib(2)).running(["python", "train.py"]);
+        assert_eq!(
+            h.to_string(),
+            format!(
+                "pid 42 (ada@gpu1) since 1970-01-01 00:00:00 UTC, command pid 7, reserving {}: \
+                 python train.py",
+                Bytes::gib(2)
+            )
+        );
+        // A long command is cut at 80 characters, an 80-character one is not.
+        let exact = "x".repeat(80);
+        assert!(holder()
+            .running([exact.clone()])
+            .to_string()
+            .ends_with(&exact));
+        let long = holder().running(["y".repeat(81)]).to_string();
+        assert!(long.ends_with(&format!("{}...", "y".repeat(77))), "{long}");
+    }
+
+    #[test]
+    fn the_current_holder_is_this_process_user_and_host() {
+        let h = Holder::current();
+        assert_eq!(h.pid, std::process::id());
+        // The user: the passwd entry of this uid, as `id -un` prints it.
+        let id = std::process::Command::new("id")
+            .arg("-un")
+            .output()
+            .unwrap();
+        assert_eq!(h.user, String::from_utf8_lossy(&id.stdout).trim());
+        // The host: the kernel's host name.
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+        assert_eq!(h.host, host.trim());
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        assert!(h.since_unix <= now && h.since_unix + 60 > now);
+    }
+}

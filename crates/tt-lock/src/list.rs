@@ -178,4 +178,114 @@ mod tests {
         assert!(set.contains(&(0xfe, 0, 10_010_682)));
         assert!(set.contains(&(0x103, 2, 42)));
     }
+
+    fn lock_dir() -> (tempfile::TempDir, LockDir) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        (tmp, dir)
+    }
+
+    fn on_overlayfs(path: &std::path::Path) -> bool {
+        let out = std::process::Command::new("stat")
+            .args(["-f", "-c", "%T"])
+            .arg(path)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).contains("overlay")
+    }
+
+    #[test]
+    fn the_kernels_flocks_name_a_held_lock_file() {
+        let (_tmp, dir) = lock_dir();
+        let lock = dir
+            .lock(
+                &GpuKey::Index(2),
+                crate::Wait::Try,
+                crate::Holder::current(),
+            )
+            .unwrap();
+        let meta = std::fs::metadata(lock.path()).unwrap();
+        let id = (libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino());
+        match kernel_flocks(&dir) {
+            Some(set) => assert!(set.contains(&id), "{id:?} in {set:?}"),
+            None => assert!(on_overlayfs(dir.path()), "/proc/locks is readable here"),
+        }
+        drop(lock);
+        if let Some(set) = kernel_flocks(&dir) {
+            assert!(!set.contains(&id), "released");
+        }
+    }
+
+    #[test]
+    fn the_probe_sees_an_exclusive_lock_and_leaves_none() {
+        let (_tmp, dir) = lock_dir();
+        let path = dir.path().join("gpu-9.lock");
+        std::fs::write(&path, "").unwrap();
+        let holder = File::open(&path).unwrap();
+        let other = File::open(&path).unwrap();
+        let lock_ex = |f: &File| {
+            // SAFETY: the fd is open for the call.
+            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }
+        };
+        assert!(!probe_held(&other), "free");
+        assert_eq!(lock_ex(&holder), 0);
+        assert!(probe_held(&other), "held by another open file");
+        // SAFETY: as above.
+        unsafe { libc::flock(holder.as_raw_fd(), libc::LOCK_UN) };
+        assert!(
+            !probe_held(&other),
+            "free again, and the probe kept no lock"
+        );
+        assert_eq!(lock_ex(&holder), 0);
+    }
+
+    #[test]
+    fn status_lists_every_gpu_of_the_machine_then_other_lock_files() {
+        let (_tmp, dir) = lock_dir();
+        let uuid = "GPU-ABCDEF01-0000-4000-8000-000000000000";
+        let inventory = Inventory {
+            nvml: NvmlStatus::Available {
+                driver_version: "test".into(),
+            },
+            gpus: vec![tt_device::GpuInfo {
+                nvml_index: 0,
+                uuid: uuid.into(),
+                name: "H100".into(),
+                total: tt_device::Bytes::gib(80),
+                free: tt_device::Bytes::gib(80),
+                used: tt_device::Bytes(0),
+                processes: vec![],
+            }],
+            errors: vec![],
+        };
+        let index_lock = dir
+            .lock(
+                &GpuKey::Index(5),
+                crate::Wait::Try,
+                crate::Holder::current(),
+            )
+            .unwrap();
+        let states = dir.status(&inventory).unwrap();
+        assert_eq!(states.len(), 2, "{states:?}");
+        let gpu = &states[0];
+        assert_eq!(gpu.gpu, GpuKey::Uuid(crate::gpu::normalize_uuid(uuid)));
+        assert_eq!(
+            (gpu.nvml_index, gpu.name.as_deref()),
+            (Some(0), Some("H100"))
+        );
+        assert!(!gpu.held && gpu.holder.is_none());
+        assert_eq!(states[1].gpu, GpuKey::Index(5));
+        assert!(states[1].held && states[1].holder.is_some());
+        // The GPU once locked: its state is its lock file's.
+        let uuid_lock = dir
+            .lock(&states[0].gpu, crate::Wait::Try, crate::Holder::current())
+            .unwrap();
+        let states = dir.status(&inventory).unwrap();
+        assert_eq!(states.len(), 2, "{states:?}");
+        assert!(
+            states[0].held && states[0].nvml_index == Some(0),
+            "{states:?}"
+        );
+        drop((index_lock, uuid_lock));
+    }
 }

@@ -59,6 +59,24 @@ fn child() {
             std::io::stdout().flush().unwrap();
             std::thread::sleep(Duration::from_secs(600));
         }
+        // Take GPU 4 (inherited from the parent, or not), record this pid as the
+        // command's, try GPU 5, and let go.
+        "inherit" => {
+            let dir = LockDir::open(&dir_path).unwrap();
+            match dir.lock(&GpuKey::Index(4), Wait::Try, Holder::current()) {
+                Ok(mut lock) => {
+                    let mut h = lock.holder().clone();
+                    h.command_pid = Some(std::process::id());
+                    lock.set_holder(h).unwrap();
+                    println!("\n@@4: inherited={}@@", lock.is_inherited());
+                }
+                Err(e) => println!("\n@@4: {e}@@"),
+            }
+            let five = dir
+                .lock(&GpuKey::Index(5), Wait::Try, Holder::current())
+                .unwrap();
+            println!("\n@@5: inherited={}@@", five.is_inherited());
+        }
         // The directory TORCHTOOLS_LOCK_DIR names (the test sets it, or not).
         "from_env" => match LockDir::from_env() {
             Ok(d) => println!("\n@@dir={}@@", d.path().display()),
@@ -692,4 +710,89 @@ fn a_directory_that_cannot_be_read_or_created_says_which() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("cannot create it"), "{e}");
+}
+
+#[test]
+fn a_shared_lock_is_inherited_by_the_command_which_cannot_release_it() {
+    let (_tmp, dir) = lock_dir();
+    let lock = dir
+        .lock(&GpuKey::Index(4), Wait::Try, Holder::current())
+        .unwrap();
+    let five = dir
+        .lock(&GpuKey::Index(5), Wait::Try, Holder::current())
+        .unwrap();
+    drop(five);
+    let mut cmd = spawn("inherit", dir.path(), &[]);
+    tt_lock::share_with(&mut cmd, std::slice::from_ref(&lock));
+    let child = cmd.stdout(Stdio::piped()).spawn().unwrap();
+    let child_pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    tt_testkit::assert_ran_one(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("@@4: inherited=true@@"), "{text}");
+    assert!(
+        text.contains("@@5: inherited=false@@"),
+        "only what was shared: {text}"
+    );
+    // The command let go of its copy: the GPU is still ours, with the command's pid
+    // recorded by set_holder.
+    let state = dir
+        .list()
+        .unwrap()
+        .into_iter()
+        .find(|s| s.gpu == GpuKey::Index(4))
+        .unwrap();
+    assert!(state.held, "{state:?}");
+    assert_eq!(state.holder.and_then(|h| h.command_pid), Some(child_pid));
+    // A variable naming a descriptor that is not open, or not this lock file, is no
+    // lock: the child has to wait like anyone else.
+    let other = std::fs::File::open("/dev/null").unwrap();
+    for value in [
+        "gpu-4.lock=999".to_owned(),
+        format!("gpu-4.lock={}", std::os::fd::AsRawFd::as_raw_fd(&other)),
+    ] {
+        let mut cmd = spawn("inherit", dir.path(), &[]);
+        cmd.env("TORCHTOOLS_HELD_LOCKS", &value);
+        let out = cmd.output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("@@4: GPU index 4") && text.contains("is locked by"),
+            "{value}: {text}"
+        );
+    }
+    drop(lock);
+}
+
+#[test]
+fn a_set_with_a_timeout_waits_for_it_then_gives_up_whole() {
+    let (_tmp, dir) = lock_dir();
+    let mut child = holder(dir.path(), 6);
+    let keys = [GpuKey::Index(5), GpuKey::Index(6)];
+    let limit = Duration::from_millis(300);
+    let start = Instant::now();
+    let r = dir.lock_many(&keys, Wait::Timeout(limit), Holder::current());
+    assert!(
+        matches!(
+            r,
+            Err(Error::Timeout {
+                gpu: GpuKey::Index(6),
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(start.elapsed() >= limit, "waited {:?}", start.elapsed());
+    assert!(
+        dir.list()
+            .unwrap()
+            .iter()
+            .all(|s| s.held == (s.gpu == GpuKey::Index(6))),
+        "GPU 5 was let go"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let got = dir
+        .lock_many(&keys, Wait::Timeout(limit), Holder::current())
+        .unwrap();
+    assert_eq!(got.len(), 2);
 }
