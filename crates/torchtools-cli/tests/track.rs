@@ -474,6 +474,20 @@ fn timeline_plot_and_compare() {
         peak(&large) - peak(&small) >= mb(112.0) * 0.95,
         "{small} {large}"
     );
+    // The command's own memory cgroup, where this machine lets us make one (root with
+    // a memory controller, as CI is): its peak holds the 128 MiB too.
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let memory_controller = Path::new("/sys/fs/cgroup/memory").is_dir()
+        || std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
+            .is_ok_and(|c| c.contains("memory"));
+    match large["torchtools"]["cgroup_peak"].as_f64() {
+        Some(cg) => assert!(cg >= mb(128.0), "{large}"),
+        None => assert!(
+            !(root && memory_controller),
+            "a memory cgroup could be made here: {large}"
+        ),
+    }
     let row = text
         .lines()
         .find(|l| l.trim_start().starts_with("max RAM main total RSS"))
