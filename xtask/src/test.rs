@@ -84,7 +84,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-device --no-default-features", 17),
     ("test -p tt-lock (no features)", 33),
     ("test -p tt-fence (no features)", 2),
-    ("test -p tt-tracker (no features)", 25),
+    ("test -p tt-tracker (no features)", 32),
     ("test -p tt-adaptive (default features)", 23),
     ("test -p tt-adaptive --no-default-features", 18),
     ("test -p tt-probe (default features)", 15),
@@ -105,7 +105,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-sys --features c10d", 9),
     ("test -p tt-dist --features c10d", 23),
     ("test -p tt-reserve --features tch", 3),
-    ("test -p tt-tracker --features sqlite,plot", 26),
+    ("test -p tt-tracker --features sqlite,plot", 33),
     ("test --workspace (all CPU features, doc tests)", 125),
 ];
 

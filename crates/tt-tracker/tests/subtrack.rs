@@ -1,0 +1,382 @@
+//! gpu_tracker's sub-tracking analysis in Rust, on files with known contents (in both
+//! tools' layouts), each figure checked by hand and against gpu_tracker 5.0.1 itself.
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+use std::path::{Path, PathBuf};
+
+use tt_tracker::subtrack::{self, Statistic, Stats, SubTrackingResults};
+
+const STATIC: &str = "ram_unit,gpu_ram_unit,time_unit,ram_system_capacity,\
+                      gpu_ram_system_capacity,system_core_count,n_expected_cores,\
+                      system_gpu_count,n_expected_gpus\n\
+                      gigabytes,gigabytes,hours,25.5,0.0,2,2,0,0\n";
+
+/// A tracking file in gpu_tracker's CSV layout: samples at t = 10, 11, ..., 15 with
+/// main_ram = 1, 2, ..., 6 and main_n_threads = 1, 1, 2, 2, 3, 3.
+fn tracking_csv(dir: &Path) -> PathBuf {
+    let mut text = STATIC.to_owned();
+    text += "main_ram,main_n_threads,timestamp\n";
+    for i in 0..6 {
+        text += &format!("{}.0,{},{}.0\n", i + 1, i / 2 + 1, 10 + i);
+    }
+    let path = dir.join("t.csv");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Blocks: `load` twice in process 7 ([10, 11.5] holding t = 10, 11; [13.25, 13.5]
+/// holding none), `step` once in process 8 ([12, 15]: t = 12..15, bounds included),
+/// and a `step` of process 9 still open (dropped, as gpu_tracker drops it).
+fn blocks_csv(dir: &Path, name: &str) -> PathBuf {
+    let text = "process_id,code_block_name,position,timestamp\n\
+                7,load,0,10.0\n7,load,1,11.5\n8,step,0,12.0\n7,load,0,13.25\n\
+                7,load,1,13.5\n8,step,1,15.0\n9,step,0,14.0\n";
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-12 * a.abs().max(b.abs()).max(1.0)
+}
+
+#[test]
+fn analysis_figures_are_the_hand_computed_ones() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = subtrack::analyze(&tracking_csv(tmp.path()), &blocks_csv(tmp.path(), "b.csv")).unwrap();
+    // Overall: main_ram 1..=6.
+    let ram = r.overall.get("main_ram").unwrap();
+    let std = (17.5f64 / 6.0).sqrt(); // population std of 1..=6
+    assert_eq!((ram.min, ram.max, ram.mean), (1.0, 6.0, 3.5));
+    assert!(close(ram.std, std), "{ram:?}");
+    assert_eq!(
+        r.overall.keys().collect::<Vec<_>>(),
+        ["main_ram", "main_n_threads"]
+    );
+    assert_eq!(r.overall.len(), 2);
+    // Static data typed as pandas types it.
+    assert_eq!(
+        r.static_data.get("system_core_count"),
+        Some(&subtrack::Scalar::Int(2))
+    );
+    assert_eq!(
+        r.static_data.get("ram_system_capacity"),
+        Some(&subtrack::Scalar::Real(25.5))
+    );
+    // Blocks, sorted by name.
+    let names: Vec<&str> = r
+        .code_block_results
+        .iter()
+        .map(|b| b.name.as_str())
+        .collect();
+    assert_eq!(names, ["load", "step"]);
+    let load = &r.code_block_results[0];
+    assert_eq!(
+        (
+            load.num_calls,
+            load.num_non_empty_calls,
+            load.num_timepoints
+        ),
+        (2, 1, 2)
+    );
+    let t = &load.compute_time;
+    assert_eq!((t.min, t.max, t.mean, t.total), (0.25, 1.5, 0.875, 1.75));
+    assert!(close(t.std, 0.625));
+    let l = load.resource_usage.get("main_ram").unwrap();
+    assert_eq!((l.min, l.max, l.mean, l.std), (1.0, 2.0, 1.5, 0.5));
+    let step = &r.code_block_results[1];
+    assert_eq!(
+        (
+            step.num_calls,
+            step.num_non_empty_calls,
+            step.num_timepoints
+        ),
+        (1, 1, 4),
+        "process 9's open call dropped; 12 and 15 included"
+    );
+    let th = step.resource_usage.get("main_n_threads").unwrap();
+    assert_eq!((th.min, th.max, th.mean), (2.0, 3.0, 2.5));
+    assert_eq!(step.compute_time.std, 0.0);
+}
+
+/// A tracking file with every measure gpu_tracker's analysis reads (its layout), each
+/// with its own values.
+fn full_tracking_csv(dir: &Path) -> PathBuf {
+    let names: Vec<&str> = tt_tracker::Sample::default()
+        .measures()
+        .iter()
+        .map(|(k, _)| *k)
+        .collect();
+    let mut text = STATIC.to_owned() + &names.join(",") + ",timestamp\n";
+    for i in 0..6u32 {
+        let row: Vec<String> = (0..names.len())
+            .map(|m| {
+                if names[m].ends_with("n_threads") {
+                    (i / 2 + 1 + m as u32).to_string()
+                } else {
+                    format!("{:?}", f64::from(i * i) * 0.37 + m as f64)
+                }
+            })
+            .collect();
+        text += &format!("{},{}.0\n", row.join(","), 10 + i);
+    }
+    let path = dir.join("full.csv");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn the_same_figures_as_gpu_trackers_own_analysis() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (tf, stf) = (
+        full_tracking_csv(tmp.path()),
+        blocks_csv(tmp.path(), "b.csv"),
+    );
+    let ours = subtrack::analyze(&tf, &stf).unwrap();
+    let theirs = tt_testkit::run_python_module(
+        "gpu_tracker",
+        &[
+            "sub-track",
+            "analyze",
+            &format!("--tf={}", tf.display()),
+            &format!("--stf={}", stf.display()),
+            "--format=json",
+        ],
+    );
+    let theirs_path = tmp.path().join("theirs.json");
+    std::fs::write(&theirs_path, &theirs).unwrap();
+    let theirs = SubTrackingResults::load(&theirs_path).unwrap();
+    assert_eq!(
+        theirs.code_block_results.len(),
+        ours.code_block_results.len()
+    );
+    for (a, b) in ours
+        .code_block_results
+        .iter()
+        .zip(&theirs.code_block_results)
+    {
+        assert_eq!(
+            (
+                &a.name,
+                a.num_calls,
+                a.num_non_empty_calls,
+                a.num_timepoints
+            ),
+            (
+                &b.name,
+                b.num_calls,
+                b.num_non_empty_calls,
+                b.num_timepoints
+            )
+        );
+        for (m, s) in a.resource_usage.iter() {
+            let t = b.resource_usage.get(m).unwrap();
+            for (x, y) in [
+                (s.min, t.min),
+                (s.max, t.max),
+                (s.mean, t.mean),
+                (s.std, t.std),
+            ] {
+                assert!(
+                    close(x, y) || (x.is_nan() && y.is_nan()),
+                    "{m}: {s:?} vs {t:?}"
+                );
+            }
+        }
+    }
+    // And its text, line for line.
+    let text = tt_testkit::run_python_module(
+        "gpu_tracker",
+        &[
+            "sub-track",
+            "analyze",
+            &format!("--tf={}", tf.display()),
+            &format!("--stf={}", stf.display()),
+        ],
+    );
+    assert_eq!(format!("{ours}\n"), text);
+}
+
+#[test]
+fn results_read_back_from_json_nan_included_and_pickles_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = subtrack::analyze(&tracking_csv(tmp.path()), &blocks_csv(tmp.path(), "b.csv")).unwrap();
+    let path = tmp.path().join("r.json");
+    std::fs::write(&path, r.to_json()).unwrap();
+    assert_eq!(SubTrackingResults::load(&path).unwrap(), r);
+    // gpu_tracker's NaN (JSON has none) is read as a missing number.
+    let nan = r.to_json().replacen("\"std\": 0.0", "\"std\": NaN", 1);
+    assert!(nan.contains("NaN"));
+    std::fs::write(&path, nan).unwrap();
+    let back = SubTrackingResults::load(&path).unwrap();
+    let nans = back
+        .code_block_results
+        .iter()
+        .flat_map(|b| {
+            b.resource_usage
+                .iter()
+                .map(|(_, s)| s.std)
+                .chain([b.compute_time.std])
+                .collect::<Vec<_>>()
+        })
+        .chain(back.overall.iter().map(|(_, s)| s.std))
+        .filter(|x| x.is_nan())
+        .count();
+    assert_eq!(nans, 1);
+    let pkl = tmp.path().join("r.pkl");
+    std::fs::write(&pkl, [0x80, 4, 0x95]).unwrap();
+    let e = SubTrackingResults::load(&pkl).unwrap_err().to_string();
+    assert!(e.contains("--format json"), "{e}");
+    std::fs::write(&path, "{\"overall\": 3}").unwrap();
+    let e = SubTrackingResults::load(&path).unwrap_err().to_string();
+    assert!(e.contains("sub-track analyze --format json"), "{e}");
+}
+
+#[test]
+fn statistics_are_population_statistics_and_skip_missing_values() {
+    let s = Stats::of([2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]);
+    assert_eq!((s.min, s.max, s.mean, s.std), (2.0, 9.0, 5.0, 2.0));
+    assert_eq!(s.get(Statistic::Max), 9.0);
+    assert_eq!(s.get(Statistic::Min), 2.0);
+    assert_eq!(s.get(Statistic::Std), 2.0);
+    assert_eq!(s.get(Statistic::Mean), 5.0);
+    assert_eq!(Stats::of([f64::NAN, 1.0, 3.0]).mean, 2.0);
+    assert!(Stats::of([]).max.is_nan());
+    for (text, stat) in [
+        ("min", Statistic::Min),
+        ("mean", Statistic::Mean),
+        ("std", Statistic::Std),
+    ] {
+        assert_eq!(text.parse::<Statistic>().unwrap(), stat);
+    }
+    assert!("median"
+        .parse::<Statistic>()
+        .unwrap_err()
+        .to_string()
+        .contains("min, max, mean, std"));
+}
+
+fn session(
+    dir: &Path,
+    name: &str,
+    scale: f64,
+    block: &str,
+) -> (String, SubTrackingResults, PathBuf) {
+    let sub = dir.join(name);
+    std::fs::create_dir_all(&sub).unwrap();
+    let mut text = STATIC.to_owned() + "main_ram,timestamp\n";
+    for i in 0..4 {
+        text += &format!("{},{}.0\n", scale * f64::from(i + 1), 10 + i);
+    }
+    std::fs::write(sub.join("t.csv"), text).unwrap();
+    std::fs::write(
+        sub.join("b.csv"),
+        format!(
+            "process_id,code_block_name,position,timestamp\n1,{block},0,10.0\n1,{block},1,11.0\n"
+        ),
+    )
+    .unwrap();
+    let r = subtrack::analyze(&sub.join("t.csv"), &sub.join("b.csv")).unwrap();
+    (name.to_owned(), r, sub.join("b.csv"))
+}
+
+#[test]
+fn sessions_compare_measure_by_measure_smallest_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let big = session(tmp.path(), "big", 10.0, "train.py:12");
+    let small = session(tmp.path(), "small", 1.0, "train.py:9");
+    // Blocks differing only by line number match; the first session is "big".
+    let c = subtrack::compare(&[big.clone(), small.clone()], Statistic::Max).unwrap();
+    let ram = c.overall_resource_usage.get("main_ram").unwrap();
+    assert_eq!(ram.0, [("small".to_owned(), 4.0), ("big".to_owned(), 40.0)]);
+    let key = "train.py:12 -> train.py:9";
+    let per_block = c.code_block_resource_usage.get("main_ram").unwrap();
+    assert_eq!(per_block.keys().collect::<Vec<_>>(), [key]);
+    assert_eq!(
+        per_block.get(key).unwrap().0,
+        [("small".to_owned(), 2.0), ("big".to_owned(), 20.0)]
+    );
+    assert_eq!(c.code_block_compute_time.get(key).unwrap().len(), 2);
+    let mean = subtrack::compare(&[big.clone(), small.clone()], Statistic::Mean).unwrap();
+    assert_eq!(
+        mean.overall_resource_usage.get("main_ram").unwrap().0,
+        [("small".to_owned(), 2.5), ("big".to_owned(), 25.0)]
+    );
+    // Other blocks do not match: a clear error naming both.
+    let other = session(tmp.path(), "other", 1.0, "eval");
+    let e = subtrack::compare(&[big, other], Statistic::Mean)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("\"train.py:12\"") && e.contains("\"eval\""),
+        "{e}"
+    );
+    assert!(subtrack::compare(&[], Statistic::Mean).is_err());
+}
+
+#[test]
+fn combine_merges_every_record_never_replacing_a_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = blocks_csv(tmp.path(), "a.csv");
+    let b = tmp.path().join("b.csv");
+    std::fs::write(
+        &b,
+        "process_id,code_block_name,position,timestamp\n3,\"x, y\",0,1.5\n3,\"x, y\",1,2.0\n",
+    )
+    .unwrap();
+    let out = tmp.path().join("all.csv");
+    assert_eq!(
+        subtrack::combine(&out, &[a.clone(), b.clone()]).unwrap(),
+        (2, 9)
+    );
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(text.starts_with("process_id,code_block_name,position,timestamp\n"));
+    assert!(text.contains("3,\"x, y\",0,1.5\n"), "quoted as CSV: {text}");
+    assert_eq!(text.lines().count(), 10);
+    let e = subtrack::combine(&out, std::slice::from_ref(&a))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("already exists"), "{e}");
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), text, "untouched");
+    // A directory: its files with the output's extension.
+    let dir = tmp.path().join("blocks");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::copy(&a, dir.join("1.csv")).unwrap();
+    std::fs::write(dir.join("notes.txt"), "not a sub-tracking file").unwrap();
+    let out2 = tmp.path().join("dir.csv");
+    assert_eq!(subtrack::combine(&out2, &[dir]).unwrap(), (1, 7));
+    let e = subtrack::combine(&tmp.path().join("x.json"), &[a])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("*.csv, *.sqlite or *.jsonl"), "{e}");
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn sqlite_blocks_give_the_same_analysis_as_csv_ones() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tf = tracking_csv(tmp.path());
+    let csv = blocks_csv(tmp.path(), "b.csv");
+    let db = tmp.path().join("b.sqlite");
+    assert_eq!(
+        subtrack::combine(&db, std::slice::from_ref(&csv)).unwrap(),
+        (1, 7)
+    );
+    let (a, b) = (
+        subtrack::analyze(&tf, &csv).unwrap(),
+        subtrack::analyze(&tf, &db).unwrap(),
+    );
+    assert_eq!(a, b);
+}
+
+#[cfg(not(feature = "sqlite"))]
+#[test]
+fn sqlite_files_need_the_feature_and_say_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let db = tmp.path().join("b.sqlite");
+    std::fs::write(&db, "").unwrap();
+    let e = subtrack::analyze(&tracking_csv(tmp.path()), &db)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`sqlite` feature"), "{e}");
+}
