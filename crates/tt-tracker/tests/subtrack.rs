@@ -223,10 +223,13 @@ fn results_read_back_from_json_nan_included_and_pickles_are_refused() {
         .filter(|x| x.is_nan())
         .count();
     assert_eq!(nans, 1);
-    let pkl = tmp.path().join("r.pkl");
-    std::fs::write(&pkl, [0x80, 4, 0x95]).unwrap();
-    let e = SubTrackingResults::load(&pkl).unwrap_err().to_string();
-    assert!(e.contains("--format json"), "{e}");
+    // A pickle by its name or by its first byte (protocol 2+ starts with 0x80).
+    for (name, bytes) in [("r.pkl", &b"{}"[..]), ("r.bin", &[0x80, 4, 0x95][..])] {
+        let pkl = tmp.path().join(name);
+        std::fs::write(&pkl, bytes).unwrap();
+        let e = SubTrackingResults::load(&pkl).unwrap_err().to_string();
+        assert!(e.contains("--format json"), "{name}: {e}");
+    }
     std::fs::write(&path, "{\"overall\": 3}").unwrap();
     let e = SubTrackingResults::load(&path).unwrap_err().to_string();
     assert!(e.contains("sub-track analyze --format json"), "{e}");
@@ -297,6 +300,22 @@ fn sessions_compare_measure_by_measure_smallest_first() {
         [("small".to_owned(), 2.0), ("big".to_owned(), 20.0)]
     );
     assert_eq!(c.code_block_compute_time.get(key).unwrap().len(), 2);
+    // gpu_tracker's JSON: the same nesting, in the same order.
+    let json: serde_json::Value = serde_json::from_str(&c.to_json()).unwrap();
+    assert_eq!(json["overall_resource_usage"]["main_ram"]["big"], 40.0);
+    assert_eq!(
+        json["code_block_resource_usage"]["main_ram"][key]["small"],
+        2.0
+    );
+    let text = c.to_string();
+    assert!(
+        text.starts_with("Overall Resource Usage:\n\tMain Ram:\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("\t{key}:\n")),
+        "block names as they are: {text}"
+    );
     let mean = subtrack::compare(&[big.clone(), small.clone()], Statistic::Mean).unwrap();
     assert_eq!(
         mean.overall_resource_usage.get("main_ram").unwrap().0,
