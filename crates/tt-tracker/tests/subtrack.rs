@@ -79,8 +79,8 @@ fn analysis_figures_are_the_hand_computed_ones() {
         ),
         (2, 1, 2)
     );
-    let t = &load.compute_time;
-    assert_eq!((t.min, t.max, t.mean, t.total), (0.25, 1.5, 0.875, 1.75));
+    let (t, total) = (&load.compute_time.stats, load.compute_time.total);
+    assert_eq!((t.min, t.max, t.mean, total), (0.25, 1.5, 0.875, 1.75));
     assert!(close(t.std, 0.625));
     let l = load.resource_usage.get("main_ram").unwrap();
     assert_eq!((l.min, l.max, l.mean, l.std), (1.0, 2.0, 1.5, 0.5));
@@ -96,7 +96,7 @@ fn analysis_figures_are_the_hand_computed_ones() {
     );
     let th = step.resource_usage.get("main_n_threads").unwrap();
     assert_eq!((th.min, th.max, th.mean), (2.0, 3.0, 2.5));
-    assert_eq!(step.compute_time.std, 0.0);
+    assert_eq!(step.compute_time.stats.std, 0.0);
 }
 
 /// A tracking file with every measure gpu_tracker's analysis reads (its layout), each
@@ -216,7 +216,7 @@ fn results_read_back_from_json_nan_included_and_pickles_are_refused() {
             b.resource_usage
                 .iter()
                 .map(|(_, s)| s.std)
-                .chain([b.compute_time.std])
+                .chain([b.compute_time.stats.std])
                 .collect::<Vec<_>>()
         })
         .chain(back.overall.iter().map(|(_, s)| s.std))

@@ -187,36 +187,16 @@ impl Stats {
     }
 }
 
-/// A code block's times between its start and its stop: [`Stats`] and their total.
+/// A code block's times between its start and its stop: [`Stats`] and their total
+/// (in JSON, gpu_tracker's flat `min`, `max`, `mean`, `std`, `total`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct ComputeTimeStats {
-    /// Shortest call.
-    #[serde(deserialize_with = "de_number")]
-    pub min: f64,
-    /// Longest call.
-    #[serde(deserialize_with = "de_number")]
-    pub max: f64,
-    /// Mean call.
-    #[serde(deserialize_with = "de_number")]
-    pub mean: f64,
-    /// Population standard deviation.
-    #[serde(deserialize_with = "de_number")]
-    pub std: f64,
+    /// Shortest, longest and mean call, and their standard deviation.
+    #[serde(flatten)]
+    pub stats: Stats,
     /// All calls together.
     #[serde(deserialize_with = "de_number")]
     pub total: f64,
-}
-
-impl ComputeTimeStats {
-    /// One statistic.
-    pub fn get(&self, statistic: Statistic) -> f64 {
-        match statistic {
-            Statistic::Min => self.min,
-            Statistic::Max => self.max,
-            Statistic::Mean => self.mean,
-            Statistic::Std => self.std,
-        }
-    }
 }
 
 /// A static-data value as read: text, integer or real.
@@ -379,17 +359,13 @@ pub fn analyze(tracking_file: &Path, sub_tracking_file: &Path) -> Result<SubTrac
             .filter(|p| rows.iter().any(|r| within(r[ts], p)))
             .count();
         let durations: Vec<f64> = pairs.iter().map(|(a, b)| b - a).collect();
-        let s = Stats::of(durations.iter().copied());
         code_block_results.push(CodeBlockResults {
             name: name.to_owned(),
             num_timepoints: rows.len(),
             num_calls: pairs.len(),
             num_non_empty_calls: non_empty,
             compute_time: ComputeTimeStats {
-                min: s.min,
-                max: s.max,
-                mean: s.mean,
-                std: s.std,
+                stats: Stats::of(durations.iter().copied()),
                 total: durations.iter().sum(),
             },
             resource_usage: tp.stats(&rows),
@@ -621,7 +597,7 @@ pub fn compare(
         let values = sessions
             .iter()
             .zip(&sorted)
-            .map(|((name, ..), sorted)| (name.clone(), sorted[i].compute_time.get(statistic)))
+            .map(|((name, ..), sorted)| (name.clone(), sorted[i].compute_time.stats.get(statistic)))
             .collect();
         times.insert(block_key(&sorted, i), ascending(values));
     }

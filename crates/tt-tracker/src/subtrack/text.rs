@@ -235,13 +235,13 @@ pub(super) fn results(r: &SubTrackingResults) -> String {
         .code_block_results
         .iter()
         .map(|b| {
-            let t = &b.compute_time;
+            let (t, total) = (&b.compute_time.stats, b.compute_time.total);
             let times = [
                 ("min", t.min),
                 ("max", t.max),
                 ("mean", t.mean),
                 ("std", t.std),
-                ("total", t.total),
+                ("total", total),
             ];
             vec![
                 ("name".to_owned(), Node::Scalar(b.name.clone())),
