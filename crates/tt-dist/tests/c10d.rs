@@ -66,7 +66,7 @@ fn rank_main(role: &str) -> TestResult {
     let env = DistEnv::from_env().map_err(|e| e.to_string())?;
     let pg = ProcessGroup::new(&env, &opts).map_err(|e| e.to_string())?;
     match role {
-        "collectives" => check_collectives(&pg),
+        "collectives" => check_default_backend(&pg).and_then(|()| check_collectives(&pg)),
         "interop" => {
             // Python rank 1 runs the same steps (see PY_INTEROP).
             let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]) * (pg.rank() as f64 + 1.0);
@@ -213,8 +213,9 @@ fn expect_eq(got: &Tensor, want: &Tensor, what: &str) -> TestResult {
     }
 }
 
-fn check_collectives(pg: &ProcessGroup) -> TestResult {
-    // No backend asked for: NCCL for a CUDA device when NCCL is built, else Gloo.
+/// A launched rank's group: no backend asked for, so NCCL for a CUDA device when NCCL
+/// is built, else Gloo.
+fn check_default_backend(pg: &ProcessGroup) -> TestResult {
     let cuda = matches!(tt_device::select(), Ok(tch::Device::Cuda(_)));
     let expected = if cuda && tt_sys::c10d::nccl_built() {
         tt_dist::BackendKind::Nccl
@@ -227,6 +228,10 @@ fn check_collectives(pg: &ProcessGroup) -> TestResult {
             pg.backend()
         ));
     }
+    Ok(())
+}
+
+fn check_collectives(pg: &ProcessGroup) -> TestResult {
     let w = pg.world_size() as i64;
     let r = pg.rank() as i64;
     let err = |e: tt_dist::Error| e.to_string();
