@@ -158,3 +158,38 @@ pub(crate) fn io(
     let path = path.into();
     move |source| Error::Io { op, path, source }
 }
+
+#[cfg(test)]
+mod state_dict_tests {
+    use super::*;
+
+    fn message(mismatched: &[&str], strict: bool) -> String {
+        Error::StateDict {
+            path: PathBuf::from("ckpt-3.safetensors"),
+            missing: vec!["l2.bias".into()],
+            unexpected: vec!["head.w".into()],
+            mismatched: mismatched.iter().map(|s| (*s).to_owned()).collect(),
+            strict,
+        }
+        .to_string()
+    }
+
+    #[test]
+    fn a_state_dict_that_does_not_fit_says_what_and_how_to_load_anyway() {
+        let strict = message(&["l1.weight: shape [4, 2] in the file, [4, 3] here"], true);
+        assert_eq!(
+            strict,
+            "cannot load ckpt-3.safetensors into the VarStore: does not fit: l1.weight: \
+             shape [4, 2] in the file, [4, 3] here; missing in the file: \"l2.bias\"; \
+             unexpected in the file: \"head.w\" (the names must match the VarStore's \
+             paths, e.g. \"l1.weight\"; LoadOptions::non_strict() loads what matches and \
+             reports the rest)"
+        );
+        // Non-strict: only what does not fit, and no advice about names.
+        assert_eq!(
+            message(&["l1.weight: dtype"], false),
+            "cannot load ckpt-3.safetensors into the VarStore: does not fit: l1.weight: dtype"
+        );
+        assert!(!message(&[], true).contains("does not fit"));
+    }
+}
