@@ -358,6 +358,23 @@ fn stale_temps_of_dead_writers_are_removed_live_ones_kept() {
         !stale.exists() && live.exists() && foreign.exists(),
         "a recent foreign temp may be a live writer"
     );
+    // Another host's temp file: kept for a day (its writer may be alive there), then
+    // removed.
+    let aged = |hours: u64| {
+        let when = std::time::SystemTime::now() - std::time::Duration::from_secs(hours * 3600);
+        std::fs::File::options()
+            .write(true)
+            .open(&foreign)
+            .unwrap()
+            .set_modified(when)
+            .unwrap();
+    };
+    aged(2);
+    assert_eq!(clean_stale_temps(root.path()).unwrap(), 0);
+    assert!(foreign.exists(), "2 hours old: kept");
+    aged(25);
+    assert_eq!(clean_stale_temps(root.path()).unwrap(), 1);
+    assert!(!foreign.exists(), "25 hours old: removed");
 }
 
 #[test]
