@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Result;
-use tt_tracker::subtrack::{self, Statistic, SubTrackingResults};
+use tt_tracker::subtrack::{self, OrderedMap, Statistic, SubTrackingResults};
 
 use crate::child::Exit;
 use crate::track::check_output;
@@ -20,17 +20,24 @@ fn input(e: tt_tracker::Error) -> anyhow::Error {
     bad(e.to_string())
 }
 
-/// `--format`: text or json; pickle is refused before any work, with the way out.
-fn json_format(format: &str) -> Result<bool> {
-    match format {
-        "json" => Ok(true),
-        "text" => Ok(false),
-        _ => Err(bad(
-            "--format pickle: torchtools writes no pickles (loading one can run any code); \
-             use --format json: `torchtools track sub-track compare` reads the JSON of both \
-             tools",
-        )),
+/// `--format` and `--output`, checked before any work: text or json (pickle is refused,
+/// with the way out), and an output path that can be written. Whether JSON was asked.
+fn checked_format(format: &str, output: Option<&Path>) -> Result<bool> {
+    let json = match format {
+        "json" => true,
+        "text" => false,
+        _ => {
+            return Err(bad(
+                "--format pickle: torchtools writes no pickles (loading one can run any \
+                 code); use --format json: `torchtools track sub-track compare` reads the \
+                 JSON of both tools",
+            ))
+        }
+    };
+    if let Some(o) = output {
+        check_output("--output", o)?;
     }
+    Ok(json)
 }
 
 /// The report to `output` as gpu_tracker writes it (JSON ending with a newline), or to
@@ -71,10 +78,7 @@ pub(crate) fn analyze(
     output: Option<&Path>,
     format: &str,
 ) -> Result<ExitCode> {
-    let json = json_format(format)?;
-    if let Some(o) = output {
-        check_output("--output", o)?;
-    }
+    let json = checked_format(format, output)?;
     let results = subtrack::analyze(tracking_file, sub_tracking_file).map_err(input)?;
     let text = if json {
         results.to_json()
@@ -103,16 +107,10 @@ pub(crate) fn compare(
     output: Option<&Path>,
     format: &str,
 ) -> Result<ExitCode> {
-    let json = json_format(format)?;
-    if let Some(o) = output {
-        check_output("--output", o)?;
-    }
-    let mut sessions: Vec<(String, PathBuf)> = Vec::new();
+    let json = checked_format(format, output)?;
+    // A later session of the same name replaces the earlier, as in gpu_tracker.
+    let mut sessions: OrderedMap<PathBuf> = OrderedMap::default();
     let mut statistic = None;
-    let mut add = |name: String, path: PathBuf| match sessions.iter_mut().find(|s| s.0 == name) {
-        Some(s) => s.1 = path,
-        None => sessions.push((name, path)),
-    };
     if let Some(path) = cconfig {
         let shown = path.display();
         let text =
@@ -144,7 +142,7 @@ pub(crate) fn compare(
                         "--cconfig {shown}: the file of {name:?} must be a string"
                     ))
                 })?;
-                add(name.clone(), PathBuf::from(file));
+                sessions.insert(name.clone(), PathBuf::from(file));
             }
         }
         if let Some(s) = config.get("statistic") {
@@ -166,7 +164,7 @@ pub(crate) fn compare(
         if name.is_empty() || file.is_empty() {
             return Err(bad(format!("-m {m}: both NAME and FILE are needed")));
         }
-        add(name.to_owned(), PathBuf::from(file));
+        sessions.insert(name.to_owned(), PathBuf::from(file));
     }
     if sessions.is_empty() {
         return Err(bad(
@@ -182,6 +180,7 @@ pub(crate) fn compare(
         .parse()
         .map_err(input)?;
     let loaded = sessions
+        .0
         .into_iter()
         .map(|(name, path)| SubTrackingResults::load(&path).map(|r| (name, r, path)))
         .collect::<tt_tracker::Result<Vec<_>>>()

@@ -61,6 +61,11 @@ fn torchtools(dir: &Path, args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// `torchtools track sub-track ARGS` in `dir`.
+fn sub_track(dir: &Path, args: &[&str]) -> Output {
+    torchtools(dir, &[&["track", "sub-track"], args].concat())
+}
+
 fn ok(out: &Output) -> String {
     assert!(
         out.status.success(),
@@ -195,18 +200,9 @@ fn analyze_combine_and_compare_match_gpu_trackers_own_commands() {
                 &names[1],
             ],
         );
-        ok(&torchtools(
+        ok(&sub_track(
             &dir,
-            &[
-                "track",
-                "sub-track",
-                "combine",
-                "--stf",
-                &ours,
-                "-p",
-                &names[0],
-                &names[1],
-            ],
+            &["combine", "--stf", &ours, "-p", &names[0], &names[1]],
         ));
         let blocks_dir = dir.join("blocks");
         std::fs::create_dir(&blocks_dir).unwrap();
@@ -215,31 +211,12 @@ fn analyze_combine_and_compare_match_gpu_trackers_own_commands() {
         }
         std::fs::write(blocks_dir.join("README"), "not a sub-tracking file").unwrap();
         let from_dir = format!("from_dir.{ext}");
-        ok(&torchtools(
+        ok(&sub_track(
             &dir,
-            &[
-                "track",
-                "sub-track",
-                "combine",
-                "--stf",
-                &from_dir,
-                "-p",
-                "blocks",
-            ],
+            &["combine", "--stf", &from_dir, "-p", "blocks"],
         ));
         // Combining never replaces a file.
-        let again = torchtools(
-            &dir,
-            &[
-                "track",
-                "sub-track",
-                "combine",
-                "--stf",
-                &ours,
-                "-p",
-                &names[0],
-            ],
-        );
+        let again = sub_track(&dir, &["combine", "--stf", &ours, "-p", &names[0]]);
         refused(&again, "already exists");
         // analyze: the same text, line for line, and the same JSON, on either tool's
         // combined file.
@@ -247,34 +224,20 @@ fn analyze_combine_and_compare_match_gpu_trackers_own_commands() {
         for stf in [&theirs, &ours, &from_dir] {
             let stf = format!("--stf={stf}");
             let their_text = gpu_tracker(&dir, &["sub-track", "analyze", &tf, &stf]);
-            let our_text = ok(&torchtools(
-                &dir,
-                &["track", "sub-track", "analyze", &tf, &stf],
-            ));
+            let our_text = ok(&sub_track(&dir, &["analyze", &tf, &stf]));
             assert_eq!(our_text, their_text, "{ext} {stf}: text");
             let their_json =
                 gpu_tracker(&dir, &["sub-track", "analyze", &tf, &stf, "--format=json"]);
-            let our_json = ok(&torchtools(
-                &dir,
-                &["track", "sub-track", "analyze", &tf, &stf, "--format=json"],
-            ));
+            let our_json = ok(&sub_track(&dir, &["analyze", &tf, &stf, "--format=json"]));
             same_json(
                 &serde_json::from_str(&our_json).unwrap(),
                 &python_json(&their_json),
                 "",
             );
         }
-        let ours_json: serde_json::Value = serde_json::from_str(&ok(&torchtools(
+        let ours_json: serde_json::Value = serde_json::from_str(&ok(&sub_track(
             &dir,
-            &[
-                "track",
-                "sub-track",
-                "analyze",
-                &tf,
-                &format!("--stf={ours}"),
-                "-f",
-                "json",
-            ],
+            &["analyze", &tf, &format!("--stf={ours}"), "-f", "json"],
         )))
         .unwrap();
         let results = ours_json["code_block_results"].as_array().unwrap();
@@ -333,8 +296,8 @@ fn analyze_combine_and_compare_match_gpu_trackers_own_commands() {
             ("gt_csv.json", "tt_sqlite.json"),
         ] {
             let (ma, mb) = (format!("a={a}"), format!("b={b}"));
-            let args = ["track", "sub-track", "compare", "-m", &ma, "-m", &mb, &stat];
-            assert_eq!(ok(&torchtools(root, &args)), theirs, "{a} {b} {stat}");
+            let args = ["compare", "-m", &ma, "-m", &mb, &stat];
+            assert_eq!(ok(&sub_track(root, &args)), theirs, "{a} {b} {stat}");
         }
         let their_json = gpu_tracker(
             root,
@@ -350,11 +313,9 @@ fn analyze_combine_and_compare_match_gpu_trackers_own_commands() {
                 "json",
             ],
         );
-        let our_json = ok(&torchtools(
+        let our_json = ok(&sub_track(
             root,
             &[
-                "track",
-                "sub-track",
                 "compare",
                 "-m",
                 "a=gt_csv.json",
@@ -376,23 +337,13 @@ fn analyze_combine_and_compare_match_gpu_trackers_own_commands() {
         r#"{"file_path_map": {"a": "gt_csv.json"}, "statistic": "max"}"#,
     )
     .unwrap();
-    let with_config = ok(&torchtools(
+    let with_config = ok(&sub_track(
         root,
-        &[
-            "track",
-            "sub-track",
-            "compare",
-            "--cconfig",
-            "c.json",
-            "-m",
-            "b=tt_sqlite.json",
-        ],
+        &["compare", "--cconfig", "c.json", "-m", "b=tt_sqlite.json"],
     ));
-    let spelled_out = ok(&torchtools(
+    let spelled_out = ok(&sub_track(
         root,
         &[
-            "track",
-            "sub-track",
             "compare",
             "-m",
             "a=gt_csv.json",
@@ -403,8 +354,7 @@ fn analyze_combine_and_compare_match_gpu_trackers_own_commands() {
     ));
     assert_eq!(with_config, spelled_out);
     // A pickle is refused with the way to JSON; so is writing one; other bad input too.
-    let compare =
-        |args: &[&str]| torchtools(root, &[&["track", "sub-track", "compare"], args].concat());
+    let compare = |args: &[&str]| sub_track(root, &[&["compare"], args].concat());
     refused(
         &compare(&["-m", "a=gt_csv.pickle", "-m", "b=tt_sqlite.json"]),
         "--format json",
@@ -420,17 +370,9 @@ fn analyze_combine_and_compare_match_gpu_trackers_own_commands() {
         &compare(&["-m", "a=gt_csv.json", "-o", "no/such/dir/c.txt"]),
         "does not exist",
     );
-    let analyze = torchtools(
+    let analyze = sub_track(
         root,
-        &[
-            "track",
-            "sub-track",
-            "analyze",
-            "--tf",
-            "csv/t.csv",
-            "--stf",
-            "csv/t.xlsx",
-        ],
+        &["analyze", "--tf", "csv/t.csv", "--stf", "csv/t.xlsx"],
     );
     refused(&analyze, "*.csv, *.sqlite or *.jsonl");
 }
@@ -456,19 +398,9 @@ fn our_own_blocks_and_jsonl_timelines_are_analysed_too() {
     }
     let usage = tracker.stop().unwrap();
     let t = tl.to_str().unwrap();
-    let out = ok(&torchtools(
+    let out = ok(&sub_track(
         tmp.path(),
-        &[
-            "track",
-            "sub-track",
-            "analyze",
-            "--tf",
-            t,
-            "--stf",
-            t,
-            "-f",
-            "json",
-        ],
+        &["analyze", "--tf", t, "--stf", t, "-f", "json"],
     ));
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let step = &v["code_block_results"][0];

@@ -137,6 +137,15 @@ fn holder_of(dir: &Path, which: &[(&str, String)]) -> Child {
     child
 }
 
+/// What `list` says of one GPU's lock.
+fn state_of(dir: &LockDir, gpu: &GpuKey) -> tt_lock::LockState {
+    dir.list()
+        .unwrap()
+        .into_iter()
+        .find(|s| s.gpu == *gpu)
+        .unwrap_or_else(|| panic!("no lock file for {gpu}"))
+}
+
 fn lock_dir() -> (tempfile::TempDir, LockDir) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = LockDir::open(tmp.path().join("locks")).unwrap();
@@ -649,12 +658,7 @@ fn a_lock_file_replaced_while_waiting_is_locked_anew() {
     child.wait().unwrap();
     let lock = waiter.join().unwrap().unwrap();
     assert!(path.exists(), "a new lock file was created");
-    let state = dir
-        .list()
-        .unwrap()
-        .into_iter()
-        .find(|s| s.gpu == GpuKey::Index(7))
-        .unwrap();
+    let state = state_of(&dir, &GpuKey::Index(7));
     assert!(state.held, "the lock others see is held: {state:?}");
     drop(lock);
 }
@@ -736,12 +740,7 @@ fn a_shared_lock_is_inherited_by_the_command_which_cannot_release_it() {
     );
     // The command let go of its copy: the GPU is still ours, with the command's pid
     // recorded by set_holder.
-    let state = dir
-        .list()
-        .unwrap()
-        .into_iter()
-        .find(|s| s.gpu == GpuKey::Index(4))
-        .unwrap();
+    let state = state_of(&dir, &GpuKey::Index(4));
     assert!(state.held, "{state:?}");
     assert_eq!(state.holder.and_then(|h| h.command_pid), Some(child_pid));
     // A variable naming a descriptor that is not open, or not this lock file, is no

@@ -14,6 +14,12 @@ pub enum Error {
         /// The accepted names.
         valid: &'static str,
     },
+    /// A summary statistic that is not one of gpu_tracker's.
+    #[error("{value:?} is not a summary statistic: use one of min, max, mean, std")]
+    InvalidStatistic {
+        /// The text given.
+        value: String,
+    },
     /// An interval below the 10 ms minimum.
     #[error("a sampling interval of {given:?} is too short: the minimum is 10ms")]
     IntervalTooShort {

@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::{Error, Result};
 
 /// gpu_tracker's `_StaticData`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub(crate) struct StaticData {
     pub(crate) ram_unit: String,
     pub(crate) gpu_ram_unit: String,

@@ -400,10 +400,8 @@ impl FromStr for Statistic {
             "max" => Ok(Statistic::Max),
             "mean" => Ok(Statistic::Mean),
             "std" => Ok(Statistic::Std),
-            other => Err(Error::InvalidUnit {
+            other => Err(Error::InvalidStatistic {
                 value: other.to_owned(),
-                kind: "summary statistic",
-                valid: "min, max, mean, std",
             }),
         }
     }
@@ -466,10 +464,11 @@ impl Comparison {
     }
 }
 
-/// The line number of a `path:line` block name (gpu_tracker's default names).
-fn line_number(name: &str) -> Option<&str> {
-    let (_, last) = name.rsplit_once(':')?;
-    last.parse::<i64>().ok().map(|_| last)
+/// A `path:line` block name (gpu_tracker's default names) split into its place and its
+/// line number.
+fn place_and_line(name: &str) -> Option<(&str, &str)> {
+    let (place, line) = name.rsplit_once(':')?;
+    line.parse::<i64>().ok().map(|_| (place, line))
 }
 
 /// Blocks in gpu_tracker's comparison order: by name, line numbers compared as numbers.
@@ -477,12 +476,12 @@ fn sorted_blocks(results: &SubTrackingResults) -> Vec<&CodeBlockResults> {
     let width = results
         .code_block_results
         .iter()
-        .filter_map(|b| line_number(&b.name).map(str::len))
+        .filter_map(|b| place_and_line(&b.name).map(|(_, line)| line.len()))
         .max()
         .unwrap_or(0);
-    let key = |name: &str| match (line_number(name), name.rsplit_once(':')) {
-        (Some(line), Some((head, _))) => format!("{head}:{line:0>width$}"),
-        _ => name.to_owned(),
+    let key = |name: &str| match place_and_line(name) {
+        Some((place, line)) => format!("{place}:{line:0>width$}"),
+        None => name.to_owned(),
     };
     let mut blocks: Vec<&CodeBlockResults> = results.code_block_results.iter().collect();
     blocks.sort_by_cached_key(|b| key(&b.name));
@@ -499,15 +498,19 @@ fn ascending(mut values: Vec<(String, f64)>) -> OrderedMap<f64> {
 }
 
 /// gpu_tracker's `sub-track compare -m NAME=FILE... --stat STATISTIC`: sessions (in the
-/// order given; a later one of the same name replaces the earlier) compared measure by
-/// measure and code block by code block. Blocks are matched by name in sorted order;
+/// order given, their names distinct: the command line lets a later `-m NAME=` replace
+/// an earlier one) compared measure by measure and code block by code block. Blocks are matched by name in sorted order;
 /// names that differ only in their line number (`train.py:12` and `train.py:14`) match,
 /// with a warning, as in gpu_tracker. `paths` name the sessions' files in errors.
 pub fn compare(
     sessions: &[(String, SubTrackingResults, PathBuf)],
     statistic: Statistic,
 ) -> Result<Comparison> {
-    let Some(first) = sessions.iter().min_by(|a, b| a.0.cmp(&b.0)) else {
+    let Some((i1, first)) = sessions
+        .iter()
+        .enumerate()
+        .min_by(|a, b| a.1 .0.cmp(&b.1 .0))
+    else {
         return Err(error(
             Path::new("-m"),
             "no session to compare: give -m NAME=FILE.json (twice or more) or --cconfig",
@@ -515,7 +518,7 @@ pub fn compare(
     };
     let sorted: Vec<Vec<&CodeBlockResults>> =
         sessions.iter().map(|s| sorted_blocks(&s.1)).collect();
-    let blocks1 = sorted_blocks(&first.1);
+    let blocks1 = &sorted[i1];
     for ((name, _, path), blocks) in sessions.iter().zip(&sorted) {
         if blocks.len() != blocks1.len() {
             return Err(error(
@@ -533,11 +536,10 @@ pub fn compare(
             if b1.name == b.name {
                 continue;
             }
-            let same_place = matches!(
-                (line_number(&b1.name), line_number(&b.name)),
-                (Some(_), Some(_))
-            ) && b1.name.rsplit_once(':').map(|x| x.0)
-                == b.name.rsplit_once(':').map(|x| x.0);
+            let same_place = match (place_and_line(&b1.name), place_and_line(&b.name)) {
+                (Some((p1, _)), Some((p, _))) => p1 == p,
+                _ => false,
+            };
             if !same_place {
                 return Err(error(
                     path,

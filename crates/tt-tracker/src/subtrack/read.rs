@@ -4,21 +4,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::{error, Event, OrderedMap, Scalar, Timepoints};
-use crate::timeline::{csv_lines, Cell, Row};
+use crate::timeline::{csv_lines, Cell, Row, StaticData};
 use crate::Result;
-
-/// gpu_tracker's static data fields, in its order (our JSON Lines files sort them).
-const STATIC_ORDER: [&str; 9] = [
-    "ram_unit",
-    "gpu_ram_unit",
-    "time_unit",
-    "ram_system_capacity",
-    "gpu_ram_system_capacity",
-    "system_core_count",
-    "n_expected_cores",
-    "system_gpu_count",
-    "n_expected_gpus",
-];
 
 const EVENT_COLUMNS: [&str; 4] = ["process_id", "code_block_name", "position", "timestamp"];
 
@@ -98,13 +85,15 @@ fn column(path: &Path, header: &[String], name: &str) -> Result<usize> {
     })
 }
 
+/// Static data in gpu_tracker's field order (our JSON Lines files sort the keys): the
+/// order our CSV and SQLite timelines write them in.
 fn sorted_static(mut pairs: Vec<(String, Scalar)>) -> OrderedMap<Scalar> {
-    pairs.sort_by_key(|(k, _)| {
-        STATIC_ORDER
-            .iter()
-            .position(|s| s == k)
-            .unwrap_or(STATIC_ORDER.len())
-    });
+    let order: Vec<&str> = StaticData::default()
+        .row()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    pairs.sort_by_key(|(k, _)| order.iter().position(|s| s == k).unwrap_or(order.len()));
     OrderedMap(pairs)
 }
 
