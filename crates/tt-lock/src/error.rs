@@ -42,15 +42,17 @@ pub enum Error {
         source: std::io::Error,
     },
     /// `Wait::Try` and the GPU is locked by someone else.
-    #[error("{gpu} is locked{}", holder_text(.holder))]
+    #[error("{gpu} is {}", busy_text(.holder, *.waiting))]
     WouldBlock {
         /// The GPU.
         gpu: GpuKey,
         /// Who holds it, when the lock file says.
         holder: Option<Box<Holder>>,
+        /// How many earlier requests in the queue wait for it.
+        waiting: usize,
     },
     /// `Wait::Timeout` ran out and the GPU is still locked.
-    #[error("timed out after {waited:.1?} waiting for {gpu}{}", holder_text(.holder))]
+    #[error("timed out after {waited:.1?} waiting for {gpu}, which is {}", busy_text(.holder, *.waiting))]
     Timeout {
         /// The GPU.
         gpu: GpuKey,
@@ -58,6 +60,8 @@ pub enum Error {
         waited: Duration,
         /// Who holds it, when the lock file says.
         holder: Option<Box<Holder>>,
+        /// How many earlier requests in the queue still wait for it.
+        waiting: usize,
     },
     /// This process already holds this GPU's lock through another guard.
     #[error(
@@ -107,10 +111,16 @@ pub enum Error {
     },
 }
 
-fn holder_text(holder: &Option<Box<Holder>>) -> String {
-    match holder {
-        Some(h) => format!(" by {h}"),
-        None => " (its holder left no readable record)".to_owned(),
+/// Why a GPU cannot be had now: its holder, and the earlier requests waiting for it.
+fn busy_text(holder: &Option<Box<Holder>>, waiting: usize) -> String {
+    let queue = format!(
+        "{waiting} earlier request(s) in the queue wait for it (`torchtools queue` lists them)"
+    );
+    match (holder, waiting) {
+        (Some(h), 0) => format!("locked by {h}"),
+        (Some(h), _) => format!("locked by {h}, and {queue}"),
+        (None, 0) => "locked (its holder left no readable record)".to_owned(),
+        (None, _) => format!("free, but {queue}"),
     }
 }
 

@@ -52,6 +52,7 @@ mod gpu;
 mod holder;
 mod list;
 mod lock;
+mod queue;
 
 pub use dir::{LockDir, DEFAULT_LOCK_DIR, LOCK_DIR_ENV};
 pub use error::{Error, Result};
@@ -59,3 +60,4 @@ pub use gpu::{GpuKey, GpuSpec};
 pub use holder::Holder;
 pub use list::LockState;
 pub use lock::{share_with, GpuLock, Wait, HELD_LOCKS_ENV};
+pub use queue::{Waiter, Wants};

@@ -10,7 +10,7 @@ use serde::Serialize;
 use tt_device::{Inventory, NvmlStatus};
 
 use crate::lock::read_holder;
-use crate::{GpuKey, Holder, LockDir, Result};
+use crate::{GpuKey, Holder, LockDir, Result, Waiter};
 
 /// One GPU's lock as [`LockDir::list`] and [`LockDir::status`] see it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -27,6 +27,8 @@ pub struct LockState {
     pub held: bool,
     /// The holder's record, when held (a dead holder's record is not shown).
     pub holder: Option<Holder>,
+    /// How many requests in the queue wait for this GPU (`auto` ones included).
+    pub waiting: usize,
 }
 
 impl LockDir {
@@ -68,9 +70,14 @@ impl LockDir {
                 path,
                 held,
                 holder: if held { read_holder(&file) } else { None },
+                waiting: 0,
             });
         }
         states.sort_by(|a, b| a.gpu.cmp(&b.gpu));
+        let queue = self.queue()?;
+        for state in &mut states {
+            state.waiting = waiting_for(&queue, &state.gpu);
+        }
         Ok(states)
     }
 
@@ -91,6 +98,7 @@ impl LockDir {
                         name: None,
                         held: false,
                         holder: None,
+                        waiting: 0,
                     },
                 };
                 state.nvml_index = Some(gpu.nvml_index);
@@ -101,6 +109,14 @@ impl LockDir {
         out.extend(files);
         Ok(out)
     }
+}
+
+/// How many of the queued requests wait for `gpu`.
+fn waiting_for(queue: &[Waiter], gpu: &GpuKey) -> usize {
+    queue
+        .iter()
+        .filter(|w| w.wants.gpus().contains(gpu))
+        .count()
 }
 
 /// The (major, minor, inode) of every file with a `flock` lock, from `/proc/locks`;
@@ -150,7 +166,7 @@ fn parse_proc_locks(text: &str) -> HashSet<(u32, u32, u64)> {
 /// Whether someone holds an exclusive lock on `file`: a non-blocking shared lock
 /// fails then. (It may make a concurrent try-lock fail during the probe, which is why
 /// `/proc/locks` is preferred.)
-fn probe_held(file: &File) -> bool {
+pub(crate) fn probe_held(file: &File) -> bool {
     // SAFETY: the fd is open for the duration of the calls.
     unsafe {
         if libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) == 0 {

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use tt_device::{Inventory, NvmlStatus};
 
+use crate::queue::{Ticket, Waiter, Wants, Watch};
 use crate::{Error, GpuKey, Holder, LockDir, Result};
 
 /// The variable through which `torchtools reserve` hands its locks to the command it
@@ -21,19 +22,16 @@ pub const HELD_LOCKS_ENV: &str = "TORCHTOOLS_HELD_LOCKS";
 /// How to wait for a lock that someone else holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Wait {
-    /// Fail at once with [`Error::WouldBlock`], naming the holder.
+    /// Fail at once with [`Error::WouldBlock`], naming the holder; never queues. It
+    /// fails too when the GPU is free but an earlier request waits for it.
     Try,
-    /// Wait as long as it takes (the kernel wakes the waiter when the lock is released).
+    /// Wait in the queue as long as it takes (woken when a holder lets go or dies).
     Block,
-    /// Wait at most this long, then fail with [`Error::Timeout`], naming the holder.
-    /// It never returns early, and returns within about 2 ms after the deadline.
+    /// Wait in the queue at most this long, then leave it and fail with
+    /// [`Error::Timeout`], naming the holder. It never returns early, and returns
+    /// within a few milliseconds after the deadline.
     Timeout(Duration),
 }
-
-/// The longest sleep between two attempts of a timed wait: bounds both the overshoot
-/// past the deadline and the hand-off delay of a timed waiter.
-const MAX_POLL: Duration = Duration::from_millis(2);
-const FIRST_POLL: Duration = Duration::from_micros(50);
 
 /// A held GPU lock: released when dropped, or by the kernel when the process dies.
 #[derive(Debug)]
@@ -153,109 +151,39 @@ pub fn share_with(command: &mut Command, locks: &[GpuLock]) {
 impl LockDir {
     /// Locks one GPU. `holder` is written into the lock file (its `gpu` is filled in).
     ///
+    /// The request takes its place in the directory's first-come-first-served queue
+    /// when it has to wait (see [`LockDir::queue`]): it is granted when the GPU is free
+    /// and no earlier live request waits for it. [`Wait::Try`] never queues.
+    ///
     /// If this process inherited the lock from `torchtools reserve`
     /// ([`HELD_LOCKS_ENV`]), that lock is returned at once.
     pub fn lock(&self, key: &GpuKey, wait: Wait, holder: Holder) -> Result<GpuLock> {
-        let deadline = match wait {
-            Wait::Timeout(d) => Some((Instant::now(), d)),
-            _ => None,
+        let wants = Wants::Gpus {
+            gpus: vec![key.clone()],
         };
-        self.lock_until(key, wait, deadline, holder)
+        let mut locks = self.acquire(wants, wait, holder)?;
+        // One GPU asked, one lock granted.
+        locks.pop().ok_or(Error::AlreadyHeld { gpu: key.clone() })
     }
 
-    fn lock_until(
-        &self,
-        key: &GpuKey,
-        wait: Wait,
-        deadline: Option<(Instant, Duration)>,
-        mut holder: Holder,
-    ) -> Result<GpuLock> {
-        holder.gpu = key.cuda_visible_entry();
-        let name = key.file_name();
-        let path = self.path().join(&name);
-        if let Some(lock) = self.inherited(key, &path, &holder)? {
-            return Ok(lock);
-        }
-        // A second lock of the same file in one process would wait for itself forever.
-        let registered =
-            Registered::new(&path).ok_or_else(|| Error::AlreadyHeld { gpu: key.clone() })?;
-        loop {
-            let file = self.open_file(&name)?;
-            match wait {
-                Wait::Try => {
-                    if !try_flock(&file, &path)? {
-                        return Err(Error::WouldBlock {
-                            gpu: key.clone(),
-                            holder: read_holder(&file).map(Box::new),
-                        });
-                    }
-                }
-                Wait::Block => {
-                    if !try_flock(&file, &path)? {
-                        tracing::info!(
-                            "waiting for {key}, held by {}",
-                            read_holder(&file)
-                                .map_or("an unknown process".into(), |h| h.to_string())
-                        );
-                        flock_blocking(&file, &path)?;
-                    }
-                }
-                Wait::Timeout(_) => {
-                    let (start, limit) = deadline.unwrap_or((Instant::now(), Duration::ZERO));
-                    let mut pause = FIRST_POLL;
-                    while !try_flock(&file, &path)? {
-                        let waited = start.elapsed();
-                        if waited >= limit {
-                            return Err(Error::Timeout {
-                                gpu: key.clone(),
-                                waited,
-                                holder: read_holder(&file).map(Box::new),
-                            });
-                        }
-                        std::thread::sleep(pause.min(limit - waited));
-                        pause = (pause * 2).min(MAX_POLL);
-                    }
-                }
-            }
-            // The file may have been replaced while we waited (a lock file deleted by a
-            // /tmp cleaner and created anew): then our lock is on an orphan; start over.
-            if !same_file(&file, &path) {
-                continue;
-            }
-            write_holder(&file, &path, &holder)?;
-            return Ok(GpuLock {
-                file,
-                key: key.clone(),
-                path,
-                holder,
-                inherited: false,
-                _registered: Some(registered),
-            });
-        }
-    }
-
-    /// Locks several GPUs, all or nothing: in a fixed order (so two processes asking
-    /// for overlapping sets cannot deadlock), releasing what it took if one fails. A
-    /// timeout covers the whole set.
+    /// Locks several GPUs, all or nothing: nothing is held while it waits, and it is
+    /// granted when all are free and no earlier request waits for any of them, so a
+    /// stream of one-GPU requests cannot starve it. A timeout covers the whole set.
     pub fn lock_many(&self, keys: &[GpuKey], wait: Wait, holder: Holder) -> Result<Vec<GpuLock>> {
         let mut keys = keys.to_vec();
         keys.sort();
         keys.dedup();
-        let deadline = match wait {
-            Wait::Timeout(d) => Some((Instant::now(), d)),
-            _ => None,
-        };
-        let mut locks = Vec::with_capacity(keys.len());
-        for key in &keys {
-            // On error, `locks` is dropped here: everything taken so far is released.
-            locks.push(self.lock_until(key, wait, deadline, holder.clone())?);
+        if keys.is_empty() {
+            return Ok(Vec::new());
         }
-        Ok(locks)
+        self.acquire(Wants::Gpus { gpus: keys }, wait, holder)
     }
 
     /// Locks `count` free GPUs among those NVML lists, preferring the most free memory.
     /// All or nothing: when fewer than `count` are free it takes none, and waits as
-    /// `wait` says for enough to be free.
+    /// `wait` says, in the queue: it takes the free GPUs that no earlier request waits
+    /// for, and no later request takes a GPU before it is served. GPUs this process
+    /// already holds are not candidates.
     pub fn lock_auto(
         &self,
         inventory: &Inventory,
@@ -280,45 +208,210 @@ impl LockDir {
         }
         let mut candidates: Vec<_> = inventory.gpus.iter().collect();
         candidates.sort_by(|a, b| b.free.cmp(&a.free).then(a.nvml_index.cmp(&b.nvml_index)));
-        let keys: Vec<GpuKey> = candidates
+        let among = candidates
             .iter()
             .map(|g| GpuKey::Uuid(crate::gpu::normalize_uuid(&g.uuid)))
             .collect();
+        self.acquire(Wants::Auto { count, among }, wait, holder)
+    }
+
+    /// Every form of request goes through here: inherited locks first, then the queue.
+    fn acquire(&self, wants: Wants, wait: Wait, holder: Holder) -> Result<Vec<GpuLock>> {
         let start = Instant::now();
-        let mut pause = FIRST_POLL;
+        let (mut granted, wants) = self.take_inherited(wants, &holder)?;
+        let Some(wants) = wants else {
+            return Ok(granted);
+        };
+        let mut slots = self.slots(&wants)?;
+        let mut ticket: Option<Ticket> = None;
+        let mut watch: Option<Watch> = None;
         loop {
-            let mut taken = Vec::new();
-            let mut busy = Vec::new();
-            for key in &keys {
-                match self.lock(key, Wait::Try, holder.clone()) {
-                    Ok(lock) => {
-                        taken.push(lock);
-                        if taken.len() == count {
-                            return Ok(taken);
+            let own = ticket.as_ref().map(Ticket::number);
+            let queue = self.scan_queue(own)?;
+            let ours = held_by_this_process(self.path(), &slots);
+            let earlier: Vec<&Waiter> = queue
+                .iter()
+                .filter(|w| own.is_none_or(|n| w.ticket < n))
+                // A request waiting for a GPU this process holds cannot be served before
+                // we let go: waiting behind it would wait for ourselves.
+                .filter(|w| {
+                    !w.wants
+                        .gpus()
+                        .iter()
+                        .any(|k| ours.contains(&self.path().join(k.file_name())))
+                })
+                .collect();
+            let busy = match take(&mut slots, &wants, &earlier)? {
+                Taken::All(taken) => {
+                    if taken
+                        .iter()
+                        .any(|&i| !same_file(&slots[i].file, &slots[i].path))
+                    {
+                        // A lock file was replaced while we waited (deleted by a /tmp
+                        // cleaner and created anew): the locks are on orphans; again.
+                        release(&slots, &taken);
+                        for &i in &taken {
+                            slots[i].file = self.open_file(&slots[i].key.file_name())?;
                         }
+                        continue;
                     }
-                    Err(Error::WouldBlock { gpu, holder }) => busy.push((gpu, holder)),
-                    Err(e) => return Err(e),
+                    granted.extend(LockDir::grant(slots, &taken, &holder)?);
+                    drop(ticket); // leaves the queue only once the GPUs are held
+                    return Ok(granted);
                 }
-            }
-            drop(taken);
-            let (gpu, holder) = busy.into_iter().next().unwrap_or((keys[0].clone(), None));
-            match wait {
-                Wait::Try => return Err(Error::WouldBlock { gpu, holder }),
-                Wait::Timeout(limit) if start.elapsed() >= limit => {
-                    return Err(Error::Timeout {
-                        gpu,
-                        waited: start.elapsed(),
-                        holder,
+                Taken::Busy(busy) => busy,
+            };
+            let waited = start.elapsed();
+            let remaining = match wait {
+                Wait::Try => {
+                    return Err(Error::WouldBlock {
+                        gpu: busy.gpu,
+                        holder: busy.holder,
+                        waiting: busy.waiting,
                     })
                 }
-                Wait::Timeout(limit) => {
-                    std::thread::sleep(pause.min(limit.saturating_sub(start.elapsed())));
+                Wait::Timeout(limit) if waited >= limit => {
+                    return Err(Error::Timeout {
+                        gpu: busy.gpu,
+                        waited,
+                        holder: busy.holder,
+                        waiting: busy.waiting,
+                    })
                 }
-                Wait::Block => std::thread::sleep(pause),
+                Wait::Timeout(limit) => limit - waited,
+                Wait::Block => Duration::MAX,
+            };
+            match &ticket {
+                Some(t) if t.is_in_place() => {}
+                lost => {
+                    if lost.is_some() {
+                        tracing::warn!(
+                            "this request's queue ticket was deleted (a /tmp cleaner?): \
+                             queueing again at the end"
+                        );
+                    }
+                    // Watch first: an event between the next scan and the wait is kept.
+                    watch = Some(Watch::new(self.path()));
+                    ticket = Some(self.enqueue(&holder, &wants)?);
+                    tracing::info!(
+                        "waiting for {}, {}; {} earlier request(s) in the queue",
+                        wants,
+                        busy.holder
+                            .as_ref()
+                            .map_or("held by an unknown process".into(), |h| format!(
+                                "held by {h}"
+                            )),
+                        earlier.len()
+                    );
+                    continue;
+                }
             }
-            pause = (pause * 2).min(MAX_POLL * 5);
+            if let Some(watch) = &watch {
+                watch.wait(remaining);
+            }
         }
+    }
+
+    /// Takes the locks inherited from `torchtools reserve`; returns them and what is
+    /// left to ask for (`None`: nothing).
+    fn take_inherited(
+        &self,
+        wants: Wants,
+        holder: &Holder,
+    ) -> Result<(Vec<GpuLock>, Option<Wants>)> {
+        if std::env::var_os(HELD_LOCKS_ENV).is_none() {
+            return Ok((Vec::new(), Some(wants)));
+        }
+        let mut inherited = Vec::new();
+        let mut rest = Vec::new();
+        for key in wants.gpus() {
+            let path = self.path().join(key.file_name());
+            match self.inherited(key, &path, holder)? {
+                Some(lock) => inherited.push(lock),
+                None => rest.push(key.clone()),
+            }
+        }
+        let left = match wants {
+            Wants::Gpus { .. } => (!rest.is_empty()).then_some(Wants::Gpus { gpus: rest }),
+            Wants::Auto { count, .. } => {
+                inherited.truncate(count);
+                (inherited.len() < count).then(|| Wants::Auto {
+                    count: count - inherited.len(),
+                    among: rest,
+                })
+            }
+        };
+        Ok((inherited, left))
+    }
+
+    /// Opens the lock file of every GPU the request may take, once for the whole wait
+    /// (a file closed after each failed attempt would wake every other waiter).
+    fn slots(&self, wants: &Wants) -> Result<Vec<Slot>> {
+        let mut slots = Vec::new();
+        for key in wants.gpus() {
+            let path = self.path().join(key.file_name());
+            let registered = match wants {
+                // A second lock of the same file in one process would wait for itself.
+                Wants::Gpus { .. } => Some(
+                    Registered::new(&path)
+                        .ok_or_else(|| Error::AlreadyHeld { gpu: key.clone() })?,
+                ),
+                Wants::Auto { .. } => {
+                    if is_registered(&path) {
+                        continue; // held by this process already: not a candidate
+                    }
+                    None
+                }
+            };
+            slots.push(Slot {
+                file: self.open_file(&key.file_name())?,
+                key: key.clone(),
+                path,
+                registered,
+            });
+        }
+        if let Wants::Auto { count, among } = wants {
+            if slots.len() < *count {
+                return Err(Error::NotEnoughGpus {
+                    count: *count,
+                    reason: format!(
+                        "this process already holds {} of the machine's {} GPU(s)",
+                        among.len() - slots.len(),
+                        among.len()
+                    ),
+                });
+            }
+        }
+        Ok(slots)
+    }
+
+    /// Turns the slots taken into locks: records the holder in each.
+    fn grant(slots: Vec<Slot>, taken: &[usize], holder: &Holder) -> Result<Vec<GpuLock>> {
+        let mut slots: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
+        let mut locks = Vec::with_capacity(taken.len());
+        for &i in taken {
+            let Some(slot) = slots.get_mut(i).and_then(Option::take) else {
+                continue;
+            };
+            let registered = match slot.registered {
+                Some(r) => r,
+                None => Registered::new(&slot.path).ok_or_else(|| Error::AlreadyHeld {
+                    gpu: slot.key.clone(),
+                })?,
+            };
+            let mut holder = holder.clone();
+            holder.gpu = slot.key.cuda_visible_entry();
+            write_holder(&slot.file, &slot.path, &holder)?;
+            locks.push(GpuLock {
+                file: slot.file,
+                key: slot.key,
+                path: slot.path,
+                holder,
+                inherited: false,
+                _registered: Some(registered),
+            });
+        }
+        Ok(locks)
     }
 
     /// The lock inherited from a parent through [`HELD_LOCKS_ENV`], if it is this GPU's
@@ -362,6 +455,114 @@ impl LockDir {
     }
 }
 
+/// One GPU a request may take: its lock file, open for the whole wait.
+struct Slot {
+    key: GpuKey,
+    path: PathBuf,
+    file: File,
+    /// This process's claim on the path: taken up front for named GPUs, at the grant
+    /// for `auto` ones.
+    registered: Option<Registered>,
+}
+
+/// Why a request cannot be granted now.
+struct Busy {
+    gpu: GpuKey,
+    holder: Option<Box<Holder>>,
+    waiting: usize,
+}
+
+enum Taken {
+    /// The indices of the slots now locked.
+    All(Vec<usize>),
+    Busy(Busy),
+}
+
+/// One attempt: the GPUs wanted that are free and that no earlier request waits for,
+/// locked without blocking, all or nothing.
+fn take(slots: &mut [Slot], wants: &Wants, earlier: &[&Waiter]) -> Result<Taken> {
+    let waiting_for = |key: &GpuKey| {
+        earlier
+            .iter()
+            .filter(|w| w.wants.gpus().contains(key))
+            .count()
+    };
+    let count = match wants {
+        Wants::Gpus { .. } => slots.len(),
+        Wants::Auto { count, .. } => *count,
+    };
+    let mut taken = Vec::with_capacity(count);
+    let mut first_busy: Option<Busy> = None;
+    for (i, slot) in slots.iter().enumerate() {
+        let waiting = waiting_for(&slot.key);
+        let free = waiting == 0 && try_flock(&slot.file, &slot.path)?;
+        if free {
+            taken.push(i);
+            if taken.len() == count {
+                return Ok(Taken::All(taken));
+            }
+            continue;
+        }
+        if first_busy.is_none() {
+            let held = waiting == 0 || crate::list::probe_held(&slot.file);
+            first_busy = Some(Busy {
+                gpu: slot.key.clone(),
+                holder: if held {
+                    read_holder(&slot.file).map(Box::new)
+                } else {
+                    None
+                },
+                waiting,
+            });
+        }
+        if matches!(wants, Wants::Gpus { .. }) {
+            break; // all or nothing: one busy GPU is enough to wait
+        }
+    }
+    release(slots, &taken);
+    Ok(Taken::Busy(first_busy.unwrap_or(Busy {
+        gpu: slots.first().map_or(GpuKey::Index(0), |s| s.key.clone()),
+        holder: None,
+        waiting: 0,
+    })))
+}
+
+/// Unlocks the slots of a failed attempt (their files stay open).
+fn release(slots: &[Slot], taken: &[usize]) {
+    for &i in taken {
+        // SAFETY: the fd is open for as long as the slot lives.
+        unsafe { libc::flock(slots[i].file.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+/// Whether this process holds (or is taking) the lock at `path`.
+fn is_registered(path: &Path) -> bool {
+    let held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+    held.iter().any(|p| p == path)
+}
+
+/// The lock files this process holds, its own request's aside: those taken here and
+/// those inherited from `torchtools reserve` (named relative to `dir`).
+fn held_by_this_process(dir: &Path, slots: &[Slot]) -> Vec<PathBuf> {
+    let held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+    let mut paths: Vec<PathBuf> = held
+        .iter()
+        .filter(|p| !slots.iter().any(|s| &s.path == *p))
+        .cloned()
+        .collect();
+    drop(held);
+    if let Some(value) = std::env::var_os(HELD_LOCKS_ENV) {
+        let value = value.to_string_lossy();
+        paths.extend(
+            value
+                .split(',')
+                .filter_map(|pair| pair.split_once('='))
+                .map(|(name, _)| dir.join(name)),
+        );
+    }
+    paths
+}
+
 fn try_flock(file: &File, path: &Path) -> Result<bool> {
     // SAFETY: the fd is open for the duration of the call.
     if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
@@ -379,25 +580,8 @@ fn try_flock(file: &File, path: &Path) -> Result<bool> {
     }
 }
 
-fn flock_blocking(file: &File, path: &Path) -> Result<()> {
-    loop {
-        // SAFETY: the fd is open for the duration of the call.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
-            return Ok(());
-        }
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::EINTR) {
-            return Err(Error::Io {
-                op: "locking",
-                path: path.to_owned(),
-                source: e,
-            });
-        }
-    }
-}
-
 /// Whether `file` is still the file at `path` (same device and inode).
-fn same_file(file: &File, path: &Path) -> bool {
+pub(crate) fn same_file(file: &File, path: &Path) -> bool {
     match (file.metadata(), std::fs::symlink_metadata(path)) {
         (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
         _ => false,

@@ -231,7 +231,7 @@ fn timeout_and_try_name_the_holder_and_timeout_is_never_early() {
     let key = GpuKey::Index(1);
 
     match dir.lock(&key, Wait::Try, Holder::current()) {
-        Err(Error::WouldBlock { gpu, holder }) => {
+        Err(Error::WouldBlock { gpu, holder, .. }) => {
             assert_eq!(gpu, key);
             assert_eq!(holder.unwrap().pid, child.id());
         }

@@ -269,7 +269,7 @@ pub fn reserve_with(
     };
     let start = Instant::now();
     let locks = match (options.blocking, attempt(Wait::Try)) {
-        (true, Err(tt_lock::Error::WouldBlock { gpu, holder })) => {
+        (true, Err(tt_lock::Error::WouldBlock { gpu, holder, .. })) => {
             on_wait(&Waiting {
                 gpu,
                 holder: holder.map(|h| *h),

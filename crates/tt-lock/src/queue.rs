@@ -1,0 +1,515 @@
+//! The first-come-first-served queue of GPU requests, kept in the lock directory itself
+//! with no daemon.
+//!
+//! A request that cannot be granted at once takes a ticket: a file `wait-<N>.json` whose
+//! number is one more than every ticket present (taken under an `flock` of the
+//! directory), holding the request as JSON, and itself `flock`ed by its waiter for as
+//! long as it waits. The kernel releases that lock when the waiter dies however it dies,
+//! so a ticket whose lock is free is a dead request and is ignored (and removed by its
+//! owner's user). Waiters sleep on inotify events of the directory: a lock file closed
+//! by a holder that lets go (or dies), a ticket removed; a fallback re-check every
+//! [`FALLBACK_RECHECK`] covers what inotify does not report.
+
+use std::ffi::{CString, OsStr};
+use std::fmt;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tt_device::Bytes;
+
+use crate::list::probe_held;
+use crate::{Error, GpuKey, Holder, LockDir, Result};
+
+/// What a request waits for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Wants {
+    /// All of these GPUs at once.
+    Gpus {
+        /// The GPUs.
+        gpus: Vec<GpuKey>,
+    },
+    /// `count` of these GPUs: the free ones with the most free memory (`--gpu auto`).
+    Auto {
+        /// How many.
+        count: usize,
+        /// The GPUs it may take, most free memory first.
+        among: Vec<GpuKey>,
+    },
+}
+
+impl Wants {
+    /// Every GPU the request waits for: no later request takes one of them before this
+    /// request is served (an `auto` request waits for all its candidates).
+    pub fn gpus(&self) -> &[GpuKey] {
+        match self {
+            Wants::Gpus { gpus } => gpus,
+            Wants::Auto { among, .. } => among,
+        }
+    }
+}
+
+impl fmt::Display for Wants {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Wants::Gpus { gpus } => {
+                let names: Vec<String> = gpus.iter().map(short_name).collect();
+                f.write_str(&names.join(" + "))
+            }
+            Wants::Auto { count, among } => write!(f, "auto: {count} of {} GPU(s)", among.len()),
+        }
+    }
+}
+
+/// A GPU as the queue shows it: its UUID or `index N`.
+fn short_name(key: &GpuKey) -> String {
+    match key {
+        GpuKey::Uuid(u) => u.clone(),
+        GpuKey::Index(i) => format!("index {i}"),
+    }
+}
+
+/// A request waiting in a lock directory's queue, as [`LockDir::queue`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Waiter {
+    /// Its place in the queue: 1 is served first.
+    #[serde(default)]
+    pub position: usize,
+    /// Its ticket: the order of arrival (larger is later).
+    pub ticket: u64,
+    /// The waiting process.
+    pub pid: u32,
+    /// Its user.
+    pub user: String,
+    /// Its host.
+    pub host: String,
+    /// When it started waiting, in seconds since the Unix epoch.
+    pub since_unix: u64,
+    /// GPU memory the job said it needs, when it said.
+    #[serde(default)]
+    pub reserved: Option<Bytes>,
+    /// Command line of the job.
+    #[serde(default)]
+    pub command: Vec<String>,
+    /// What it waits for.
+    pub wants: Wants,
+}
+
+impl Waiter {
+    fn new(ticket: u64, holder: &Holder, wants: Wants) -> Waiter {
+        Waiter {
+            position: 0,
+            ticket,
+            pid: holder.pid,
+            user: holder.user.clone(),
+            host: holder.host.clone(),
+            since_unix: holder.since_unix,
+            reserved: holder.reserved,
+            command: holder.command.clone(),
+            wants,
+        }
+    }
+
+    /// The start of the wait as `YYYY-MM-DD HH:MM:SS UTC`.
+    pub fn since_utc(&self) -> String {
+        crate::holder::utc(self.since_unix)
+    }
+}
+
+impl fmt::Display for Waiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "#{} pid {} ({}@{}) since {} wants {}",
+            self.position,
+            self.pid,
+            self.user,
+            self.host,
+            self.since_utc(),
+            self.wants
+        )
+    }
+}
+
+/// How often a waiter re-checks the queue when no inotify event came (a holder whose
+/// lock file stays open in a forked child after it let go makes no event).
+pub(crate) const FALLBACK_RECHECK: Duration = Duration::from_millis(100);
+
+const TICKET_PREFIX: &str = "wait-";
+const TICKET_SUFFIX: &str = ".json";
+
+/// The ticket number a file name stands for, if it is a ticket.
+fn ticket_of(name: &OsStr) -> Option<u64> {
+    let digits = name
+        .to_str()?
+        .strip_prefix(TICKET_PREFIX)?
+        .strip_suffix(TICKET_SUFFIX)?;
+    (digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| digits.parse().ok())
+        .flatten()
+}
+
+fn ticket_name(ticket: u64) -> String {
+    format!("{TICKET_PREFIX}{ticket:020}{TICKET_SUFFIX}")
+}
+
+/// This process's place in the queue: the ticket file, locked for as long as it waits;
+/// dropping it leaves the queue.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    file: File,
+    path: PathBuf,
+    number: u64,
+}
+
+impl Ticket {
+    pub(crate) fn number(&self) -> u64 {
+        self.number
+    }
+
+    /// Whether the ticket is still in the directory (a `/tmp` cleaner may delete it).
+    pub(crate) fn is_in_place(&self) -> bool {
+        crate::lock::same_file(&self.file, &self.path)
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.is_in_place() {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// The lock directory's own `flock`, held while a ticket is numbered and placed, and
+/// while a dead ticket is removed, so that a number is never given twice.
+struct DirLock {
+    _file: File,
+}
+
+impl DirLock {
+    fn take(dir: &LockDir) -> Result<DirLock> {
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+            .open(dir.path())
+            .map_err(|e| dir.error(format!("cannot open it to queue a request: {e}")))?;
+        loop {
+            // SAFETY: the fd is open for the duration of the call.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                return Ok(DirLock { _file: file });
+            }
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(dir.error(format!("cannot lock it to queue a request: {e}")));
+            }
+        }
+    }
+}
+
+impl LockDir {
+    /// The requests waiting for GPUs in this directory, first served first. A request
+    /// whose process died (however: `kill -9`, the OOM killer) is not listed.
+    pub fn queue(&self) -> Result<Vec<Waiter>> {
+        self.scan_queue(None)
+    }
+
+    /// Live tickets in order; `own` is this process's ticket, listed without re-reading.
+    pub(crate) fn scan_queue(&self, own: Option<u64>) -> Result<Vec<Waiter>> {
+        let entries =
+            fs::read_dir(self.path()).map_err(|e| self.error(format!("cannot list it: {e}")))?;
+        let mut waiters = Vec::new();
+        for entry in entries.flatten() {
+            let Some(ticket) = ticket_of(&entry.file_name()) else {
+                continue;
+            };
+            if Some(ticket) == own {
+                continue;
+            }
+            let path = entry.path();
+            let Ok(file) = OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+                .open(&path)
+            else {
+                continue; // gone since, or not ours to read
+            };
+            let Ok(meta) = file.metadata() else { continue };
+            if !meta.file_type().is_file() {
+                continue;
+            }
+            if !probe_held(&file) {
+                self.remove_dead(&file, &path, meta.uid());
+                continue;
+            }
+            if let Some(mut waiter) = read_waiter(&file) {
+                waiter.ticket = ticket;
+                waiters.push(waiter);
+            }
+        }
+        waiters.sort_by_key(|w| w.ticket);
+        for (i, w) in waiters.iter_mut().enumerate() {
+            w.position = i + 1;
+        }
+        Ok(waiters)
+    }
+
+    /// Removes a dead request's ticket when this user may (its own; the sticky
+    /// directory keeps other users' files), under the directory lock, so that a new
+    /// ticket given the same number meanwhile is never removed.
+    fn remove_dead(&self, file: &File, path: &Path, owner: u32) {
+        // SAFETY: geteuid has no preconditions.
+        if owner != unsafe { libc::geteuid() } {
+            return;
+        }
+        let Ok(_guard) = DirLock::take(self) else {
+            return;
+        };
+        if crate::lock::same_file(file, path) && !probe_held(file) {
+            let _ = fs::remove_file(path);
+        }
+    }
+
+    /// Takes a place at the end of the queue.
+    pub(crate) fn enqueue(&self, holder: &Holder, wants: &Wants) -> Result<Ticket> {
+        let guard = DirLock::take(self)?;
+        let entries =
+            fs::read_dir(self.path()).map_err(|e| self.error(format!("cannot list it: {e}")))?;
+        let last = entries
+            .flatten()
+            .filter_map(|e| ticket_of(&e.file_name()))
+            .max()
+            .unwrap_or(0);
+        let number = last + 1;
+        let waiter = Waiter::new(number, holder, wants.clone());
+        let mut text = serde_json::to_vec(&waiter).unwrap_or_default();
+        text.push(b'\n');
+        // Written and locked under a name the queue ignores, then renamed: a ticket is
+        // never seen unlocked or half written.
+        let temp = self
+            .path()
+            .join(format!(".wait-{}-{number}.tmp", std::process::id()));
+        let io_err = |op: &'static str| {
+            let temp = temp.clone();
+            move |source| Error::Io {
+                op,
+                path: temp,
+                source,
+            }
+        };
+        let _ = fs::remove_file(&temp); // a leftover of an earlier process with this pid
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&temp)
+            .map_err(io_err("creating the queue ticket"))?;
+        // SAFETY: the fd is open for the duration of the call.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = io::Error::last_os_error();
+            let _ = fs::remove_file(&temp);
+            return Err(io_err("locking the queue ticket")(e));
+        }
+        let path = self.path().join(ticket_name(number));
+        let placed = file
+            .write_all_at(&text, 0)
+            .map_err(io_err("writing the queue ticket"))
+            .and_then(|()| fs::rename(&temp, &path).map_err(io_err("placing the queue ticket")));
+        if let Err(e) = placed {
+            let _ = fs::remove_file(&temp);
+            return Err(e);
+        }
+        drop(guard);
+        Ok(Ticket { file, path, number })
+    }
+}
+
+fn read_waiter(file: &File) -> Option<Waiter> {
+    let mut buf = vec![0u8; 64 * 1024];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    let line = buf[..n].split(|&b| b == b'\n').next()?;
+    serde_json::from_slice(line).ok()
+}
+
+/// Wakes a waiter when something in the lock directory may have changed who can be
+/// served: a file open for writing closed (a holder let go or died, a waiter died), or
+/// a ticket removed.
+pub(crate) struct Watch {
+    fd: Option<OwnedFd>,
+}
+
+impl Watch {
+    /// Watches `dir`; without inotify (other systems, or the user's inotify limit
+    /// reached) waits are plain sleeps.
+    pub(crate) fn new(dir: &Path) -> Watch {
+        Watch {
+            fd: inotify_watch(dir),
+        }
+    }
+
+    /// Sleeps until an event or for `limit`, whichever comes first (never longer than
+    /// [`FALLBACK_RECHECK`] with inotify, 2 ms without).
+    pub(crate) fn wait(&self, limit: Duration) {
+        let Some(fd) = &self.fd else {
+            std::thread::sleep(limit.min(Duration::from_millis(2)));
+            return;
+        };
+        let limit = limit.min(FALLBACK_RECHECK);
+        let ts = libc::timespec {
+            tv_sec: limit.as_secs() as libc::time_t,
+            tv_nsec: limit.subsec_nanos() as libc::c_long,
+        };
+        let mut pfd = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: pfd and ts are valid for the call; a null sigmask keeps the mask.
+        let n = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+        if n > 0 {
+            // Drain the events: their content does not matter, only that one came.
+            let mut buf = [0u8; 4096];
+            // SAFETY: buf is writable for its length; the fd is non-blocking.
+            while unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn inotify_watch(dir: &Path) -> Option<OwnedFd> {
+    let c_path = CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: inotify_init1 has no preconditions.
+    let raw = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+    if raw < 0 {
+        tracing::debug!(
+            "no inotify ({}): queue waits poll",
+            io::Error::last_os_error()
+        );
+        return None;
+    }
+    // SAFETY: raw is a fresh descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let mask = libc::IN_CLOSE_WRITE | libc::IN_DELETE | libc::IN_MOVED_FROM | libc::IN_ONLYDIR;
+    // SAFETY: fd is an inotify descriptor and c_path a NUL-terminated string.
+    if unsafe { libc::inotify_add_watch(fd.as_raw_fd(), c_path.as_ptr(), mask) } < 0 {
+        tracing::debug!(
+            "cannot watch {} ({}): queue waits poll",
+            dir.display(),
+            io::Error::last_os_error()
+        );
+        return None;
+    }
+    Some(fd)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn inotify_watch(_dir: &Path) -> Option<OwnedFd> {
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ticket_names_round_trip_and_others_are_ignored() {
+        assert_eq!(ticket_name(7), "wait-00000000000000000007.json");
+        assert_eq!(ticket_of(OsStr::new(&ticket_name(7))), Some(7));
+        assert_eq!(
+            ticket_of(OsStr::new(&ticket_name(u64::MAX))),
+            Some(u64::MAX)
+        );
+        for other in [
+            "wait-7.json",
+            "wait-0000000000000000000x.json",
+            ".wait-12-7.tmp",
+            "gpu-0.lock",
+            "wait-00000000000000000007.jsonx",
+        ] {
+            assert_eq!(ticket_of(OsStr::new(other)), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn what_a_request_wants_reads_as_users_name_gpus() {
+        let gpus = Wants::Gpus {
+            gpus: vec![GpuKey::Index(0), GpuKey::Uuid("GPU-ab".into())],
+        };
+        assert_eq!(gpus.to_string(), "index 0 + GPU-ab");
+        assert_eq!(gpus.gpus().len(), 2);
+        let auto = Wants::Auto {
+            count: 2,
+            among: vec![GpuKey::Index(0), GpuKey::Index(1), GpuKey::Index(2)],
+        };
+        assert_eq!(auto.to_string(), "auto: 2 of 3 GPU(s)");
+        assert_eq!(auto.gpus().len(), 3);
+        let json = serde_json::to_string(&auto).unwrap_or_default();
+        assert_eq!(
+            json,
+            r#"{"kind":"auto","count":2,"among":[{"index":0},{"index":1},{"index":2}]}"#
+        );
+    }
+
+    #[test]
+    fn tickets_are_numbered_in_arrival_order_and_leave_when_dropped() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        let wants = Wants::Gpus {
+            gpus: vec![GpuKey::Index(0)],
+        };
+        let holder = Holder::current().reserving(Bytes::gib(3));
+        let a = dir.enqueue(&holder, &wants).unwrap();
+        let b = dir.enqueue(&holder, &wants).unwrap();
+        assert!(b.number() > a.number());
+        let queue = dir.queue().unwrap();
+        assert_eq!(
+            queue
+                .iter()
+                .map(|w| (w.position, w.ticket))
+                .collect::<Vec<_>>(),
+            vec![(1, a.number()), (2, b.number())]
+        );
+        assert_eq!(queue[0].reserved, Some(Bytes::gib(3)));
+        assert_eq!(queue[0].pid, std::process::id());
+        assert_eq!(queue[0].wants, wants);
+        // This process's own ticket is left out when it asks for the others.
+        assert_eq!(dir.scan_queue(Some(a.number())).unwrap().len(), 1);
+        drop(a);
+        let queue = dir.queue().unwrap();
+        assert_eq!(queue.len(), 1);
+        assert_eq!((queue[0].position, queue[0].ticket), (1, b.number()));
+        // No temporary file is left behind.
+        drop(b);
+        let names: Vec<_> = fs::read_dir(dir.path()).unwrap().flatten().collect();
+        assert!(names.is_empty(), "{names:?}");
+    }
+
+    #[test]
+    fn a_ticket_nobody_holds_is_a_dead_request_and_is_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        let waiter = Waiter::new(
+            3,
+            &Holder::current(),
+            Wants::Gpus {
+                gpus: vec![GpuKey::Index(0)],
+            },
+        );
+        let path = dir.path().join(ticket_name(3));
+        fs::write(&path, serde_json::to_vec(&waiter).unwrap()).unwrap();
+        assert!(dir.queue().unwrap().is_empty());
+        assert!(!path.exists(), "this user's dead ticket is removed");
+        // Numbering goes on after the largest ticket present, dead or alive.
+        fs::write(&path, serde_json::to_vec(&waiter).unwrap()).unwrap();
+        let t = dir.enqueue(&Holder::current(), &waiter.wants).unwrap();
+        assert_eq!(t.number(), 4);
+    }
+}
