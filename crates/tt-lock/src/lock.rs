@@ -224,7 +224,7 @@ impl LockDir {
         };
         let mut slots = self.slots(&wants)?;
         let mut ticket: Option<Ticket> = None;
-        let mut watch: Option<Watch> = None;
+        let mut watch: Option<std::rc::Rc<Watch>> = None;
         loop {
             let own = ticket.as_ref().map(Ticket::number);
             let queue = self.scan_queue(own)?;
@@ -291,7 +291,7 @@ impl LockDir {
                         );
                     }
                     // Watch first: an event between the next scan and the wait is kept.
-                    watch = Some(Watch::new(self.path()));
+                    watch = Some(Watch::of(self.path()));
                     ticket = Some(self.enqueue(&holder, &wants)?);
                     tracing::info!(
                         "waiting for {}, {}; {} earlier request(s) in the queue",

@@ -10,6 +10,7 @@
 //! by a holder that lets go (or dies), a ticket removed; a fallback re-check every
 //! [`FALLBACK_RECHECK`] covers what inotify does not report.
 
+use std::cell::RefCell;
 use std::ffi::{CString, OsStr};
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
@@ -18,6 +19,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -346,12 +348,39 @@ pub(crate) struct Watch {
     fd: Option<OwnedFd>,
 }
 
+thread_local! {
+    /// Each thread's watches, one per lock directory, kept for the thread's life:
+    /// closing an inotify descriptor waits for a kernel grace period (milliseconds),
+    /// which would land on every hand-off.
+    static WATCHES: RefCell<Vec<(PathBuf, Rc<Watch>)>> = const { RefCell::new(Vec::new()) };
+}
+
 impl Watch {
-    /// Watches `dir`; without inotify (other systems, or the user's inotify limit
-    /// reached) waits are plain sleeps.
-    pub(crate) fn new(dir: &Path) -> Watch {
-        Watch {
-            fd: inotify_watch(dir),
+    /// This thread's watch of `dir`, with no event pending; without inotify (other
+    /// systems, or the user's inotify limit reached) waits are plain sleeps.
+    pub(crate) fn of(dir: &Path) -> Rc<Watch> {
+        WATCHES.with(|watches| {
+            let mut watches = watches.borrow_mut();
+            if let Some((_, watch)) = watches.iter().find(|(p, _)| p == dir) {
+                watch.drain();
+                return Rc::clone(watch);
+            }
+            let watch = Rc::new(Watch {
+                fd: inotify_watch(dir),
+            });
+            if watch.fd.is_some() {
+                watches.push((dir.to_owned(), Rc::clone(&watch)));
+            }
+            watch
+        })
+    }
+
+    /// Reads away the events pending: only that one came matters, not which.
+    fn drain(&self) {
+        if let Some(fd) = &self.fd {
+            let mut buf = [0u8; 4096];
+            // SAFETY: buf is writable for its length; the fd is non-blocking.
+            while unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
         }
     }
 
