@@ -204,8 +204,16 @@ enum Command {
         #[arg(last = true, required = true, value_name = "CMD")]
         command: Vec<OsString>,
     },
-    /// Show every GPU's lock: free, or held by whom, since when, reserving how much.
+    /// Show every GPU's lock: free, or held by whom, since when, reserving how much,
+    /// and how many requests wait for it.
     Locks {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show the requests waiting for GPUs, in the order they will be served (first
+    /// come, first served): user, pid, how long, GPUs asked, bytes, command.
+    Queue {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
@@ -370,6 +378,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             command,
         } => reserve::reserve(reservation.request(bytes, command)),
         Command::Locks { json } => reserve::locks(json),
+        Command::Queue { json } => reserve::queue(json),
         Command::Launch {
             nproc_per_node,
             nnodes,

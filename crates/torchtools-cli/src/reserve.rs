@@ -127,10 +127,138 @@ fn line(state: &LockState) -> String {
         (_, _, GpuKey::Uuid(u)) => format!("?  {u}"),
         (_, _, GpuKey::Index(i)) => format!("{i}  (keyed by index: no NVML)"),
     };
+    let waiting = match state.waiting {
+        0 => String::new(),
+        n => format!("; {n} waiting (`torchtools queue`)"),
+    };
     match (&state.held, &state.holder) {
-        (false, _) => format!("{name}: free"),
-        (true, Some(h)) => format!("{name}: held by {h}"),
-        (true, None) => format!("{name}: held (no record yet)"),
+        (false, _) => format!("{name}: free{waiting}"),
+        (true, Some(h)) => format!("{name}: held by {h}{waiting}"),
+        (true, None) => format!("{name}: held (no record yet){waiting}"),
+    }
+}
+
+/// `torchtools queue`: the requests waiting, first served first.
+pub(crate) fn queue(json: bool) -> Result<ExitCode> {
+    let dir = LockDir::from_env()?;
+    let inventory = Inventory::query();
+    let waiters = dir.queue()?;
+    let now = now_unix();
+    if json {
+        let mut list = Vec::with_capacity(waiters.len());
+        for w in &waiters {
+            let mut value = serde_json::to_value(w)?;
+            if let Some(map) = value.as_object_mut() {
+                map.insert("waiting_s".into(), now.saturating_sub(w.since_unix).into());
+            }
+            list.push(value);
+        }
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "lock_dir": dir.path(),
+                "waiters": list,
+            }))?
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    print!("{}", queue_text(&dir, &waiters, &inventory, now));
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(crate) fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The queue as a table, one line per request.
+pub(crate) fn queue_text(
+    dir: &LockDir,
+    waiters: &[tt_lock::Waiter],
+    inventory: &Inventory,
+    now: u64,
+) -> String {
+    let mut out = format!(
+        "GPU requests waiting in {} (served first come, first served): {}\n",
+        dir.path().display(),
+        waiters.len()
+    );
+    if waiters.is_empty() {
+        return out;
+    }
+    let rows: Vec<[String; 7]> = waiters
+        .iter()
+        .map(|w| {
+            [
+                w.position.to_string(),
+                w.user.clone(),
+                w.pid.to_string(),
+                age(now.saturating_sub(w.since_unix)),
+                wants_text(&w.wants, inventory),
+                w.reserved.map_or("-".into(), |b| b.to_string()),
+                w.command.join(" "),
+            ]
+        })
+        .collect();
+    let header = ["#", "user", "pid", "waiting", "wants", "bytes", "command"];
+    let mut widths = header.map(str::len);
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: [&str; 7]| {
+        let mut text = String::from(" ");
+        for (i, cell) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                text.push(' ');
+                text.push_str(cell);
+            } else {
+                text.push_str(&format!(" {cell:<w$}", w = widths[i]));
+            }
+        }
+        text.trim_end().to_owned() + "\n"
+    };
+    out.push_str(&line(header));
+    for row in &rows {
+        out.push_str(&line(row.each_ref().map(String::as_str)));
+    }
+    out
+}
+
+/// A wait as `45s`, `3m05s`, `2h07m`.
+pub(crate) fn age(secs: u64) -> String {
+    match secs {
+        0..60 => format!("{secs}s"),
+        60..3600 => format!("{}m{:02}s", secs / 60, secs % 60),
+        _ => format!("{}h{:02}m", secs / 3600, secs / 60 % 60),
+    }
+}
+
+/// A GPU as users name it: NVML's index when NVML knows it, else its key.
+pub(crate) fn gpu_label(key: &GpuKey, inventory: &Inventory) -> String {
+    match key {
+        GpuKey::Uuid(u) => inventory
+            .gpus
+            .iter()
+            .find(|g| g.uuid.eq_ignore_ascii_case(u))
+            .map_or_else(|| u.clone(), |g| format!("GPU {}", g.nvml_index)),
+        GpuKey::Index(i) => format!("GPU {i}"),
+    }
+}
+
+/// What a request waits for, in `gpu_label`'s words.
+pub(crate) fn wants_text(wants: &tt_lock::Wants, inventory: &Inventory) -> String {
+    match wants {
+        tt_lock::Wants::Gpus { gpus } => gpus
+            .iter()
+            .map(|k| gpu_label(k, inventory))
+            .collect::<Vec<_>>()
+            .join(" + "),
+        tt_lock::Wants::Auto { count, among } => {
+            format!("auto: {count} of {} GPU(s)", among.len())
+        }
     }
 }
 

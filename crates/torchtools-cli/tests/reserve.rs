@@ -367,3 +367,86 @@ fn a_command_that_is_not_executable_exits_126_and_an_unusable_lock_directory_exi
         assert!(stderr(&out).contains("not-a-dir"), "{}", stderr(&out));
     }
 }
+
+/// Waits until a request of `pid` is in the queue of `dir`.
+fn until_queued(dir: &LockDir, pid: u32) {
+    let start = Instant::now();
+    while !dir.queue().unwrap().iter().any(|w| w.pid == pid) {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "pid {pid} never queued: {:?}",
+            dir.queue()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn timed_and_blocking_reservations_are_served_in_arrival_order_and_queue_shows_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+    let log = tmp.path().join("order.log");
+    std::fs::write(&log, "").unwrap();
+    let lock = dir.lock(&key0(), Wait::Try, Holder::current()).unwrap();
+    // Timed waiters used to poll and be served in any order; blocking ones too when
+    // mixed with them.
+    let mut children = Vec::new();
+    let mut pids = Vec::new();
+    for (i, timeout) in ["30s", "", "1m", "45s"].iter().enumerate() {
+        let mut cmd = torchtools(dir.path());
+        cmd.args(["reserve", "--gpu", "0", "--no-fence"]);
+        if !timeout.is_empty() {
+            cmd.args(["--timeout", timeout]);
+        }
+        let child = cmd
+            .args(["--bytes", "1GiB", "--", "sh", "-c"])
+            .arg(format!("echo {i} >> '{}'", log.display()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        until_queued(&dir, child.id());
+        pids.push(child.id());
+        children.push(child);
+    }
+    let text = String::from_utf8(run(dir.path(), &["queue"]).stdout).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].ends_with("first served): 4"), "{text}");
+    assert!(lines[1]
+        .split_whitespace()
+        .eq(["#", "user", "pid", "waiting", "wants", "bytes", "command"]));
+    for (i, pid) in pids.iter().enumerate() {
+        let cells: Vec<&str> = lines[i + 2].split_whitespace().collect();
+        assert_eq!(cells[0], (i + 1).to_string(), "{text}");
+        assert_eq!(cells[2], pid.to_string(), "{text}");
+        assert!(lines[i + 2].contains("1.00 GiB"), "{text}");
+        assert!(lines[i + 2].contains("sh -c echo"), "{text}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&run(dir.path(), &["queue", "--json"]).stdout).unwrap();
+    let listed: Vec<u64> = json["waiters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["pid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        listed,
+        pids.iter().map(|&p| u64::from(p)).collect::<Vec<_>>()
+    );
+    assert!(json["waiters"][0]["waiting_s"].is_u64(), "{json}");
+    assert_eq!(json["waiters"][0]["reserved"], 1u64 << 30, "{json}");
+    let locks = String::from_utf8(run(dir.path(), &["locks"]).stdout).unwrap();
+    assert!(
+        locks.contains("; 4 waiting (`torchtools queue`)"),
+        "{locks}"
+    );
+    drop(lock);
+    for mut child in children {
+        assert!(child.wait().unwrap().success());
+    }
+    let order = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(order, "0\n1\n2\n3\n");
+    let text = String::from_utf8(run(dir.path(), &["queue"]).stdout).unwrap();
+    assert!(text.ends_with("first served): 0\n"), "{text}");
+}
