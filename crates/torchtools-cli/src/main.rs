@@ -16,6 +16,7 @@ mod launch;
 mod probe;
 mod reserve;
 mod subtrack;
+mod top;
 mod track;
 
 /// Exit status for a bad variable or an impossible device request.
@@ -218,6 +219,24 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// A live view of the GPUs, refreshed every second: memory used, free and fenced,
+    /// use, the lock's holder and the requests waiting, and the processes on each GPU
+    /// (marked when they run outside the holder's reservation).
+    ///
+    /// Keys: q quits, the arrow keys select a GPU, c toggles a compact view for narrow
+    /// terminals. Without NVML it shows the locks and the queue and says why the GPU
+    /// columns are empty.
+    Top {
+        /// Print one frame as text and exit (for scripts; width from COLUMNS).
+        #[arg(long, conflicts_with = "json")]
+        once: bool,
+        /// Print one snapshot as JSON and exit.
+        #[arg(long)]
+        json: bool,
+        /// Start in the compact view.
+        #[arg(long)]
+        compact: bool,
+    },
 }
 
 /// How `reserve` and `run` reserve: everything but the bytes and the command.
@@ -357,7 +376,23 @@ fn main() -> ExitCode {
     }
 }
 
+/// For the commands that only print (devices, locks, queue, top --once / --json):
+/// a closed pipe (`torchtools locks | head -1`) ends the process quietly, as it ends
+/// `ls`, instead of a panic. Commands that run another command keep ignoring SIGPIPE,
+/// so that a closed terminal never takes their reservation away from the command.
+fn quiet_on_closed_pipe() {
+    // SAFETY: restoring the default disposition of a signal has no preconditions.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+}
+
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    if matches!(
+        cli.command,
+        Command::Devices { .. } | Command::Locks { .. } | Command::Queue { .. }
+    ) || matches!(cli.command, Command::Top { once, json, .. } if once || json)
+    {
+        quiet_on_closed_pipe();
+    }
     match cli.command {
         Command::Devices { json } => {
             let report = tt_device::DeviceReport::nvml_view();
@@ -379,6 +414,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => reserve::reserve(reservation.request(bytes, command)),
         Command::Locks { json } => reserve::locks(json),
         Command::Queue { json } => reserve::queue(json),
+        Command::Top {
+            once,
+            json,
+            compact,
+        } => top::top(once, json, compact),
         Command::Launch {
             nproc_per_node,
             nnodes,

@@ -33,6 +33,10 @@ pub struct Holder {
     /// keeps the lock if the taker dies first.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command_pid: Option<u32>,
+    /// GPU memory held by the holder's memory fence on this GPU (`torchtools reserve`
+    /// keeps it current), so that others see memory set aside that no process uses yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fenced: Option<Bytes>,
 }
 
 impl Holder {
@@ -51,6 +55,7 @@ impl Holder {
                 .collect(),
             gpu: String::new(),
             command_pid: None,
+            fenced: None,
         }
     }
 
@@ -88,6 +93,9 @@ impl fmt::Display for Holder {
         if let Some(bytes) = self.reserved {
             write!(f, ", reserving {bytes}")?;
         }
+        if let Some(bytes) = self.fenced.filter(|b| b.0 > 0) {
+            write!(f, ", fencing {bytes}")?;
+        }
         if !self.command.is_empty() {
             let mut command = self.command.join(" ");
             if command.chars().count() > 80 {
@@ -99,8 +107,9 @@ impl fmt::Display for Holder {
     }
 }
 
-/// Seconds since the epoch as `YYYY-MM-DD HH:MM:SS UTC` (proleptic Gregorian).
-pub(crate) fn utc(unix: u64) -> String {
+/// Seconds since the Unix epoch as `YYYY-MM-DD HH:MM:SS UTC` (proleptic Gregorian), as
+/// holder records and the queue show times.
+pub fn utc(unix: u64) -> String {
     let days = (unix / 86_400) as i64;
     let secs = unix % 86_400;
     // Howard Hinnant's civil_from_days.
@@ -206,6 +215,7 @@ mod display_tests {
             command: vec![],
             gpu: String::new(),
             command_pid: None,
+            fenced: None,
         }
     }
 

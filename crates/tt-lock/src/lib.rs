@@ -57,7 +57,7 @@ mod queue;
 pub use dir::{LockDir, DEFAULT_LOCK_DIR, LOCK_DIR_ENV};
 pub use error::{Error, Result};
 pub use gpu::{GpuKey, GpuSpec};
-pub use holder::Holder;
+pub use holder::{utc, Holder};
 pub use list::LockState;
 pub use lock::{share_with, GpuLock, Wait, HELD_LOCKS_ENV};
 pub use queue::{Waiter, Wants};

@@ -314,6 +314,7 @@ pub fn reserve_with(
             gpu.fenced = fence.fenced();
             reservation.fences.push(fence);
         }
+        reservation.record_fences();
     }
     Ok(reservation)
 }
@@ -392,6 +393,21 @@ impl Reservation {
         Ok(())
     }
 
+    /// Writes each GPU's fenced bytes into its lock's holder record (what `torchtools
+    /// locks` and `top` show); a failure to write only loses that display.
+    fn record_fences(&mut self) {
+        for lock in &mut self.locks {
+            let Some(gpu) = self.gpus.iter().find(|g| &g.key == lock.key()) else {
+                continue;
+            };
+            let mut record = lock.holder().clone();
+            record.fenced = Some(gpu.fenced);
+            if let Err(e) = lock.set_holder(record) {
+                tracing::warn!("cannot record the fence in {}: {e}", lock.path().display());
+            }
+        }
+    }
+
     /// What the fences hold in all.
     pub fn fenced(&self) -> Bytes {
         Bytes(self.fences.iter().map(|f| f.fenced().0).sum())
@@ -409,6 +425,7 @@ impl Reservation {
             freed += fence.shrink(Bytes(bytes.0 - freed))?.0;
             gpu.fenced = fence.fenced();
         }
+        self.record_fences();
         Ok(Bytes(freed))
     }
 
@@ -419,6 +436,7 @@ impl Reservation {
             freed += fence.lower()?.0;
             gpu.fenced = Bytes(0);
         }
+        self.record_fences();
         Ok(Bytes(freed))
     }
 }

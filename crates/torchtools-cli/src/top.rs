@@ -1,0 +1,776 @@
+//! `torchtools top`: who holds each GPU, who waits for it, and what runs on it, live.
+//!
+//! One [`Snapshot`] (locks, queue, NVML) is taken about once a second and drawn with
+//! ratatui; `--once` draws the same frame into a buffer and prints it as text, `--json`
+//! prints the snapshot itself.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::Nvml;
+use ratatui::buffer::Buffer;
+use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Block, Borders, Paragraph, Row, Table, Widget};
+use ratatui::Frame;
+use serde::Serialize;
+use tt_device::{Bytes, Inventory, NvmlStatus};
+use tt_lock::{utc, GpuKey, Holder, LockDir, Waiter};
+
+use crate::reserve::{age, now_unix, wants_text};
+
+/// How often the view refreshes.
+const REFRESH: Duration = Duration::from_secs(1);
+
+/// Everything one frame shows.
+#[derive(Debug, Serialize)]
+pub(crate) struct Snapshot {
+    /// The lock directory.
+    lock_dir: PathBuf,
+    /// When it was taken, in seconds since the Unix epoch.
+    time_unix: u64,
+    /// Whether NVML could be read, and why not.
+    nvml: NvmlStatus,
+    /// NVML's GPUs in its order, then lock files of GPUs NVML does not list.
+    gpus: Vec<GpuView>,
+    /// The requests waiting, first served first.
+    queue: Vec<Waiter>,
+}
+
+/// One GPU: NVML's view of it and its lock.
+#[derive(Debug, Serialize)]
+struct GpuView {
+    key: GpuKey,
+    /// NVML's index, when NVML lists it.
+    index: Option<u32>,
+    name: Option<String>,
+    total: Option<Bytes>,
+    used: Option<Bytes>,
+    free: Option<Bytes>,
+    /// Percent of time a kernel ran over the driver's last sample period.
+    utilization: Option<u32>,
+    /// The lock's holder, when held.
+    holder: Option<Holder>,
+    /// Queue positions of the requests waiting for this GPU.
+    waiting: Vec<usize>,
+    processes: Vec<ProcessView>,
+}
+
+/// A process using a GPU, as NVML lists it.
+#[derive(Debug, Serialize)]
+struct ProcessView {
+    pid: u32,
+    user: String,
+    /// Its GPU memory, when the driver can say.
+    used: Option<Bytes>,
+    command: String,
+    /// Whether it is the holder of this GPU's lock or runs under it.
+    in_reservation: bool,
+}
+
+/// NVML, opened once for the whole session.
+pub(crate) struct Gpus {
+    nvml: Option<Nvml>,
+    status: NvmlStatus,
+}
+
+impl Gpus {
+    pub(crate) fn open() -> Gpus {
+        match Nvml::init() {
+            Ok(nvml) => Gpus {
+                status: NvmlStatus::Available {
+                    driver_version: nvml.sys_driver_version().unwrap_or_default(),
+                },
+                nvml: Some(nvml),
+            },
+            // The inventory says why in the words `torchtools devices` uses.
+            Err(_) => Gpus {
+                nvml: None,
+                status: Inventory::query().nvml,
+            },
+        }
+    }
+
+    fn views(&self) -> Vec<GpuView> {
+        let Some(nvml) = &self.nvml else {
+            return Vec::new();
+        };
+        let count = nvml.device_count().unwrap_or(0);
+        (0..count)
+            .filter_map(|index| {
+                let device = nvml.device_by_index(index).ok()?;
+                let uuid = device.uuid().ok()?;
+                let memory = device.memory_info().ok();
+                let mut processes: Vec<(u32, Option<Bytes>)> = Vec::new();
+                let compute = device.running_compute_processes().unwrap_or_default();
+                let graphics = device.running_graphics_processes().unwrap_or_default();
+                for p in compute.into_iter().chain(graphics) {
+                    if processes.iter().any(|(pid, _)| *pid == p.pid) {
+                        continue;
+                    }
+                    let used = match p.used_gpu_memory {
+                        UsedGpuMemory::Used(b) => Some(Bytes(b)),
+                        UsedGpuMemory::Unavailable => None,
+                    };
+                    processes.push((p.pid, used));
+                }
+                Some(GpuView {
+                    key: GpuKey::Uuid(normalize_uuid(&uuid)),
+                    index: Some(index),
+                    name: device.name().ok(),
+                    total: memory.as_ref().map(|m| Bytes(m.total)),
+                    used: memory.as_ref().map(|m| Bytes(m.used)),
+                    free: memory.as_ref().map(|m| Bytes(m.free)),
+                    utilization: device.utilization_rates().ok().map(|u| u.gpu),
+                    holder: None,
+                    waiting: Vec::new(),
+                    processes: processes
+                        .into_iter()
+                        .map(|(pid, used)| ProcessView {
+                            pid,
+                            user: process_user(pid),
+                            used,
+                            command: process_command(pid),
+                            in_reservation: false,
+                        })
+                        .collect(),
+                })
+            })
+            .collect()
+    }
+}
+
+/// `GPU-` and the lowercase hex, as lock files name GPUs.
+fn normalize_uuid(uuid: &str) -> String {
+    match uuid.get(..4) {
+        Some(p) if p.eq_ignore_ascii_case("GPU-") => {
+            format!("GPU-{}", uuid[4..].to_ascii_lowercase())
+        }
+        _ => uuid.to_ascii_lowercase(),
+    }
+}
+
+impl Snapshot {
+    pub(crate) fn take(dir: &LockDir, gpus: &Gpus) -> Result<Snapshot> {
+        let mut views = gpus.views();
+        let queue = dir.queue()?;
+        for state in dir.list()? {
+            let view = match views.iter_mut().position(|v| v.key == state.gpu) {
+                Some(i) => &mut views[i],
+                None => {
+                    views.push(GpuView {
+                        key: state.gpu.clone(),
+                        index: None,
+                        name: None,
+                        total: None,
+                        used: None,
+                        free: None,
+                        utilization: None,
+                        holder: None,
+                        waiting: Vec::new(),
+                        processes: Vec::new(),
+                    });
+                    let last = views.len() - 1;
+                    &mut views[last]
+                }
+            };
+            view.holder = state.holder.filter(|_| state.held);
+        }
+        for view in &mut views {
+            view.waiting = queue
+                .iter()
+                .filter(|w| w.wants.gpus().contains(&view.key))
+                .map(|w| w.position)
+                .collect();
+            let roots: Vec<u32> = view
+                .holder
+                .iter()
+                .flat_map(|h| std::iter::once(h.pid).chain(h.command_pid))
+                .collect();
+            for p in &mut view.processes {
+                p.in_reservation = descends_from(p.pid, &roots);
+            }
+        }
+        Ok(Snapshot {
+            lock_dir: dir.path().to_owned(),
+            time_unix: now_unix(),
+            nvml: gpus.status.clone(),
+            gpus: views,
+            queue,
+        })
+    }
+}
+
+/// Whether `pid` is one of `roots` or a descendant of one (through `/proc`'s parents).
+fn descends_from(pid: u32, roots: &[u32]) -> bool {
+    let mut pid = pid;
+    for _ in 0..128 {
+        if roots.contains(&pid) {
+            return true;
+        }
+        match parent_of(pid) {
+            Some(parent) if parent > 1 => pid = parent,
+            _ => return false,
+        }
+    }
+    false
+}
+
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces and parentheses: the fields follow the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn process_command(pid: u32) -> String {
+    match std::fs::read(format!("/proc/{pid}/cmdline")) {
+        Ok(raw) if !raw.is_empty() => raw
+            .split(|&b| b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => "?".to_owned(),
+    }
+}
+
+fn process_user(pid: u32) -> String {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return "?".to_owned();
+    };
+    let uid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|u| u.parse::<u32>().ok());
+    match uid {
+        Some(uid) => user_name(uid).unwrap_or_else(|| uid.to_string()),
+        None => "?".to_owned(),
+    }
+}
+
+fn user_name(uid: u32) -> Option<String> {
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: an all-zero passwd is a valid value for getpwuid_r to overwrite.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut result: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call; buf outlives the use of pwd's strings.
+    let rc = unsafe {
+        libc::getpwuid_r(
+            uid,
+            &mut pwd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut result,
+        )
+    };
+    if rc != 0 || result.is_null() || pwd.pw_name.is_null() {
+        return None;
+    }
+    // SAFETY: getpwuid_r succeeded, so pw_name is a NUL-terminated string inside buf.
+    let name = unsafe { std::ffi::CStr::from_ptr(pwd.pw_name) };
+    Some(name.to_string_lossy().into_owned())
+}
+
+/// What the user changed with keys.
+#[derive(Debug, Default)]
+struct View {
+    selected: usize,
+    compact: bool,
+}
+
+/// `torchtools top [--once | --json]`.
+pub(crate) fn top(once: bool, json: bool, compact: bool) -> Result<ExitCode> {
+    let dir = LockDir::from_env()?;
+    let gpus = Gpus::open();
+    let snapshot = Snapshot::take(&dir, &gpus)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&snapshot)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut view = View {
+        selected: 0,
+        compact,
+    };
+    if once {
+        let width = terminal_width();
+        print!("{}", render_text(&snapshot, &view, width));
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !std::io::stdout().is_terminal() {
+        bail!(
+            "torchtools top needs a terminal: stdout is not one; use `torchtools top --once` \
+             for one frame as text, or --json for a snapshot"
+        );
+    }
+    let mut terminal = ratatui::init();
+    let result = live(&mut terminal, &dir, &gpus, snapshot, &mut view);
+    ratatui::restore();
+    result.map(|()| ExitCode::SUCCESS)
+}
+
+fn live(
+    terminal: &mut ratatui::DefaultTerminal,
+    dir: &LockDir,
+    gpus: &Gpus,
+    mut snapshot: Snapshot,
+    view: &mut View,
+) -> Result<()> {
+    loop {
+        terminal
+            .draw(|frame| draw(frame, &snapshot, view))
+            .context("drawing the view")?;
+        let next = Instant::now() + REFRESH;
+        loop {
+            let left = next.saturating_duration_since(Instant::now());
+            if left.is_zero() || !event::poll(left).context("reading the terminal")? {
+                break;
+            }
+            match event::read().context("reading the terminal")? {
+                Event::Key(key) if key.kind == KeyEventKind::Press => match key.code {
+                    KeyCode::Char('q') | KeyCode::Esc => return Ok(()),
+                    KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => {
+                        return Ok(())
+                    }
+                    KeyCode::Up | KeyCode::Char('k') => {
+                        view.selected = view.selected.saturating_sub(1);
+                    }
+                    KeyCode::Down | KeyCode::Char('j') => {
+                        view.selected =
+                            (view.selected + 1).min(snapshot.gpus.len().saturating_sub(1));
+                    }
+                    KeyCode::Char('c') => view.compact = !view.compact,
+                    _ => continue,
+                },
+                Event::Resize(..) => {}
+                _ => continue,
+            }
+            terminal
+                .draw(|frame| draw(frame, &snapshot, view))
+                .context("drawing the view")?;
+        }
+        snapshot = Snapshot::take(dir, gpus)?;
+    }
+}
+
+/// `COLUMNS`, else the terminal's width, else 120.
+fn terminal_width() -> u16 {
+    std::env::var("COLUMNS")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .filter(|&c| c >= 20)
+        .or_else(|| ratatui::crossterm::terminal::size().ok().map(|(w, _)| w))
+        .unwrap_or(120)
+}
+
+/// One frame as text, tall enough for everything in it.
+fn render_text(snapshot: &Snapshot, view: &View, width: u16) -> String {
+    let height =
+        heights(snapshot, view).iter().sum::<u16>() + note_lines(&note_text(snapshot), width) + 2;
+    let area = Rect::new(0, 0, width, height);
+    let mut buffer = Buffer::empty(area);
+    render(snapshot, view, area, &mut buffer);
+    let mut out = String::new();
+    for y in 0..area.height {
+        let mut line = String::new();
+        for x in 0..area.width {
+            line.push_str(buffer[(x, y)].symbol());
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+fn draw(frame: &mut Frame, snapshot: &Snapshot, view: &View) {
+    render(snapshot, view, frame.area(), frame.buffer_mut());
+}
+
+/// The heights of the GPU table, the selected GPU's panel and the queue table.
+fn heights(snapshot: &Snapshot, view: &View) -> [u16; 4] {
+    let n = |k: usize| u16::try_from(k).unwrap_or(u16::MAX);
+    let gpus = n(snapshot.gpus.len().max(1)) + 3;
+    let selected = snapshot.gpus.get(view.selected);
+    let detail = n(selected.map_or(0, |g| g.waiting.len())) + 4;
+    let queue = n(snapshot.queue.len().max(1)) + 3;
+    let processes = n(snapshot
+        .gpus
+        .iter()
+        .map(|g| g.processes.len())
+        .sum::<usize>()
+        .max(1))
+        + 3;
+    [gpus, detail, queue, processes]
+}
+
+/// The line under the title: the driver, or why there is no GPU data.
+fn note_text(snapshot: &Snapshot) -> String {
+    match &snapshot.nvml {
+        NvmlStatus::Available { driver_version } => format!(
+            "NVIDIA driver {driver_version}; {} GPU(s); {} request(s) waiting",
+            snapshot.gpus.iter().filter(|g| g.index.is_some()).count(),
+            snapshot.queue.len()
+        ),
+        NvmlStatus::Unavailable { reason } => format!(
+            "NVML unavailable ({reason}): no GPU memory, use or processes to show; locks \
+             and the queue are below"
+        ),
+    }
+}
+
+/// How many lines `text` takes wrapped at `width` (at most 4).
+fn note_lines(text: &str, width: u16) -> u16 {
+    let chars = text.chars().count();
+    let width = usize::from(width.max(1));
+    u16::try_from(chars.div_ceil(width).clamp(1, 4)).unwrap_or(4)
+}
+
+fn render(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {
+    let [gpus_h, detail_h, queue_h, _] = heights(snapshot, view);
+    let note_text = note_text(snapshot);
+    let [title, note, gpus, detail, queue, processes, footer] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Length(note_lines(&note_text, area.width)),
+        Constraint::Length(gpus_h),
+        Constraint::Length(detail_h),
+        Constraint::Length(queue_h),
+        Constraint::Min(3),
+        Constraint::Length(1),
+    ])
+    .areas(area);
+    let bold = Style::default().add_modifier(Modifier::BOLD);
+    Paragraph::new(Line::from(vec![
+        Span::styled("torchtools top", bold),
+        Span::raw(format!(
+            "  {}  {}",
+            snapshot.lock_dir.display(),
+            utc(snapshot.time_unix)
+        )),
+    ]))
+    .render(title, buf);
+    Paragraph::new(note_text)
+        .wrap(ratatui::widgets::Wrap { trim: true })
+        .render(note, buf);
+    render_gpus(snapshot, view, gpus, buf);
+    render_detail(snapshot, view, detail, buf);
+    render_queue(snapshot, view, queue, buf);
+    render_processes(snapshot, view, processes, buf);
+    let keys = if view.compact {
+        "q quit  ↑↓ GPU  c full"
+    } else {
+        "q quit  ↑/↓ select a GPU  c compact view  refreshes every second"
+    };
+    Paragraph::new(keys)
+        .style(Style::default().add_modifier(Modifier::DIM))
+        .render(footer, buf);
+}
+
+fn gib(b: Bytes) -> String {
+    format!("{:.1}", b.0 as f64 / (1u64 << 30) as f64)
+}
+
+fn gpu_name(g: &GpuView) -> String {
+    match (g.index, &g.key) {
+        (Some(i), _) => i.to_string(),
+        (None, GpuKey::Index(i)) => format!("{i}*"),
+        (None, GpuKey::Uuid(u)) => u.chars().take(12).collect(),
+    }
+}
+
+fn holder_cell(h: &Holder, compact: bool) -> String {
+    let command = h.command.join(" ");
+    if compact {
+        format!("{} {}", h.user, h.pid)
+    } else {
+        format!("{} pid {}: {command}", h.user, h.pid)
+    }
+}
+
+fn block(title: String) -> Block<'static> {
+    Block::default().borders(Borders::TOP).title(title)
+}
+
+fn render_gpus(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {
+    let dash = || "-".to_owned();
+    let rows: Vec<Row> = snapshot
+        .gpus
+        .iter()
+        .enumerate()
+        .map(|(i, g)| {
+            let memory = match (g.used, g.total) {
+                (Some(u), Some(t)) => format!("{}/{} GiB", gib(u), gib(t)),
+                _ => dash(),
+            };
+            let fenced = g
+                .holder
+                .as_ref()
+                .and_then(|h| h.fenced)
+                .filter(|b| b.0 > 0)
+                .map_or_else(dash, |b| format!("{} GiB", gib(b)));
+            let holder = g
+                .holder
+                .as_ref()
+                .map_or("free".to_owned(), |h| holder_cell(h, view.compact));
+            let since = g.holder.as_ref().map_or_else(dash, |h| {
+                age(snapshot.time_unix.saturating_sub(h.since_unix))
+            });
+            let reserving = g
+                .holder
+                .as_ref()
+                .and_then(|h| h.reserved)
+                .map_or_else(dash, |b| format!("{} GiB", gib(b)));
+            let cells = if view.compact {
+                vec![
+                    gpu_name(g),
+                    memory,
+                    g.utilization.map_or_else(dash, |u| format!("{u}%")),
+                    g.waiting.len().to_string(),
+                    holder,
+                ]
+            } else {
+                vec![
+                    gpu_name(g),
+                    g.name.clone().unwrap_or_else(|| match &g.key {
+                        GpuKey::Index(_) => "by index (no NVML)".to_owned(),
+                        GpuKey::Uuid(u) => u.clone(),
+                    }),
+                    memory,
+                    g.free.map_or_else(dash, |b| format!("{} GiB", gib(b))),
+                    fenced,
+                    g.utilization.map_or_else(dash, |u| format!("{u}%")),
+                    g.waiting.len().to_string(),
+                    since,
+                    reserving,
+                    holder,
+                ]
+            };
+            let style = if i == view.selected {
+                Style::default().add_modifier(Modifier::REVERSED)
+            } else {
+                Style::default()
+            };
+            Row::new(cells).style(style)
+        })
+        .collect();
+    let (header, widths): (Vec<&str>, Vec<Constraint>) = if view.compact {
+        (
+            vec!["GPU", "used GiB", "use", "wait", "holder"],
+            vec![
+                Constraint::Length(4),
+                Constraint::Length(13),
+                Constraint::Length(4),
+                Constraint::Length(4),
+                Constraint::Fill(1),
+            ],
+        )
+    } else {
+        (
+            vec![
+                "GPU",
+                "name",
+                "memory",
+                "free",
+                "fenced",
+                "use",
+                "waiting",
+                "held for",
+                "reserving",
+                "holder",
+            ],
+            vec![
+                Constraint::Length(4),
+                Constraint::Length(18),
+                Constraint::Length(13),
+                Constraint::Length(8),
+                Constraint::Length(8),
+                Constraint::Length(4),
+                Constraint::Length(7),
+                Constraint::Length(8),
+                Constraint::Length(9),
+                Constraint::Fill(1),
+            ],
+        )
+    };
+    let empty = rows.is_empty();
+    Table::new(rows, widths)
+        .header(Row::new(header).style(Style::default().add_modifier(Modifier::BOLD)))
+        .block(block(if empty {
+            "GPUs: none (no NVML GPU and no lock file)".to_owned()
+        } else {
+            "GPUs".to_owned()
+        }))
+        .render(area, buf);
+}
+
+fn render_detail(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {
+    let Some(g) = snapshot.gpus.get(view.selected) else {
+        block("no GPU selected".to_owned()).render(area, buf);
+        return;
+    };
+    let title = match (&g.index, &g.key) {
+        (Some(i), GpuKey::Uuid(u)) => format!("GPU {i} ({u})"),
+        (_, key) => key.to_string(),
+    };
+    let mut lines = vec![Line::from(match &g.holder {
+        Some(h) => format!("held by {h}"),
+        None => "free".to_owned(),
+    })];
+    if g.waiting.is_empty() {
+        lines.push(Line::from("nobody waits for it"));
+    } else {
+        lines.push(Line::from(format!("{} waiting:", g.waiting.len())));
+    }
+    for position in &g.waiting {
+        if let Some(w) = snapshot.queue.iter().find(|w| w.position == *position) {
+            lines.push(Line::from(format!(
+                "  #{} {} pid {} for {}: {}",
+                w.position,
+                w.user,
+                w.pid,
+                age(snapshot.time_unix.saturating_sub(w.since_unix)),
+                w.command.join(" ")
+            )));
+        }
+    }
+    Paragraph::new(lines)
+        .block(block(format!("selected: {title}")))
+        .render(area, buf);
+}
+
+fn render_queue(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {
+    let inventory = Inventory {
+        nvml: snapshot.nvml.clone(),
+        gpus: snapshot
+            .gpus
+            .iter()
+            .filter_map(|g| {
+                let (GpuKey::Uuid(uuid), Some(index)) = (&g.key, g.index) else {
+                    return None;
+                };
+                Some(tt_device::GpuInfo {
+                    nvml_index: index,
+                    uuid: uuid.clone(),
+                    name: g.name.clone().unwrap_or_default(),
+                    total: g.total.unwrap_or_default(),
+                    free: g.free.unwrap_or_default(),
+                    used: g.used.unwrap_or_default(),
+                    processes: Vec::new(),
+                })
+            })
+            .collect(),
+        errors: Vec::new(),
+    };
+    let rows: Vec<Row> = snapshot
+        .queue
+        .iter()
+        .map(|w| {
+            let mut cells = vec![
+                w.position.to_string(),
+                w.user.clone(),
+                w.pid.to_string(),
+                age(snapshot.time_unix.saturating_sub(w.since_unix)),
+                wants_text(&w.wants, &inventory),
+            ];
+            if !view.compact {
+                cells.push(w.reserved.map_or("-".into(), |b| b.to_string()));
+                cells.push(w.command.join(" "));
+            }
+            Row::new(cells)
+        })
+        .collect();
+    let mut widths = vec![
+        Constraint::Length(3),
+        Constraint::Length(10),
+        Constraint::Length(8),
+        Constraint::Length(8),
+        Constraint::Length(24),
+    ];
+    let mut header = vec!["#", "user", "pid", "waiting", "wants"];
+    if !view.compact {
+        widths.extend([Constraint::Length(11), Constraint::Fill(1)]);
+        header.extend(["bytes", "command"]);
+    }
+    Table::new(rows, widths)
+        .header(Row::new(header).style(Style::default().add_modifier(Modifier::BOLD)))
+        .block(block(format!(
+            "queue: {} waiting, served first come, first served",
+            snapshot.queue.len()
+        )))
+        .render(area, buf);
+}
+
+fn render_processes(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {
+    let mut rows = Vec::new();
+    for g in &snapshot.gpus {
+        for p in &g.processes {
+            let mark = if p.in_reservation {
+                "reserved"
+            } else {
+                "OUTSIDE"
+            };
+            let style = if p.in_reservation {
+                Style::default()
+            } else {
+                Style::default().fg(Color::Red)
+            };
+            let mut cells = vec![
+                gpu_name(g),
+                p.pid.to_string(),
+                p.user.clone(),
+                p.used.map_or("?".into(), |b| format!("{} GiB", gib(b))),
+                mark.to_owned(),
+            ];
+            if !view.compact {
+                cells.push(p.command.clone());
+            }
+            rows.push(Row::new(cells).style(style));
+        }
+    }
+    let title = match &snapshot.nvml {
+        NvmlStatus::Available { .. } => {
+            "processes on the GPUs (OUTSIDE: not under the GPU's lock holder)".to_owned()
+        }
+        NvmlStatus::Unavailable { .. } => "processes on the GPUs: unknown without NVML".into(),
+    };
+    let mut widths = vec![
+        Constraint::Length(4),
+        Constraint::Length(8),
+        Constraint::Length(10),
+        Constraint::Length(10),
+        Constraint::Length(9),
+    ];
+    let mut header = vec!["GPU", "pid", "user", "memory", "lock"];
+    if !view.compact {
+        widths.push(Constraint::Fill(1));
+        header.push("command");
+    }
+    Table::new(rows, widths)
+        .header(Row::new(header).style(Style::default().add_modifier(Modifier::BOLD)))
+        .block(block(title))
+        .render(area, buf);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ancestry_is_read_from_proc() {
+        let me = std::process::id();
+        assert!(descends_from(me, &[me]));
+        // This process descends from its parent, not from an unrelated pid.
+        let parent = parent_of(me).unwrap_or(0);
+        assert!(parent > 0);
+        assert!(descends_from(me, &[parent]));
+        assert!(!descends_from(parent, &[me]));
+        assert!(!process_command(me).is_empty());
+        assert_ne!(process_user(me), "?");
+    }
+}
