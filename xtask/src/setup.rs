@@ -103,13 +103,7 @@ fn ensure_gloo() -> Result<()> {
     if Path::new(GLOO_HEADER).exists() {
         return Ok(());
     }
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    let has_apt = Command::new("apt-get")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !(root && has_apt) {
+    if !can_apt_install() {
         bail!(
             "gloo's headers are missing ({GLOO_HEADER}); libtorch's distributed engine needs them to build. \
              Run `sudo apt-get install -y libgloo-dev` (Debian/Ubuntu), or set GLOO_INCLUDE to a directory holding gloo/ \
@@ -117,25 +111,8 @@ fn ensure_gloo() -> Result<()> {
         );
     }
     eprintln!("setup: installing Debian's libgloo-dev (gloo's headers for c10d)");
-    let install = || {
-        Command::new("apt-get")
-            .args([
-                "install",
-                "-y",
-                "-q",
-                "--no-install-recommends",
-                "libgloo-dev",
-            ])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !install() {
-        // A fresh machine may have no package lists yet.
-        let _ = Command::new("apt-get").args(["update", "-q"]).status();
-        if !install() {
-            bail!("`apt-get install libgloo-dev` failed (see apt's message above): check the package mirrors, or set GLOO_INCLUDE");
-        }
+    if !apt_install("libgloo-dev") {
+        bail!("`apt-get install libgloo-dev` failed (see apt's message above): check the package mirrors, or set GLOO_INCLUDE");
     }
     if !Path::new(GLOO_HEADER).exists() {
         bail!("libgloo-dev installed but {GLOO_HEADER} is missing: set GLOO_INCLUDE to gloo's include directory");
@@ -143,9 +120,61 @@ fn ensure_gloo() -> Result<()> {
     Ok(())
 }
 
+/// Whether this process can install Debian packages (root, with apt-get).
+fn can_apt_install() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    root && Command::new("apt-get")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// `apt-get install` of one package, updating the package lists once if it fails (a
+/// fresh machine may have none yet).
+fn apt_install(package: &str) -> bool {
+    let install = || {
+        Command::new("apt-get")
+            .args(["install", "-y", "-q", "--no-install-recommends", package])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if install() {
+        return true;
+    }
+    let _ = Command::new("apt-get").args(["update", "-q"]).status();
+    install()
+}
+
+/// tmux, which the test of `torchtools top`'s live view drives (a real terminal):
+/// installed when missing and possible, otherwise named (that test then fails saying so).
+fn ensure_tmux() {
+    let present = || {
+        Command::new("tmux")
+            .arg("-V")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if present() {
+        return;
+    }
+    if can_apt_install() {
+        eprintln!("setup: installing Debian's tmux (the terminal `torchtools top`'s test drives)");
+        if apt_install("tmux") && present() {
+            return;
+        }
+    }
+    eprintln!(
+        "setup: warning: tmux is missing; `torchtools top`'s live-view test needs it: \
+         `sudo apt-get install -y tmux`"
+    );
+}
+
 pub(crate) fn setup() -> Result<Libtorch> {
     let start = Instant::now();
     ensure_gloo()?;
+    ensure_tmux();
     // Cargo's [env] sets LIBTORCH to our link for processes it runs, this one included;
     // any other value was set by the user.
     if let Ok(v) = std::env::var("LIBTORCH_USE_PYTORCH") {

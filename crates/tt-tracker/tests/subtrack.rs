@@ -399,3 +399,52 @@ fn sqlite_files_need_the_feature_and_say_so() {
         .to_string();
     assert!(e.contains("`sqlite` feature"), "{e}");
 }
+
+#[test]
+fn statistics_are_pandas_to_the_last_bit() {
+    // Constant values that binary floats cannot hold (a standard deviation of exactly
+    // 0 or of 1e-17 decides gpu_tracker's order of sessions), a block of more than 128
+    // values (numpy's pairwise halves), and missing values inside.
+    let mut sets: Vec<Vec<f64>> = vec![vec![0.1; 9], vec![0.0103; 17], vec![1.0 / 3.0; 8]];
+    sets.push(
+        (0..300)
+            .map(|i| f64::from(i).mul_add(0.37, 1.0 / 7.0).sin() * 3.3)
+            .collect(),
+    );
+    let mut gaps: Vec<f64> = (0..40).map(|i| f64::from(i) * 0.1 + 0.05).collect();
+    for i in [0, 5, 17, 39] {
+        gaps[i] = f64::NAN;
+    }
+    sets.push(gaps);
+    let json = serde_json::to_string(
+        &sets
+            .iter()
+            .map(|s| {
+                s.iter()
+                    .map(|x| if x.is_nan() { None } else { Some(*x) })
+                    .collect()
+            })
+            .collect::<Vec<Vec<Option<f64>>>>(),
+    )
+    .unwrap();
+    let script = "import json, sys, pandas as pd\n\
+                  for values in json.loads(sys.argv[1]):\n\
+                  \x20   s = pd.Series([float('nan') if v is None else v for v in values])\n\
+                  \x20   d = s.describe()\n\
+                  \x20   print(repr(float(d['mean'])), repr(float(s.std(ddof=0))))\n";
+    let out = tt_testkit::run_python(script, &[&json]);
+    for (values, line) in sets.iter().zip(out.lines()) {
+        let (mean, std) = line.split_once(' ').unwrap();
+        let ours = Stats::of(values.iter().copied());
+        let (mean, std): (f64, f64) = (mean.parse().unwrap(), std.parse().unwrap());
+        assert_eq!(
+            (ours.mean.to_bits(), ours.std.to_bits()),
+            (mean.to_bits(), std.to_bits()),
+            "{} values: ours {} {}, pandas {mean:?} {std:?}",
+            values.len(),
+            ours.mean,
+            ours.std
+        );
+    }
+    assert_eq!(out.lines().count(), sets.len());
+}
