@@ -125,13 +125,15 @@ fn main() {
     let timed = handoff(&dir, "timeout");
 
     println!("tt-lock ({UNCONTENDED} uncontended rounds, {HANDOFFS} hand-offs to another process)");
-    println!("  acquire + release (open, flock, holder record, unlock, close): {acquire:.1} µs");
+    println!("  acquire + release (open, queue check, flock, holder record, unlock, close): {acquire:.1} µs");
     println!("  hand-off to a blocked waiter: {blocked:.1} µs; to a timed waiter: {timed:.1} µs");
     println!("row|GPU lock acquire+release, uncontended (µs)|{acquire:.1}|goal|20.0|µs|lower");
     if let Some(py) = python_flock_us(&dir) {
         println!("  python open + fcntl.flock + unlock (the Python torchtools' way, no record): {py:.1} µs");
         println!("row|GPU lock acquire+release, uncontended (µs)|{acquire:.1}|python fcntl.flock (seed)|{py:.1}|µs|lower");
     }
-    println!("row|lock hand-off to a blocked waiter (µs)|{blocked:.1}|goal|1000.0|µs|lower");
-    println!("row|lock hand-off to a timed waiter (µs)|{timed:.1}|goal|1000.0|µs|lower");
+    println!("row|lock hand-off to the next blocked waiter in line (µs)|{blocked:.1}|goal|1000.0|µs|lower");
+    println!(
+        "row|lock hand-off to the next timed waiter in line (µs)|{timed:.1}|goal|1000.0|µs|lower"
+    );
 }

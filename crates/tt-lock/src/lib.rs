@@ -12,7 +12,12 @@
 //!   created mode 01777; symbolic links are never followed, non-regular files and
 //!   world-writable directories without the sticky bit are refused.
 //! - **Three ways to wait** ([`Wait`]): try (fails at once naming the holder), block,
-//!   and a timeout that really ends: never early, within ~2 ms after the deadline.
+//!   and a timeout that really ends: never early, within a few ms after the deadline.
+//! - **First come, first served.** A request that waits, whatever its form (one GPU, a
+//!   set, `auto`, blocking or timed), takes a place in the directory's queue and is
+//!   granted when its GPUs are free and no earlier request waits for any of them; a
+//!   killed waiter leaves the queue by itself (its ticket's `flock` dies with it).
+//!   [`LockDir::queue`] lists the waiters.
 //! - **A holder record** ([`Holder`]: pid, user, host, start, bytes, command, GPU) in the
 //!   lock file; [`LockDir::list`] asks the kernel whether each lock is held, so a record
 //!   left by a `kill -9`'d holder shows as free.
