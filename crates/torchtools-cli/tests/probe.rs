@@ -37,7 +37,14 @@ fn probe_reports_the_peak_and_the_estimate() {
         tmp.path(),
     );
     assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        out.stdout.ends_with(b"}\n"),
+        "a JSON document ends with a newline"
+    );
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Durations are seconds, as a number (not serde's {"secs", "nanos"}).
+    let seconds = json["duration"].as_f64().unwrap_or(-1.0);
+    assert!(seconds > 0.0 && seconds < 600.0, "{json}");
     let peak = json["rss_peak"].as_u64().unwrap();
     assert!(peak >= 100 << 20, "{json}");
     assert!(json["estimate"].as_u64().unwrap() > peak);

@@ -34,7 +34,9 @@ pub struct ProbeReport {
     pub rss_peak: Option<Bytes>,
     /// Steps run.
     pub steps: u64,
-    /// Wall time of the probe's work (Rust probes) or of the command.
+    /// Wall time of the probe's work (Rust probes) or of the command; in JSON, seconds
+    /// as a number (`"duration": 0.137`).
+    #[serde(with = "seconds")]
     pub duration: Duration,
     /// A command probe ended by its timeout (its peak so far is reported).
     #[serde(default)]
@@ -114,6 +116,34 @@ impl fmt::Display for ProbeReport {
     }
 }
 
+/// A `Duration` in JSON as seconds (a number), as scripts and Python read it; the
+/// `{"secs": .., "nanos": ..}` form of older reports is read too.
+mod seconds {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        Seconds(f64),
+        Parts { secs: u64, nanos: u32 },
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        match Either::deserialize(d)? {
+            Either::Seconds(s) => Duration::try_from_secs_f64(s).map_err(|e| {
+                serde::de::Error::custom(format!("{s} is not a duration in seconds: {e}"))
+            }),
+            Either::Parts { secs, nanos } => Ok(Duration::new(secs, nanos)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,5 +173,25 @@ mod tests {
         let cpu = report(MemoryKind::Cpu);
         assert_eq!(cpu.peak(), Bytes::mib(300));
         assert!(cpu.to_string().contains("CPU memory"), "{cpu}");
+    }
+
+    #[test]
+    fn json_durations_are_seconds_and_old_reports_still_read() {
+        let mut r = report(MemoryKind::Gpu);
+        r.duration = Duration::from_millis(1_250);
+        let json = serde_json::to_value(&r).unwrap_or_default();
+        assert_eq!(json["duration"], serde_json::json!(1.25));
+        let back: ProbeReport = serde_json::from_value(json).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(back, r);
+        let mut old = serde_json::to_value(&r).unwrap_or_default();
+        old["duration"] = serde_json::json!({"secs": 3, "nanos": 760_042_752});
+        let back: ProbeReport = serde_json::from_value(old).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(back.duration, Duration::new(3, 760_042_752));
+        let mut bad = serde_json::to_value(&r).unwrap_or_default();
+        bad["duration"] = serde_json::json!(-1.0);
+        let e = serde_json::from_value::<ProbeReport>(bad)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a duration in seconds"), "{e}");
     }
 }
