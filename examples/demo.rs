@@ -34,8 +34,12 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<(), Box<dyn Error>> {
     let steps = steps_from_env()?;
+    // libtorch's intra-op threads: what this process may use (affinity, cgroup quota,
+    // OMP_NUM_THREADS), not one per core of a machine shared with others.
+    let budget = torchtools::use_allowed_threads();
     let report = torchtools::device::report();
     println!("{report}\n");
+    println!("intra-op threads set to {budget}\n");
     let selection = match (&report.selected, &report.error) {
         (Some(s), _) => s.clone(),
         (None, e) => return Err(e.clone().unwrap_or_else(|| "no device".into()).into()),

@@ -80,6 +80,25 @@ pub fn init_logging() {
         .try_init();
 }
 
+/// Sets libtorch's intra-op threads to what this process may really use, and returns
+/// why ([`device::CpuBudget`]): `OMP_NUM_THREADS` when set, else the CPUs of its
+/// affinity mask capped by its cgroup's CPU quota. libtorch's default (one thread per
+/// core it detects) ignores quotas and other users' load; on a shared machine its
+/// threads then wait for each other (the README has the numbers). Call it once, early
+/// in `main`; `torchtools::device::report()` shows both counts.
+#[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
+pub fn use_allowed_threads() -> tt_device::CpuBudget {
+    let budget = tt_device::CpuBudget::query();
+    let before = tch::get_num_threads();
+    let threads = i32::try_from(budget.threads).unwrap_or(i32::MAX);
+    if before != threads {
+        tch::set_num_threads(threads);
+    }
+    tracing::info!("libtorch intra-op threads: {before} -> {budget}");
+    budget
+}
+
 #[doc(inline)]
 pub use tt_device as device;
 

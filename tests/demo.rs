@@ -42,6 +42,11 @@ fn the_demo_trains_from_any_directory_without_ld_library_path() {
         "{stdout}"
     );
     assert!(stdout.contains("trained 50 steps on "), "{stdout}");
+    assert!(stdout.contains("intra-op threads set to "), "{stdout}");
+    assert!(
+        stdout.contains("\n  threads      "),
+        "the report's threads line: {stdout}"
+    );
 }
 
 #[test]
@@ -62,4 +67,65 @@ fn the_demo_refuses_bad_input_with_a_clear_error() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("TORCHTOOLS_DEVICE=\"cuda:9\""));
+}
+
+/// The child of the thread test: libtorch set to 5 threads, then the facade's call.
+#[test]
+#[ignore = "a child process's entry point, run by the thread test"]
+fn threads_child() {
+    if std::env::var_os("TT_THREADS_CHILD").is_none() {
+        return;
+    }
+    torchtools::tch::set_num_threads(5);
+    let budget = torchtools::use_allowed_threads();
+    println!(
+        "@@ libtorch {} budget {} reason {}",
+        torchtools::tch::get_num_threads(),
+        budget.threads,
+        budget.reason
+    );
+}
+
+#[test]
+fn use_allowed_threads_follows_the_affinity_mask_and_omp_num_threads() {
+    let run = |omp: Option<&str>| {
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = Command::new("taskset");
+        cmd.args(["-c", "0"])
+            .arg(exe)
+            .args([
+                "--exact",
+                "threads_child",
+                "--include-ignored",
+                "--nocapture",
+            ])
+            .env("TT_THREADS_CHILD", "1")
+            .env_remove("OMP_NUM_THREADS");
+        if let Some(v) = omp {
+            cmd.env("OMP_NUM_THREADS", v);
+        }
+        let out = cmd
+            .output()
+            .unwrap_or_else(|e| panic!("taskset (util-linux): {e}"));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{out:?}");
+        text.lines()
+            .find_map(|l| l.split_once("@@ ").map(|(_, report)| report.to_owned()))
+            .unwrap_or_else(|| panic!("no report: {text}"))
+    };
+    // One CPU in the mask: one thread, whatever libtorch had.
+    let line = run(None);
+    assert!(line.starts_with("libtorch 1 budget 1 reason "), "{line}");
+    if std::thread::available_parallelism().map_or(1, usize::from) > 1 {
+        assert!(
+            line.contains("1 CPU(s) in this process's affinity mask"),
+            "{line}"
+        );
+    }
+    // OMP_NUM_THREADS is the user's decision: kept.
+    let line = run(Some("3"));
+    assert!(
+        line.starts_with("libtorch 3 budget 3 reason OMP_NUM_THREADS=3"),
+        "{line}"
+    );
 }

@@ -9,6 +9,8 @@
 //! - [`Inventory`] lists the GPUs through NVML, loaded at run time (index, UUID,
 //!   name, memory, processes). No NVML is a reported condition, not an error.
 //! - [`select_with`] is the selection rule, pure, over an [`Availability`].
+//! - [`CpuBudget`] says how many CPUs this process may really use (affinity mask,
+//!   cgroup quota, `OMP_NUM_THREADS`): the intra-op thread count for libtorch.
 //! - [`DeviceReport`] puts it together: text through `Display`, JSON through serde.
 //!
 //! With the `tch` feature (default), [`select`] returns a `tch::Device` in
@@ -50,6 +52,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod bytes;
+mod cpu;
 mod cuda;
 mod env;
 mod error;
@@ -60,6 +63,7 @@ mod report;
 mod select;
 
 pub use bytes::Bytes;
+pub use cpu::CpuBudget;
 pub use cuda::{CudaDriver, CudaError};
 pub use env::{
     CudaVisibleDevices, DeviceRequest, EnvConfig, RawEnv, VisibleEntry, CUDA_VISIBLE_DEVICES,

@@ -82,6 +82,7 @@ pub fn report() -> DeviceReport {
             .ok()
             .map(|d| d.display().to_string()),
         cuda_runtime,
+        intra_op_threads: usize::try_from(tch::get_num_threads()).ok(),
     };
     DeviceReport::from_process(View::Libtorch, Some(libtorch), |inventory, visible, _| {
         availability(visible, inventory)

@@ -5,7 +5,7 @@ use serde::Serialize;
 use crate::env::{CudaVisibleDevices, EnvConfig, RawEnv};
 use crate::inventory::{Inventory, NvmlStatus, VisibleGpu};
 use crate::select::{select_with, Availability, CudaCandidate, Selection};
-use crate::Result;
+use crate::{CpuBudget, Result};
 
 /// Whose view a report gives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -26,6 +26,8 @@ pub struct LibtorchInfo {
     pub lib_dir: Option<String>,
     /// CUDA runtime it was built with (`13.0`), when `libtorch_cuda` is loaded.
     pub cuda_runtime: Option<String>,
+    /// The intra-op threads libtorch uses now (`at::get_num_threads`).
+    pub intra_op_threads: Option<usize>,
 }
 
 /// One backend and whether it can be used.
@@ -40,7 +42,7 @@ pub struct Backend {
 }
 
 /// Everything about devices in one place: text through `Display`, JSON through serde.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DeviceReport {
     /// Whose view this is.
     pub view: View,
@@ -60,6 +62,9 @@ pub struct DeviceReport {
     pub selected: Option<Selection>,
     /// Why no device could be chosen (bad variable, device not usable).
     pub error: Option<String>,
+    /// The CPUs this process may use and the thread count that follows (read from the
+    /// kernel in a real process; `None` in a report assembled from given parts).
+    pub cpu: Option<CpuBudget>,
 }
 
 impl Availability {
@@ -162,6 +167,7 @@ impl DeviceReport {
             env: raw,
             selected,
             error,
+            cpu: None,
         }
     }
 
@@ -187,7 +193,9 @@ impl DeviceReport {
             .map(|e| e.visible.clone())
             .unwrap_or(CudaVisibleDevices::Unset);
         let avail = availability(&inventory, &visible, &raw);
-        DeviceReport::assemble(view, env, raw, &inventory, &avail, libtorch)
+        let mut report = DeviceReport::assemble(view, env, raw, &inventory, &avail, libtorch);
+        report.cpu = Some(CpuBudget::query());
+        report
     }
 }
 
@@ -270,6 +278,24 @@ impl fmt::Display for DeviceReport {
             show(&self.env.local_rank),
             show(&self.env.cuda_visible_devices)
         )?;
+        if let Some(cpu) = &self.cpu {
+            let now = self
+                .libtorch
+                .as_ref()
+                .and_then(|lt| lt.intra_op_threads)
+                .map(|n| {
+                    if n == cpu.threads {
+                        format!("; libtorch uses {n}")
+                    } else {
+                        format!(
+                            "; libtorch uses {n} now (torchtools::use_allowed_threads() sets {})",
+                            cpu.threads
+                        )
+                    }
+                })
+                .unwrap_or_default();
+            writeln!(f, "  threads      {cpu}{now}")?;
+        }
         match (&self.selected, &self.error) {
             (Some(s), _) => write!(f, "  selected     {} ({})", s.device, s.reason),
             (None, Some(e)) => write!(f, "  selected     none: {e}"),
