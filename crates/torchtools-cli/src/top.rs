@@ -251,32 +251,9 @@ fn process_user(pid: u32) -> String {
         .and_then(|l| l.split_whitespace().next())
         .and_then(|u| u.parse::<u32>().ok());
     match uid {
-        Some(uid) => user_name(uid).unwrap_or_else(|| uid.to_string()),
+        Some(uid) => tt_lock::user_name_of(uid).unwrap_or_else(|| uid.to_string()),
         None => "?".to_owned(),
     }
-}
-
-fn user_name(uid: u32) -> Option<String> {
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: an all-zero passwd is a valid value for getpwuid_r to overwrite.
-    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut result: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: every pointer is valid for the call; buf outlives the use of pwd's strings.
-    let rc = unsafe {
-        libc::getpwuid_r(
-            uid,
-            &mut pwd,
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            &mut result,
-        )
-    };
-    if rc != 0 || result.is_null() || pwd.pw_name.is_null() {
-        return None;
-    }
-    // SAFETY: getpwuid_r succeeded, so pw_name is a NUL-terminated string inside buf.
-    let name = unsafe { std::ffi::CStr::from_ptr(pwd.pw_name) };
-    Some(name.to_string_lossy().into_owned())
 }
 
 /// What the user changed with keys.

@@ -7,26 +7,13 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use tt_lock::{GpuKey, GpuSpec, Holder, LockDir, Wait};
+use tt_lock::{Holder, LockDir, Wait};
 
-fn torchtools(dir: &Path) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_torchtools"));
-    cmd.env("TORCHTOOLS_LOCK_DIR", dir)
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env_remove("TORCHTOOLS_HELD_LOCKS")
-        .stdin(Stdio::null());
-    cmd
-}
+mod common;
+use common::{key0, torchtools, until};
 
 fn run(dir: &Path, args: &[&str]) -> Output {
     torchtools(dir).args(args).output().unwrap()
-}
-
-/// The key `--gpu 0` takes on this machine (its UUID with NVML, else index 0).
-fn key0() -> GpuKey {
-    GpuSpec::Nvml(0)
-        .resolve(&tt_device::Inventory::query())
-        .unwrap()
 }
 
 fn stderr(out: &Output) -> String {
@@ -370,15 +357,9 @@ fn a_command_that_is_not_executable_exits_126_and_an_unusable_lock_directory_exi
 
 /// Waits until a request of `pid` is in the queue of `dir`.
 fn until_queued(dir: &LockDir, pid: u32) {
-    let start = Instant::now();
-    while !dir.queue().unwrap().iter().any(|w| w.pid == pid) {
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "pid {pid} never queued: {:?}",
-            dir.queue()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    until(&format!("pid {pid} in the queue"), || {
+        dir.queue().unwrap().iter().any(|w| w.pid == pid)
+    });
 }
 
 #[test]

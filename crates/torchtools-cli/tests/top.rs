@@ -7,18 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use tt_lock::{GpuKey, GpuLock, GpuSpec, Holder, LockDir, Wait};
+use tt_lock::{GpuKey, GpuLock, Holder, LockDir, Wait};
 
-const PATIENCE: Duration = Duration::from_secs(120);
-
-fn torchtools(dir: &Path) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_torchtools"));
-    cmd.env("TORCHTOOLS_LOCK_DIR", dir)
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env_remove("TORCHTOOLS_HELD_LOCKS")
-        .stdin(Stdio::null());
-    cmd
-}
+mod common;
+use common::{key0, torchtools, until, PATIENCE};
 
 fn run(dir: &Path, args: &[&str], columns: &str) -> Output {
     torchtools(dir)
@@ -26,22 +18,6 @@ fn run(dir: &Path, args: &[&str], columns: &str) -> Output {
         .env("COLUMNS", columns)
         .output()
         .unwrap()
-}
-
-/// The key `--gpu 0` takes on this machine (its UUID with NVML, else index 0).
-fn key0() -> GpuKey {
-    GpuSpec::Nvml(0)
-        .resolve(&tt_device::Inventory::query())
-        .unwrap()
-}
-
-/// Polls `done` every 20 ms for up to [`PATIENCE`].
-fn until(what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < PATIENCE, "still waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// GPU 0 held by this process for a "training job", GPU index 9 held too (a second

@@ -133,6 +133,14 @@ pub fn utc(unix: u64) -> String {
 fn user_name() -> String {
     // SAFETY: geteuid has no preconditions.
     let uid = unsafe { libc::geteuid() };
+    user_name_of(uid)
+        .or_else(|| std::env::var("USER").ok())
+        .unwrap_or_else(|| format!("uid {uid}"))
+}
+
+/// The user name of `uid` from the password database (`getpwuid_r`), as holder records
+/// and `torchtools top` show users; `None` when the database has no entry.
+pub fn user_name_of(uid: u32) -> Option<String> {
     let mut buf = vec![0u8; 4096];
     // SAFETY: an all-zero passwd is a valid value for getpwuid_r to overwrite.
     let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
@@ -147,13 +155,15 @@ fn user_name() -> String {
             &mut result,
         )
     };
-    if rc == 0 && !result.is_null() && !pwd.pw_name.is_null() {
-        // SAFETY: getpwuid_r succeeded, so pw_name is a NUL-terminated string inside buf.
-        return unsafe { CStr::from_ptr(pwd.pw_name) }
-            .to_string_lossy()
-            .into_owned();
+    if rc != 0 || result.is_null() || pwd.pw_name.is_null() {
+        return None;
     }
-    std::env::var("USER").unwrap_or_else(|_| format!("uid {uid}"))
+    // SAFETY: getpwuid_r succeeded, so pw_name is a NUL-terminated string inside buf.
+    Some(
+        unsafe { CStr::from_ptr(pwd.pw_name) }
+            .to_string_lossy()
+            .into_owned(),
+    )
 }
 
 fn host_name() -> String {

@@ -46,17 +46,9 @@ impl LockDir {
                 continue;
             };
             let path = entry.path();
-            let Ok(file) = OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-                .open(&path)
-            else {
+            let Some((file, meta)) = open_to_read(&path) else {
                 continue; // vanished, a symlink, or unreadable: not a lock of ours
             };
-            let Ok(meta) = file.metadata() else { continue };
-            if !meta.file_type().is_file() {
-                continue;
-            }
             let held = match &kernel {
                 Some(set) => {
                     set.contains(&(libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino()))
@@ -109,6 +101,18 @@ impl LockDir {
         out.extend(files);
         Ok(out)
     }
+}
+
+/// Opens a file of the lock directory to read it: never through a symbolic link, never
+/// blocking on a FIFO, and only a regular file; `None` otherwise (or when it vanished).
+pub(crate) fn open_to_read(path: &std::path::Path) -> Option<(File, std::fs::Metadata)> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    meta.file_type().is_file().then_some((file, meta))
 }
 
 /// How many of the queued requests wait for `gpu`.

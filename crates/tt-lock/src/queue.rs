@@ -25,7 +25,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tt_device::Bytes;
 
-use crate::list::probe_held;
+use crate::list::{open_to_read, probe_held};
 use crate::{Error, GpuKey, Holder, LockDir, Result};
 
 /// What a request waits for.
@@ -235,17 +235,9 @@ impl LockDir {
                 continue;
             }
             let path = entry.path();
-            let Ok(file) = OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-                .open(&path)
-            else {
-                continue; // gone since, or not ours to read
+            let Some((file, meta)) = open_to_read(&path) else {
+                continue; // gone since, or not a ticket to read
             };
-            let Ok(meta) = file.metadata() else { continue };
-            if !meta.file_type().is_file() {
-                continue;
-            }
             if !probe_held(&file) {
                 self.remove_dead(&file, &path, meta.uid());
                 continue;

@@ -1,0 +1,38 @@
+//! Helpers shared by the command's test files (each includes this module).
+#![allow(dead_code)] // not every test file uses every helper
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tt_lock::{GpuKey, GpuSpec};
+
+/// The longest any awaited event may take on a busy machine.
+pub(crate) const PATIENCE: Duration = Duration::from_secs(120);
+
+/// The `torchtools` binary with `dir` as its lock directory, no inherited locks, no
+/// `CUDA_VISIBLE_DEVICES`, stdin closed.
+pub(crate) fn torchtools(dir: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_torchtools"));
+    cmd.env("TORCHTOOLS_LOCK_DIR", dir)
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env_remove("TORCHTOOLS_HELD_LOCKS")
+        .stdin(Stdio::null());
+    cmd
+}
+
+/// The key `--gpu 0` takes on this machine (its UUID with NVML, else index 0).
+pub(crate) fn key0() -> GpuKey {
+    GpuSpec::Nvml(0)
+        .resolve(&tt_device::Inventory::query())
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Polls `done` every 20 ms for up to [`PATIENCE`]; fails the test naming `what`.
+pub(crate) fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < PATIENCE, "still waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
