@@ -12,6 +12,7 @@
 //! ```
 
 mod bench;
+mod downstream;
 mod gpu;
 mod mutants;
 mod setup;
@@ -21,7 +22,7 @@ mod test;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: cargo xtask <setup | demo | test | test-gpu [--bundle DIR] | bench | \
+const USAGE: &str = "usage: cargo xtask <setup [--print-env] | demo | test | downstream | test-gpu [--bundle DIR] | bench | \
                      mutants [CRATE..] [--shard K/N | --full]>";
 
 fn main() -> ExitCode {
@@ -29,8 +30,16 @@ fn main() -> ExitCode {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let result = match args.as_slice() {
         ["setup"] => setup::setup().map(|_| ()),
+        ["setup", "--print-env"] => setup::print_env(),
         ["demo"] => demo(),
         ["test"] => test::cpu_matrix(),
+        ["downstream"] => setup::setup().and_then(|_| {
+            if downstream::check().ok {
+                Ok(())
+            } else {
+                anyhow::bail!("the README's project did not build and run (see above)")
+            }
+        }),
         ["test-gpu"] => gpu::run_gpu_tests(),
         ["test-gpu", "--bundle", dir] => gpu::bundle(&PathBuf::from(dir)),
         ["bench"] => bench::run(),

@@ -218,6 +218,68 @@ pub(crate) fn setup() -> Result<Libtorch> {
     Ok(Libtorch::Cached { venv })
 }
 
+/// The libtorch directory a project outside this repository sets as `LIBTORCH`
+/// (installing it first when needed): the cache's torch package, or the user's own.
+pub(crate) fn libtorch_for_other_projects() -> Result<PathBuf> {
+    match setup()? {
+        Libtorch::Cached { venv } => torch_dir(&venv).with_context(|| {
+            format!(
+                "no torch package under {}: run `cargo xtask setup` again",
+                venv.display()
+            )
+        }),
+        Libtorch::User => match std::env::var_os("LIBTORCH") {
+            Some(dir) => Ok(PathBuf::from(dir)),
+            None => bail!(
+                "LIBTORCH_USE_PYTORCH is set: your projects find libtorch through the same \
+                 variable and the python3 on PATH; nothing else to print"
+            ),
+        },
+    }
+}
+
+/// `cargo xtask setup --print-env`: what another project needs to build against the
+/// libtorch installed here, as shell lines and as a `.cargo/config.toml` block.
+pub(crate) fn print_env() -> Result<()> {
+    let libtorch = libtorch_for_other_projects()?;
+    let gloo = std::env::var("GLOO_INCLUDE").ok();
+    println!("# libtorch {TORCH_VERSION} for a project outside this repository.");
+    println!("# Either in your shell:");
+    println!(
+        "export LIBTORCH={}",
+        shell_quote(&libtorch.display().to_string())
+    );
+    if let Some(g) = &gloo {
+        println!("export GLOO_INCLUDE={}", shell_quote(g));
+    }
+    println!("# or in your project's .cargo/config.toml:");
+    println!("{}", config_block(&libtorch, gloo.as_deref()));
+    Ok(())
+}
+
+/// The `.cargo/config.toml` block that points a project at `libtorch`.
+pub(crate) fn config_block(libtorch: &Path, gloo: Option<&str>) -> String {
+    let toml_string = |s: &str| format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""));
+    let mut block = format!(
+        "[env]\nLIBTORCH = {}",
+        toml_string(&libtorch.display().to_string())
+    );
+    if let Some(g) = gloo {
+        block.push_str(&format!("\nGLOO_INCLUDE = {}", toml_string(g)));
+    }
+    block
+}
+
+fn shell_quote(s: &str) -> String {
+    if s.bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"/._-+".contains(&b))
+    {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
 /// Makes `link` a symlink to `target` (replacing an older one).
 fn link(target: &Path, link: &Path) -> Result<()> {
     if std::fs::read_link(link).ok().as_deref() == Some(target) {

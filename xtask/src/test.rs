@@ -159,6 +159,13 @@ pub(crate) fn cpu_matrix() -> Result<()> {
         "test --workspace (all CPU features, doc tests)".into(),
         &workspace,
     );
+    // The README's "Using it from your project", in a new crate outside the repository.
+    // (The closure above holds `results`; the steps after this one count no tests.)
+    drop(step);
+    results.push(crate::downstream::check());
+    let mut step = |name: String, args: &[&str]| {
+        results.push(run_counted(&name, cargo(args)));
+    };
     // One workspace-wide lint, GPU test targets included: every configuration of
     // features costs a rebuild of torch-sys's C++ (about 2.5 minutes on 2 cores).
     let gpu_features = GPU_CRATES.map(|k| format!("{k}/gpu-tests")).join(",");
