@@ -105,7 +105,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-sys --features c10d", 9),
     ("test -p tt-dist --features c10d", 24),
     ("test -p tt-reserve --features tch", 3),
-    ("test -p tt-tracker --features sqlite,plot", 34),
+    ("test -p tt-tracker --features sqlite,plot", 35),
     ("test --workspace (all CPU features, doc tests)", 128),
 ];
 

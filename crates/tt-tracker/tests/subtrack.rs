@@ -448,3 +448,59 @@ fn statistics_are_pandas_to_the_last_bit() {
     }
     assert_eq!(out.lines().count(), sets.len());
 }
+
+/// gpu_tracker has SQLite itself compute the overall statistics of an SQLite tracking
+/// file (its own query: a running sum, no pandas): the same figures to the last bit,
+/// where pandas' pairwise sums differ.
+#[cfg(feature = "sqlite")]
+#[test]
+fn overall_statistics_of_sqlite_files_are_sqlites_to_the_last_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let db = tmp.path().join("t.sqlite");
+    // 40 samples of every measure gpu_tracker reads (thread counts as integers), in
+    // its tables.
+    let names: Vec<&str> = tt_tracker::Sample::default()
+        .measures()
+        .iter()
+        .map(|(k, _)| *k)
+        .collect();
+    let script = "import json, sqlite3, sys\n\
+                  names = json.loads(sys.argv[2])\n\
+                  con = sqlite3.connect(sys.argv[1])\n\
+                  con.execute('CREATE TABLE static_data (ram_unit TEXT, gpu_ram_unit TEXT, time_unit TEXT, ram_system_capacity REAL, gpu_ram_system_capacity REAL, system_core_count INTEGER, n_expected_cores INTEGER, system_gpu_count INTEGER, n_expected_gpus INTEGER)')\n\
+                  con.execute(\"INSERT INTO static_data VALUES ('gigabytes','gigabytes','hours',25.5,0.0,2,2,0,0)\")\n\
+                  cols = ', '.join(n + (' INTEGER' if n.endswith('n_threads') else ' REAL') for n in names)\n\
+                  con.execute(f'CREATE TABLE data ({cols}, timestamp REAL)')\n\
+                  rows = [[3 + (i + m) % 4 if n.endswith('n_threads') else 0.1 * ((i + m) % 7) + 1 / 3 for m, n in enumerate(names)] + [10.0 + i] for i in range(40)]\n\
+                  con.executemany(f'INSERT INTO data VALUES ({\", \".join(\"?\" * (len(names) + 1))})', rows)\n\
+                  con.commit()\n";
+    let names_json = serde_json::to_string(&names).unwrap();
+    tt_testkit::run_python(script, &[&db.display().to_string(), &names_json]);
+    let blocks = tmp.path().join("b.sqlite");
+    subtrack::combine(&blocks, &[blocks_csv(tmp.path(), "b.csv")]).unwrap();
+    let ours = subtrack::analyze(&db, &blocks).unwrap();
+    let theirs = tt_testkit::run_python_module(
+        "gpu_tracker",
+        &[
+            "sub-track",
+            "analyze",
+            &format!("--tf={}", db.display()),
+            &format!("--stf={}", blocks.display()),
+            "--format=json",
+        ],
+    );
+    let theirs_path = tmp.path().join("theirs.json");
+    std::fs::write(&theirs_path, &theirs).unwrap();
+    let theirs = SubTrackingResults::load(&theirs_path).unwrap();
+    for measure in names {
+        let (a, b) = (
+            ours.overall.get(measure).unwrap(),
+            theirs.overall.get(measure).unwrap(),
+        );
+        assert_eq!(
+            [a.min, a.max, a.mean, a.std].map(f64::to_bits),
+            [b.min, b.max, b.mean, b.std].map(f64::to_bits),
+            "{measure}: ours {a:?}, gpu_tracker's {b:?}"
+        );
+    }
+}

@@ -327,17 +327,62 @@ pub(crate) struct Timepoints {
     pub(crate) measures: Vec<String>,
     /// Per sample: the measures in `measures` order, then the timestamp.
     pub(crate) rows: Vec<Vec<f64>>,
+    /// Read from an SQLite database, whose overall statistics gpu_tracker has SQLite
+    /// compute (`AVG`, `SQRT(AVG(diff * diff))`) instead of pandas.
+    pub(crate) from_sqlite: bool,
 }
 
 impl Timepoints {
     fn stats(&self, rows: &[&Vec<f64>]) -> OrderedMap<Stats> {
+        self.stats_with(rows, Stats::of)
+    }
+
+    /// The statistics over every sample, computed as gpu_tracker computes them for this
+    /// kind of file.
+    fn overall(&self) -> OrderedMap<Stats> {
+        let all: Vec<&Vec<f64>> = self.rows.iter().collect();
+        if self.from_sqlite {
+            self.stats_with(&all, sqlite_stats)
+        } else {
+            self.stats_with(&all, Stats::of)
+        }
+    }
+
+    fn stats_with(
+        &self,
+        rows: &[&Vec<f64>],
+        stats: impl Fn(std::vec::IntoIter<f64>) -> Stats,
+    ) -> OrderedMap<Stats> {
         OrderedMap(
             self.measures
                 .iter()
                 .enumerate()
-                .map(|(i, m)| (m.clone(), Stats::of(rows.iter().map(|r| r[i]))))
+                .map(|(i, m)| {
+                    let column: Vec<f64> = rows.iter().map(|r| r[i]).collect();
+                    (m.clone(), stats(column.into_iter()))
+                })
                 .collect(),
         )
+    }
+}
+
+/// Statistics as SQLite computes gpu_tracker's query over a whole table: `AVG` is a
+/// running double sum in row order over the non-NULL values, divided by their count
+/// (SQLite 3.40, Python 3.11's; SQLite 3.43 and later add a compensated sum, which can
+/// differ in the last bit), and the deviation is `SQRT(AVG(diff * diff))`.
+fn sqlite_stats(values: impl IntoIterator<Item = f64>) -> Stats {
+    let xs: Vec<f64> = values.into_iter().filter(|x| !x.is_nan()).collect();
+    if xs.is_empty() {
+        return Stats::of(xs);
+    }
+    let n = xs.len() as f64;
+    let mean = xs.iter().fold(0.0, |sum, x| sum + x) / n;
+    let var = xs.iter().fold(0.0, |sum, x| sum + (x - mean) * (x - mean)) / n;
+    Stats {
+        min: xs.iter().copied().fold(f64::INFINITY, f64::min),
+        max: xs.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        mean,
+        std: var.sqrt(),
     }
 }
 
@@ -401,7 +446,6 @@ fn timestamp_pairs(path: &Path, events: &[Event], name: &str) -> Result<Vec<(f64
 pub fn analyze(tracking_file: &Path, sub_tracking_file: &Path) -> Result<SubTrackingResults> {
     let tp = read::timepoints(tracking_file)?;
     let events = read::events(sub_tracking_file)?;
-    let all: Vec<&Vec<f64>> = tp.rows.iter().collect();
     let ts = tp.measures.len();
     let names: BTreeSet<&str> = events.iter().map(|e| e.code_block_name.as_str()).collect();
     let mut code_block_results = Vec::with_capacity(names.len());
@@ -431,7 +475,7 @@ pub fn analyze(tracking_file: &Path, sub_tracking_file: &Path) -> Result<SubTrac
         });
     }
     Ok(SubTrackingResults {
-        overall: tp.stats(&all),
+        overall: tp.overall(),
         static_data: tp.static_data,
         code_block_results,
     })

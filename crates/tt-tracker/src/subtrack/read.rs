@@ -172,6 +172,7 @@ fn csv_timepoints(path: &Path) -> Result<Timepoints> {
         static_data,
         measures,
         rows,
+        from_sqlite: false,
     })
 }
 
@@ -220,6 +221,7 @@ fn jsonl_timepoints(path: &Path) -> Result<Timepoints> {
         static_data,
         measures,
         rows,
+        from_sqlite: false,
     })
 }
 
@@ -387,6 +389,7 @@ fn sqlite_timepoints(path: &Path) -> Result<Timepoints> {
         static_data,
         measures,
         rows,
+        from_sqlite: true,
     })
 }
 
