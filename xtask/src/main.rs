@@ -18,11 +18,12 @@ mod mutants;
 mod setup;
 mod steps;
 mod test;
+mod wheel;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: cargo xtask <setup [--print-env] | demo | test | downstream | test-gpu [--bundle DIR] | bench | \
+const USAGE: &str = "usage: cargo xtask <setup [--print-env] | demo | test | downstream | wheel [--dev | --test] | test-gpu [--bundle DIR] | bench | \
                      mutants [CRATE..] [--shard K/N | --full]>";
 
 fn main() -> ExitCode {
@@ -33,6 +34,17 @@ fn main() -> ExitCode {
         ["setup", "--print-env"] => setup::print_env(),
         ["demo"] => demo(),
         ["test"] => test::cpu_matrix(),
+        ["wheel"] => wheel::run(false),
+        ["wheel", "--dev"] => wheel::run(true),
+        ["wheel", "--test"] => {
+            if wheel::check().ok {
+                Ok(())
+            } else {
+                Err(anyhow::anyhow!(
+                    "the wheel did not install or run (see above)"
+                ))
+            }
+        }
         ["downstream"] => setup::setup().and_then(|_| {
             if downstream::check().ok {
                 Ok(())

@@ -163,6 +163,8 @@ pub(crate) fn cpu_matrix() -> Result<()> {
     // (The closure above holds `results` until its last use; the steps after this one
     // count no tests.)
     results.push(crate::downstream::check());
+    // The command as Python users get it: a wheel, installed into a fresh venv.
+    results.push(crate::wheel::check());
     let mut step = |name: String, args: &[&str]| {
         results.push(run_counted(&name, cargo(args)));
     };

@@ -1,0 +1,189 @@
+//! `cargo xtask wheel`: the `torchtools` command as a Python wheel (maturin, `bindings =
+//! "bin"`), so that Python users get it with `pip install torchtools-cli`; and the
+//! matrix step that installs such a wheel into a fresh venv and runs it from there.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+
+use crate::steps::StepResult;
+
+const MATURIN: &str = "maturin>=1.5,<2";
+
+/// maturin, in a venv of its own in the torchtools cache (installed once).
+fn maturin() -> Result<PathBuf> {
+    let venv = crate::setup::cache_dir()?.join("maturin");
+    let bin = venv.join("bin/maturin");
+    if bin.exists() {
+        return Ok(bin);
+    }
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&python)
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        bail!("`{python} -m venv {}` failed: install Python's venv module (Debian: apt-get install python3-venv)", venv.display());
+    }
+    let ok = Command::new(venv.join("bin/pip"))
+        .args(["install", "-q", MATURIN])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok || !bin.exists() {
+        bail!(
+            "`pip install {MATURIN}` failed (see pip's message above): PyPI must be reachable once"
+        );
+    }
+    Ok(bin)
+}
+
+/// Builds the wheel with cargo's `profile` into `out`; returns its path.
+fn build(profile: &str, out: &Path) -> Result<PathBuf> {
+    let maturin = maturin()?;
+    let _ = std::fs::remove_dir_all(out);
+    let manifest = crate::root().join("crates/torchtools-cli/Cargo.toml");
+    // `linux`: a wheel for this machine's glibc. A wheel for PyPI is built the same way
+    // in a manylinux container (`--compatibility manylinux_2_28`).
+    let status = Command::new(&maturin)
+        .args([
+            "build",
+            "--quiet",
+            "--profile",
+            profile,
+            "--compatibility",
+            "linux",
+            "-m",
+        ])
+        .arg(&manifest)
+        .arg("-o")
+        .arg(out)
+        .current_dir(crate::root())
+        .status()
+        .with_context(|| format!("starting {}", maturin.display()))?;
+    if !status.success() {
+        bail!("maturin build failed ({status})");
+    }
+    std::fs::read_dir(out)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "whl"))
+        .with_context(|| format!("maturin wrote no wheel into {}", out.display()))
+}
+
+/// `cargo xtask wheel [--dev]`: a release wheel (or a quick debug one) in target/wheels.
+pub(crate) fn run(dev: bool) -> Result<()> {
+    let wheel = build(
+        if dev { "dev" } else { "release" },
+        &crate::root().join("target/wheels"),
+    )?;
+    println!("{}", wheel.display());
+    eprintln!("install it with: pip install {}", wheel.display());
+    Ok(())
+}
+
+const STEP: &str = "wheel: pip install into a fresh venv, run torchtools from it";
+
+/// The matrix step: a (debug) wheel installed into a new venv; `torchtools track` and
+/// `torchtools reserve` run from that venv's PATH on a Python command.
+pub(crate) fn check() -> StepResult {
+    eprintln!("\n==> {STEP}");
+    let start = Instant::now();
+    let ok = match install_and_run() {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("{STEP}: {e:#}");
+            false
+        }
+    };
+    StepResult {
+        name: STEP.to_owned(),
+        ok,
+        time: start.elapsed(),
+        counts: None,
+    }
+}
+
+fn install_and_run() -> Result<()> {
+    let wheel = build("dev", &crate::root().join("target/wheels-test"))?;
+    let tmp = std::env::temp_dir().join(format!("torchtools-wheel-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let result = install_and_run_in(&wheel, &tmp);
+    let _ = std::fs::remove_dir_all(&tmp);
+    result
+}
+
+fn install_and_run_in(wheel: &Path, tmp: &Path) -> Result<()> {
+    let venv = tmp.join("venv");
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let status = Command::new(&python)
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .status()?;
+    if !status.success() {
+        bail!("`{python} -m venv` failed");
+    }
+    let status = Command::new(venv.join("bin/pip"))
+        .args(["install", "-q", "--no-index"])
+        .arg(wheel)
+        .status()?;
+    if !status.success() {
+        bail!("pip install {} failed", wheel.display());
+    }
+    let bin = venv.join("bin");
+    if !bin.join("torchtools").exists() {
+        bail!("the wheel put no torchtools into {}", bin.display());
+    }
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let run = |args: &[&str]| -> Result<String> {
+        // `torchtools` by name: found on the venv's PATH, as after `source venv/bin/activate`.
+        let out = Command::new("torchtools")
+            .args(args)
+            .env("PATH", &path)
+            .env("TORCHTOOLS_LOCK_DIR", tmp.join("locks"))
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .current_dir(tmp)
+            .output()
+            .with_context(|| format!("running torchtools {args:?}"))?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        eprint!("{}", String::from_utf8_lossy(&out.stderr));
+        print!("{stdout}");
+        if !out.status.success() {
+            bail!("torchtools {args:?} failed ({})", out.status);
+        }
+        Ok(stdout)
+    };
+    let tracked = run(&[
+        "track",
+        "--",
+        "python",
+        "-c",
+        "print('tracked by the wheel')",
+    ])?;
+    if !tracked.contains("tracked by the wheel") || !tracked.contains("Max RAM") {
+        bail!("torchtools track did not run the command and report on it");
+    }
+    let reserved = run(&[
+        "reserve",
+        "--gpu",
+        "0",
+        "--no-fence",
+        "--",
+        "python",
+        "-c",
+        "import os; print('on', os.environ['CUDA_VISIBLE_DEVICES'])",
+    ])?;
+    if !reserved
+        .lines()
+        .any(|l| l.starts_with("on ") && l.len() > 3)
+    {
+        bail!("torchtools reserve did not hand the GPU to the Python command");
+    }
+    Ok(())
+}
