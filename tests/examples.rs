@@ -75,3 +75,160 @@ fn the_train_example_runs_alone_and_under_the_launcher() {
         "{said}"
     );
 }
+
+/// An example binary (cargo test builds the examples), in a scratch directory, with
+/// the CPU chosen unless the test says otherwise.
+fn example(name: &str) -> Command {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(path.exists(), "{} was not built", path.display());
+    let mut cmd = Command::new(path);
+    cmd.current_dir(std::env::temp_dir())
+        .env("TORCHTOOLS_DEVICE", "cpu")
+        .env_remove("TORCHTOOLS_LOG");
+    cmd
+}
+
+/// Runs it; fails the test when it fails; returns its stdout.
+fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[test]
+fn device_from_env_follows_the_variables_and_refuses_a_missing_device() {
+    let said = run_ok(&mut example("device_from_env"));
+    assert!(
+        said.contains("selected Cpu; a tensor there sums to 3"),
+        "{said}"
+    );
+    assert!(said.contains("TORCHTOOLS_DEVICE=\"cpu\""), "{said}");
+    let out = example("device_from_env")
+        .env("TORCHTOOLS_DEVICE", "cuda:9")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("TORCHTOOLS_DEVICE=\"cuda:9\""), "{err}");
+}
+
+#[test]
+fn reserve_gpu_holds_the_lock_with_its_record_then_releases_it() {
+    let locks = tempfile::tempdir().unwrap();
+    let mut cmd = example("reserve_gpu");
+    cmd.args(["0", "--no-fence"])
+        .env("TORCHTOOLS_LOCK_DIR", locks.path())
+        .env_remove("CUDA_VISIBLE_DEVICES");
+    let said = run_ok(&mut cmd);
+    assert!(said.contains("reserved GPU "), "{said}");
+    assert!(
+        said.contains(": held by pid ") && said.contains("reserving 2.00 GiB"),
+        "{said}"
+    );
+    assert!(said.trim_end().ends_with("released"), "{said}");
+    let dir = torchtools::lock::LockDir::open(locks.path()).unwrap();
+    assert!(dir.list().unwrap().iter().all(|s| !s.held));
+}
+
+#[test]
+fn probe_reserve_train_probes_then_trains() {
+    let locks = tempfile::tempdir().unwrap();
+    let said = run_ok(example("probe_reserve_train").env("TORCHTOOLS_LOCK_DIR", locks.path()));
+    assert!(said.contains("plan: "), "{said}");
+    assert!(said.contains("probe on cpu"), "the probe ran: {said}");
+    assert!(said.contains("trained 100 steps: loss "), "{said}");
+}
+
+#[test]
+fn adaptive_inference_runs_out_of_memory_then_fits() {
+    let said = run_ok(&mut example("adaptive_inference"));
+    let tried = said
+        .lines()
+        .find_map(|l| l.strip_prefix("batch sizes tried: "))
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(
+        tried.starts_with("[16384, "),
+        "the first size ran out of memory: {said}"
+    );
+    assert!(
+        said.contains("largest difference from small batches"),
+        "{said}"
+    );
+}
+
+#[test]
+fn adaptive_chunked_shrinks_its_chunks_and_computes_the_same() {
+    let said = run_ok(&mut example("adaptive_chunked"));
+    assert!(said.contains("first tried 8192 rows, then [4096"), "{said}");
+    assert!(
+        said.contains("largest difference on checked rows"),
+        "{said}"
+    );
+}
+
+#[test]
+fn track_reports_a_function_with_its_blocks_and_a_command() {
+    let said = run_ok(&mut example("track"));
+    assert!(said.contains("== a function of this process"), "{said}");
+    assert!(said.contains("Block \"load\": 1 call(s)"), "{said}");
+    assert!(said.contains("Block \"compute\": 1 call(s)"), "{said}");
+    assert!(said.contains("== a command (exit status: 0)"), "{said}");
+    assert!(said.contains("Max RAM:"), "{said}");
+}
+
+#[test]
+fn checkpoint_resume_after_kill_9_ends_as_an_uninterrupted_run() {
+    use std::io::{BufRead, BufReader};
+    let checksum = |said: &str| {
+        said.lines()
+            .find_map(|l| {
+                l.split_once("parameters checksum ")
+                    .map(|(_, c)| c.to_owned())
+            })
+            .unwrap_or_else(|| panic!("no checksum: {said}"))
+    };
+    let whole = tempfile::tempdir().unwrap();
+    let uninterrupted = run_ok(example("checkpoint_resume").arg(whole.path()));
+    assert!(
+        uninterrupted.contains("finished 96 steps"),
+        "{uninterrupted}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = example("checkpoint_resume")
+        .arg(dir.path())
+        .args(["--wait-after", "50"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // The event: it says it waits after step 50 (it saved step 50 before).
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        let waiting = line.starts_with("waiting after step 50");
+        seen.push(line);
+        if waiting {
+            break;
+        }
+    }
+    assert!(seen.iter().any(|l| l == "saved step 50"), "{seen:?}");
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let resumed = run_ok(example("checkpoint_resume").arg(dir.path()));
+    assert!(resumed.contains("resumed at step 50"), "{resumed}");
+    assert!(resumed.contains("finished 96 steps"), "{resumed}");
+    assert_eq!(checksum(&resumed), checksum(&uninterrupted));
+}

@@ -100,7 +100,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-train --no-default-features", 2),
     ("test -p torchtools-cli (default features)", 47),
     ("test -p torchtools-cli --no-default-features", 47),
-    ("test -p torchtools (default features)", 6),
+    ("test -p torchtools (default features)", 13),
     ("test -p torchtools --no-default-features", 1),
     ("test -p tt-sys --features c10d", 9),
     ("test -p tt-dist --features c10d", 24),
