@@ -38,7 +38,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         ),
         Some(other) => return Err(format!("unknown argument {other:?}; {usage}").into()),
     };
-    let dir = CheckpointDir::open(&dir)?.keep_last(2);
+    let dir = CheckpointDir::open(dir)?.keep_last(2);
     // Deterministic data and initial weights: the run depends on nothing else.
     torchtools::tch::manual_seed(0);
     let x = Tensor::randn([SAMPLES as i64, 8], (Kind::Float, Device::Cpu));
