@@ -121,7 +121,7 @@ impl Gpus {
                     processes.push((p.pid, used));
                 }
                 Some(GpuView {
-                    key: GpuKey::Uuid(normalize_uuid(&uuid)),
+                    key: GpuKey::of_uuid(&uuid),
                     index: Some(index),
                     name: device.name().ok(),
                     total: memory.as_ref().map(|m| Bytes(m.total)),
@@ -143,16 +143,6 @@ impl Gpus {
                 })
             })
             .collect()
-    }
-}
-
-/// `GPU-` and the lowercase hex, as lock files name GPUs.
-fn normalize_uuid(uuid: &str) -> String {
-    match uuid.get(..4) {
-        Some(p) if p.eq_ignore_ascii_case("GPU-") => {
-            format!("GPU-{}", uuid[4..].to_ascii_lowercase())
-        }
-        _ => uuid.to_ascii_lowercase(),
     }
 }
 

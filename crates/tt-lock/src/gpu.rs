@@ -81,6 +81,12 @@ pub enum GpuKey {
 }
 
 impl GpuKey {
+    /// The key of a GPU NVML names by this UUID (`GPU-` and lowercase hex, as NVML
+    /// prints it, whatever the case given).
+    pub fn of_uuid(uuid: &str) -> GpuKey {
+        GpuKey::Uuid(normalize_uuid(uuid))
+    }
+
     /// The lock file's name: `gpu-<UUID>.lock` or `gpu-<index>.lock`.
     pub fn file_name(&self) -> String {
         match self {
@@ -136,7 +142,7 @@ impl GpuSpec {
                 .gpus
                 .iter()
                 .find(|g| g.nvml_index == *i)
-                .map(|g| GpuKey::Uuid(normalize_uuid(&g.uuid)))
+                .map(|g| GpuKey::of_uuid(&g.uuid))
                 .ok_or_else(|| unknown(self, inventory)),
             GpuSpec::Nvml(i) => Ok(GpuKey::Index(*i)),
             GpuSpec::Uuid(prefix) if nvml => {
@@ -145,7 +151,7 @@ impl GpuSpec {
                     .iter()
                     .filter(|g| normalize_uuid(&g.uuid).starts_with(&normalize_uuid(prefix)));
                 match (found.next(), found.next()) {
-                    (Some(g), None) => Ok(GpuKey::Uuid(normalize_uuid(&g.uuid))),
+                    (Some(g), None) => Ok(GpuKey::of_uuid(&g.uuid)),
                     (Some(_), Some(_)) => Err(Error::UnknownGpu {
                         spec: prefix.clone(),
                         known: format!(
@@ -158,7 +164,7 @@ impl GpuSpec {
             }
             GpuSpec::Uuid(uuid) => {
                 if uuid.len() == 40 {
-                    Ok(GpuKey::Uuid(normalize_uuid(uuid)))
+                    Ok(GpuKey::of_uuid(uuid))
                 } else {
                     Err(Error::UnknownGpu {
                         spec: uuid.clone(),
@@ -175,7 +181,7 @@ impl GpuSpec {
                         spec: self.to_string(),
                         reason: e.to_string(),
                     })?;
-                Ok(GpuKey::Uuid(normalize_uuid(&uuid)))
+                Ok(GpuKey::of_uuid(&uuid))
             }
         }
     }

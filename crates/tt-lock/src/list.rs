@@ -80,7 +80,7 @@ impl LockDir {
         let mut out = Vec::new();
         if matches!(inventory.nvml, NvmlStatus::Available { .. }) {
             for gpu in &inventory.gpus {
-                let key = GpuKey::Uuid(crate::gpu::normalize_uuid(&gpu.uuid));
+                let key = GpuKey::of_uuid(&gpu.uuid);
                 let mut state = match files.iter().position(|s| s.gpu == key) {
                     Some(i) => files.remove(i),
                     None => LockState {

@@ -210,7 +210,7 @@ impl LockDir {
         candidates.sort_by(|a, b| b.free.cmp(&a.free).then(a.nvml_index.cmp(&b.nvml_index)));
         let among = candidates
             .iter()
-            .map(|g| GpuKey::Uuid(crate::gpu::normalize_uuid(&g.uuid)))
+            .map(|g| GpuKey::of_uuid(&g.uuid))
             .collect();
         self.acquire(Wants::Auto { count, among }, wait, holder)
     }
@@ -604,6 +604,12 @@ fn write_holder(file: &File, path: &Path, holder: &Holder) -> Result<()> {
 
 /// The record in a lock file, if it holds a readable one.
 pub(crate) fn read_holder(file: &File) -> Option<Holder> {
+    read_record(file)
+}
+
+/// The JSON record on the first line of a lock or ticket file (at most 64 KiB), if it
+/// holds a readable one.
+pub(crate) fn read_record<T: serde::de::DeserializeOwned>(file: &File) -> Option<T> {
     let mut buf = vec![0u8; 64 * 1024];
     let n = file.read_at(&mut buf, 0).ok()?;
     let line = buf[..n].split(|&b| b == b'\n').next()?;

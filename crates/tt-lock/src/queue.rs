@@ -242,7 +242,7 @@ impl LockDir {
                 self.remove_dead(&file, &path, meta.uid());
                 continue;
             }
-            if let Some(mut waiter) = read_waiter(&file) {
+            if let Some(mut waiter) = crate::lock::read_record::<Waiter>(&file) {
                 waiter.ticket = ticket;
                 waiters.push(waiter);
             }
@@ -324,13 +324,6 @@ impl LockDir {
         drop(guard);
         Ok(Ticket { file, path, number })
     }
-}
-
-fn read_waiter(file: &File) -> Option<Waiter> {
-    let mut buf = vec![0u8; 64 * 1024];
-    let n = file.read_at(&mut buf, 0).ok()?;
-    let line = buf[..n].split(|&b| b == b'\n').next()?;
-    serde_json::from_slice(line).ok()
 }
 
 /// Wakes a waiter when something in the lock directory may have changed who can be
