@@ -195,7 +195,13 @@ pub(crate) fn queue_text(
                 w.user.clone(),
                 w.pid.to_string(),
                 age(now.saturating_sub(w.since_unix)),
-                wants_text(&w.wants, inventory),
+                wants_text(&w.wants, |key| {
+                    inventory
+                        .gpus
+                        .iter()
+                        .find(|g| GpuKey::of_uuid(&g.uuid) == *key)
+                        .map(|g| g.nvml_index)
+                }),
                 w.reserved.map_or("-".into(), |b| b.to_string()),
                 w.command.join(" "),
             ]
@@ -236,26 +242,18 @@ pub(crate) fn age(secs: u64) -> String {
     }
 }
 
-/// A GPU as users name it: NVML's index when NVML knows it, else its key.
-pub(crate) fn gpu_label(key: &GpuKey, inventory: &Inventory) -> String {
-    match key {
-        GpuKey::Uuid(u) => inventory
-            .gpus
-            .iter()
-            .find(|g| g.uuid.eq_ignore_ascii_case(u))
-            .map_or_else(|| u.clone(), |g| format!("GPU {}", g.nvml_index)),
-        GpuKey::Index(i) => format!("GPU {i}"),
-    }
-}
-
-/// What a request waits for, in `gpu_label`'s words.
-pub(crate) fn wants_text(wants: &tt_lock::Wants, inventory: &Inventory) -> String {
+/// What a request waits for, each GPU named as users name it: NVML's index when
+/// `nvml_index` knows it, else its key.
+pub(crate) fn wants_text(
+    wants: &tt_lock::Wants,
+    nvml_index: impl Fn(&GpuKey) -> Option<u32>,
+) -> String {
+    let label = |key: &GpuKey| match (key, nvml_index(key)) {
+        (_, Some(i)) | (&GpuKey::Index(i), None) => format!("GPU {i}"),
+        (GpuKey::Uuid(u), None) => u.clone(),
+    };
     match wants {
-        tt_lock::Wants::Gpus { gpus } => gpus
-            .iter()
-            .map(|k| gpu_label(k, inventory))
-            .collect::<Vec<_>>()
-            .join(" + "),
+        tt_lock::Wants::Gpus { gpus } => gpus.iter().map(label).collect::<Vec<_>>().join(" + "),
         tt_lock::Wants::Auto { count, among } => {
             format!("auto: {count} of {} GPU(s)", among.len())
         }

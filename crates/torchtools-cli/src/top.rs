@@ -612,27 +612,12 @@ fn render_detail(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer)
 }
 
 fn render_queue(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {
-    let inventory = Inventory {
-        nvml: snapshot.nvml.clone(),
-        gpus: snapshot
+    let nvml_index = |key: &GpuKey| {
+        snapshot
             .gpus
             .iter()
-            .filter_map(|g| {
-                let (GpuKey::Uuid(uuid), Some(index)) = (&g.key, g.index) else {
-                    return None;
-                };
-                Some(tt_device::GpuInfo {
-                    nvml_index: index,
-                    uuid: uuid.clone(),
-                    name: g.name.clone().unwrap_or_default(),
-                    total: g.total.unwrap_or_default(),
-                    free: g.free.unwrap_or_default(),
-                    used: g.used.unwrap_or_default(),
-                    processes: Vec::new(),
-                })
-            })
-            .collect(),
-        errors: Vec::new(),
+            .find(|g| &g.key == key)
+            .and_then(|g| g.index)
     };
     let rows: Vec<Row> = snapshot
         .queue
@@ -643,7 +628,7 @@ fn render_queue(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) 
                 w.user.clone(),
                 w.pid.to_string(),
                 age(snapshot.time_unix.saturating_sub(w.since_unix)),
-                wants_text(&w.wants, &inventory),
+                wants_text(&w.wants, nvml_index),
             ];
             if !view.compact {
                 cells.push(w.reserved.map_or("-".into(), |b| b.to_string()));

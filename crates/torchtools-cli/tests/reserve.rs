@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tt_lock::{Holder, LockDir, Wait};
 
 mod common;
-use common::{key0, torchtools, until};
+use common::{key0, pids_of, torchtools, until};
 
 fn run(dir: &Path, args: &[&str]) -> Output {
     torchtools(dir).args(args).output().unwrap()
@@ -405,16 +405,7 @@ fn timed_and_blocking_reservations_are_served_in_arrival_order_and_queue_shows_t
     }
     let json: serde_json::Value =
         serde_json::from_slice(&run(dir.path(), &["queue", "--json"]).stdout).unwrap();
-    let listed: Vec<u64> = json["waiters"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| w["pid"].as_u64().unwrap())
-        .collect();
-    assert_eq!(
-        listed,
-        pids.iter().map(|&p| u64::from(p)).collect::<Vec<_>>()
-    );
+    assert_eq!(pids_of(&json["waiters"]), pids);
     assert!(json["waiters"][0]["waiting_s"].is_u64(), "{json}");
     assert_eq!(json["waiters"][0]["reserved"], 1u64 << 30, "{json}");
     let locks = String::from_utf8(run(dir.path(), &["locks"]).stdout).unwrap();

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tt_lock::{GpuKey, GpuLock, Holder, LockDir, Wait};
 
 mod common;
-use common::{key0, torchtools, until, PATIENCE};
+use common::{key0, pids_of, torchtools, until, PATIENCE};
 
 fn run(dir: &Path, args: &[&str], columns: &str) -> Output {
     torchtools(dir)
@@ -165,20 +165,7 @@ fn json_is_one_snapshot_of_locks_queue_and_gpus() {
         .find(|g| g["key"] == serde_json::json!({"index": 9}))
         .unwrap();
     assert_eq!(nine["waiting"], serde_json::json!([]));
-    let queue: Vec<u64> = json["queue"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| w["pid"].as_u64().unwrap())
-        .collect();
-    assert_eq!(
-        queue,
-        scene
-            .pids()
-            .iter()
-            .map(|&p| u64::from(p))
-            .collect::<Vec<_>>()
-    );
+    assert_eq!(pids_of(&json["queue"]), scene.pids());
     assert_eq!(
         json["nvml"]["status"],
         if nvml() { "available" } else { "unavailable" }

@@ -36,3 +36,18 @@ pub(crate) fn until(what: &str, mut done: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// The `pid` of every entry of a JSON list (`queue --json`'s waiters, `top --json`'s
+/// queue), in order.
+pub(crate) fn pids_of(list: &serde_json::Value) -> Vec<u32> {
+    list.as_array()
+        .unwrap_or_else(|| panic!("not a list: {list}"))
+        .iter()
+        .map(|w| {
+            w["pid"]
+                .as_u64()
+                .and_then(|p| u32::try_from(p).ok())
+                .unwrap_or_else(|| panic!("no pid in {w}"))
+        })
+        .collect()
+}
