@@ -6,7 +6,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
@@ -14,22 +13,9 @@ use crate::steps::StepResult;
 
 const STEP: &str = "downstream project from the README's lines";
 
+/// The matrix step.
 pub(crate) fn check() -> StepResult {
-    eprintln!("\n==> {STEP}");
-    let start = Instant::now();
-    let ok = match build_and_run() {
-        Ok(()) => true,
-        Err(e) => {
-            eprintln!("{STEP}: {e:#}");
-            false
-        }
-    };
-    StepResult {
-        name: STEP.to_owned(),
-        ok,
-        time: start.elapsed(),
-        counts: None,
-    }
+    crate::steps::in_process(STEP, build_and_run)
 }
 
 /// The fenced code blocks of the README's section `heading`: (language, text).
@@ -63,7 +49,7 @@ fn block<'a>(blocks: &'a [(String, String)], lang: &str, first_line: &str) -> Re
         })
 }
 
-fn build_and_run() -> Result<()> {
+pub(crate) fn build_and_run() -> Result<()> {
     let root = crate::root();
     let readme = std::fs::read_to_string(root.join("README.md")).context("reading README.md")?;
     let blocks = blocks(&readme, "## Using it from your project")?;

@@ -36,22 +36,8 @@ fn main() -> ExitCode {
         ["test"] => test::cpu_matrix(),
         ["wheel"] => wheel::run(false),
         ["wheel", "--dev"] => wheel::run(true),
-        ["wheel", "--test"] => {
-            if wheel::check().ok {
-                Ok(())
-            } else {
-                Err(anyhow::anyhow!(
-                    "the wheel did not install or run (see above)"
-                ))
-            }
-        }
-        ["downstream"] => setup::setup().and_then(|_| {
-            if downstream::check().ok {
-                Ok(())
-            } else {
-                anyhow::bail!("the README's project did not build and run (see above)")
-            }
-        }),
+        ["wheel", "--test"] => wheel::install_and_run(),
+        ["downstream"] => downstream::build_and_run(),
         ["test-gpu"] => gpu::run_gpu_tests(),
         ["test-gpu", "--bundle", dir] => gpu::bundle(&PathBuf::from(dir)),
         ["bench"] => bench::run(),

@@ -70,6 +70,26 @@ pub(crate) struct StepResult {
     pub(crate) counts: Option<Counts>,
 }
 
+/// Runs `work` in this process as a step of a matrix: its error is printed and the
+/// step marked failed.
+pub(crate) fn in_process(name: &str, work: impl FnOnce() -> Result<()>) -> StepResult {
+    eprintln!("\n==> {name}");
+    let start = Instant::now();
+    let ok = match work() {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("{name}: {e:#}");
+            false
+        }
+    };
+    StepResult {
+        name: name.to_owned(),
+        ok,
+        time: start.elapsed(),
+        counts: None,
+    }
+}
+
 /// Runs `cmd` as a step, echoing stdout while counting test results in it.
 pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
     eprintln!("\n==> {name}");

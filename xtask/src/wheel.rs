@@ -4,7 +4,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
@@ -88,25 +87,12 @@ const STEP: &str = "wheel: pip install into a fresh venv, run torchtools from it
 
 /// The matrix step: a (debug) wheel installed into a new venv; `torchtools track` and
 /// `torchtools reserve` run from that venv's PATH on a Python command.
+/// The matrix step.
 pub(crate) fn check() -> StepResult {
-    eprintln!("\n==> {STEP}");
-    let start = Instant::now();
-    let ok = match install_and_run() {
-        Ok(()) => true,
-        Err(e) => {
-            eprintln!("{STEP}: {e:#}");
-            false
-        }
-    };
-    StepResult {
-        name: STEP.to_owned(),
-        ok,
-        time: start.elapsed(),
-        counts: None,
-    }
+    crate::steps::in_process(STEP, install_and_run)
 }
 
-fn install_and_run() -> Result<()> {
+pub(crate) fn install_and_run() -> Result<()> {
     let wheel = build("dev", &crate::root().join("target/wheels-test"))?;
     let tmp = std::env::temp_dir().join(format!("torchtools-wheel-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
