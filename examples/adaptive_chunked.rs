@@ -10,19 +10,8 @@
 
 use std::error::Error;
 
-use torchtools::adaptive::{set_cpu_memory_limit, Adaptive};
+use torchtools::adaptive::{address_space_in_use, set_cpu_memory_limit, Adaptive};
 use torchtools::tch::{Device, Kind, TchError, Tensor};
-
-/// This process's virtual memory size, from /proc/self/status (the limit counts it).
-fn vm_size() -> Result<u64, Box<dyn Error>> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmSize:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .ok_or("no VmSize in /proc/self/status")?;
-    Ok(kib << 10)
-}
 
 /// Squared distances between the rows of `a` (n x d) and of `b` (m x d): n x m.
 fn distances(a: &Tensor, b: &Tensor) -> Result<Tensor, TchError> {
@@ -41,7 +30,9 @@ fn main() -> Result<(), Box<dyn Error>> {
     if device == Device::Cpu {
         // 512 MiB above what the process maps now: a chunk of 8192 points would need
         // 2 GiB for its n x m x d difference.
-        set_cpu_memory_limit(Some(vm_size()? + (512 << 20)))?;
+        set_cpu_memory_limit(Some(
+            address_space_in_use().ok_or("no VmSize in /proc/self/status")? + (512 << 20),
+        ))?;
     }
     let mut steps = Vec::new();
     let result = Adaptive::new().chunked(&points, 0, 8192, |chunk, from, to| {

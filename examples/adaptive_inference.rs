@@ -10,22 +10,11 @@
 
 use std::error::Error;
 
-use torchtools::adaptive::{set_cpu_memory_limit, Adaptive};
+use torchtools::adaptive::{address_space_in_use, set_cpu_memory_limit, Adaptive};
 use torchtools::tch::nn;
 use torchtools::tch::{Device, Kind, TchError, Tensor};
 
 const SAMPLES: i64 = 16_384;
-
-/// This process's virtual memory size, from /proc/self/status (the limit counts it).
-fn vm_size() -> Result<u64, Box<dyn Error>> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmSize:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .ok_or("no VmSize in /proc/self/status")?;
-    Ok(kib << 10)
-}
 
 fn main() -> Result<(), Box<dyn Error>> {
     torchtools::init_logging();
@@ -52,7 +41,9 @@ fn main() -> Result<(), Box<dyn Error>> {
     if device == Device::Cpu {
         // 256 MiB above what the process maps now: one batch of 16384 needs 256 MiB of
         // activations alone, so the first attempt runs out of memory.
-        set_cpu_memory_limit(Some(vm_size()? + (256 << 20)))?;
+        set_cpu_memory_limit(Some(
+            address_space_in_use().ok_or("no VmSize in /proc/self/status")? + (256 << 20),
+        ))?;
     }
     let adaptive = Adaptive::new();
     let mut tried = Vec::new();

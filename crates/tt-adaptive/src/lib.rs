@@ -55,7 +55,8 @@ mod tch_support;
 pub use adaptive::{Adaptive, AdaptiveError, AgreeHook, Cache, OomHook, Policy, SiteStats};
 pub use classify::{classify_message, OomClassify, OomKind};
 pub use memory::{
-    available_cpu_memory, cuda_loaded, set_cpu_memory_limit, CpuMemory, LimitError, MemoryProbe,
+    address_space_in_use, available_cpu_memory, cuda_loaded, set_cpu_memory_limit, CpuMemory,
+    LimitError, MemoryProbe,
 };
 #[cfg(feature = "tch")]
 pub use tch_support::CudaMemory;

@@ -43,7 +43,10 @@ pub enum LimitError {
     Os(io::Error),
 }
 
-fn vm_size() -> Option<u64> {
+/// The address space this process maps now (`VmSize` in `/proc/self/status`), in bytes:
+/// what a limit set by [`set_cpu_memory_limit`] counts, so a limit is best given as this
+/// plus the room a computation may use.
+pub fn address_space_in_use() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmSize:"))?;
     Some(
@@ -86,7 +89,7 @@ pub fn set_cpu_memory_limit(bytes: Option<u64>) -> Result<(), LimitError> {
             if cuda_loaded() {
                 return Err(LimitError::CudaLoaded);
             }
-            let used = vm_size().unwrap_or(0);
+            let used = address_space_in_use().unwrap_or(0);
             if limit < used {
                 return Err(LimitError::BelowUsage { limit, used });
             }
@@ -126,8 +129,25 @@ pub fn available_cpu_memory() -> io::Result<u64> {
     let limited = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } == 0
         && lim.rlim_cur != libc::RLIM_INFINITY;
     if limited {
-        let room = lim.rlim_cur.saturating_sub(vm_size().unwrap_or(0));
+        let room = lim
+            .rlim_cur
+            .saturating_sub(address_space_in_use().unwrap_or(0));
         return Ok(available.min(room));
     }
     Ok(available)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_address_space_in_use_is_vmsize_and_grows_with_a_mapping() {
+        let before = address_space_in_use().unwrap_or(0);
+        assert!(before > 1 << 20, "{before}");
+        let block = vec![1u8; 64 << 20];
+        let after = address_space_in_use().unwrap_or(0);
+        assert!(after >= before + (60 << 20), "{before} -> {after}");
+        drop(block);
+    }
 }
