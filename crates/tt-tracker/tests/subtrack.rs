@@ -125,15 +125,9 @@ fn full_tracking_csv(dir: &Path) -> PathBuf {
     path
 }
 
-#[test]
-fn the_same_figures_as_gpu_trackers_own_analysis() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (tf, stf) = (
-        full_tracking_csv(tmp.path()),
-        blocks_csv(tmp.path(), "b.csv"),
-    );
-    let ours = subtrack::analyze(&tf, &stf).unwrap();
-    let theirs = tt_testkit::run_python_module(
+/// gpu_tracker's own `sub-track analyze --format=json` of these files, read back.
+fn gpu_trackers_analysis(dir: &Path, tf: &Path, stf: &Path) -> SubTrackingResults {
+    let json = tt_testkit::run_python_module(
         "gpu_tracker",
         &[
             "sub-track",
@@ -143,9 +137,20 @@ fn the_same_figures_as_gpu_trackers_own_analysis() {
             "--format=json",
         ],
     );
-    let theirs_path = tmp.path().join("theirs.json");
-    std::fs::write(&theirs_path, &theirs).unwrap();
-    let theirs = SubTrackingResults::load(&theirs_path).unwrap();
+    let path = dir.join("theirs.json");
+    std::fs::write(&path, &json).unwrap();
+    SubTrackingResults::load(&path).unwrap()
+}
+
+#[test]
+fn the_same_figures_as_gpu_trackers_own_analysis() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (tf, stf) = (
+        full_tracking_csv(tmp.path()),
+        blocks_csv(tmp.path(), "b.csv"),
+    );
+    let ours = subtrack::analyze(&tf, &stf).unwrap();
+    let theirs = gpu_trackers_analysis(tmp.path(), &tf, &stf);
     assert_eq!(
         theirs.code_block_results.len(),
         ours.code_block_results.len()
@@ -479,19 +484,7 @@ fn overall_statistics_of_sqlite_files_are_sqlites_to_the_last_bit() {
     let blocks = tmp.path().join("b.sqlite");
     subtrack::combine(&blocks, &[blocks_csv(tmp.path(), "b.csv")]).unwrap();
     let ours = subtrack::analyze(&db, &blocks).unwrap();
-    let theirs = tt_testkit::run_python_module(
-        "gpu_tracker",
-        &[
-            "sub-track",
-            "analyze",
-            &format!("--tf={}", db.display()),
-            &format!("--stf={}", blocks.display()),
-            "--format=json",
-        ],
-    );
-    let theirs_path = tmp.path().join("theirs.json");
-    std::fs::write(&theirs_path, &theirs).unwrap();
-    let theirs = SubTrackingResults::load(&theirs_path).unwrap();
+    let theirs = gpu_trackers_analysis(tmp.path(), &db, &blocks);
     for measure in names {
         let (a, b) = (
             ours.overall.get(measure).unwrap(),
