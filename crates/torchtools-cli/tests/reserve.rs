@@ -177,6 +177,7 @@ fn bad_arguments_exit_2_with_the_reason() {
 fn a_timeout_exits_75_naming_the_holder_and_never_early() {
     let tmp = tempfile::tempdir().unwrap();
     let (mut first, command_pid) = reserve_sleeping(tmp.path());
+    until_command_pid_recorded(tmp.path());
     let start = Instant::now();
     let out = run(
         tmp.path(),
@@ -258,19 +259,34 @@ fn two_reserves_of_one_gpu_take_turns() {
     );
 }
 
-#[test]
-fn locks_shows_the_holder_with_its_command() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (mut tt, command_pid) = reserve_sleeping(tmp.path());
-    let out = run(tmp.path(), &["locks", "--json"]);
+/// The held lock as `locks --json` shows it.
+fn held_lock(dir: &Path) -> serde_json::Value {
+    let out = run(dir, &["locks", "--json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let lock = json["locks"]
+    json["locks"]
         .as_array()
         .unwrap()
         .iter()
         .find(|l| l["held"] == true)
-        .unwrap_or_else(|| panic!("{json}"));
+        .cloned()
+        .unwrap_or_else(|| panic!("{json}"))
+}
+
+/// The command of `reserve_sleeping` may print "ready" before `reserve` has written its
+/// pid into the lock record: waits for the record to name it (the event).
+fn until_command_pid_recorded(dir: &Path) {
+    until("the record names the command's pid", || {
+        !held_lock(dir)["holder"]["command_pid"].is_null()
+    });
+}
+
+#[test]
+fn locks_shows_the_holder_with_its_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut tt, command_pid) = reserve_sleeping(tmp.path());
+    until_command_pid_recorded(tmp.path());
+    let lock = held_lock(tmp.path());
     assert_eq!(lock["holder"]["pid"], tt.id());
     assert_eq!(lock["holder"]["command_pid"], command_pid);
     assert_eq!(lock["holder"]["command"][0], "sh");
