@@ -90,6 +90,57 @@ pub(crate) fn in_process(name: &str, work: impl FnOnce() -> Result<()>) -> StepR
     }
 }
 
+/// The longest one step may run (the longest, the workspace's tests with its build,
+/// takes about 10 minutes on 2 busy cores). A step still running then hangs: it is
+/// reported (where each of its processes waits) and killed, so that the matrix ends
+/// with a failure naming the hang instead of running into CI's own limit.
+const STEP_LIMIT: Duration = Duration::from_secs(30 * 60);
+
+/// Kills `pid`'s process tree after `limit` unless told to stand down first, printing
+/// where each process of it waits.
+fn watchdog(name: &str, pid: u32, limit: Duration) -> std::sync::mpsc::Sender<()> {
+    let (done, stand_down) = std::sync::mpsc::channel::<()>();
+    let name = name.to_owned();
+    std::thread::spawn(move || {
+        if stand_down.recv_timeout(limit) != Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+            return;
+        }
+        eprintln!(
+            "\n{name}: still running after {limit:?}, so it hangs; where its processes wait:\n{}",
+            tt_testkit::hang::report(pid)
+        );
+        kill_tree(pid);
+        eprintln!("{name}: killed");
+    });
+    done
+}
+
+/// SIGKILL to `pid` and every process below it (listed first, so none is missed by
+/// being reparented on the way).
+fn kill_tree(pid: u32) {
+    let mut all = vec![pid];
+    let mut i = 0;
+    while i < all.len() {
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", all[i]));
+        for task in tasks.into_iter().flatten().flatten() {
+            let children =
+                std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            all.extend(
+                children
+                    .split_whitespace()
+                    .filter_map(|c| c.parse::<u32>().ok()),
+            );
+        }
+        i += 1;
+    }
+    for p in all {
+        if let Ok(p) = libc::pid_t::try_from(p) {
+            // SAFETY: kill has no memory preconditions; these pids are ours.
+            unsafe { libc::kill(p, libc::SIGKILL) };
+        }
+    }
+}
+
 /// Runs `cmd` as a step, echoing stdout while counting test results in it.
 pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
     eprintln!("\n==> {name}");
@@ -98,6 +149,7 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
     let mut saw_tests = false;
     let ok = match cmd.stdout(Stdio::piped()).spawn() {
         Ok(mut child) => {
+            let _watchdog = watchdog(name, child.id(), STEP_LIMIT);
             if let Some(out) = child.stdout.take() {
                 // Lossy: a test printing bytes that are not UTF-8 must not hide the
                 // counts of the lines after it.
@@ -184,7 +236,50 @@ pub(crate) fn summarize(title: &str, results: &[StepResult]) -> Counts {
 
 #[cfg(test)]
 mod tests {
-    use super::Counts;
+    use super::{watchdog, Counts};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_hung_step_is_killed_with_its_children_and_a_finished_one_is_left_alone() {
+        // A shell that waits on a child that sleeps for ever: the whole tree goes.
+        let mut hung = std::process::Command::new("sh")
+            .args(["-c", "sleep 3600 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(hung.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let sleeper: i32 = line.trim().parse().unwrap();
+        let _dog = watchdog("hung", hung.id(), Duration::from_millis(300));
+        let status = hung.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(9)
+        );
+        let deadline = Instant::now() + Duration::from_secs(60);
+        // SAFETY: signal 0 only asks whether the process exists.
+        while unsafe { libc::kill(sleeper, 0) } == 0 {
+            assert!(Instant::now() < deadline, "the hung step's child lives on");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // A step that ends first stands the watchdog down: it kills nothing later.
+        let mut other = std::process::Command::new("sleep")
+            .arg("3600")
+            .spawn()
+            .unwrap();
+        drop(watchdog("done", other.id(), Duration::from_millis(300)));
+        std::thread::sleep(Duration::from_secs(1));
+        assert!(
+            other.try_wait().unwrap().is_none(),
+            "killed after standing down"
+        );
+        other.kill().unwrap();
+        other.wait().unwrap();
+    }
 
     #[test]
     fn parses_libtest_summary_lines() {

@@ -2,6 +2,8 @@
 //! reference Python, and test binaries that re-run themselves as child processes.
 #![allow(clippy::unwrap_used, clippy::panic)] // a panic is how a test reports
 
+pub mod hang;
+
 use std::io::{BufRead, BufReader, Read};
 use std::process::Command;
 use std::sync::mpsc;

@@ -80,6 +80,9 @@ fn child() {
     let _ = std::io::stdin().read_to_end(&mut rest);
 }
 
+/// Past this, a test waiting on its children fails with where everything waits.
+const HANG: Duration = Duration::from_secs(600);
+
 fn config(interval: Duration) -> TrackerConfig {
     TrackerConfig {
         interval,
@@ -95,53 +98,55 @@ fn within(reported: f64, truth: u64, tolerance: f64) -> bool {
 
 #[test]
 fn a_50ms_spike_in_a_descendant_is_exact_at_a_1s_interval() {
-    let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
-    let started = std::time::Instant::now();
-    let tracker = Tracker::start(config(Duration::from_secs(1))).unwrap();
-    let mut child = tt_testkit::rerun("child")
-        .env(ROLE, "spike")
-        .env("MIB", "256")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    let truth: u64 = loop {
-        line.clear();
-        assert!(out.read_line(&mut line).unwrap() > 0);
-        if let Some(v) = line.trim().strip_prefix("@@hwm=") {
-            break v.trim_end_matches("@@").parse().unwrap();
-        }
-    };
-    // The spike is long over; the child lives until the tracker has taken a whole
-    // sample after its report (two more: the first may have begun before it), then
-    // exits. Waiting on the tracker's own count holds on a busy machine.
-    wait_for_samples(&tracker, tracker.samples() + 2);
-    drop(child.stdin.take());
-    child.wait().unwrap();
-    let usage = tracker.stop().unwrap();
-    let r = &usage.max_ram;
-    assert!(
-        within(r.descendants.total_rss, truth, 0.02),
-        "descendants {} vs the child's own VmHWM {truth}; {:?}",
-        r.descendants.total_rss,
-        usage.torchtools.peak_methods
-    );
-    assert!(truth > 256 << 20);
-    assert!(
-        r.main.total_rss < (256 << 20) as f64,
-        "the spike is not main's: {r:?}"
-    );
-    assert!(r.combined.total_rss >= r.descendants.total_rss);
-    assert!(r.combined.total_rss <= r.main.total_rss + r.descendants.total_rss + 1.0);
-    // Never faster than the interval (a bound on the rate, which load cannot break).
-    let seconds = started.elapsed().as_secs_f64();
-    assert!(
-        usage.torchtools.samples as f64 <= seconds + 1.0,
-        "a 1 s interval: {} samples in {seconds:.1} s",
-        usage.torchtools.samples
-    );
+    tt_testkit::hang::within(HANG, "the descendant spike test", || {
+        let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+        let started = std::time::Instant::now();
+        let tracker = Tracker::start(config(Duration::from_secs(1))).unwrap();
+        let mut child = tt_testkit::rerun("child")
+            .env(ROLE, "spike")
+            .env("MIB", "256")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        let truth: u64 = loop {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0);
+            if let Some(v) = line.trim().strip_prefix("@@hwm=") {
+                break v.trim_end_matches("@@").parse().unwrap();
+            }
+        };
+        // The spike is long over; the child lives until the tracker has taken a whole
+        // sample after its report (two more: the first may have begun before it), then
+        // exits. Waiting on the tracker's own count holds on a busy machine.
+        wait_for_samples(&tracker, tracker.samples() + 2);
+        drop(child.stdin.take());
+        child.wait().unwrap();
+        let usage = tracker.stop().unwrap();
+        let r = &usage.max_ram;
+        assert!(
+            within(r.descendants.total_rss, truth, 0.02),
+            "descendants {} vs the child's own VmHWM {truth}; {:?}",
+            r.descendants.total_rss,
+            usage.torchtools.peak_methods
+        );
+        assert!(truth > 256 << 20);
+        assert!(
+            r.main.total_rss < (256 << 20) as f64,
+            "the spike is not main's: {r:?}"
+        );
+        assert!(r.combined.total_rss >= r.descendants.total_rss);
+        assert!(r.combined.total_rss <= r.main.total_rss + r.descendants.total_rss + 1.0);
+        // Never faster than the interval (a bound on the rate, which load cannot break).
+        let seconds = started.elapsed().as_secs_f64();
+        assert!(
+            usage.torchtools.samples as f64 <= seconds + 1.0,
+            "a 1 s interval: {} samples in {seconds:.1} s",
+            usage.torchtools.samples
+        );
+    });
 }
 
 #[test]
@@ -181,26 +186,28 @@ fn a_thousand_short_lived_children_are_tracked_without_error() {
 
 #[test]
 fn another_process_can_be_tracked_and_a_missing_one_is_an_error() {
-    let mut child = Command::new("sleep").arg("0.3").spawn().unwrap();
-    let tracker = Tracker::start(TrackerConfig {
-        target: tt_tracker::Target::Pid(child.id()),
-        ..config(Duration::from_millis(20))
-    })
-    .unwrap();
-    child.wait().unwrap();
-    let usage = tracker.stop().unwrap();
-    assert!(usage.max_ram.main.total_rss > 0.0);
-    let e = Tracker::start(TrackerConfig {
-        target: tt_tracker::Target::Pid(u32::MAX - 1),
-        ..TrackerConfig::default()
-    })
-    .err()
-    .unwrap();
-    assert!(e.to_string().contains("does not exist"), "{e}");
-    let e = Tracker::start(config(Duration::from_millis(5)))
+    tt_testkit::hang::within(HANG, "tracking another process", || {
+        let mut child = Command::new("sleep").arg("0.3").spawn().unwrap();
+        let tracker = Tracker::start(TrackerConfig {
+            target: tt_tracker::Target::Pid(child.id()),
+            ..config(Duration::from_millis(20))
+        })
+        .unwrap();
+        child.wait().unwrap();
+        let usage = tracker.stop().unwrap();
+        assert!(usage.max_ram.main.total_rss > 0.0);
+        let e = Tracker::start(TrackerConfig {
+            target: tt_tracker::Target::Pid(u32::MAX - 1),
+            ..TrackerConfig::default()
+        })
         .err()
         .unwrap();
-    assert!(e.to_string().contains("10ms"), "{e}");
+        assert!(e.to_string().contains("does not exist"), "{e}");
+        let e = Tracker::start(config(Duration::from_millis(5)))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("10ms"), "{e}");
+    });
 }
 
 #[test]
@@ -415,60 +422,62 @@ os.waitpid(pid, 0)
 
 #[test]
 fn private_and_shared_rss_and_threads_are_what_the_processes_hold() {
-    let mut child = Command::new(tt_testkit::python_path())
-        .args(["-c", SHARING])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
-    let mut lines = std::io::BufReader::new(out).lines();
-    let mut ready = 0;
-    while ready < 2 {
-        let line = lines
-            .next()
-            .expect("the program ended before it was ready")
+    tt_testkit::hang::within(HANG, "the shared-memory test", || {
+        let mut child = Command::new(tt_testkit::python_path())
+            .args(["-c", SHARING])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
             .unwrap();
-        ready += usize::from(line.contains("ready"));
-    }
-    let tracker = Tracker::start(TrackerConfig {
-        target: tt_tracker::Target::Pid(child.id()),
-        ..config(Duration::from_millis(20))
-    })
-    .unwrap();
-    wait_for_samples(&tracker, 3);
-    let usage = tracker.stop().unwrap();
-    drop(child.stdin.take());
-    assert!(child.wait().unwrap().success());
-    let mib = |x: f64| x / f64::from(1u32 << 20);
-    let ram = &usage.max_ram;
-    let (main, desc, both) = (&ram.main, &ram.descendants, &ram.combined);
-    assert!(
-        mib(main.private_rss) >= 32.0,
-        "the parent's own 32 MiB: {ram:?}"
-    );
-    assert!(
-        mib(main.shared_rss) >= 64.0 * 0.98,
-        "64 MiB shared: {ram:?}"
-    );
-    assert!(
-        mib(desc.shared_rss) >= 64.0 * 0.98,
-        "the child maps it too: {ram:?}"
-    );
-    assert!(
-        mib(desc.private_rss) < 32.0,
-        "the child holds no 32 MiB of its own: {ram:?}"
-    );
-    // Shared pages are counted once in the sum of the tree, not once per process.
-    assert!(
-        both.shared_rss < main.shared_rss + desc.shared_rss - f64::from(48u32 << 20),
-        "{ram:?}"
-    );
-    assert!(both.total_rss <= main.total_rss + desc.total_rss, "{ram:?}");
-    let cpu = &usage.cpu_utilization;
-    assert!(cpu.main_n_threads >= 4, "3 threads + the main one: {cpu:?}");
-    assert_eq!(cpu.descendants_n_threads, 1, "{cpu:?}");
-    assert_eq!(cpu.combined_n_threads, cpu.main_n_threads + 1, "{cpu:?}");
+        let out = child.stdout.take().unwrap();
+        let mut lines = std::io::BufReader::new(out).lines();
+        let mut ready = 0;
+        while ready < 2 {
+            let line = lines
+                .next()
+                .expect("the program ended before it was ready")
+                .unwrap();
+            ready += usize::from(line.contains("ready"));
+        }
+        let tracker = Tracker::start(TrackerConfig {
+            target: tt_tracker::Target::Pid(child.id()),
+            ..config(Duration::from_millis(20))
+        })
+        .unwrap();
+        wait_for_samples(&tracker, 3);
+        let usage = tracker.stop().unwrap();
+        drop(child.stdin.take());
+        assert!(child.wait().unwrap().success());
+        let mib = |x: f64| x / f64::from(1u32 << 20);
+        let ram = &usage.max_ram;
+        let (main, desc, both) = (&ram.main, &ram.descendants, &ram.combined);
+        assert!(
+            mib(main.private_rss) >= 32.0,
+            "the parent's own 32 MiB: {ram:?}"
+        );
+        assert!(
+            mib(main.shared_rss) >= 64.0 * 0.98,
+            "64 MiB shared: {ram:?}"
+        );
+        assert!(
+            mib(desc.shared_rss) >= 64.0 * 0.98,
+            "the child maps it too: {ram:?}"
+        );
+        assert!(
+            mib(desc.private_rss) < 32.0,
+            "the child holds no 32 MiB of its own: {ram:?}"
+        );
+        // Shared pages are counted once in the sum of the tree, not once per process.
+        assert!(
+            both.shared_rss < main.shared_rss + desc.shared_rss - f64::from(48u32 << 20),
+            "{ram:?}"
+        );
+        assert!(both.total_rss <= main.total_rss + desc.total_rss, "{ram:?}");
+        let cpu = &usage.cpu_utilization;
+        assert!(cpu.main_n_threads >= 4, "3 threads + the main one: {cpu:?}");
+        assert_eq!(cpu.descendants_n_threads, 1, "{cpu:?}");
+        assert_eq!(cpu.combined_n_threads, cpu.main_n_threads + 1, "{cpu:?}");
+    });
 }
 
 /// A child that burns 0.6 s of CPU time (whatever the machine's load), then waits.
@@ -482,64 +491,68 @@ sys.stdin.read()
 
 #[test]
 fn cpu_utilisation_over_time_adds_up_to_the_cpu_time_used() {
-    // Percentages times the time between samples must give back the CPU seconds the
-    // kernel charged: a rate checked as an amount, so load cannot fail it.
-    let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
-    let tmp = tempfile::tempdir().unwrap();
-    let timeline = tmp.path().join("t.jsonl");
-    let mut child = Command::new(tt_testkit::python_path())
-        .args(["-c", BURN])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
+    tt_testkit::hang::within(HANG, "the CPU-time test", || {
+        // Percentages times the time between samples must give back the CPU seconds the
+        // kernel charged: a rate checked as an amount, so load cannot fail it.
+        let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+        let tmp = tempfile::tempdir().unwrap();
+        let timeline = tmp.path().join("t.jsonl");
+        let mut child = Command::new(tt_testkit::python_path())
+            .args(["-c", BURN])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let tracker = Tracker::start(TrackerConfig {
+            target: tt_tracker::Target::Pid(child.id()),
+            timeline: Some(timeline.clone()),
+            ..config(Duration::from_millis(20))
+        })
         .unwrap();
-    let tracker = Tracker::start(TrackerConfig {
-        target: tt_tracker::Target::Pid(child.id()),
-        timeline: Some(timeline.clone()),
-        ..config(Duration::from_millis(20))
-    })
-    .unwrap();
-    let out = child.stdout.take().unwrap();
-    tt_testkit::wait_for_line(out, "burnt", Duration::from_secs(300));
-    let seen = tracker.samples();
-    wait_for_samples(&tracker, seen + 2);
-    // The kernel's count of the child's CPU time (user + system), in seconds.
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap()
-        .split_whitespace()
-        .collect();
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let charged = (fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap()) / hz;
-    let usage = tracker.stop().unwrap();
-    drop(child.stdin.take());
-    child.wait().unwrap();
-    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&timeline)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|r: &serde_json::Value| r["timestamp"].is_number())
-        .collect();
-    let mut integral = 0.0;
-    for pair in rows.windows(2) {
-        let dt = pair[1]["timestamp"].as_f64().unwrap() - pair[0]["timestamp"].as_f64().unwrap();
-        integral += pair[1]["cpu_main_sum_utilization_percent"]
-            .as_f64()
+        let out = child.stdout.take().unwrap();
+        tt_testkit::wait_for_line(out, "burnt", Duration::from_secs(300));
+        let seen = tracker.samples();
+        wait_for_samples(&tracker, seen + 2);
+        // The kernel's count of the child's CPU time (user + system), in seconds.
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
+        let fields: Vec<&str> = stat
+            .rsplit(')')
+            .next()
             .unwrap()
-            / 100.0
-            * dt;
-    }
-    assert!(charged >= 0.55, "0.6 s burnt, in clock ticks: {charged}");
-    // What the first sample cannot see (the interpreter's start) is at most a little.
-    assert!(
-        integral >= charged * 0.7 && integral <= charged * 1.1,
-        "CPU seconds from the percentages {integral:.3} vs charged {charged:.3}"
-    );
-    let main = &usage.cpu_utilization.main;
-    // One thread: at most 100%, give or take a clock tick over the 100 ms window.
-    assert!(main.max_sum_percent <= 120.0, "one thread: {main:?}");
-    assert!(main.max_sum_percent > 0.0, "{main:?}");
+            .split_whitespace()
+            .collect();
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        let charged =
+            (fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap()) / hz;
+        let usage = tracker.stop().unwrap();
+        drop(child.stdin.take());
+        child.wait().unwrap();
+        let rows: Vec<serde_json::Value> = std::fs::read_to_string(&timeline)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .filter(|r: &serde_json::Value| r["timestamp"].is_number())
+            .collect();
+        let mut integral = 0.0;
+        for pair in rows.windows(2) {
+            let dt =
+                pair[1]["timestamp"].as_f64().unwrap() - pair[0]["timestamp"].as_f64().unwrap();
+            integral += pair[1]["cpu_main_sum_utilization_percent"]
+                .as_f64()
+                .unwrap()
+                / 100.0
+                * dt;
+        }
+        assert!(charged >= 0.55, "0.6 s burnt, in clock ticks: {charged}");
+        // What the first sample cannot see (the interpreter's start) is at most a little.
+        assert!(
+            integral >= charged * 0.7 && integral <= charged * 1.1,
+            "CPU seconds from the percentages {integral:.3} vs charged {charged:.3}"
+        );
+        let main = &usage.cpu_utilization.main;
+        // One thread: at most 100%, give or take a clock tick over the 100 ms window.
+        assert!(main.max_sum_percent <= 120.0, "one thread: {main:?}");
+        assert!(main.max_sum_percent > 0.0, "{main:?}");
+    });
 }
