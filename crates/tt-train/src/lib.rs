@@ -53,7 +53,7 @@ pub use error::TrainError;
 pub use signals::{install_signal_handlers, EXIT_PREEMPTED};
 #[cfg(feature = "tch")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
-pub use state::TrainState;
+pub use state::{TrainState, Values};
 #[cfg(feature = "dist")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dist")))]
 pub use trainer::{FitOutcome, FitReport, StepContext, TrainConfig, Trainer};

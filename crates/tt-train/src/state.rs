@@ -13,6 +13,11 @@ use crate::{EpochBatches, TrainError};
 const OPTIM: &str = "optim";
 /// The sampler's entry in a checkpoint.
 const SAMPLER: &str = "sampler";
+/// The entry of [`TrainState::values`] in a checkpoint.
+const VALUES: &str = "values";
+
+/// [`TrainState::values`]: your own values, by name.
+pub type Values = std::collections::BTreeMap<String, serde_json::Value>;
 
 /// A training loop's state: the model's parameters, the optimizer (its moments, step
 /// count and learning-rate schedule) and the position in the data, saved together
@@ -64,6 +69,11 @@ pub struct TrainState {
     pub batches: EpochBatches,
     /// Steps finished (over the whole run, resumes included).
     pub step: u64,
+    /// Values of your own, saved with the state and restored by [`resume`](Self::resume)
+    /// (empty after a resume from a checkpoint that has none): what else the loop
+    /// needs to continue exactly, such as the micro-batch size an out-of-memory-adaptive
+    /// step settled on, so that the resumed run sums its gradients in the same order.
+    pub values: Values,
     reshard: Reshard,
 }
 
@@ -71,6 +81,7 @@ impl std::fmt::Debug for TrainState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TrainState")
             .field("step", &self.step)
+            .field("values", &self.values)
             .field("optimizer_steps", &self.optimizer.steps())
             .field("batches", &self.batches)
             .field("reshard", &self.reshard)
@@ -86,6 +97,7 @@ impl TrainState {
             optimizer,
             batches,
             step: 0,
+            values: Values::new(),
             reshard: Reshard::Refuse,
         }
     }
@@ -107,6 +119,7 @@ impl TrainState {
             &mut self.optimizer,
             &mut self.batches,
             self.reshard,
+            Some(&mut self.values),
         )?;
         if let Some(step) = resumed {
             self.step = step;
@@ -118,7 +131,14 @@ impl TrainState {
     /// returns its path (`None` when `dir` is not the writer, as on ranks other than
     /// 0).
     pub fn save(&self, dir: &CheckpointDir) -> Result<Option<PathBuf>, TrainError> {
-        save_parts(dir, self.step, &self.vs, &self.optimizer, &self.batches)
+        save_parts(
+            dir,
+            self.step,
+            &self.vs,
+            &self.optimizer,
+            &self.batches,
+            &self.values,
+        )
     }
 }
 
@@ -129,12 +149,16 @@ pub(crate) fn save_parts(
     vs: &VarStore,
     optimizer: &Optimizer,
     batches: &EpochBatches,
+    values: &Values,
 ) -> Result<Option<PathBuf>, TrainError> {
     let state = batches.state();
     let mut ckpt = dir.checkpoint(step).with_epoch(state.epoch);
     ckpt.add_var_store(vs)?;
     optimizer.save_into(&mut ckpt, OPTIM)?;
     ckpt.set_value(SAMPLER, &state)?;
+    if !values.is_empty() {
+        ckpt.set_value(VALUES, values)?;
+    }
     Ok(dir.save(&ckpt)?)
 }
 
@@ -145,6 +169,7 @@ pub(crate) fn resume_parts(
     optimizer: &mut Optimizer,
     batches: &mut EpochBatches,
     reshard: Reshard,
+    values: Option<&mut Values>,
 ) -> Result<Option<u64>, TrainError> {
     let Some(loaded) = dir.load_latest()? else {
         return Ok(None);
@@ -165,6 +190,13 @@ pub(crate) fn resume_parts(
     ckpt.load_var_store(vs)?;
     optimizer.load_from(&ckpt, OPTIM)?;
     batches.load_state(&state, reshard)?;
+    if let Some(values) = values {
+        *values = if ckpt.meta().values.contains_key(VALUES) {
+            ckpt.value(VALUES)?
+        } else {
+            Values::new()
+        };
+    }
     tracing::info!(
         step = ckpt.step(),
         epoch = state.epoch,

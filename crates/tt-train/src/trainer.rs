@@ -13,7 +13,7 @@ use tt_dist::{Ddp, ProcessGroup, ReduceOp};
 use tt_optim::Optimizer;
 use tt_sampler::{DistributedSampler, Reshard};
 
-use crate::state::{resume_parts, save_parts};
+use crate::state::{resume_parts, save_parts, Values};
 use crate::{EpochBatches, TrainError};
 
 /// What to train on and how often to checkpoint.
@@ -371,7 +371,7 @@ impl Trainer {
             Reshard::Refuse
         };
         let resumed_from = match &dir {
-            Some(dir) => resume_parts(dir, vs, opt, &mut batches, reshard)?,
+            Some(dir) => resume_parts(dir, vs, opt, &mut batches, reshard, None)?,
             None => None,
         };
         let ddp = Ddp::new(pg, vs)?;
@@ -450,7 +450,7 @@ impl Trainer {
         opt: &Optimizer,
     ) -> Result<(), TrainError> {
         if let (Some(dir), true) = (&run.dir, self.pg.is_main()) {
-            run.last_ckpt = save_parts(dir, run.steps, vs, opt, &run.batches)?;
+            run.last_ckpt = save_parts(dir, run.steps, vs, opt, &run.batches, &Values::new())?;
         }
         Ok(())
     }

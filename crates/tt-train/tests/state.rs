@@ -68,6 +68,9 @@ fn an_interrupted_loop_resumes_to_the_uninterrupted_result() {
     // Interrupted after step 13 (mid-epoch, one step past the checkpoint at 12).
     let dir = CheckpointDir::open(root.path().join("cut")).unwrap();
     let (mut first, net) = state(1, 1, 0);
+    first
+        .values
+        .insert("micro_batch".into(), serde_json::json!(2));
     train(&mut first, &net, &dir, 13);
     drop(first);
     // A new process: other initial weights, fresh moments, the first batch again.
@@ -76,6 +79,11 @@ fn an_interrupted_loop_resumes_to_the_uninterrupted_result() {
     assert_eq!(second.step, 12);
     assert_eq!(second.optimizer.steps(), 12);
     assert_eq!(second.batches.epoch(), 1);
+    assert_eq!(
+        second.values.get("micro_batch"),
+        Some(&serde_json::json!(2)),
+        "the loop's own values come back"
+    );
     train(&mut second, &net, &dir, u64::MAX);
     assert_eq!(second.step, 30);
     for ((name, a), (_, b)) in params(&whole).iter().zip(params(&second).iter()) {
@@ -92,6 +100,7 @@ fn a_checkpoint_of_another_world_size_is_refused_unless_asked() {
     train(&mut two, &net, &dir, 4);
 
     let (mut one, _) = state(1, 1, 0);
+    one.values.insert("stale".into(), serde_json::json!(true));
     let e = one.resume(&dir).unwrap_err();
     assert!(
         matches!(
@@ -113,7 +122,12 @@ fn a_checkpoint_of_another_world_size_is_refused_unless_asked() {
 
     let (one, _) = state(1, 1, 0);
     let mut one = one.reshard(Reshard::Allow);
+    one.values.insert("stale".into(), serde_json::json!(true));
     assert_eq!(one.resume(&dir).unwrap(), Some(4));
+    assert!(
+        one.values.is_empty(),
+        "a checkpoint without values clears them"
+    );
     // Two ranks had seen 2 x 4 batches of 4 = 32 samples of epoch 0's 40: one rank
     // goes on with the 8 left (2 batches), then 2 whole epochs of 10.
     let mut rest = 0;
