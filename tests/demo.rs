@@ -25,40 +25,102 @@ fn demo_binary() -> PathBuf {
 }
 
 #[test]
-fn the_demo_trains_from_any_directory_without_ld_library_path() {
+fn the_demo_runs_its_six_parts_and_their_checks_from_any_directory() {
+    // The reduced mode `cargo xtask test` runs: every part, less data. Its checks (the
+    // resumed run bit for bit the uninterrupted one, 2 ranks equal to 1 process) make
+    // it exit non-zero when they fail.
     let demo = demo_binary();
     assert!(demo.exists(), "{} was not built", demo.display());
-    let out = Command::new(&demo)
-        .current_dir(std::env::temp_dir())
-        .env_remove("LD_LIBRARY_PATH")
-        .env_remove("TORCHTOOLS_DEVICE")
-        .env("TORCHTOOLS_DEMO_STEPS", "50")
-        .output()
-        .unwrap();
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = tt_testkit::hang::within(std::time::Duration::from_secs(900), "the demo", {
+        let (demo, dir) = (demo.clone(), out_dir.path().to_path_buf());
+        move || {
+            Command::new(&demo)
+                .args(["--quick", "--out"])
+                .arg(&dir)
+                .current_dir(std::env::temp_dir())
+                .env_remove("LD_LIBRARY_PATH")
+                .env_remove("TORCHTOOLS_DEVICE")
+                .output()
+                .unwrap()
+        }
+    });
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
+    for part in [
+        "== 1. the device",
+        "== 2. probe and reservation",
+        "== 3. training",
+        "== 4. interruption and resume",
+        "== 5. the same training on 2 DDP ranks",
+        "== 6. summary",
+    ] {
+        assert!(stdout.contains(part), "{part:?} missing: {stdout}");
+    }
     assert!(
         stdout.contains("torchtools device report (libtorch's view)"),
         "{stdout}"
     );
-    assert!(stdout.contains("trained 50 steps on "), "{stdout}");
     assert!(stdout.contains("intra-op threads set to "), "{stdout}");
+    assert!(stdout.contains("probe of one training step"), "{stdout}");
+    assert!(stdout.contains("GPU locks in "), "{stdout}");
     assert!(
-        stdout.contains("\n  threads      "),
-        "the report's threads line: {stdout}"
+        stdout.contains("SIGKILL sent right after the checkpoint of step 6"),
+        "{stdout}"
     );
+    assert!(
+        stdout.contains("resumed from the checkpoint of step 6"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("bit for bit the uninterrupted run's"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("2 ranks x 1024 samples end where 1 process x 2048 does"),
+        "{stdout}"
+    );
+    if !stdout.contains("on cuda") {
+        // On the CPU the memory limit makes the adaptation visible.
+        assert!(stdout.contains("out of memory above"), "{stdout}");
+    }
+    let svg = std::fs::read_to_string(out_dir.path().join("demo.svg")).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("<polyline"),
+        "{svg}"
+    );
+    let kept = std::fs::read_dir(out_dir.path().join("checkpoints-run"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".safetensors")
+        })
+        .count();
+    assert_eq!(kept, 3, "the last three checkpoints are kept");
 }
 
 #[test]
 fn the_demo_refuses_bad_input_with_a_clear_error() {
+    let out = Command::new(demo_binary()).arg("--steps").output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("unknown argument \"--steps\"") && stderr.contains("usage: demo"),
+        "{stderr}"
+    );
+    let file = tempfile::NamedTempFile::new().unwrap();
     let out = Command::new(demo_binary())
-        .env("TORCHTOOLS_DEMO_STEPS", "many")
+        .arg("--out")
+        .arg(file.path())
         .output()
         .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("TORCHTOOLS_DEMO_STEPS=\"many\" is not a positive integer"),
+        stderr.contains("--out") && stderr.contains("cannot create it"),
         "{stderr}"
     );
     let out = Command::new(demo_binary())

@@ -72,30 +72,8 @@ fn root() -> PathBuf {
 
 fn demo() -> anyhow::Result<()> {
     setup::setup()?;
-    steps::run(
-        "demo",
-        steps::cargo(&["run", "--quiet", "--example", "demo"]),
-    )?;
-    // The same training code on two processes: the unified trainer's example under the
-    // `torchtools launch` that users run (two Gloo ranks on the CPU, one epoch).
-    steps::run(
-        "build the trainer example",
-        steps::cargo(&["build", "--quiet", "--example", "train", "-p", "torchtools"]),
-    )?;
-    // On its own: built together, feature unification would link libtorch into the CLI.
-    steps::run(
-        "build the torchtools CLI",
-        steps::cargo(&["build", "--quiet", "-p", "torchtools-cli"]),
-    )?;
-    let target = root().join("target/debug");
-    let mut launch = std::process::Command::new(target.join("torchtools"));
-    launch
-        .args(["launch", "--nproc-per-node", "2", "--"])
-        .arg(target.join("examples/train"))
-        .env("TORCHTOOLS_TRAIN_EPOCHS", "1")
-        .env("TORCHTOOLS_DEVICE", "cpu");
-    steps::run(
-        "torchtools launch --nproc-per-node 2 -- examples/train",
-        launch,
-    )
+    let out = root().join("target/demo");
+    let mut cmd = steps::cargo(&["run", "--quiet", "--example", "demo", "--", "--out"]);
+    cmd.arg(&out);
+    steps::run("demo", cmd)
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use tt_device::{Bytes, Inventory};
-use tt_lock::{GpuKey, GpuSpec, Holder, LockDir, LockState};
+use tt_lock::{GpuKey, GpuSpec, Holder, LockDir};
 use tt_reserve::ReserveOptions;
 
 use crate::child::{self, Exit};
@@ -116,26 +116,9 @@ pub(crate) fn locks(json: bool) -> Result<ExitCode> {
         println!("  no GPU and no lock file");
     }
     for state in &states {
-        println!("  {}", line(state));
+        println!("  {state}");
     }
     Ok(ExitCode::SUCCESS)
-}
-
-fn line(state: &LockState) -> String {
-    let name = match (&state.nvml_index, &state.name, &state.gpu) {
-        (Some(i), Some(n), GpuKey::Uuid(u)) => format!("{i}  {n}  {u}"),
-        (_, _, GpuKey::Uuid(u)) => format!("?  {u}"),
-        (_, _, GpuKey::Index(i)) => format!("{i}  (keyed by index: no NVML)"),
-    };
-    let waiting = match state.waiting {
-        0 => String::new(),
-        n => format!("; {n} waiting (`torchtools queue`)"),
-    };
-    match (&state.held, &state.holder) {
-        (false, _) => format!("{name}: free{waiting}"),
-        (true, Some(h)) => format!("{name}: held by {h}{waiting}"),
-        (true, None) => format!("{name}: held (no record yet){waiting}"),
-    }
 }
 
 /// `torchtools queue`: the requests waiting, first served first.

@@ -133,12 +133,15 @@ where
     let stream = Stream::new(reserved, &order);
     let direct = if try_direct { open_direct(path) } else { None };
     let (sums, head) = std::thread::scope(|scope| -> std::io::Result<_> {
-        let hasher = scope.spawn(|| {
+        let hash = || {
             order
                 .iter()
                 .map(|(n, t)| ((*n).to_owned(), checksum(t.bytes())))
                 .collect::<BTreeMap<String, String>>()
-        });
+        };
+        // Where no thread can be had (an address-space limit, a pids limit), the
+        // checksums are computed after the write instead of beside it.
+        let hasher = spawn_scoped(scope, "tt-ckpt-hash", hash).ok();
         let head = match &direct {
             Some(d) => write_direct_body(d, &stream)?,
             None => None,
@@ -146,9 +149,12 @@ where
         if head.is_none() {
             write_buffered_body(file, &stream)?;
         }
-        let sums = hasher
-            .join()
-            .map_err(|_| std::io::Error::other("the checksum thread panicked"))?;
+        let sums = match hasher {
+            Some(h) => h
+                .join()
+                .map_err(|_| std::io::Error::other("the checksum thread panicked"))?,
+            None => hash(),
+        };
         Ok((sums, head))
     })
     .map_err(io_err)?;
@@ -291,7 +297,7 @@ fn write_direct_body(direct: &File, stream: &Stream<'_>) -> std::io::Result<Opti
         let _ = empty_tx.send(buf.unwrap_or_else(|| AlignedBuf::new(chunk)));
     }
     std::thread::scope(|scope| {
-        let writer = scope.spawn(move || -> std::io::Result<bool> {
+        let writer = spawn_scoped(scope, "tt-ckpt-write", move || -> std::io::Result<bool> {
             let mut first = true;
             for (mut buf, offset, len) in full_rx {
                 match direct.write_all_at(&buf.as_mut()[..len], offset as u64) {
@@ -306,6 +312,16 @@ fn write_direct_body(direct: &File, stream: &Stream<'_>) -> std::io::Result<Opti
             }
             Ok(true)
         });
+        let Ok(writer) = writer else {
+            // No thread to be had (an address-space or pids limit): nothing is
+            // written yet, so the caller writes through the page cache instead.
+            if pooled {
+                while let Ok(buf) = empty_rx.try_recv() {
+                    give_back(buf);
+                }
+            }
+            return Ok(None);
+        };
         let mut offset = head;
         while offset < padded {
             let Ok(mut buf) = empty_rx.recv() else { break };
@@ -403,6 +419,29 @@ fn sync_range(fd: i32, offset: u64, len: u64, flags: libc::c_uint) {
     let _ = unsafe { libc::sync_file_range(fd, offset, len, flags) };
 }
 
+/// `Builder::spawn_scoped`, which this crate's tests can make fail as a container's
+/// memory or pids limit does (a real limit cannot be aimed at one call: glibc reuses
+/// cached thread stacks, and Rust's own start-up allocations then fail in the thread).
+fn spawn_scoped<'scope, T: Send + 'scope>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    name: &str,
+    f: impl FnOnce() -> T + Send + 'scope,
+) -> std::io::Result<std::thread::ScopedJoinHandle<'scope, T>> {
+    #[cfg(test)]
+    if REFUSE_THREADS.with(std::cell::Cell::get) {
+        return Err(std::io::Error::other("this test refuses threads"));
+    }
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn_scoped(scope, f)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Set by a test: this thread's spawns fail.
+    static REFUSE_THREADS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// A tensor's name and bytes.
 type Named<'a> = (&'a str, &'a [u8]);
 
@@ -434,17 +473,23 @@ pub(crate) fn checksums_parallel<'a>(
         let handles: Vec<_> = shares
             .into_iter()
             .map(|(_, share)| {
-                scope.spawn(move || {
+                let work = |share: Vec<Named<'_>>| {
                     share
                         .into_iter()
                         .map(|(n, b)| (n.to_owned(), checksum(b)))
                         .collect::<Vec<_>>()
-                })
+                };
+                // Where no thread can be had, this share is done here.
+                let here = share.clone();
+                spawn_scoped(scope, "tt-ckpt-sums", move || work(share)).map_err(|_| work(here))
             })
             .collect();
         handles
             .into_iter()
-            .flat_map(|h| h.join().unwrap_or_default())
+            .flat_map(|h| match h {
+                Ok(h) => h.join().unwrap_or_default(),
+                Err(done) => done,
+            })
             .collect()
     })
 }
@@ -503,6 +548,11 @@ mod tests {
             ours,
             "the page-cache path writes the same bytes"
         );
+        // Where no thread can be had (a container's limits), the same bytes, no panic.
+        REFUSE_THREADS.with(|r| r.set(true));
+        let alone = write_file("alone.safetensors", true);
+        REFUSE_THREADS.with(|r| r.set(false));
+        assert!(alone == ours, "without threads the file differs");
         let sums: BTreeMap<String, String> = tensors
             .iter()
             .map(|(n, t)| (n.clone(), checksum(t.bytes())))
@@ -549,5 +599,9 @@ mod tests {
             .map(|(n, bytes)| ((*n).to_owned(), checksum(bytes)))
             .collect();
         assert_eq!(par, seq);
+        REFUSE_THREADS.with(|r| r.set(true));
+        let alone = checksums_parallel(items.iter().copied());
+        REFUSE_THREADS.with(|r| r.set(false));
+        assert_eq!(alone, seq, "without threads");
     }
 }

@@ -31,6 +31,27 @@ pub struct LockState {
     pub waiting: usize,
 }
 
+/// One line, as `torchtools locks` prints it: index, name and UUID (or the index when
+/// NVML is missing), then `free`, or who holds it, and how many wait.
+impl std::fmt::Display for LockState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (&self.nvml_index, &self.name, &self.gpu) {
+            (Some(i), Some(n), GpuKey::Uuid(u)) => write!(f, "{i}  {n}  {u}")?,
+            (_, _, GpuKey::Uuid(u)) => write!(f, "?  {u}")?,
+            (_, _, GpuKey::Index(i)) => write!(f, "{i}  (keyed by index: no NVML)")?,
+        }
+        match (&self.held, &self.holder) {
+            (false, _) => f.write_str(": free")?,
+            (true, Some(h)) => write!(f, ": held by {h}")?,
+            (true, None) => f.write_str(": held (no record yet)")?,
+        }
+        match self.waiting {
+            0 => Ok(()),
+            n => write!(f, "; {n} waiting (`torchtools queue`)"),
+        }
+    }
+}
+
 impl LockDir {
     /// Every lock file in the directory, held or free. "Held" is the kernel's answer
     /// (`/proc/locks`, or a non-blocking shared-lock probe where that cannot be read):

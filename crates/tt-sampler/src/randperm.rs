@@ -77,8 +77,8 @@ fn small<T: PermIndex>(n: usize, gen: &mut Mt19937, out: &mut Vec<T>) {
         return;
     }
     let threads = std::thread::available_parallelism().map_or(1, |p| p.get());
-    if n >= PIPELINE_MIN && threads > 1 {
-        return small_pipelined(n, gen, out.as_mut_slice());
+    if n >= PIPELINE_MIN && threads > 1 && small_pipelined(n, gen, out.as_mut_slice()) {
+        return;
     }
     let r = out.as_mut_slice();
     let mut targets = [0usize; AHEAD];
@@ -102,7 +102,9 @@ fn small<T: PermIndex>(n: usize, gen: &mut Mt19937, out: &mut Vec<T>) {
 /// The same swaps as [`small`], with the draws (MT19937 and the remainder) made on
 /// a scoped helper thread and handed over in chunks; the swaps, bound by memory
 /// latency, stay here and prefetch their targets ahead.
-fn small_pipelined<T: PermIndex>(n: usize, gen: &mut Mt19937, r: &mut [T]) {
+/// `false` (with nothing drawn or swapped) where no thread can be had: an
+/// address-space or pids limit; the caller then does it all on its own thread.
+fn small_pipelined<T: PermIndex>(n: usize, gen: &mut Mt19937, r: &mut [T]) -> bool {
     use std::sync::mpsc::sync_channel;
     let last = n - 1;
     let (full_tx, full_rx) = sync_channel::<Vec<u32>>(4);
@@ -112,7 +114,7 @@ fn small_pipelined<T: PermIndex>(n: usize, gen: &mut Mt19937, r: &mut [T]) {
         let _ = empty_tx.send(Vec::with_capacity(CHUNK));
     }
     std::thread::scope(|scope| {
-        scope.spawn(move || {
+        let helper = spawn_scoped(scope, "tt-sampler-draws", move || {
             let mut i = 0;
             while i < last {
                 let Ok(mut buf) = empty_rx.recv() else { return };
@@ -129,6 +131,9 @@ fn small_pipelined<T: PermIndex>(n: usize, gen: &mut Mt19937, r: &mut [T]) {
                 }
             }
         });
+        if helper.is_err() {
+            return false;
+        }
         let mut i = 0;
         for buf in full_rx.iter() {
             for (k, &t) in buf.iter().enumerate() {
@@ -141,7 +146,31 @@ fn small_pipelined<T: PermIndex>(n: usize, gen: &mut Mt19937, r: &mut [T]) {
             // The helper may have finished and dropped its receiver: nothing to recycle.
             let _ = empty_tx.send(buf);
         }
-    });
+        true
+    })
+}
+
+/// `Builder::spawn_scoped`, which this crate's tests can make fail as a container's
+/// memory or pids limit does (a real limit cannot be aimed at one call: glibc reuses
+/// cached thread stacks, and Rust's own start-up allocations then fail in the thread).
+fn spawn_scoped<'scope, T: Send + 'scope>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    name: &str,
+    f: impl FnOnce() -> T + Send + 'scope,
+) -> std::io::Result<std::thread::ScopedJoinHandle<'scope, T>> {
+    #[cfg(test)]
+    if REFUSE_THREADS.with(std::cell::Cell::get) {
+        return Err(std::io::Error::other("this test refuses threads"));
+    }
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn_scoped(scope, f)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Set by a test: this thread's spawns fail.
+    static REFUSE_THREADS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 fn large<T: PermIndex>(n: usize, gen: &mut Mt19937, out: &mut Vec<T>) {
@@ -191,6 +220,19 @@ mod tests {
                 .map(|v| v as u32)
                 .collect::<Vec<_>>(),
             seq
+        );
+    }
+
+    #[test]
+    fn without_a_thread_the_permutation_is_made_here_and_is_the_same() {
+        let n = PIPELINE_MIN as u64 + 7;
+        let threaded = perm(n, 11);
+        REFUSE_THREADS.with(|r| r.set(true));
+        let here = perm(n, 11);
+        REFUSE_THREADS.with(|r| r.set(false));
+        assert!(
+            here == threaded,
+            "another permutation without the helper thread"
         );
     }
 
