@@ -324,21 +324,43 @@ fn train_child(args: &Args, name: &str) -> Result<()> {
     // The micro-batch: the checkpoint's (a resumed run sums its gradients in the same
     // order as the run it continues), or the one asked for, or the whole batch.
     let saved = state.values.get("micro_batch").and_then(|v| v.as_u64());
-    let mut micro = saved.map(|m| m as usize).or(args.micro).unwrap_or(BATCH);
-    let (mut limit, mut raised) = (0, false);
+    let known = saved.map(|m| m as usize).or(args.micro);
+    let mut micro = known.unwrap_or(BATCH);
+    if let Some(m) = known {
+        let whose = if saved.is_some() {
+            "the checkpoint's"
+        } else {
+            "the interrupted run's"
+        };
+        println!("micro-batch {m} ({whose}): no search");
+    }
+    // Room for a quarter of a batch's activations, not for a whole batch's, while the
+    // micro-batch is searched; 64 MiB more once it is known, so that the allocator's
+    // later growth (checkpoint buffers, a fragmented heap) does not halve it mid-run:
+    // a fixed micro-batch is what makes a resumed run sum its gradients in the same
+    // order as the run it continues.
+    const SEARCH_ROOM: u64 = 40 << 20;
+    const KNOWN_ROOM: u64 = SEARCH_ROOM + (64 << 20);
+    let mut relax = None;
     if device == Device::Cpu {
         // One small step first, so that libtorch's threads exist before the limit.
         let warm = model.loss_sum(&x.narrow(0, 0, 8), &y.narrow(0, 0, 8))?;
         warm.f_backward()?;
         state.optimizer.zero_grad();
-        // Room for a quarter of a batch's activations, not for a whole batch's.
-        let room = 40 << 20;
-        limit = address_space_in_use().ok_or("no VmSize in /proc/self/status")? + room;
-        set_cpu_memory_limit(Some(limit))?;
+        let base = address_space_in_use().ok_or("no VmSize in /proc/self/status")?;
+        let room = if known.is_some() {
+            KNOWN_ROOM
+        } else {
+            SEARCH_ROOM
+        };
+        set_cpu_memory_limit(Some(base + room))?;
         println!(
             "memory limit: {} MiB above what the process maps (RLIMIT_AS)",
             room >> 20
         );
+        if known.is_none() {
+            relax = Some(base + KNOWN_ROOM);
+        }
     }
     let adaptive = Adaptive::new().policy(Policy::Halve).cache(Cache::None);
     let total = state.batches.epochs() * samples.div_ceil(BATCH as u64);
@@ -380,13 +402,7 @@ fn train_child(args: &Args, name: &str) -> Result<()> {
             );
         }
         micro = used;
-        if limit > 0 && !raised {
-            raised = true;
-            // The micro-batch is found: 64 MiB more room from now on, so that the
-            // allocator's later growth (checkpoint buffers, a fragmented heap) does not
-            // halve it again mid-run. A fixed micro-batch is what makes a resumed run
-            // sum its gradients in the same order as the run it continues.
-            limit += 64 << 20;
+        if let Some(limit) = relax.take() {
             set_cpu_memory_limit(Some(limit))?;
         }
         state
