@@ -170,16 +170,17 @@ impl ProcessGroup {
             pg.timeout = opts.timeout;
             return Ok(pg);
         }
-        let kind = match opts.backend {
-            Some(k) => k,
-            None => auto_backend(),
-        };
-        if kind == BackendKind::Nccl && !tt_sys::c10d::nccl_built() {
-            return Err(Error::BackendUnavailable {
-                backend: "nccl",
-                fix: "build tt-sys with its `nccl` feature, or use gloo \
-                      (TORCHTOOLS_DIST_BACKEND=gloo)",
-            });
+        let cuda = matches!(tt_device::select(), Ok(tch::Device::Cuda(_)));
+        let gpus = usize::try_from(tch::Cuda::device_count()).unwrap_or(0);
+        let (kind, why) = pick_backend(
+            opts.backend,
+            cuda,
+            tt_sys::c10d::nccl_built(),
+            env.local_world_size,
+            gpus,
+        )?;
+        if let Some(why) = why {
+            tracing::warn!("{why}");
         }
         let agent = env.agent_store;
         let tcp = Store::tcp(
@@ -468,15 +469,52 @@ fn is_float(kind: Kind) -> bool {
     )
 }
 
-/// NCCL when this process's device is CUDA and NCCL is built, else Gloo.
-fn auto_backend() -> BackendKind {
-    match tt_device::select() {
-        Ok(tch::Device::Cuda(_)) if tt_sys::c10d::nccl_built() => BackendKind::Nccl,
-        Ok(tch::Device::Cuda(_)) => {
-            tracing::warn!("CUDA device but this build has no NCCL: using gloo (build tt-sys with `nccl` for NCCL)");
-            BackendKind::Gloo
-        }
-        _ => BackendKind::Gloo,
+/// The backend, and why when it is not the obvious one: what was asked for
+/// (`TORCHTOOLS_DIST_BACKEND`), else NCCL when this process's device is CUDA, NCCL is
+/// built and every local rank has a visible GPU of its own (NCCL refuses two ranks on
+/// one GPU at the first collective), else Gloo.
+fn pick_backend(
+    asked: Option<BackendKind>,
+    cuda: bool,
+    nccl_built: bool,
+    local_ranks: Option<usize>,
+    gpus: usize,
+) -> Result<(BackendKind, Option<String>)> {
+    let shared = local_ranks.filter(|&n| n > gpus);
+    match asked {
+        Some(BackendKind::Nccl) if !nccl_built => Err(Error::BackendUnavailable {
+            backend: "nccl",
+            fix: "build tt-sys with its `nccl` feature, or use gloo \
+                  (TORCHTOOLS_DIST_BACKEND=gloo)",
+        }),
+        Some(BackendKind::Nccl) => match shared {
+            Some(n) => Err(Error::Invalid {
+                name: "TORCHTOOLS_DIST_BACKEND",
+                value: "nccl".into(),
+                reason: format!(
+                    "impossible here: {n} ranks on this node share {gpus} visible GPU(s) and \
+                     NCCL needs one GPU per rank; launch at most {gpus} rank(s) per node, or \
+                     use gloo (TORCHTOOLS_DIST_BACKEND=gloo)"
+                ),
+            }),
+            None => Ok((BackendKind::Nccl, None)),
+        },
+        Some(kind) => Ok((kind, None)),
+        None if !cuda => Ok((BackendKind::Gloo, None)),
+        None if !nccl_built => Ok((
+            BackendKind::Gloo,
+            Some("CUDA device but this build has no NCCL: using gloo (build tt-sys with `nccl` for NCCL)".into()),
+        )),
+        None => match shared {
+            Some(n) => Ok((
+                BackendKind::Gloo,
+                Some(format!(
+                    "{n} ranks on this node share {gpus} visible GPU(s): NCCL needs one GPU per \
+                     rank, so gloo is used (launch at most {gpus} rank(s) per node for NCCL)"
+                )),
+            )),
+            None => Ok((BackendKind::Nccl, None)),
+        },
     }
 }
 
@@ -513,5 +551,51 @@ impl Work {
                 .map_err(|e| Error::Tensor(e.to_string()))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{pick_backend, BackendKind};
+
+    #[test]
+    fn nccl_only_where_every_local_rank_has_a_gpu_of_its_own() {
+        use BackendKind::{Gloo, Nccl};
+        let pick = |asked, cuda, built, local, gpus| pick_backend(asked, cuda, built, local, gpus);
+        // The plain cases.
+        assert_eq!(pick(None, false, true, Some(2), 0).unwrap(), (Gloo, None));
+        assert_eq!(pick(None, true, true, Some(2), 2).unwrap(), (Nccl, None));
+        assert_eq!(pick(None, true, true, None, 1).unwrap(), (Nccl, None));
+        assert_eq!(
+            pick(Some(Gloo), true, true, Some(8), 1).unwrap(),
+            (Gloo, None)
+        );
+        // No NCCL in this build: gloo, saying so; asked for: an error naming the fix.
+        let (kind, why) = pick(None, true, false, Some(1), 1).unwrap();
+        assert_eq!(kind, Gloo);
+        assert!(why.unwrap().contains("no NCCL"));
+        let e = pick(Some(Nccl), true, false, Some(1), 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("nccl") && e.contains("TORCHTOOLS_DIST_BACKEND=gloo"),
+            "{e}"
+        );
+        // Two ranks on one visible GPU: NCCL would refuse them at the first collective.
+        let (kind, why) = pick(None, true, true, Some(2), 1).unwrap();
+        assert_eq!(kind, Gloo);
+        let why = why.unwrap();
+        assert!(
+            why.contains("2 ranks on this node share 1 visible GPU(s)"),
+            "{why}"
+        );
+        let e = pick(Some(Nccl), true, true, Some(2), 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("2 ranks on this node share 1 visible GPU(s)")
+                && e.contains("at most 1 rank(s) per node"),
+            "{e}"
+        );
     }
 }

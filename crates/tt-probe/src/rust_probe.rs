@@ -138,6 +138,25 @@ pub fn entry(probes: &[(&str, ProbeFn)]) {
     std::process::exit(code);
 }
 
+/// Runs `f`, its panic turned into an error carrying the panic's message: tch's plain
+/// calls panic on any libtorch error, an out-of-memory included, which must then be
+/// reported as one (by the classifier) and not as a crash.
+fn unpanic<T>(
+    f: impl FnOnce() -> std::result::Result<T, BoxError>,
+) -> std::result::Result<T, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(result) => result.map_err(|e| e.to_string()),
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| payload.downcast_ref::<&str>().copied())
+                .unwrap_or("(no message)");
+            Err(format!("panicked: {message}"))
+        }
+    }
+}
+
 fn run_in_child(name: &str, probes: &[(&str, ProbeFn)]) -> std::result::Result<(), (i32, String)> {
     let fail = |e: &dyn std::fmt::Display| {
         let text = e.to_string();
@@ -181,9 +200,9 @@ fn run_in_child(name: &str, probes: &[(&str, ProbeFn)]) -> std::result::Result<(
     }
     let start = Instant::now();
     let ctx = ProbeContext { device, steps };
-    let mut step = f(&ctx).map_err(|e| fail(&e))?;
+    let mut step = unpanic(|| f(&ctx)).map_err(|e| fail(&e))?;
     for _ in 0..steps {
-        step().map_err(|e| fail(&e))?;
+        unpanic(&mut step).map_err(|e| fail(&e))?;
     }
     if let Some(i) = cuda {
         tch::Cuda::synchronize(i as i64);

@@ -43,6 +43,15 @@ mod rust_probes {
         }))
     }
 
+    fn panics_out_of_memory(ctx: &ProbeContext) -> Result<Step, BoxError> {
+        let device = ctx.device;
+        Ok(Box::new(move || {
+            // tch's plain call panics on libtorch's real out-of-memory (1 TiB).
+            let _t = tch::Tensor::ones([1 << 40], (tch::Kind::Uint8, device));
+            Ok(())
+        }))
+    }
+
     fn ooms(_: &ProbeContext) -> Result<Step, BoxError> {
         Ok(Box::new(|| {
             Err("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes".into())
@@ -93,6 +102,7 @@ mod rust_probes {
             ("exits_7", exits_7),
             ("sleeps", sleeps),
             ("ooms", ooms),
+            ("panics_out_of_memory", panics_out_of_memory),
             ("mlp", mlp),
             ("wide_sgd", wide_sgd),
             ("wide_adam", wide_adam),
@@ -143,8 +153,16 @@ mod rust_probes {
     #[test]
     fn failures_are_errors_with_the_status_and_stderr() {
         let e = probe("panics", &opts()).unwrap_err();
-        assert!(matches!(e, ProbeError::Failed { code: 101, .. }), "{e:?}");
-        assert!(e.to_string().contains("could not be built"), "{e}");
+        assert!(matches!(e, ProbeError::Failed { code: 3, .. }), "{e:?}");
+        assert!(
+            e.to_string()
+                .contains("panicked: the probe's model could not be built"),
+            "{e}"
+        );
+        // A panic of tch on a real out-of-memory is an out-of-memory, not a crash.
+        let e = probe("panics_out_of_memory", &opts()).unwrap_err();
+        assert!(matches!(e, ProbeError::OutOfMemory { .. }), "{e:?}");
+        assert!(e.to_string().contains("can't allocate memory"), "{e}");
         let e = probe("exits_7", &opts()).unwrap_err();
         assert!(matches!(e, ProbeError::Failed { code: 7, .. }), "{e:?}");
         let e = probe("ooms", &opts()).unwrap_err();
