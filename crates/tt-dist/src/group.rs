@@ -93,6 +93,9 @@ impl GroupOptions {
 /// The engine's parts, dropped backend first (it uses the store).
 struct Engine {
     backend: Backend,
+    /// Where this rank's small tensors (scalars, flags) go: NCCL reduces only CUDA
+    /// tensors, on the rank's own GPU.
+    scalars: tch::Device,
     // The group's own PrefixStore (what Python's `_get_default_store()` would give).
     store: Store,
 }
@@ -170,7 +173,8 @@ impl ProcessGroup {
             pg.timeout = opts.timeout;
             return Ok(pg);
         }
-        let cuda = matches!(tt_device::select(), Ok(tch::Device::Cuda(_)));
+        let selected = tt_device::select().ok();
+        let cuda = matches!(selected, Some(tch::Device::Cuda(_)));
         let gpus = usize::try_from(tch::Cuda::device_count()).unwrap_or(0);
         let (kind, why) = pick_backend(
             opts.backend,
@@ -214,7 +218,14 @@ impl ProcessGroup {
         Ok(ProcessGroup {
             env: env.clone(),
             timeout: opts.timeout,
-            engine: Some(Engine { backend, store }),
+            engine: Some(Engine {
+                backend,
+                store,
+                scalars: match (kind, selected) {
+                    (BackendKind::Nccl, Some(d @ tch::Device::Cuda(_))) => d,
+                    _ => tch::Device::Cpu,
+                },
+            }),
         })
     }
 
@@ -246,6 +257,13 @@ impl ProcessGroup {
     /// The backend, `None` for the networkless group of one.
     pub fn backend(&self) -> Option<BackendKind> {
         self.engine.as_ref().map(|e| e.backend.kind())
+    }
+
+    /// Where small tensors of this rank's own (a loss to average, a flag) must be for
+    /// this group's collectives: this rank's GPU under NCCL (which reduces only CUDA
+    /// tensors), the CPU otherwise.
+    pub fn scalar_device(&self) -> tch::Device {
+        self.engine.as_ref().map_or(tch::Device::Cpu, |e| e.scalars)
     }
 
     /// The timeout of every blocking call.
@@ -426,7 +444,7 @@ impl ProcessGroup {
 
     /// A number reduced over the ranks (for metrics: `Avg` of a loss, `Sum` of counts).
     pub fn all_reduce_f64(&self, value: f64, op: ReduceOp) -> Result<f64> {
-        let t = Tensor::from_slice(&[value]);
+        let t = Tensor::from_slice(&[value]).to_device(self.scalar_device());
         self.all_reduce(&t, op)?;
         t.f_double_value(&[0])
             .map_err(|e| Error::Tensor(e.to_string()))
@@ -436,7 +454,9 @@ impl ProcessGroup {
     /// each found its own (tt-adaptive's batch agreement).
     pub fn min_over_ranks(&self, value: u64) -> Result<u64> {
         let v = i64::try_from(value).unwrap_or(i64::MAX);
-        let t = Tensor::from_slice(&[v]).to_kind(Kind::Int64);
+        let t = Tensor::from_slice(&[v])
+            .to_kind(Kind::Int64)
+            .to_device(self.scalar_device());
         self.all_reduce(&t, ReduceOp::Min)?;
         let out = t
             .f_int64_value(&[0])

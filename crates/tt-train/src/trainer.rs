@@ -426,7 +426,9 @@ impl Trainer {
     /// every `log_every` steps; returns whether to stop.
     fn agree(&self, run: &mut Run<'_>, loss: f64, epoch: u64) -> Result<bool, TrainError> {
         let stop_here = self.stop.load(Ordering::SeqCst);
-        let flags = Tensor::from_slice(&[loss, f64::from(u8::from(stop_here))]);
+        // On the group's device: NCCL reduces only CUDA tensors.
+        let flags = Tensor::from_slice(&[loss, f64::from(u8::from(stop_here))])
+            .to_device(self.pg.scalar_device());
         self.pg.all_reduce(&flags, ReduceOp::Sum)?;
         let any_stop = flags.double_value(&[1]) > 0.0;
         run.window.sum += flags.double_value(&[0]) / self.pg.world_size() as f64;
