@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <torch/headeronly/version.h>
@@ -59,6 +60,13 @@ char* tt_cuda_runtime_version(int64_t* out) {
 
 char* tt_cuda_device_stats(int32_t device, tt_device_stats* out) {
   TT_PROTECT({
+    // Before libtorch's first CUDA use the caching allocator refuses every device
+    // ("did you call init?"): nothing is allocated yet, so the statistics are zeros,
+    // as Python's torch.cuda.memory_stats() is empty then.
+    if (!cuda_allocator()->initialized()) {
+      std::memset(out, 0, sizeof(*out));
+      return nullptr;
+    }
     auto stats = cuda_allocator()->getDeviceStats(static_cast<c10::DeviceIndex>(device));
     copy_stat(stats.allocated_bytes[kAggregate], &out->allocated_bytes);
     copy_stat(stats.reserved_bytes[kAggregate], &out->reserved_bytes);
@@ -74,11 +82,19 @@ char* tt_cuda_device_stats(int32_t device, tt_device_stats* out) {
 char* tt_cuda_empty_cache(void) { TT_PROTECT({ cuda_allocator()->emptyCache(); }) }
 
 char* tt_cuda_reset_peak_stats(int32_t device) {
-  TT_PROTECT({ cuda_allocator()->resetPeakStats(static_cast<c10::DeviceIndex>(device)); })
+  TT_PROTECT({
+    // Nothing allocated yet: every peak is already zero.
+    if (cuda_allocator()->initialized()) {
+      cuda_allocator()->resetPeakStats(static_cast<c10::DeviceIndex>(device));
+    }
+  })
 }
 
 char* tt_cuda_mem_get_info(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes) {
   TT_PROTECT({
+    // The allocator answers only once libtorch has initialised CUDA (what its first
+    // CUDA tensor would do; idempotent).
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
     auto info = cuda_allocator()->getMemoryInfo(static_cast<c10::DeviceIndex>(device));
     *free_bytes = info.first;
     *total_bytes = info.second;

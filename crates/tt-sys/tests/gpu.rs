@@ -76,3 +76,39 @@ fn an_out_of_range_device_is_an_error_not_a_crash() {
         "{err}"
     );
 }
+
+/// The child of the fresh-process test: allocator calls before libtorch's first CUDA
+/// use (what a probe child or an adaptive call does first).
+#[test]
+#[ignore = "a child process's entry point, run by the fresh-process test"]
+fn fresh_process_child() {
+    if std::env::var_os("TT_SYS_FRESH_CHILD").is_none() {
+        return;
+    }
+    tt_sys::require_cuda();
+    let stats = tt_sys::device_stats(0).expect("stats before the first CUDA use");
+    assert_eq!(stats.allocated_bytes.current, 0);
+    assert_eq!(stats.reserved_bytes.peak, 0);
+    tt_sys::reset_peak_stats(0).expect("reset before the first CUDA use");
+    let info = tt_sys::mem_get_info(0).expect("free memory before the first CUDA use");
+    assert!(info.free > 0 && info.free <= info.total, "{info:?}");
+    let t = Tensor::zeros([1 << 20], (Kind::Float, Device::Cuda(0)));
+    let after = tt_sys::device_stats(0).unwrap();
+    assert!(after.allocated_bytes.current >= 4 << 20, "{after:?}");
+    drop(t);
+    println!("@@fresh ok");
+}
+
+#[test]
+fn the_allocator_answers_before_the_first_cuda_use() {
+    tt_sys::require_cuda();
+    let out = tt_testkit::rerun("fresh_process_child")
+        .env("TT_SYS_FRESH_CHILD", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("@@fresh ok"),
+        "{out:?}"
+    );
+}
