@@ -42,6 +42,31 @@ pub enum CudaUnavailable {
         /// The value of `CUDA_VISIBLE_DEVICES`, or `<unset>`.
         visible: String,
     },
+    /// The driver is older than the CUDA runtime this libtorch was built with.
+    #[error(
+        "the NVIDIA driver supports CUDA up to {driver_cuda} but this libtorch needs CUDA \
+         {runtime_cuda} (CUDA 13 needs driver 580 or newer): update the driver, or point \
+         LIBTORCH at a libtorch built for CUDA {driver_cuda} or older, or use the CPU \
+         (TORCHTOOLS_DEVICE=cpu)"
+    )]
+    DriverTooOld {
+        /// The newest CUDA the driver supports (`cuDriverGetVersion`), as `major.minor`.
+        driver_cuda: String,
+        /// The CUDA runtime of libtorch, as `major.minor`.
+        runtime_cuda: String,
+    },
+    /// The driver sees GPUs but libtorch does not: libtorch was asked about CUDA before
+    /// its CUDA library was loaded, and keeps that first answer for the process.
+    #[error(
+        "the NVIDIA driver sees {driver_devices} GPU(s) but libtorch sees none: something asked \
+         libtorch about CUDA (tch::Cuda::is_available, tch::manual_seed, ...) before torchtools \
+         loaded libtorch's CUDA library, and libtorch keeps that first answer; call \
+         torchtools::device::select() (or tt_sys::ensure_cuda_loaded()) first in main"
+    )]
+    QueriedTooEarly {
+        /// The GPUs the driver API counts.
+        driver_devices: usize,
+    },
     /// libtorch raised an error while CUDA was being set up.
     #[error("libtorch could not set up CUDA: {0}")]
     Torch(String),
@@ -165,22 +190,86 @@ fn load_cuda() -> Result<CudaInfo, CudaUnavailable> {
     let mut count: i32 = 0;
     // SAFETY: valid out-pointer; errors are returned, not thrown.
     unsafe { ffi::check(ffi::tt_cuda_device_count(&mut count)) }.map_err(CudaUnavailable::Torch)?;
-    if count <= 0 {
-        let visible =
-            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".to_owned());
-        return Err(CudaUnavailable::NoDevice {
-            visible: format!("{visible:?}"),
-        });
-    }
     let mut runtime_version: i64 = 0;
     // SAFETY: valid out-pointer; errors are returned, not thrown.
     unsafe { ffi::check(ffi::tt_cuda_runtime_version(&mut runtime_version)) }
         .map_err(CudaUnavailable::Torch)?;
+    if count <= 0 {
+        let visible =
+            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".to_owned());
+        return Err(why_no_device(ask_driver(), runtime_version, visible));
+    }
     Ok(CudaInfo {
         library,
         device_count: count as usize,
         runtime_version,
     })
+}
+
+/// `cuDriverGetVersion` and `cuDeviceGetCount` of the driver itself (after `cuInit`);
+/// `None` when it cannot be asked.
+fn ask_driver() -> Option<(i32, i32)> {
+    type Call = unsafe extern "C" fn(*mut libc::c_int) -> libc::c_int;
+    type Init = unsafe extern "C" fn(libc::c_uint) -> libc::c_int;
+    let driver = dlopen("libcuda.so.1", libc::RTLD_LAZY | libc::RTLD_LOCAL).ok()?;
+    let symbol = |name: &CStr| {
+        // SAFETY: a live handle and a NUL-terminated name.
+        let p = unsafe { libc::dlsym(driver, name.as_ptr()) };
+        (!p.is_null()).then_some(p)
+    };
+    let answer = (|| {
+        let init = symbol(c"cuInit")?;
+        let version = symbol(c"cuDriverGetVersion")?;
+        let count = symbol(c"cuDeviceGetCount")?;
+        // SAFETY: the CUDA driver API's documented signatures for these three symbols.
+        let (init, version, count): (Init, Call, Call) = unsafe {
+            (
+                std::mem::transmute::<*mut libc::c_void, Init>(init),
+                std::mem::transmute::<*mut libc::c_void, Call>(version),
+                std::mem::transmute::<*mut libc::c_void, Call>(count),
+            )
+        };
+        let (mut v, mut n) = (0, 0);
+        // SAFETY: valid out-pointers; the driver returns status codes, never throws.
+        unsafe {
+            if version(&mut v) != 0 {
+                return None;
+            }
+            n = if init(0) == 0 && count(&mut n) == 0 {
+                n
+            } else {
+                0
+            };
+        }
+        Some((v, n))
+    })();
+    // SAFETY: the handle from dlopen above; the driver stays loaded by libtorch's own.
+    unsafe { libc::dlclose(driver) };
+    answer
+}
+
+/// `major.minor` of a CUDA version number (`13000` -> `13.0`).
+fn cuda_version(v: i64) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+/// Why libtorch sees no device, from the driver's own answer (its CUDA version and
+/// device count, when it could be asked) and libtorch's runtime version.
+fn why_no_device(driver: Option<(i32, i32)>, runtime: i64, visible: String) -> CudaUnavailable {
+    match driver {
+        Some((version, _)) if version > 0 && i64::from(version) < runtime => {
+            CudaUnavailable::DriverTooOld {
+                driver_cuda: cuda_version(i64::from(version)),
+                runtime_cuda: cuda_version(runtime),
+            }
+        }
+        Some((_, devices)) if devices > 0 => CudaUnavailable::QueriedTooEarly {
+            driver_devices: devices as usize,
+        },
+        _ => CudaUnavailable::NoDevice {
+            visible: format!("{visible:?}"),
+        },
+    }
 }
 
 fn checked_device(device: usize) -> Result<i32> {
@@ -311,4 +400,33 @@ pub fn mem_get_info(device: usize) -> Result<MemInfo> {
         },
     )?;
     Ok(MemInfo { free, total })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{why_no_device, CudaUnavailable};
+
+    #[test]
+    fn no_device_is_explained_by_the_drivers_own_answer() {
+        // A 12.8 driver (e.g. 570) under libtorch's CUDA 13.0 runtime.
+        let e = why_no_device(Some((12080, 1)), 13000, "<unset>".into());
+        assert_eq!(
+            e,
+            CudaUnavailable::DriverTooOld {
+                driver_cuda: "12.8".into(),
+                runtime_cuda: "13.0".into()
+            }
+        );
+        let text = e.to_string();
+        assert!(text.contains("580") && text.contains("CUDA 13.0"), "{text}");
+        // A recent enough driver that sees a GPU: libtorch was asked too early.
+        let e = why_no_device(Some((13000, 2)), 13000, "<unset>".into());
+        assert_eq!(e, CudaUnavailable::QueriedTooEarly { driver_devices: 2 });
+        assert!(e.to_string().contains("ensure_cuda_loaded"), "{e}");
+        // The driver sees none either (or cannot be asked): nothing visible.
+        for driver in [Some((13000, 0)), None] {
+            let e = why_no_device(driver, 13000, "\"\"".into());
+            assert!(matches!(e, CudaUnavailable::NoDevice { .. }), "{e:?}");
+        }
+    }
 }
