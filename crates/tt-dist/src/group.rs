@@ -209,7 +209,12 @@ impl ProcessGroup {
             .map_err(|e| rendezvous_error(env, e.to_string()))?;
         let backend = match kind {
             BackendKind::Nccl => {
-                Backend::nccl(&backend_store, env.rank, env.world_size, opts.timeout)
+                // This rank's GPU (per LOCAL_RANK): NCCL is bound to it at once.
+                let gpu = match selected {
+                    Some(tch::Device::Cuda(i)) => i,
+                    _ => env.local_rank,
+                };
+                Backend::nccl(&backend_store, env.rank, env.world_size, opts.timeout, gpu)
             }
             _ => Backend::gloo(&backend_store, env.rank, env.world_size, opts.timeout),
         }

@@ -166,18 +166,24 @@ bool tt_nccl_built(void) {
 }
 
 char* tt_nccl_new(tt_store* s, int32_t rank, int32_t size, int64_t timeout_ms,
-                  tt_backend** out) {
+                  int32_t device, tt_backend** out) {
   TT_PROTECT({
     store(s);
 #ifdef USE_C10D_NCCL
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = std::chrono::milliseconds(timeout_ms);
     auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(s->store, rank, size, opts);
+    // The rank's own GPU, bound and connected now: otherwise a first barrier guesses
+    // `rank % GPUs` and makes a context on another rank's GPU.
+    const at::Device gpu(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+    pg->setBoundDeviceId(gpu);
+    pg->eagerConnectSingleDevice(gpu);
     *out = new tt_backend{std::move(pg)};
 #else
     (void)rank;
     (void)size;
     (void)timeout_ms;
+    (void)device;
     (void)out;
     throw std::runtime_error(
         "tt-sys was built without NCCL: enable its `nccl` feature (needs the CUDA and NCCL "
@@ -186,7 +192,21 @@ char* tt_nccl_new(tt_store* s, int32_t rank, int32_t size, int64_t timeout_ms,
   })
 }
 
-void tt_backend_free(tt_backend* b) { delete b; }
+void tt_backend_free(tt_backend* b) {
+  if (b == nullptr) {
+    return;
+  }
+  // NCCL's communicators must be shut down before the destructor (which otherwise
+  // warns and aborts them); Gloo's shutdown does nothing. Nothing may escape here.
+  try {
+    b->backend->shutdown();
+  } catch (...) {
+  }
+  try {
+    delete b;
+  } catch (...) {
+  }
+}
 
 char* tt_allreduce(tt_backend* b, void* t, int32_t op, tt_work** out) {
   TT_PROTECT({

@@ -33,9 +33,10 @@ void tt_store_free(tt_store* store);
 // ProcessGroupGloo over `store` (GLOO_SOCKET_IFNAME picks the interface, like Python).
 char* tt_gloo_new(tt_store* store, int32_t rank, int32_t size, int64_t timeout_ms,
                   tt_backend** out);
-// ProcessGroupNCCL (only when built with the `nccl` feature; otherwise an error).
+// ProcessGroupNCCL bound to CUDA device `device` and connected at once (only when
+// built with the `nccl` feature; otherwise an error).
 char* tt_nccl_new(tt_store* store, int32_t rank, int32_t size, int64_t timeout_ms,
-                  tt_backend** out);
+                  int32_t device, tt_backend** out);
 bool tt_nccl_built(void);
 void tt_backend_free(tt_backend* backend);
 

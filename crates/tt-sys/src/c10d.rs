@@ -79,6 +79,7 @@ mod raw {
             rank: i32,
             size: i32,
             timeout_ms: i64,
+            device: i32,
             out: *mut *mut tt_backend,
         ) -> *mut c_char;
         pub(crate) fn tt_nccl_built() -> bool;
@@ -376,13 +377,24 @@ impl Backend {
     /// `GLOO_SOCKET_IFNAME`, else the host name's address). Blocks until every rank
     /// has connected, or `timeout` (also each collective's timeout) passes.
     pub fn gloo(store: &Store, rank: usize, size: usize, timeout: Duration) -> Result<Backend> {
-        Backend::new(store, rank, size, timeout, BackendKind::Gloo)
+        Backend::new(store, rank, size, timeout, BackendKind::Gloo, 0)
     }
 
-    /// A `ProcessGroupNCCL` on `store`; an error unless [`nccl_built`]. The current CUDA
-    /// device must be set to this rank's GPU before its first collective.
-    pub fn nccl(store: &Store, rank: usize, size: usize, timeout: Duration) -> Result<Backend> {
-        Backend::new(store, rank, size, timeout, BackendKind::Nccl)
+    /// A `ProcessGroupNCCL` on `store`, bound to CUDA device `device` (this rank's GPU)
+    /// and connected before it returns; an error unless [`nccl_built`].
+    ///
+    /// A peer that hangs is not an error here: NCCL's watchdog aborts the process
+    /// after `timeout` (c10d's `TORCH_NCCL_ASYNC_ERROR_HANDLING`), and the launcher
+    /// then ends the other ranks. A peer that dies is seen by the others at their
+    /// next collective, the same way.
+    pub fn nccl(
+        store: &Store,
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+        device: usize,
+    ) -> Result<Backend> {
+        Backend::new(store, rank, size, timeout, BackendKind::Nccl, device)
     }
 
     fn new(
@@ -391,6 +403,7 @@ impl Backend {
         size: usize,
         timeout: Duration,
         kind: BackendKind,
+        device: usize,
     ) -> Result<Backend> {
         if size == 0 || rank >= size {
             return Err(Error::Torch {
@@ -400,17 +413,20 @@ impl Backend {
         }
         let (r, s) = (int("ProcessGroup", rank)?, int("ProcessGroup", size)?);
         let mut out = std::ptr::null_mut();
-        let f = match kind {
-            BackendKind::Gloo => raw::tt_gloo_new,
-            BackendKind::Nccl => raw::tt_nccl_new,
-        };
+        let d = int("ProcessGroupNCCL device", device)?;
+        let (raw_store, ms) = (store.raw.as_ptr(), millis(timeout));
         // SAFETY: live store; the backend keeps its own reference to it.
-        unsafe { check(f(store.raw.as_ptr(), r, s, millis(timeout), &mut out)) }.map_err(
-            torch_err(match kind {
-                BackendKind::Gloo => "ProcessGroupGloo",
-                BackendKind::Nccl => "ProcessGroupNCCL",
-            }),
-        )?;
+        let err = unsafe {
+            match kind {
+                BackendKind::Gloo => raw::tt_gloo_new(raw_store, r, s, ms, &mut out),
+                BackendKind::Nccl => raw::tt_nccl_new(raw_store, r, s, ms, d, &mut out),
+            }
+        };
+        // SAFETY: the shim's error pointer, owned by us from here.
+        unsafe { check(err) }.map_err(torch_err(match kind {
+            BackendKind::Gloo => "ProcessGroupGloo",
+            BackendKind::Nccl => "ProcessGroupNCCL",
+        }))?;
         Ok(Backend {
             raw: NonNull::new(out).expect("the shim returned a null backend on success"),
             kind,

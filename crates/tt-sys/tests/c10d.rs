@@ -73,7 +73,7 @@ fn nccl_is_an_error_when_not_built_or_without_a_gpu() {
         return; // a working NCCL group: the GPU tests' business
     }
     let store = Store::tcp("127.0.0.1", 0, None, true, T, false).unwrap();
-    let err = Backend::nccl(&store, 0, 1, T).unwrap_err().to_string();
+    let err = Backend::nccl(&store, 0, 1, T, 0).unwrap_err().to_string();
     // Each case has its own reason, and it reaches the user (a C++ exception caught at
     // the boundary and turned into this error).
     let reason = if nccl_built() {
