@@ -6,6 +6,10 @@
 #[path = "src/build.rs"]
 mod helper;
 
+#[cfg(feature = "c10d")]
+#[path = "src/nccl_header.rs"]
+mod nccl_header;
+
 fn main() {
     // Without `tch` this is a libtorch-free build: only `tt_sys::build` is compiled.
     #[cfg(feature = "tch")]
@@ -146,6 +150,28 @@ mod shim {
         let found = find("CUDA_INCLUDE", "cu13/include", "crt/host_config.h").and_then(|cuda| {
             find("NCCL_INCLUDE", "nccl/include", "nccl.h").map(|nccl| (cuda, nccl))
         });
+        // The header must be the version of the NCCL libtorch loads (the wheel's).
+        let found = found.and_then(|(cuda, nccl)| {
+            let header = std::fs::read_to_string(nccl.join("nccl.h"))
+                .ok()
+                .and_then(|t| crate::nccl_header::header_version(&t));
+            let wheel = lib
+                .parent()
+                .and_then(|p| p.parent())
+                .and_then(crate::nccl_header::wheel_version);
+            match header
+                .zip(wheel)
+                .and_then(|(h, w)| crate::nccl_header::mismatch(h, w))
+            {
+                Some(why) => Err(why),
+                None => Ok((cuda, nccl)),
+            }
+        });
+        if let (Err(why), false) = (&found, required) {
+            if why.contains("structures differ") {
+                println!("cargo:warning=tt-sys: NCCL left out: {why}");
+            }
+        }
         match found {
             Ok((cuda, nccl)) => {
                 build
@@ -155,6 +181,9 @@ mod shim {
                     .define("USE_CUDA", None);
                 // ProcessGroupNCCL lives in libtorch_cuda.
                 println!("cargo:rustc-link-lib=torch_cuda");
+            }
+            Err(why) if required && why.contains("structures differ") => {
+                panic!("tt-sys (feature nccl): {why}")
             }
             Err(why) if required => panic!(
                 "tt-sys (feature nccl): {why}: install CUDA's headers into the torch venv \

@@ -42,6 +42,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod build;
+#[cfg(test)]
+mod nccl_header;
 
 #[cfg(feature = "c10d")]
 pub mod c10d;
