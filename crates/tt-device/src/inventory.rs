@@ -111,6 +111,17 @@ impl Inventory {
         inventory
     }
 
+    /// The GPUs of CUDA's logical devices `cuda:0`, `cuda:1`, ..., given their UUIDs as
+    /// the CUDA driver reports them ([`CudaDriver::uuids`](crate::CudaDriver::uuids)):
+    /// the exact mapping, whatever `CUDA_VISIBLE_DEVICES` and `CUDA_DEVICE_ORDER` say.
+    /// `None` for a device NVML does not list under that UUID (a MIG instance).
+    pub fn in_cuda_order(&self, uuids: &[String]) -> Vec<Option<&GpuInfo>> {
+        uuids
+            .iter()
+            .map(|u| self.gpus.iter().find(|g| g.uuid.eq_ignore_ascii_case(u)))
+            .collect()
+    }
+
     /// The GPUs this process sees, in CUDA's logical order, after `visible`.
     ///
     /// Indices in `CUDA_VISIBLE_DEVICES` are taken as NVML's (true with

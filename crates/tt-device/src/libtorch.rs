@@ -22,13 +22,30 @@ impl From<Device> for tch::Device {
 pub fn availability(visible: &CudaVisibleDevices, inventory: &Inventory) -> Availability {
     let cuda = match tt_sys::ensure_cuda_loaded() {
         Ok(info) => {
-            let visible = inventory.visible(visible);
-            let known = visible.len() == info.device_count;
-            Ok((0..info.device_count)
-                .map(|index| CudaCandidate {
-                    index,
-                    free: known.then(|| visible[index].gpu.free),
-                })
+            // The driver's UUIDs tie each ordinal to its GPU; without them,
+            // CUDA_VISIBLE_DEVICES read as NVML indices (true with PCI_BUS_ID order).
+            let by_uuid = crate::CudaDriver::init()
+                .and_then(|d| d.uuids())
+                .ok()
+                .filter(|u| u.len() == info.device_count)
+                .map(|u| {
+                    inventory
+                        .in_cuda_order(&u)
+                        .into_iter()
+                        .map(|g| g.map(|g| g.free))
+                        .collect::<Vec<_>>()
+                });
+            let free = by_uuid.unwrap_or_else(|| {
+                let visible = inventory.visible(visible);
+                let known = visible.len() == info.device_count;
+                (0..info.device_count)
+                    .map(|i| known.then(|| visible[i].gpu.free))
+                    .collect()
+            });
+            Ok(free
+                .into_iter()
+                .enumerate()
+                .map(|(index, free)| CudaCandidate { index, free })
                 .collect())
         }
         Err(why) => Err(why.to_string()),

@@ -45,6 +45,20 @@ fn visible(value: &str) -> Vec<u32> {
 }
 
 #[test]
+fn the_drivers_uuids_tie_each_cuda_ordinal_to_its_gpu() {
+    // CUDA's default order (fastest first) put NVML's GPU 1 at cuda:0: the UUIDs say so.
+    let m = machine();
+    let order = m.in_cuda_order(&[
+        "GPU-0F8E7D6C-1111-1111-1111-111111111111".into(),
+        "GPU-0a1b2c3d-0000-0000-0000-000000000000".into(),
+        "GPU-ffffffff-2222-2222-2222-222222222222".into(), // e.g. a MIG instance
+    ]);
+    let indices: Vec<Option<u32>> = order.iter().map(|g| g.map(|g| g.nvml_index)).collect();
+    assert_eq!(indices, [Some(1), Some(0), None]);
+    assert_eq!(order[0].unwrap().free, Bytes::gib(70));
+}
+
+#[test]
 fn visible_devices_follow_cuda_semantics() {
     let all = machine().visible(&CudaVisibleDevices::Unset);
     assert_eq!(

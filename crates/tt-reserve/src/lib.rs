@@ -193,6 +193,24 @@ pub struct Reservation {
     gpus: Vec<ReservedGpu>,
 }
 
+/// The GPUs of `inventory` that `CUDA_VISIBLE_DEVICES` (`cuda_visible`) leaves to this
+/// process: an automatic choice must not lock a GPU the training could not use.
+fn usable(inventory: &Inventory, cuda_visible: Option<&str>) -> Result<Inventory, Error> {
+    let Some(value) = cuda_visible else {
+        return Ok(inventory.clone());
+    };
+    let visible = tt_device::CudaVisibleDevices::parse(value)
+        .map_err(|e| Error::Options(format!("CUDA_VISIBLE_DEVICES: {e}")))?;
+    Ok(Inventory {
+        gpus: inventory
+            .visible(&visible)
+            .into_iter()
+            .map(|v| v.gpu)
+            .collect(),
+        ..inventory.clone()
+    })
+}
+
 /// Reserves GPU(s) for a training job: takes the lock of each (waiting as `options`
 /// say), then raises a fence leaving `training_reserved_bytes + safety_margin_bytes`
 /// free for the job. Hold the returned [`Reservation`] while training. Waiting for a
@@ -237,8 +255,22 @@ pub fn reserve_with(
     let inventory = Inventory::query();
     let no_gpu =
         !matches!(inventory.nvml, NvmlStatus::Available { .. }) || inventory.gpus.is_empty();
-    if auto && no_gpu {
-        tracing::info!("no GPU on this machine: nothing to reserve");
+    // `auto` chooses among the GPUs this process may use.
+    let candidates = if auto {
+        usable(
+            &inventory,
+            std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
+        )?
+    } else {
+        inventory.clone()
+    };
+    if auto && !no_gpu && candidates.gpus.is_empty() {
+        tracing::info!("CUDA_VISIBLE_DEVICES hides every GPU: nothing to reserve");
+    }
+    if auto && (no_gpu || candidates.gpus.is_empty()) {
+        if no_gpu {
+            tracing::info!("no GPU on this machine: nothing to reserve");
+        }
         return Ok(Reservation {
             fences: Vec::new(),
             locks: Vec::new(),
@@ -262,7 +294,7 @@ pub fn reserve_with(
         .unwrap_or_else(|| Holder::current().reserving(options.training_reserved_bytes));
     let attempt = |wait: Wait| -> tt_lock::Result<Vec<GpuLock>> {
         if auto {
-            dir.lock_auto(&inventory, count, wait, holder.clone())
+            dir.lock_auto(&candidates, count, wait, holder.clone())
         } else {
             dir.lock_many(&keys, wait, holder.clone())
         }
@@ -475,5 +507,46 @@ pub fn fence_release_hook(
                 false
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::usable;
+    use tt_device::{Bytes, GpuInfo, Inventory, NvmlStatus};
+
+    #[test]
+    fn auto_chooses_among_the_gpus_cuda_visible_devices_leaves() {
+        let gpu = |i: u32, free: u64| GpuInfo {
+            nvml_index: i,
+            uuid: format!("GPU-{i}{i}{i}{i}{i}{i}{i}{i}-0000-0000-0000-000000000000"),
+            name: "NVIDIA H100".into(),
+            total: Bytes::gib(80),
+            free: Bytes::gib(free),
+            used: Bytes::gib(80 - free),
+            processes: vec![],
+        };
+        let machine = Inventory {
+            nvml: NvmlStatus::Available {
+                driver_version: "580.00".into(),
+            },
+            gpus: vec![gpu(0, 70), gpu(1, 10), gpu(2, 40)],
+            errors: vec![],
+        };
+        let indices = |v: Option<&str>| -> Vec<u32> {
+            usable(&machine, v)
+                .unwrap()
+                .gpus
+                .iter()
+                .map(|g| g.nvml_index)
+                .collect()
+        };
+        assert_eq!(indices(None), [0, 1, 2]);
+        // GPU 0 has the most free memory, but this process may not use it.
+        assert_eq!(indices(Some("1,2")), [1, 2]);
+        assert_eq!(indices(Some("GPU-2222")), [2]);
+        assert_eq!(indices(Some("")), Vec::<u32>::new());
+        let e = usable(&machine, Some("0,x")).unwrap_err().to_string();
+        assert!(e.contains("CUDA_VISIBLE_DEVICES"), "{e}");
     }
 }
