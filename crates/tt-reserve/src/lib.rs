@@ -108,9 +108,11 @@ pub enum Error {
     /// `CUDA_VISIBLE_DEVICES` hides it, or only its index lock is held): training on
     /// the CPU instead would silently give up the GPU that was waited for.
     #[error(
-        "the reserved GPU {gpu} is not visible to CUDA in this process (no CUDA driver, or \
-         CUDA_VISIBLE_DEVICES hides it); run where the driver sees it, or reserve with \
-         `gpus: vec![GpuSpec::Auto]` to train on the CPU when the machine has no GPU"
+        "the reserved GPU {gpu} is not visible to CUDA in this process (no CUDA driver, \
+         CUDA_VISIBLE_DEVICES hides it, or it is split into MIG instances, which CUDA names \
+         by their own UUIDs and torchtools does not reserve yet); run where the driver sees \
+         it, or reserve with `gpus: vec![GpuSpec::Auto]` to train on the CPU when the \
+         machine has no GPU"
     )]
     NoCudaDevice {
         /// The GPU reserved.
