@@ -395,7 +395,7 @@ fn train_child(args: &Args, name: &str) -> Result<()> {
             Err(AdaptiveError::Failed(e)) => return Err(e.into()),
             Err(e) => return Err(e.to_string().into()),
         };
-        if used != micro || tried.len() > 1 {
+        if tried.len() > 1 {
             println!(
                 "micro-batch {used} (tried {tried:?}: out of memory above); {} accumulated per step",
                 BATCH.div_ceil(used)
@@ -423,7 +423,9 @@ fn train_child(args: &Args, name: &str) -> Result<()> {
     if device == Device::Cpu {
         set_cpu_memory_limit(None)?;
     }
-    state.save(&dir)?;
+    if state.step % every != 0 {
+        state.save(&dir)?;
+    }
     let usage = tracker.stop()?;
     std::fs::write(
         args.out.join(format!("tracker-{name}.txt")),

@@ -151,26 +151,22 @@ mod shim {
             find("NCCL_INCLUDE", "nccl/include", "nccl.h").map(|nccl| (cuda, nccl))
         });
         // The header must be the version of the NCCL libtorch loads (the wheel's).
-        let found = found.and_then(|(cuda, nccl)| {
+        let mismatch = found.as_ref().ok().and_then(|(_, nccl)| {
             let header = std::fs::read_to_string(nccl.join("nccl.h"))
                 .ok()
-                .and_then(|t| crate::nccl_header::header_version(&t));
+                .and_then(|t| crate::nccl_header::header_version(&t))?;
             let wheel = lib
                 .parent()
                 .and_then(|p| p.parent())
-                .and_then(crate::nccl_header::wheel_version);
-            match header
-                .zip(wheel)
-                .and_then(|(h, w)| crate::nccl_header::mismatch(h, w))
-            {
-                Some(why) => Err(why),
-                None => Ok((cuda, nccl)),
-            }
+                .and_then(crate::nccl_header::wheel_version)?;
+            crate::nccl_header::mismatch(header, wheel)
         });
-        if let (Err(why), false) = (&found, required) {
-            if why.contains("structures differ") {
-                println!("cargo:warning=tt-sys: NCCL left out: {why}");
+        if let Some(why) = mismatch {
+            if required {
+                panic!("tt-sys (feature nccl): {why}");
             }
+            println!("cargo:warning=tt-sys: NCCL left out: {why}");
+            return;
         }
         match found {
             Ok((cuda, nccl)) => {
@@ -181,9 +177,6 @@ mod shim {
                     .define("USE_CUDA", None);
                 // ProcessGroupNCCL lives in libtorch_cuda.
                 println!("cargo:rustc-link-lib=torch_cuda");
-            }
-            Err(why) if required && why.contains("structures differ") => {
-                panic!("tt-sys (feature nccl): {why}")
             }
             Err(why) if required => panic!(
                 "tt-sys (feature nccl): {why}: install CUDA's headers into the torch venv \

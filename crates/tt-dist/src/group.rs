@@ -175,7 +175,13 @@ impl ProcessGroup {
         }
         let selected = tt_device::select().ok();
         let cuda = matches!(selected, Some(tch::Device::Cuda(_)));
-        let gpus = usize::try_from(tch::Cuda::device_count()).unwrap_or(0);
+        // Counted only where it matters, and through tt-sys: asking tch first, before
+        // libtorch's CUDA library is loaded, would disable CUDA for the process.
+        let gpus = if cuda || opts.backend == Some(BackendKind::Nccl) {
+            tt_sys::ensure_cuda_loaded().map_or(0, |info| info.device_count)
+        } else {
+            0
+        };
         let (kind, why) = pick_backend(
             opts.backend,
             cuda,

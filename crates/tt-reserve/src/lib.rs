@@ -266,13 +266,13 @@ pub fn reserve_with(
     } else {
         inventory.clone()
     };
-    if auto && !no_gpu && candidates.gpus.is_empty() {
-        tracing::info!("CUDA_VISIBLE_DEVICES hides every GPU: nothing to reserve");
-    }
     if auto && (no_gpu || candidates.gpus.is_empty()) {
-        if no_gpu {
-            tracing::info!("no GPU on this machine: nothing to reserve");
-        }
+        let why = if no_gpu {
+            "no GPU on this machine"
+        } else {
+            "CUDA_VISIBLE_DEVICES hides every GPU"
+        };
+        tracing::info!("{why}: nothing to reserve");
         return Ok(Reservation {
             fences: Vec::new(),
             locks: Vec::new(),

@@ -77,14 +77,27 @@ pub fn report(root: u32) -> String {
             for frame in read("stack").lines() {
                 let _ = writeln!(out, "{indent}    {frame}");
             }
-            for child in read("children").split_whitespace() {
-                if let Ok(child) = child.parse() {
-                    todo.push((child, depth + 1));
-                }
-            }
         }
+        todo.extend(children(pid).into_iter().map(|c| (c, depth + 1)));
     }
     out
+}
+
+/// The child processes of `pid`, from every thread's `children` list (a child forked
+/// by any thread is listed under that thread only). Empty once `pid` is gone.
+pub fn children(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|list| {
+            list.split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 /// This process's threads' user-space stacks, from gdb where it is installed (written
