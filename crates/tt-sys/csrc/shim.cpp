@@ -3,6 +3,7 @@
 #include "protect.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +31,40 @@ void copy_stat(const c10::CachingAllocator::Stat& s, tt_stat* out) {
 
 constexpr size_t kAggregate =
     static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+
+// Loads libtorch_cuda.so (beside the libc10.so in use) as the program starts, before
+// main, so before any code can ask libtorch about CUDA: libtorch answers the first such
+// question from its CPU-only stub when its CUDA library is not loaded yet, and keeps that
+// answer for the process (`tch::Cuda::is_available()` first in main would hide every
+// GPU). Only where an NVIDIA driver is (its device node; WSL's GPU node): elsewhere
+// CUDA cannot work, and loading the library would cost every process startup time and
+// memory. A CPU-only libtorch has no such library: nothing happens. Failures are left
+// to tt_sys::ensure_cuda_loaded, which says why. TORCHTOOLS_CUDA_PRELOAD=0 turns it off.
+__attribute__((constructor)) void tt_preload_cuda() {
+  try {
+    const char* off = std::getenv("TORCHTOOLS_CUDA_PRELOAD");
+    if (off != nullptr && std::strcmp(off, "0") == 0) {
+      return;
+    }
+    if (access("/dev/nvidiactl", F_OK) != 0 && access("/dev/dxg", F_OK) != 0) {
+      return;
+    }
+    Dl_info info;
+    auto addr = reinterpret_cast<void*>(&c10::GetAllocator);
+    if (dladdr(addr, &info) == 0 || info.dli_fname == nullptr) {
+      return;
+    }
+    std::string path(info.dli_fname);
+    auto slash = path.rfind('/');
+    path = (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) +
+           "libtorch_cuda.so";
+    if (access(path.c_str(), F_OK) == 0) {
+      dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    }
+  } catch (...) {
+    // Nothing may escape a constructor; ensure_cuda_loaded reports what went wrong.
+  }
+}
 
 }  // namespace
 

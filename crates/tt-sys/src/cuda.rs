@@ -56,11 +56,14 @@ pub enum CudaUnavailable {
         runtime_cuda: String,
     },
     /// The driver sees GPUs but libtorch does not: libtorch was asked about CUDA before
-    /// its CUDA library was loaded, and keeps that first answer for the process.
+    /// its CUDA library was loaded, and keeps that first answer for the process. tt-sys
+    /// loads that library as the program starts, so this happens only with
+    /// `TORCHTOOLS_CUDA_PRELOAD=0`.
     #[error(
         "the NVIDIA driver sees {driver_devices} GPU(s) but libtorch sees none: something asked \
-         libtorch about CUDA (tch::Cuda::is_available, tch::manual_seed, ...) before torchtools \
-         loaded libtorch's CUDA library, and libtorch keeps that first answer; call \
+         libtorch about CUDA (tch::Cuda::is_available, tch::manual_seed, ...) before libtorch's \
+         CUDA library was loaded, and libtorch keeps that first answer; unset \
+         TORCHTOOLS_CUDA_PRELOAD=0 (torchtools then loads it as the program starts), or call \
          torchtools::device::select() (or tt_sys::ensure_cuda_loaded()) first in main"
     )]
     QueriedTooEarly {
@@ -192,8 +195,17 @@ fn load_cuda() -> Result<CudaInfo, CudaUnavailable> {
     unsafe { ffi::check(ffi::tt_cuda_device_count(&mut count)) }.map_err(CudaUnavailable::Torch)?;
     let mut runtime_version: i64 = 0;
     // SAFETY: valid out-pointer; errors are returned, not thrown.
-    unsafe { ffi::check(ffi::tt_cuda_runtime_version(&mut runtime_version)) }
-        .map_err(CudaUnavailable::Torch)?;
+    if let Err(message) = unsafe { ffi::check(ffi::tt_cuda_runtime_version(&mut runtime_version)) }
+    {
+        // libtorch's CPU-only stub answers "Cannot query CUDART version without ATen_cuda
+        // library": it was asked before its CUDA library was loaded.
+        return Err(match ask_driver() {
+            Some((_, devices)) if devices > 0 && count <= 0 => CudaUnavailable::QueriedTooEarly {
+                driver_devices: devices as usize,
+            },
+            _ => CudaUnavailable::Torch(message),
+        });
+    }
     if count <= 0 {
         let visible =
             std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".to_owned());

@@ -112,3 +112,64 @@ fn the_allocator_answers_before_the_first_cuda_use() {
         "{out:?}"
     );
 }
+
+/// The child of the load-order test: libtorch is asked about CUDA before torchtools
+/// loads libtorch's CUDA library, as a program calling `tch::Cuda::is_available()` or
+/// `tch::manual_seed` first in `main` does.
+#[test]
+#[ignore = "a child process's entry point, run by the load-order test"]
+fn asked_too_early_child() {
+    if std::env::var_os("TT_SYS_EARLY_CHILD").is_none() {
+        return;
+    }
+    let first = tch::Cuda::is_available();
+    match tt_sys::ensure_cuda_loaded() {
+        Ok(info) => println!(
+            "@@early first={first} loaded devices={} tch={}",
+            info.device_count,
+            tch::Cuda::device_count()
+        ),
+        Err(e) => println!("@@early first={first} error {e:?} / {e}"),
+    }
+}
+
+/// The child's `@@early` line, with `TORCHTOOLS_CUDA_PRELOAD` as given.
+fn asked_too_early(preload: Option<&str>) -> String {
+    let mut cmd = tt_testkit::rerun("asked_too_early_child");
+    cmd.env("TT_SYS_EARLY_CHILD", "1")
+        .env_remove("TORCHTOOLS_CUDA_PRELOAD");
+    if let Some(p) = preload {
+        cmd.env("TORCHTOOLS_CUDA_PRELOAD", p);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find_map(|l| l.split_once("@@early").map(|(_, rest)| rest.to_owned()))
+        .unwrap_or_else(|| panic!("{out:?}"));
+    println!("TORCHTOOLS_CUDA_PRELOAD={preload:?}:{line}");
+    line
+}
+
+#[test]
+fn asking_libtorch_about_cuda_first_in_main_still_finds_the_gpu() {
+    let info = tt_sys::require_cuda();
+    // libtorch's CUDA library is loaded before main: the first question gets the truth.
+    let line = asked_too_early(None);
+    assert!(
+        line.contains("first=true")
+            && line.contains(&format!(
+                "loaded devices={} tch={}",
+                info.device_count, info.device_count
+            )),
+        "{line}"
+    );
+    // Without that, libtorch keeps its first answer, and the error says so and what to do.
+    let line = asked_too_early(Some("0"));
+    assert!(
+        line.contains("first=false")
+            && line.contains("QueriedTooEarly")
+            && line.contains("TORCHTOOLS_CUDA_PRELOAD"),
+        "{line}"
+    );
+}
