@@ -31,6 +31,29 @@ pub struct GpuInfo {
     pub used: Bytes,
     /// Compute processes on it.
     pub processes: Vec<GpuProcess>,
+    /// Its MIG instances, when MIG mode is on (empty otherwise). CUDA names a MIG
+    /// instance by the instance's UUID, never the GPU's: [`Inventory::gpu_of`] maps one
+    /// back to this GPU, so that locks stay one per physical GPU.
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub mig: Vec<MigInstance>,
+}
+
+/// A MIG (Multi-Instance GPU) instance of a GPU, as NVML lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MigInstance {
+    /// `MIG-...` UUID: what `CUDA_VISIBLE_DEVICES` and the CUDA driver name it by (the
+    /// driver's 16 bytes are this UUID's).
+    pub uuid: String,
+}
+
+/// The hex digits of a `GPU-`/`MIG-` UUID, lowercase: the CUDA driver's bytes of a MIG
+/// instance are NVML's `MIG-` UUID, but formatted as every CUDA UUID is (`GPU-`).
+fn uuid_digits(uuid: &str) -> String {
+    let rest = match uuid.get(..4) {
+        Some(p) if p.eq_ignore_ascii_case("GPU-") || p.eq_ignore_ascii_case("MIG-") => &uuid[4..],
+        _ => uuid,
+    };
+    rest.to_ascii_lowercase()
 }
 
 /// Whether NVML could be used.
@@ -116,10 +139,34 @@ impl Inventory {
     /// the exact mapping, whatever `CUDA_VISIBLE_DEVICES` and `CUDA_DEVICE_ORDER` say.
     /// `None` for a device NVML does not list under that UUID (a MIG instance).
     pub fn in_cuda_order(&self, uuids: &[String]) -> Vec<Option<&GpuInfo>> {
-        uuids
+        uuids.iter().map(|u| self.gpu_of(u)).collect()
+    }
+
+    /// The physical GPU of a CUDA device, given the UUID the CUDA driver reports for it
+    /// (`cuDeviceGetUuid`): the GPU with that UUID, or the GPU of which it is a MIG
+    /// instance. `None` when NVML lists neither.
+    pub fn gpu_of(&self, cuda_uuid: &str) -> Option<&GpuInfo> {
+        let digits = uuid_digits(cuda_uuid);
+        self.gpus
             .iter()
-            .map(|u| self.gpus.iter().find(|g| g.uuid.eq_ignore_ascii_case(u)))
-            .collect()
+            .find(|g| g.uuid.eq_ignore_ascii_case(cuda_uuid))
+            .or_else(|| {
+                self.gpus
+                    .iter()
+                    .find(|g| g.mig.iter().any(|m| uuid_digits(&m.uuid) == digits))
+            })
+    }
+
+    /// The CUDA ordinal (`cuda:N`) of the physical GPU `gpu_uuid` among the devices the
+    /// CUDA driver lists (`uuids`, in CUDA's order): the first device that is that GPU or
+    /// one of its MIG instances.
+    pub fn cuda_ordinal_of(&self, gpu_uuid: &str, uuids: &[String]) -> Option<usize> {
+        uuids.iter().position(|u| {
+            self.gpu_of(u)
+                .map_or(u.eq_ignore_ascii_case(gpu_uuid), |g| {
+                    g.uuid.eq_ignore_ascii_case(gpu_uuid)
+                })
+        })
     }
 
     /// The GPUs this process sees, in CUDA's logical order, after `visible`.
@@ -127,8 +174,8 @@ impl Inventory {
     /// Indices in `CUDA_VISIBLE_DEVICES` are taken as NVML's (true with
     /// `CUDA_DEVICE_ORDER=PCI_BUS_ID`, which torchtools recommends on machines
     /// with mixed GPU models); UUIDs, full or abbreviated, match exactly. As in
-    /// CUDA, the list ends at the first entry that names no GPU. MIG instances
-    /// are not resolved here and end the list too.
+    /// CUDA, the list ends at the first entry that names no GPU. A MIG instance
+    /// (`MIG-...`) stands for the GPU it is part of.
     pub fn visible(&self, visible: &CudaVisibleDevices) -> Vec<VisibleGpu> {
         let entries = match visible {
             CudaVisibleDevices::Unset => {
@@ -156,7 +203,18 @@ impl Inventory {
                         _ => None, // unknown or ambiguous prefix: CUDA stops here too
                     }
                 }
-                VisibleEntry::Mig(_) => None,
+                VisibleEntry::Mig(prefix) => {
+                    let digits = uuid_digits(prefix);
+                    let mut matches = self.gpus.iter().filter(|g| {
+                        g.mig
+                            .iter()
+                            .any(|m| uuid_digits(&m.uuid).starts_with(&digits))
+                    });
+                    match (matches.next(), matches.next()) {
+                        (Some(g), None) => Some(g),
+                        _ => None,
+                    }
+                }
             };
             match found {
                 // A device listed twice makes CUDA stop as well.
@@ -203,5 +261,20 @@ fn describe(nvml: &Nvml, index: u32) -> Result<GpuInfo, nvml_wrapper::error::Nvm
         free: Bytes(memory.free),
         used: Bytes(memory.used),
         processes,
+        mig: mig_instances(&device),
     })
+}
+
+/// The MIG instances of a GPU in MIG mode; none otherwise (or when NVML cannot say).
+fn mig_instances(device: &nvml_wrapper::Device<'_>) -> Vec<MigInstance> {
+    let on = device.mig_mode().is_ok_and(|m| m.current == 1);
+    if !on {
+        return Vec::new();
+    }
+    let count = device.mig_device_count().unwrap_or(0);
+    (0..count)
+        .filter_map(|i| device.mig_device_by_index(i).ok())
+        .filter_map(|m| m.uuid().ok())
+        .map(|uuid| MigInstance { uuid })
+        .collect()
 }

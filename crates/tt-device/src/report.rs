@@ -258,6 +258,15 @@ impl fmt::Display for DeviceReport {
                 g.free,
                 g.processes.len()
             )?;
+            if !g.mig.is_empty() {
+                let names: Vec<&str> = g.mig.iter().map(|m| m.uuid.as_str()).collect();
+                writeln!(
+                    f,
+                    "               MIG mode: {} instance(s), locked as this one GPU: {}",
+                    names.len(),
+                    names.join(", ")
+                )?;
+            }
         }
         if self.hidden_gpus > 0 {
             writeln!(

@@ -28,6 +28,18 @@ fn the_report_lists_the_gpu_with_its_uuid() {
     assert!(gpu.total.0 > gpu.free.0 && gpu.free.0 > 0);
     assert!(report.to_string().contains(&gpu.uuid));
     assert!(report.libtorch.unwrap().cuda_runtime.is_some());
+    // The CUDA driver's name of cuda:0 leads back to this GPU (its own UUID, or one of
+    // its MIG instances' when MIG mode is on).
+    let cuda0 = tt_device::CudaDriver::init().unwrap().uuid(0).unwrap();
+    let inventory = Inventory::query();
+    let found = inventory
+        .gpu_of(&cuda0)
+        .expect("cuda:0 is a GPU NVML lists");
+    assert_eq!(found.uuid, gpu.uuid);
+    println!(
+        "cuda:0 {cuda0}: GPU {}, MIG instances {:?}",
+        found.uuid, found.mig
+    );
 }
 
 #[test]

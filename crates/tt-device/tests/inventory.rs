@@ -4,7 +4,7 @@
 
 use tt_device::{
     Availability, Bytes, CudaVisibleDevices, DeviceReport, EnvConfig, GpuInfo, GpuProcess,
-    Inventory, NvmlStatus, RawEnv, View,
+    Inventory, MigInstance, NvmlStatus, RawEnv, View,
 };
 
 fn gpu(nvml_index: u32, uuid: &str, free_gib: u64) -> GpuInfo {
@@ -19,6 +19,7 @@ fn gpu(nvml_index: u32, uuid: &str, free_gib: u64) -> GpuInfo {
             pid: 4242,
             used: Some(Bytes::gib(80 - free_gib)),
         }],
+        mig: vec![],
     }
 }
 
@@ -51,7 +52,7 @@ fn the_drivers_uuids_tie_each_cuda_ordinal_to_its_gpu() {
     let order = m.in_cuda_order(&[
         "GPU-0F8E7D6C-1111-1111-1111-111111111111".into(),
         "GPU-0a1b2c3d-0000-0000-0000-000000000000".into(),
-        "GPU-ffffffff-2222-2222-2222-222222222222".into(), // e.g. a MIG instance
+        "GPU-ffffffff-2222-2222-2222-222222222222".into(), // a GPU NVML does not list
     ]);
     let indices: Vec<Option<u32>> = order.iter().map(|g| g.map(|g| g.nvml_index)).collect();
     assert_eq!(indices, [Some(1), Some(0), None]);
@@ -147,4 +148,56 @@ fn the_report_text_and_json() {
     assert!(r.selected.is_none());
     insta::assert_snapshot!("bad_request", r.to_string());
     insta::assert_json_snapshot!("two_gpus_json", report(&[("TORCHTOOLS_DEVICE", "cuda")]));
+}
+
+/// GPU 1 in MIG mode with two instances, as NVML lists them.
+fn mig_machine() -> Inventory {
+    let mut m = machine();
+    m.gpus[1].mig = vec![
+        MigInstance {
+            uuid: "MIG-5c1e0f2a-aaaa-5555-9999-000000000001".into(),
+        },
+        MigInstance {
+            uuid: "MIG-7d2f1e3b-bbbb-5555-9999-000000000002".into(),
+        },
+    ];
+    m
+}
+
+#[test]
+fn a_mig_instance_is_its_physical_gpu() {
+    let m = mig_machine();
+    // The CUDA driver reports a MIG instance by the instance's 16 bytes, formatted as
+    // every CUDA UUID is: GPU-<the MIG UUID's digits>.
+    let cuda = [
+        "GPU-7d2f1e3b-bbbb-5555-9999-000000000002".to_owned(),
+        "GPU-0a1b2c3d-0000-0000-0000-000000000000".to_owned(),
+    ];
+    let order: Vec<Option<u32>> = m
+        .in_cuda_order(&cuda)
+        .iter()
+        .map(|g| g.map(|g| g.nvml_index))
+        .collect();
+    assert_eq!(order, [Some(1), Some(0)]);
+    let parent = "GPU-0f8e7d6c-1111-1111-1111-111111111111";
+    assert_eq!(m.gpu_of(&cuda[0]).map(|g| g.uuid.as_str()), Some(parent));
+    assert_eq!(m.cuda_ordinal_of(parent, &cuda), Some(0));
+    assert_eq!(
+        m.cuda_ordinal_of("GPU-0a1b2c3d-0000-0000-0000-000000000000", &cuda),
+        Some(1)
+    );
+    // Without MIG mode the same bytes are no GPU.
+    assert!(machine().gpu_of(&cuda[0]).is_none());
+
+    // CUDA_VISIBLE_DEVICES=MIG-... (whole or a unique prefix) is that GPU.
+    let v = CudaVisibleDevices::parse("MIG-5c1e0f2a,0").unwrap();
+    let seen: Vec<(usize, u32)> = m
+        .visible(&v)
+        .iter()
+        .map(|g| (g.index, g.gpu.nvml_index))
+        .collect();
+    assert_eq!(seen, [(0, 1), (1, 0)]);
+    // An instance NVML does not list ends the list, as CUDA does.
+    let v = CudaVisibleDevices::parse("MIG-99999999,0").unwrap();
+    assert!(m.visible(&v).is_empty());
 }

@@ -181,10 +181,17 @@ impl GpuSpec {
                         spec: self.to_string(),
                         reason: e.to_string(),
                     })?;
-                Ok(GpuKey::of_uuid(&uuid))
+                Ok(key_of_cuda_uuid(&uuid, inventory))
             }
         }
     }
+}
+
+/// The lock key of the CUDA device the driver names `uuid`: its physical GPU's UUID,
+/// also when it is a MIG instance (one lock per physical GPU: a MIG instance's user and
+/// a whole-GPU user exclude each other). Without NVML, the driver's UUID as it is.
+fn key_of_cuda_uuid(uuid: &str, inventory: &Inventory) -> GpuKey {
+    GpuKey::of_uuid(inventory.gpu_of(uuid).map_or(uuid, |g| g.uuid.as_str()))
 }
 
 /// `GPU-` followed by the lowercase hex of the UUID, as NVML prints it.
@@ -238,10 +245,35 @@ mod tests {
                     free: Bytes::gib(80),
                     used: Bytes(0),
                     processes: vec![],
+                    mig: vec![],
                 })
                 .collect(),
             errors: vec![],
         }
+    }
+
+    #[test]
+    fn a_mig_instance_locks_its_physical_gpu() {
+        let mut m = machine(&[
+            "GPU-0a1b2c3d-0000-0000-0000-000000000000",
+            "GPU-0f8e7d6c-1111-1111-1111-111111111111",
+        ]);
+        m.gpus[1].mig = vec![tt_device::MigInstance {
+            uuid: "MIG-7d2f1e3b-bbbb-5555-9999-000000000002".into(),
+        }];
+        // What the CUDA driver reports for that instance.
+        let instance = "GPU-7d2f1e3b-bbbb-5555-9999-000000000002";
+        let whole = GpuSpec::Nvml(1).resolve(&m).unwrap();
+        assert_eq!(key_of_cuda_uuid(instance, &m), whole);
+        assert_eq!(
+            key_of_cuda_uuid("GPU-0a1b2c3d-0000-0000-0000-000000000000", &m),
+            GpuSpec::Nvml(0).resolve(&m).unwrap()
+        );
+        // Without NVML nothing can be mapped: the driver's UUID is the key.
+        assert_eq!(
+            key_of_cuda_uuid(instance, &no_nvml()),
+            GpuKey::of_uuid(instance)
+        );
     }
 
     fn no_nvml() -> Inventory {

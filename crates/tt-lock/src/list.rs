@@ -296,6 +296,7 @@ mod tests {
                 free: tt_device::Bytes::gib(80),
                 used: tt_device::Bytes(0),
                 processes: vec![],
+                mig: vec![],
             }],
             errors: vec![],
         };

@@ -510,6 +510,7 @@ fn three_gpus() -> tt_device::Inventory {
                 free: tt_device::Bytes::gib(free[i as usize]),
                 used: tt_device::Bytes::gib(80 - free[i as usize]),
                 processes: vec![],
+                mig: vec![],
             })
             .collect(),
         errors: vec![],

@@ -39,6 +39,7 @@ fn two_gpus() -> tt_device::Inventory {
                 free: tt_device::Bytes::gib(60 - 20 * u64::from(i)),
                 used: tt_device::Bytes::gib(20 + 20 * u64::from(i)),
                 processes: vec![],
+                mig: vec![],
             })
             .collect(),
         errors: vec![],

@@ -316,15 +316,17 @@ pub fn reserve_with(
         }
         (_, first) => first?,
     };
-    let driver = CudaDriver::init().ok();
+    // CUDA's devices by the driver's UUIDs: a locked GPU's ordinal is the first device
+    // that is that GPU, or one of its MIG instances.
+    let cuda_uuids = CudaDriver::init().and_then(|d| d.uuids()).ok();
     let mut reservation = Reservation {
         fences: Vec::new(),
         gpus: locks
             .iter()
             .map(|lock| ReservedGpu {
                 key: lock.key().clone(),
-                ordinal: match (lock.key(), &driver) {
-                    (GpuKey::Uuid(uuid), Some(d)) => d.ordinal_of(uuid).ok().flatten(),
+                ordinal: match (lock.key(), &cuda_uuids) {
+                    (GpuKey::Uuid(uuid), Some(uuids)) => inventory.cuda_ordinal_of(uuid, uuids),
                     _ => None,
                 },
                 fenced: Bytes(0),
@@ -344,7 +346,11 @@ pub fn reserve_with(
                 });
             };
             // On error the reservation so far is dropped: fences lowered, locks released.
-            let fence = Fence::raise_on_uuid(uuid, &fence_options)?;
+            // By ordinal where known: a GPU in MIG mode is reached through its instance.
+            let fence = match gpu.ordinal {
+                Some(ordinal) => Fence::raise(ordinal, &fence_options)?,
+                None => Fence::raise_on_uuid(uuid, &fence_options)?,
+            };
             gpu.fenced = fence.fenced();
             reservation.fences.push(fence);
         }
@@ -527,6 +533,7 @@ mod tests {
             free: Bytes::gib(free),
             used: Bytes::gib(80 - free),
             processes: vec![],
+            mig: vec![],
         };
         let machine = Inventory {
             nvml: NvmlStatus::Available {
