@@ -56,7 +56,15 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
     let mut trainer = Trainer::from_env(config)?;
     let main = trainer.is_main();
     if main {
-        println!("{} on {:?}", trainer.group().env(), trainer.device());
+        let backend = trainer
+            .group()
+            .backend()
+            .map_or_else(|| "one process".to_owned(), |b| format!("{b} backend"));
+        println!(
+            "{} on {:?}, {backend}",
+            trainer.group().env(),
+            trainer.device()
+        );
     }
     // Reproducible runs (rank 0's initialisation is broadcast to the others anyway).
     torchtools::tch::manual_seed(0);

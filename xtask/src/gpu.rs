@@ -103,7 +103,7 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # GPU tests of torchtools, built by `cargo xtask test-gpu --bundle`. Needs a machine with
 # an NVIDIA GPU and PyTorch 2.11 installed (no Rust): libtorch is found through Python's
 # torch (set PYTHON to choose the interpreter). Exit status: 0 only if every test passed
-# and at least one ran.
+# and at least one ran. `run.sh --bench` runs the GPU benchmarks instead.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 py=${PYTHON:-python3}
@@ -113,11 +113,17 @@ torch_lib=$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch
   echo "run.sh: '$py' cannot import torch: install PyTorch 2.11 or set PYTHON" >&2; exit 1; }
 export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TORCHTOOLS_BIN="$here/bin/torchtools"
+if [ "${1:-}" = "--bench" ]; then
+  # The probe's estimate against a real run's peak is the probe test's own figure.
+  "$here/bin/tt-probe-gpu" --exact the_estimate_is_within_10_percent_above_a_real_runs_peak \
+    --nocapture 2>&1 | grep -E 'estimate .* vs real' | sed 's/^/probe: /'
+  exec "$here/bin/gpu_bench"
+fi
 pass=0; fail=0; rows=""
 for t in "$here"/bin/*-gpu; do
   name=$(basename "$t")
   start=$(date +%s.%N)
-  out=$("$t" --test-threads=1 2>&1); rc=$?
+  out=$("$t" --test-threads=1 --show-output 2>&1); rc=$?
   secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN { printf "%.2f", e - s }')
   echo "$out"
   line=$(echo "$out" | grep -E '^test result:' | tail -1)
@@ -126,8 +132,31 @@ for t in "$here"/bin/*-gpu; do
   pass=$((pass + p)); fail=$((fail + f))
   rows="$rows$(printf '%-28s %6s %6s %8s' "$name" "$p" "$f" "$secs")\n"
 done
-echo; echo "== torchtools devices (CLI, NVML view)"
-"$here/bin/torchtools" devices || fail=$((fail + 1))
+# Whole programs on the GPU, one row each (passed 1 when the program exits 0 and prints
+# the line expected of it): the main job, and the unified trainer under `torchtools
+# launch` with one rank (NCCL) and two ranks on one GPU (Gloo: NCCL refuses two ranks
+# on one GPU).
+work=$(mktemp -d)
+program() {
+  name=$1; expect=$2; shift 2
+  start=$(date +%s.%N)
+  echo "== $name: $*"
+  out=$("$@" 2>&1); rc=$?
+  echo "$out"
+  secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN { printf "%.2f", e - s }')
+  p=1; f=0
+  if [ "$rc" -ne 0 ]; then p=0; f=1; echo "$name: exit status $rc"
+  elif ! echo "$out" | grep -qE "$expect"; then p=0; f=1; echo "$name: no line matches '$expect'"; fi
+  pass=$((pass + p)); fail=$((fail + f))
+  rows="$rows$(printf '%-28s %6s %6s %8s' "$name" "$p" "$f" "$secs")\n"
+}
+program demo 'selected +cuda:0' "$here/bin/demo" --out "$work/demo"
+program "train (launch 1, NCCL)" 'on Cuda\(0\), nccl backend' env TORCHTOOLS_TRAIN_EPOCHS=2 \
+  "$here/bin/torchtools" launch --nproc-per-node 1 -- "$here/bin/train"
+program "train (launch 2, 1 GPU)" 'on Cuda\(0\), gloo backend' env TORCHTOOLS_TRAIN_EPOCHS=2 \
+  "$here/bin/torchtools" launch --nproc-per-node 2 -- "$here/bin/train"
+program "torchtools devices" 'cuda:0 +nvml 0 +GPU-' "$here/bin/torchtools" devices
+rm -rf "$work"
 echo; printf '%-28s %6s %6s %8s\n' "binary" "passed" "failed" "seconds"; printf "$rows"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
 echo "gpu-tests: $pass passed, $fail failed"
@@ -159,6 +188,27 @@ pub(crate) fn bundle(dir: &Path) -> Result<()> {
         &crate::root().join("target/release/torchtools"),
         &bin.join("torchtools"),
     )?;
+    // Whole programs: the main job and the unified trainer (run under `torchtools launch`).
+    crate::steps::run(
+        "build the demo and the trainer example",
+        cargo(&[
+            "build",
+            "--example",
+            "demo",
+            "--example",
+            "train",
+            "--example",
+            "gpu_bench",
+            "--features",
+            "dist",
+        ]),
+    )?;
+    for example in ["demo", "train", "gpu_bench"] {
+        strip_into(
+            &crate::root().join("target/debug/examples").join(example),
+            &bin.join(example),
+        )?;
+    }
     let run_sh = dir.join("run.sh");
     fs::write(&run_sh, RUN_SH)?;
     fs::set_permissions(&run_sh, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;

@@ -89,3 +89,71 @@ fn probe_of_a_python_command_sees_its_2_gib_on_cuda() {
     assert_eq!(json["memory"], "gpu", "{json}");
     assert!(json["nvml_peak"].as_u64().unwrap() >= 2 << 30, "{json}");
 }
+
+#[test]
+fn one_lock_per_gpu_whatever_form_names_it() {
+    let uuid = require_gpu();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut holder = torchtools()
+        .env("TORCHTOOLS_LOCK_DIR", tmp.path())
+        .args(["reserve", "--gpu", "0", "--no-fence", "--", "sh", "-c"])
+        .arg("echo held; cat > /dev/null")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tt_testkit::wait_for_line(
+        holder.stdout.take().unwrap(),
+        "held",
+        std::time::Duration::from_secs(120),
+    );
+    let prefix = &uuid[..12];
+    // (CUDA_VISIBLE_DEVICES, --gpu): every one names the GPU the holder has.
+    let forms: [(Option<&str>, &str); 9] = [
+        (None, "0"),
+        (None, &uuid),
+        (None, prefix),
+        (None, "cuda:0"),
+        (None, "auto"),
+        (Some("0"), "cuda:0"),
+        (Some(&uuid), "cuda:0"),
+        (Some(prefix), "cuda:0"),
+        (Some(&uuid), "auto"),
+    ];
+    let attempt = |visible: Option<&str>, gpu: &str| {
+        let mut cmd = torchtools();
+        if let Some(v) = visible {
+            cmd.env("CUDA_VISIBLE_DEVICES", v);
+        }
+        cmd.env("TORCHTOOLS_LOCK_DIR", tmp.path())
+            .args([
+                "reserve",
+                "--gpu",
+                gpu,
+                "--no-fence",
+                "--timeout",
+                "1s",
+                "--",
+                "true",
+            ])
+            .output()
+            .unwrap()
+    };
+    for (visible, gpu) in forms {
+        let out = attempt(visible, gpu);
+        assert_eq!(
+            out.status.code(),
+            Some(75),
+            "CUDA_VISIBLE_DEVICES={visible:?} --gpu {gpu}: the GPU is held, yet {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    drop(holder.stdin.take());
+    assert!(holder.wait().unwrap().success());
+    let out = attempt(Some(&uuid), "cuda:0");
+    assert!(
+        out.status.success(),
+        "once released: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

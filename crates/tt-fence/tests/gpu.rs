@@ -78,4 +78,44 @@ fn a_fence_by_uuid_is_the_same_gpu() {
     let fence = Fence::raise_on_uuid(&uuid, &FenceOptions::keep_free(Bytes::gib(8))).unwrap();
     assert_eq!(fence.report().ordinal, 0);
     assert_eq!(fence.report().uuid, uuid);
+    // A UUID of no GPU here is an error that names it, not a fence on some other GPU.
+    let stranger = "GPU-00000000-1111-2222-3333-444444444444";
+    let Err(err) = Fence::raise_on_uuid(stranger, &FenceOptions::keep_free(Bytes::gib(8))) else {
+        panic!("a fence on {stranger}, which no GPU here has");
+    };
+    assert!(err.to_string().contains(stranger), "{err}");
+}
+
+/// Asks plain PyTorch, in its own process, for `gib` GiB on the GPU: "allocated" or
+/// "oom" (PyTorch's own out-of-memory error).
+fn pytorch_allocates(gib: u64) -> String {
+    let script = "import sys, torch\n\
+                  n = int(sys.argv[1])\n\
+                  try:\n\
+                  \x20   x = torch.empty(n << 30, dtype=torch.uint8, device='cuda')\n\
+                  \x20   torch.cuda.synchronize(); print('allocated')\n\
+                  except torch.OutOfMemoryError:\n\
+                  \x20   print('oom')\n";
+    let out = std::process::Command::new(tt_testkit::python_path())
+        .args(["-c", script, &gib.to_string()])
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+#[test]
+fn a_process_that_does_not_cooperate_runs_out_of_memory_at_the_fence() {
+    require_gpu();
+    let mut fence = Fence::raise(0, &FenceOptions::keep_free(Bytes::gib(4))).unwrap();
+    // 4 GiB left free: PyTorch's context and 2 GiB fit, 6 GiB does not.
+    assert_eq!(pytorch_allocates(6), "oom");
+    assert_eq!(pytorch_allocates(2), "allocated");
+    fence.lower().unwrap();
+    assert_eq!(pytorch_allocates(6), "allocated");
 }

@@ -338,7 +338,8 @@ pub fn nccl_built() -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum BackendKind {
-    /// `ProcessGroupGloo`: CPU tensors, TCP.
+    /// `ProcessGroupGloo`: TCP; CPU tensors, and CUDA tensors staged through host
+    /// memory (several ranks sharing one GPU use it).
     Gloo,
     /// `ProcessGroupNCCL`: CUDA tensors.
     Nccl,

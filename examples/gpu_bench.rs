@@ -1,0 +1,301 @@
+//! GPU benchmarks (`run.sh --bench` of the bundle that `cargo xtask test-gpu --bundle DIR`
+//! builds): what torchtools costs on a real GPU, beside a baseline where there is one.
+//!
+//! - the memory fence: raising and lowering it, per GiB;
+//! - tt-adaptive on real CUDA out-of-memory errors: a batch size search starting at
+//!   twice the free memory, its attempts and its final size against the largest that fits;
+//! - the resource tracker sampling every 10 ms beside a GPU-bound loop: the loop's
+//!   slowdown;
+//! - one training step of the same MLP in tch and in PyTorch eager on the same GPU (the
+//!   kernels are the same: the ratio is the cost of the Rust side).
+//!
+//! ```sh
+//! cargo run --example gpu_bench            # on a machine with a GPU and PyTorch 2.11
+//! ```
+//!
+//! `TORCHTOOLS_PYTHON` (default `python3`) is the PyTorch baseline's interpreter.
+
+use std::error::Error;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use torchtools::adaptive::{Adaptive, CudaMemory, Policy};
+use torchtools::device::Bytes;
+use torchtools::fence::{Fence, FenceOptions};
+use torchtools::tch::nn::{self, Module, OptimizerConfig};
+use torchtools::tch::{Device, Kind, Reduction, TchError, Tensor};
+use torchtools::tracker::{Tracker, TrackerConfig};
+
+type Result<T> = std::result::Result<T, Box<dyn Error>>;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn main() {
+    torchtools::init_logging();
+    if let Err(e) = run() {
+        eprintln!("gpu_bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+struct Row {
+    what: String,
+    ours: String,
+    baseline: String,
+    ratio: String,
+}
+
+fn row(what: impl Into<String>, ours: impl Into<String>) -> Row {
+    Row {
+        what: what.into(),
+        ours: ours.into(),
+        baseline: "-".into(),
+        ratio: "-".into(),
+    }
+}
+
+fn run() -> Result<()> {
+    let info = torchtools::sys::ensure_cuda_loaded()?;
+    if info.device_count == 0 {
+        return Err("no CUDA device: the GPU benchmarks need one".into());
+    }
+    let mut rows = Vec::new();
+    rows.extend(fence_rows()?);
+    rows.extend(adaptive_rows()?);
+    rows.push(tracker_row()?);
+    rows.push(training_row()?);
+
+    let name = torchtools::device::Inventory::query()
+        .gpus
+        .first()
+        .map_or_else(|| "a GPU".to_owned(), |g| g.name.clone());
+    println!("\ntorchtools GPU benchmarks on {name}");
+    println!(
+        "{:<52} {:>14} {:>14} {:>8}",
+        "what", "torchtools", "baseline", "ratio"
+    );
+    for r in rows {
+        println!(
+            "{:<52} {:>14} {:>14} {:>8}",
+            r.what, r.ours, r.baseline, r.ratio
+        );
+    }
+    Ok(())
+}
+
+/// Raise a fence leaving 4 GiB free, lower it; 5 times, medians per GiB.
+fn fence_rows() -> Result<Vec<Row>> {
+    let (mut raise, mut lower, mut gib) = (Vec::new(), Vec::new(), 0.0);
+    for _ in 0..5 {
+        let start = Instant::now();
+        let mut fence = Fence::raise(0, &FenceOptions::keep_free(Bytes::gib(4)))?;
+        let raised = start.elapsed().as_secs_f64();
+        gib = fence.fenced().0 as f64 / GIB as f64;
+        let start = Instant::now();
+        fence.lower()?;
+        let lowered = start.elapsed().as_secs_f64();
+        raise.push(raised * 1e3 / gib);
+        lower.push(lowered * 1e3 / gib);
+    }
+    Ok(vec![
+        row(
+            format!("fence raise, per GiB ({gib:.1} GiB fenced)"),
+            format!("{:.3} ms", median(raise)),
+        ),
+        row("fence lower, per GiB", format!("{:.3} ms", median(lower))),
+    ])
+}
+
+/// `mib` MiB of zeros on the GPU, or the CUDA out-of-memory error.
+fn alloc_mib(mib: usize) -> std::result::Result<(), TchError> {
+    let t = Tensor::f_zeros([mib as i64, MIB as i64], (Kind::Uint8, Device::Cuda(0)))?;
+    drop(t);
+    Ok(())
+}
+
+/// The largest allocation that fits now, by bisection to 16 MiB (the cache emptied
+/// before and after each try).
+fn largest_that_fits(below_mib: usize) -> Result<usize> {
+    let (mut ok, mut bad) = (0usize, below_mib);
+    while bad - ok > 16 {
+        torchtools::sys::empty_cache()?;
+        let mid = ok + (bad - ok) / 2;
+        if alloc_mib(mid).is_ok() {
+            ok = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    torchtools::sys::empty_cache()?;
+    Ok(ok)
+}
+
+/// tt-adaptive on real CUDA OOMs: 10 calls of one call site, each asking for twice the
+/// free memory, with toma's halving and with the search; the first and the tenth call's
+/// size against the largest that fits, and the OOMs all calls met.
+fn adaptive_rows() -> Result<Vec<Row>> {
+    torchtools::sys::empty_cache()?;
+    let free_mib = (torchtools::sys::mem_get_info(0)?.free / MIB) as usize;
+    let largest = largest_that_fits(2 * free_mib)?;
+    let mut rows = Vec::new();
+    for (label, policy) in [
+        ("halve (toma's)", Policy::Halve),
+        ("search", Policy::Search),
+    ] {
+        let adaptive = Adaptive::new().policy(policy).memory(CudaMemory(0));
+        let mut sizes = Vec::new();
+        let start = Instant::now();
+        for _ in 0..10 {
+            let got = adaptive
+                .batch(2 * free_mib, |n| alloc_mib(n).map(|()| n))
+                .map_err(|e| format!("the adaptive search found no size: {e}"))?;
+            sizes.push(got);
+        }
+        let took = start.elapsed();
+        torchtools::sys::empty_cache()?;
+        let ooms: u64 = adaptive.stats().iter().map(|s| s.ooms).sum();
+        rows.push(Row {
+            what: format!("adaptive {label}: calls 1 and 10, MiB ({ooms} OOMs)"),
+            ours: format!("{} / {}", sizes[0], sizes[9]),
+            baseline: format!("{largest} fits"),
+            ratio: format!(
+                "{:.2}/{:.2}",
+                sizes[0] as f64 / largest as f64,
+                sizes[9] as f64 / largest as f64
+            ),
+        });
+        rows.push(row(
+            format!("adaptive {label}: 10 calls"),
+            format!("{:.0} ms", took.as_secs_f64() * 1e3),
+        ));
+    }
+    Ok(rows)
+}
+
+/// Seconds per 4096² matmul, the median of 5 runs of `n`, synchronised.
+fn matmul_seconds(n: usize) -> f64 {
+    let a = Tensor::randn([4096, 4096], (Kind::Float, Device::Cuda(0)));
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        torchtools::tch::Cuda::synchronize(0);
+        let start = Instant::now();
+        let mut b = a.shallow_clone();
+        for _ in 0..n {
+            b = b.matmul(&a).clamp(-1.0, 1.0);
+        }
+        torchtools::tch::Cuda::synchronize(0);
+        times.push(start.elapsed().as_secs_f64() / n as f64);
+    }
+    median(times)
+}
+
+/// A GPU-bound loop with and without the tracker sampling every 10 ms.
+fn tracker_row() -> Result<Row> {
+    matmul_seconds(50); // warm-up
+    let without = matmul_seconds(400);
+    let tracker = Tracker::start(TrackerConfig {
+        interval: Duration::from_millis(10),
+        ..TrackerConfig::default()
+    })?;
+    let with = matmul_seconds(400);
+    let _usage = tracker.stop()?;
+    Ok(Row {
+        what: "tracker every 10 ms: 4096² matmul step".into(),
+        ours: format!("{:.3} ms", with * 1e3),
+        baseline: format!("{:.3} ms", without * 1e3),
+        ratio: format!("{:.3}", without / with),
+    })
+}
+
+const STEPS: usize = 300;
+const PY_STEP: &str = r#"
+import sys, time, torch
+torch.manual_seed(0)
+dev = "cuda:0"
+model = torch.nn.Sequential(
+    torch.nn.Linear(784, 4096), torch.nn.ReLU(),
+    torch.nn.Linear(4096, 4096), torch.nn.ReLU(),
+    torch.nn.Linear(4096, 10)).to(dev)
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+x = torch.randn(256, 784, device=dev); y = torch.randn(256, 10, device=dev)
+def step():
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+steps = int(sys.argv[1])
+for _ in range(30): step()
+times = []
+for _ in range(5):
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(steps): step()
+    torch.cuda.synchronize(); times.append((time.perf_counter() - t) / steps)
+print(sorted(times)[2])
+"#;
+
+/// One training step of the MLP 784-4096-4096-10 (batch 256, SGD with momentum): tch
+/// against PyTorch eager, each the median of 5 runs of 300 steps.
+fn training_row() -> Result<Row> {
+    let dev = Device::Cuda(0);
+    torchtools::tch::manual_seed(0);
+    let vs = nn::VarStore::new(dev);
+    let p = vs.root();
+    let model = nn::seq()
+        .add(nn::linear(&p / "l1", 784, 4096, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&p / "l2", 4096, 4096, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&p / "l3", 4096, 10, Default::default()));
+    let mut opt = nn::Sgd {
+        momentum: 0.9,
+        ..Default::default()
+    }
+    .build(&vs, 0.01)?;
+    let x = Tensor::randn([256, 784], (Kind::Float, dev));
+    let y = Tensor::randn([256, 10], (Kind::Float, dev));
+    let mut step = || {
+        opt.zero_grad();
+        let loss = model.forward(&x).mse_loss(&y, Reduction::Mean);
+        loss.backward();
+        opt.step();
+    };
+    for _ in 0..30 {
+        step();
+    }
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        torchtools::tch::Cuda::synchronize(0);
+        let start = Instant::now();
+        for _ in 0..STEPS {
+            step();
+        }
+        torchtools::tch::Cuda::synchronize(0);
+        times.push(start.elapsed().as_secs_f64() / STEPS as f64);
+    }
+    let ours = median(times);
+    let python = std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = Command::new(&python)
+        .args(["-c", PY_STEP, &STEPS.to_string()])
+        .output()
+        .map_err(|e| format!("cannot run {python}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "the PyTorch baseline failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    let theirs: f64 = String::from_utf8_lossy(&out.stdout).trim().parse()?;
+    Ok(Row {
+        what: "training step, MLP 784-4096-4096-10, batch 256".into(),
+        ours: format!("{:.3} ms", ours * 1e3),
+        baseline: format!("{:.3} ms", theirs * 1e3),
+        ratio: format!("{:.3}", theirs / ours),
+    })
+}
