@@ -223,16 +223,31 @@ impl std::fmt::Debug for Trainer {
     }
 }
 
-/// The running loss: summed over the ranks and steps since the last log line.
+/// The running loss: summed over the ranks and steps since the last log line, kept on
+/// the loss's device (reading it is a host sync on a GPU: done only at log steps).
 #[derive(Default)]
 struct LossWindow {
-    sum: f64,
+    sum: Option<Tensor>,
     steps: u64,
 }
 
 impl LossWindow {
+    /// Adds one step's loss (a one-element double tensor).
+    fn add(&mut self, loss: Tensor) {
+        self.sum = Some(match self.sum.take() {
+            Some(sum) => sum + loss,
+            None => loss,
+        });
+        self.steps += 1;
+    }
+
     fn take_mean(&mut self) -> Option<f64> {
-        let mean = (self.steps > 0).then(|| self.sum / self.steps as f64);
+        let steps = self.steps;
+        let mean = self
+            .sum
+            .take()
+            .filter(|_| steps > 0)
+            .map(|sum| sum.double_value(&[0]) / steps as f64);
         *self = LossWindow::default();
         mean
     }
@@ -387,7 +402,8 @@ impl Trainer {
         })
     }
 
-    /// One step: the user's loss, DDP's backward, the optimizer. Returns the loss.
+    /// One step: the user's loss, DDP's backward, the optimizer. Returns the loss, as
+    /// a one-element double tensor still on its device: nothing here waits for the GPU.
     fn step<F, E>(
         &self,
         run: &mut Run<'_>,
@@ -395,7 +411,7 @@ impl Trainer {
         indices: &[u64],
         epoch: u64,
         step: &mut F,
-    ) -> Result<f64, TrainError>
+    ) -> Result<Tensor, TrainError>
     where
         F: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -412,9 +428,21 @@ impl Trainer {
             source,
         };
         let loss = step(&ctx).map_err(|e| failed(e.into()))?;
+        if loss.numel() != 1 {
+            return Err(failed(
+                format!(
+                    "the loss must be a scalar tensor, not one of shape {:?}: reduce it \
+                     (e.g. with .mean())",
+                    loss.size()
+                )
+                .into(),
+            ));
+        }
         let value = loss
-            .f_double_value(&[])
-            .map_err(|e| failed(format!("the loss must be a scalar tensor: {e}").into()))?;
+            .detach()
+            .f_to_kind(tch::Kind::Double)
+            .and_then(|l| l.f_reshape([1]))
+            .map_err(|e| failed(e.into()))?;
         run.ddp.backward(&loss)?;
         opt.step()?;
         run.steps += 1;
@@ -424,15 +452,29 @@ impl Trainer {
     /// One small all-reduce a step: the loss summed over the ranks (for the log) and
     /// whether any rank was signalled, so that all stop after the same step. Logs
     /// every `log_every` steps; returns whether to stop.
-    fn agree(&self, run: &mut Run<'_>, loss: f64, epoch: u64) -> Result<bool, TrainError> {
+    ///
+    /// One process alone reads nothing from the device; several read the reduced stop
+    /// flag, the step's one host sync (all ranks must agree on when to stop).
+    fn agree(&self, run: &mut Run<'_>, loss: Tensor, epoch: u64) -> Result<bool, TrainError> {
         let stop_here = self.stop.load(Ordering::SeqCst);
-        // On the group's device: NCCL reduces only CUDA tensors.
-        let flags = Tensor::from_slice(&[loss, f64::from(u8::from(stop_here))])
-            .to_device(self.pg.scalar_device());
-        self.pg.all_reduce(&flags, ReduceOp::Sum)?;
-        let any_stop = flags.double_value(&[1]) > 0.0;
-        run.window.sum += flags.double_value(&[0]) / self.pg.world_size() as f64;
-        run.window.steps += 1;
+        let any_stop = if self.pg.backend().is_none() {
+            run.window.add(loss);
+            stop_here
+        } else {
+            // On the group's device (NCCL reduces only CUDA tensors); the flag is
+            // written there by a kernel, not copied from the host (a copy would wait).
+            let dev = self.pg.scalar_device();
+            let stop = Tensor::full(
+                [1],
+                f64::from(u8::from(stop_here)),
+                (tch::Kind::Double, dev),
+            );
+            let flags = Tensor::cat(&[loss.to_device(dev), stop], 0);
+            self.pg.all_reduce(&flags, ReduceOp::Sum)?;
+            run.window
+                .add(flags.narrow(0, 0, 1) / self.pg.world_size() as f64);
+            flags.double_value(&[1]) > 0.0
+        };
         if run.steps % self.config.log_every == 0 || any_stop {
             if let Some(mean) = run.window.take_mean() {
                 run.losses.push((run.steps, mean));

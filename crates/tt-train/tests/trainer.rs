@@ -45,6 +45,14 @@ fn main() {
         ("bad_configuration_is_a_clear_error", bad_config),
         ("a_failed_step_keeps_its_error_as_the_source", step_error),
         (
+            "a_loss_that_is_not_a_scalar_is_an_error_naming_its_shape",
+            non_scalar_loss,
+        ),
+        (
+            "one_process_logs_the_mean_loss_of_each_window",
+            logged_losses,
+        ),
+        (
             "signal_handlers_are_installed_once_and_can_be_declined",
             signals,
         ),
@@ -394,14 +402,22 @@ fn bad_config() -> TestResult {
     Ok(())
 }
 
+/// A trainer of one process on the CPU, a linear model 8 -> 1 and SGD.
+fn one_cpu_process(
+    cfg: TrainConfig,
+) -> Result<(Trainer, nn::VarStore, nn::Linear, Optimizer), String> {
+    let trainer = Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), tch::Device::Cpu)
+        .map_err(|e| e.to_string())?;
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let net = nn::linear(vs.root(), 8, 1, Default::default());
+    let opt = Optimizer::sgd(&vs, SgdConfig::default()).map_err(|e| e.to_string())?;
+    Ok((trainer, vs, net, opt))
+}
+
 fn step_error() -> TestResult {
     let mut cfg = TrainConfig::new(64, 4, 1);
     cfg.handle_signals = false;
-    let mut trainer = Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), tch::Device::Cpu)
-        .map_err(|e| e.to_string())?;
-    let mut vs = nn::VarStore::new(tch::Device::Cpu);
-    let net = nn::linear(vs.root(), 8, 1, Default::default());
-    let mut opt = Optimizer::sgd(&vs, SgdConfig::default()).map_err(|e| e.to_string())?;
+    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
     let result = trainer.fit(&mut vs, &mut opt, |ctx| {
         if ctx.step == 2 {
             return Err(std::io::Error::new(
@@ -421,6 +437,58 @@ fn step_error() -> TestResult {
         .ok_or("the step's io::Error is not the source")?;
     if io.kind() != std::io::ErrorKind::NotFound || !e.to_string().contains("shard 3 is missing") {
         return Err(format!("{e}: {io:?}"));
+    }
+    Ok(())
+}
+
+fn non_scalar_loss() -> TestResult {
+    let mut cfg = TrainConfig::new(64, 4, 1);
+    cfg.handle_signals = false;
+    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+    let result = trainer.fit(&mut vs, &mut opt, |ctx| {
+        let (x, y) = sample(ctx.indices, ctx.device);
+        // Forgot the reduction: one loss per sample.
+        Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::None))
+    });
+    match result {
+        Err(e @ TrainError::Step { step: 0, .. })
+            if e.to_string().contains("scalar") && e.to_string().contains("[4, 1]") =>
+        {
+            Ok(())
+        }
+        other => Err(format!("want a step-0 error naming the shape: {other:?}")),
+    }
+}
+
+/// The logged loss is the mean of the steps' losses since the last log line (kept on
+/// the device between log lines).
+fn logged_losses() -> TestResult {
+    let mut cfg = TrainConfig::new(64, 4, 1);
+    cfg.handle_signals = false;
+    cfg.log_every = 4;
+    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+    let mut seen = Vec::new();
+    let report = trainer
+        .fit(&mut vs, &mut opt, |ctx| {
+            let (x, y) = sample(ctx.indices, ctx.device);
+            let loss = net.forward(&x).mse_loss(&y, tch::Reduction::Mean);
+            seen.push(loss.double_value(&[]));
+            Ok::<_, std::io::Error>(loss)
+        })
+        .map_err(|e| e.to_string())?;
+    // 16 steps, logged at 4, 8, 12, 16.
+    let want: Vec<(u64, f64)> = seen
+        .chunks(4)
+        .enumerate()
+        .map(|(i, c)| ((i as u64 + 1) * 4, c.iter().sum::<f64>() / 4.0))
+        .collect();
+    if report.losses.len() != want.len() || want.len() != 4 {
+        return Err(format!("logged {:?}, want {want:?}", report.losses));
+    }
+    for ((step, got), (want_step, want)) in report.losses.iter().zip(&want) {
+        if step != want_step || (got - want).abs() > 1e-6 * want.abs().max(1.0) {
+            return Err(format!("logged {:?}, want {want:?}", report.losses));
+        }
     }
     Ok(())
 }
