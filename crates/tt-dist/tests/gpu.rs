@@ -71,23 +71,26 @@ fn mlp(vs: &nn::VarStore) -> impl Module {
         .add(nn::linear(&root / "l2", 64, 4, Default::default()))
 }
 
+/// Five steps of SGD with momentum on all 32 rows.
 fn train(vs: &nn::VarStore, model: &impl Module, ddp: Option<&Ddp<'_>>) {
-    let mut opt = nn::Sgd::default().build(vs, 0.05).expect("SGD");
-    let x = (Tensor::arange(32 * 16, (Kind::Float, Device::Cuda(0))) * 0.01)
-        .sin()
-        .view([32, 16]);
-    let y = (Tensor::arange(32 * 4, (Kind::Float, Device::Cuda(0))) * 0.02)
-        .cos()
-        .view([32, 4]);
-    for _ in 0..5 {
-        opt.zero_grad();
-        let loss = model.forward(&x).mse_loss(&y, tch::Reduction::Mean);
-        match ddp {
-            Some(d) => d.backward(&loss).expect("DDP backward"),
-            None => loss.backward(),
-        }
-        opt.step();
-    }
+    let (x, y) = data_rows(0, 32);
+    train_rows(vs, model, ddp, &x, &y);
+}
+
+/// A copy of every parameter, by name.
+fn snapshot(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    vs.variables()
+        .into_iter()
+        .map(|(n, t)| (n, t.copy()))
+        .collect()
+}
+
+/// How far the parameters of `vs` moved from `init`.
+fn largest_move(vs: &nn::VarStore, init: &[(String, Tensor)]) -> f64 {
+    let now = vs.variables();
+    init.iter()
+        .map(|(n, t)| (&now[n] - t).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
 }
 
 #[test]
@@ -102,11 +105,7 @@ fn ddp_trains_on_one_gpu_like_plain_training() {
     tch::manual_seed(3);
     let plain = nn::VarStore::new(Device::Cuda(0));
     let plain_model = mlp(&plain);
-    let init: Vec<(String, Tensor)> = plain
-        .variables()
-        .into_iter()
-        .map(|(n, t)| (n, t.copy()))
-        .collect();
+    let init = snapshot(&plain);
     train(&plain, &plain_model, None);
 
     let got = vs.variables();
@@ -114,11 +113,11 @@ fn ddp_trains_on_one_gpu_like_plain_training() {
         let diff = (&got[&name] - &want).abs().max().double_value(&[]);
         assert!(diff < 1e-6, "{name} differs by {diff}");
     }
-    let moved = init
-        .iter()
-        .map(|(n, t)| (&got[n] - t).abs().max().double_value(&[]))
-        .fold(0.0, f64::max);
-    assert!(moved > 1e-4, "training did not move the parameters");
+    let moved = largest_move(&plain, &init);
+    assert!(
+        moved > 1e-4,
+        "training did not move the parameters ({moved})"
+    );
 }
 
 /// Rows `[start, start + rows)` of the shared data, on the GPU.
@@ -226,13 +225,8 @@ fn two_ranks_on_one_gpu_train_like_one_process_on_the_whole_batch() {
     tch::manual_seed(100);
     let vs = nn::VarStore::new(Device::Cuda(0));
     let model = mlp(&vs);
-    let init: Vec<(String, Tensor)> = vs
-        .variables()
-        .into_iter()
-        .map(|(n, t)| (n, t.copy()))
-        .collect();
-    let (x, y) = data_rows(0, 32);
-    train_rows(&vs, &model, None, &x, &y);
+    let init = snapshot(&vs);
+    train(&vs, &model, None);
     let want = vs.variables();
     for rank in 0..2 {
         let got =
@@ -251,10 +245,7 @@ fn two_ranks_on_one_gpu_train_like_one_process_on_the_whole_batch() {
             assert!(diff < 1e-5, "rank {rank}: {name} differs by {diff}");
         }
     }
-    let moved = init
-        .iter()
-        .map(|(n, t)| (&want[n] - t).abs().max().double_value(&[]))
-        .fold(0.0, f64::max);
+    let moved = largest_move(&vs, &init);
     assert!(
         moved > 1e-3,
         "training did not move the parameters ({moved})"
