@@ -7,7 +7,9 @@
 //! - the resource tracker sampling every 10 ms beside a GPU-bound loop: the loop's
 //!   slowdown;
 //! - one training step of the same MLP in tch and in PyTorch eager on the same GPU (the
-//!   kernels are the same: the ratio is the cost of the Rust side).
+//!   kernels are the same: the ratio is the cost of the Rust side);
+//! - the unified trainer's own cost: a step through `Trainer::fit` against the same step
+//!   in a hand-written loop.
 //!
 //! ```sh
 //! cargo run --example gpu_bench            # on a machine with a GPU and PyTorch 2.11
@@ -70,6 +72,7 @@ fn run() -> Result<()> {
     rows.extend(adaptive_rows()?);
     rows.push(tracker_row()?);
     rows.push(training_row()?);
+    rows.push(trainer_row()?);
 
     let name = torchtools::device::Inventory::query()
         .gpus
@@ -297,5 +300,85 @@ fn training_row() -> Result<Row> {
         ours: format!("{:.3} ms", ours * 1e3),
         baseline: format!("{:.3} ms", theirs * 1e3),
         ratio: format!("{:.3}", theirs / ours),
+    })
+}
+
+const SAMPLES: i64 = 256 * 100;
+
+/// The MLP 784-4096-4096-10 on the GPU, with tt-optim's SGD (momentum 0.9).
+fn mlp_on_gpu() -> Result<(nn::VarStore, nn::Sequential, torchtools::optim::Optimizer)> {
+    torchtools::tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cuda(0));
+    let p = vs.root();
+    let model = nn::seq()
+        .add(nn::linear(&p / "l1", 784, 4096, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&p / "l2", 4096, 4096, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&p / "l3", 4096, 10, Default::default()));
+    let opt = torchtools::optim::Optimizer::sgd(
+        &vs,
+        torchtools::optim::SgdConfig {
+            lr: 0.01,
+            momentum: 0.9,
+            ..Default::default()
+        },
+    )?;
+    Ok((vs, model, opt))
+}
+
+/// Seconds per step of 3 epochs of 100 steps (batch 256, data on the GPU): through
+/// `Trainer::fit` (one process), and in a hand-written loop over the same batches.
+fn trainer_row() -> Result<Row> {
+    use torchtools::train::{TrainConfig, Trainer};
+    let dev = Device::Cuda(0);
+    let x = Tensor::randn([SAMPLES, 784], (Kind::Float, dev));
+    let y = Tensor::randn([SAMPLES, 10], (Kind::Float, dev));
+    let batch = |indices: &[u64]| {
+        let idx: Vec<i64> = indices.iter().map(|&i| i as i64).collect();
+        let idx = Tensor::from_slice(&idx).to_device(dev);
+        (x.index_select(0, &idx), y.index_select(0, &idx))
+    };
+    let (mut t_fit, mut t_loop) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        // Through the trainer.
+        let mut config = TrainConfig::new(SAMPLES as u64, 256, 3).seed(1);
+        config.handle_signals = false;
+        config.log_every = 100;
+        let mut trainer =
+            Trainer::with_group(config, torchtools::dist::ProcessGroup::single(), dev)?;
+        let (mut vs, model, mut opt) = mlp_on_gpu()?;
+        torchtools::tch::Cuda::synchronize(0);
+        let start = Instant::now();
+        let report = trainer.fit(&mut vs, &mut opt, |ctx| {
+            let (bx, by) = batch(ctx.indices);
+            Ok::<_, TchError>(model.forward(&bx).mse_loss(&by, Reduction::Mean))
+        })?;
+        torchtools::tch::Cuda::synchronize(0);
+        t_fit.push(start.elapsed().as_secs_f64() / report.steps as f64);
+
+        // By hand: the same sampler order, batches, model and optimizer.
+        let (_vs, model, mut opt) = mlp_on_gpu()?;
+        let sampler =
+            torchtools::sampler::DistributedSampler::new(SAMPLES as u64, 1, 0)?.with_seed(1);
+        let mut batches = torchtools::train::EpochBatches::new(sampler, 256, 3)?;
+        let mut steps = 0;
+        torchtools::tch::Cuda::synchronize(0);
+        let start = Instant::now();
+        while let Some(b) = batches.next_batch()? {
+            let (bx, by) = batch(&b.indices);
+            opt.zero_grad();
+            opt.backward_step(&model.forward(&bx).mse_loss(&by, Reduction::Mean))?;
+            steps += 1;
+        }
+        torchtools::tch::Cuda::synchronize(0);
+        t_loop.push(start.elapsed().as_secs_f64() / steps as f64);
+    }
+    let (fit, hand) = (median(t_fit), median(t_loop));
+    Ok(Row {
+        what: "trainer: step through fit vs a hand-written loop".into(),
+        ours: format!("{:.3} ms", fit * 1e3),
+        baseline: format!("{:.3} ms", hand * 1e3),
+        ratio: format!("{:.3}", hand / fit),
     })
 }

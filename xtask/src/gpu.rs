@@ -6,7 +6,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-use crate::steps::{cargo, run_counted, summarize};
+use crate::steps::cargo;
 use crate::test::{gpu_test_args, GPU_CRATES};
 
 const BUNDLE_LIMIT: u64 = 64 << 20;
@@ -32,26 +32,23 @@ fn no_gpu_reason() -> Option<String> {
     }
 }
 
+/// Builds the GPU bundle into `target/gpu-bundle` and runs its `run.sh` here: the same
+/// tests and programs, and the same table, as on a GPU machine without Rust.
 pub(crate) fn run_gpu_tests() -> Result<()> {
     if let Some(why) = no_gpu_reason() {
         bail!("no usable GPU: {why}. `cargo xtask test-gpu` runs only where CUDA works; the CPU tests are `cargo xtask test`, and `cargo xtask test-gpu --bundle DIR` builds the GPU tests to run elsewhere");
     }
-    crate::setup::setup()?;
-    let results: Vec<_> = GPU_CRATES
-        .iter()
-        .map(|krate| {
-            run_counted(
-                &format!("GPU tests of {krate}"),
-                cargo(&gpu_test_args(krate, &["--", "--test-threads=1"])),
-            )
-        })
-        .collect();
-    let total = summarize("gpu-tests", &results);
-    if results.iter().any(|r| !r.ok) || total.failed > 0 {
-        bail!("GPU tests failed");
+    let dir = crate::root().join("target/gpu-bundle");
+    bundle(&dir)?;
+    let mut run = Command::new("bash");
+    run.arg(dir.join("run.sh"));
+    // run.sh finds libtorch through Python's torch: the setup venv's, where it made one.
+    if let crate::setup::Libtorch::Cached { venv } = crate::setup::setup()? {
+        run.env("PYTHON", venv.join("bin/python"));
     }
-    if total.passed == 0 {
-        bail!("zero GPU tests ran: the GPU test targets were not selected");
+    let status = run.status().context("cannot run run.sh")?;
+    if !status.success() {
+        bail!("GPU tests failed ({status}): see the table above");
     }
     Ok(())
 }

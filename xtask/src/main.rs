@@ -4,8 +4,8 @@
 //! cargo xtask setup                 install libtorch 2.11.0 once (cached), link it for cargo
 //! cargo xtask demo                  setup, then run the main job (examples/demo.rs)
 //! cargo xtask test                  setup, then the CPU test matrix
-//! cargo xtask test-gpu              run the GPU tests; fails without a usable GPU
-//! cargo xtask test-gpu --bundle DIR build stripped GPU test binaries + run.sh into DIR
+//! cargo xtask test-gpu              the GPU bundle built and run here; fails without a GPU
+//! cargo xtask test-gpu --bundle DIR the GPU tests, demo, trainer, CLI, bench + run.sh in DIR
 //! cargo xtask bench                 run the benchmarks, print one table
 //! cargo xtask mutants [CRATE..] [--shard K/N | --full]
 //!                                   mutation testing of the libtorch-free crates
