@@ -242,19 +242,24 @@ for _ in range(5):
 print(sorted(times)[2])
 "#;
 
+/// The MLP 784-4096-4096-10 of the training benchmarks, under `vs`.
+fn mlp(vs: &nn::VarStore) -> nn::Sequential {
+    let p = vs.root();
+    nn::seq()
+        .add(nn::linear(&p / "l1", 784, 4096, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&p / "l2", 4096, 4096, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&p / "l3", 4096, 10, Default::default()))
+}
+
 /// One training step of the MLP 784-4096-4096-10 (batch 256, SGD with momentum): tch
 /// against PyTorch eager, each the median of 5 runs of 300 steps.
 fn training_row() -> Result<Row> {
     let dev = Device::Cuda(0);
     torchtools::tch::manual_seed(0);
     let vs = nn::VarStore::new(dev);
-    let p = vs.root();
-    let model = nn::seq()
-        .add(nn::linear(&p / "l1", 784, 4096, Default::default()))
-        .add_fn(|x| x.relu())
-        .add(nn::linear(&p / "l2", 4096, 4096, Default::default()))
-        .add_fn(|x| x.relu())
-        .add(nn::linear(&p / "l3", 4096, 10, Default::default()));
+    let model = mlp(&vs);
     let mut opt = nn::Sgd {
         momentum: 0.9,
         ..Default::default()
@@ -309,13 +314,7 @@ const SAMPLES: i64 = 256 * 100;
 fn mlp_on_gpu() -> Result<(nn::VarStore, nn::Sequential, torchtools::optim::Optimizer)> {
     torchtools::tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cuda(0));
-    let p = vs.root();
-    let model = nn::seq()
-        .add(nn::linear(&p / "l1", 784, 4096, Default::default()))
-        .add_fn(|x| x.relu())
-        .add(nn::linear(&p / "l2", 4096, 4096, Default::default()))
-        .add_fn(|x| x.relu())
-        .add(nn::linear(&p / "l3", 4096, 10, Default::default()));
+    let model = mlp(&vs);
     let opt = torchtools::optim::Optimizer::sgd(
         &vs,
         torchtools::optim::SgdConfig {

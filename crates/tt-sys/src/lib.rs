@@ -9,6 +9,13 @@
 //!   `empty_cache()`, `reset_peak_memory_stats()` and `mem_get_info()`.
 //! - [`build::link_libtorch_rpath`] gives a downstream binary an rpath to libtorch.
 //!
+//! Where an NVIDIA driver is (its device node exists), the shim loads
+//! `libtorch_cuda.so` as the program starts, before `main`: libtorch otherwise answers a
+//! first question about CUDA (`tch::Cuda::is_available()`, `tch::manual_seed`) from its
+//! CPU-only stub and keeps "no GPU" for the process. `TORCHTOOLS_CUDA_PRELOAD=0` turns
+//! that off. Loading the library registers libtorch's CUDA hooks; it creates no CUDA
+//! context.
+//!
 //! What it does not do: it never initialises CUDA on its own (only the functions
 //! above, when called, do), and it never prints. Every C++ exception is caught inside
 //! the shim and comes back as an [`Error`]; nothing unwinds across `extern "C"`.
