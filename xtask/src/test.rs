@@ -90,7 +90,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-probe (default features)", 16),
     ("test -p tt-probe --no-default-features", 5),
     ("test -p tt-dist (no features)", 11),
-    ("test -p tt-sampler (no features)", 21),
+    ("test -p tt-sampler (no features)", 22),
     ("test -p tt-ckpt (default features)", 35),
     ("test -p tt-ckpt --no-default-features", 25),
     ("test -p tt-optim (default features)", 7),

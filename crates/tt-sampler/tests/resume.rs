@@ -327,7 +327,11 @@ fn batches_count_samples_and_resume_at_the_next_batch() {
     let whole = whole_epoch(103, 1, 0, 0);
     let mut b = BatchSampler::new(sampler(103, 1, 0), 10, false).unwrap();
     assert_eq!(b.remaining_batches(), 11);
+    // The iterator knows its length exactly (collect reserves once; `len`-based code
+    // relies on it).
+    assert_eq!(b.size_hint(), (11, Some(11)));
     let first: Vec<Vec<u64>> = b.by_ref().take(3).collect();
+    assert_eq!(b.size_hint(), (8, Some(8)));
     assert_eq!(b.state().progress, 30, "progress is in samples");
     // Resume with another batch size: still at sample 30.
     let mut s = sampler(103, 1, 0);
@@ -389,4 +393,20 @@ fn from_env_reads_torchrun_variables_in_a_real_process() {
             .unwrap();
         tt_testkit::assert_ran_one(&out);
     }
+}
+
+#[test]
+fn peeking_shows_the_rest_of_the_epoch_without_taking_it() {
+    let whole = whole_epoch(50, 2, 1, 0);
+    let mut s = sampler(50, 2, 1);
+    assert_eq!(s.size_hint(), (25, Some(25)));
+    let head: Vec<u64> = s.by_ref().take(10).collect();
+    assert_eq!(s.size_hint(), (15, Some(15)));
+    let peeked = s.peek_remaining().unwrap();
+    assert_eq!(peeked, whole[10..]);
+    // Nothing was taken: the iteration goes on from the same place.
+    assert_eq!(s.remaining(), 15);
+    let rest: Vec<u64> = s.collect();
+    assert_eq!([head, rest.clone()].concat(), whole);
+    assert_eq!(peeked, rest);
 }
