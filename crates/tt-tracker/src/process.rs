@@ -136,6 +136,13 @@ mod tests {
     }
 
     #[test]
+    fn waiting_for_a_process_that_is_not_our_child_is_an_error() {
+        // pid 1 is never this process's child: ECHILD, at once (not a wait for ever).
+        let e = wait_for_exit(1, None).expect_err("pid 1 is not our child");
+        assert_eq!(e.raw_os_error(), Some(libc::ECHILD), "{e}");
+    }
+
+    #[test]
     fn this_process_memory_and_peak() {
         let (rss, hwm) = memory(std::process::id()).unwrap_or_default();
         assert!(rss > 0 && hwm >= rss);

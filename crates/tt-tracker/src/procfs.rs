@@ -316,6 +316,41 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_children_of_a_process_main_thread_are_its_descendants() {
+        use std::io::BufRead;
+        // A shell whose main thread starts `sleep`, then waits for it.
+        let mut sh = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut line = String::new();
+        let stdout = sh.stdout.take().unwrap_or_else(|| panic!("no stdout"));
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let sleep: u32 = line
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{line:?}: {e}"));
+        let mut buf = String::new();
+        let mut out = Vec::new();
+        leader_children(sh.id(), &mut buf, &mut out);
+        let open = std::collections::HashMap::new();
+        let cheap = descendants(sh.id(), &mut buf, false, &open);
+        let full = descendants(sh.id(), &mut buf, true, &open);
+        // SAFETY: kill(2) of the shell's child and of our own child.
+        unsafe {
+            libc::kill(sleep as i32, libc::SIGKILL);
+            libc::kill(sh.id() as i32, libc::SIGKILL);
+        }
+        let _ = sh.wait();
+        assert_eq!(out, [sleep]);
+        assert_eq!(cheap, [sleep]);
+        assert_eq!(full, [sleep]);
+    }
+
+    #[test]
     fn parses_stat_with_a_hostile_name() {
         let line = "1234 (a) b (c) S 1 1234 1234 0 -1 4194560 1000 0 0 0 250 50 0 0 20 0 7 0 \
                     12345 1000000 500 18446744073709551615";

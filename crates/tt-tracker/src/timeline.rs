@@ -352,8 +352,9 @@ impl Timeline {
         overwrite: bool,
         static_data: &StaticData,
     ) -> Result<Timeline> {
-        // Before anything is created: a build without SQLite says how to get it.
-        no_sqlite_here(path)?;
+        // Before anything is created, the path's every check (a missing directory is
+        // named as such; a build without SQLite says how to get it).
+        check_timeline_path(path, overwrite)?;
         let err = |e: &dyn std::fmt::Display| Error::Timeline {
             path: path.to_owned(),
             reason: e.to_string(),

@@ -416,6 +416,15 @@ fn statistics_are_pandas_to_the_last_bit() {
             .map(|i| f64::from(i).mul_add(0.37, 1.0 / 7.0).sin() * 3.3)
             .collect(),
     );
+    // Long blocks of values of very different sizes: where numpy splits the sum decides
+    // the last bits.
+    for n in [1031, 4099] {
+        sets.push(
+            (0..n)
+                .map(|i| (f64::from(i) * 0.731).sin() * 10f64.powi(i % 13 - 6))
+                .collect(),
+        );
+    }
     let mut gaps: Vec<f64> = (0..40).map(|i| f64::from(i) * 0.1 + 0.05).collect();
     for i in [0, 5, 17, 39] {
         gaps[i] = f64::NAN;

@@ -556,3 +556,34 @@ fn cpu_utilisation_over_time_adds_up_to_the_cpu_time_used() {
         assert!(main.max_sum_percent > 0.0, "{main:?}");
     });
 }
+
+#[test]
+fn a_timeline_path_is_checked_before_anything_is_tracked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let check = |path: &std::path::Path, overwrite: bool| {
+        tt_tracker::check_timeline_path(path, overwrite).map_err(|e| e.to_string())
+    };
+    // A directory that does not exist, absolute or relative.
+    let missing = tmp.path().join("no-such-dir").join("t.csv");
+    let e = check(&missing, false).unwrap_err();
+    assert!(e.contains("does not exist"), "{e}");
+    let e = check(std::path::Path::new("no-such-dir-here/t.csv"), false).unwrap_err();
+    assert!(e.contains("does not exist"), "{e}");
+    // A directory itself, an unknown extension.
+    assert!(check(tmp.path(), false).unwrap_err().contains("directory"));
+    assert!(check(&tmp.path().join("t.txt"), false).is_err());
+    // An existing file only with overwrite; a new file in an existing directory.
+    let existing = tmp.path().join("t.csv");
+    std::fs::write(&existing, "").unwrap();
+    assert!(check(&existing, false).is_err());
+    assert!(check(&existing, true).is_ok());
+    assert!(check(&tmp.path().join("new.csv"), false).is_ok());
+    // And the tracker refuses the missing directory before it starts.
+    let e = Tracker::start(TrackerConfig {
+        timeline: Some(missing.clone()),
+        ..TrackerConfig::default()
+    })
+    .err()
+    .expect("a timeline in a missing directory");
+    assert!(e.to_string().contains("does not exist"), "{e}");
+}
