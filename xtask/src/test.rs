@@ -84,7 +84,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-device --no-default-features", 22),
     ("test -p tt-lock (no features)", 46),
     ("test -p tt-fence (no features)", 2),
-    ("test -p tt-tracker (no features)", 36),
+    ("test -p tt-tracker (no features)", 37),
     ("test -p tt-adaptive (default features)", 24),
     ("test -p tt-adaptive --no-default-features", 19),
     ("test -p tt-probe (default features)", 16),
@@ -105,7 +105,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-sys --features c10d", 9),
     ("test -p tt-dist --features c10d", 25),
     ("test -p tt-reserve --features tch", 4),
-    ("test -p tt-tracker --features sqlite,plot", 38),
+    ("test -p tt-tracker --features sqlite,plot", 39),
     ("test --workspace (all CPU features, doc tests)", 150),
 ];
 

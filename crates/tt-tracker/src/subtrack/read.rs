@@ -578,6 +578,17 @@ mod tests {
     }
 
     #[test]
+    fn a_last_record_without_a_line_break_is_kept() {
+        let rows = parse_csv;
+        let s = |v: &[&str]| v.iter().map(|x| (*x).to_owned()).collect::<Vec<_>>();
+        // One column (the field alone is left), an empty last field (the row alone is
+        // left), and both.
+        assert_eq!(rows("a\nx"), vec![s(&["a"]), s(&["x"])]);
+        assert_eq!(rows("a,b\n1,"), vec![s(&["a", "b"]), s(&["1", ""])]);
+        assert_eq!(rows("a,b\n1,2"), vec![s(&["a", "b"]), s(&["1", "2"])]);
+    }
+
+    #[test]
     fn python_json_numbers_become_null_outside_strings_only() {
         assert_eq!(
             nan_to_null(r#"{"a": NaN, "b": [-Infinity, Infinity], "NaN": "x NaN \" NaN"}"#),
