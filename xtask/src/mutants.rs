@@ -51,6 +51,26 @@ const EXCLUDED_FUNCTIONS: [(&str, &str); 2] = [
     ),
 ];
 
+/// Single mutants that change only how fast, never what, the code does (a regular
+/// expression over cargo-mutants' description of the mutant), and why.
+const EXCLUDED_MUTANTS: [(&str, &str); 3] = [
+    (
+        r"replace write_direct_body -> std::io::Result<Option<usize>> with Ok\(None\)",
+        "tt-ckpt: the O_DIRECT path declined, which the writer then does buffered: the same \
+         bytes (the benchmark measures the difference)",
+    ),
+    (
+        r"in Writeback::wrote",
+        "tt-ckpt: sync_file_range hints pacing the kernel's writeback; the fsync before the \
+         rename makes the file durable whatever they say",
+    ),
+    (
+        r"replace > with >= in small$",
+        "tt-sampler: whether one core runs the draw pipelined, which gives the same \
+         permutation either way",
+    ),
+];
+
 /// The default shard: the first of 8.
 const DEFAULT_SHARD: &str = "0/8";
 
@@ -98,6 +118,9 @@ pub(crate) fn run(args: &[&str]) -> Result<()> {
     for (function, why) in EXCLUDED_FUNCTIONS {
         println!("  {function}: {why}");
     }
+    for (mutant, why) in EXCLUDED_MUTANTS {
+        println!("  mutants matching {mutant}: {why}");
+    }
     let mut rows = Vec::new();
     for (krate, features) in crates {
         let out = crate::root().join("target/mutants").join(krate);
@@ -121,6 +144,9 @@ pub(crate) fn run(args: &[&str]) -> Result<()> {
             .collect();
         for p in &patterns {
             args.extend(["--exclude-re", p]);
+        }
+        for (re, _) in EXCLUDED_MUTANTS {
+            args.extend(["--exclude-re", re]);
         }
         let mut cmd = cargo(&args);
         // The copy cargo-mutants builds in has no `.torchtools` link: name the venv's
