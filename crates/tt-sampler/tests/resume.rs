@@ -317,6 +317,17 @@ fn resharding_continues_the_epoch_where_the_whole_job_was() {
     let mut again = sampler(len, 2, 1);
     again.load_state(&two.state(), Reshard::Refuse).unwrap();
     assert_eq!(again.collect::<Vec<_>>(), expected);
+    // Its progress is checked against its own, shorter, epoch: one past the end of
+    // what it covers is refused.
+    let mut past = two.state();
+    assert!(past.offset > 0, "{past:?}");
+    past.progress = two.num_samples() + 1;
+    assert!(matches!(
+        sampler(len, 2, 1).load_state(&past, Reshard::Refuse),
+        Err(tt_sampler::Error::ProgressPastEnd { .. })
+    ));
+    past.progress = two.num_samples();
+    assert!(sampler(len, 2, 1).load_state(&past, Reshard::Refuse).is_ok());
     // A new epoch after a re-shard is a whole epoch again.
     two.set_epoch(epoch + 1);
     assert_eq!(two.num_samples(), 500);
@@ -326,6 +337,7 @@ fn resharding_continues_the_epoch_where_the_whole_job_was() {
 fn batches_count_samples_and_resume_at_the_next_batch() {
     let whole = whole_epoch(103, 1, 0, 0);
     let mut b = BatchSampler::new(sampler(103, 1, 0), 10, false).unwrap();
+    assert_eq!(b.sampler().dataset_len(), 103);
     assert_eq!(b.remaining_batches(), 11);
     // The iterator knows its length exactly (collect reserves once; `len`-based code
     // relies on it).
