@@ -327,7 +327,9 @@ fn resharding_continues_the_epoch_where_the_whole_job_was() {
         Err(tt_sampler::Error::ProgressPastEnd { .. })
     ));
     past.progress = two.num_samples();
-    assert!(sampler(len, 2, 1).load_state(&past, Reshard::Refuse).is_ok());
+    assert!(sampler(len, 2, 1)
+        .load_state(&past, Reshard::Refuse)
+        .is_ok());
     // A new epoch after a re-shard is a whole epoch again.
     two.set_epoch(epoch + 1);
     assert_eq!(two.num_samples(), 500);
