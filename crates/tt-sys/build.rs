@@ -78,6 +78,8 @@ mod shim {
     fn c10d(include_root: &std::path::Path, abi: &str, lib: &std::path::Path) {
         println!("cargo:rerun-if-changed=csrc/c10d.cpp");
         println!("cargo:rerun-if-changed=csrc/c10d.h");
+        println!("cargo:rerun-if-changed=csrc/c10d_handles.h");
+        println!("cargo:rerun-if-changed=csrc/reducer.cpp");
         println!("cargo:rerun-if-changed=csrc/protect.h");
         println!("cargo:rerun-if-env-changed=GLOO_INCLUDE");
         // ProcessGroupGloo.hpp includes gloo's own headers, which the wheel lacks.
@@ -104,7 +106,8 @@ mod shim {
             .define("_GLIBCXX_USE_CXX11_ABI", abi)
             .define("GLOG_USE_GLOG_EXPORT", None)
             .define("USE_C10D_GLOO", None)
-            .file("csrc/c10d.cpp");
+            .file("csrc/c10d.cpp")
+            .file("csrc/reducer.cpp");
         nccl(&mut build, lib);
         build.compile("torchtools_c10d");
     }

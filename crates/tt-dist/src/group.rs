@@ -277,6 +277,16 @@ impl ProcessGroup {
         self.engine.as_ref().map_or(tch::Device::Cpu, |e| e.scalars)
     }
 
+    /// The c10d backend, `None` for the networkless group of one.
+    pub(crate) fn raw_backend(&self) -> Option<&Backend> {
+        self.engine.as_ref().map(|e| &e.backend)
+    }
+
+    /// The error of a failed `op` on this rank.
+    pub(crate) fn error_of(&self, op: &'static str, e: tt_sys::Error) -> Error {
+        collective_error(op, self.env.rank, e)
+    }
+
     /// The timeout of every blocking call.
     pub fn timeout(&self) -> Duration {
         self.timeout

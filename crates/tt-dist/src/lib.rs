@@ -46,7 +46,7 @@ mod group;
 mod launch;
 
 #[cfg(feature = "c10d")]
-pub use ddp::{Ddp, DEFAULT_BUCKET_BYTES};
+pub use ddp::{Ddp, DdpOptions, DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES};
 #[cfg(feature = "c10d")]
 pub use group::{BackendKind, GroupOptions, ProcessGroup, ReduceOp, Work, DEFAULT_TIMEOUT};
 

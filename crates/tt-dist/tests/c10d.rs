@@ -40,6 +40,11 @@ fn main() {
             || ddp(2, 2, 200),
         ),
         ("ddp_on_4_ranks_matches_one_process", || ddp(4, 1, 1 << 20)),
+        (
+            "ddp_with_an_unused_parameter_needs_find_unused_parameters",
+            ddp_unused,
+        ),
+        ("rust_and_python_ddp_ranks_train_one_model", python_ddp),
         ("rust_and_python_ranks_form_one_gloo_group", python_interop),
         ("our_binary_runs_under_torchrun_no_python", under_torchrun),
         (
@@ -118,8 +123,13 @@ fn rank_main(role: &str) -> TestResult {
             let (vs, model) = mlp();
             let ddp =
                 tt_dist::Ddp::with_bucket_bytes(&pg, &vs, bucket).map_err(|e| e.to_string())?;
-            if bucket < 256 && ddp.bucket_count() < 2 {
-                return Err(format!("{bucket} B buckets gave {}", ddp.bucket_count()));
+            // PyTorch's DDP: one bucket until the first backward shows the order in which
+            // gradients become ready, then buckets of the size asked for.
+            if ddp.bucket_count() != 1 {
+                return Err(format!(
+                    "{} buckets before the first step",
+                    ddp.bucket_count()
+                ));
             }
             let mut opt = sgd(&vs);
             let (x, y) = data();
@@ -140,6 +150,73 @@ fn rank_main(role: &str) -> TestResult {
                         ddp.backward(&loss).map_err(|e| e.to_string())?;
                     }
                 }
+                opt.step();
+            }
+            if bucket < 256 && ddp.bucket_count() < 2 {
+                return Err(format!("{bucket} B buckets gave {}", ddp.bucket_count()));
+            }
+            let out = std::env::var("TT_DDP_OUT").map_err(|e| e.to_string())?;
+            vs.save(format!("{out}.rank{}.safetensors", pg.rank()))
+                .map_err(|e| e.to_string())
+        }
+        "ddp_unused" => {
+            // l3 is defined but never used by the forward pass.
+            let find = std::env::var("TT_DDP_FIND_UNUSED").as_deref() == Ok("1");
+            tch::manual_seed(1000 + pg.rank() as i64);
+            let (vs, model) = mlp();
+            let unused = nn::linear(vs.root() / "l3", 4, 4, Default::default());
+            let opts = tt_dist::DdpOptions::default().find_unused_parameters(find);
+            let ddp = tt_dist::Ddp::with_options(&pg, &vs, &opts).map_err(|e| e.to_string())?;
+            let mut opt = sgd(&vs);
+            let (x, y) = data();
+            let rows = x.size()[0] / pg.world_size() as i64;
+            let start = pg.rank() as i64 * rows;
+            for step in 0..STEPS {
+                opt.zero_grad();
+                let loss = model
+                    .forward(&x.narrow(0, start, rows))
+                    .mse_loss(&y.narrow(0, start, rows), tch::Reduction::Mean);
+                if let Err(e) = ddp.backward(&loss) {
+                    let e = e.to_string();
+                    if !find && step == 1 && e.contains("find_unused_parameters(true)") {
+                        println!("@@refused@@");
+                        return Ok(());
+                    }
+                    return Err(format!("step {step}: {e}"));
+                }
+                opt.step();
+            }
+            if !find {
+                return Err(
+                    "an unused parameter without find_unused_parameters went unnoticed".into(),
+                );
+            }
+            if unused.ws.grad().defined() {
+                return Err("the unused parameter got a gradient".into());
+            }
+            let out = std::env::var("TT_DDP_OUT").map_err(|e| e.to_string())?;
+            vs.save(format!("{out}.rank{}.safetensors", pg.rank()))
+                .map_err(|e| e.to_string())
+        }
+        "ddp_py" => {
+            // Rank 0 (Rust or Python) sets PY_DDP's known start; DDP's broadcast gives it
+            // to the others.
+            tch::manual_seed(77 + pg.rank() as i64);
+            let (vs, model) = mlp();
+            if pg.rank() == 0 {
+                known_start(&vs);
+            }
+            let ddp = tt_dist::Ddp::new(&pg, &vs).map_err(|e| e.to_string())?;
+            let mut opt = sgd(&vs);
+            let (x, y) = data();
+            let rows = x.size()[0] / pg.world_size() as i64;
+            let start = pg.rank() as i64 * rows;
+            for _ in 0..STEPS {
+                opt.zero_grad();
+                let loss = model
+                    .forward(&x.narrow(0, start, rows))
+                    .mse_loss(&y.narrow(0, start, rows), tch::Reduction::Mean);
+                ddp.backward(&loss).map_err(|e| e.to_string())?;
                 opt.step();
             }
             let out = std::env::var("TT_DDP_OUT").map_err(|e| e.to_string())?;
@@ -198,6 +275,62 @@ fn data() -> (Tensor, Tensor) {
         .cos()
         .view([16, 4]);
     (x, y)
+}
+
+/// The parameters PY_DDP's `known_start` sets: parameter k (definition order) is
+/// `sin(0.37 * i + k) * 0.3`.
+fn known_start(vs: &nn::VarStore) {
+    let _guard = tch::no_grad_guard();
+    let vars = vs.variables();
+    let in_pytorch_order = ["l1.weight", "l1.bias", "l2.weight", "l2.bias"];
+    for (k, mut t) in in_pytorch_order
+        .iter()
+        .map(|n| vars[*n].shallow_clone())
+        .enumerate()
+    {
+        let n = t.numel() as i64;
+        let v = ((Tensor::arange(n, (Kind::Float, tch::Device::Cpu)) * 0.37 + k as f64).sin()
+            * 0.3)
+            .view(t.size().as_slice());
+        t.copy_(&v);
+    }
+}
+
+/// Trains the reference: one process, the whole batch, `STEPS` steps of `sgd`.
+fn train_whole_batch(vs: &nn::VarStore, model: &impl Module) {
+    let mut opt = sgd(vs);
+    let (x, y) = data();
+    for _ in 0..STEPS {
+        opt.zero_grad();
+        model
+            .forward(&x)
+            .mse_loss(&y, tch::Reduction::Mean)
+            .backward();
+        opt.step();
+    }
+}
+
+/// Every `{out}.rank{r}.safetensors` of `ranks` equals `want` (1e-5).
+fn saved_ranks_equal(
+    out: &std::path::Path,
+    ranks: std::ops::Range<usize>,
+    want: &nn::VarStore,
+) -> TestResult {
+    let want = want.variables();
+    for rank in ranks {
+        let got = Tensor::read_safetensors(format!("{}.rank{rank}.safetensors", out.display()))
+            .map_err(|e| e.to_string())?;
+        if got.len() != want.len() {
+            return Err(format!("rank {rank} saved {} tensors", got.len()));
+        }
+        for (name, t) in got {
+            let diff = (&t - &want[&name]).abs().max().double_value(&[]);
+            if diff > 1e-5 {
+                return Err(format!("rank {rank} {name} differs by {diff}"));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn expect_eq(got: &Tensor, want: &Tensor, what: &str) -> TestResult {
@@ -383,6 +516,121 @@ fn ddp(ranks: usize, accum: i64, bucket: usize) -> TestResult {
     );
     if (&start - &before).abs().max().double_value(&[]) < 1e-3 {
         return Err("the parameters did not move".into());
+    }
+    Ok(())
+}
+
+fn ddp_unused() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let out = dir.path().join("params");
+    std::env::set_var("TT_DDP_OUT", &out);
+    // Without the option, the Reducer stops the second step and says what to do.
+    std::env::set_var("TT_DDP_FIND_UNUSED", "0");
+    launch_role(2, "ddp_unused")?;
+    std::env::set_var("TT_DDP_FIND_UNUSED", "1");
+    launch_role(2, "ddp_unused")?;
+    std::env::remove_var("TT_DDP_FIND_UNUSED");
+    tch::manual_seed(1000);
+    let (vs, model) = mlp();
+    let _unused = nn::linear(vs.root() / "l3", 4, 4, Default::default());
+    train_whole_batch(&vs, &model);
+    saved_ranks_equal(&out, 0..2, &vs)
+}
+
+const PY_DDP: &str = r#"
+import json, os, sys, torch, torch.distributed as dist
+from datetime import timedelta
+from torch import nn
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+r, w = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(500 + r)
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(8, 32)
+        self.l2 = nn.Linear(32, 4)
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+m = M()
+if r == 0:
+    with torch.no_grad():
+        for k, p in enumerate(m.parameters()):
+            p.copy_(((torch.arange(p.numel(), dtype=torch.float32) * 0.37 + k).sin() * 0.3).view(p.shape))
+ddp = nn.parallel.DistributedDataParallel(m)
+opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+x = (torch.arange(16 * 8, dtype=torch.float32) * 0.37).sin().view(16, 8)
+y = (torch.arange(16 * 4, dtype=torch.float32) * 0.11).cos().view(16, 4)
+rows = 16 // w
+for _ in range(int(os.environ["TT_STEPS"])):
+    opt.zero_grad()
+    out = ddp(x[r * rows:(r + 1) * rows])
+    nn.functional.mse_loss(out, y[r * rows:(r + 1) * rows]).backward()
+    opt.step()
+for name, p in m.named_parameters():
+    print("@@param@@", name, json.dumps(p.detach().flatten().tolist()))
+dist.destroy_process_group()
+"#;
+
+fn python_ddp() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let out = dir.path().join("params");
+    // The reference: one process on the whole batch from the known start.
+    let (want, model) = mlp();
+    known_start(&want);
+    train_whole_batch(&want, &model);
+    let named = want.variables();
+    // Both orders: Rust's parameters broadcast to Python, then Python's to Rust.
+    for rust_rank in [0usize, 1] {
+        let port = free_port();
+        let mut rust = rank_command("ddp_py", rust_rank, 2, port);
+        rust.env("TT_DDP_OUT", &out);
+        let rust = rust.spawn().map_err(|e| e.to_string())?;
+        let py = Command::new(python())
+            .args(["-c", PY_DDP])
+            .env("RANK", (1 - rust_rank).to_string())
+            .env("LOCAL_RANK", "0")
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("TT_STEPS", STEPS.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        let rust_out = rust.wait_with_output().map_err(|e| e.to_string())?;
+        let py_out = py.wait_with_output().map_err(|e| e.to_string())?;
+        if !rust_out.status.success() || !py_out.status.success() {
+            return Err(format!(
+                "rust rank {rust_rank}: {} {}\npython: {} {}",
+                rust_out.status,
+                String::from_utf8_lossy(&rust_out.stderr),
+                py_out.status,
+                String::from_utf8_lossy(&py_out.stderr),
+            ));
+        }
+        saved_ranks_equal(&out, rust_rank..rust_rank + 1, &want)?;
+        let said = String::from_utf8_lossy(&py_out.stdout);
+        let mut seen = 0;
+        for line in said.lines().filter_map(|l| l.strip_prefix("@@param@@ ")) {
+            let (name, values) = line.split_once(' ').ok_or(format!("python said {line}"))?;
+            let values: Vec<f32> =
+                serde_json::from_str(values).map_err(|e| format!("{e}: {line}"))?;
+            let w = named
+                .get(name)
+                .ok_or(format!("python has {name}, Rust does not"))?;
+            let got = Tensor::from_slice(&values).view(w.size().as_slice());
+            let diff = (&got - w).abs().max().double_value(&[]);
+            if diff > 1e-5 {
+                return Err(format!(
+                    "python rank {}: {name} differs by {diff}",
+                    1 - rust_rank
+                ));
+            }
+            seen += 1;
+        }
+        if seen != named.len() {
+            return Err(format!("python printed {seen} parameters: {said}"));
+        }
     }
     Ok(())
 }

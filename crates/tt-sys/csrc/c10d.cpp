@@ -16,17 +16,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "c10d_handles.h"
 #include "protect.h"
 
-struct tt_store {
-  c10::intrusive_ptr<c10d::Store> store;
-};
-struct tt_backend {
-  c10::intrusive_ptr<c10d::Backend> backend;
-};
-struct tt_work {
-  c10::intrusive_ptr<c10d::Work> work;
-};
 
 namespace {
 

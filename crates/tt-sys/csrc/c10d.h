@@ -57,6 +57,28 @@ char* tt_work_wait(tt_work* work, int64_t timeout_ms);
 bool tt_work_is_completed(tt_work* work);
 void tt_work_free(tt_work* work);
 
+// DDP: c10d::Reducer, built as torch.nn.parallel.DistributedDataParallel builds it.
+// Verifies that every rank has the same parameters (shapes, dtypes), broadcasts rank 0's
+// parameters then buffers, assigns buckets as PyTorch does and registers the Reducer's
+// autograd hooks on the parameters (leaf tensors). names: one per parameter (errors name
+// them; may be NULL).
+typedef struct tt_reducer tt_reducer;
+char* tt_reducer_new(tt_backend* b, void* const* params, const char* const* names,
+                     size_t n_params, void* const* buffers, size_t n_buffers,
+                     int64_t bucket_bytes, int64_t first_bucket_bytes, bool find_unused,
+                     bool gradient_as_bucket_view, tt_reducer** out);
+// Before a backward whose gradients are to be averaged (DDP's forward hooks): counts the
+// iteration, rebuilds the buckets once (a collective), arms the autograd hooks; with
+// find_unused, walks the graph from `outputs` to mark the parameters it does not reach.
+char* tt_reducer_prepare(tt_reducer* r, void* const* outputs, size_t n_outputs);
+// The number of buckets, and the number of parameters in each (up to `cap` written).
+char* tt_reducer_buckets(tt_reducer* r, size_t* sizes, size_t cap, size_t* n_buckets);
+void tt_reducer_free(tt_reducer* r);
+// c10d::broadcast_coalesced: `tensors` from `root`, flattened into buffers of up to
+// `buffer_bytes` (what DDP uses for parameters and buffers). Synchronous.
+char* tt_broadcast_coalesced(tt_backend* b, void* const* tensors, size_t n, size_t buffer_bytes,
+                             int32_t root);
+
 #ifdef __cplusplus
 }
 #endif

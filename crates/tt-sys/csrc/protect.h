@@ -17,10 +17,11 @@ inline char* dup_message(const char* msg) {
 
 }  // namespace tt
 
-// Catch everything at the boundary: an exception unwinding into Rust is UB.
-#define TT_PROTECT(body)                                      \
+// Catch everything at the boundary: an exception unwinding into Rust is UB. Variadic:
+// a body may hold commas (template arguments, structured bindings).
+#define TT_PROTECT(...)                                       \
   try {                                                       \
-    body;                                                     \
+    __VA_ARGS__;                                              \
     return nullptr;                                           \
   } catch (const c10::Error& e) {                             \
     return tt::dup_message(e.what_without_backtrace());       \

@@ -29,6 +29,10 @@ mod raw {
     pub(crate) struct tt_work {
         _private: [u8; 0],
     }
+    #[repr(C)]
+    pub(crate) struct tt_reducer {
+        _private: [u8; 0],
+    }
     type Tensor = *mut std::ffi::c_void;
 
     extern "C" {
@@ -115,6 +119,39 @@ mod raw {
         pub(crate) fn tt_work_wait(w: *mut tt_work, timeout_ms: i64) -> *mut c_char;
         pub(crate) fn tt_work_is_completed(w: *mut tt_work) -> bool;
         pub(crate) fn tt_work_free(w: *mut tt_work);
+        #[allow(clippy::too_many_arguments)]
+        pub(crate) fn tt_reducer_new(
+            b: *mut tt_backend,
+            params: *const Tensor,
+            names: *const *const c_char,
+            n_params: usize,
+            buffers: *const Tensor,
+            n_buffers: usize,
+            bucket_bytes: i64,
+            first_bucket_bytes: i64,
+            find_unused: bool,
+            gradient_as_bucket_view: bool,
+            out: *mut *mut tt_reducer,
+        ) -> *mut c_char;
+        pub(crate) fn tt_reducer_prepare(
+            r: *mut tt_reducer,
+            outputs: *const Tensor,
+            n_outputs: usize,
+        ) -> *mut c_char;
+        pub(crate) fn tt_reducer_buckets(
+            r: *mut tt_reducer,
+            sizes: *mut usize,
+            cap: usize,
+            n_buckets: *mut usize,
+        ) -> *mut c_char;
+        pub(crate) fn tt_reducer_free(r: *mut tt_reducer);
+        pub(crate) fn tt_broadcast_coalesced(
+            b: *mut tt_backend,
+            tensors: *const Tensor,
+            n: usize,
+            buffer_bytes: usize,
+            root: i32,
+        ) -> *mut c_char;
     }
 }
 
@@ -526,6 +563,212 @@ impl Backend {
             // SAFETY: live backend.
             unsafe { raw::tt_barrier(self.raw.as_ptr(), out) }
         })
+    }
+
+    /// Copies `tensors` from rank `root` into every rank's, flattened into buffers of up
+    /// to `buffer_bytes` (c10d's `broadcast_coalesced`, which DDP uses for parameters).
+    /// Returns when done.
+    pub fn broadcast_coalesced(
+        &self,
+        tensors: &[Tensor],
+        buffer_bytes: usize,
+        root: usize,
+    ) -> Result<()> {
+        let ts: Vec<_> = tensors.iter().map(tensor_ptr).collect();
+        let root = int("broadcast_coalesced", root)?;
+        // SAFETY: live backend and tensors; `ts` outlives the synchronous call.
+        unsafe {
+            check(raw::tt_broadcast_coalesced(
+                self.raw.as_ptr(),
+                ts.as_ptr(),
+                ts.len(),
+                buffer_bytes,
+                root,
+            ))
+        }
+        .map_err(torch_err("broadcast_coalesced"))
+    }
+}
+
+/// How [`Reducer::new`] sets up DDP: the arguments of PyTorch's
+/// `DistributedDataParallel` that shape its reduction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReducerOptions {
+    /// Bucket size (`bucket_cap_mb`; PyTorch's default 25 MiB).
+    pub bucket_bytes: usize,
+    /// The first bucket's size, for the gradients ready last (PyTorch's 1 MiB).
+    pub first_bucket_bytes: usize,
+    /// Walk the autograd graph each step to find parameters that get no gradient
+    /// (`find_unused_parameters`; costs one graph walk and one small all-reduce a step).
+    pub find_unused_parameters: bool,
+    /// Gradients are views into the buckets (`gradient_as_bucket_view`: saves one copy
+    /// of the gradients' memory).
+    pub gradient_as_bucket_view: bool,
+}
+
+/// PyTorch's `DistributedDataParallel` default bucket size.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+/// PyTorch's default size of DDP's first bucket (`dist._DEFAULT_FIRST_BUCKET_BYTES`).
+pub const DEFAULT_FIRST_BUCKET_BYTES: usize = 1 << 20;
+
+impl ReducerOptions {
+    /// With buckets of about `bytes` (`bucket_cap_mb`), the first one included, as
+    /// PyTorch does when `bucket_cap_mb` is given (set [`Self::first_bucket_bytes`]
+    /// after this to differ).
+    pub fn bucket_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_bytes = bytes;
+        self.first_bucket_bytes = bytes;
+        self
+    }
+
+    /// With a first bucket of about `bytes`.
+    pub fn first_bucket_bytes(mut self, bytes: usize) -> Self {
+        self.first_bucket_bytes = bytes;
+        self
+    }
+
+    /// Whether to look for parameters that get no gradient, each step.
+    pub fn find_unused_parameters(mut self, on: bool) -> Self {
+        self.find_unused_parameters = on;
+        self
+    }
+
+    /// Whether gradients are views into the buckets.
+    pub fn gradient_as_bucket_view(mut self, on: bool) -> Self {
+        self.gradient_as_bucket_view = on;
+        self
+    }
+}
+
+impl Default for ReducerOptions {
+    fn default() -> Self {
+        ReducerOptions {
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+            first_bucket_bytes: DEFAULT_FIRST_BUCKET_BYTES,
+            find_unused_parameters: false,
+            gradient_as_bucket_view: false,
+        }
+    }
+}
+
+/// PyTorch's DDP engine, `c10d::Reducer`, on a [`Backend`]: autograd hooks on every
+/// parameter launch a bucket's all-reduce as soon as its gradients are ready, so
+/// communication overlaps the rest of the backward pass; when `backward()` returns, the
+/// gradients are averaged over the ranks.
+///
+/// Built as `DistributedDataParallel.__init__` builds it (parameters checked equal across
+/// ranks, rank 0's parameters and buffers broadcast, buckets assigned by size in reverse
+/// order, one bucket until the first backward has shown the order in which gradients
+/// become ready), and stepped as its forward steps it ([`Reducer::prepare_for_backward`]),
+/// so Rust and Python DDP ranks issue the same collectives and can train one model.
+#[derive(Debug)]
+pub struct Reducer<'b> {
+    raw: NonNull<raw::tt_reducer>,
+    _params: Vec<Tensor>,
+    _backend: std::marker::PhantomData<&'b Backend>,
+}
+
+impl<'b> Reducer<'b> {
+    /// A reducer for `params` (leaf tensors that require a gradient, in the order of the
+    /// model's definition: PyTorch's `named_parameters()` order), named for errors, with
+    /// `buffers` (non-trainable state) broadcast from rank 0 too. Every rank must call it
+    /// with the same shapes and dtypes (else an error naming the difference, on every
+    /// rank).
+    pub fn new(
+        backend: &'b Backend,
+        params: &[(String, Tensor)],
+        buffers: &[Tensor],
+        opts: &ReducerOptions,
+    ) -> Result<Reducer<'b>> {
+        let bytes = |what: &str, v: usize| {
+            i64::try_from(v)
+                .ok()
+                .filter(|&b| b > 0)
+                .ok_or_else(|| Error::Torch {
+                    op: "Reducer",
+                    message: format!(
+                        "{what} of {v} bytes: give a size > 0 (PyTorch's 25 MiB / 1 MiB)"
+                    ),
+                })
+        };
+        let bucket = bytes("bucket size", opts.bucket_bytes)?;
+        let first = bytes("first bucket size", opts.first_bucket_bytes)?;
+        let names = params
+            .iter()
+            .map(|(n, _)| c_string("Reducer parameter name", n))
+            .collect::<Result<Vec<_>>>()?;
+        let name_ptrs: Vec<*const c_char> = names.iter().map(|n| n.as_ptr()).collect();
+        let ps: Vec<_> = params.iter().map(|(_, t)| tensor_ptr(t)).collect();
+        let bs: Vec<_> = buffers.iter().map(tensor_ptr).collect();
+        let mut out = std::ptr::null_mut();
+        // SAFETY: live backend and tensors; the arrays outlive the synchronous call; the
+        // reducer keeps its own references to the tensors and the backend.
+        let err = unsafe {
+            raw::tt_reducer_new(
+                backend.raw.as_ptr(),
+                ps.as_ptr(),
+                name_ptrs.as_ptr(),
+                ps.len(),
+                bs.as_ptr(),
+                bs.len(),
+                bucket,
+                first,
+                opts.find_unused_parameters,
+                opts.gradient_as_bucket_view,
+                &mut out,
+            )
+        };
+        // SAFETY: the shim's error pointer, owned by us from here.
+        unsafe { check(err) }.map_err(torch_err("Reducer"))?;
+        Ok(Reducer {
+            raw: NonNull::new(out).expect("the shim returned a null reducer on success"),
+            _params: params.iter().map(|(_, t)| t.shallow_clone()).collect(),
+            _backend: std::marker::PhantomData,
+        })
+    }
+
+    /// Arms the reducer for the next backward pass (what DDP's forward does when
+    /// gradients are to be averaged): counts the iteration, rebuilds the buckets in
+    /// gradient-ready order once (a collective, after the first backward), and with
+    /// `find_unused_parameters` marks the parameters `outputs` do not depend on. Skip it
+    /// for a backward that should only accumulate locally (`no_sync`).
+    pub fn prepare_for_backward(&self, outputs: &[&Tensor]) -> Result<()> {
+        let outs: Vec<_> = outputs.iter().map(|t| tensor_ptr(t)).collect();
+        // SAFETY: live reducer and tensors; `outs` outlives the synchronous call.
+        unsafe {
+            check(raw::tt_reducer_prepare(
+                self.raw.as_ptr(),
+                outs.as_ptr(),
+                outs.len(),
+            ))
+        }
+        .map_err(torch_err("Reducer::prepare_for_backward"))
+    }
+
+    /// The number of parameters in each bucket, in the order buckets are reduced.
+    pub fn bucket_sizes(&self) -> Result<Vec<usize>> {
+        let mut sizes = vec![0usize; self._params.len().max(1)];
+        let mut n = 0usize;
+        // SAFETY: live reducer; `sizes` holds `cap` elements.
+        unsafe {
+            check(raw::tt_reducer_buckets(
+                self.raw.as_ptr(),
+                sizes.as_mut_ptr(),
+                sizes.len(),
+                &mut n,
+            ))
+        }
+        .map_err(torch_err("Reducer::buckets"))?;
+        sizes.truncate(n);
+        Ok(sizes)
+    }
+}
+
+impl Drop for Reducer<'_> {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, freed once; the shim removes the autograd hooks.
+        unsafe { raw::tt_reducer_free(self.raw.as_ptr()) }
     }
 }
 
