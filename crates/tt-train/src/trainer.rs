@@ -48,6 +48,25 @@ pub struct TrainConfig {
     /// process: see [`install_signal_handlers`](crate::install_signal_handlers)).
     /// `false` leaves signals to you; [`Trainer::request_stop`] still stops.
     pub handle_signals: bool,
+    /// Micro-batches per step (default 1): each rank's batch of `batch_size` is split
+    /// into this many parts, the step function runs on each, the gradients accumulate
+    /// (synchronised across ranks only after the last part, DDP's `no_sync` before)
+    /// and the optimizer steps once. Each part's loss is weighted by its share of the
+    /// batch, so the step equals one on the whole batch; the sampler still advances one
+    /// batch a step, so a resume stays exact.
+    pub accumulate: usize,
+    /// Clip the gradients to this global L2 norm before each optimizer step (PyTorch's
+    /// `clip_grad_norm_`); under DDP the gradients are already averaged, so every rank
+    /// clips by the same norm. The norm before clipping is logged.
+    pub clip_grad_norm: Option<f64>,
+    /// Seed libtorch's generators at the start of every step from (`seed`, rank, step)
+    /// (default `true`): dropout and other random draws in the step function are then
+    /// the same in a resumed run as in an uninterrupted one, bit for bit for a fixed
+    /// world size, and differ between ranks.
+    pub seed_every_step: bool,
+    /// A JSON Lines file that rank 0 appends one line to at every log step (step,
+    /// epoch, loss, learning rate, gradient norm when clipping, samples per second).
+    pub metrics_file: Option<PathBuf>,
 }
 
 impl TrainConfig {
@@ -66,7 +85,29 @@ impl TrainConfig {
             log_every: 50,
             allow_reshard: false,
             handle_signals: true,
+            accumulate: 1,
+            clip_grad_norm: None,
+            seed_every_step: true,
+            metrics_file: None,
         }
+    }
+
+    /// With `k` micro-batches per step (gradient accumulation).
+    pub fn accumulate(mut self, k: usize) -> TrainConfig {
+        self.accumulate = k;
+        self
+    }
+
+    /// Clipping the gradients to this global norm.
+    pub fn clip_grad_norm(mut self, max_norm: f64) -> TrainConfig {
+        self.clip_grad_norm = Some(max_norm);
+        self
+    }
+
+    /// With the metrics appended to this JSON Lines file (rank 0).
+    pub fn metrics(mut self, path: impl Into<PathBuf>) -> TrainConfig {
+        self.metrics_file = Some(path.into());
+        self
     }
 
     /// Checkpoints in `dir` every `every` steps (0: at the end and on preemption).
@@ -103,6 +144,29 @@ impl TrainConfig {
                 "keep_last is 0: keep at least one checkpoint".into(),
             ));
         }
+        if self.accumulate == 0 || self.accumulate > self.batch_size {
+            return Err(TrainError::Config(format!(
+                "accumulate is {}: give 1 to {} micro-batches (each needs at least one of \
+                 the batch's {} samples)",
+                self.accumulate, self.batch_size, self.batch_size
+            )));
+        }
+        if let Some(max) = self.clip_grad_norm {
+            if !(max.is_finite() && max > 0.0) {
+                return Err(TrainError::Config(format!(
+                    "clip_grad_norm is {max}: give a norm > 0 (e.g. 1.0), or None"
+                )));
+            }
+        }
+        if let Some(path) = &self.metrics_file {
+            let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+            if path.is_dir() || parent.is_some_and(|p| !p.is_dir()) {
+                return Err(TrainError::Config(format!(
+                    "metrics_file {}: give a file in an existing directory",
+                    path.display()
+                )));
+            }
+        }
         Ok(())
     }
 }
@@ -118,6 +182,11 @@ pub struct StepContext<'a> {
     pub epoch: u64,
     /// Steps finished before this one (over the whole run, resumes included).
     pub step: u64,
+    /// Which micro-batch of the step this is (0-based; see
+    /// [`TrainConfig::accumulate`]).
+    pub micro_batch: usize,
+    /// How many micro-batches this step has.
+    pub micro_batches: usize,
 }
 
 /// Why [`Trainer::fit`] returned.
@@ -263,6 +332,13 @@ struct Run<'a> {
     losses: Vec<(u64, f64)>,
     window: LossWindow,
     last_ckpt: Option<PathBuf>,
+    /// The last step's gradient norm before clipping (on the device).
+    grad_norm: Option<Tensor>,
+    /// The trainable variables (for clipping).
+    params: Vec<Tensor>,
+    metrics: Option<std::fs::File>,
+    /// Samples and time since the last log line.
+    since_log: (u64, std::time::Instant),
 }
 
 impl Trainer {
@@ -346,8 +422,9 @@ impl Trainer {
     {
         let mut run = self.start(vs, opt)?;
         while let Some(batch) = run.batches.next_batch()? {
+            let lr = opt.lr();
             let loss = self.step(&mut run, opt, &batch.indices, batch.epoch, &mut step)?;
-            let any_stop = self.agree(&mut run, loss, batch.epoch)?;
+            let any_stop = self.agree(&mut run, loss, batch.epoch, lr)?;
             if any_stop {
                 return self.finish(run, vs, opt, FitOutcome::Preempted, batch.epoch);
             }
@@ -390,6 +467,18 @@ impl Trainer {
             None => None,
         };
         let ddp = Ddp::new(pg, vs)?;
+        let metrics = match (&cfg.metrics_file, pg.is_main()) {
+            (Some(path), true) => Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| {
+                        TrainError::Config(format!("metrics_file {}: {e}", path.display()))
+                    })?,
+            ),
+            _ => None,
+        };
         Ok(Run {
             batches,
             dir,
@@ -399,11 +488,16 @@ impl Trainer {
             losses: Vec::new(),
             window: LossWindow::default(),
             last_ckpt: None,
+            grad_norm: None,
+            params: vs.trainable_variables(),
+            metrics,
+            since_log: (0, std::time::Instant::now()),
         })
     }
 
-    /// One step: the user's loss, DDP's backward, the optimizer. Returns the loss, as
-    /// a one-element double tensor still on its device: nothing here waits for the GPU.
+    /// One step: the user's loss on each micro-batch, DDP's backward, clipping, the
+    /// optimizer. Returns the loss (the batch's, micro-batches weighted by size), as a
+    /// one-element double tensor still on its device: nothing here waits for the GPU.
     fn step<F, E>(
         &self,
         run: &mut Run<'_>,
@@ -416,37 +510,66 @@ impl Trainer {
         F: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        opt.zero_grad();
-        let ctx = StepContext {
-            indices,
-            device: self.device,
-            epoch,
-            step: run.steps,
-        };
+        let steps = run.steps;
         let failed = |source: Box<dyn std::error::Error + Send + Sync>| TrainError::Step {
-            step: run.steps,
+            step: steps,
             source,
         };
-        let loss = step(&ctx).map_err(|e| failed(e.into()))?;
-        if loss.numel() != 1 {
-            return Err(failed(
-                format!(
-                    "the loss must be a scalar tensor, not one of shape {:?}: reduce it \
-                     (e.g. with .mean())",
-                    loss.size()
-                )
-                .into(),
-            ));
+        if self.config.seed_every_step {
+            tch::manual_seed(step_seed(self.config.seed, self.pg.rank() as u64, steps));
         }
-        let value = loss
-            .detach()
-            .f_to_kind(tch::Kind::Double)
-            .and_then(|l| l.f_reshape([1]))
-            .map_err(|e| failed(e.into()))?;
-        run.ddp.backward(&loss)?;
+        opt.zero_grad();
+        let parts = micro_batches(indices, self.config.accumulate);
+        let mut value: Option<Tensor> = None;
+        for (m, part) in parts.iter().enumerate() {
+            let ctx = StepContext {
+                indices: part,
+                device: self.device,
+                epoch,
+                step: steps,
+                micro_batch: m,
+                micro_batches: parts.len(),
+            };
+            let loss = step(&ctx).map_err(|e| failed(e.into()))?;
+            if loss.numel() != 1 {
+                return Err(failed(
+                    format!(
+                        "the loss must be a scalar tensor, not one of shape {:?}: reduce it \
+                         (e.g. with .mean())",
+                        loss.size()
+                    )
+                    .into(),
+                ));
+            }
+            // Each part's mean loss weighted by its share: the batch's mean loss.
+            let loss = if parts.len() == 1 {
+                loss
+            } else {
+                loss * (part.len() as f64 / indices.len() as f64)
+            };
+            let detached = loss
+                .detach()
+                .f_to_kind(tch::Kind::Double)
+                .and_then(|l| l.f_reshape([1]))
+                .map_err(|e| failed(e.into()))?;
+            value = Some(match value.take() {
+                Some(v) => v + detached,
+                None => detached,
+            });
+            if m + 1 < parts.len() {
+                run.ddp.no_sync(|| run.ddp.backward(&loss))?;
+            } else {
+                run.ddp.backward(&loss)?;
+            }
+        }
+        if let Some(max_norm) = self.config.clip_grad_norm {
+            run.grad_norm =
+                Some(clip_grad_norm(&run.params, max_norm).map_err(|e| failed(e.into()))?);
+        }
         opt.step()?;
         run.steps += 1;
-        Ok(value)
+        run.since_log.0 += indices.len() as u64;
+        value.ok_or_else(|| failed("an empty batch".into()))
     }
 
     /// One small all-reduce a step: the loss summed over the ranks (for the log) and
@@ -455,7 +578,13 @@ impl Trainer {
     ///
     /// One process alone reads nothing from the device; several read the reduced stop
     /// flag, the step's one host sync (all ranks must agree on when to stop).
-    fn agree(&self, run: &mut Run<'_>, loss: Tensor, epoch: u64) -> Result<bool, TrainError> {
+    fn agree(
+        &self,
+        run: &mut Run<'_>,
+        loss: Tensor,
+        epoch: u64,
+        lr: f64,
+    ) -> Result<bool, TrainError> {
         let stop_here = self.stop.load(Ordering::SeqCst);
         let any_stop = if self.pg.backend().is_none() {
             run.window.add(loss);
@@ -479,11 +608,46 @@ impl Trainer {
             if let Some(mean) = run.window.take_mean() {
                 run.losses.push((run.steps, mean));
                 if self.pg.is_main() {
-                    tracing::info!(step = run.steps, epoch, loss = mean, "training");
+                    self.log(run, epoch, mean, lr);
                 }
             }
         }
         Ok(any_stop)
+    }
+
+    /// Rank 0's log line and metrics record.
+    fn log(&self, run: &mut Run<'_>, epoch: u64, loss: f64, lr: f64) {
+        let grad_norm = run.grad_norm.as_ref().map(|n| n.double_value(&[]));
+        let (samples, since) =
+            std::mem::replace(&mut run.since_log, (0, std::time::Instant::now()));
+        // Samples of all ranks per second.
+        let throughput = (samples * self.pg.world_size() as u64) as f64
+            / since.elapsed().as_secs_f64().max(1e-9);
+        tracing::info!(
+            step = run.steps,
+            epoch,
+            loss,
+            lr,
+            grad_norm,
+            throughput,
+            "training"
+        );
+        if let Some(file) = &mut run.metrics {
+            let mut record = serde_json::json!({
+                "step": run.steps,
+                "epoch": epoch,
+                "loss": loss,
+                "lr": lr,
+                "samples_per_s": throughput,
+            });
+            if let Some(n) = grad_norm {
+                record["grad_norm"] = serde_json::json!(n);
+            }
+            use std::io::Write;
+            if let Err(e) = writeln!(file, "{record}") {
+                tracing::warn!("cannot append to the metrics file: {e}");
+            }
+        }
     }
 
     /// Rank 0 writes; the others build nothing.
@@ -521,5 +685,87 @@ impl Trainer {
             losses: run.losses,
             checkpoint: run.last_ckpt,
         })
+    }
+}
+
+/// `indices` split into `k` contiguous parts (at most one per sample), sizes differing
+/// by at most one.
+fn micro_batches(indices: &[u64], k: usize) -> Vec<&[u64]> {
+    let k = k.clamp(1, indices.len().max(1));
+    let (base, extra) = (indices.len() / k, indices.len() % k);
+    let mut parts = Vec::with_capacity(k);
+    let mut start = 0;
+    for i in 0..k {
+        let len = base + usize::from(i < extra);
+        parts.push(&indices[start..start + len]);
+        start += len;
+    }
+    parts
+}
+
+/// A seed for (`seed`, rank, step): splitmix64 of the three, so that neighbouring steps
+/// and ranks get unrelated streams.
+fn step_seed(seed: u64, rank: u64, step: u64) -> i64 {
+    let mut z = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(rank.wrapping_mul(0xBF58_476D_1CE4_E5B9))
+        .wrapping_add(step.wrapping_mul(0x94D0_49BB_1331_11EB));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 1) as i64
+}
+
+/// PyTorch's `clip_grad_norm_`: scales every gradient by `max_norm / (norm + 1e-6)`
+/// when that is below 1; returns the norm before clipping (on the device, no sync).
+fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<Tensor, tch::TchError> {
+    let _guard = tch::no_grad_guard();
+    let grads: Vec<Tensor> = params
+        .iter()
+        .map(Tensor::grad)
+        .filter(Tensor::defined)
+        .collect();
+    let Some(first) = grads.first() else {
+        return Tensor::f_zeros([], (tch::Kind::Double, tch::Device::Cpu));
+    };
+    let norms = grads
+        .iter()
+        .map(|g| g.f_norm().and_then(|n| n.f_to_kind(tch::Kind::Double)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let total = Tensor::f_stack(&norms, 0)?.f_norm()?;
+    let coef = (max_norm / (&total + 1e-6)).f_clamp_max(1.0)?;
+    for g in &grads {
+        let _ = g
+            .shallow_clone()
+            .f_mul_(&coef.f_to_kind(g.kind())?.f_to_device(first.device())?)?;
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{micro_batches, step_seed};
+
+    #[test]
+    fn micro_batches_cover_the_batch_in_order_with_sizes_differing_by_one() {
+        let idx: Vec<u64> = (10..17).collect();
+        let parts = micro_batches(&idx, 3);
+        assert_eq!(parts, vec![&idx[0..3], &idx[3..5], &idx[5..7]]);
+        assert_eq!(micro_batches(&idx, 1), vec![&idx[..]]);
+        assert_eq!(
+            micro_batches(&idx[..2], 5).len(),
+            2,
+            "at most one part per sample"
+        );
+    }
+
+    #[test]
+    fn step_seeds_differ_by_step_rank_and_seed() {
+        let a = step_seed(7, 0, 3);
+        assert_eq!(a, step_seed(7, 0, 3));
+        assert!(a >= 0);
+        assert_ne!(a, step_seed(7, 0, 4));
+        assert_ne!(a, step_seed(7, 1, 3));
+        assert_ne!(a, step_seed(8, 0, 3));
     }
 }

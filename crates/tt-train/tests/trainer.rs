@@ -56,6 +56,22 @@ fn main() {
             "signal_handlers_are_installed_once_and_can_be_declined",
             signals,
         ),
+        (
+            "accumulated_micro_batches_equal_the_whole_batch",
+            accumulation,
+        ),
+        (
+            "two_ranks_accumulating_equal_one_process_on_the_whole_batch",
+            accumulation_two_ranks,
+        ),
+        (
+            "gradients_are_clipped_to_the_global_norm_and_logged",
+            clipping,
+        ),
+        (
+            "random_draws_after_a_crash_and_resume_are_the_uninterrupted_runs",
+            reseeding,
+        ),
     ];
     tt_testkit::run_tests(tests);
 }
@@ -103,6 +119,9 @@ fn train_process() -> TestResult {
     cfg.log_every = 4;
     if let Some(dir) = var("TT_CKPT") {
         cfg = cfg.checkpoints(dir, 5);
+    }
+    if let Some(k) = var("TT_ACCUM") {
+        cfg = cfg.accumulate(k.parse().map_err(|e| format!("TT_ACCUM: {e}"))?);
     }
     let mut trainer = Trainer::from_env(cfg).map_err(|e| e.to_string())?;
     let rank = trainer.group().rank();
@@ -551,6 +570,222 @@ fn signals() -> TestResult {
         };
         if !ok {
             return Err(format!("TT_HANDLE={handle}: ended {status}"));
+        }
+    }
+    Ok(())
+}
+
+/// Parameters by name, the report, the micro-batch sizes the step saw.
+type Fitted = (Vec<(String, Tensor)>, tt_train::FitReport, Vec<usize>);
+
+/// A linear model trained by one CPU process through `fit` with `cfg` (no shuffle, so
+/// batch `i` is samples `4i..4i+4` when the batch is 4); returns the parameters, the
+/// report and the micro-batch sizes the step function saw.
+fn fit_linear(
+    cfg: TrainConfig,
+) -> Result<Fitted, String> {
+    let mut cfg = cfg;
+    cfg.handle_signals = false;
+    cfg.shuffle = false;
+    tch::manual_seed(3);
+    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+    let mut sizes = Vec::new();
+    let report = trainer
+        .fit(&mut vs, &mut opt, |ctx| {
+            sizes.push(ctx.indices.len());
+            let (x, y) = sample(ctx.indices, ctx.device);
+            Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+        })
+        .map_err(|e| e.to_string())?;
+    let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    params.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok((params, report, sizes))
+}
+
+fn accumulation() -> TestResult {
+    let (whole, whole_report, sizes) = fit_linear(TrainConfig::new(64, 8, 1))?;
+    if sizes != vec![8; 8] {
+        return Err(format!("without accumulation the step saw {sizes:?}"));
+    }
+    let (acc, acc_report, sizes) = fit_linear(TrainConfig::new(64, 8, 1).accumulate(3))?;
+    // 8 samples in 3 parts: 3, 3, 2, each step.
+    if sizes != [3, 3, 2].repeat(8) {
+        return Err(format!("accumulating over 3, the step saw {sizes:?}"));
+    }
+    let diff = max_diff(&whole, &acc)?;
+    if diff > 1e-6 || acc_report.steps != whole_report.steps {
+        return Err(format!(
+            "accumulated run differs by {diff} ({} vs {} steps)",
+            acc_report.steps, whole_report.steps
+        ));
+    }
+    // The logged loss is the whole batch's.
+    for ((s1, l1), (s2, l2)) in whole_report.losses.iter().zip(&acc_report.losses) {
+        if s1 != s2 || (l1 - l2).abs() > 1e-6 {
+            return Err(format!(
+                "losses {:?} vs {:?}",
+                whole_report.losses, acc_report.losses
+            ));
+        }
+    }
+    // More micro-batches than samples is refused before training.
+    match Trainer::with_group(
+        TrainConfig::new(64, 4, 1).accumulate(5),
+        tt_dist::ProcessGroup::single(),
+        tch::Device::Cpu,
+    ) {
+        Err(e) if e.to_string().contains("accumulate is 5") => Ok(()),
+        other => Err(format!("accumulate 5 of a batch of 4: {other:?}")),
+    }
+}
+
+fn accumulation_two_ranks() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let two = run(
+        2,
+        4,
+        &[("TT_ACCUM", Path::new("2"))],
+        &dir.path().join("two"),
+    )?;
+    let one = run(0, 8, &[], &dir.path().join("one"))?;
+    let diff = max_diff(&two, &one)?;
+    if diff > 1e-5 {
+        return Err(format!(
+            "two ranks accumulating 2 micro-batches and one process differ by {diff}"
+        ));
+    }
+    Ok(())
+}
+
+fn clipping() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let metrics = dir.path().join("metrics.jsonl");
+    let max_norm = 0.05;
+    let mut cfg = TrainConfig::new(64, 4, 1)
+        .clip_grad_norm(max_norm)
+        .metrics(&metrics);
+    cfg.log_every = 4;
+    let (clipped, report, _) = fit_linear(cfg)?;
+    // The same steps by hand with PyTorch's clip_grad_norm_ formula.
+    tch::manual_seed(3);
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let net = nn::linear(vs.root(), 8, 1, Default::default());
+    let mut opt = Optimizer::sgd(&vs, SgdConfig::default()).map_err(|e| e.to_string())?;
+    let mut norms = Vec::new();
+    for b in 0..16u64 {
+        let idx: Vec<u64> = (4 * b..4 * b + 4).collect();
+        opt.zero_grad();
+        let (x, y) = sample(&idx, tch::Device::Cpu);
+        net.forward(&x)
+            .mse_loss(&y, tch::Reduction::Mean)
+            .backward();
+        let grads: Vec<Tensor> = vs.trainable_variables().iter().map(Tensor::grad).collect();
+        let norm = grads
+            .iter()
+            .map(|g| g.square().sum(Kind::Double).double_value(&[]))
+            .sum::<f64>()
+            .sqrt();
+        norms.push(norm);
+        let coef = (max_norm / (norm + 1e-6)).min(1.0);
+        tch::no_grad(|| {
+            for g in &grads {
+                let _ = g.shallow_clone().g_mul_scalar_(coef);
+            }
+        });
+        opt.step().map_err(|e| e.to_string())?;
+    }
+    if norms.iter().all(|&n| n <= max_norm) {
+        return Err(format!("no step needed clipping: {norms:?}"));
+    }
+    let mut by_hand: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    by_hand.sort_by(|a, b| a.0.cmp(&b.0));
+    let diff = max_diff(&clipped, &by_hand)?;
+    if diff > 1e-6 {
+        return Err(format!(
+            "clipped training differs from clip_grad_norm_ by hand by {diff}"
+        ));
+    }
+    let (unclipped, _, _) = fit_linear(TrainConfig::new(64, 4, 1))?;
+    if max_diff(&clipped, &unclipped)? < 1e-4 {
+        return Err("clipping changed nothing".into());
+    }
+    // One metrics line per log step: its loss, the learning rate, the norm before
+    // clipping of the step logged.
+    let text = std::fs::read_to_string(&metrics).map_err(|e| e.to_string())?;
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).map_err(|e| format!("{e}: {l}")))
+        .collect::<Result<_, _>>()?;
+    if lines.len() != report.losses.len() || lines.len() != 4 {
+        return Err(format!(
+            "{} metrics lines for {:?}",
+            lines.len(),
+            report.losses
+        ));
+    }
+    for (line, (step, loss)) in lines.iter().zip(&report.losses) {
+        let norm = norms[*step as usize - 1];
+        let ok = line["step"] == *step
+            && line["loss"]
+                .as_f64()
+                .is_some_and(|l| (l - loss).abs() < 1e-12)
+            && line["lr"].as_f64() == Some(SgdConfig::default().lr)
+            && line["grad_norm"]
+                .as_f64()
+                .is_some_and(|n| (n - norm).abs() < 1e-6 * norm.max(1.0))
+            && line["samples_per_s"].as_f64().is_some_and(|t| t > 0.0);
+        if !ok {
+            return Err(format!("metrics line {line} for step {step} (norm {norm})"));
+        }
+    }
+    Ok(())
+}
+
+/// A step with random draws (dropout) that fails once at step 5 after a checkpoint at
+/// step 4: the resumed run ends with the uninterrupted run's parameters, bit for bit.
+fn reseeding() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let train = |ckpt: &Path,
+                 fail_at: Option<u64>,
+                 reseed: bool|
+     -> Result<Vec<(String, Tensor)>, String> {
+        let mut cfg = TrainConfig::new(64, 4, 1).checkpoints(ckpt, 2);
+        cfg.handle_signals = false;
+        cfg.seed_every_step = reseed;
+        tch::manual_seed(3); // the same initial parameters in every run
+        let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+        let result = trainer.fit(&mut vs, &mut opt, |ctx| {
+            if Some(ctx.step) == fail_at {
+                return Err(std::io::Error::other("crash"));
+            }
+            let (x, y) = sample(ctx.indices, ctx.device);
+            let x = x.dropout(0.5, true);
+            Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+        });
+        match (result, fail_at) {
+            (Ok(_), None) | (Err(TrainError::Step { .. }), Some(_)) => {}
+            (other, _) => return Err(format!("fit: {other:?}")),
+        }
+        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(params)
+    };
+    for reseed in [true, false] {
+        let whole = train(&dir.path().join(format!("whole-{reseed}")), None, reseed)?;
+        let ckpt = dir.path().join(format!("crash-{reseed}"));
+        train(&ckpt, Some(5), reseed)?;
+        // Some other random draws between the crash and the restart.
+        let _ = Tensor::rand([100], (Kind::Float, tch::Device::Cpu));
+        let resumed = train(&ckpt, None, reseed)?;
+        let diff = max_diff(&whole, &resumed)?;
+        match (reseed, diff == 0.0) {
+            (true, true) | (false, false) => {}
+            (true, false) => return Err(format!("the resumed run differs by {diff}")),
+            (false, true) => {
+                return Err(
+                    "without reseeding the resumed run should differ (is dropout on?)".into(),
+                )
+            }
         }
     }
     Ok(())
