@@ -16,6 +16,19 @@ use tt_sampler::{DistributedSampler, Reshard};
 use crate::state::{resume_parts, save_parts, Values};
 use crate::{EpochBatches, TrainError};
 
+/// Held-out evaluation during training (see [`Trainer::fit_eval`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EvalConfig {
+    /// Evaluate every this many steps (and after the last step).
+    pub every: u64,
+    /// The held-out sample indices, split over the ranks (rank `r` takes every
+    /// `world_size`-th index from the `r`-th).
+    pub indices: std::ops::Range<u64>,
+    /// Samples per evaluation batch on each rank.
+    pub batch_size: usize,
+}
+
 /// What to train on and how often to checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -67,6 +80,9 @@ pub struct TrainConfig {
     /// A JSON Lines file that rank 0 appends one line to at every log step (step,
     /// epoch, loss, learning rate, gradient norm when clipping, samples per second).
     pub metrics_file: Option<PathBuf>,
+    /// Held-out evaluation ([`Trainer::fit_eval`]); with a checkpoint directory, the
+    /// checkpoint of the best (lowest) evaluation so far is kept in its `best/`.
+    pub eval: Option<EvalConfig>,
 }
 
 impl TrainConfig {
@@ -89,7 +105,24 @@ impl TrainConfig {
             clip_grad_norm: None,
             seed_every_step: true,
             metrics_file: None,
+            eval: None,
         }
+    }
+
+    /// Evaluates on the held-out `indices` every `every` steps, in batches of
+    /// `batch_size` per rank (see [`Trainer::fit_eval`]).
+    pub fn evaluate(
+        mut self,
+        every: u64,
+        indices: std::ops::Range<u64>,
+        batch_size: usize,
+    ) -> TrainConfig {
+        self.eval = Some(EvalConfig {
+            every,
+            indices,
+            batch_size,
+        });
+        self
     }
 
     /// With `k` micro-batches per step (gradient accumulation).
@@ -158,6 +191,15 @@ impl TrainConfig {
                 )));
             }
         }
+        if let Some(eval) = &self.eval {
+            if eval.every == 0 || eval.batch_size == 0 || eval.indices.is_empty() {
+                return Err(TrainError::Config(format!(
+                    "eval: every {} steps, batch {} over {:?}: give every > 0, batch_size > 0 \
+                     and a non-empty range of held-out indices",
+                    eval.every, eval.batch_size, eval.indices
+                )));
+            }
+        }
         if let Some(path) = &self.metrics_file {
             let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
             if path.is_dir() || parent.is_some_and(|p| !p.is_dir()) {
@@ -217,6 +259,11 @@ pub struct FitReport {
     pub losses: Vec<(u64, f64)>,
     /// The last checkpoint written (rank 0 only; `None` elsewhere).
     pub checkpoint: Option<PathBuf>,
+    /// `(step, evaluation averaged over every held-out sample)` at each evaluation of
+    /// this run.
+    pub evals: Vec<(u64, f64)>,
+    /// The best (lowest) evaluation, resumes included: `(step, value)`.
+    pub best: Option<(u64, f64)>,
 }
 
 impl FitReport {
@@ -339,6 +386,10 @@ struct Run<'a> {
     metrics: Option<std::fs::File>,
     /// Samples and time since the last log line.
     since_log: (u64, std::time::Instant),
+    evals: Vec<(u64, f64)>,
+    best: Option<(u64, f64)>,
+    /// Where the best checkpoint goes (`<checkpoint_dir>/best`).
+    best_dir: Option<CheckpointDir>,
 }
 
 impl Trainer {
@@ -414,19 +465,81 @@ impl Trainer {
         &mut self,
         vs: &mut VarStore,
         opt: &mut Optimizer,
-        mut step: F,
+        step: F,
     ) -> Result<FitReport, TrainError>
     where
         F: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
+        if self.config.eval.is_some() {
+            return Err(TrainError::Config(
+                "an evaluation is configured (TrainConfig::eval): train with fit_eval, which \
+                 takes the evaluation function"
+                    .into(),
+            ));
+        }
+        self.fit_inner(
+            vs,
+            opt,
+            step,
+            None::<fn(&StepContext<'_>) -> Result<Tensor, E>>,
+        )
+    }
+
+    /// As [`Trainer::fit`], evaluating as [`TrainConfig::eval`] says: every `every`
+    /// steps and after the last, `eval` runs (without gradients) on this rank's share
+    /// of the held-out indices in batches and returns each batch's mean metric (a
+    /// scalar, lower is better, such as the loss); the trainer averages it over every
+    /// held-out sample of every rank, logs it, and with a checkpoint directory keeps
+    /// the checkpoint of the best evaluation in `<dir>/best` (the best survives resumes).
+    pub fn fit_eval<F, G, E>(
+        &mut self,
+        vs: &mut VarStore,
+        opt: &mut Optimizer,
+        step: F,
+        eval: G,
+    ) -> Result<FitReport, TrainError>
+    where
+        F: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
+        G: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        if self.config.eval.is_none() {
+            return Err(TrainError::Config(
+                "fit_eval without TrainConfig::eval: say when and on what to evaluate with \
+                 TrainConfig::evaluate(every, held_out_indices, batch_size)"
+                    .into(),
+            ));
+        }
+        self.fit_inner(vs, opt, step, Some(eval))
+    }
+
+    fn fit_inner<F, G, E>(
+        &mut self,
+        vs: &mut VarStore,
+        opt: &mut Optimizer,
+        mut step: F,
+        mut eval: Option<G>,
+    ) -> Result<FitReport, TrainError>
+    where
+        F: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
+        G: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
         let mut run = self.start(vs, opt)?;
+        let mut epoch = 0;
         while let Some(batch) = run.batches.next_batch()? {
+            epoch = batch.epoch;
             let lr = opt.lr();
             let loss = self.step(&mut run, opt, &batch.indices, batch.epoch, &mut step)?;
             let any_stop = self.agree(&mut run, loss, batch.epoch, lr)?;
             if any_stop {
                 return self.finish(run, vs, opt, FitOutcome::Preempted, batch.epoch);
+            }
+            if let (Some(cfg), Some(eval)) = (&self.config.eval, eval.as_mut()) {
+                if run.steps % cfg.every == 0 {
+                    self.evaluate(&mut run, vs, opt, batch.epoch, eval)?;
+                }
             }
             if self.config.checkpoint_every > 0 && run.steps % self.config.checkpoint_every == 0 {
                 self.checkpoint(&mut run, vs, opt)?;
@@ -435,8 +548,108 @@ impl Trainer {
         if let Some(mean) = run.window.take_mean() {
             run.losses.push((run.steps, mean));
         }
+        if let (Some(cfg), Some(eval)) = (&self.config.eval, eval.as_mut()) {
+            if run.steps % cfg.every != 0 && run.evals.last().map(|e| e.0) != Some(run.steps) {
+                self.evaluate(&mut run, vs, opt, epoch, eval)?;
+            }
+        }
         let epochs = self.config.epochs;
         self.finish(run, vs, opt, FitOutcome::Finished, epochs)
+    }
+
+    /// Runs `eval` on this rank's share of the held-out indices, averages over every
+    /// held-out sample of every rank, logs, and keeps the best checkpoint.
+    fn evaluate<G, E>(
+        &self,
+        run: &mut Run<'_>,
+        vs: &VarStore,
+        opt: &Optimizer,
+        epoch: u64,
+        eval: &mut G,
+    ) -> Result<(), TrainError>
+    where
+        G: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let Some(cfg) = &self.config.eval else {
+            return Ok(());
+        };
+        let steps = run.steps;
+        let failed = |source: Box<dyn std::error::Error + Send + Sync>| TrainError::Step {
+            step: steps,
+            source: format!("evaluation: {source}").into(),
+        };
+        let (world, rank) = (self.pg.world_size() as u64, self.pg.rank() as u64);
+        let start = cfg.indices.start;
+        let mine: Vec<u64> = cfg
+            .indices
+            .clone()
+            .filter(|i| (i - start) % world == rank)
+            .collect();
+        let dev = self.pg.scalar_device();
+        let mut sum = Tensor::zeros([1], (tch::Kind::Double, dev));
+        {
+            let _guard = tch::no_grad_guard();
+            for part in mine.chunks(cfg.batch_size) {
+                let ctx = StepContext {
+                    indices: part,
+                    device: self.device,
+                    epoch,
+                    step: steps,
+                    micro_batch: 0,
+                    micro_batches: 1,
+                };
+                let metric = eval(&ctx).map_err(|e| failed(e.into()))?;
+                if metric.numel() != 1 {
+                    return Err(failed(
+                        format!(
+                            "the evaluation must return a scalar, not a tensor of shape {:?}",
+                            metric.size()
+                        )
+                        .into(),
+                    ));
+                }
+                let weighted = metric
+                    .f_to_kind(tch::Kind::Double)
+                    .and_then(|m| m.f_reshape([1]))
+                    .and_then(|m| m.f_to_device(dev))
+                    .map_err(|e| failed(e.into()))?
+                    * part.len() as f64;
+                sum += weighted;
+            }
+        }
+        let count = Tensor::full([1], mine.len() as f64, (tch::Kind::Double, dev));
+        let both = Tensor::cat(&[sum, count], 0);
+        self.pg.all_reduce(&both, ReduceOp::Sum)?;
+        let value = both.double_value(&[0]) / both.double_value(&[1]).max(1.0);
+        run.evals.push((steps, value));
+        let improved = run.best.is_none_or(|(_, b)| value < b);
+        if self.pg.is_main() {
+            tracing::info!(step = steps, epoch, eval = value, improved, "evaluation");
+            if let Some(file) = &mut run.metrics {
+                use std::io::Write;
+                let record = serde_json::json!({"step": steps, "epoch": epoch, "eval": value});
+                if let Err(e) = writeln!(file, "{record}") {
+                    tracing::warn!("cannot append to the metrics file: {e}");
+                }
+            }
+        }
+        if improved {
+            run.best = Some((steps, value));
+            if let (Some(best_dir), true) = (&run.best_dir, self.pg.is_main()) {
+                save_parts(best_dir, steps, vs, opt, &run.batches, &self.values(run))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The trainer's own values in a checkpoint: the best evaluation.
+    fn values(&self, run: &Run<'_>) -> Values {
+        let mut values = Values::new();
+        if let Some(best) = run.best {
+            values.insert(BEST.into(), serde_json::json!(best));
+        }
+        values
     }
 
     /// The sampler, the checkpoint directory, the resume, the DDP wrapper.
@@ -462,9 +675,21 @@ impl Trainer {
         } else {
             Reshard::Refuse
         };
+        let mut values = Values::new();
         let resumed_from = match &dir {
-            Some(dir) => resume_parts(dir, vs, opt, &mut batches, reshard, None)?,
+            Some(dir) => resume_parts(dir, vs, opt, &mut batches, reshard, Some(&mut values))?,
             None => None,
+        };
+        let best = values
+            .get(BEST)
+            .and_then(|v| serde_json::from_value::<(u64, f64)>(v.clone()).ok());
+        let best_dir = match (&cfg.checkpoint_dir, &cfg.eval) {
+            (Some(d), Some(_)) => Some(
+                CheckpointDir::open(d.join("best"))?
+                    .keep_last(1)
+                    .writer(pg.is_main()),
+            ),
+            _ => None,
         };
         let ddp = Ddp::new(pg, vs)?;
         let metrics = match (&cfg.metrics_file, pg.is_main()) {
@@ -492,6 +717,9 @@ impl Trainer {
             params: vs.trainable_variables(),
             metrics,
             since_log: (0, std::time::Instant::now()),
+            evals: Vec::new(),
+            best,
+            best_dir,
         })
     }
 
@@ -658,7 +886,7 @@ impl Trainer {
         opt: &Optimizer,
     ) -> Result<(), TrainError> {
         if let (Some(dir), true) = (&run.dir, self.pg.is_main()) {
-            run.last_ckpt = save_parts(dir, run.steps, vs, opt, &run.batches, &Values::new())?;
+            run.last_ckpt = save_parts(dir, run.steps, vs, opt, &run.batches, &self.values(run))?;
         }
         Ok(())
     }
@@ -684,9 +912,14 @@ impl Trainer {
             resumed_from: run.resumed_from,
             losses: run.losses,
             checkpoint: run.last_ckpt,
+            evals: run.evals,
+            best: run.best,
         })
     }
 }
+
+/// The best evaluation `(step, value)` in a checkpoint's values.
+const BEST: &str = "tt_train.best_eval";
 
 /// `indices` split into `k` contiguous parts (at most one per sample), sizes differing
 /// by at most one.

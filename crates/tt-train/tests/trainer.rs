@@ -15,6 +15,8 @@ use tt_train::{FitOutcome, TrainConfig, TrainError, Trainer};
 type TestResult = Result<(), String>;
 
 const DATASET: u64 = 96;
+/// Held-out samples for evaluation: 25, so two ranks get 13 and 12.
+const HELD_OUT: std::ops::Range<u64> = 96..121;
 const EPOCHS: u64 = 3;
 
 fn main() {
@@ -72,6 +74,14 @@ fn main() {
             "random_draws_after_a_crash_and_resume_are_the_uninterrupted_runs",
             reseeding,
         ),
+        (
+            "evaluation_averages_every_held_out_sample_over_the_ranks",
+            evaluation,
+        ),
+        (
+            "the_best_evaluation_keeps_its_checkpoint_across_resumes",
+            best_checkpoint,
+        ),
     ];
     tt_testkit::run_tests(tests);
 }
@@ -123,6 +133,10 @@ fn train_process() -> TestResult {
     if let Some(k) = var("TT_ACCUM") {
         cfg = cfg.accumulate(k.parse().map_err(|e| format!("TT_ACCUM: {e}"))?);
     }
+    let evaluating = var("TT_EVAL").is_some();
+    if evaluating {
+        cfg = cfg.evaluate(4, HELD_OUT, batch);
+    }
     let mut trainer = Trainer::from_env(cfg).map_err(|e| e.to_string())?;
     let rank = trainer.group().rank();
     // Different seeds per rank: the trainer's DDP broadcast must align them.
@@ -149,18 +163,29 @@ fn train_process() -> TestResult {
     }
     let slow = var("TT_SLOW_MS").map(|v| Duration::from_millis(v.parse().unwrap_or(0)));
     let progress = var("TT_PROGRESS").map(PathBuf::from);
-    let report = trainer
-        .fit(&mut vs, &mut opt, |ctx| {
-            if let Some(d) = slow {
-                std::thread::sleep(d);
-            }
-            if let (Some(p), 0) = (&progress, rank) {
-                let _ = std::fs::write(p, ctx.step.to_string());
-            }
-            let (x, y) = sample(ctx.indices, ctx.device);
-            net.forward(&x).f_mse_loss(&y, tch::Reduction::Mean)
-        })
-        .map_err(|e| e.to_string())?;
+    let step = |ctx: &tt_train::StepContext<'_>| {
+        if let Some(d) = slow {
+            std::thread::sleep(d);
+        }
+        if let (Some(p), 0) = (&progress, rank) {
+            let _ = std::fs::write(p, ctx.step.to_string());
+        }
+        let (x, y) = sample(ctx.indices, ctx.device);
+        net.forward(&x).f_mse_loss(&y, tch::Reduction::Mean)
+    };
+    let eval = |ctx: &tt_train::StepContext<'_>| {
+        let (x, y) = sample(ctx.indices, ctx.device);
+        net.forward(&x).f_mse_loss(&y, tch::Reduction::Mean)
+    };
+    let report = if evaluating {
+        trainer.fit_eval(&mut vs, &mut opt, step, eval)
+    } else {
+        trainer.fit(&mut vs, &mut opt, step)
+    }
+    .map_err(|e| e.to_string())?;
+    if rank == 0 && evaluating {
+        println!("\n@@evals {}@@", serde_json::json!(report.evals));
+    }
     println!(
         "\n@@outcome {:?} steps {} resumed {:?}@@",
         report.outcome, report.steps, report.resumed_from
@@ -581,9 +606,7 @@ type Fitted = (Vec<(String, Tensor)>, tt_train::FitReport, Vec<usize>);
 /// A linear model trained by one CPU process through `fit` with `cfg` (no shuffle, so
 /// batch `i` is samples `4i..4i+4` when the batch is 4); returns the parameters, the
 /// report and the micro-batch sizes the step function saw.
-fn fit_linear(
-    cfg: TrainConfig,
-) -> Result<Fitted, String> {
+fn fit_linear(cfg: TrainConfig) -> Result<Fitted, String> {
     let mut cfg = cfg;
     cfg.handle_signals = false;
     cfg.shuffle = false;
@@ -789,4 +812,132 @@ fn reseeding() -> TestResult {
         }
     }
     Ok(())
+}
+
+/// Rank 0's `@@evals [[step, value], ...]@@` line.
+fn evals_of(stdout: &str) -> Result<Vec<(u64, f64)>, String> {
+    let line = stdout
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("@@evals ")
+                .and_then(|l| l.strip_suffix("@@"))
+        })
+        .ok_or_else(|| format!("no evals line in {stdout}"))?;
+    serde_json::from_str(line).map_err(|e| format!("{e}: {line}"))
+}
+
+fn evaluation() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let eval = [("TT_EVAL", Path::new("1"))];
+    let mut lines = Vec::new();
+    for (world, batch, name) in [(2, 4, "two"), (0, 8, "one")] {
+        let p = port();
+        let mut all = eval.to_vec();
+        let out = dir.path().join(name);
+        all.push(("TT_OUT", &out));
+        let children = (0..world.max(1))
+            .map(|r| spawn(r, world, p, batch, &all))
+            .collect();
+        let outs = finish(children)?;
+        lines.push(evals_of(&outs[0])?);
+    }
+    let (two, one) = (&lines[0], &lines[1]);
+    // Every 4 of the 36 steps.
+    let steps: Vec<u64> = one.iter().map(|e| e.0).collect();
+    if steps != (1..=9).map(|i| i * 4).collect::<Vec<_>>() || two.len() != one.len() {
+        return Err(format!("evaluations at {steps:?} and {two:?}"));
+    }
+    for ((s2, v2), (s1, v1)) in two.iter().zip(one) {
+        if s2 != s1 || (v2 - v1).abs() > 1e-6 * v1.abs().max(1.0) {
+            return Err(format!("two ranks evaluated {two:?}, one process {one:?}"));
+        }
+    }
+    // The last one is the final model's mean squared error over all 25 samples.
+    let params = Tensor::read_safetensors(dir.path().join("one.rank0.safetensors"))
+        .map_err(|e| e.to_string())?;
+    let mut vs = nn::VarStore::new(tch::Device::Cpu);
+    let root = vs.root();
+    let net = nn::seq()
+        .add(nn::linear(&root / "l1", 8, 16, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&root / "l2", 16, 1, Default::default()));
+    vs.load(dir.path().join("one.rank0.safetensors"))
+        .map_err(|e| e.to_string())?;
+    if params.len() != 4 {
+        return Err(format!("{} tensors saved", params.len()));
+    }
+    let idx: Vec<u64> = HELD_OUT.collect();
+    let (x, y) = sample(&idx, tch::Device::Cpu);
+    let want =
+        tch::no_grad(|| net.forward(&x).mse_loss(&y, tch::Reduction::Mean)).double_value(&[]);
+    let got = one[one.len() - 1].1;
+    if (got - want).abs() > 1e-6 * want.max(1e-3) {
+        return Err(format!(
+            "final evaluation {got}, the model's error over the held-out set {want}"
+        ));
+    }
+    Ok(())
+}
+
+fn best_checkpoint() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let ckpt = dir.path().join("ckpt");
+    let fit = |epochs: u64| -> Result<tt_train::FitReport, String> {
+        let mut cfg = TrainConfig::new(64, 4, epochs)
+            .checkpoints(&ckpt, 4)
+            .evaluate(4, 64..72, 4);
+        cfg.handle_signals = false;
+        let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+        trainer
+            .fit_eval(
+                &mut vs,
+                &mut opt,
+                |ctx| {
+                    let (x, y) = sample(ctx.indices, ctx.device);
+                    Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+                },
+                // A metric that is best at step 8 and worse ever after.
+                |ctx| Ok(Tensor::from((ctx.step as f64 - 8.0).abs() + 1.0)),
+            )
+            .map_err(|e| e.to_string())
+    };
+    let first = fit(1)?;
+    if first.best != Some((8, 1.0)) || first.evals.len() != 4 {
+        return Err(format!("best {:?} of {:?}", first.best, first.evals));
+    }
+    let best_steps = |d: &Path| -> Result<Vec<u64>, String> {
+        let entries = tt_ckpt::CheckpointDir::open(d)
+            .and_then(|c| c.list())
+            .map_err(|e| e.to_string())?;
+        Ok(entries.iter().map(|e| e.step).collect())
+    };
+    if best_steps(&ckpt.join("best"))? != vec![8] {
+        return Err(format!("best/ holds {:?}", best_steps(&ckpt.join("best"))?));
+    }
+    // Resumed for a second epoch: every new evaluation is worse; the best stays.
+    let second = fit(2)?;
+    if second.resumed_from != Some(16) || second.best != Some((8, 1.0)) {
+        return Err(format!(
+            "resumed {:?}, best {:?}",
+            second.resumed_from, second.best
+        ));
+    }
+    if best_steps(&ckpt.join("best"))? != vec![8] || best_steps(&ckpt)?.last() != Some(&32) {
+        return Err(format!(
+            "best/ {:?}, latest {:?}",
+            best_steps(&ckpt.join("best"))?,
+            best_steps(&ckpt)?
+        ));
+    }
+    // fit without the evaluation function is refused.
+    let mut cfg = TrainConfig::new(64, 4, 1).evaluate(4, 64..72, 4);
+    cfg.handle_signals = false;
+    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+    match trainer.fit(&mut vs, &mut opt, |ctx| {
+        let (x, y) = sample(ctx.indices, ctx.device);
+        Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+    }) {
+        Err(TrainError::Config(m)) if m.contains("fit_eval") => Ok(()),
+        other => Err(format!("fit with an evaluation configured: {other:?}")),
+    }
 }
