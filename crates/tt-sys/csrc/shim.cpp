@@ -12,6 +12,7 @@
 #include <string>
 
 #include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <torch/headeronly/version.h>
@@ -133,6 +134,36 @@ char* tt_cuda_mem_get_info(int32_t device, uint64_t* free_bytes, uint64_t* total
     auto info = cuda_allocator()->getMemoryInfo(static_cast<c10::DeviceIndex>(device));
     *free_bytes = info.first;
     *total_bytes = info.second;
+  })
+}
+
+// Autocast (torch.autocast) for one device type: 0 = CPU, 1 = CUDA. `dtype` is a
+// c10::ScalarType code (5 = Half, 15 = BFloat16). Writes the previous state.
+char* tt_autocast_set(int32_t device_type, bool enabled, int32_t dtype, bool* prev_enabled,
+                      int32_t* prev_dtype) {
+  TT_PROTECT({
+    c10::DeviceType dev;
+    switch (device_type) {
+      case 0: dev = c10::DeviceType::CPU; break;
+      case 1: dev = c10::DeviceType::CUDA; break;
+      default: throw std::invalid_argument("autocast: unknown device type");
+    }
+    *prev_enabled = at::autocast::is_autocast_enabled(dev);
+    *prev_dtype = static_cast<int32_t>(at::autocast::get_autocast_dtype(dev));
+    at::autocast::set_autocast_dtype(dev, static_cast<c10::ScalarType>(dtype));
+    at::autocast::set_autocast_enabled(dev, enabled);
+  })
+}
+
+// torch.autocast's __enter__ / __exit__ bookkeeping: the cast cache lives while any
+// autocast region is open and is cleared when the outermost one closes.
+char* tt_autocast_nesting(bool enter) {
+  TT_PROTECT({
+    if (enter) {
+      at::autocast::increment_nesting();
+    } else if (at::autocast::decrement_nesting() == 0) {
+      at::autocast::clear_cache();
+    }
   })
 }
 

@@ -3,6 +3,7 @@
 // Every function returns NULL on success, or a malloc'd error message that the
 // caller frees with tt_free_error. No C++ exception crosses this boundary.
 #pragma once
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -42,6 +43,13 @@ char* tt_cuda_device_stats(int32_t device, tt_device_stats* out);
 char* tt_cuda_empty_cache(void);
 char* tt_cuda_reset_peak_stats(int32_t device);
 char* tt_cuda_mem_get_info(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes);
+
+// Autocast (torch.autocast) on device type 0 (CPU) or 1 (CUDA) with a c10::ScalarType
+// code; the previous state is written back so the caller can restore it.
+char* tt_autocast_set(int32_t device_type, bool enabled, int32_t dtype, bool* prev_enabled,
+                      int32_t* prev_dtype);
+// enter: a region opens; !enter: it closes (the cast cache is cleared at the outermost).
+char* tt_autocast_nesting(bool enter);
 
 #ifdef __cplusplus
 }

@@ -35,6 +35,14 @@ extern "C" {
     pub(crate) fn tt_cuda_reset_peak_stats(device: i32) -> *mut c_char;
     pub(crate) fn tt_cuda_mem_get_info(device: i32, free: *mut u64, total: *mut u64)
         -> *mut c_char;
+    pub(crate) fn tt_autocast_set(
+        device_type: i32,
+        enabled: bool,
+        dtype: i32,
+        prev_enabled: *mut bool,
+        prev_dtype: *mut i32,
+    ) -> *mut c_char;
+    pub(crate) fn tt_autocast_nesting(enter: bool) -> *mut c_char;
 }
 
 /// Turns the shim's return value into a `Result`, freeing the message.

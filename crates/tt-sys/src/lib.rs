@@ -52,6 +52,8 @@ pub mod build;
 #[cfg(test)]
 mod nccl_header;
 
+#[cfg(feature = "tch")]
+mod autocast;
 #[cfg(feature = "c10d")]
 pub mod c10d;
 #[cfg(feature = "tch")]
@@ -59,6 +61,8 @@ mod cuda;
 #[cfg(feature = "tch")]
 mod ffi;
 
+#[cfg(feature = "tch")]
+pub use autocast::autocast;
 #[cfg(feature = "tch")]
 pub use cuda::{
     device_stats, empty_cache, ensure_cuda_loaded, libtorch_lib_dir, libtorch_version,

@@ -56,4 +56,6 @@ pub use signals::{install_signal_handlers, EXIT_PREEMPTED};
 pub use state::{TrainState, Values};
 #[cfg(feature = "dist")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dist")))]
-pub use trainer::{EvalConfig, FitOutcome, FitReport, StepContext, TrainConfig, Trainer};
+pub use trainer::{
+    EvalConfig, FitOutcome, FitReport, Precision, StepContext, TrainConfig, Trainer,
+};

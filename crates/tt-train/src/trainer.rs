@@ -16,6 +16,27 @@ use tt_sampler::{DistributedSampler, Reshard};
 use crate::state::{resume_parts, save_parts, Values};
 use crate::{EpochBatches, TrainError};
 
+/// The arithmetic of the forward pass ([`TrainConfig::precision`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Precision {
+    /// float32 throughout (the default).
+    #[default]
+    Full,
+    /// The step function runs under autocast to bfloat16 (`torch.autocast(dtype=
+    /// torch.bfloat16)`) on the CPU or CUDA; gradients and parameters stay float32.
+    Bf16,
+    /// Autocast to float16 with dynamic loss scaling (`torch.amp.GradScaler`): the loss
+    /// is multiplied by a scale before backward, the gradients divided after; a step
+    /// whose gradients hold an inf or NaN is skipped and the scale halved, and the scale
+    /// doubles after 2000 good steps. The scale is saved in checkpoints.
+    Fp16,
+}
+
+/// `torch.amp.GradScaler`'s defaults.
+const SCALER_INIT: f64 = 65536.0;
+const SCALER_GROWTH_INTERVAL: u64 = 2000;
+
 /// Held-out evaluation during training (see [`Trainer::fit_eval`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -83,6 +104,8 @@ pub struct TrainConfig {
     /// Held-out evaluation ([`Trainer::fit_eval`]); with a checkpoint directory, the
     /// checkpoint of the best (lowest) evaluation so far is kept in its `best/`.
     pub eval: Option<EvalConfig>,
+    /// Mixed precision: [`Precision::Bf16`] or [`Precision::Fp16`] (default full).
+    pub precision: Precision,
 }
 
 impl TrainConfig {
@@ -106,7 +129,14 @@ impl TrainConfig {
             seed_every_step: true,
             metrics_file: None,
             eval: None,
+            precision: Precision::Full,
         }
+    }
+
+    /// With this precision for the forward pass.
+    pub fn precision(mut self, precision: Precision) -> TrainConfig {
+        self.precision = precision;
+        self
     }
 
     /// Evaluates on the held-out `indices` every `every` steps, in batches of
@@ -264,6 +294,11 @@ pub struct FitReport {
     pub evals: Vec<(u64, f64)>,
     /// The best (lowest) evaluation, resumes included: `(step, value)`.
     pub best: Option<(u64, f64)>,
+    /// Steps whose optimizer update was skipped because the gradients were not finite
+    /// ([`Precision::Fp16`]), in this run.
+    pub skipped_steps: u64,
+    /// The loss scale at the end ([`Precision::Fp16`]; `None` otherwise).
+    pub loss_scale: Option<f64>,
 }
 
 impl FitReport {
@@ -390,6 +425,9 @@ struct Run<'a> {
     best: Option<(u64, f64)>,
     /// Where the best checkpoint goes (`<checkpoint_dir>/best`).
     best_dir: Option<CheckpointDir>,
+    /// Fp16's loss scale and good steps since it last changed.
+    scaler: Option<(f64, u64)>,
+    skipped: u64,
 }
 
 impl Trainer {
@@ -649,6 +687,9 @@ impl Trainer {
         if let Some(best) = run.best {
             values.insert(BEST.into(), serde_json::json!(best));
         }
+        if let Some(scaler) = run.scaler {
+            values.insert(SCALER.into(), serde_json::json!(scaler));
+        }
         values
     }
 
@@ -683,6 +724,12 @@ impl Trainer {
         let best = values
             .get(BEST)
             .and_then(|v| serde_json::from_value::<(u64, f64)>(v.clone()).ok());
+        let scaler = (cfg.precision == Precision::Fp16).then(|| {
+            values
+                .get(SCALER)
+                .and_then(|v| serde_json::from_value::<(f64, u64)>(v.clone()).ok())
+                .unwrap_or((SCALER_INIT, 0))
+        });
         let best_dir = match (&cfg.checkpoint_dir, &cfg.eval) {
             (Some(d), Some(_)) => Some(
                 CheckpointDir::open(d.join("best"))?
@@ -720,6 +767,8 @@ impl Trainer {
             evals: Vec::new(),
             best,
             best_dir,
+            scaler,
+            skipped: 0,
         })
     }
 
@@ -758,7 +807,16 @@ impl Trainer {
                 micro_batch: m,
                 micro_batches: parts.len(),
             };
-            let loss = step(&ctx).map_err(|e| failed(e.into()))?;
+            let loss = match self.config.precision {
+                Precision::Full => step(&ctx),
+                Precision::Bf16 => {
+                    tt_sys::autocast(self.device, tch::Kind::BFloat16, || step(&ctx))
+                        .map_err(|e| failed(e.into()))?
+                }
+                Precision::Fp16 => tt_sys::autocast(self.device, tch::Kind::Half, || step(&ctx))
+                    .map_err(|e| failed(e.into()))?,
+            }
+            .map_err(|e| failed(e.into()))?;
             if loss.numel() != 1 {
                 return Err(failed(
                     format!(
@@ -784,17 +842,48 @@ impl Trainer {
                 Some(v) => v + detached,
                 None => detached,
             });
+            let loss = match run.scaler {
+                Some((scale, _)) => loss.to_kind(tch::Kind::Float) * scale,
+                None => loss,
+            };
             if m + 1 < parts.len() {
                 run.ddp.no_sync(|| run.ddp.backward(&loss))?;
             } else {
                 run.ddp.backward(&loss)?;
             }
         }
+        let finite = match run.scaler {
+            Some((scale, _)) => unscale(&run.params, scale).map_err(|e| failed(e.into()))?,
+            None => true,
+        };
         if let Some(max_norm) = self.config.clip_grad_norm {
             run.grad_norm =
                 Some(clip_grad_norm(&run.params, max_norm).map_err(|e| failed(e.into()))?);
         }
-        opt.step()?;
+        match (finite, run.scaler.as_mut()) {
+            (true, scaler) => {
+                opt.step()?;
+                if let Some((scale, good)) = scaler {
+                    *good += 1;
+                    if *good == SCALER_GROWTH_INTERVAL {
+                        *scale *= 2.0;
+                        *good = 0;
+                    }
+                }
+            }
+            (false, Some((scale, good))) => {
+                // torch.amp.GradScaler: skip the update, halve the scale.
+                *scale *= 0.5;
+                *good = 0;
+                run.skipped += 1;
+                tracing::info!(
+                    step = steps,
+                    scale = *scale,
+                    "gradients not finite: step skipped"
+                );
+            }
+            (false, None) => {}
+        }
         run.steps += 1;
         run.since_log.0 += indices.len() as u64;
         value.ok_or_else(|| failed("an empty batch".into()))
@@ -914,12 +1003,16 @@ impl Trainer {
             checkpoint: run.last_ckpt,
             evals: run.evals,
             best: run.best,
+            skipped_steps: run.skipped,
+            loss_scale: run.scaler.map(|s| s.0),
         })
     }
 }
 
 /// The best evaluation `(step, value)` in a checkpoint's values.
 const BEST: &str = "tt_train.best_eval";
+/// Fp16's `(loss scale, good steps since it changed)` in a checkpoint's values.
+const SCALER: &str = "tt_train.grad_scaler";
 
 /// `indices` split into `k` contiguous parts (at most one per sample), sizes differing
 /// by at most one.
@@ -947,6 +1040,18 @@ fn step_seed(seed: u64, rank: u64, step: u64) -> i64 {
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^= z >> 31;
     (z >> 1) as i64
+}
+
+/// Divides every gradient by `scale` (GradScaler's unscale); whether all are finite
+/// (one host sync: the step's update depends on it, as in PyTorch).
+fn unscale(params: &[Tensor], scale: f64) -> Result<bool, tch::TchError> {
+    let _guard = tch::no_grad_guard();
+    let mut finite = true;
+    for g in params.iter().map(Tensor::grad).filter(Tensor::defined) {
+        let _ = g.shallow_clone().f_mul_scalar_(1.0 / scale)?;
+        finite &= g.f_isfinite()?.f_all()?.int64_value(&[]) != 0;
+    }
+    Ok(finite)
 }
 
 /// PyTorch's `clip_grad_norm_`: scales every gradient by `max_norm / (norm + 1e-6)`

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 use tt_optim::{Optimizer, SgdConfig};
-use tt_train::{FitOutcome, TrainConfig, TrainError, Trainer};
+use tt_train::{FitOutcome, Precision, TrainConfig, TrainError, Trainer};
 
 type TestResult = Result<(), String>;
 
@@ -81,6 +81,11 @@ fn main() {
         (
             "the_best_evaluation_keeps_its_checkpoint_across_resumes",
             best_checkpoint,
+        ),
+        ("bf16_autocast_runs_the_forward_pass_in_bfloat16", bf16),
+        (
+            "fp16_loss_scaling_skips_non_finite_steps_and_resumes_its_scale",
+            fp16_scaler,
         ),
     ];
     tt_testkit::run_tests(tests);
@@ -940,4 +945,122 @@ fn best_checkpoint() -> TestResult {
         Err(TrainError::Config(m)) if m.contains("fit_eval") => Ok(()),
         other => Err(format!("fit with an evaluation configured: {other:?}")),
     }
+}
+
+fn bf16() -> TestResult {
+    type Bf16Run = (Vec<(String, Tensor)>, Vec<Kind>);
+    let fit = |precision: Precision| -> Result<Bf16Run, String> {
+        let mut cfg = TrainConfig::new(64, 8, 2).precision(precision);
+        cfg.handle_signals = false;
+        cfg.shuffle = false;
+        tch::manual_seed(3);
+        let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+        let mut kinds = Vec::new();
+        trainer
+            .fit(&mut vs, &mut opt, |ctx| {
+                let (x, y) = sample(ctx.indices, ctx.device);
+                let out = net.forward(&x);
+                kinds.push(out.kind());
+                Ok::<_, std::io::Error>(out.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean))
+            })
+            .map_err(|e| e.to_string())?;
+        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok((params, kinds))
+    };
+    let (full, kinds) = fit(Precision::Full)?;
+    if kinds.iter().any(|&k| k != Kind::Float) {
+        return Err(format!("full precision ran in {kinds:?}"));
+    }
+    let (half, kinds) = fit(Precision::Bf16)?;
+    if kinds.len() != 16 || kinds.iter().any(|&k| k != Kind::BFloat16) {
+        return Err(format!("bf16 ran in {kinds:?}"));
+    }
+    // Parameters stay float32; the result is near full precision's, not equal.
+    if half.iter().any(|(_, t)| t.kind() != Kind::Float) {
+        return Err("bf16 training changed the parameters' dtype".into());
+    }
+    let diff = max_diff(&full, &half)?;
+    if !(diff > 0.0 && diff < 2e-2) {
+        return Err(format!("bf16 and full precision differ by {diff}"));
+    }
+    // Autocast is off again after fit.
+    let a = Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu));
+    if a.matmul(&a).kind() != Kind::Float {
+        return Err("autocast left on after fit".into());
+    }
+    Ok(())
+}
+
+/// Fp16 with a loss that is infinite at step 3: one more step is skipped than without
+/// it (parameters stay finite), the scale ends halved, and a crash-and-resume keeps
+/// the scale.
+fn fp16_scaler() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    type Fp16Run = (tt_train::FitReport, Vec<(String, Tensor)>);
+    let fit = |ckpt: &Path, inf_at: Option<u64>, fail_at: Option<u64>| -> Result<Fp16Run, String> {
+        let mut cfg = TrainConfig::new(64, 4, 1)
+            .precision(Precision::Fp16)
+            .checkpoints(ckpt, 2);
+        cfg.handle_signals = false;
+        tch::manual_seed(3);
+        let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+        let report = trainer.fit(&mut vs, &mut opt, |ctx| {
+            if Some(ctx.step) == fail_at {
+                return Err(std::io::Error::other("crash"));
+            }
+            let (x, y) = sample(ctx.indices, ctx.device);
+            let loss = net
+                .forward(&x)
+                .to_kind(Kind::Float)
+                .mse_loss(&y, tch::Reduction::Mean);
+            Ok(if Some(ctx.step) == inf_at {
+                loss * f64::INFINITY
+            } else {
+                loss
+            })
+        });
+        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        params.sort_by(|a, b| a.0.cmp(&b.0));
+        match (report, fail_at) {
+            (Ok(r), None) => Ok((r, params)),
+            (Err(TrainError::Step { .. }), Some(_)) => Err("crashed".into()),
+            (other, _) => Err(format!("fit: {other:?}")),
+        }
+    };
+    // Without the infinite loss: GradScaler's first steps overflow float16 at 65536 and
+    // are skipped until the scale fits.
+    let (plain, _) = fit(&dir.path().join("plain"), None, None)?;
+    let plain_scale = plain.loss_scale.ok_or("no loss scale reported")?;
+    let (whole, params) = fit(&dir.path().join("whole"), Some(12), None)?;
+    if whole.skipped_steps != plain.skipped_steps + 1 || whole.loss_scale != Some(plain_scale / 2.0)
+    {
+        return Err(format!(
+            "with an infinite loss: skipped {} steps, scale {:?}; without: {} and {plain_scale}",
+            whole.skipped_steps, whole.loss_scale, plain.skipped_steps
+        ));
+    }
+    if params
+        .iter()
+        .any(|(_, t)| t.isfinite().all().int64_value(&[]) == 0)
+    {
+        return Err("an infinite loss reached the parameters".into());
+    }
+    let ckpt = dir.path().join("crash");
+    match fit(&ckpt, Some(12), Some(15)) {
+        Err(e) if e == "crashed" => {}
+        other => return Err(format!("the crash run: {other:?}")),
+    }
+    let (resumed, resumed_params) = fit(&ckpt, Some(12), None)?;
+    if resumed.resumed_from != Some(14) || resumed.loss_scale != whole.loss_scale {
+        return Err(format!(
+            "resumed from {:?} with scale {:?}: want 14 and {:?}",
+            resumed.resumed_from, resumed.loss_scale, whole.loss_scale
+        ));
+    }
+    let diff = max_diff(&params, &resumed_params)?;
+    if diff != 0.0 {
+        return Err(format!("the resumed fp16 run differs by {diff}"));
+    }
+    Ok(())
 }
