@@ -7,6 +7,11 @@
 //! torchrun --no-python --nproc-per-node 2 target/debug/examples/train   # the same, by torchrun
 //! ```
 //!
+//! Each step is 2 accumulated micro-batches, gradients are clipped to norm 1, and a
+//! held-out set is evaluated every 20 steps (the best checkpoint is kept in `DIR/best`).
+//! `TORCHTOOLS_TRAIN_PRECISION=bf16` (or `fp16`, with loss scaling) runs the forward pass
+//! in mixed precision.
+//!
 //! `TORCHTOOLS_TRAIN_CKPT=DIR` checkpoints there every 20 steps and resumes from it;
 //! send SIGTERM (or Ctrl-C) mid-run and start it again: it continues exactly where it
 //! stopped; a preempted run exits with status 75 (`torchtools::train::EXIT_PREEMPTED`),
@@ -18,9 +23,11 @@ use std::process::ExitCode;
 
 use torchtools::optim::{Optimizer, SgdConfig};
 use torchtools::tch::{nn, nn::Module, Kind, Reduction, Tensor};
-use torchtools::train::{FitOutcome, TrainConfig, Trainer};
+use torchtools::train::{FitOutcome, Precision, StepContext, TrainConfig, Trainer};
 
 const SAMPLES: u64 = 2048;
+/// Held-out samples, after the training ones.
+const HELD_OUT: std::ops::Range<u64> = SAMPLES..SAMPLES + 256;
 
 fn main() -> ExitCode {
     torchtools::init_logging();
@@ -34,21 +41,44 @@ fn main() -> ExitCode {
 }
 
 fn epochs() -> Result<u64, String> {
-    match std::env::var("TORCHTOOLS_TRAIN_EPOCHS") {
-        Err(_) => Ok(3),
-        Ok(v) => v
-            .trim()
-            .parse::<u64>()
-            .ok()
-            .filter(|&n| n > 0)
-            .ok_or_else(|| {
-                format!("TORCHTOOLS_TRAIN_EPOCHS={v:?} is not a positive integer (e.g. 3)")
-            }),
+    let Ok(v) = std::env::var("TORCHTOOLS_TRAIN_EPOCHS") else {
+        return Ok(3);
+    };
+    let n = v.trim().parse::<u64>().ok().filter(|&n| n > 0);
+    n.ok_or_else(|| format!("TORCHTOOLS_TRAIN_EPOCHS={v:?} is not a positive integer (e.g. 3)"))
+}
+
+fn precision() -> Result<Precision, String> {
+    match std::env::var("TORCHTOOLS_TRAIN_PRECISION").as_deref() {
+        Err(_) | Ok("full") => Ok(Precision::Full),
+        Ok("bf16") => Ok(Precision::Bf16),
+        Ok("fp16") => Ok(Precision::Fp16),
+        Ok(v) => Err(format!(
+            "TORCHTOOLS_TRAIN_PRECISION={v:?}: use full, bf16 or fp16"
+        )),
     }
 }
 
+/// Sample i: a point t in [0, 1) spread by the golden ratio (so held-out indices are
+/// drawn like the others), 16 features of t and a target (a stand-in for a dataset).
+fn batch(ctx: &StepContext<'_>) -> (Tensor, Tensor) {
+    let t: Vec<f32> = ctx
+        .indices
+        .iter()
+        .map(|&i| (i as f64 * 0.618_034).fract() as f32)
+        .collect();
+    let t = Tensor::from_slice(&t).to_device(ctx.device).unsqueeze(1);
+    let freqs = Tensor::arange(16, (Kind::Float, ctx.device)).unsqueeze(0) + 1.0;
+    ((&t * &freqs * 3.0).sin(), (&t * 6.0).cos())
+}
+
 fn run() -> Result<ExitCode, Box<dyn Error>> {
-    let mut config = TrainConfig::new(SAMPLES, 32, epochs()?).seed(1);
+    let mut config = TrainConfig::new(SAMPLES, 32, epochs()?)
+        .seed(1)
+        .accumulate(2)
+        .clip_grad_norm(1.0)
+        .evaluate(20, HELD_OUT, 64)
+        .precision(precision()?);
     config.log_every = 20;
     if let Some(dir) = std::env::var_os("TORCHTOOLS_TRAIN_CKPT") {
         config = config.checkpoints(dir, 20);
@@ -82,22 +112,23 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
             ..Default::default()
         },
     )?;
-    let report = trainer.fit(&mut vs, &mut opt, |ctx| {
-        // Sample i: 16 features and a target, computed from i (a stand-in for a dataset).
-        let idx: Vec<f32> = ctx
-            .indices
-            .iter()
-            .map(|&i| i as f32 / SAMPLES as f32)
-            .collect();
-        let i = Tensor::from_slice(&idx).to_device(ctx.device).unsqueeze(1);
-        let freqs = Tensor::arange(16, (Kind::Float, ctx.device)).unsqueeze(0) + 1.0;
-        let x = (&i * &freqs * 3.0).sin();
-        let y = (&i * 6.0).cos();
-        net.forward(&x).f_mse_loss(&y, Reduction::Mean)
-    })?;
+    let loss = |ctx: &StepContext<'_>| {
+        let (x, y) = batch(ctx);
+        net.forward(&x)
+            .to_kind(Kind::Float)
+            .f_mse_loss(&y, Reduction::Mean)
+    };
+    // The evaluation: the same loss on the held-out samples, without gradients.
+    let report = trainer.fit_eval(&mut vs, &mut opt, loss, loss)?;
     if main {
         for (step, loss) in &report.losses {
             println!("step {step:>4}  loss {loss:.5}");
+        }
+        for (step, eval) in &report.evals {
+            println!("step {step:>4}  held-out loss {eval:.5}");
+        }
+        if let Some((step, eval)) = report.best {
+            println!("best held-out loss {eval:.5} at step {step}");
         }
         match report.outcome {
             FitOutcome::Finished => println!(

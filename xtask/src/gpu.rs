@@ -152,6 +152,10 @@ program "train (launch 1, NCCL)" 'on Cuda\(0\), nccl backend' env TORCHTOOLS_TRA
   "$here/bin/torchtools" launch --nproc-per-node 1 -- "$here/bin/train"
 program "train (launch 2, 1 GPU)" 'on Cuda\(0\), gloo backend' env TORCHTOOLS_TRAIN_EPOCHS=2 \
   "$here/bin/torchtools" launch --nproc-per-node 2 -- "$here/bin/train"
+program "train (bf16, 1 GPU)" 'best held-out loss' env TORCHTOOLS_TRAIN_EPOCHS=1 \
+  TORCHTOOLS_TRAIN_PRECISION=bf16 "$here/bin/train"
+program "train (fp16, launch 1)" 'best held-out loss' env TORCHTOOLS_TRAIN_EPOCHS=1 \
+  TORCHTOOLS_TRAIN_PRECISION=fp16 "$here/bin/torchtools" launch --nproc-per-node 1 -- "$here/bin/train"
 program "torchtools devices" 'cuda:0 +nvml 0 +GPU-' "$here/bin/torchtools" devices
 rm -rf "$work"
 echo; printf '%-28s %6s %6s %8s\n' "binary" "passed" "failed" "seconds"; printf "$rows"
