@@ -168,15 +168,9 @@ fn rank_main(role: &str) -> TestResult {
             let opts = tt_dist::DdpOptions::default().find_unused_parameters(find);
             let ddp = tt_dist::Ddp::with_options(&pg, &vs, &opts).map_err(|e| e.to_string())?;
             let mut opt = sgd(&vs);
-            let (x, y) = data();
-            let rows = x.size()[0] / pg.world_size() as i64;
-            let start = pg.rank() as i64 * rows;
             for step in 0..STEPS {
                 opt.zero_grad();
-                let loss = model
-                    .forward(&x.narrow(0, start, rows))
-                    .mse_loss(&y.narrow(0, start, rows), tch::Reduction::Mean);
-                if let Err(e) = ddp.backward(&loss) {
+                if let Err(e) = ddp.backward(&rank_loss(&model, &pg)) {
                     let e = e.to_string();
                     if !find && step == 1 && e.contains("find_unused_parameters(true)") {
                         println!("@@refused@@");
@@ -194,9 +188,7 @@ fn rank_main(role: &str) -> TestResult {
             if unused.ws.grad().defined() {
                 return Err("the unused parameter got a gradient".into());
             }
-            let out = std::env::var("TT_DDP_OUT").map_err(|e| e.to_string())?;
-            vs.save(format!("{out}.rank{}.safetensors", pg.rank()))
-                .map_err(|e| e.to_string())
+            save_rank(&vs, &pg)
         }
         "ddp_py" => {
             // Rank 0 (Rust or Python) sets PY_DDP's known start; DDP's broadcast gives it
@@ -208,20 +200,13 @@ fn rank_main(role: &str) -> TestResult {
             }
             let ddp = tt_dist::Ddp::new(&pg, &vs).map_err(|e| e.to_string())?;
             let mut opt = sgd(&vs);
-            let (x, y) = data();
-            let rows = x.size()[0] / pg.world_size() as i64;
-            let start = pg.rank() as i64 * rows;
             for _ in 0..STEPS {
                 opt.zero_grad();
-                let loss = model
-                    .forward(&x.narrow(0, start, rows))
-                    .mse_loss(&y.narrow(0, start, rows), tch::Reduction::Mean);
-                ddp.backward(&loss).map_err(|e| e.to_string())?;
+                ddp.backward(&rank_loss(&model, &pg))
+                    .map_err(|e| e.to_string())?;
                 opt.step();
             }
-            let out = std::env::var("TT_DDP_OUT").map_err(|e| e.to_string())?;
-            vs.save(format!("{out}.rank{}.safetensors", pg.rank()))
-                .map_err(|e| e.to_string())
+            save_rank(&vs, &pg)
         }
         "hang" => {
             let t = Tensor::ones([1024], (Kind::Float, tch::Device::Cpu));
@@ -275,6 +260,23 @@ fn data() -> (Tensor, Tensor) {
         .cos()
         .view([16, 4]);
     (x, y)
+}
+
+/// This rank's loss: the mean squared error on its share of `data()`'s rows.
+fn rank_loss(model: &impl Module, pg: &ProcessGroup) -> Tensor {
+    let (x, y) = data();
+    let rows = x.size()[0] / pg.world_size() as i64;
+    let start = pg.rank() as i64 * rows;
+    model
+        .forward(&x.narrow(0, start, rows))
+        .mse_loss(&y.narrow(0, start, rows), tch::Reduction::Mean)
+}
+
+/// Saves this rank's parameters as `$TT_DDP_OUT.rank<r>.safetensors`.
+fn save_rank(vs: &nn::VarStore, pg: &ProcessGroup) -> TestResult {
+    let out = std::env::var("TT_DDP_OUT").map_err(|e| e.to_string())?;
+    vs.save(format!("{out}.rank{}.safetensors", pg.rank()))
+        .map_err(|e| e.to_string())
 }
 
 /// The parameters PY_DDP's `known_start` sets: parameter k (definition order) is
