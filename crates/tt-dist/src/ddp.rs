@@ -127,22 +127,17 @@ fn pytorch_order<T>(created: Vec<(String, T)>) -> Vec<(String, T)> {
             1
         }
     };
-    let mut first_seen: Vec<String> = Vec::new();
-    for (name, _) in &created {
-        let l = layer(name);
-        if !first_seen.contains(&l) {
-            first_seen.push(l);
-        }
-    }
+    // Layers numbered in the order they first appear.
+    let mut layers: Vec<String> = Vec::new();
     let mut keyed: Vec<(usize, u8, usize, (String, T))> = created
         .into_iter()
         .enumerate()
         .map(|(i, (name, t))| {
             let l = layer(&name);
-            let group = first_seen
-                .iter()
-                .position(|f| *f == l)
-                .unwrap_or(usize::MAX);
+            let group = layers.iter().position(|f| *f == l).unwrap_or_else(|| {
+                layers.push(l);
+                layers.len() - 1
+            });
             (group, kind(&name), i, (name, t))
         })
         .collect();
@@ -169,16 +164,11 @@ impl<'g> Ddp<'g> {
     /// As [`Ddp::new`] with `opts` (bucket sizes, `find_unused_parameters`,
     /// `gradient_as_bucket_view`).
     pub fn with_options(pg: &'g ProcessGroup, vs: &VarStore, opts: &DdpOptions) -> Result<Ddp<'g>> {
-        for (what, v) in [
-            ("DDP bucket size", opts.bucket_bytes),
-            ("DDP first bucket size", opts.first_bucket_bytes),
-        ] {
-            if v == 0 {
-                return Err(Error::Tensor(format!(
-                    "{what} of 0 bytes: give at least one element's worth (defaults: 25 MiB, 1 MiB)"
-                )));
-            }
-        }
+        // Checked here too for the group of one, which builds no Reducer.
+        opts.sizes().map_err(|e| match e {
+            tt_sys::Error::Torch { message, .. } => Error::Tensor(message),
+            other => Error::Tensor(other.to_string()),
+        })?;
         let (params, buffers) = parameters_and_buffers(vs);
         if params.is_empty() {
             return Err(Error::Tensor(

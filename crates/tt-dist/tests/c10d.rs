@@ -494,20 +494,7 @@ fn ddp(ranks: usize, accum: i64, bucket: usize) -> TestResult {
         &[want["l1.weight"].view([-1]), want["l2.bias"].view([-1])],
         0,
     );
-    for rank in 0..ranks {
-        let got = Tensor::read_safetensors(format!("{}.rank{rank}.safetensors", out.display()))
-            .map_err(|e| e.to_string())?;
-        if got.len() != want.len() {
-            return Err(format!("rank {rank} saved {} tensors", got.len()));
-        }
-        for (name, t) in got {
-            let w = &want[&name];
-            let diff = (&t - w).abs().max().double_value(&[]);
-            if diff > 1e-5 {
-                return Err(format!("rank {rank} {name} differs by {diff}"));
-            }
-        }
-    }
+    saved_ranks_equal(&out, 0..ranks, &vs)?;
     // Training moved the parameters (the comparison is not of initial values).
     tch::manual_seed(1000);
     let (fresh, _) = mlp();
@@ -586,30 +573,9 @@ fn python_ddp() -> TestResult {
         let port = free_port();
         let mut rust = rank_command("ddp_py", rust_rank, 2, port);
         rust.env("TT_DDP_OUT", &out);
-        let rust = rust.spawn().map_err(|e| e.to_string())?;
-        let py = Command::new(python())
-            .args(["-c", PY_DDP])
-            .env("RANK", (1 - rust_rank).to_string())
-            .env("LOCAL_RANK", "0")
-            .env("WORLD_SIZE", "2")
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("TT_STEPS", STEPS.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| e.to_string())?;
-        let rust_out = rust.wait_with_output().map_err(|e| e.to_string())?;
-        let py_out = py.wait_with_output().map_err(|e| e.to_string())?;
-        if !rust_out.status.success() || !py_out.status.success() {
-            return Err(format!(
-                "rust rank {rust_rank}: {} {}\npython: {} {}",
-                rust_out.status,
-                String::from_utf8_lossy(&rust_out.stderr),
-                py_out.status,
-                String::from_utf8_lossy(&py_out.stderr),
-            ));
-        }
+        let mut py = python_rank(PY_DDP, 1 - rust_rank, port);
+        py.env("TT_STEPS", STEPS.to_string());
+        let py_out = run_pair(rust, py, rust_rank)?;
         saved_ranks_equal(&out, rust_rank..rust_rank + 1, &want)?;
         let said = String::from_utf8_lossy(&py_out.stdout);
         let mut seen = 0;
@@ -689,34 +655,53 @@ fn python() -> String {
     tt_testkit::python_path()
 }
 
+/// Rank `rank` of a group of 2 as a Python process running `script`.
+fn python_rank(script: &str, rank: usize, port: u16) -> Command {
+    let mut py = Command::new(python());
+    py.args(["-c", script])
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    py
+}
+
+/// Runs a Rust rank and a Python rank together; the Python rank's output when both
+/// succeed, else an error with both ranks' stderr.
+fn run_pair(
+    mut rust: Command,
+    mut py: Command,
+    rust_rank: usize,
+) -> Result<std::process::Output, String> {
+    let rust = rust.spawn().map_err(|e| e.to_string())?;
+    let py = py.spawn().map_err(|e| e.to_string())?;
+    let rust_out = rust.wait_with_output().map_err(|e| e.to_string())?;
+    let py_out = py.wait_with_output().map_err(|e| e.to_string())?;
+    if !rust_out.status.success() || !py_out.status.success() {
+        return Err(format!(
+            "rust rank {rust_rank}: {} {}\npython: {} {}",
+            rust_out.status,
+            String::from_utf8_lossy(&rust_out.stderr),
+            py_out.status,
+            String::from_utf8_lossy(&py_out.stderr),
+        ));
+    }
+    Ok(py_out)
+}
+
 fn python_interop() -> TestResult {
     // Both orders: Rust serves the store (rank 0), then Python does.
     for rust_rank in [0usize, 1] {
         let port = free_port();
-        let rust = rank_command("interop", rust_rank, 2, port)
-            .spawn()
-            .map_err(|e| e.to_string())?;
-        let mut py = Command::new(python());
-        py.args(["-c", PY_INTEROP])
-            .env("RANK", (1 - rust_rank).to_string())
-            .env("LOCAL_RANK", "0")
-            .env("WORLD_SIZE", "2")
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let py = py.spawn().map_err(|e| e.to_string())?;
-        let rust_out = rust.wait_with_output().map_err(|e| e.to_string())?;
-        let py_out = py.wait_with_output().map_err(|e| e.to_string())?;
-        if !rust_out.status.success() || !py_out.status.success() {
-            return Err(format!(
-                "rust rank {rust_rank}: {} {}\npython: {} {}",
-                rust_out.status,
-                String::from_utf8_lossy(&rust_out.stderr),
-                py_out.status,
-                String::from_utf8_lossy(&py_out.stderr),
-            ));
-        }
+        let rust = rank_command("interop", rust_rank, 2, port);
+        let py_out = run_pair(
+            rust,
+            python_rank(PY_INTEROP, 1 - rust_rank, port),
+            rust_rank,
+        )?;
         let said = String::from_utf8_lossy(&py_out.stdout);
         if !said.contains("ok") {
             return Err(format!("python said {said}"));

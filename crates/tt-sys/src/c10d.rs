@@ -613,6 +613,27 @@ pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 pub const DEFAULT_FIRST_BUCKET_BYTES: usize = 1 << 20;
 
 impl ReducerOptions {
+    /// The bucket and first-bucket sizes as c10d takes them; an error naming the size
+    /// when one is 0 (or beyond `i64`).
+    pub fn sizes(&self) -> Result<(i64, i64)> {
+        let bytes = |what: &str, v: usize| {
+            i64::try_from(v)
+                .ok()
+                .filter(|&b| b > 0)
+                .ok_or_else(|| Error::Torch {
+                    op: "Reducer",
+                    message: format!(
+                        "DDP {what} of {v} bytes: give at least one element's worth \
+                         (defaults: 25 MiB, 1 MiB)"
+                    ),
+                })
+        };
+        Ok((
+            bytes("bucket size", self.bucket_bytes)?,
+            bytes("first bucket size", self.first_bucket_bytes)?,
+        ))
+    }
+
     /// With buckets of about `bytes` (`bucket_cap_mb`), the first one included, as
     /// PyTorch does when `bucket_cap_mb` is given (set [`Self::first_bucket_bytes`]
     /// after this to differ).
@@ -681,19 +702,7 @@ impl<'b> Reducer<'b> {
         buffers: &[Tensor],
         opts: &ReducerOptions,
     ) -> Result<Reducer<'b>> {
-        let bytes = |what: &str, v: usize| {
-            i64::try_from(v)
-                .ok()
-                .filter(|&b| b > 0)
-                .ok_or_else(|| Error::Torch {
-                    op: "Reducer",
-                    message: format!(
-                        "{what} of {v} bytes: give a size > 0 (PyTorch's 25 MiB / 1 MiB)"
-                    ),
-                })
-        };
-        let bucket = bytes("bucket size", opts.bucket_bytes)?;
-        let first = bytes("first bucket size", opts.first_bucket_bytes)?;
+        let (bucket, first) = opts.sizes()?;
         let names = params
             .iter()
             .map(|(n, _)| c_string("Reducer parameter name", n))
