@@ -33,6 +33,17 @@ pub enum Precision {
     Fp16,
 }
 
+impl Precision {
+    /// The dtype the step function runs under autocast in, if any.
+    fn autocast_kind(self) -> Option<tch::Kind> {
+        match self {
+            Precision::Full => None,
+            Precision::Bf16 => Some(tch::Kind::BFloat16),
+            Precision::Fp16 => Some(tch::Kind::Half),
+        }
+    }
+}
+
 /// `torch.amp.GradScaler`'s defaults.
 const SCALER_INIT: f64 = 65536.0;
 const SCALER_GROWTH_INTERVAL: u64 = 2000;
@@ -587,7 +598,8 @@ impl Trainer {
             run.losses.push((run.steps, mean));
         }
         if let (Some(cfg), Some(eval)) = (&self.config.eval, eval.as_mut()) {
-            if run.steps % cfg.every != 0 && run.evals.last().map(|e| e.0) != Some(run.steps) {
+            // Steps that are multiples of `every` were evaluated in the loop.
+            if run.steps % cfg.every != 0 {
                 self.evaluate(&mut run, vs, opt, epoch, eval)?;
             }
         }
@@ -664,13 +676,10 @@ impl Trainer {
         let improved = run.best.is_none_or(|(_, b)| value < b);
         if self.pg.is_main() {
             tracing::info!(step = steps, epoch, eval = value, improved, "evaluation");
-            if let Some(file) = &mut run.metrics {
-                use std::io::Write;
-                let record = serde_json::json!({"step": steps, "epoch": epoch, "eval": value});
-                if let Err(e) = writeln!(file, "{record}") {
-                    tracing::warn!("cannot append to the metrics file: {e}");
-                }
-            }
+            append_metrics(
+                &mut run.metrics,
+                &serde_json::json!({"step": steps, "epoch": epoch, "eval": value}),
+            );
         }
         if improved {
             run.best = Some((steps, value));
@@ -721,15 +730,9 @@ impl Trainer {
             Some(dir) => resume_parts(dir, vs, opt, &mut batches, reshard, Some(&mut values))?,
             None => None,
         };
-        let best = values
-            .get(BEST)
-            .and_then(|v| serde_json::from_value::<(u64, f64)>(v.clone()).ok());
-        let scaler = (cfg.precision == Precision::Fp16).then(|| {
-            values
-                .get(SCALER)
-                .and_then(|v| serde_json::from_value::<(f64, u64)>(v.clone()).ok())
-                .unwrap_or((SCALER_INIT, 0))
-        });
+        let best: Option<(u64, f64)> = saved(&values, BEST);
+        let scaler = (cfg.precision == Precision::Fp16)
+            .then(|| saved(&values, SCALER).unwrap_or((SCALER_INIT, 0)));
         let best_dir = match (&cfg.checkpoint_dir, &cfg.eval) {
             (Some(d), Some(_)) => Some(
                 CheckpointDir::open(d.join("best"))?
@@ -807,13 +810,9 @@ impl Trainer {
                 micro_batch: m,
                 micro_batches: parts.len(),
             };
-            let loss = match self.config.precision {
-                Precision::Full => step(&ctx),
-                Precision::Bf16 => {
-                    tt_sys::autocast(self.device, tch::Kind::BFloat16, || step(&ctx))
-                        .map_err(|e| failed(e.into()))?
-                }
-                Precision::Fp16 => tt_sys::autocast(self.device, tch::Kind::Half, || step(&ctx))
+            let loss = match self.config.precision.autocast_kind() {
+                None => step(&ctx),
+                Some(kind) => tt_sys::autocast(self.device, kind, || step(&ctx))
                     .map_err(|e| failed(e.into()))?,
             }
             .map_err(|e| failed(e.into()))?;
@@ -949,7 +948,7 @@ impl Trainer {
             throughput,
             "training"
         );
-        if let Some(file) = &mut run.metrics {
+        if run.metrics.is_some() {
             let mut record = serde_json::json!({
                 "step": run.steps,
                 "epoch": epoch,
@@ -960,10 +959,7 @@ impl Trainer {
             if let Some(n) = grad_norm {
                 record["grad_norm"] = serde_json::json!(n);
             }
-            use std::io::Write;
-            if let Err(e) = writeln!(file, "{record}") {
-                tracing::warn!("cannot append to the metrics file: {e}");
-            }
+            append_metrics(&mut run.metrics, &record);
         }
     }
 
@@ -1014,6 +1010,24 @@ const BEST: &str = "tt_train.best_eval";
 /// Fp16's `(loss scale, good steps since it changed)` in a checkpoint's values.
 const SCALER: &str = "tt_train.grad_scaler";
 
+/// The trainer's value `key` in a checkpoint's values, if there and readable.
+fn saved<T: serde::de::DeserializeOwned>(values: &Values, key: &str) -> Option<T> {
+    values
+        .get(key)
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
+}
+
+/// One line of the metrics file, if there is one; a failed write is a warning (the
+/// training goes on).
+fn append_metrics(file: &mut Option<std::fs::File>, record: &serde_json::Value) {
+    use std::io::Write;
+    if let Some(file) = file {
+        if let Err(e) = writeln!(file, "{record}") {
+            tracing::warn!("cannot append to the metrics file: {e}");
+        }
+    }
+}
+
 /// `indices` split into `k` contiguous parts (at most one per sample), sizes differing
 /// by at most one.
 fn micro_batches(indices: &[u64], k: usize) -> Vec<&[u64]> {
@@ -1046,12 +1060,17 @@ fn step_seed(seed: u64, rank: u64, step: u64) -> i64 {
 /// (one host sync: the step's update depends on it, as in PyTorch).
 fn unscale(params: &[Tensor], scale: f64) -> Result<bool, tch::TchError> {
     let _guard = tch::no_grad_guard();
-    let mut finite = true;
+    // Per gradient on its device, read once at the end.
+    let mut finite: Option<Tensor> = None;
     for g in params.iter().map(Tensor::grad).filter(Tensor::defined) {
         let _ = g.shallow_clone().f_mul_scalar_(1.0 / scale)?;
-        finite &= g.f_isfinite()?.f_all()?.int64_value(&[]) != 0;
+        let this = g.f_isfinite()?.f_all()?;
+        finite = Some(match finite {
+            Some(f) => f.f_logical_and(&this)?,
+            None => this,
+        });
     }
-    Ok(finite)
+    Ok(finite.is_none_or(|f| f.int64_value(&[]) != 0))
 }
 
 /// PyTorch's `clip_grad_norm_`: scales every gradient by `max_norm / (norm + 1e-6)`
@@ -1063,19 +1082,19 @@ fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<Tensor, tch::TchEr
         .map(Tensor::grad)
         .filter(Tensor::defined)
         .collect();
-    let Some(first) = grads.first() else {
+    if grads.is_empty() {
         return Tensor::f_zeros([], (tch::Kind::Double, tch::Device::Cpu));
-    };
+    }
     let norms = grads
         .iter()
         .map(|g| g.f_norm().and_then(|n| n.f_to_kind(tch::Kind::Double)))
         .collect::<Result<Vec<_>, _>>()?;
     let total = Tensor::f_stack(&norms, 0)?.f_norm()?;
+    // A 0-dim tensor on the gradients' device: each in-place product keeps the
+    // gradient's dtype.
     let coef = (max_norm / (&total + 1e-6)).f_clamp_max(1.0)?;
     for g in &grads {
-        let _ = g
-            .shallow_clone()
-            .f_mul_(&coef.f_to_kind(g.kind())?.f_to_device(first.device())?)?;
+        let _ = g.shallow_clone().f_mul_(&coef)?;
     }
     Ok(total)
 }
