@@ -5,16 +5,13 @@ use std::cell::Cell;
 
 use tch::nn::VarStore;
 use tch::Tensor;
-use tt_sys::c10d::Reducer;
+use tt_sys::c10d::{Reducer, BROADCAST_BUCKET_BYTES};
 pub use tt_sys::c10d::{
     ReducerOptions as DdpOptions, DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES,
 };
 
 use crate::group::ProcessGroup;
 use crate::{Error, Result};
-
-/// What `DistributedDataParallel` broadcasts parameters and buffers in (250 MiB).
-const BROADCAST_BUCKET_BYTES: usize = 250 << 20;
 
 /// Keeps one model's replicas identical across a [`ProcessGroup`]: PyTorch's
 /// `DistributedDataParallel`, on its own engine (`c10d::Reducer`, the C++ half of DDP),

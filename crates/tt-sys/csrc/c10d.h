@@ -59,14 +59,14 @@ void tt_work_free(tt_work* work);
 
 // DDP: c10d::Reducer, built as torch.nn.parallel.DistributedDataParallel builds it.
 // Verifies that every rank has the same parameters (shapes, dtypes), broadcasts rank 0's
-// parameters then buffers, assigns buckets as PyTorch does and registers the Reducer's
-// autograd hooks on the parameters (leaf tensors). names: one per parameter (errors name
-// them; may be NULL).
+// parameters then buffers (in buffers of `broadcast_bytes`), assigns buckets as PyTorch
+// does and registers the Reducer's autograd hooks on the parameters (leaf tensors).
+// names: one per parameter (errors name them; may be NULL).
 typedef struct tt_reducer tt_reducer;
 char* tt_reducer_new(tt_backend* b, void* const* params, const char* const* names,
                      size_t n_params, void* const* buffers, size_t n_buffers,
-                     int64_t bucket_bytes, int64_t first_bucket_bytes, bool find_unused,
-                     bool gradient_as_bucket_view, tt_reducer** out);
+                     size_t broadcast_bytes, int64_t bucket_bytes, int64_t first_bucket_bytes,
+                     bool find_unused, bool gradient_as_bucket_view, tt_reducer** out);
 // Before a backward whose gradients are to be averaged (DDP's forward hooks): counts the
 // iteration, rebuilds the buckets once (a collective), arms the autograd hooks; with
 // find_unused, walks the graph from `outputs` to mark the parameters it does not reach.

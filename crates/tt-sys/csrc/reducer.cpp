@@ -64,8 +64,8 @@ extern "C" {
 
 char* tt_reducer_new(tt_backend* b, void* const* params, const char* const* names,
                      size_t n_params, void* const* buffers, size_t n_buffers,
-                     int64_t bucket_bytes, int64_t first_bucket_bytes, bool find_unused,
-                     bool gradient_as_bucket_view, tt_reducer** out) {
+                     size_t broadcast_bytes, int64_t bucket_bytes, int64_t first_bucket_bytes,
+                     bool find_unused, bool gradient_as_bucket_view, tt_reducer** out) {
   TT_PROTECT({
     if (n_params == 0) throw std::invalid_argument("no parameter that requires a gradient");
     auto pg = group_of(b);
@@ -75,12 +75,12 @@ char* tt_reducer_new(tt_backend* b, void* const* params, const char* const* name
       param_names.emplace(i, names != nullptr && names[i] != nullptr ? names[i] : "");
     }
     // DistributedDataParallel.__init__: the same model everywhere, then rank 0's
-    // parameters and buffers everywhere (250 MiB broadcast buckets).
+    // parameters and buffers everywhere (in buffers of `broadcast_bytes`).
     c10d::verify_params_across_processes(pg, ps, std::nullopt);
     std::vector<at::Tensor> states;
     for (auto& p : ps) states.push_back(p.detach());
     for (auto& t : tensor_list(buffers, n_buffers)) states.push_back(t.detach());
-    c10d::broadcast_coalesced(pg, states, 250 * 1024 * 1024, 0);
+    c10d::broadcast_coalesced(pg, states, broadcast_bytes, 0);
     // _ddp_init_helper: one bucket until the first backward has shown the order in
     // which gradients become ready (then rebuilt with the small first bucket), unless
     // unused parameters are searched for (then sized buckets from the start).
@@ -91,15 +91,15 @@ char* tt_reducer_new(tt_backend* b, void* const* params, const char* const* name
       limits = {static_cast<size_t>(LLONG_MAX)};
     }
     std::vector<bool> sparse(n_params, false);
-    auto [indices, per_bucket] = c10d::compute_bucket_assignment_by_size(ps, limits, sparse);
+    // Only the indices: the per-bucket limits it also returns are what Python hands its
+    // binding, which does not pass them to the Reducer.
+    auto indices = std::get<0>(c10d::compute_bucket_assignment_by_size(ps, limits, sparse));
     std::vector<std::vector<size_t>> reversed_indices(indices.rbegin(), indices.rend());
-    std::vector<int64_t> unused_caps;  // bucket_bytes_cap_list: none given
-    (void)per_bucket;
     auto r = std::make_unique<c10d::Reducer>(
         ps, std::move(reversed_indices), pg, sparse, bucket_bytes, find_unused,
         gradient_as_bucket_view, std::move(param_names), first_bucket_bytes,
         /*skip_all_reduce_unused_params=*/false, /*use_python_reducer=*/false,
-        std::move(unused_caps));
+        /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
     *out = new tt_reducer{std::move(pg), std::move(r), find_unused};
   })
 }

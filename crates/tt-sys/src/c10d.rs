@@ -127,6 +127,7 @@ mod raw {
             n_params: usize,
             buffers: *const Tensor,
             n_buffers: usize,
+            broadcast_bytes: usize,
             bucket_bytes: i64,
             first_bucket_bytes: i64,
             find_unused: bool,
@@ -611,6 +612,9 @@ pub struct ReducerOptions {
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 /// PyTorch's default size of DDP's first bucket (`dist._DEFAULT_FIRST_BUCKET_BYTES`).
 pub const DEFAULT_FIRST_BUCKET_BYTES: usize = 1 << 20;
+/// What `DistributedDataParallel` broadcasts parameters and buffers in (its
+/// `broadcast_bucket_size`, 250 MiB).
+pub const BROADCAST_BUCKET_BYTES: usize = 250 << 20;
 
 impl ReducerOptions {
     /// The bucket and first-bucket sizes as c10d takes them; an error naming the size
@@ -721,6 +725,7 @@ impl<'b> Reducer<'b> {
                 ps.len(),
                 bs.as_ptr(),
                 bs.len(),
+                BROADCAST_BUCKET_BYTES,
                 bucket,
                 first,
                 opts.find_unused_parameters,
