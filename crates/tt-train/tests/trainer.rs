@@ -315,6 +315,11 @@ fn run_with_outcome(
     Ok((params, outcome(&outs[0])))
 }
 
+/// A VarStore's parameters by name (compared by name with [`max_diff`]).
+fn params_of(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    vs.variables().into_iter().collect()
+}
+
 /// The largest difference between two sets of parameters of the same names; an error
 /// when the sets differ (an empty set would otherwise compare as 0).
 fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> Result<f64, String> {
@@ -625,8 +630,7 @@ fn fit_linear(cfg: TrainConfig) -> Result<Fitted, String> {
             Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
         })
         .map_err(|e| e.to_string())?;
-    let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    params.sort_by(|a, b| a.0.cmp(&b.0));
+    let params = params_of(&vs);
     Ok((params, report, sizes))
 }
 
@@ -725,8 +729,7 @@ fn clipping() -> TestResult {
     if norms.iter().all(|&n| n <= max_norm) {
         return Err(format!("no step needed clipping: {norms:?}"));
     }
-    let mut by_hand: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-    by_hand.sort_by(|a, b| a.0.cmp(&b.0));
+    let by_hand = params_of(&vs);
     let diff = max_diff(&clipped, &by_hand)?;
     if diff > 1e-6 {
         return Err(format!(
@@ -794,8 +797,7 @@ fn reseeding() -> TestResult {
             (Ok(_), None) | (Err(TrainError::Step { .. }), Some(_)) => {}
             (other, _) => return Err(format!("fit: {other:?}")),
         }
-        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let params = params_of(&vs);
         Ok(params)
     };
     for reseed in [true, false] {
@@ -964,8 +966,7 @@ fn bf16() -> TestResult {
                 Ok::<_, std::io::Error>(out.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean))
             })
             .map_err(|e| e.to_string())?;
-        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let params = params_of(&vs);
         Ok((params, kinds))
     };
     let (full, kinds) = fit(Precision::Full)?;
@@ -1020,8 +1021,7 @@ fn fp16_scaler() -> TestResult {
                 loss
             })
         });
-        let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        params.sort_by(|a, b| a.0.cmp(&b.0));
+        let params = params_of(&vs);
         match (report, fail_at) {
             (Ok(r), None) => Ok((r, params)),
             (Err(TrainError::Step { .. }), Some(_)) => Err("crashed".into()),
