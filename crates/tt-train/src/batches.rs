@@ -29,6 +29,7 @@ pub struct Batch {
 /// let first: Vec<_> = (&mut batches).take(4).collect::<Result<_, _>>()?;
 /// assert_eq!(first.iter().map(|b| b.epoch).collect::<Vec<_>>(), [0, 0, 0, 1]);
 /// let saved = batches.state();
+/// assert_eq!(batches.remaining_batches(), 5);
 /// let rest = batches.count();
 /// assert_eq!(4 + rest, 9); // 3 batches (2 + 2 + 1 samples) per epoch
 ///
@@ -75,6 +76,18 @@ impl EpochBatches {
     /// The epoch the next batch comes from (`epochs` once finished).
     pub fn epoch(&self) -> u64 {
         self.batches.sampler().epoch().min(self.epochs)
+    }
+
+    /// Batches left in all: the rest of this epoch and every later one (what a
+    /// progress bar counts down).
+    pub fn remaining_batches(&self) -> u64 {
+        let epoch = self.batches.sampler().epoch();
+        if epoch >= self.epochs {
+            return 0;
+        }
+        let mut whole = self.batches.clone();
+        whole.sampler_mut().restart_epoch();
+        self.batches.remaining_batches() + (self.epochs - epoch - 1) * whole.remaining_batches()
     }
 
     /// The epochs in all.

@@ -12,6 +12,8 @@
 //!   `AtomicDirectory` and interruptible sampler do together.
 //! - [`EpochBatches`] (no libtorch): this rank's batches across epochs, resumable
 //!   mid-epoch.
+//! - [`tensorboard::EventWriter`] and [`loss_curve_svg`] (no libtorch): the trainer's
+//!   metrics as TensorBoard event files and as an SVG loss curve.
 //!
 //! # Example
 //!
@@ -41,14 +43,17 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod batches;
+mod curve;
 mod error;
 mod signals;
 #[cfg(feature = "tch")]
 mod state;
+pub mod tensorboard;
 #[cfg(feature = "dist")]
 mod trainer;
 
 pub use batches::{Batch, EpochBatches};
+pub use curve::loss_curve_svg;
 pub use error::TrainError;
 pub use signals::{install_signal_handlers, EXIT_PREEMPTED};
 #[cfg(feature = "tch")]

@@ -13,7 +13,10 @@ use tt_dist::{Ddp, ProcessGroup, ReduceOp};
 use tt_optim::Optimizer;
 use tt_sampler::{DistributedSampler, Reshard};
 
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
 use crate::state::{resume_parts, save_parts, Values};
+use crate::tensorboard::EventWriter;
 use crate::{EpochBatches, TrainError};
 
 /// The arithmetic of the forward pass ([`TrainConfig::precision`]).
@@ -117,6 +120,22 @@ pub struct TrainConfig {
     pub eval: Option<EvalConfig>,
     /// Mixed precision: [`Precision::Bf16`] or [`Precision::Fp16`] (default full).
     pub precision: Precision,
+    /// A directory for TensorBoard event files (rank 0; `tensorboard --logdir` on it):
+    /// `train/loss`, `train/lr`, `train/samples_per_s` and `train/grad_norm` at every
+    /// log step, `eval/metric` at every evaluation. A resumed run adds a new file to
+    /// the same directory, as PyTorch's `SummaryWriter` does.
+    pub tensorboard_dir: Option<PathBuf>,
+    /// An SVG picture of the loss (and evaluation) curve, written by rank 0 when
+    /// training ends or is preempted. With a [`metrics_file`](Self::metrics_file) the
+    /// curve covers the whole history in it (resumes included); otherwise this run's.
+    pub loss_curve: Option<PathBuf>,
+    /// A progress bar on rank 0 (default `true`): steps done of all, the last loss
+    /// and evaluation, speed and time left; drawn only when standard error is a
+    /// terminal (never in logs or pipes).
+    pub progress: bool,
+    /// Micro-batches that [`Trainer::fit_prefetched`] prepares ahead on its loader
+    /// thread (default 2).
+    pub prefetch: usize,
 }
 
 impl TrainConfig {
@@ -141,7 +160,23 @@ impl TrainConfig {
             metrics_file: None,
             eval: None,
             precision: Precision::Full,
+            tensorboard_dir: None,
+            loss_curve: None,
+            progress: true,
+            prefetch: 2,
         }
+    }
+
+    /// With TensorBoard event files in this directory (rank 0).
+    pub fn tensorboard(mut self, dir: impl Into<PathBuf>) -> TrainConfig {
+        self.tensorboard_dir = Some(dir.into());
+        self
+    }
+
+    /// With an SVG loss curve written to this file at the end (rank 0).
+    pub fn loss_curve(mut self, path: impl Into<PathBuf>) -> TrainConfig {
+        self.loss_curve = Some(path.into());
+        self
     }
 
     /// With this precision for the forward pass.
@@ -241,14 +276,32 @@ impl TrainConfig {
                 )));
             }
         }
-        if let Some(path) = &self.metrics_file {
-            let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
-            if path.is_dir() || parent.is_some_and(|p| !p.is_dir()) {
+        for (what, path) in [
+            ("metrics_file", &self.metrics_file),
+            ("loss_curve", &self.loss_curve),
+        ] {
+            if let Some(path) = path {
+                let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+                if path.is_dir() || parent.is_some_and(|p| !p.is_dir()) {
+                    return Err(TrainError::Config(format!(
+                        "{what} {}: give a file in an existing directory",
+                        path.display()
+                    )));
+                }
+            }
+        }
+        if let Some(dir) = &self.tensorboard_dir {
+            if dir.exists() && !dir.is_dir() {
                 return Err(TrainError::Config(format!(
-                    "metrics_file {}: give a file in an existing directory",
-                    path.display()
+                    "tensorboard_dir {} is a file: give a directory (created if missing)",
+                    dir.display()
                 )));
             }
+        }
+        if self.prefetch == 0 {
+            return Err(TrainError::Config(
+                "prefetch is 0: give the micro-batches to prepare ahead (e.g. 2)".into(),
+            ));
         }
         Ok(())
     }
@@ -439,6 +492,30 @@ struct Run<'a> {
     /// Fp16's loss scale and good steps since it last changed.
     scaler: Option<(f64, u64)>,
     skipped: u64,
+    /// Rank 0's TensorBoard event file.
+    events: Option<EventWriter>,
+    /// Rank 0's progress bar (hidden when standard error is not a terminal).
+    bar: Option<ProgressBar>,
+}
+
+impl Run<'_> {
+    /// A log line, with the progress bar out of its way.
+    fn say(&self, line: impl FnOnce()) {
+        match &self.bar {
+            Some(bar) => bar.suspend(line),
+            None => line(),
+        }
+    }
+
+    /// Scalars to the TensorBoard file; a failed write is a warning.
+    fn events(&mut self, scalars: &[(&str, f64)]) {
+        if let Some(w) = &mut self.events {
+            let scalars: Vec<(&str, f32)> = scalars.iter().map(|&(t, v)| (t, v as f32)).collect();
+            if let Err(e) = w.add_scalars(&scalars, self.steps).and_then(|()| w.flush()) {
+                tracing::warn!("cannot write the TensorBoard event file: {e}");
+            }
+        }
+    }
 }
 
 impl Trainer {
@@ -563,24 +640,237 @@ impl Trainer {
         self.fit_inner(vs, opt, step, Some(eval))
     }
 
-    fn fit_inner<F, G, E>(
+    /// As [`Trainer::fit`], with the batches prepared ahead on a loader thread: `load`
+    /// builds a micro-batch's data (tensors, or anything `Send`) from the step context
+    /// the step will get (its indices, device, epoch, step), while the current step
+    /// runs; `step` then gets the context and that batch. Up to
+    /// [`TrainConfig::prefetch`] micro-batches are prepared ahead; the order is the
+    /// sampler's, and the checkpointed data position is that of the steps done, not of
+    /// the batches prepared, so a resume is as exact as with [`Trainer::fit`].
+    ///
+    /// `load` runs on another thread, so it must not draw from libtorch's global
+    /// random generator (the trainer seeds it for the step, see
+    /// [`TrainConfig::seed_every_step`]): derive any random augmentation from the
+    /// indices and epoch. An error from `load` ends the training as a step error does;
+    /// a panic in it ends it with an error that says so.
+    ///
+    /// ```no_run
+    /// # use tch::{nn::{self, Module}, Kind, Tensor};
+    /// # use tt_optim::{Optimizer, SgdConfig};
+    /// # use tt_train::{TrainConfig, Trainer};
+    /// # let mut trainer = Trainer::from_env(TrainConfig::new(1024, 32, 3))?;
+    /// # let mut vs = nn::VarStore::new(trainer.device());
+    /// # let net = nn::linear(vs.root(), 8, 1, Default::default());
+    /// # let mut opt = Optimizer::sgd(&vs, SgdConfig::default())?;
+    /// let features = Tensor::randn([1024, 8], (Kind::Float, tch::Device::Cpu));
+    /// let report = trainer.fit_prefetched(
+    ///     &mut vs,
+    ///     &mut opt,
+    ///     // On the loader thread: gather the rows and move them to the device. (A
+    ///     // Tensor can move to another thread but not be shared: move it, or a
+    ///     // shallow_clone of it, into the loader.)
+    ///     move |ctx| {
+    ///         let idx: Vec<i64> = ctx.indices.iter().map(|&i| i as i64).collect();
+    ///         features.f_index_select(0, &Tensor::from_slice(&idx))?.f_to_device(ctx.device)
+    ///     },
+    ///     |_ctx, x: Tensor| net.forward(&x).pow_tensor_scalar(2).f_mean(Kind::Float),
+    /// )?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn fit_prefetched<L, B, F, E>(
         &mut self,
         vs: &mut VarStore,
         opt: &mut Optimizer,
+        load: L,
+        step: F,
+    ) -> Result<FitReport, TrainError>
+    where
+        L: FnMut(&StepContext<'_>) -> Result<B, E> + Send,
+        B: Send,
+        F: FnMut(&StepContext<'_>, B) -> Result<Tensor, E>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        if self.config.eval.is_some() {
+            return Err(TrainError::Config(
+                "an evaluation is configured (TrainConfig::eval): train with \
+                 fit_eval_prefetched, which takes the evaluation function"
+                    .into(),
+            ));
+        }
+        self.prefetched(
+            vs,
+            opt,
+            load,
+            step,
+            None::<fn(&StepContext<'_>) -> Result<Tensor, E>>,
+        )
+    }
+
+    /// [`Trainer::fit_prefetched`] with evaluation as in [`Trainer::fit_eval`] (the
+    /// evaluation builds its own batches from the context's indices).
+    pub fn fit_eval_prefetched<L, B, F, G, E>(
+        &mut self,
+        vs: &mut VarStore,
+        opt: &mut Optimizer,
+        load: L,
+        step: F,
+        eval: G,
+    ) -> Result<FitReport, TrainError>
+    where
+        L: FnMut(&StepContext<'_>) -> Result<B, E> + Send,
+        B: Send,
+        F: FnMut(&StepContext<'_>, B) -> Result<Tensor, E>,
+        G: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        if self.config.eval.is_none() {
+            return Err(TrainError::Config(
+                "fit_eval_prefetched without TrainConfig::eval: say when and on what to \
+                 evaluate with TrainConfig::evaluate(every, held_out_indices, batch_size)"
+                    .into(),
+            ));
+        }
+        self.prefetched(vs, opt, load, step, Some(eval))
+    }
+
+    /// The loader thread beside [`Trainer::fit_run`]: it walks a copy of the batches
+    /// (the run's own position moves only with the steps done) and sends each
+    /// micro-batch's data through a channel of `prefetch` places.
+    fn prefetched<L, B, F, G, E>(
+        &self,
+        vs: &mut VarStore,
+        opt: &mut Optimizer,
+        mut load: L,
         mut step: F,
-        mut eval: Option<G>,
+        eval: Option<G>,
+    ) -> Result<FitReport, TrainError>
+    where
+        L: FnMut(&StepContext<'_>) -> Result<B, E> + Send,
+        B: Send,
+        F: FnMut(&StepContext<'_>, B) -> Result<Tensor, E>,
+        G: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        type Boxed = Box<dyn std::error::Error + Send + Sync>;
+        struct Loaded<B> {
+            step: u64,
+            indices: Vec<u64>,
+            data: Result<B, Boxed>,
+        }
+        let run = self.start(vs, opt)?;
+        let mut ahead = run.batches.clone();
+        let (parts, device, first) = (self.config.accumulate, self.device, run.steps);
+        std::thread::scope(|scope| {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<Loaded<B>>(self.config.prefetch);
+            let loader = std::thread::Builder::new()
+                .name("tt-train-loader".into())
+                .spawn_scoped(scope, move || {
+                    let _guard = tch::no_grad_guard();
+                    for step in first.. {
+                        let batch = match ahead.next_batch() {
+                            Ok(Some(batch)) => batch,
+                            Ok(None) => return,
+                            Err(e) => {
+                                let data = Err(e.into());
+                                let _ = tx.send(Loaded {
+                                    step,
+                                    indices: Vec::new(),
+                                    data,
+                                });
+                                return;
+                            }
+                        };
+                        let micro = micro_batches(&batch.indices, parts);
+                        for (m, part) in micro.iter().enumerate() {
+                            let ctx = StepContext {
+                                indices: part,
+                                device,
+                                epoch: batch.epoch,
+                                step,
+                                micro_batch: m,
+                                micro_batches: micro.len(),
+                            };
+                            let data = load(&ctx).map_err(Into::into);
+                            let loaded = Loaded {
+                                step,
+                                indices: part.to_vec(),
+                                data,
+                            };
+                            if tx.send(loaded).is_err() {
+                                return; // the training ended
+                            }
+                        }
+                    }
+                })
+                .map_err(|e| {
+                    TrainError::Config(format!("cannot start the batch-loader thread: {e}"))
+                })?;
+            // Owns the receiver: when the run ends, the loader's next send fails and it
+            // stops.
+            let take = move |ctx: &StepContext<'_>| -> Result<Tensor, Boxed> {
+                let loaded = rx.recv().map_err(|_| {
+                    "the batch loader stopped without a batch (it panicked: see its message)"
+                })?;
+                if loaded.step != ctx.step || loaded.indices != ctx.indices {
+                    return Err(format!(
+                        "the prefetched batch (step {}, indices {:?}) is not the step's \
+                         (step {}, indices {:?})",
+                        loaded.step, loaded.indices, ctx.step, ctx.indices
+                    )
+                    .into());
+                }
+                step(ctx, loaded.data?).map_err(Into::into)
+            };
+            let report = self.fit_run(vs, opt, run, take, eval);
+            match loader.join() {
+                Ok(()) => report,
+                Err(_) => report.and(Err(TrainError::Step {
+                    step: first,
+                    source: "the batch loader panicked (see its message)".into(),
+                })),
+            }
+        })
+    }
+
+    fn fit_inner<F, G, E>(
+        &self,
+        vs: &mut VarStore,
+        opt: &mut Optimizer,
+        step: F,
+        eval: Option<G>,
     ) -> Result<FitReport, TrainError>
     where
         F: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
         G: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        let mut run = self.start(vs, opt)?;
+        let run = self.start(vs, opt)?;
+        self.fit_run(vs, opt, run, step, eval)
+    }
+
+    /// The loop over the batches of a started run.
+    fn fit_run<F, G, E, E2>(
+        &self,
+        vs: &mut VarStore,
+        opt: &mut Optimizer,
+        mut run: Run<'_>,
+        mut step: F,
+        mut eval: Option<G>,
+    ) -> Result<FitReport, TrainError>
+    where
+        F: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
+        G: FnMut(&StepContext<'_>) -> Result<Tensor, E2>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+        E2: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
         let mut epoch = 0;
         while let Some(batch) = run.batches.next_batch()? {
             epoch = batch.epoch;
             let lr = opt.lr();
             let loss = self.step(&mut run, opt, &batch.indices, batch.epoch, &mut step)?;
+            if let Some(bar) = &run.bar {
+                bar.inc(1);
+            }
             let any_stop = self.agree(&mut run, loss, batch.epoch, lr)?;
             if any_stop {
                 return self.finish(run, vs, opt, FitOutcome::Preempted, batch.epoch);
@@ -675,7 +965,13 @@ impl Trainer {
         run.evals.push((steps, value));
         let improved = run.best.is_none_or(|(_, b)| value < b);
         if self.pg.is_main() {
-            tracing::info!(step = steps, epoch, eval = value, improved, "evaluation");
+            run.say(|| {
+                tracing::info!(step = steps, epoch, eval = value, improved, "evaluation");
+            });
+            if let Some(bar) = &run.bar {
+                bar.set_message(format!("epoch {epoch}  eval {value:.4}"));
+            }
+            run.events(&[("eval/metric", value)]);
             append_metrics(
                 &mut run.metrics,
                 &serde_json::json!({"step": steps, "epoch": epoch, "eval": value}),
@@ -754,6 +1050,27 @@ impl Trainer {
             ),
             _ => None,
         };
+        let events = match (&cfg.tensorboard_dir, pg.is_main()) {
+            (Some(dir), true) => Some(
+                EventWriter::create(dir)
+                    .map_err(|e| TrainError::Config(format!("tensorboard_dir: {e}")))?,
+            ),
+            _ => None,
+        };
+        let bar = (cfg.progress && pg.is_main()).then(|| {
+            let done = resumed_from.unwrap_or(0);
+            let bar = ProgressBar::with_draw_target(
+                Some(done + batches.remaining_batches()),
+                ProgressDrawTarget::stderr(),
+            );
+            let style = ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} steps  {msg}  {per_sec} eta {eta}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
+            bar.set_style(style);
+            bar.set_position(done);
+            bar
+        });
         Ok(Run {
             batches,
             dir,
@@ -772,6 +1089,8 @@ impl Trainer {
             best_dir,
             scaler,
             skipped: 0,
+            events,
+            bar,
         })
     }
 
@@ -939,15 +1258,27 @@ impl Trainer {
         // Samples of all ranks per second.
         let throughput = (samples * self.pg.world_size() as u64) as f64
             / since.elapsed().as_secs_f64().max(1e-9);
-        tracing::info!(
-            step = run.steps,
-            epoch,
-            loss,
-            lr,
-            grad_norm,
-            throughput,
-            "training"
-        );
+        run.say(|| {
+            tracing::info!(
+                step = run.steps,
+                epoch,
+                loss,
+                lr,
+                grad_norm,
+                throughput,
+                "training"
+            );
+        });
+        if let Some(bar) = &run.bar {
+            bar.set_message(format!("epoch {epoch}  loss {loss:.4}"));
+        }
+        let mut scalars = vec![
+            ("train/loss", loss),
+            ("train/lr", lr),
+            ("train/samples_per_s", throughput),
+        ];
+        scalars.extend(grad_norm.map(|n| ("train/grad_norm", n)));
+        run.events(&scalars);
         if run.metrics.is_some() {
             let mut record = serde_json::json!({
                 "step": run.steps,
@@ -960,6 +1291,23 @@ impl Trainer {
                 record["grad_norm"] = serde_json::json!(n);
             }
             append_metrics(&mut run.metrics, &record);
+        }
+    }
+
+    /// The SVG loss curve: the metrics file's history if there is one, else this
+    /// run's; a failed write is a warning (the training is done).
+    fn write_curve(&self, run: &Run<'_>, path: &std::path::Path) {
+        let history = self
+            .config
+            .metrics_file
+            .as_deref()
+            .and_then(|m| crate::curve::read_metrics(m).ok());
+        let (losses, evals) = history.unwrap_or_else(|| (run.losses.clone(), run.evals.clone()));
+        let svg = crate::loss_curve_svg(&losses, &evals);
+        if let Err(e) =
+            tt_ckpt::atomic_write(path, |w| std::io::Write::write_all(w, svg.as_bytes()))
+        {
+            tracing::warn!("cannot write the loss curve {}: {e}", path.display());
         }
     }
 
@@ -987,8 +1335,17 @@ impl Trainer {
     ) -> Result<FitReport, TrainError> {
         self.checkpoint(&mut run, vs, opt)?;
         self.pg.barrier()?;
+        if let Some(bar) = run.bar.take() {
+            match outcome {
+                FitOutcome::Finished => bar.finish(),
+                FitOutcome::Preempted => bar.abandon_with_message("preempted"),
+            }
+        }
         if outcome == FitOutcome::Preempted && self.pg.is_main() {
             tracing::info!(step = run.steps, "preempted: checkpoint written, stopping");
+        }
+        if let (Some(path), true) = (&self.config.loss_curve, self.pg.is_main()) {
+            self.write_curve(&run, path);
         }
         Ok(FitReport {
             outcome,

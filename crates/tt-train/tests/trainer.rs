@@ -87,6 +87,19 @@ fn main() {
             "fp16_loss_scaling_skips_non_finite_steps_and_resumes_its_scale",
             fp16_scaler,
         ),
+        (
+            "prefetched_batches_are_built_ahead_on_a_thread_and_train_as_fit_does",
+            prefetch,
+        ),
+        (
+            "a_crash_with_batches_prepared_ahead_resumes_exactly",
+            prefetch_resume,
+        ),
+        (
+            "metrics_go_to_tensorboard_files_and_an_svg_loss_curve",
+            tensorboard_and_curve,
+        ),
+        ("the_progress_bar_is_drawn_on_a_terminal_only", progress_bar),
     ];
     tt_testkit::run_tests(tests);
 }
@@ -222,6 +235,22 @@ fn spawn_role(
     batch: usize,
     extra: &[(&str, &Path)],
 ) -> Child {
+    command(role, rank, world, port, batch, extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn a training process")
+}
+
+/// The command of [`spawn_role`], its output not yet redirected.
+fn command(
+    role: &str,
+    rank: usize,
+    world: usize,
+    port: u16,
+    batch: usize,
+    extra: &[(&str, &Path)],
+) -> Command {
     let mut cmd = Command::new(exe());
     cmd.env("TT_TRAIN_ROLE", role)
         .env("TT_BATCH", batch.to_string())
@@ -248,10 +277,7 @@ fn spawn_role(
     for (k, v) in extra {
         cmd.env(k, v);
     }
-    cmd.stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn a training process")
+    cmd
 }
 
 fn finish(children: Vec<Child>) -> Result<Vec<String>, String> {
@@ -315,9 +341,12 @@ fn run_with_outcome(
     Ok((params, outcome(&outs[0])))
 }
 
-/// A VarStore's parameters by name (compared by name with [`max_diff`]).
+/// A copy of a VarStore's parameters by name (compared by name with [`max_diff`]).
 fn params_of(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
-    vs.variables().into_iter().collect()
+    vs.variables()
+        .into_iter()
+        .map(|(name, t)| (name, t.copy()))
+        .collect()
 }
 
 /// The largest difference between two sets of parameters of the same names; an error
@@ -460,6 +489,8 @@ fn bad_config() -> TestResult {
 fn one_cpu_process(
     cfg: TrainConfig,
 ) -> Result<(Trainer, nn::VarStore, nn::Linear, Optimizer), String> {
+    let mut cfg = cfg;
+    cfg.progress = false; // no bar on the terminal of whoever runs the tests
     let trainer = Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), tch::Device::Cpu)
         .map_err(|e| e.to_string())?;
     let vs = nn::VarStore::new(tch::Device::Cpu);
@@ -1061,6 +1092,318 @@ fn fp16_scaler() -> TestResult {
     let diff = max_diff(&params, &resumed_params)?;
     if diff != 0.0 {
         return Err(format!("the resumed fp16 run differs by {diff}"));
+    }
+    Ok(())
+}
+
+/// Which micro-batches the loader has started, on which thread; a condition variable
+/// tells the step when another starts.
+type Started = std::sync::Arc<(
+    std::sync::Mutex<Vec<(u64, usize, std::thread::ThreadId)>>,
+    std::sync::Condvar,
+)>;
+
+/// `fit_prefetched` with a loader that builds the samples, against `fit` building them
+/// in the step: the same parameters (shuffled, two micro-batches a step). The loader
+/// runs on its own thread, and prepares the next micro-batch while the step runs: each
+/// step waits (up to a minute) for the loader to start the next one, which a loader
+/// called only when the step asks would never do.
+fn prefetch() -> TestResult {
+    let cfg = || {
+        let mut cfg = TrainConfig::new(64, 8, 2).accumulate(2).seed(5);
+        cfg.handle_signals = false;
+        cfg
+    };
+    tch::manual_seed(3);
+    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg())?;
+    let mut plain_seen = Vec::new();
+    trainer
+        .fit(&mut vs, &mut opt, |ctx| {
+            plain_seen.push(ctx.indices.to_vec());
+            let (x, y) = sample(ctx.indices, ctx.device);
+            Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+        })
+        .map_err(|e| e.to_string())?;
+    let plain = params_of(&vs);
+
+    tch::manual_seed(3);
+    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg())?;
+    let init = params_of(&vs);
+    let started: Started = Default::default();
+    let loader_log = std::sync::Arc::clone(&started);
+    let total = plain_seen.len();
+    let mut seen = Vec::new();
+    let mut late = Vec::new();
+    let report = trainer
+        .fit_prefetched(
+            &mut vs,
+            &mut opt,
+            move |ctx| {
+                let (log, cv) = &*loader_log;
+                if let Ok(mut log) = log.lock() {
+                    log.push((ctx.step, ctx.micro_batch, std::thread::current().id()));
+                }
+                cv.notify_all();
+                let (x, y) = sample(ctx.indices, ctx.device);
+                Ok::<_, std::io::Error>((x, y, ctx.indices.to_vec()))
+            },
+            |ctx, (x, y, indices)| {
+                if indices != ctx.indices {
+                    late.push(format!("step {} got the batch of {indices:?}", ctx.step));
+                }
+                seen.push(indices);
+                let (log, cv) = &*started;
+                let want = seen.len() + 1; // this micro-batch and the next
+                                           // After one late batch, the failure is known: no more minutes of waiting.
+                if want <= total && late.is_empty() {
+                    let log = log
+                        .lock()
+                        .map_err(|e| std::io::Error::other(e.to_string()))?;
+                    let (log, timeout) = cv
+                        .wait_timeout_while(log, Duration::from_secs(60), |l| l.len() < want)
+                        .map_err(|e| std::io::Error::other(e.to_string()))?;
+                    if timeout.timed_out() {
+                        late.push(format!(
+                            "step {} micro-batch {}: the next was not prepared while it ran \
+                             ({} started)",
+                            ctx.step,
+                            ctx.micro_batch,
+                            log.len()
+                        ));
+                    }
+                }
+                Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+            },
+        )
+        .map_err(|e| e.to_string())?;
+    if !late.is_empty() {
+        return Err(late.join("\n"));
+    }
+    if seen != plain_seen || report.steps != 16 {
+        return Err(format!(
+            "{} steps; the step saw {seen:?}, fit saw {plain_seen:?}",
+            report.steps
+        ));
+    }
+    let log = started.0.lock().map_err(|e| e.to_string())?;
+    let main = std::thread::current().id();
+    if log.len() != total || log.iter().any(|(_, _, t)| *t == main) {
+        return Err(format!(
+            "the loader built {} of {total} micro-batches, on threads {:?} (this is {main:?})",
+            log.len(),
+            log.iter().map(|l| l.2).collect::<Vec<_>>()
+        ));
+    }
+    let diff = max_diff(&plain, &params_of(&vs))?;
+    let moved = max_diff(&init, &plain)?;
+    if diff != 0.0 || moved < 1e-3 {
+        return Err(format!(
+            "prefetched and plain training differ by {diff} (moved {moved})"
+        ));
+    }
+    Ok(())
+}
+
+/// A run whose loader is several micro-batches ahead crashes after a checkpoint; the
+/// restart resumes at the checkpoint's step with the batches the uninterrupted run had
+/// there (the checkpoint holds the position of the steps done, not of the batches
+/// prepared), and ends with its parameters.
+fn prefetch_resume() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    /// The parameters, each step's indices, the step resumed from.
+    type Trained = (Vec<(String, Tensor)>, Vec<(u64, Vec<u64>)>, Option<u64>);
+    let train = |ckpt: &Path, fail_at: Option<u64>| -> Result<Trained, String> {
+        let mut cfg = TrainConfig::new(64, 4, 2).checkpoints(ckpt, 5);
+        cfg.handle_signals = false;
+        cfg.prefetch = 6;
+        tch::manual_seed(3);
+        let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+        let mut seen = Vec::new();
+        let result = trainer.fit_prefetched(
+            &mut vs,
+            &mut opt,
+            |ctx| Ok(sample(ctx.indices, ctx.device)),
+            |ctx, (x, y)| {
+                if Some(ctx.step) == fail_at {
+                    return Err(std::io::Error::other("crash"));
+                }
+                seen.push((ctx.step, ctx.indices.to_vec()));
+                Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+            },
+        );
+        let resumed = match (result, fail_at) {
+            (Ok(report), None) => report.resumed_from,
+            (Err(TrainError::Step { step, .. }), Some(at)) if step == at => None,
+            (other, _) => return Err(format!("fit: {other:?}")),
+        };
+        Ok((params_of(&vs), seen, resumed))
+    };
+    let (whole, whole_seen, _) = train(&dir.path().join("whole"), None)?;
+    let ckpt = dir.path().join("crash");
+    train(&ckpt, Some(7))?;
+    let (resumed, resumed_seen, from) = train(&ckpt, None)?;
+    if from != Some(5) || resumed_seen.as_slice() != &whole_seen[5..] {
+        return Err(format!(
+            "resumed from {from:?} with {resumed_seen:?}; the uninterrupted run from step 5: \
+             {:?}",
+            &whole_seen[5..]
+        ));
+    }
+    let diff = max_diff(&whole, &resumed)?;
+    if diff != 0.0 {
+        return Err(format!("the resumed run differs by {diff}"));
+    }
+    Ok(())
+}
+
+/// TensorBoard's own reader (the `tensorboard` package's EventAccumulator) finds the
+/// logged losses, learning rate, gradient norm, throughput and evaluations at their
+/// steps; the SVG curve is well-formed XML (Python's parser) with a point per logged
+/// loss and evaluation.
+fn tensorboard_and_curve() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let (tb, curve) = (dir.path().join("tb"), dir.path().join("loss.svg"));
+    let mut cfg = TrainConfig::new(64, 4, 1)
+        .evaluate(6, 64..80, 4)
+        .clip_grad_norm(10.0)
+        .tensorboard(&tb)
+        .loss_curve(&curve)
+        .metrics(dir.path().join("metrics.jsonl"));
+    cfg.handle_signals = false;
+    cfg.log_every = 4;
+    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+    let loss = |ctx: &tt_train::StepContext<'_>| {
+        let (x, y) = sample(ctx.indices, ctx.device);
+        net.forward(&x).f_mse_loss(&y, tch::Reduction::Mean)
+    };
+    let report = trainer
+        .fit_eval(&mut vs, &mut opt, loss, loss)
+        .map_err(|e| e.to_string())?;
+    let script = r#"
+import json, sys
+from tensorboard.backend.event_processing import event_accumulator as ea
+acc = ea.EventAccumulator(sys.argv[1], size_guidance={ea.SCALARS: 0})
+acc.Reload()
+print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}))
+"#;
+    let tb_path = tb.to_string_lossy();
+    let out = tt_testkit::run_python(script, &[&tb_path]);
+    let scalars: std::collections::BTreeMap<String, Vec<(u64, f64)>> =
+        serde_json::from_str(out.trim()).map_err(|e| format!("{e}: {out}"))?;
+    let close = |got: &[(u64, f64)], want: &[(u64, f64)]| {
+        got.len() == want.len()
+            && !want.is_empty()
+            && got
+                .iter()
+                .zip(want)
+                .all(|(g, w)| g.0 == w.0 && (g.1 - w.1).abs() <= 1e-6 * w.1.abs().max(1.0))
+    };
+    let get = |tag: &str| scalars.get(tag).cloned().unwrap_or_default();
+    // 16 steps: losses at 4, 8, 12, 16; evaluations at 6, 12 and after the last.
+    if !close(&get("train/loss"), &report.losses) || !close(&get("eval/metric"), &report.evals) {
+        return Err(format!(
+            "tensorboard has {scalars:?}; the run logged {:?} and evaluated {:?}",
+            report.losses, report.evals
+        ));
+    }
+    let steps = |tag: &str| get(tag).iter().map(|p| p.0).collect::<Vec<_>>();
+    let logged: Vec<u64> = report.losses.iter().map(|p| p.0).collect();
+    let lr_ok = get("train/lr")
+        .iter()
+        .all(|p| (p.1 - opt.lr()).abs() < 1e-9);
+    let positive = |tag: &str| get(tag).iter().all(|p| p.1 > 0.0);
+    if steps("train/lr") != logged
+        || steps("train/grad_norm") != logged
+        || steps("train/samples_per_s") != logged
+        || !lr_ok
+        || !positive("train/grad_norm")
+        || !positive("train/samples_per_s")
+    {
+        return Err(format!("tensorboard has {scalars:?}"));
+    }
+    let script = r#"
+import sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+for p in root.iter("{http://www.w3.org/2000/svg}polyline"):
+    print(p.get("class"), len(p.get("points").split()))
+"#;
+    let curve_path = curve.to_string_lossy();
+    let out = tt_testkit::run_python(script, &[&curve_path]);
+    let want = format!("loss {}\neval {}", report.losses.len(), report.evals.len());
+    if out.trim() != want {
+        return Err(format!("the SVG's polylines: {out}, want {want}"));
+    }
+    Ok(())
+}
+
+/// A one-process run whose standard error is a terminal (a pseudo-terminal) shows the
+/// bar, ending at all 72 steps; the same run with standard error in a pipe prints none.
+fn progress_bar() -> TestResult {
+    use std::io::Read;
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let bar = "72/72 steps";
+    for terminal in [true, false] {
+        let mut cmd = command("train", 0, 0, 0, 4, &[]);
+        cmd.env("TERM", "xterm").stdout(Stdio::piped());
+        let reader = if terminal {
+            let (mut master, mut slave) = (-1, -1);
+            let size = libc::winsize {
+                ws_row: 24,
+                ws_col: 120,
+                ws_xpixel: 0,
+                ws_ypixel: 0,
+            };
+            // SAFETY: openpty writes two descriptors, which are then owned here.
+            let rc = unsafe {
+                libc::openpty(
+                    &mut master,
+                    &mut slave,
+                    std::ptr::null_mut(),
+                    std::ptr::null(),
+                    &size,
+                )
+            };
+            if rc != 0 {
+                return Err(format!("openpty: {}", std::io::Error::last_os_error()));
+            }
+            // SAFETY: fresh descriptors from openpty, owned once each.
+            let (master, slave) =
+                unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+            cmd.stderr(Stdio::from(slave));
+            let mut master = std::fs::File::from(master);
+            Some(std::thread::spawn(move || {
+                let mut out = Vec::new();
+                // Ends with EIO once the child, the last holder of the terminal, exits.
+                let mut buf = [0u8; 4096];
+                while let Ok(n @ 1..) = master.read(&mut buf) {
+                    out.extend_from_slice(&buf[..n]);
+                }
+                String::from_utf8_lossy(&out).into_owned()
+            }))
+        } else {
+            cmd.stderr(Stdio::piped());
+            None
+        };
+        let child = cmd.spawn().map_err(|e| e.to_string())?;
+        drop(cmd); // the parent's copy of the terminal's end
+        let out = child.wait_with_output().map_err(|e| e.to_string())?;
+        let stderr = match reader {
+            Some(r) => r.join().map_err(|_| "the terminal reader panicked")?,
+            None => String::from_utf8_lossy(&out.stderr).into_owned(),
+        };
+        if !out.status.success()
+            || !outcome(&String::from_utf8_lossy(&out.stdout)).contains("Finished")
+        {
+            return Err(format!("the run failed ({}): {stderr}", out.status));
+        }
+        match (terminal, stderr.contains(bar), stderr.contains("loss ")) {
+            (true, true, true) | (false, false, false) => {}
+            _ => {
+                return Err(format!(
+                    "standard error a terminal: {terminal}; it held:\n{stderr}"
+                ))
+            }
+        }
     }
     Ok(())
 }
