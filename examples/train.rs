@@ -7,10 +7,12 @@
 //! torchrun --no-python --nproc-per-node 2 target/debug/examples/train   # the same, by torchrun
 //! ```
 //!
-//! Each step is 2 accumulated micro-batches, gradients are clipped to norm 1, and a
-//! held-out set is evaluated every 20 steps (the best checkpoint is kept in `DIR/best`).
-//! `TORCHTOOLS_TRAIN_PRECISION=bf16` (or `fp16`, with loss scaling) runs the forward pass
-//! in mixed precision.
+//! Batches are built on a loader thread while the step runs; each step is 2 accumulated
+//! micro-batches, gradients are clipped to norm 1, and a held-out set is evaluated every
+//! 20 steps (the best checkpoint is kept in `DIR/best`). A progress bar shows on a
+//! terminal. `TORCHTOOLS_TRAIN_PRECISION=bf16` (or `fp16`, with loss scaling) runs the
+//! forward pass in mixed precision; `TORCHTOOLS_TRAIN_LOGDIR=DIR` writes TensorBoard
+//! event files (`tensorboard --logdir DIR`), `DIR/metrics.jsonl` and `DIR/loss.svg`.
 //!
 //! `TORCHTOOLS_TRAIN_CKPT=DIR` checkpoints there every 20 steps and resumes from it;
 //! send SIGTERM (or Ctrl-C) mid-run and start it again: it continues exactly where it
@@ -19,10 +21,11 @@
 //! (default 3) sets the epochs; `TORCHTOOLS_LOG=debug` shows more of what happens.
 
 use std::error::Error;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use torchtools::optim::{Optimizer, SgdConfig};
-use torchtools::tch::{nn, nn::Module, Kind, Reduction, Tensor};
+use torchtools::tch::{nn, nn::Module, Kind, Reduction, TchError, Tensor};
 use torchtools::train::{FitOutcome, Precision, StepContext, TrainConfig, Trainer};
 
 const SAMPLES: u64 = 2048;
@@ -48,28 +51,17 @@ fn epochs() -> Result<u64, String> {
     n.ok_or_else(|| format!("TORCHTOOLS_TRAIN_EPOCHS={v:?} is not a positive integer (e.g. 3)"))
 }
 
-fn precision() -> Result<Precision, String> {
-    match std::env::var("TORCHTOOLS_TRAIN_PRECISION").as_deref() {
-        Err(_) | Ok("full") => Ok(Precision::Full),
-        Ok("bf16") => Ok(Precision::Bf16),
-        Ok("fp16") => Ok(Precision::Fp16),
-        Ok(v) => Err(format!(
-            "TORCHTOOLS_TRAIN_PRECISION={v:?}: use full, bf16 or fp16"
-        )),
-    }
-}
-
 /// Sample i: a point t in [0, 1) spread by the golden ratio (so held-out indices are
 /// drawn like the others), 16 features of t and a target (a stand-in for a dataset).
-fn batch(ctx: &StepContext<'_>) -> (Tensor, Tensor) {
+fn batch(ctx: &StepContext<'_>) -> Result<(Tensor, Tensor), TchError> {
     let t: Vec<f32> = ctx
         .indices
         .iter()
         .map(|&i| (i as f64 * 0.618_034).fract() as f32)
         .collect();
-    let t = Tensor::from_slice(&t).to_device(ctx.device).unsqueeze(1);
+    let t = Tensor::from_slice(&t).f_to_device(ctx.device)?.unsqueeze(1);
     let freqs = Tensor::arange(16, (Kind::Float, ctx.device)).unsqueeze(0) + 1.0;
-    ((&t * &freqs * 3.0).sin(), (&t * 6.0).cos())
+    Ok(((&t * &freqs * 3.0).sin(), (&t * 6.0).cos()))
 }
 
 fn run() -> Result<ExitCode, Box<dyn Error>> {
@@ -78,10 +70,20 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
         .accumulate(2)
         .clip_grad_norm(1.0)
         .evaluate(20, HELD_OUT, 64)
-        .precision(precision()?);
+        .precision(match std::env::var("TORCHTOOLS_TRAIN_PRECISION") {
+            Ok(p) => p.parse()?, // full, bf16 or fp16
+            Err(_) => Precision::Full,
+        });
     config.log_every = 20;
     if let Some(dir) = std::env::var_os("TORCHTOOLS_TRAIN_CKPT") {
         config = config.checkpoints(dir, 20);
+    }
+    if let Some(dir) = std::env::var_os("TORCHTOOLS_TRAIN_LOGDIR").map(PathBuf::from) {
+        std::fs::create_dir_all(&dir)?;
+        config = config
+            .tensorboard(&dir)
+            .metrics(dir.join("metrics.jsonl"))
+            .loss_curve(dir.join("loss.svg"));
     }
     let mut trainer = Trainer::from_env(config)?;
     let main = trainer.is_main();
@@ -99,11 +101,10 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
     // Reproducible runs (rank 0's initialisation is broadcast to the others anyway).
     torchtools::tch::manual_seed(0);
     let mut vs = nn::VarStore::new(trainer.device());
-    let root = vs.root();
     let net = nn::seq()
-        .add(nn::linear(&root / "l1", 16, 64, Default::default()))
+        .add(nn::linear(vs.root() / "l1", 16, 64, Default::default()))
         .add_fn(|x| x.relu())
-        .add(nn::linear(&root / "l2", 64, 1, Default::default()));
+        .add(nn::linear(vs.root() / "l2", 64, 1, Default::default()));
     let mut opt = Optimizer::sgd(
         &vs,
         SgdConfig {
@@ -112,21 +113,20 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
             ..Default::default()
         },
     )?;
-    let loss = |ctx: &StepContext<'_>| {
-        let (x, y) = batch(ctx);
+    let loss = |(x, y): (Tensor, Tensor)| {
         net.forward(&x)
             .to_kind(Kind::Float)
             .f_mse_loss(&y, Reduction::Mean)
     };
-    // The evaluation: the same loss on the held-out samples, without gradients.
-    let report = trainer.fit_eval(&mut vs, &mut opt, loss, loss)?;
+    // Batches from `batch` on a loader thread; the same loss held out, without gradients.
+    let report = trainer.fit_eval_prefetched(
+        &mut vs,
+        &mut opt,
+        batch,
+        |_, xy| loss(xy),
+        |ctx| loss(batch(ctx)?),
+    )?;
     if main {
-        for (step, loss) in &report.losses {
-            println!("step {step:>4}  loss {loss:.5}");
-        }
-        for (step, eval) in &report.evals {
-            println!("step {step:>4}  held-out loss {eval:.5}");
-        }
         if let Some((step, eval)) = report.best {
             println!("best held-out loss {eval:.5} at step {step}");
         }

@@ -16,9 +16,11 @@ fn the_train_example_runs_alone_and_under_the_launcher() {
         .join("examples/train");
     assert!(example.exists(), "{} was not built", example.display());
     let dir = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
     let out = Command::new(&example)
         .env("TORCHTOOLS_TRAIN_EPOCHS", "1")
         .env("TORCHTOOLS_DEVICE", "cpu")
+        .env("TORCHTOOLS_TRAIN_LOGDIR", logs.path())
         .output()
         .unwrap();
     let said = String::from_utf8_lossy(&out.stdout);
@@ -26,6 +28,35 @@ fn the_train_example_runs_alone_and_under_the_launcher() {
         out.status.success() && said.contains("finished: 64 steps"),
         "alone: {} {said}",
         out.status
+    );
+    // The log directory: metrics (a line per log step and evaluation: 64 steps, every
+    // 20, and the last), the loss curve, a TensorBoard event file.
+    let metrics = std::fs::read_to_string(logs.path().join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 3 + 4, "{metrics}");
+    let svg = std::fs::read_to_string(logs.path().join("loss.svg")).unwrap();
+    assert!(
+        svg.contains("class=\"loss\"") && svg.contains("class=\"eval\""),
+        "{svg}"
+    );
+    let events = std::fs::read_dir(logs.path()).unwrap().flatten();
+    let events: Vec<_> = events
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("events.out.tfevents.")
+        })
+        .collect();
+    assert_eq!(events.len(), 1, "one TensorBoard event file");
+    // A precision it does not know: refused before training, naming the choices.
+    let out = Command::new(&example)
+        .env("TORCHTOOLS_TRAIN_PRECISION", "fp8")
+        .env("TORCHTOOLS_DEVICE", "cpu")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code() == Some(1) && err.contains("\"fp8\": use full, bf16 or fp16"),
+        "{err}"
     );
     // Two ranks through the launcher `torchtools launch` uses, with checkpoints.
     std::env::set_var("TORCHTOOLS_TRAIN_EPOCHS", "1");

@@ -23,13 +23,16 @@ pub(crate) const TORCH_VERSION: &str = "2.11.0";
 /// ProcessGroupNCCL against the wheel's NCCL headers; ~100 MB.)
 /// (`gpu-tracker`: tt-tracker's tests run its own readers on our timelines, and the
 /// benchmark's baseline; it brings pandas and SQLAlchemy, ~60 MB.)
-const REQUIREMENTS: [&str; 6] = [
+/// (`tensorboard`: the trainer's tests read its event files with TensorBoard's own
+/// reader; ~30 MB with grpcio and protobuf.)
+const REQUIREMENTS: [&str; 7] = [
     "torch==2.11.0",
     "safetensors==0.7.0",
     "packaging>=23",
     "numpy>=2",
     "cuda-toolkit[cccl,nvcc]==13.0.2",
     GPU_TRACKER,
+    "tensorboard==2.21.0",
 ];
 /// The gpu_tracker release our tracker is compared with.
 pub(crate) const GPU_TRACKER: &str = "gpu-tracker==5.0.1";

@@ -47,6 +47,22 @@ impl Precision {
     }
 }
 
+impl std::str::FromStr for Precision {
+    type Err = TrainError;
+
+    /// `full` (or `fp32`), `bf16` or `fp16`, as a command-line flag or variable says it.
+    fn from_str(s: &str) -> Result<Precision, TrainError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "full" | "fp32" | "float32" => Ok(Precision::Full),
+            "bf16" | "bfloat16" => Ok(Precision::Bf16),
+            "fp16" | "float16" | "half" => Ok(Precision::Fp16),
+            _ => Err(TrainError::Config(format!(
+                "precision {s:?}: use full, bf16 or fp16"
+            ))),
+        }
+    }
+}
+
 /// `torch.amp.GradScaler`'s defaults.
 const SCALER_INIT: f64 = 65536.0;
 const SCALER_GROWTH_INTERVAL: u64 = 2000;
