@@ -224,25 +224,18 @@ fn exe() -> PathBuf {
 /// A training process: rank `rank` of `world` (or, with `world == 0`, a plain process
 /// with no launcher variables at all).
 fn spawn(rank: usize, world: usize, port: u16, batch: usize, extra: &[(&str, &Path)]) -> Child {
-    spawn_role("train", rank, world, port, batch, extra)
+    piped(command("train", rank, world, port, batch, extra))
 }
 
-fn spawn_role(
-    role: &str,
-    rank: usize,
-    world: usize,
-    port: u16,
-    batch: usize,
-    extra: &[(&str, &Path)],
-) -> Child {
-    command(role, rank, world, port, batch, extra)
-        .stdout(Stdio::piped())
+/// Starts `cmd` with its output piped.
+fn piped(mut cmd: Command) -> Child {
+    cmd.stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn a training process")
 }
 
-/// The command of [`spawn_role`], its output not yet redirected.
+/// A process of this binary in `role` (`TT_TRAIN_ROLE`), its output not yet redirected.
 fn command(
     role: &str,
     rank: usize,
@@ -467,7 +460,7 @@ fn preemption() -> TestResult {
 fn agree() -> TestResult {
     let p = port();
     let children: Vec<Child> = (0..2)
-        .map(|r| spawn_role("agree", r, 2, p, 4, &[]))
+        .map(|r| piped(command("agree", r, 2, p, 4, &[])))
         .collect();
     finish(children).map(|_| ())
 }
@@ -649,20 +642,31 @@ type Fitted = (Vec<(String, Tensor)>, tt_train::FitReport, Vec<usize>);
 /// report and the micro-batch sizes the step function saw.
 fn fit_linear(cfg: TrainConfig) -> Result<Fitted, String> {
     let mut cfg = cfg;
-    cfg.handle_signals = false;
     cfg.shuffle = false;
+    let (params, report, seen) = fit_linear_seen(cfg)?;
+    Ok((params, report, seen.iter().map(Vec::len).collect()))
+}
+
+/// Parameters by name, the report, the indices of each micro-batch.
+type FittedSeen = (Vec<(String, Tensor)>, tt_train::FitReport, Vec<Vec<u64>>);
+
+/// As [`fit_linear`], in the configuration's order; returns the indices of each
+/// micro-batch the step saw.
+fn fit_linear_seen(cfg: TrainConfig) -> Result<FittedSeen, String> {
+    let mut cfg = cfg;
+    cfg.handle_signals = false;
     tch::manual_seed(3);
     let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
-    let mut sizes = Vec::new();
+    let mut seen = Vec::new();
     let report = trainer
         .fit(&mut vs, &mut opt, |ctx| {
-            sizes.push(ctx.indices.len());
+            seen.push(ctx.indices.to_vec());
             let (x, y) = sample(ctx.indices, ctx.device);
             Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
         })
         .map_err(|e| e.to_string())?;
     let params = params_of(&vs);
-    Ok((params, report, sizes))
+    Ok((params, report, seen))
 }
 
 fn accumulation() -> TestResult {
@@ -1114,17 +1118,7 @@ fn prefetch() -> TestResult {
         cfg.handle_signals = false;
         cfg
     };
-    tch::manual_seed(3);
-    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg())?;
-    let mut plain_seen = Vec::new();
-    trainer
-        .fit(&mut vs, &mut opt, |ctx| {
-            plain_seen.push(ctx.indices.to_vec());
-            let (x, y) = sample(ctx.indices, ctx.device);
-            Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
-        })
-        .map_err(|e| e.to_string())?;
-    let plain = params_of(&vs);
+    let (plain, _, plain_seen) = fit_linear_seen(cfg())?;
 
     tch::manual_seed(3);
     let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg())?;
