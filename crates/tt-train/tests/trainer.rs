@@ -100,6 +100,10 @@ fn main() {
             tensorboard_and_curve,
         ),
         ("the_progress_bar_is_drawn_on_a_terminal_only", progress_bar),
+        (
+            "a_learning_rate_schedule_is_stepped_logged_and_resumed",
+            lr_schedule,
+        ),
     ];
     tt_testkit::run_tests(tests);
 }
@@ -1398,6 +1402,75 @@ fn progress_bar() -> TestResult {
                 ))
             }
         }
+    }
+    Ok(())
+}
+
+/// A tt-optim schedule (torch's StepLR: halved every 4 steps) under the trainer: each
+/// step's metrics line has the rate that step used, and a crash at step 6 resumed from
+/// the checkpoint at 4 continues the schedule where it was (the optimizer's step count
+/// is in the checkpoint), ending with the uninterrupted run's parameters, bit for bit.
+fn lr_schedule() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    type Run = (Vec<(String, Tensor)>, Vec<(u64, f64)>);
+    let train = |name: &str, fail_at: Option<u64>| -> Result<Run, String> {
+        let metrics = dir.path().join(format!("{name}.jsonl"));
+        let mut cfg = TrainConfig::new(64, 4, 1)
+            .checkpoints(dir.path().join(name), 4)
+            .metrics(&metrics);
+        cfg.handle_signals = false;
+        cfg.log_every = 1;
+        tch::manual_seed(3);
+        let (mut trainer, mut vs, net, _) = one_cpu_process(cfg)?;
+        let sgd = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            ..Default::default()
+        };
+        let schedule = tt_optim::Schedule::Step {
+            step_size: 4,
+            gamma: 0.5,
+        };
+        let mut opt = Optimizer::new(&vs, tt_optim::Algorithm::Sgd(sgd), schedule)
+            .map_err(|e| e.to_string())?;
+        let result = trainer.fit(&mut vs, &mut opt, |ctx| {
+            if Some(ctx.step) == fail_at {
+                return Err(std::io::Error::other("crash"));
+            }
+            let (x, y) = sample(ctx.indices, ctx.device);
+            Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+        });
+        match (result, fail_at) {
+            (Ok(_), None) | (Err(TrainError::Step { .. }), Some(_)) => {}
+            (other, _) => return Err(format!("fit: {other:?}")),
+        }
+        let text = std::fs::read_to_string(&metrics).map_err(|e| e.to_string())?;
+        let mut lrs = Vec::new();
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
+            if let (Some(step), Some(lr)) = (v["step"].as_u64(), v["lr"].as_f64()) {
+                lrs.push((step, lr));
+            }
+        }
+        Ok((params_of(&vs), lrs))
+    };
+    // The line after step s has the rate of the s-th step (0-based s - 1).
+    let want: Vec<(u64, f64)> = (1..=16u64)
+        .map(|s| (s, 0.1 * 0.5f64.powi(((s - 1) / 4) as i32)))
+        .collect();
+    let (whole, lrs) = train("whole", None)?;
+    if lrs != want {
+        return Err(format!("logged rates {lrs:?}, want {want:?}"));
+    }
+    train("crash", Some(6))?;
+    let (resumed, lrs) = train("crash", None)?;
+    // The crashed run logged steps 1 to 6; the resumed one 5 to 16.
+    if lrs.len() != 6 + 12 || lrs[6..] != want[4..] {
+        return Err(format!("the resumed run logged rates {lrs:?}"));
+    }
+    let diff = max_diff(&whole, &resumed)?;
+    if diff != 0.0 {
+        return Err(format!("the resumed run differs by {diff}"));
     }
     Ok(())
 }
