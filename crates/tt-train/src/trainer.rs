@@ -524,7 +524,7 @@ impl Run<'_> {
     }
 
     /// Scalars to the TensorBoard file; a failed write is a warning.
-    fn events(&mut self, scalars: &[(&str, f64)]) {
+    fn scalars(&mut self, scalars: &[(&str, f64)]) {
         if let Some(w) = &mut self.events {
             let scalars: Vec<(&str, f32)> = scalars.iter().map(|&(t, v)| (t, v as f32)).collect();
             if let Err(e) = w.add_scalars(&scalars, self.steps).and_then(|()| w.flush()) {
@@ -987,7 +987,7 @@ impl Trainer {
             if let Some(bar) = &run.bar {
                 bar.set_message(format!("epoch {epoch}  eval {value:.4}"));
             }
-            run.events(&[("eval/metric", value)]);
+            run.scalars(&[("eval/metric", value)]);
             append_metrics(
                 &mut run.metrics,
                 &serde_json::json!({"step": steps, "epoch": epoch, "eval": value}),
@@ -1294,7 +1294,7 @@ impl Trainer {
             ("train/samples_per_s", throughput),
         ];
         scalars.extend(grad_norm.map(|n| ("train/grad_norm", n)));
-        run.events(&scalars);
+        run.scalars(&scalars);
         if run.metrics.is_some() {
             let mut record = serde_json::json!({
                 "step": run.steps,
