@@ -523,6 +523,20 @@ impl Run<'_> {
         }
     }
 
+    /// The progress bar's message: the epoch, the last logged loss and evaluation.
+    fn show(&self, epoch: u64) {
+        if let Some(bar) = &self.bar {
+            let mut msg = format!("epoch {epoch}");
+            if let Some((_, loss)) = self.losses.last() {
+                msg += &format!("  loss {loss:.4}");
+            }
+            if let Some((_, eval)) = self.evals.last() {
+                msg += &format!("  eval {eval:.4}");
+            }
+            bar.set_message(msg);
+        }
+    }
+
     /// Scalars to the TensorBoard file; a failed write is a warning.
     fn scalars(&mut self, scalars: &[(&str, f64)]) {
         if let Some(w) = &mut self.events {
@@ -613,13 +627,7 @@ impl Trainer {
         F: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        if self.config.eval.is_some() {
-            return Err(TrainError::Config(
-                "an evaluation is configured (TrainConfig::eval): train with fit_eval, which \
-                 takes the evaluation function"
-                    .into(),
-            ));
-        }
+        self.check_eval("fit")?;
         self.fit_inner(
             vs,
             opt,
@@ -646,13 +654,7 @@ impl Trainer {
         G: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        if self.config.eval.is_none() {
-            return Err(TrainError::Config(
-                "fit_eval without TrainConfig::eval: say when and on what to evaluate with \
-                 TrainConfig::evaluate(every, held_out_indices, batch_size)"
-                    .into(),
-            ));
-        }
+        self.check_eval("fit_eval")?;
         self.fit_inner(vs, opt, step, Some(eval))
     }
 
@@ -706,13 +708,7 @@ impl Trainer {
         F: FnMut(&StepContext<'_>, B) -> Result<Tensor, E>,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        if self.config.eval.is_some() {
-            return Err(TrainError::Config(
-                "an evaluation is configured (TrainConfig::eval): train with \
-                 fit_eval_prefetched, which takes the evaluation function"
-                    .into(),
-            ));
-        }
+        self.check_eval("fit_prefetched")?;
         self.prefetched(
             vs,
             opt,
@@ -739,14 +735,26 @@ impl Trainer {
         G: FnMut(&StepContext<'_>) -> Result<Tensor, E>,
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        if self.config.eval.is_none() {
-            return Err(TrainError::Config(
-                "fit_eval_prefetched without TrainConfig::eval: say when and on what to \
-                 evaluate with TrainConfig::evaluate(every, held_out_indices, batch_size)"
-                    .into(),
-            ));
-        }
+        self.check_eval("fit_eval_prefetched")?;
         self.prefetched(vs, opt, load, step, Some(eval))
+    }
+
+    /// Whether `method` (`fit`, `fit_eval`, `fit_prefetched`, `fit_eval_prefetched`)
+    /// takes an evaluation function exactly when [`TrainConfig::eval`] asks for one.
+    fn check_eval(&self, method: &str) -> Result<(), TrainError> {
+        let takes_eval = method.starts_with("fit_eval");
+        match (self.config.eval.is_some(), takes_eval) {
+            (true, false) => Err(TrainError::Config(format!(
+                "an evaluation is configured (TrainConfig::eval): train with {}, which takes \
+                 the evaluation function",
+                method.replacen("fit", "fit_eval", 1)
+            ))),
+            (false, true) => Err(TrainError::Config(format!(
+                "{method} without TrainConfig::eval: say when and on what to evaluate with \
+                 TrainConfig::evaluate(every, held_out_indices, batch_size)"
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// The loader thread beside [`Trainer::fit_run`]: it walks a copy of the batches
@@ -775,7 +783,7 @@ impl Trainer {
         }
         let run = self.start(vs, opt)?;
         let mut ahead = run.batches.clone();
-        let (parts, device, first) = (self.config.accumulate, self.device, run.steps);
+        let first = run.steps;
         std::thread::scope(|scope| {
             let (tx, rx) = std::sync::mpsc::sync_channel::<Loaded<B>>(self.config.prefetch);
             let loader = std::thread::Builder::new()
@@ -796,20 +804,11 @@ impl Trainer {
                                 return;
                             }
                         };
-                        let micro = micro_batches(&batch.indices, parts);
-                        for (m, part) in micro.iter().enumerate() {
-                            let ctx = StepContext {
-                                indices: part,
-                                device,
-                                epoch: batch.epoch,
-                                step,
-                                micro_batch: m,
-                                micro_batches: micro.len(),
-                            };
+                        for ctx in self.micro_contexts(&batch.indices, batch.epoch, step) {
                             let data = load(&ctx).map_err(Into::into);
                             let loaded = Loaded {
                                 step,
-                                indices: part.to_vec(),
+                                indices: ctx.indices.to_vec(),
                                 data,
                             };
                             if tx.send(loaded).is_err() {
@@ -984,9 +983,7 @@ impl Trainer {
             run.say(|| {
                 tracing::info!(step = steps, epoch, eval = value, improved, "evaluation");
             });
-            if let Some(bar) = &run.bar {
-                bar.set_message(format!("epoch {epoch}  eval {value:.4}"));
-            }
+            run.show(epoch);
             run.scalars(&[("eval/metric", value)]);
             append_metrics(
                 &mut run.metrics,
@@ -1110,6 +1107,30 @@ impl Trainer {
         })
     }
 
+    /// The contexts of one step's micro-batches (the step's `indices` split as
+    /// [`TrainConfig::accumulate`] says), the same for the step and the loader.
+    fn micro_contexts<'i>(
+        &self,
+        indices: &'i [u64],
+        epoch: u64,
+        step: u64,
+    ) -> Vec<StepContext<'i>> {
+        let parts = micro_batches(indices, self.config.accumulate);
+        let micro_batches = parts.len();
+        parts
+            .into_iter()
+            .enumerate()
+            .map(|(micro_batch, part)| StepContext {
+                indices: part,
+                device: self.device,
+                epoch,
+                step,
+                micro_batch,
+                micro_batches,
+            })
+            .collect()
+    }
+
     /// One step: the user's loss on each micro-batch, DDP's backward, clipping, the
     /// optimizer. Returns the loss (the batch's, micro-batches weighted by size), as a
     /// one-element double tensor still on its device: nothing here waits for the GPU.
@@ -1134,17 +1155,9 @@ impl Trainer {
             tch::manual_seed(step_seed(self.config.seed, self.pg.rank() as u64, steps));
         }
         opt.zero_grad();
-        let parts = micro_batches(indices, self.config.accumulate);
         let mut value: Option<Tensor> = None;
-        for (m, part) in parts.iter().enumerate() {
-            let ctx = StepContext {
-                indices: part,
-                device: self.device,
-                epoch,
-                step: steps,
-                micro_batch: m,
-                micro_batches: parts.len(),
-            };
+        for ctx in self.micro_contexts(indices, epoch, steps) {
+            let (m, parts) = (ctx.micro_batch, ctx.micro_batches);
             let loss = match self.config.precision.autocast_kind() {
                 None => step(&ctx),
                 Some(kind) => tt_sys::autocast(self.device, kind, || step(&ctx))
@@ -1162,10 +1175,10 @@ impl Trainer {
                 ));
             }
             // Each part's mean loss weighted by its share: the batch's mean loss.
-            let loss = if parts.len() == 1 {
+            let loss = if parts == 1 {
                 loss
             } else {
-                loss * (part.len() as f64 / indices.len() as f64)
+                loss * (ctx.indices.len() as f64 / indices.len() as f64)
             };
             let detached = loss
                 .detach()
@@ -1180,7 +1193,7 @@ impl Trainer {
                 Some((scale, _)) => loss.to_kind(tch::Kind::Float) * scale,
                 None => loss,
             };
-            if m + 1 < parts.len() {
+            if m + 1 < parts {
                 run.ddp.no_sync(|| run.ddp.backward(&loss))?;
             } else {
                 run.ddp.backward(&loss)?;
@@ -1285,9 +1298,7 @@ impl Trainer {
                 "training"
             );
         });
-        if let Some(bar) = &run.bar {
-            bar.set_message(format!("epoch {epoch}  loss {loss:.4}"));
-        }
+        run.show(epoch);
         let mut scalars = vec![
             ("train/loss", loss),
             ("train/lr", lr),

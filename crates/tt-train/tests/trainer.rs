@@ -479,6 +479,47 @@ fn bad_config() -> TestResult {
             other => return Err(format!("{word}: {other:?}")),
         }
     }
+    // A method and a configuration that disagree on evaluating: refused before
+    // training, naming what to call or configure.
+    let config = |eval: bool| {
+        let mut cfg = TrainConfig::new(64, 4, 1);
+        cfg.handle_signals = false;
+        if eval {
+            cfg = cfg.evaluate(4, 64..72, 4);
+        }
+        cfg
+    };
+    type Loss = Result<Tensor, std::io::Error>;
+    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(config(true))?;
+    let loss = |ctx: &tt_train::StepContext<'_>| -> Loss {
+        let (x, y) = sample(ctx.indices, ctx.device);
+        Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+    };
+    let load = |ctx: &tt_train::StepContext<'_>| Ok(ctx.indices.to_vec());
+    let results = [
+        (trainer.fit(&mut vs, &mut opt, loss), "train with fit_eval,"),
+        (
+            trainer.fit_prefetched(&mut vs, &mut opt, load, |ctx, _| loss(ctx)),
+            "train with fit_eval_prefetched,",
+        ),
+    ];
+    let (mut trainer, mut vs, _, mut opt) = one_cpu_process(config(false))?;
+    let results = results.into_iter().chain([
+        (
+            trainer.fit_eval(&mut vs, &mut opt, loss, loss),
+            "fit_eval without TrainConfig::eval",
+        ),
+        (
+            trainer.fit_eval_prefetched(&mut vs, &mut opt, load, |ctx, _| loss(ctx), loss),
+            "fit_eval_prefetched without TrainConfig::eval",
+        ),
+    ]);
+    for (result, want) in results {
+        match result {
+            Err(TrainError::Config(m)) if m.contains(want) => {}
+            other => return Err(format!("want {want:?}: {other:?}")),
+        }
+    }
     Ok(())
 }
 
