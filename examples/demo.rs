@@ -126,6 +126,7 @@ impl Args {
 }
 
 fn main() -> ExitCode {
+    exact_memory_accounting();
     // In the probe's child process this runs the probe and exits; here it returns.
     torchtools::probe::entry(&[("train_step", probe_step)]);
     torchtools::init_logging();
@@ -154,6 +155,22 @@ fn main() -> ExitCode {
             eprintln!("demo: error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Makes the training's memory limit (`RLIMIT_AS`, below) count every allocation, so
+/// that whether a micro-batch fits does not depend on timing. glibc's malloc otherwise
+/// keeps slack the limit does not see: each thread's arena reserves 64 MiB of address
+/// space up front, and an allocation the limit refuses is retried in such an arena,
+/// where it may fit; and freed large blocks stay in the heap once the mmap threshold has
+/// grown. One arena and a fixed threshold remove both. Called first thing in `main`,
+/// before any thread exists.
+fn exact_memory_accounting() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets malloc's parameters; no thread allocates yet.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 << 10);
     }
 }
 
@@ -334,12 +351,14 @@ fn train_child(args: &Args, name: &str) -> Result<()> {
         };
         println!("micro-batch {m} ({whose}): no search");
     }
-    // Room for a quarter of a batch's activations, not for a whole batch's, while the
-    // micro-batch is searched; 64 MiB more once it is known, so that the allocator's
-    // later growth (checkpoint buffers, a fragmented heap) does not halve it mid-run:
-    // a fixed micro-batch is what makes a resumed run sum its gradients in the same
-    // order as the run it continues.
-    const SEARCH_ROOM: u64 = 40 << 20;
+    // Room for about half a batch's activations, not for a whole batch's, while the
+    // micro-batch is searched (measured with the accounting of
+    // `exact_memory_accounting`: a micro-batch of 2048 needs 48-56 MiB, 1024 needs
+    // 28-32 MiB, 512 16-24 MiB, so the whole batch is refused by 16 MiB or more); 64 MiB
+    // more once it is known, so that the allocator's later growth (checkpoint buffers, a
+    // fragmented heap) does not halve it mid-run: a fixed micro-batch is what makes a
+    // resumed run sum its gradients in the same order as the run it continues.
+    const SEARCH_ROOM: u64 = 32 << 20;
     const KNOWN_ROOM: u64 = SEARCH_ROOM + (64 << 20);
     let mut relax = None;
     if device == Device::Cpu {

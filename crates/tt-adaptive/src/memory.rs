@@ -75,6 +75,11 @@ pub fn cuda_loaded() -> bool {
 /// fail with libtorch's CPU OOM, which the adaptive helpers retry. Refused when the CUDA
 /// driver is loaded (see [`cuda_loaded`] and [`LimitError::CudaLoaded`]); libtorch's
 /// CUDA libraries without a driver are fine.
+///
+/// glibc's malloc keeps address space this limit does not see (64 MiB reserved per
+/// thread arena, freed blocks kept in the heap): for a limit that counts every
+/// allocation, set `mallopt(M_ARENA_MAX, 1)` and a fixed `M_MMAP_THRESHOLD` before any
+/// thread starts (the crate README shows how).
 pub fn set_cpu_memory_limit(bytes: Option<u64>) -> Result<(), LimitError> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
