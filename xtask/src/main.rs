@@ -7,7 +7,7 @@
 //! cargo xtask test-gpu              the GPU bundle built and run here; fails without a GPU
 //! cargo xtask test-gpu --bundle DIR the GPU tests, demo, trainer, CLI, bench + run.sh in DIR
 //! cargo xtask bench                 run the benchmarks, print one table
-//! cargo xtask mutants [CRATE..] [--shard K/N | --full]
+//! cargo xtask mutants [CRATE..] [--shard K/N | --full] [--again]
 //!                                   mutation testing of the libtorch-free crates
 //! ```
 
@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 const USAGE: &str = "usage: cargo xtask <setup [--print-env] | demo | test | downstream | wheel [--dev | --test] | test-gpu [--bundle DIR] | bench | \
-                     mutants [CRATE..] [--shard K/N | --full]>";
+                     mutants [CRATE..] [--shard K/N | --full] [--again]>";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();

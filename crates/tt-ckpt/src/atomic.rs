@@ -154,3 +154,19 @@ pub fn clean_stale_temps(dir: impl AsRef<Path>) -> Result<usize> {
     }
     Ok(removed)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bare_file_name_is_written_in_the_current_directory() {
+        // `Path::parent` of a bare name is "", where no temp file can be created.
+        assert_eq!(parent_of(Path::new("model.safetensors")), Path::new("."));
+        assert_eq!(
+            parent_of(Path::new("runs/model.safetensors")),
+            Path::new("runs")
+        );
+        assert_eq!(parent_of(Path::new("/model.safetensors")), Path::new("/"));
+    }
+}

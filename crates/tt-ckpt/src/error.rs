@@ -191,5 +191,13 @@ mod state_dict_tests {
             "cannot load ckpt-3.safetensors into the VarStore: does not fit: l1.weight: dtype"
         );
         assert!(!message(&[], true).contains("does not fit"));
+        // The advice about names comes with any name error, and only with one.
+        let hint = "the names must match the VarStore's paths";
+        let only_missing = state_dict_text(&["l2.bias".into()], &[], &[], true);
+        assert!(only_missing.contains(hint), "{only_missing}");
+        let only_unexpected = state_dict_text(&[], &["head.w".into()], &[], true);
+        assert!(only_unexpected.contains(hint), "{only_unexpected}");
+        let only_shape = state_dict_text(&[], &[], &["l1.weight: dtype".into()], true);
+        assert!(!only_shape.contains(hint), "{only_shape}");
     }
 }

@@ -462,3 +462,43 @@ impl LoadedCheckpoint {
         self.file.path()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_data_checks_its_length_and_says_whether_it_is_empty() {
+        let t = TensorData::from_f32(vec![2, 3], &[0.0; 6]).unwrap();
+        assert_eq!((t.len(), t.is_empty()), (24, false));
+        let empty = TensorData::new(Dtype::F32, vec![4, 0], Vec::new()).unwrap();
+        assert_eq!((empty.len(), empty.is_empty()), (0, true));
+        let short = TensorData::new(Dtype::F32, vec![2, 3], vec![0u8; 20]).unwrap_err();
+        assert!(
+            short.to_string().contains("needs 24 bytes, got 20"),
+            "{short}"
+        );
+    }
+
+    #[test]
+    fn versions_are_kept_and_a_read_file_is_mapped_not_printed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckpt.safetensors");
+        let mut ckpt = Checkpoint::new(7);
+        ckpt.set_version("libtorch", "2.11.0");
+        ckpt.add_tensor("w", TensorData::from_f32(vec![256], &[1.0; 256]).unwrap())
+            .unwrap();
+        ckpt.write_to(&path).unwrap();
+        let loaded = LoadedCheckpoint::read(&path).unwrap();
+        let versions = &loaded.meta().versions;
+        assert_eq!(versions.get("libtorch").map(String::as_str), Some("2.11.0"));
+        assert!(versions.contains_key("torchtools"), "{versions:?}");
+        // The file is mapped (no copy), and its Debug names its size, not its bytes.
+        let shown = format!("{:?}", loaded.tensors());
+        let len = std::fs::metadata(&path).unwrap().len();
+        assert!(
+            shown.contains(&format!("bytes: {len} bytes (mapped)")),
+            "{shown}"
+        );
+    }
+}

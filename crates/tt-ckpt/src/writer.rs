@@ -23,9 +23,6 @@ use crate::{Error, Result};
 
 /// Bytes per write (and per writeback request).
 const CHUNK: usize = 8 << 20;
-/// How far behind the newest chunk the writer waits for writeback to finish: what it
-/// keeps dirty or in flight at most.
-const WINDOW: u64 = 64 << 20;
 
 /// A checksum of a tensor's bytes, as stored in the metadata.
 pub(crate) fn checksum(bytes: &[u8]) -> String {
@@ -173,7 +170,7 @@ where
             buf.as_mut()[..reserved].copy_from_slice(&final_header);
             match d.write_all_at(buf.as_mut(), 0) {
                 // Only a file small enough to be all head reaches here untried.
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                Err(e) if refuses_direct_io(true, &e) => {
                     write_buffered_body(file, &stream).map_err(io_err)?;
                     file.write_all_at(&final_header, 0).map_err(io_err)?;
                 }
@@ -270,6 +267,13 @@ fn give_back(buf: AlignedBuf) {
     }
 }
 
+/// Whether a failed `O_DIRECT` write says that the filesystem takes no `O_DIRECT` (EINVAL
+/// on the first write: nothing is written yet, so the save goes on through the page
+/// cache) rather than that writing failed (any later error, or any other error).
+fn refuses_direct_io(first: bool, e: &std::io::Error) -> bool {
+    first && e.raw_os_error() == Some(libc::EINVAL)
+}
+
 fn open_direct(path: &Path) -> Option<File> {
     use std::os::unix::fs::OpenOptionsExt;
     std::fs::OpenOptions::new()
@@ -302,7 +306,7 @@ fn write_direct_body(direct: &File, stream: &Stream<'_>) -> std::io::Result<Opti
             for (mut buf, offset, len) in full_rx {
                 match direct.write_all_at(&buf.as_mut()[..len], offset as u64) {
                     Ok(()) => {}
-                    Err(e) if first && e.raw_os_error() == Some(libc::EINVAL) => return Ok(false),
+                    Err(e) if refuses_direct_io(first, &e) => return Ok(false),
                     Err(e) => return Err(e),
                 }
                 first = false;
@@ -363,7 +367,7 @@ fn write_buffered_body(file: &File, stream: &Stream<'_>) -> std::io::Result<()> 
 }
 
 /// Starts writeback of each range as it is written, and waits for the range a
-/// [`WINDOW`] behind, so that dirty pages stay bounded and the disk stays busy.
+/// 64 MiB window behind, so that dirty pages stay bounded and the disk stays busy.
 struct Writeback {
     fd: i32,
     /// Start of the range not yet handed to writeback.
@@ -383,6 +387,9 @@ impl Writeback {
 
     /// Everything below `end` has been written.
     fn wrote(&mut self, end: u64) {
+        /// How far behind the newest chunk the writer waits for writeback to finish:
+        /// what it keeps dirty or in flight at most.
+        const WINDOW: u64 = 64 << 20;
         if end <= self.started {
             return;
         }
@@ -507,6 +514,17 @@ fn dtype_name(d: safetensors::Dtype) -> String {
 mod tests {
     use super::*;
     use safetensors::Dtype;
+
+    #[test]
+    fn only_einval_on_the_first_direct_write_means_no_direct_io() {
+        let einval = std::io::Error::from_raw_os_error(libc::EINVAL);
+        let enospc = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        assert!(refuses_direct_io(true, &einval));
+        // Bytes already written with O_DIRECT, or a full disk: a real error.
+        assert!(!refuses_direct_io(false, &einval));
+        assert!(!refuses_direct_io(true, &enospc));
+        assert!(!refuses_direct_io(false, &enospc));
+    }
 
     #[test]
     fn dtype_names_are_safetensors_own() {

@@ -283,6 +283,37 @@ fn after_falling_back_from_a_damaged_checkpoint_the_run_saves_past_it() {
 }
 
 #[test]
+fn a_step_damaged_again_and_again_keeps_every_damaged_copy() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = CheckpointDir::open(root.path()).unwrap().keep_last(2);
+    dir.save(&ckpt(1000)).unwrap();
+    for round in 0..3 {
+        // Step 3000 is written, damaged, skipped by the load; the run saves past it.
+        dir.save(&ckpt(3000)).unwrap();
+        flip_byte(&root.path().join("ckpt-00003000.safetensors"), 100);
+        let loaded = dir.load_latest().unwrap().unwrap();
+        assert_eq!(loaded.checkpoint.step(), 1000 + round);
+        dir.save(&ckpt(1001 + round)).unwrap();
+        assert_eq!(steps(&dir), [1000 + round, 1001 + round]);
+    }
+    let mut kept: Vec<_> = std::fs::read_dir(root.path().join("damaged"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    kept.sort();
+    assert_eq!(
+        kept,
+        [
+            "ckpt-00003000.safetensors",
+            "ckpt-00003000.safetensors.1",
+            "ckpt-00003000.safetensors.2"
+        ],
+        "no damaged copy overwrites an earlier one"
+    );
+}
+
+#[test]
 fn a_crash_between_the_file_and_the_pointer_loads_the_newer_complete_file() {
     let root = tempfile::tempdir().unwrap();
     let dir = CheckpointDir::open(root.path()).unwrap();
