@@ -126,7 +126,6 @@ impl Args {
 }
 
 fn main() -> ExitCode {
-    exact_memory_accounting();
     // In the probe's child process this runs the probe and exits; here it returns.
     torchtools::probe::entry(&[("train_step", probe_step)]);
     torchtools::init_logging();
@@ -144,7 +143,12 @@ fn main() -> ExitCode {
     {
         None => main_job(&args),
         Some(role) => match role.as_slice() {
-            ["train", name] => train_child(&args, name),
+            ["train", name] => {
+                // Only the training child sets a memory limit; nothing has started a
+                // thread yet.
+                exact_memory_accounting();
+                train_child(&args, name)
+            }
             ["ddp"] => ddp_child(&args),
             other => Err(format!("unknown role {other:?}").into()),
         },
@@ -163,7 +167,7 @@ fn main() -> ExitCode {
 /// keeps slack the limit does not see: each thread's arena reserves 64 MiB of address
 /// space up front, and an allocation the limit refuses is retried in such an arena,
 /// where it may fit; and freed large blocks stay in the heap once the mmap threshold has
-/// grown. One arena and a fixed threshold remove both. Called first thing in `main`,
+/// grown. One arena and a fixed threshold remove both. Called by the training child
 /// before any thread exists.
 fn exact_memory_accounting() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
