@@ -246,3 +246,69 @@ fn not_a_regular_file(path: PathBuf) -> Error {
             .into(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+    use super::*;
+
+    fn given(path: &Path) -> LockDir {
+        LockDir {
+            path: path.to_owned(),
+            origin: Origin::Given,
+        }
+    }
+
+    #[test]
+    fn something_put_in_the_directorys_place_before_mkdir_is_named_by_the_check() {
+        // A symbolic link planted between the existence check and mkdir: mkdir says
+        // "exists", and the check that follows refuses it for what it is.
+        let tmp = tempfile::tempdir().unwrap();
+        let planted = tmp.path().join("locks");
+        std::os::unix::fs::symlink(tmp.path().join("elsewhere"), &planted).unwrap();
+        let dir = given(&planted);
+        dir.create().unwrap();
+        let e = dir.check().unwrap_err();
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+    }
+
+    #[test]
+    fn processes_creating_one_lock_file_at_once_all_open_it() {
+        // Whoever loses the O_EXCL race opens the winner's file instead of failing.
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = given(tmp.path());
+        const THREADS: usize = 4;
+        for round in 0..300 {
+            let name = format!("gpu-{round}.lock");
+            let start = std::sync::Barrier::new(THREADS);
+            let inodes: Vec<u64> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..THREADS)
+                    .map(|_| {
+                        s.spawn(|| {
+                            start.wait();
+                            let file = dir.open_file(&name).unwrap();
+                            file.metadata().unwrap().ino()
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert!(inodes.iter().all(|&i| i == inodes[0]), "{inodes:?}");
+        }
+    }
+
+    #[test]
+    fn a_directory_where_the_kernel_refuses_new_files_is_an_error_not_a_retry() {
+        // sysfs refuses to create files, also for root (EACCES), after an open without
+        // O_CREAT said "no such file": the error comes back at once.
+        let sys = Path::new("/sys/kernel");
+        assert!(sys.is_dir(), "this test needs sysfs mounted at /sys");
+        let e = tt_testkit::hang::within(
+            std::time::Duration::from_secs(120),
+            "opening a lock file in /sys/kernel",
+            || given(sys).open_file("gpu-0.lock").unwrap_err(),
+        );
+        assert!(e.to_string().contains("gpu-0.lock"), "{e}");
+    }
+}

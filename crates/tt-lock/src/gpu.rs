@@ -276,6 +276,17 @@ mod tests {
         );
     }
 
+    #[test]
+    fn keys_are_nvmls_spelling_and_never_invent_a_gpu_prefix() {
+        let gpu = "GPU-8A1B2C3D-4E5F-6071-8293-A4B5C6D7E8F9";
+        let want = GpuKey::Uuid("GPU-8a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9".into());
+        assert_eq!(GpuKey::of_uuid(gpu), want);
+        assert_eq!(GpuKey::of_uuid(&gpu.to_ascii_lowercase()), want);
+        // Another kind of UUID keeps its own prefix: it must never take a GPU's lock file.
+        let mig = "MIG-7D2F1E3B-BBBB-5555-9999-000000000002";
+        assert_eq!(GpuKey::of_uuid(mig), GpuKey::Uuid(mig.to_ascii_lowercase()));
+    }
+
     fn no_nvml() -> Inventory {
         Inventory {
             nvml: NvmlStatus::Unavailable {

@@ -168,9 +168,9 @@ pub fn user_name_of(uid: u32) -> Option<String> {
 
 fn host_name() -> String {
     let mut buf = [0u8; 256];
-    // SAFETY: buf is writable for its length; gethostname NUL-terminates within it
-    // when the name fits (we leave one byte spare).
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len() - 1) };
+    // SAFETY: buf is writable for its length. (A name cut at its end may lack the NUL:
+    // the search below then takes the whole buffer.)
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
     if rc != 0 {
         return "unknown-host".to_owned();
     }
@@ -247,6 +247,18 @@ mod display_tests {
                 Bytes::gib(2)
             )
         );
+        // Memory fenced is shown when there is some (a fence of 0 is no fence).
+        let mut fencing = holder();
+        fencing.fenced = Some(Bytes(0));
+        assert_eq!(fencing.to_string(), holder().to_string());
+        fencing.fenced = Some(Bytes::gib(3));
+        assert_eq!(
+            fencing.to_string(),
+            format!(
+                "pid 42 (ada@gpu1) since 1970-01-01 00:00:00 UTC, fencing {}",
+                Bytes::gib(3)
+            )
+        );
         // A long command is cut at 80 characters, an 80-character one is not.
         let exact = "x".repeat(80);
         assert!(holder()
@@ -255,6 +267,13 @@ mod display_tests {
             .ends_with(&exact));
         let long = holder().running(["y".repeat(81)]).to_string();
         assert!(long.ends_with(&format!("{}...", "y".repeat(77))), "{long}");
+    }
+
+    #[test]
+    fn a_uid_without_a_passwd_entry_has_no_name() {
+        assert_eq!(user_name_of(0).as_deref(), Some("root"));
+        // Far above any uid the system hands out: getpwuid_r finds no entry.
+        assert_eq!(user_name_of(4_000_000_123), None);
     }
 
     #[test]

@@ -256,6 +256,49 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_state_reads_as_one_line_of_torchtools_locks() {
+        let uuid = "GPU-8a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9";
+        let holder = Holder {
+            pid: 42,
+            user: "ada".into(),
+            host: "gpu1".into(),
+            since_unix: 0,
+            reserved: None,
+            command: vec![],
+            gpu: uuid.into(),
+            command_pid: None,
+            fenced: None,
+        };
+        let mut state = LockState {
+            gpu: GpuKey::of_uuid(uuid),
+            nvml_index: Some(3),
+            name: Some("NVIDIA H100".into()),
+            path: PathBuf::from("/tmp/torchtools-locks/gpu-x.lock"),
+            held: false,
+            holder: None,
+            waiting: 0,
+        };
+        assert_eq!(state.to_string(), format!("3  NVIDIA H100  {uuid}: free"));
+        state.held = true;
+        assert_eq!(
+            state.to_string(),
+            format!("3  NVIDIA H100  {uuid}: held (no record yet)")
+        );
+        state.holder = Some(holder.clone());
+        state.waiting = 2;
+        assert_eq!(
+            state.to_string(),
+            format!("3  NVIDIA H100  {uuid}: held by {holder}; 2 waiting (`torchtools queue`)")
+        );
+        state.nvml_index = None;
+        state.waiting = 0;
+        assert_eq!(state.to_string(), format!("?  {uuid}: held by {holder}"));
+        state.gpu = GpuKey::Index(1);
+        state.held = false;
+        assert_eq!(state.to_string(), "1  (keyed by index: no NVML): free");
+    }
+
+    #[test]
     fn proc_locks_lines_are_parsed() {
         let text = "1: FLOCK  ADVISORY  WRITE 6661 fe:00:10010682 0 EOF\n\
                     1: -> FLOCK  ADVISORY  WRITE 6662 fe:00:10010682 0 EOF\n\

@@ -205,22 +205,35 @@ mod tests {
         assert_ne!(perm(100, 1), perm(100, 2));
     }
 
-    #[test]
-    fn the_pipelined_swaps_equal_the_sequential_ones() {
-        let n = PIPELINE_MIN + 12_345;
-        let mut seq: Vec<u32> = (0..n as u32).collect();
-        let mut gen = Mt19937::new(3);
-        for i in 0..n - 1 {
+    /// ATen's 32-bit algorithm written plainly: one draw, one swap, in order.
+    fn sequential(n: usize, seed: u64) -> Vec<u64> {
+        let mut seq: Vec<u64> = (0..n as u64).collect();
+        let mut gen = Mt19937::new(seed);
+        for i in 0..n.saturating_sub(1) {
             let z = i + (gen.next_u32() % (n - i) as u32) as usize;
             seq.swap(i, z);
         }
-        assert_eq!(
-            perm(n as u64, 3)
-                .into_iter()
-                .map(|v| v as u32)
-                .collect::<Vec<_>>(),
-            seq
-        );
+        seq
+    }
+
+    #[test]
+    fn small_sizes_are_the_plain_swaps() {
+        // Two elements are swapped by their one draw (for some seeds), as in ATen.
+        for n in 0..70 {
+            for seed in 0..8 {
+                assert_eq!(
+                    perm(n as u64, seed),
+                    sequential(n, seed),
+                    "n = {n}, seed {seed}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_pipelined_swaps_equal_the_sequential_ones() {
+        let n = PIPELINE_MIN + 12_345;
+        assert_eq!(perm(n as u64, 3), sequential(n, 3));
     }
 
     #[test]
@@ -242,6 +255,11 @@ mod tests {
         let mut b: Vec<u64> = Vec::new();
         randperm_into(5000, 9, &mut a);
         randperm_into(5000, 9, &mut b);
-        assert!(a.iter().zip(&b).all(|(x, y)| *x as u64 == *y));
+        // Read back as the sampler reads its share (`to_u64`): the same indices.
+        assert_eq!(
+            a.iter().map(|x| x.to_u64()).collect::<Vec<_>>(),
+            b.iter().map(|y| y.to_u64()).collect::<Vec<_>>()
+        );
+        assert_eq!(b.iter().max(), Some(&4999));
     }
 }

@@ -359,6 +359,12 @@ fn batches_count_samples_and_resume_at_the_next_batch() {
     assert_eq!(b3.remaining_batches(), 10);
     assert_eq!(b3.by_ref().count(), 10);
     assert_eq!(b3.sampler().remaining(), 3);
+    // ... and never a last batch that is exactly full.
+    let mut b4 = BatchSampler::new(sampler(100, 1, 0), 10, true).unwrap();
+    let all: Vec<Vec<u64>> = b4.by_ref().collect();
+    assert_eq!(all.len(), 10, "the tenth batch of 10 is full: kept");
+    assert_eq!(all.concat(), whole_epoch(100, 1, 0, 0));
+    assert_eq!(b4.sampler().remaining(), 0);
     assert_eq!(
         BatchSampler::new(sampler(1, 1, 0), 0, false).unwrap_err(),
         Error::ZeroBatchSize

@@ -159,8 +159,9 @@ print(json.dumps({"head": p[:64].tolist(), "tail": p[-64:].tolist(), "every": p[
 
 #[test]
 fn randperm_above_the_large_threshold_uses_torchs_64_bit_algorithm() {
-    // torch switches algorithm at u32::MAX / 20; check just above it.
-    let (n, seed) = (tt_sampler::LARGE_RANDPERM + 3, 12345u64);
+    // torch switches algorithm at u32::MAX / 20 (`n < u32::MAX / 20` keeps the 32-bit
+    // one): the threshold itself is the first size drawn with the 64-bit algorithm.
+    let (n, seed) = (tt_sampler::LARGE_RANDPERM, 12345u64);
     let out = python()
         .args([
             "-W",
