@@ -249,7 +249,6 @@ fn not_a_regular_file(path: PathBuf) -> Error {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
     use super::*;
 

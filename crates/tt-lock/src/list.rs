@@ -327,6 +327,61 @@ mod tests {
     }
 
     #[test]
+    fn a_whole_table_is_the_answer_and_a_split_one_is_checked_by_a_probe() {
+        let (_tmp, dir) = lock_dir();
+        let lock = dir
+            .lock(
+                &GpuKey::Index(4),
+                crate::Wait::Try,
+                crate::Holder::current(),
+            )
+            .unwrap();
+        let (file, meta) = open_to_read(lock.path()).unwrap();
+        let id = (libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino());
+        let table = |listed: bool, whole: bool| FlockTable {
+            locked: if listed { [id].into() } else { HashSet::new() },
+            whole,
+        };
+        assert!(table(true, true).says_held(&file, &meta));
+        assert!(table(true, false).says_held(&file, &meta));
+        // Read in several calls, the table may have skipped it: the probe finds it held.
+        assert!(table(false, false).says_held(&file, &meta));
+        // A table read whole is believed without a probe (whose shared lock could make
+        // another process's `Wait::Try` fail): here it says "not locked".
+        assert!(!table(false, true).says_held(&file, &meta));
+        drop(lock);
+        assert!(!table(false, false).says_held(&file, &meta), "released");
+    }
+
+    #[test]
+    fn a_proc_file_is_read_whole_and_says_whether_one_call_gave_it_all() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = |name: &str| tmp.path().join(name).to_str().unwrap().to_owned();
+        let small = "1: FLOCK  ADVISORY  WRITE 6661 fe:00:10010682 0 EOF\n";
+        std::fs::write(path("small"), small).unwrap();
+        assert_eq!(
+            read_in_one_call(&path("small")),
+            Some((small.to_owned(), true))
+        );
+        // Larger than the first buffer (256 KiB): grown, read in several calls.
+        let large: String = (0..20_000)
+            .map(|i| format!("{i}: FLOCK  ADVISORY  WRITE {i} fe:00:{i} 0 EOF\n"))
+            .collect();
+        assert!(large.len() > 2 * 256 * 1024, "{}", large.len());
+        std::fs::write(path("large"), &large).unwrap();
+        assert_eq!(read_in_one_call(&path("large")), Some((large, false)));
+        // A read that fails (a directory: EISDIR) is no table, at once.
+        let dir = path("");
+        let read = tt_testkit::hang::within(
+            std::time::Duration::from_secs(120),
+            "reading a directory as a /proc file",
+            move || read_in_one_call(&dir),
+        );
+        assert_eq!(read, None);
+        assert_eq!(read_in_one_call(&path("missing")), None);
+    }
+
+    #[test]
     fn the_kernels_flocks_name_a_held_lock_file() {
         let (_tmp, dir) = lock_dir();
         let lock = dir

@@ -434,6 +434,48 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_queue_is_never_locked_through_a_symlink_put_in_the_directorys_place() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("locks");
+        let dir = LockDir::open(&path).unwrap();
+        drop(DirLock::take(&dir).unwrap());
+        // Swapped for a symbolic link after the directory was checked.
+        fs::rename(&path, tmp.path().join("moved")).unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("moved"), &path).unwrap();
+        let e = DirLock::take(&dir).err().unwrap();
+        assert!(
+            e.to_string().contains("cannot open it to queue a request"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_waiter_reads_as_one_line_of_torchtools_queue() {
+        let waiter = Waiter {
+            position: 2,
+            ticket: 9,
+            pid: 42,
+            user: "ada".into(),
+            host: "gpu1".into(),
+            since_unix: 951_782_400,
+            reserved: None,
+            command: vec![],
+            wants: Wants::Auto {
+                count: 2,
+                among: vec![],
+            },
+        };
+        assert_eq!(waiter.since_utc(), "2000-02-29 00:00:00 UTC");
+        assert_eq!(
+            waiter.to_string(),
+            format!(
+                "#2 pid 42 (ada@gpu1) since 2000-02-29 00:00:00 UTC wants {}",
+                waiter.wants
+            )
+        );
+    }
+
+    #[test]
     fn ticket_names_round_trip_and_others_are_ignored() {
         assert_eq!(ticket_name(7), "wait-00000000000000000007.json");
         assert_eq!(ticket_of(OsStr::new(&ticket_name(7))), Some(7));

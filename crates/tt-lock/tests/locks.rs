@@ -77,6 +77,28 @@ fn child() {
                 .unwrap();
             println!("\n@@5: inherited={}@@", five.is_inherited());
         }
+        // Wait for GPUs 3 and 4 together; say so once granted.
+        "wait_set" => {
+            // SAFETY: prctl(PR_SET_PDEATHSIG) has no memory-safety preconditions.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+            let dir = LockDir::open(&dir_path).unwrap();
+            let keys = [GpuKey::Index(3), GpuKey::Index(4)];
+            let locks = dir
+                .lock_many(&keys, Wait::Block, Holder::current())
+                .unwrap();
+            println!("\n@@granted {}@@", locks.len());
+        }
+        // Two GPUs by `auto` (one of them inherited, or not); say how many of each.
+        "inherit_auto" => {
+            let dir = LockDir::open(&dir_path).unwrap();
+            for count in [2, 1] {
+                let locks = dir
+                    .lock_auto(&three_gpus(), count, Wait::Try, Holder::current())
+                    .unwrap();
+                let inherited = locks.iter().filter(|l| l.is_inherited()).count();
+                println!("\n@@auto: {} locks, {inherited} inherited@@", locks.len());
+            }
+        }
         // The directory TORCHTOOLS_LOCK_DIR names (the test sets it, or not).
         "from_env" => match LockDir::from_env() {
             Ok(d) => println!("\n@@dir={}@@", d.path().display()),
@@ -575,6 +597,16 @@ fn auto_takes_the_free_gpus_with_the_most_free_memory_all_or_nothing() {
     let all = dir.lock_auto(&inv, 3, Wait::Try, me()).unwrap();
     assert_eq!(all.len(), 3);
     drop(all);
+    // A GPU this process holds is no candidate: it would wait for itself.
+    let mine = dir.lock(&GpuKey::Uuid(uuid(1)), Wait::Try, me()).unwrap();
+    let e = dir.lock_auto(&inv, 3, Wait::Try, me()).unwrap_err();
+    assert!(
+        e.to_string().contains("already holds 1 of the machine's 3"),
+        "{e}"
+    );
+    let two = dir.lock_auto(&inv, 2, Wait::Try, me()).unwrap();
+    assert_eq!(uuids(&two), [GpuKey::Uuid(uuid(2)), GpuKey::Uuid(uuid(0))]);
+    drop((two, mine));
     // More than the machine has, or no NVML: a clear error, nothing waited for.
     let e = dir.lock_auto(&inv, 4, Wait::Block, me()).unwrap_err();
     assert!(e.to_string().contains("the machine has 3 GPU(s)"), "{e}");
@@ -655,6 +687,10 @@ fn a_lock_file_replaced_while_waiting_is_locked_anew() {
         std::thread::sleep(Duration::from_millis(5));
     }
     std::fs::remove_file(&path).unwrap();
+    // Someone's next lock creates the file again, before the waiter looks: a file of
+    // the same name on the same device, another inode.
+    std::fs::File::create(&path).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
     child.kill().unwrap();
     child.wait().unwrap();
     let lock = waiter.join().unwrap().unwrap();
@@ -795,4 +831,209 @@ fn a_set_with_a_timeout_waits_for_it_then_gives_up_whole() {
         .lock_many(&keys, Wait::Timeout(limit), Holder::current())
         .unwrap();
     assert_eq!(got.len(), 2);
+}
+
+#[test]
+fn dropping_a_lock_frees_the_gpu_even_while_a_command_keeps_a_copy_of_it() {
+    // `share_with` hands the lock to a command; when this process lets go first (its
+    // job done), the GPU is free, not held on by the command's copy of the descriptor.
+    let (_tmp, dir) = lock_dir();
+    let key = GpuKey::Index(7);
+    let lock = dir.lock(&key, Wait::Try, Holder::current()).unwrap();
+    let mut cmd = Command::new("sleep");
+    cmd.arg("600");
+    tt_lock::share_with(&mut cmd, std::slice::from_ref(&lock));
+    let mut command = cmd.spawn().unwrap();
+    drop(lock);
+    let again = dir.lock(&key, Wait::Try, Holder::current());
+    let _ = command.kill();
+    let _ = command.wait();
+    let again = again.unwrap_or_else(|e| panic!("the GPU stayed locked after drop: {e}"));
+    assert!(!again.is_inherited());
+}
+
+struct Mount(PathBuf);
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn on_overlayfs_a_held_lock_is_listed_as_held() {
+    // overlayfs records `flock` locks on the inode underneath, which `/proc/locks`
+    // names: the list must not read that table for such a directory.
+    let tmp = tempfile::tempdir().unwrap();
+    let [lower, upper, work, merged] = ["lower", "upper", "work", "merged"].map(|d| {
+        let p = tmp.path().join(d);
+        std::fs::create_dir(&p).unwrap();
+        p
+    });
+    let options = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.display(),
+        upper.display(),
+        work.display()
+    );
+    let mounted = Command::new("mount")
+        .args(["-t", "overlay", "overlay", "-o", &options])
+        .arg(&merged)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        // Mounting needs root (CI runs as root); elsewhere, say why to skip knowingly.
+        match std::env::var("TORCHTOOLS_TEST_NO_MOUNT") {
+            Ok(why) if !why.trim().is_empty() => {
+                eprintln!("SKIPPED: locks on overlayfs need an overlay mount: {why}");
+                return;
+            }
+            _ => panic!(
+                "cannot mount an overlayfs (mounting needs root): run as root, or set \
+                 TORCHTOOLS_TEST_NO_MOUNT=<why> to skip this test knowingly"
+            ),
+        }
+    }
+    let _guard = Mount(merged.clone());
+    let dir = LockDir::open(merged.join("locks")).unwrap();
+    let key = GpuKey::Index(0);
+    let lock = dir.lock(&key, Wait::Try, Holder::current()).unwrap();
+    let state = state_of(&dir, &key);
+    assert!(state.held, "{state:?}");
+    assert_eq!(state.holder.map(|h| h.pid), Some(std::process::id()));
+    drop(lock);
+    assert!(!state_of(&dir, &key).held, "released");
+}
+
+/// Polls `done` until it holds, for at most a minute (a busy machine is slow, never
+/// that slow).
+fn eventually(what: &str, done: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done() {
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_queue_ticket_deleted_by_a_tmp_cleaner_is_taken_again() {
+    let (_tmp, dir) = lock_dir();
+    let mut child = holder(dir.path(), 2);
+    let key = GpuKey::Index(2);
+    let tickets = |dir: &LockDir| -> Vec<u64> {
+        dir.queue().unwrap().into_iter().map(|w| w.ticket).collect()
+    };
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            dir.lock(
+                &key,
+                Wait::Timeout(Duration::from_secs(120)),
+                Holder::current(),
+            )
+        });
+        eventually("the request queued", || tickets(&dir).len() == 1);
+        for entry in std::fs::read_dir(dir.path()).unwrap() {
+            let path = entry.unwrap().path();
+            if path.to_string_lossy().ends_with(".json") {
+                std::fs::remove_file(path).unwrap();
+            }
+        }
+        // The waiter sees its ticket gone and queues again (at the end: here the queue
+        // is empty, so the numbering starts again; every ticket there now is new).
+        eventually("the request queued again", || tickets(&dir).len() == 1);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let lock = waiter.join().unwrap().unwrap();
+        assert_eq!(lock.key(), &key);
+    });
+    assert!(tickets(&dir).is_empty(), "left the queue once served");
+}
+
+#[test]
+fn auto_counts_an_inherited_lock_and_takes_only_the_rest() {
+    let (_tmp, dir) = lock_dir();
+    let lock = dir
+        .lock(&GpuKey::of_uuid(&uuid(1)), Wait::Try, Holder::current())
+        .unwrap();
+    let mut cmd = spawn("inherit_auto", dir.path(), &[]);
+    tt_lock::share_with(&mut cmd, std::slice::from_ref(&lock));
+    let out = cmd.output().unwrap();
+    tt_testkit::assert_ran_one(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("@@auto: 2 locks, 1 inherited@@"), "{text}");
+    // One asked, one inherited: nothing else taken.
+    assert!(text.contains("@@auto: 1 locks, 1 inherited@@"), "{text}");
+    drop(lock);
+}
+
+#[test]
+fn an_auto_request_that_waits_holds_none_of_the_free_gpus() {
+    // All or nothing while it waits: the two free GPUs stay free for others.
+    let (_tmp, dir) = lock_dir();
+    let inv = three_gpus();
+    let mut child = holder_by_uuid(dir.path(), &uuid(1));
+    let held = |dir: &LockDir| -> Vec<GpuKey> {
+        dir.list()
+            .unwrap()
+            .into_iter()
+            .filter(|s| s.held)
+            .map(|s| s.gpu)
+            .collect()
+    };
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            dir.lock_auto(
+                &inv,
+                3,
+                Wait::Timeout(Duration::from_secs(120)),
+                Holder::current(),
+            )
+        });
+        eventually("the request queued", || dir.queue().unwrap().len() == 1);
+        // (Each new attempt locks and unlocks them in a few microseconds.)
+        eventually("only the child's GPU held", || {
+            held(&dir) == [GpuKey::Uuid(uuid(1))]
+        });
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let all = waiter.join().unwrap().unwrap();
+        assert_eq!(all.len(), 3);
+    });
+}
+
+#[test]
+fn try_on_a_free_gpu_that_a_queued_request_waits_for_names_no_holder() {
+    let (_tmp, dir) = lock_dir();
+    // GPU 3's file keeps the record of its last holder (this process) after it lets go.
+    drop(
+        dir.lock(&GpuKey::Index(3), Wait::Try, Holder::current())
+            .unwrap(),
+    );
+    let mut child = holder(dir.path(), 4);
+    let waiter = spawn("wait_set", dir.path(), &[])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually("the set request queued", || dir.queue().unwrap().len() == 1);
+    // GPU 3 is free but waited for: `Try` fails, naming the waiting request and no
+    // holder (the record in the file is a past holder's). The waiter's own attempts
+    // lock GPU 3 for a few microseconds now and then: ask again if one is caught.
+    eventually("a WouldBlock naming no holder", || {
+        match dir.lock(&GpuKey::Index(3), Wait::Try, Holder::current()) {
+            Err(Error::WouldBlock {
+                gpu,
+                holder,
+                waiting,
+            }) => {
+                assert_eq!((gpu, waiting), (GpuKey::Index(3), 1));
+                holder.is_none()
+            }
+            other => panic!("expected WouldBlock, got {other:?}"),
+        }
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let out = waiter.wait_with_output().unwrap();
+    tt_testkit::assert_ran_one(&out);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("@@granted 2@@"));
 }
