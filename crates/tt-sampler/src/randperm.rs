@@ -137,7 +137,7 @@ fn small_pipelined<T: PermIndex>(n: usize, gen: &mut Mt19937, r: &mut [T]) -> bo
         let mut i = 0;
         for buf in full_rx.iter() {
             for (k, &t) in buf.iter().enumerate() {
-                if let Some(&ahead) = buf.get(k + AHEAD) {
+                if let Some(&ahead) = buf[k..].get(AHEAD) {
                     prefetch(r.as_ptr().wrapping_add(ahead as usize));
                 }
                 r.swap(i + k, t as usize);
