@@ -76,13 +76,13 @@ fn small<T: PermIndex>(n: usize, gen: &mut Mt19937, out: &mut Vec<T>) {
     if n < 2 {
         return;
     }
+    let last = n - 1; // the swaps run for i in 0..n-1
     let threads = std::thread::available_parallelism().map_or(1, |p| p.get());
-    if n >= PIPELINE_MIN && threads > 1 && small_pipelined(n, gen, out.as_mut_slice()) {
+    if n >= PIPELINE_MIN && threads > 1 && small_pipelined(n, last, gen, out.as_mut_slice()) {
         return;
     }
     let r = out.as_mut_slice();
     let mut targets = [0usize; AHEAD];
-    let last = n - 1; // the loop runs for i in 0..n-1
     let mut i = 0;
     while i < last {
         let batch = AHEAD.min(last - i);
@@ -104,9 +104,8 @@ fn small<T: PermIndex>(n: usize, gen: &mut Mt19937, out: &mut Vec<T>) {
 /// latency, stay here and prefetch their targets ahead.
 /// `false` (with nothing drawn or swapped) where no thread can be had: an
 /// address-space or pids limit; the caller then does it all on its own thread.
-fn small_pipelined<T: PermIndex>(n: usize, gen: &mut Mt19937, r: &mut [T]) -> bool {
+fn small_pipelined<T: PermIndex>(n: usize, last: usize, gen: &mut Mt19937, r: &mut [T]) -> bool {
     use std::sync::mpsc::sync_channel;
-    let last = n - 1;
     let (full_tx, full_rx) = sync_channel::<Vec<u32>>(4);
     let (empty_tx, empty_rx) = sync_channel::<Vec<u32>>(6);
     for _ in 0..6 {

@@ -587,3 +587,57 @@ fn a_timeline_path_is_checked_before_anything_is_tracked() {
     .expect("a timeline in a missing directory");
     assert!(e.to_string().contains("does not exist"), "{e}");
 }
+
+#[test]
+fn the_series_kept_for_a_plot_has_a_point_per_sample_in_time_order() {
+    let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+    let tracker = Tracker::start(TrackerConfig {
+        keep_series: true,
+        ..config(Duration::from_millis(10))
+    })
+    .unwrap();
+    hold_until_sampled(&tracker, 32);
+    wait_for_samples(&tracker, 20);
+    let (usage, series) = tracker.stop_with_series().unwrap();
+    // Far below the 4096 points kept before neighbours merge: one point per sample.
+    assert_eq!(series.len() as u64, usage.torchtools.samples);
+    assert!(series.windows(2).all(|w| w[0].t < w[1].t), "{series:?}");
+    assert!(series.iter().all(|p| p.ram > 0.0 && p.cpu >= 0.0));
+    let peak = series.iter().map(|p| p.ram).fold(0.0, f64::max);
+    assert!(peak >= (32 << 20) as f64, "the 32 MiB held: {peak}");
+    // Without `keep_series`, none is kept.
+    let tracker = Tracker::start(config(Duration::from_millis(10))).unwrap();
+    wait_for_samples(&tracker, 2);
+    assert!(tracker.stop_with_series().unwrap().1.is_empty());
+}
+
+#[test]
+fn samples_are_of_the_live_process_only_none_after_it_exits() {
+    // gpu_tracker's readers would otherwise see a minimum of 0 RAM and 0 threads.
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("timeline.jsonl");
+    let mut child = Command::new("sleep").arg("600").spawn().unwrap();
+    let tracker = Tracker::start(TrackerConfig {
+        target: tt_tracker::Target::Pid(child.id()),
+        timeline: Some(path.clone()),
+        ..config(Duration::from_millis(20))
+    })
+    .unwrap();
+    wait_for_samples(&tracker, 2);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The last sample, taken by stop, finds the process gone: it is not recorded.
+    let usage = tracker.stop().unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let samples: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r["main_ram"].is_number())
+        .collect();
+    assert_eq!(samples.len() as u64, usage.torchtools.samples);
+    assert!(samples.len() >= 2);
+    for s in &samples {
+        assert!(s["main_n_threads"].as_f64().unwrap() >= 1.0, "{s}");
+        assert!(s["main_ram"].as_f64().unwrap() > 0.0, "{s}");
+    }
+}
