@@ -641,3 +641,38 @@ fn samples_are_of_the_live_process_only_none_after_it_exits() {
         assert!(s["main_ram"].as_f64().unwrap() > 0.0, "{s}");
     }
 }
+
+#[test]
+fn the_system_ram_is_read_again_while_tracking_not_only_at_the_ends() {
+    let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("timeline.jsonl");
+    let tracker = Tracker::start(TrackerConfig {
+        timeline: Some(path.clone()),
+        ..config(Duration::from_millis(10))
+    })
+    .unwrap();
+    // The first system reading is behind us; then 64 MiB held over 15 samples (at
+    // least 140 ms, past the 100 ms between two system readings).
+    wait_for_samples(&tracker, 1);
+    let mut v = vec![0u8; 64 << 20];
+    for page in v.chunks_mut(4096) {
+        page[0] = 1;
+    }
+    std::hint::black_box(&v);
+    wait_for_samples(&tracker, tracker.samples() + 15);
+    drop(v);
+    let _ = tracker.stop().unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut system: Vec<f64> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|r| r["system_ram"].as_f64())
+        .collect();
+    system.pop(); // the last sample, taken by stop, reads the system anyway
+    system.dedup();
+    assert!(
+        system.len() >= 2,
+        "one system reading for all samples: {system:?}"
+    );
+}
