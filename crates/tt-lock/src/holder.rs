@@ -71,6 +71,22 @@ impl Holder {
         self
     }
 
+    /// A record for tests: pid 42, `ada@gpu1`, since the epoch, nothing else.
+    #[cfg(test)]
+    pub(crate) fn example() -> Holder {
+        Holder {
+            pid: 42,
+            user: "ada".into(),
+            host: "gpu1".into(),
+            since_unix: 0,
+            reserved: None,
+            command: vec![],
+            gpu: String::new(),
+            command_pid: None,
+            fenced: None,
+        }
+    }
+
     /// The start time as `YYYY-MM-DD HH:MM:SS UTC`.
     pub fn since_utc(&self) -> String {
         utc(self.since_unix)
@@ -216,17 +232,7 @@ mod display_tests {
     }
 
     fn holder() -> Holder {
-        Holder {
-            pid: 42,
-            user: "ada".into(),
-            host: "gpu1".into(),
-            since_unix: 0,
-            reserved: None,
-            command: vec![],
-            gpu: String::new(),
-            command_pid: None,
-            fenced: None,
-        }
+        Holder::example()
     }
 
     #[test]

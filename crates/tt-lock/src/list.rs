@@ -259,15 +259,8 @@ mod tests {
     fn a_state_reads_as_one_line_of_torchtools_locks() {
         let uuid = "GPU-8a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9";
         let holder = Holder {
-            pid: 42,
-            user: "ada".into(),
-            host: "gpu1".into(),
-            since_unix: 0,
-            reserved: None,
-            command: vec![],
             gpu: uuid.into(),
-            command_pid: None,
-            fenced: None,
+            ..Holder::example()
         };
         let mut state = LockState {
             gpu: GpuKey::of_uuid(uuid),
