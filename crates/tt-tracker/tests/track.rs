@@ -644,6 +644,11 @@ fn samples_are_of_the_live_process_only_none_after_it_exits() {
 
 #[test]
 fn the_system_ram_is_read_again_while_tracking_not_only_at_the_ends() {
+    fn mem_available() -> String {
+        let text = std::fs::read_to_string("/proc/meminfo").unwrap();
+        let line = text.lines().find(|l| l.starts_with("MemAvailable:"));
+        line.unwrap_or_default().to_string()
+    }
     let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("timeline.jsonl");
@@ -652,14 +657,25 @@ fn the_system_ram_is_read_again_while_tracking_not_only_at_the_ends() {
         ..config(Duration::from_millis(10))
     })
     .unwrap();
-    // The first system reading is behind us; then 64 MiB held over 15 samples (at
-    // least 140 ms, past the 100 ms between two system readings).
+    // The first system reading is behind us; then 64 MiB held until the kernel's
+    // MemAvailable shows a change (it is folded from per-CPU counters lazily: on a
+    // busy machine that takes a while), then over 15 samples (at least 140 ms, past
+    // the 100 ms between two system readings).
     wait_for_samples(&tracker, 1);
+    let before = mem_available();
     let mut v = vec![0u8; 64 << 20];
     for page in v.chunks_mut(4096) {
         page[0] = 1;
     }
     std::hint::black_box(&v);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while mem_available() == before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "MemAvailable never changed with 64 MiB touched"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     wait_for_samples(&tracker, tracker.samples() + 15);
     drop(v);
     let _ = tracker.stop().unwrap();
