@@ -480,6 +480,65 @@ fn private_and_shared_rss_and_threads_are_what_the_processes_hold() {
     });
 }
 
+/// A Python parent that says "ready", and on a line from stdin maps 64 MiB shared with
+/// a forked child (both touch every page); the child says "shared"; both wait for stdin
+/// to close.
+const SHARING_LATER: &str = r#"
+import mmap, os, sys
+print('ready', flush=True)
+sys.stdin.readline()
+shared = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_SHARED)
+for i in range(0, 64 << 20, 4096):
+    shared[i] = 1
+pid = os.fork()
+if pid == 0:
+    total = sum(shared[i] for i in range(0, 64 << 20, 4096))
+    print('shared', total, flush=True)
+    sys.stdin.read()
+    os._exit(0)
+sys.stdin.read()
+os.waitpid(pid, 0)
+"#;
+
+#[test]
+fn shared_memory_that_appears_while_tracking_is_seen_within_seconds() {
+    // The costly smaps_rollup read is cached per process; a change of RSS must refresh
+    // it after a second, not after the ten seconds an unchanged RSS may wait.
+    tt_testkit::hang::within(HANG, "the later-sharing test", || {
+        let mut child = Command::new(tt_testkit::python_path())
+            .args(["-c", SHARING_LATER])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut expect = |word: &str| {
+            let line = lines.next().expect("the program ended early").unwrap();
+            assert!(line.starts_with(word), "{line:?}, expected {word:?}");
+        };
+        expect("ready");
+        let tracker = Tracker::start(TrackerConfig {
+            target: tt_tracker::Target::Pid(child.id()),
+            ..config(Duration::from_millis(40))
+        })
+        .unwrap();
+        wait_for_samples(&tracker, 3);
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"go\n").unwrap();
+        expect("shared");
+        // 30 samples: at least 1.2 s, past the one second a cached read may be kept.
+        wait_for_samples(&tracker, tracker.samples() + 30);
+        let usage = tracker.stop().unwrap();
+        drop(stdin);
+        assert!(child.wait().unwrap().success());
+        let main = &usage.max_ram.main;
+        assert!(
+            main.shared_rss >= f64::from(63u32 << 20),
+            "the 64 MiB shared after tracking began: {main:?}"
+        );
+    });
+}
+
 /// A child that burns 0.6 s of CPU time (whatever the machine's load), then waits.
 const BURN: &str = r#"
 import sys, time
