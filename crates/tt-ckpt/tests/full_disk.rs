@@ -2,7 +2,6 @@
 #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::path::Path;
-use std::process::Command;
 
 use tt_ckpt::{Checkpoint, CheckpointDir, TensorData};
 
@@ -71,37 +70,16 @@ fn a_file_size_limit_fails_the_save_and_keeps_the_previous_checkpoint() {
     tt_testkit::assert_ran_one(&out);
 }
 
-struct Mount<'a>(&'a Path);
-
-impl Drop for Mount<'_> {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(self.0).status();
-    }
-}
-
 #[test]
 fn a_full_tmpfs_fails_the_save_with_enospc_and_keeps_the_previous_checkpoint() {
     let root = tempfile::tempdir().unwrap();
-    let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
-        .arg(root.path())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !mounted {
-        // Mounting needs root (CI runs as root). Elsewhere the test fails unless the
-        // person running it says why it cannot run, and the skip is then printed.
-        match std::env::var("TORCHTOOLS_TEST_NO_MOUNT") {
-            Ok(why) if !why.trim().is_empty() => {
-                eprintln!("SKIPPED: a real ENOSPC needs a tmpfs mount: {why}");
-                return;
-            }
-            _ => panic!(
-                "cannot mount a 1 MiB tmpfs for a real ENOSPC (mounting needs root): run as \
-                 root, or set TORCHTOOLS_TEST_NO_MOUNT=<why> to skip this test knowingly"
-            ),
-        }
-    }
-    let _guard = Mount(root.path());
+    let Some(_mounted) = tt_testkit::mount_or_skip(
+        "a real ENOSPC needs a 1 MiB tmpfs mount",
+        &["-t", "tmpfs", "-o", "size=1m", "tmpfs"],
+        root.path(),
+    ) else {
+        return;
+    };
     let err = scenario(root.path());
     assert!(err.contains("No space left on device"), "{err}");
 }

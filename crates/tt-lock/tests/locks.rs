@@ -852,14 +852,6 @@ fn dropping_a_lock_frees_the_gpu_even_while_a_command_keeps_a_copy_of_it() {
     assert!(!again.is_inherited());
 }
 
-struct Mount(PathBuf);
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
-    }
-}
-
 #[test]
 fn on_overlayfs_a_held_lock_is_listed_as_held() {
     // overlayfs records `flock` locks on the inode underneath, which `/proc/locks`
@@ -876,25 +868,13 @@ fn on_overlayfs_a_held_lock_is_listed_as_held() {
         upper.display(),
         work.display()
     );
-    let mounted = Command::new("mount")
-        .args(["-t", "overlay", "overlay", "-o", &options])
-        .arg(&merged)
-        .status()
-        .is_ok_and(|s| s.success());
-    if !mounted {
-        // Mounting needs root (CI runs as root); elsewhere, say why to skip knowingly.
-        match std::env::var("TORCHTOOLS_TEST_NO_MOUNT") {
-            Ok(why) if !why.trim().is_empty() => {
-                eprintln!("SKIPPED: locks on overlayfs need an overlay mount: {why}");
-                return;
-            }
-            _ => panic!(
-                "cannot mount an overlayfs (mounting needs root): run as root, or set \
-                 TORCHTOOLS_TEST_NO_MOUNT=<why> to skip this test knowingly"
-            ),
-        }
-    }
-    let _guard = Mount(merged.clone());
+    let Some(_mounted) = tt_testkit::mount_or_skip(
+        "locks on overlayfs need an overlay mount",
+        &["-t", "overlay", "overlay", "-o", &options],
+        &merged,
+    ) else {
+        return;
+    };
     let dir = LockDir::open(merged.join("locks")).unwrap();
     let key = GpuKey::Index(0);
     let lock = dir.lock(&key, Wait::Try, Holder::current()).unwrap();

@@ -227,6 +227,46 @@ pub fn assert_ran_one(out: &std::process::Output) {
     );
 }
 
+/// The variable that lets a test which needs a mount (root) skip, visibly, with the
+/// reason it holds.
+pub const NO_MOUNT_ENV: &str = "TORCHTOOLS_TEST_NO_MOUNT";
+
+/// A filesystem mounted for a test, unmounted on drop.
+#[must_use = "the mount is undone when this is dropped"]
+pub struct Mounted(std::path::PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// Runs `mount ARGS AT`. Mounting needs root (CI runs as root); where it fails, the test
+/// fails unless `TORCHTOOLS_TEST_NO_MOUNT=<why>` says why it cannot run, and then
+/// `None` comes back after a "SKIPPED: {needs}: {why}" line: a skip someone chose,
+/// printed, never a silent one.
+pub fn mount_or_skip(needs: &str, args: &[&str], at: &std::path::Path) -> Option<Mounted> {
+    let mounted = Command::new("mount")
+        .args(args)
+        .arg(at)
+        .status()
+        .is_ok_and(|s| s.success());
+    if mounted {
+        return Some(Mounted(at.to_path_buf()));
+    }
+    match std::env::var(NO_MOUNT_ENV) {
+        Ok(why) if !why.trim().is_empty() => {
+            eprintln!("SKIPPED: {needs}: {why}");
+            None
+        }
+        _ => panic!(
+            "{needs}, and `mount {}` failed (mounting needs root): run as root, or set \
+             {NO_MOUNT_ENV}=<why> to skip this test knowingly",
+            args.join(" ")
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::Selection;
