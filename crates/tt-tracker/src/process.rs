@@ -143,6 +143,35 @@ mod tests {
     }
 
     #[test]
+    fn resetting_the_peak_brings_it_down_to_the_rss_of_now() {
+        // A child that held 128 MiB (two touched copies of 64 MiB), gave them back, and
+        // waits: its high-water mark is far above its RSS until the reset.
+        let script = "import sys\nb = bytearray(b'1' * (64 << 20))\ndel b\n\
+                      print('ready', flush=True)\nsys.stdin.read()";
+        let mut child = tt_testkit::python()
+            .args(["-c", script])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let out = child.stdout.take().unwrap_or_else(|| panic!("no stdout"));
+        tt_testkit::wait_for_line(out, "ready", Duration::from_secs(120));
+        let pid = child.id();
+        let mib = 1u64 << 20;
+        let (rss, hwm) = memory(pid).unwrap_or_default();
+        assert!(hwm >= rss + 60 * mib, "rss {rss}, peak {hwm}");
+        assert!(reset_peak(pid));
+        let (rss, hwm) = memory(pid).unwrap_or_default();
+        assert!(
+            hwm < rss + 16 * mib,
+            "after the reset: rss {rss}, peak {hwm}"
+        );
+        drop(child.stdin.take());
+        assert!(child.wait().is_ok_and(|s| s.success()));
+        assert!(!reset_peak(u32::MAX), "no such process");
+    }
+
+    #[test]
     fn this_process_memory_and_peak() {
         let (rss, hwm) = memory(std::process::id()).unwrap_or_default();
         assert!(rss > 0 && hwm >= rss);
