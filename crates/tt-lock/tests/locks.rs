@@ -142,6 +142,18 @@ fn holder_by_uuid(dir: &Path, uuid: &str) -> Child {
     holder_of(dir, &[("UUID", uuid.to_owned())])
 }
 
+/// A holder child killed (and reaped) when this is dropped, also while a failed
+/// assertion unwinds: a request queued behind it is then served, and the test fails at
+/// once instead of after the request's own timeout.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn holder_of(dir: &Path, which: &[(&str, String)]) -> Child {
     let mut child = spawn("hold", dir, which)
         .stdout(Stdio::piped())
@@ -898,12 +910,13 @@ fn eventually(what: &str, done: impl Fn() -> bool) {
 #[test]
 fn a_queue_ticket_deleted_by_a_tmp_cleaner_is_taken_again() {
     let (_tmp, dir) = lock_dir();
-    let mut child = holder(dir.path(), 2);
+    let child = Killed(holder(dir.path(), 2));
     let key = GpuKey::Index(2);
     let tickets = |dir: &LockDir| -> Vec<u64> {
         dir.queue().unwrap().into_iter().map(|w| w.ticket).collect()
     };
     std::thread::scope(|s| {
+        let child = child; // dropped (killed) before the scope waits for the waiter
         let waiter = s.spawn(|| {
             dir.lock(
                 &key,
@@ -921,8 +934,7 @@ fn a_queue_ticket_deleted_by_a_tmp_cleaner_is_taken_again() {
         // The waiter sees its ticket gone and queues again (at the end: here the queue
         // is empty, so the numbering starts again; every ticket there now is new).
         eventually("the request queued again", || tickets(&dir).len() == 1);
-        child.kill().unwrap();
-        child.wait().unwrap();
+        drop(child);
         let lock = waiter.join().unwrap().unwrap();
         assert_eq!(lock.key(), &key);
     });
@@ -951,7 +963,7 @@ fn an_auto_request_that_waits_holds_none_of_the_free_gpus() {
     // All or nothing while it waits: the two free GPUs stay free for others.
     let (_tmp, dir) = lock_dir();
     let inv = three_gpus();
-    let mut child = holder_by_uuid(dir.path(), &uuid(1));
+    let child = Killed(holder_by_uuid(dir.path(), &uuid(1)));
     let held = |dir: &LockDir| -> Vec<GpuKey> {
         dir.list()
             .unwrap()
@@ -961,6 +973,7 @@ fn an_auto_request_that_waits_holds_none_of_the_free_gpus() {
             .collect()
     };
     std::thread::scope(|s| {
+        let child = child; // dropped (killed) before the scope waits for the waiter
         let waiter = s.spawn(|| {
             dir.lock_auto(
                 &inv,
@@ -974,8 +987,7 @@ fn an_auto_request_that_waits_holds_none_of_the_free_gpus() {
         eventually("only the child's GPU held", || {
             held(&dir) == [GpuKey::Uuid(uuid(1))]
         });
-        child.kill().unwrap();
-        child.wait().unwrap();
+        drop(child);
         let all = waiter.join().unwrap().unwrap();
         assert_eq!(all.len(), 3);
     });
