@@ -136,6 +136,31 @@ mod tests {
     }
 
     #[test]
+    // Reaped by `reap`, as above.
+    #[allow(clippy::zombie_processes)]
+    fn a_child_that_ends_before_the_deadline_is_seen_ending() {
+        // The child waits for its stdin to close, which a thread does a little later:
+        // the wait must keep polling until then, well within the two-minute deadline.
+        let mut child = Command::new("sh")
+            .args(["-c", "read x; exit 4"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let stdin = child.stdin.take();
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            drop(stdin);
+        });
+        let deadline = Instant::now() + Duration::from_secs(120);
+        assert!(wait_for_exit(child.id(), Some(deadline)).unwrap_or(false));
+        closer
+            .join()
+            .unwrap_or_else(|_| panic!("the closing thread panicked"));
+        let r = reap(child.id()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(r.code(), Some(4));
+    }
+
+    #[test]
     fn waiting_for_a_process_that_is_not_our_child_is_an_error() {
         // pid 1 is never this process's child: ECHILD, at once (not a wait for ever).
         let e = wait_for_exit(1, None).expect_err("pid 1 is not our child");

@@ -182,3 +182,82 @@ print(d["max_ram"]["combined"]["total_rss"], d["max_gpu_ram"]["unit"], d["comput
         "2.0 megabytes hours"
     );
 }
+
+/// `torchtools track compare`'s table: each session's figures in its own column, and
+/// each block's means found by the block's name in every session ("-" where a session
+/// has no such block).
+#[test]
+fn compare_puts_each_figure_in_its_sessions_column_and_block_means_by_name() {
+    use tt_tracker::compare::{Comparison, Session};
+    let block = |name: &str, mean: f64| BlockSummary {
+        name: name.into(),
+        calls: 1,
+        seconds: 1.0,
+        samples: 1,
+        measures: BTreeMap::from([(
+            "main_ram".to_owned(),
+            Stat {
+                min: mean,
+                max: mean,
+                mean,
+                std: 0.0,
+            },
+        )]),
+    };
+    let mut a = usage();
+    a.torchtools.blocks = vec![block("epoch 1", 1.25), block("epoch 2", 7.75)];
+    let mut b = usage();
+    b.max_ram.combined.total_rss = 9.5;
+    b.compute_time.time = 0.5;
+    b.torchtools.blocks = vec![block("epoch 2", 8.5), block("eval", 3.0)];
+    let sessions = [("run-a", a), ("run-b", b)].map(|(name, usage)| Session {
+        name: name.into(),
+        usage,
+    });
+    let text = Comparison::new(sessions.to_vec()).to_string();
+    let lines: Vec<&str> = text.lines().collect();
+    let tokens = |line: &str| -> Vec<String> {
+        line.split_whitespace()
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let row = |label: &str| -> Vec<String> {
+        let line = lines
+            .iter()
+            .find(|l| l.trim_start().starts_with(label))
+            .unwrap_or_else(|| panic!("no {label:?} row in\n{text}"));
+        let all = tokens(line);
+        all[label.split_whitespace().count()..].to_vec()
+    };
+    assert_eq!(tokens(lines[0]), ["overall", "run-a", "run-b"], "{text}");
+    let combined = usage().max_ram.combined.total_rss;
+    assert_eq!(
+        row("max RAM combined total RSS"),
+        [
+            format!("{combined:.3}"),
+            "gigabytes".into(),
+            "9.500".into(),
+            "gigabytes".into()
+        ],
+        "{text}"
+    );
+    assert_eq!(
+        row("compute time"),
+        ["0.012", "hours", "0.500", "hours"],
+        "{text}"
+    );
+    let block_row = |name: &str| -> Vec<String> {
+        let at = lines
+            .iter()
+            .position(|l| l.starts_with(&format!("block {name:?} (mean)")))
+            .unwrap_or_else(|| panic!("no block {name:?} in\n{text}"));
+        tokens(lines[at + 1])
+    };
+    assert_eq!(block_row("epoch 1"), ["main_ram", "1.250", "-"], "{text}");
+    assert_eq!(
+        block_row("epoch 2"),
+        ["main_ram", "7.750", "8.500"],
+        "{text}"
+    );
+    assert_eq!(block_row("eval"), ["main_ram", "-", "3.000"], "{text}");
+}
