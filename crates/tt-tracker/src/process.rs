@@ -161,6 +161,21 @@ mod tests {
     }
 
     #[test]
+    // Reaped by `reap`, which is what this test checks.
+    #[allow(clippy::zombie_processes)]
+    fn the_peak_rss_of_a_reaped_child_is_in_bytes() {
+        // 64 MiB touched (a bytes object of b'1's), then an exit.
+        let child = tt_testkit::python()
+            .args(["-c", "b = b'1' * (64 << 20)"])
+            .spawn()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let r = reap(child.id()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(r.code(), Some(0));
+        let mib = r.max_rss as f64 / f64::from(1u32 << 20);
+        assert!((64.0..1024.0).contains(&mib), "peak {mib:.1} MiB");
+    }
+
+    #[test]
     fn waiting_for_a_process_that_is_not_our_child_is_an_error() {
         // pid 1 is never this process's child: ECHILD, at once (not a wait for ever).
         let e = wait_for_exit(1, None).expect_err("pid 1 is not our child");

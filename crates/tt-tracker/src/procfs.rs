@@ -290,7 +290,13 @@ pub(crate) fn cpu_times(buf: &mut String) -> Vec<(u64, u64)> {
     if !read_into("/proc/stat", buf) {
         return Vec::new();
     }
-    buf.lines()
+    parse_cpu_times(buf)
+}
+
+/// Per-core (busy, total) jiffies of `/proc/stat`'s text: the first eight counters make
+/// the total (guest time is already in user), idle and iowait are not busy.
+fn parse_cpu_times(text: &str) -> Vec<(u64, u64)> {
+    text.lines()
         .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
         .map(|l| {
             let v: Vec<u64> = l
@@ -314,6 +320,60 @@ pub(crate) fn reset_hwm(pid: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn per_core_busy_and_total_jiffies() {
+        // user nice system idle iowait irq softirq steal guest guest_nice
+        let text = "cpu  20 0 10 200 40 0 0 0 0 0\n\
+                    cpu0 10 1 5 100 20 2 3 4 7 0\n\
+                    cpu1 10 0 5 100 20 0 0 0 0 0\n\
+                    intr 12345 1 2\n\
+                    ctxt 999\n";
+        // cpu0: total 10+1+5+100+20+2+3+4 = 145, idle 100 + iowait 20 = 120.
+        assert_eq!(parse_cpu_times(text), [(25, 145), (15, 135)]);
+    }
+
+    #[test]
+    fn a_grandchild_is_a_descendant_too() {
+        use std::io::BufRead;
+        // A shell that starts a shell that starts `sleep`; each says who it started.
+        let mut sh = std::process::Command::new("sh")
+            .args([
+                "-c",
+                "sh -c 'sleep 30 & echo grandchild $!; wait' & echo child $!; wait",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let stdout = sh.stdout.take().unwrap_or_else(|| panic!("no stdout"));
+        let (mut child, mut grandchild) = (0u32, 0u32);
+        for line in std::io::BufReader::new(stdout).lines().take(2) {
+            let line = line.unwrap_or_else(|e| panic!("{e}"));
+            let (who, pid) = line.split_once(' ').unwrap_or_else(|| panic!("{line:?}"));
+            let pid = pid
+                .trim()
+                .parse()
+                .unwrap_or_else(|e| panic!("{line:?}: {e}"));
+            *if who == "child" {
+                &mut child
+            } else {
+                &mut grandchild
+            } = pid;
+        }
+        let mut buf = String::new();
+        let open = std::collections::HashMap::new();
+        let cheap = descendants(sh.id(), &mut buf, false, &open);
+        let full = descendants(sh.id(), &mut buf, true, &open);
+        // SAFETY: kill(2) of the shells' children and of our own child.
+        unsafe {
+            libc::kill(grandchild as i32, libc::SIGKILL);
+            libc::kill(child as i32, libc::SIGKILL);
+            libc::kill(sh.id() as i32, libc::SIGKILL);
+        }
+        let _ = sh.wait();
+        assert_eq!(cheap, [child, grandchild]);
+        assert_eq!(full, [child, grandchild]);
+    }
 
     #[test]
     fn the_children_of_a_process_main_thread_are_its_descendants() {

@@ -54,6 +54,8 @@ fn analysis_figures_are_the_hand_computed_ones() {
         ["main_ram", "main_n_threads"]
     );
     assert_eq!(r.overall.len(), 2);
+    assert!(!r.overall.is_empty());
+    assert!(subtrack::OrderedMap::<subtrack::Stats>::default().is_empty());
     // Static data typed as pandas types it.
     assert_eq!(
         r.static_data.get("system_core_count"),

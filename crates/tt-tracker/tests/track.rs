@@ -613,6 +613,15 @@ fn cpu_utilisation_over_time_adds_up_to_the_cpu_time_used() {
         // One thread: at most 100%, give or take a clock tick over the 100 ms window.
         assert!(main.max_sum_percent <= 120.0, "one thread: {main:?}");
         assert!(main.max_sum_percent > 0.0, "{main:?}");
+        // The machine's cores were busy too (at least with this child), never more
+        // than all of them.
+        let system = &usage.cpu_utilization.system;
+        let cores = usage.cpu_utilization.system_core_count as f64;
+        assert!(system.max_sum_percent > 0.0, "{system:?}");
+        assert!(
+            system.max_sum_percent <= cores * 100.0 * 1.05,
+            "{cores} cores: {system:?}"
+        );
     });
 }
 
