@@ -732,3 +732,63 @@ impl fmt::Display for Comparison {
         f.write_str(&text::comparison(self))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::pairwise_sum;
+
+    #[test]
+    fn sums_are_numpys_to_the_last_bit() {
+        // Sizes around each branch (under 8, one block of 8..=128, halves beyond), in
+        // patterns where the order of additions shows: 1e16 absorbs a lone 1.0 (its
+        // neighbours are 2 apart), so sums of ones first keep them; and uneven values.
+        let sizes = [
+            1, 2, 7, 8, 9, 15, 16, 17, 127, 128, 129, 255, 256, 257, 1000,
+        ];
+        let value = |pattern: &str, i: usize| -> f64 {
+            match pattern {
+                "a" if i % 7 == 0 => 1e16,
+                "a" => 1.0 + (i % 3) as f64 * 0.1,
+                "c" => ((i * 7919) % 1009) as f64 / 7.0 * [1.0, 10.0, 100.0][i % 3],
+                _ if i % 8 == 0 => 1e16,
+                _ => 1.0,
+            }
+        };
+        let cases: Vec<(&str, usize)> = ["a", "b", "c"]
+            .iter()
+            .flat_map(|p| sizes.iter().map(move |n| (*p, *n)))
+            .collect();
+        let script = "import numpy as np, sys\n\
+                      def value(p, i):\n\
+                      \x20   if p == 'a':\n\
+                      \x20       return 1e16 if i % 7 == 0 else 1.0 + (i % 3) * 0.1\n\
+                      \x20   if p == 'c':\n\
+                      \x20       return (i * 7919 % 1009) / 7.0 * [1.0, 10.0, 100.0][i % 3]\n\
+                      \x20   return 1e16 if i % 8 == 0 else 1.0\n\
+                      for case in sys.argv[1:]:\n\
+                      \x20   p, n = case.split(':')\n\
+                      \x20   a = np.array([value(p, i) for i in range(int(n))], np.float64)\n\
+                      \x20   print(repr(float(np.add.reduce(a))))";
+        let args: Vec<String> = cases.iter().map(|(p, n)| format!("{p}:{n}")).collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = tt_testkit::run_python(script, &args);
+        let theirs: Vec<f64> = out
+            .lines()
+            .map(|l| l.parse().unwrap_or_else(|e| panic!("{l:?}: {e}")))
+            .collect();
+        assert_eq!(theirs.len(), cases.len(), "{out}");
+        let mut order_shows = false;
+        for ((p, n), want) in cases.iter().zip(theirs) {
+            let v: Vec<f64> = (0..*n).map(|i| value(p, i)).collect();
+            let ours = pairwise_sum(&v);
+            assert_eq!(
+                ours.to_bits(),
+                want.to_bits(),
+                "{p}:{n}: {ours} vs numpy {want}"
+            );
+            order_shows |= v.iter().fold(0.0, |a, x| a + x).to_bits() != ours.to_bits();
+        }
+        // A plain left-to-right sum differs for some case: the cases can tell.
+        assert!(order_shows);
+    }
+}
