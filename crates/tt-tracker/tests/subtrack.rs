@@ -508,3 +508,38 @@ fn overall_statistics_of_sqlite_files_are_sqlites_to_the_last_bit() {
         );
     }
 }
+
+#[test]
+fn blocks_that_do_not_pair_up_are_refused_with_the_events_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let analyze = |name: &str, events: &str| {
+        let path = tmp.path().join(name);
+        let text = format!("process_id,code_block_name,position,timestamp\n{events}");
+        std::fs::write(&path, text).unwrap();
+        subtrack::analyze(&tracking_csv(tmp.path()), &path).map_err(|e| e.to_string())
+    };
+    // Two starts, then two stops: a start paired with a start.
+    let e = analyze(
+        "nested.csv",
+        "7,load,0,10.0\n7,load,0,11.0\n7,load,1,12.0\n7,load,1,13.0\n",
+    )
+    .unwrap_err();
+    assert!(e.contains("do not form a start/stop pair"), "{e}");
+    assert!(e.contains("position 0) and 11"), "names both events: {e}");
+    // A stop first: a stop paired with the start after it.
+    let e = analyze(
+        "stop-first.csv",
+        "7,load,1,10.0\n7,load,0,11.0\n7,load,1,12.0\n",
+    )
+    .unwrap_err();
+    assert!(e.contains("do not form a start/stop pair"), "{e}");
+    // A lone stop.
+    let e = analyze("lone.csv", "7,load,1,10.0\n").unwrap_err();
+    assert!(e.contains("stops at 10 without a start"), "{e}");
+    // Well-formed calls of two processes, the last one still open: accepted.
+    let r = analyze(
+        "good.csv",
+        "7,load,0,10.0\n8,load,0,10.5\n7,load,1,11.0\n8,load,1,12.0\n8,load,0,14.0\n",
+    );
+    assert!(r.is_ok(), "{r:?}");
+}
