@@ -217,11 +217,13 @@ impl Row for BlockEvent {
 
 fn csv_value(v: &Cell) -> String {
     match v {
-        Cell::Text(s) if s.contains([',', '"', '\n']) => format!("\"{}\"", s.replace('"', "\"\"")),
+        Cell::Text(s) if s.contains([',', '"', '\n', '\r']) => {
+            format!("\"{}\"", s.replace('"', "\"\""))
+        }
         Cell::Text(s) => s.clone(),
-        // Python's repr of a float always has a dot or an exponent.
-        Cell::Real(x) if x.fract() == 0.0 && x.abs() < 1e16 => format!("{x:.1}"),
-        Cell::Real(x) => x.to_string(),
+        // As gpu_tracker's files have them: Python's repr (always a dot or an
+        // exponent, exponents from 1e16 and below 1e-4, `nan`, `inf`).
+        Cell::Real(x) => crate::subtrack::text::python_repr(*x),
         Cell::Int(i) => i.to_string(),
     }
 }
@@ -562,4 +564,36 @@ pub(crate) fn insert(
         .collect();
     stmt.execute(rusqlite::params_from_iter(params))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{csv_value, Cell};
+
+    #[test]
+    fn csv_cells_are_written_as_python_writes_them() {
+        let cells = [
+            Cell::Real(3.0),
+            Cell::Real(0.25),
+            Cell::Real(1e16),
+            Cell::Real(1.5e-5),
+            Cell::Real(123_456_789.0),
+            Cell::Real(f64::NAN),
+            Cell::Int(-3),
+            Cell::Text("a,b".into()),
+            Cell::Text("say \"hi\"".into()),
+            Cell::Text("plain".into()),
+            Cell::Text("carriage\rreturn".into()),
+        ];
+        let ours: Vec<String> = cells.iter().map(csv_value).collect();
+        // Python's csv module (its default dialect: quotes around a field with a
+        // comma, a quote or either line-break character), on the same values.
+        let script = "import csv, sys\n\
+                      csv.writer(sys.stdout).writerow(\
+                      [3.0, 0.25, 1e16, 1.5e-5, 123456789.0, float('nan'), -3, 'a,b', \
+                      'say \"hi\"', 'plain', 'carriage\\rreturn'])";
+        let theirs = tt_testkit::run_python(script, &[]);
+        let theirs = theirs.strip_suffix("\r\n").unwrap_or(&theirs);
+        assert_eq!(ours.join(","), theirs);
+    }
 }

@@ -613,6 +613,32 @@ fn cpu_utilisation_over_time_adds_up_to_the_cpu_time_used() {
         // One thread: at most 100%, give or take a clock tick over the 100 ms window.
         assert!(main.max_sum_percent <= 120.0, "one thread: {main:?}");
         assert!(main.max_sum_percent > 0.0, "{main:?}");
+        // The report's figures are the timeline's: the mean of the samples, the
+        // hardware percentages the sums divided by the cores the job was expected to
+        // use.
+        let column =
+            |key: &str| -> Vec<f64> { rows.iter().map(|r| r[key].as_f64().unwrap()).collect() };
+        let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len() as f64;
+        let near = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0);
+        let sums = column("cpu_main_sum_utilization_percent");
+        let hws = column("cpu_main_hardware_utilization_percent");
+        let cores = usage.cpu_utilization.n_expected_cores as f64;
+        assert!(main.mean_sum_percent > 0.0, "{main:?}");
+        assert!(
+            near(main.mean_sum_percent, mean(&sums)),
+            "{main:?} vs {sums:?}"
+        );
+        assert!(
+            near(main.mean_hardware_percent, mean(&hws)),
+            "{main:?} vs {hws:?}"
+        );
+        assert!(
+            near(main.max_hardware_percent, main.max_sum_percent / cores),
+            "{main:?}"
+        );
+        for (s, h) in sums.iter().zip(&hws) {
+            assert!(near(*h, s / cores), "{s} / {cores} cores gave {h}");
+        }
         // The machine's cores were busy too (at least with this child), never more
         // than all of them.
         let system = &usage.cpu_utilization.system;
@@ -654,6 +680,50 @@ fn a_timeline_path_is_checked_before_anything_is_tracked() {
     .err()
     .expect("a timeline in a missing directory");
     assert!(e.to_string().contains("does not exist"), "{e}");
+}
+
+/// Without the `sqlite` feature (the CI matrix's no-features step), a `.sqlite`
+/// timeline is refused before tracking starts, saying how to get it.
+#[cfg(not(feature = "sqlite"))]
+#[test]
+fn a_sqlite_timeline_needs_the_feature_and_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("t.sqlite");
+    let e = tt_tracker::check_timeline_path(&path, false).unwrap_err();
+    assert!(e.to_string().contains("`sqlite` feature"), "{e}");
+    let e = Tracker::start(TrackerConfig {
+        timeline: Some(path.clone()),
+        ..TrackerConfig::default()
+    })
+    .err()
+    .expect("a .sqlite timeline without the feature");
+    assert!(e.to_string().contains("`sqlite` feature"), "{e}");
+    assert!(!path.exists());
+    // The other formats are fine.
+    assert!(tt_tracker::check_timeline_path(&tmp.path().join("t.csv"), false).is_ok());
+}
+
+#[test]
+fn a_timeline_path_that_is_a_dangling_symlink_is_refused_as_existing() {
+    // Never written through: the link could point anywhere (another user's file in
+    // /tmp). Without overwrite, the tracker says the file exists.
+    let tmp = tempfile::tempdir().unwrap();
+    let link = tmp.path().join("t.csv");
+    std::os::unix::fs::symlink(tmp.path().join("elsewhere.csv"), &link).unwrap();
+    let e = Tracker::start(TrackerConfig {
+        timeline: Some(link.clone()),
+        ..TrackerConfig::default()
+    })
+    .err()
+    .expect("a timeline at a dangling symbolic link");
+    assert!(
+        matches!(&e, tt_tracker::Error::TimelineExists { path } if *path == link),
+        "{e:?}"
+    );
+    assert!(
+        !tmp.path().join("elsewhere.csv").exists(),
+        "written through the link"
+    );
 }
 
 #[test]

@@ -33,7 +33,7 @@
 //! ```
 
 mod read;
-mod text;
+pub(crate) mod text;
 
 use std::collections::BTreeSet;
 use std::fmt;
