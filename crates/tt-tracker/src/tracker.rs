@@ -127,7 +127,45 @@ pub struct Tracker {
 type Finished = (ResourceUsage, Vec<SeriesPoint>);
 
 /// The previous sample's time and per-process CPU ticks.
-type CpuBase = (Instant, HashMap<u32, u64>);
+/// The CPU ticks of recent samples, oldest first: one at least [`CPU_WINDOW`] old and
+/// those since, so that a percentage is taken over a window, not over one interval
+/// (clock ticks count 10 ms: over a 20 ms interval a busy thread reads 50 to 150%).
+#[derive(Default)]
+struct TickHistory(VecDeque<(Instant, HashMap<u32, u64>)>);
+
+impl TickHistory {
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Adds the readings of `now`, dropping those no longer needed.
+    fn push(&mut self, now: Instant, ticks: HashMap<u32, u64>) {
+        self.0.push_back((now, ticks));
+        while self
+            .0
+            .get(1)
+            .is_some_and(|(at, _)| now.duration_since(*at) >= CPU_WINDOW)
+        {
+            self.0.pop_front();
+        }
+    }
+
+    /// The percent of one core `pid` used, from its newest reading at least a window
+    /// old (else its oldest) to `ticks` now; `None` before any reading of it.
+    fn percent(&self, now: Instant, pid: u32, ticks: u64, per_second: f64) -> Option<f64> {
+        let mut reference = None;
+        for (at, map) in &self.0 {
+            if let Some(p) = map.get(&pid) {
+                if reference.is_none() || now.duration_since(*at) >= CPU_WINDOW {
+                    reference = Some((*at, *p));
+                }
+            }
+        }
+        let (at, p) = reference?;
+        let dt = now.duration_since(at).as_secs_f64().max(1e-9);
+        Some(ticks.saturating_sub(p) as f64 / per_second / dt * 100.0)
+    }
+}
 
 /// System-wide figures read at most every [`SYSTEM_EVERY`]: per-core (busy, total)
 /// jiffies, the CPU percent over the last window, RAM used.
@@ -440,9 +478,8 @@ struct Sampler {
     start: Instant,
     cores: usize,
     expected_cores: usize,
-    /// The CPU ticks of recent samples, oldest first: one older than [`CPU_WINDOW`]
-    /// and those since.
-    history: VecDeque<CpuBase>,
+    /// The CPU ticks of recent samples.
+    history: TickHistory,
     system: Option<SystemReads>,
     stopping: bool,
     rollups: HashMap<u32, (Instant, u64, Rollup)>,
@@ -510,7 +547,7 @@ impl Sampler {
             start: Instant::now(),
             cores,
             expected_cores,
-            history: VecDeque::new(),
+            history: TickHistory::default(),
             system: None,
             stopping: false,
             rollups: HashMap::new(),
@@ -651,14 +688,7 @@ impl Sampler {
             threads,
             ..
         } = tree;
-        self.history.push_back((now, cpu_ticks));
-        while self
-            .history
-            .get(1)
-            .is_some_and(|(at, _)| now.duration_since(*at) >= CPU_WINDOW)
-        {
-            self.history.pop_front();
-        }
+        self.history.push(now, cpu_ticks);
         if !emit {
             return Ok(());
         }
@@ -855,19 +885,7 @@ impl Sampler {
     fn cpu_percents(&self, now: Instant, ticks: &HashMap<u32, u64>, system: f64) -> CpuSample {
         let mut cpu = CpuSample::default();
         for (pid, t) in ticks {
-            // The newest reading of this process at least a window old, else its
-            // oldest one.
-            let mut reference = None;
-            for (at, map) in &self.history {
-                if let Some(p) = map.get(pid) {
-                    if reference.is_none() || now.duration_since(*at) >= CPU_WINDOW {
-                        reference = Some((*at, *p));
-                    }
-                }
-            }
-            if let Some((at, p)) = reference {
-                let dt = now.duration_since(at).as_secs_f64().max(1e-9);
-                let pct = t.saturating_sub(p) as f64 / self.tck / dt * 100.0;
+            if let Some(pct) = self.history.percent(now, *pid, *t, self.tck) {
                 if *pid == self.main {
                     cpu.main += pct;
                 } else {
@@ -1071,7 +1089,33 @@ impl Sampler {
 
 #[cfg(test)]
 mod running_tests {
-    use super::Running;
+    use super::{Running, TickHistory};
+    use std::collections::HashMap;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn cpu_percentages_are_taken_over_a_window_not_one_interval() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut h = TickHistory::default();
+        assert!(h.is_empty());
+        assert_eq!(h.percent(at(0), 7, 0, 100.0), None);
+        // Samples every 20 ms; process 7 idle, then 5 ticks (50 ms of CPU) at 200 ms.
+        for ms in (0..=180).step_by(20) {
+            h.push(at(ms), HashMap::from([(7, 0)]));
+        }
+        let pct = h.percent(at(200), 7, 5, 100.0).unwrap_or(f64::NAN);
+        // Over the window (the reading at 100 ms): 50 ms in 100 ms. Over the last
+        // interval alone it would read 250%.
+        assert!((pct - 50.0).abs() < 1e-9, "{pct}");
+        // Only one reading older than the window is kept.
+        h.push(at(200), HashMap::from([(7, 5)]));
+        assert_eq!(h.0.len(), 6, "the readings at 100..=200 ms");
+        // A process first seen within the window: from its oldest reading.
+        h.push(at(220), HashMap::from([(7, 5), (8, 10)]));
+        let pct = h.percent(at(240), 8, 12, 100.0).unwrap_or(f64::NAN);
+        assert!((pct - 100.0).abs() < 1e-9, "{pct}");
+    }
 
     #[test]
     fn block_statistics_are_gpu_trackers() {
