@@ -482,6 +482,14 @@ fn private_and_shared_rss_and_threads_are_what_the_processes_hold() {
             "{ram:?}"
         );
         assert!(both.total_rss <= main.total_rss + desc.total_rss, "{ram:?}");
+        // The child's own 16 MiB (held all along) add to the tree's private and total.
+        let held = f64::from(15u32 << 20);
+        assert!(both.private_rss >= main.private_rss + held, "{ram:?}");
+        assert!(
+            both.private_rss <= main.private_rss + desc.private_rss,
+            "{ram:?}"
+        );
+        assert!(both.total_rss >= main.total_rss + held, "{ram:?}");
         let cpu = &usage.cpu_utilization;
         assert!(cpu.main_n_threads >= 4, "3 threads + the main one: {cpu:?}");
         assert_eq!(cpu.descendants_n_threads, 1, "{cpu:?}");
