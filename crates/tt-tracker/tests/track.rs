@@ -669,6 +669,41 @@ fn cpu_utilisation_over_time_adds_up_to_the_cpu_time_used() {
 }
 
 #[test]
+fn a_descendants_cpu_use_is_its_own_not_the_tracked_processs() {
+    tt_testkit::hang::within(HANG, "the descendant CPU test", || {
+        // The tracked Python only waits for its child, which burns 0.6 s of CPU.
+        let parent =
+            format!("import subprocess, sys\nsubprocess.run([sys.executable, '-c', {BURN:?}])");
+        let mut child = Command::new(tt_testkit::python_path())
+            .args(["-c", &parent])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let tracker = Tracker::start(TrackerConfig {
+            target: tt_tracker::Target::Pid(child.id()),
+            ..config(Duration::from_millis(20))
+        })
+        .unwrap();
+        let out = child.stdout.take().unwrap();
+        tt_testkit::wait_for_line(out, "burnt", Duration::from_secs(300));
+        let seen = tracker.samples();
+        wait_for_samples(&tracker, seen + 2);
+        let usage = tracker.stop().unwrap();
+        drop(child.stdin.take());
+        assert!(child.wait().unwrap().success());
+        let cpu = &usage.cpu_utilization;
+        // (A busy machine may give the burning child less than a core: any share.)
+        assert!(cpu.descendants.max_sum_percent > 10.0, "{cpu:?}");
+        assert!(cpu.descendants.mean_sum_percent > 0.0, "{cpu:?}");
+        assert!(
+            cpu.combined.max_sum_percent >= cpu.descendants.max_sum_percent,
+            "{cpu:?}"
+        );
+    });
+}
+
+#[test]
 fn a_timeline_path_is_checked_before_anything_is_tracked() {
     let tmp = tempfile::tempdir().unwrap();
     let check = |path: &std::path::Path, overwrite: bool| {
