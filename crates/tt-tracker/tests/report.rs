@@ -261,3 +261,39 @@ fn compare_puts_each_figure_in_its_sessions_column_and_block_means_by_name() {
     );
     assert_eq!(block_row("eval"), ["main_ram", "-", "3.000"], "{text}");
 }
+
+/// gpu_tracker's text rounds every figure to three decimals; so does ours, for each
+/// part of the report.
+#[test]
+fn text_rounds_every_figure_to_three_decimals() {
+    let mut u = usage();
+    let third = pct(400.0 / 3.0); // 133.333..., 66.666..., 33.333..., 16.666...
+    let c = &mut u.cpu_utilization;
+    for p in [
+        &mut c.system,
+        &mut c.main,
+        &mut c.descendants,
+        &mut c.combined,
+    ] {
+        *p = third.clone();
+    }
+    u.gpu_utilization.gpu_percentages = third.clone();
+    let r = &mut u.max_ram;
+    for v in [&mut r.main, &mut r.descendants, &mut r.combined] {
+        *v = RssValues {
+            total_rss: 2.0 / 3.0,
+            private_rss: 1.0 / 3.0,
+            shared_rss: 1.0 / 3.0,
+        };
+    }
+    u.max_ram.system = 4.0 / 3.0;
+    u.max_gpu_ram.combined = 5.0 / 3.0;
+    u.compute_time.time = 7.0 / 3.0;
+    let text = u.to_string();
+    assert!(!text.contains("3333") && !text.contains("6666"), "{text}");
+    for figure in [
+        "133.333", "66.667", "33.333", "16.667", "0.667", "1.333", "1.667", "2.333",
+    ] {
+        assert!(text.contains(figure), "{figure} in\n{text}");
+    }
+}

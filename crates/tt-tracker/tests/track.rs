@@ -668,6 +668,53 @@ fn cpu_utilisation_over_time_adds_up_to_the_cpu_time_used() {
     });
 }
 
+/// A Python command whose child holds 256 MiB, says "ready" and waits for stdin to
+/// close; the command reaps it, then ends.
+const BIG_CHILD: &str = r#"
+import subprocess, sys
+child = "import sys\nb = bytearray(b'1' * (256 << 20))\nprint('ready', flush=True)\nsys.stdin.read()"
+subprocess.run([sys.executable, '-c', child])
+"#;
+
+#[test]
+// The command is reaped by `process::reap` (wait4), whose peak this test checks.
+#[allow(clippy::zombie_processes)]
+fn wait4s_peak_is_the_commands_only_when_no_descendant_reached_it() {
+    // wait4's ru_maxrss is the largest of the command and the descendants it reaped:
+    // here the child's 256 MiB, which must not be taken for the command's own.
+    tt_testkit::hang::within(HANG, "the wait4 peak test", || {
+        let mut command = Command::new(tt_testkit::python_path())
+            .args(["-c", BIG_CHILD])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let tracker = Tracker::start(TrackerConfig {
+            target: tt_tracker::Target::Pid(command.id()),
+            ..config(Duration::from_millis(20))
+        })
+        .unwrap();
+        let out = command.stdout.take().unwrap();
+        tt_testkit::wait_for_line(out, "ready", Duration::from_secs(300));
+        // 60 samples (at least 1.2 s): a full walk has read the child's high-water mark.
+        wait_for_samples(&tracker, tracker.samples() + 60);
+        drop(command.stdin.take());
+        let reaped = tt_tracker::process::reap(command.id()).unwrap();
+        assert!(reaped.max_rss >= 256 << 20, "{reaped:?}");
+        tracker.target_exited(reaped.max_rss, reaped.status);
+        let usage = tracker.stop().unwrap();
+        let (r, methods) = (&usage.max_ram, &usage.torchtools.peak_methods);
+        let mib = |x: f64| x / f64::from(1u32 << 20);
+        assert!(mib(r.descendants.total_rss) >= 256.0, "{r:?} {methods:?}");
+        assert!(
+            mib(r.main.total_rss) < 128.0,
+            "the child's peak is not the command's: {r:?}"
+        );
+        assert!(!methods.main.starts_with("wait4"), "{methods:?}");
+        assert_eq!(usage.torchtools.exit_status, Some(0));
+    });
+}
+
 #[test]
 fn a_descendants_cpu_use_is_its_own_not_the_tracked_processs() {
     tt_testkit::hang::within(HANG, "the descendant CPU test", || {
