@@ -543,3 +543,81 @@ fn blocks_that_do_not_pair_up_are_refused_with_the_events_named() {
     );
     assert!(r.is_ok(), "{r:?}");
 }
+
+#[test]
+fn json_lines_timelines_give_the_same_analysis_as_csv_ones() {
+    // The CSV fixtures above as one JSON Lines timeline (`torchtools track --timeline
+    // t.jsonl`): static data with sorted keys, samples, and block lines.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut text = String::from(
+        "{\"static_data\":{\"gpu_ram_system_capacity\":0.0,\"gpu_ram_unit\":\"gigabytes\",\
+         \"n_expected_cores\":2,\"n_expected_gpus\":0,\"ram_system_capacity\":25.5,\
+         \"ram_unit\":\"gigabytes\",\"system_core_count\":2,\"system_gpu_count\":0,\
+         \"time_unit\":\"hours\"}}\n",
+    );
+    for i in 0..6 {
+        text += &format!(
+            "{{\"main_ram\":{}.0,\"main_n_threads\":{},\"timestamp\":{}.0}}\n",
+            i + 1,
+            i / 2 + 1,
+            10 + i
+        );
+    }
+    for (pid, name, position, t) in [
+        (7, "load", 0, 10.0),
+        (7, "load", 1, 11.5),
+        (8, "step", 0, 12.0),
+        (7, "load", 0, 13.25),
+        (7, "load", 1, 13.5),
+        (8, "step", 1, 15.0),
+        (9, "step", 0, 14.0),
+    ] {
+        text += &format!(
+            "{{\"block\":{{\"code_block_name\":\"{name}\",\"position\":{position},\
+             \"process_id\":{pid},\"timestamp\":{t:?}}}}}\n"
+        );
+    }
+    let jsonl = tmp.path().join("t.jsonl");
+    std::fs::write(&jsonl, &text).unwrap();
+    let ours = subtrack::analyze(&jsonl, &jsonl).unwrap();
+    let csv =
+        subtrack::analyze(&tracking_csv(tmp.path()), &blocks_csv(tmp.path(), "b.csv")).unwrap();
+    // Static data in gpu_tracker's order, whatever order the file had.
+    assert_eq!(
+        ours.static_data.keys().collect::<Vec<_>>(),
+        csv.static_data.keys().collect::<Vec<_>>()
+    );
+    assert_eq!(ours, csv);
+    // A sample with other fields than those before it is an error naming its line.
+    let bad = tmp.path().join("bad.jsonl");
+    let extra = "{\"main_ram\":7.0,\"timestamp\":16.0}\n";
+    std::fs::write(&bad, text.clone() + extra).unwrap();
+    let e = subtrack::analyze(&bad, &jsonl).unwrap_err().to_string();
+    assert!(e.contains("line 15 has other fields"), "{e}");
+}
+
+#[test]
+fn a_tracking_files_last_line_may_be_cut_short_but_no_other() {
+    let tmp = tempfile::tempdir().unwrap();
+    let full = std::fs::read_to_string(tracking_csv(tmp.path())).unwrap();
+    // A tracker still writing: the last line is cut. It is left out.
+    let cut = tmp.path().join("cut.csv");
+    std::fs::write(&cut, full.clone() + "7.0,4").unwrap();
+    let blocks = blocks_csv(tmp.path(), "b.csv");
+    let r = subtrack::analyze(&cut, &blocks).unwrap();
+    assert_eq!(r.overall.get("main_ram").unwrap().max, 6.0);
+    // A short line before others: an error naming the sample.
+    let mut lines: Vec<&str> = full.lines().collect();
+    lines[4] = "2.0";
+    let broken = tmp.path().join("broken.csv");
+    std::fs::write(&broken, lines.join("\n") + "\n").unwrap();
+    let e = subtrack::analyze(&broken, &blocks).unwrap_err().to_string();
+    assert!(e.contains("sample 2 has 1 values for 3 columns"), "{e}");
+    // Too short to hold the static data and a header: said so, for 0 to 2 lines.
+    for n in 0..3 {
+        let short = tmp.path().join(format!("short{n}.csv"));
+        std::fs::write(&short, full.lines().take(n).collect::<Vec<_>>().join("\n")).unwrap();
+        let e = subtrack::analyze(&short, &blocks).unwrap_err().to_string();
+        assert!(e.contains("two lines of static data"), "{n} lines: {e}");
+    }
+}

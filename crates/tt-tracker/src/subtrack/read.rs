@@ -7,6 +7,12 @@ use super::{error, Event, OrderedMap, Scalar, Timepoints};
 use crate::timeline::{csv_lines, Cell, Row, StaticData};
 use crate::Result;
 
+// A build without SQLite: its files are refused, saying how to read them.
+#[cfg(not(feature = "sqlite"))]
+mod no_sqlite;
+#[cfg(not(feature = "sqlite"))]
+use no_sqlite::{sqlite_events, sqlite_timepoints, write_sqlite};
+
 const EVENT_COLUMNS: [&str; 4] = ["process_id", "code_block_name", "position", "timestamp"];
 
 #[derive(Clone, Copy, PartialEq)]
@@ -303,24 +309,6 @@ pub(crate) fn events(path: &Path) -> Result<Vec<Event>> {
     }
 }
 
-#[cfg(not(feature = "sqlite"))]
-fn no_sqlite(path: &Path) -> crate::Error {
-    error(
-        path,
-        "SQLite files need tt-tracker's `sqlite` feature (the `torchtools` command has it)",
-    )
-}
-
-#[cfg(not(feature = "sqlite"))]
-fn sqlite_timepoints(path: &Path) -> Result<Timepoints> {
-    Err(no_sqlite(path))
-}
-
-#[cfg(not(feature = "sqlite"))]
-fn sqlite_events(path: &Path) -> Result<Vec<Event>> {
-    Err(no_sqlite(path))
-}
-
 #[cfg(feature = "sqlite")]
 fn open_sqlite(path: &Path) -> Result<rusqlite::Connection> {
     if !path.is_file() {
@@ -507,11 +495,6 @@ fn write_csv(path: &Path, events: &[Event]) -> Result<()> {
     std::fs::File::create_new(path)
         .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|()| f.sync_all()))
         .map_err(|e| error(path, e.to_string()))
-}
-
-#[cfg(not(feature = "sqlite"))]
-fn write_sqlite(path: &Path, _: &[Event]) -> Result<()> {
-    Err(no_sqlite(path))
 }
 
 #[cfg(feature = "sqlite")]
