@@ -66,6 +66,26 @@ fn wait_for_samples(tracker: &Tracker, n: u64) {
     }
 }
 
+/// A tracker of another process (`pid`), sampling every `interval`.
+fn track_pid(pid: u32, interval: Duration) -> Tracker {
+    Tracker::start(TrackerConfig {
+        target: tt_tracker::Target::Pid(pid),
+        ..config(interval)
+    })
+    .unwrap()
+}
+
+/// The reference Python running `script`, with its stdin and stdout piped (the tests'
+/// scripts say "ready" or the like, then wait for stdin to close).
+fn python_child(script: &str) -> std::process::Child {
+    Command::new(tt_testkit::python_path())
+        .args(["-c", script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 /// The child side: spike, report its own high-water mark, wait for stdin to close.
 #[test]
 #[ignore = "a child process's entry point, run by the descendant-spike test"]
@@ -188,11 +208,7 @@ fn a_thousand_short_lived_children_are_tracked_without_error() {
 fn another_process_can_be_tracked_and_a_missing_one_is_an_error() {
     tt_testkit::hang::within(HANG, "tracking another process", || {
         let mut child = Command::new("sleep").arg("0.3").spawn().unwrap();
-        let tracker = Tracker::start(TrackerConfig {
-            target: tt_tracker::Target::Pid(child.id()),
-            ..config(Duration::from_millis(20))
-        })
-        .unwrap();
+        let tracker = track_pid(child.id(), Duration::from_millis(20));
         child.wait().unwrap();
         let usage = tracker.stop().unwrap();
         assert!(usage.max_ram.main.total_rss > 0.0);
@@ -432,12 +448,7 @@ os.waitpid(pid, 0)
 #[test]
 fn private_and_shared_rss_and_threads_are_what_the_processes_hold() {
     tt_testkit::hang::within(HANG, "the shared-memory test", || {
-        let mut child = Command::new(tt_testkit::python_path())
-            .args(["-c", SHARING])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = python_child(SHARING);
         let out = child.stdout.take().unwrap();
         let mut lines = std::io::BufReader::new(out).lines();
         let mut ready = 0;
@@ -448,11 +459,7 @@ fn private_and_shared_rss_and_threads_are_what_the_processes_hold() {
                 .unwrap();
             ready += usize::from(line.contains("ready"));
         }
-        let tracker = Tracker::start(TrackerConfig {
-            target: tt_tracker::Target::Pid(child.id()),
-            ..config(Duration::from_millis(20))
-        })
-        .unwrap();
+        let tracker = track_pid(child.id(), Duration::from_millis(20));
         wait_for_samples(&tracker, 3);
         let usage = tracker.stop().unwrap();
         drop(child.stdin.take());
@@ -522,23 +529,14 @@ fn shared_memory_that_appears_while_tracking_is_seen_within_seconds() {
     // The costly smaps_rollup read is cached per process; a change of RSS must refresh
     // it after a second, not after the ten seconds an unchanged RSS may wait.
     tt_testkit::hang::within(HANG, "the later-sharing test", || {
-        let mut child = Command::new(tt_testkit::python_path())
-            .args(["-c", SHARING_LATER])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = python_child(SHARING_LATER);
         let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
         let mut expect = |word: &str| {
             let line = lines.next().expect("the program ended early").unwrap();
             assert!(line.starts_with(word), "{line:?}, expected {word:?}");
         };
         expect("ready");
-        let tracker = Tracker::start(TrackerConfig {
-            target: tt_tracker::Target::Pid(child.id()),
-            ..config(Duration::from_millis(40))
-        })
-        .unwrap();
+        let tracker = track_pid(child.id(), Duration::from_millis(40));
         wait_for_samples(&tracker, 3);
         let mut stdin = child.stdin.take().unwrap();
         stdin.write_all(b"go\n").unwrap();
@@ -573,12 +571,7 @@ fn cpu_utilisation_over_time_adds_up_to_the_cpu_time_used() {
         let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
         let tmp = tempfile::tempdir().unwrap();
         let timeline = tmp.path().join("t.jsonl");
-        let mut child = Command::new(tt_testkit::python_path())
-            .args(["-c", BURN])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = python_child(BURN);
         let tracker = Tracker::start(TrackerConfig {
             target: tt_tracker::Target::Pid(child.id()),
             timeline: Some(timeline.clone()),
@@ -683,17 +676,8 @@ fn wait4s_peak_is_the_commands_only_when_no_descendant_reached_it() {
     // wait4's ru_maxrss is the largest of the command and the descendants it reaped:
     // here the child's 256 MiB, which must not be taken for the command's own.
     tt_testkit::hang::within(HANG, "the wait4 peak test", || {
-        let mut command = Command::new(tt_testkit::python_path())
-            .args(["-c", BIG_CHILD])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let tracker = Tracker::start(TrackerConfig {
-            target: tt_tracker::Target::Pid(command.id()),
-            ..config(Duration::from_millis(20))
-        })
-        .unwrap();
+        let mut command = python_child(BIG_CHILD);
+        let tracker = track_pid(command.id(), Duration::from_millis(20));
         let out = command.stdout.take().unwrap();
         tt_testkit::wait_for_line(out, "ready", Duration::from_secs(300));
         // 60 samples (at least 1.2 s): a full walk has read the child's high-water mark.
@@ -721,17 +705,8 @@ fn a_descendants_cpu_use_is_its_own_not_the_tracked_processs() {
         // The tracked Python only waits for its child, which burns 0.6 s of CPU.
         let parent =
             format!("import subprocess, sys\nsubprocess.run([sys.executable, '-c', {BURN:?}])");
-        let mut child = Command::new(tt_testkit::python_path())
-            .args(["-c", &parent])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let tracker = Tracker::start(TrackerConfig {
-            target: tt_tracker::Target::Pid(child.id()),
-            ..config(Duration::from_millis(20))
-        })
-        .unwrap();
+        let mut child = python_child(&parent);
+        let tracker = track_pid(child.id(), Duration::from_millis(20));
         let out = child.stdout.take().unwrap();
         tt_testkit::wait_for_line(out, "burnt", Duration::from_secs(300));
         let seen = tracker.samples();
