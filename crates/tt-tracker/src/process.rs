@@ -180,6 +180,8 @@ mod tests {
         // pid 1 is never this process's child: ECHILD, at once (not a wait for ever).
         let e = wait_for_exit(1, None).expect_err("pid 1 is not our child");
         assert_eq!(e.raw_os_error(), Some(libc::ECHILD), "{e}");
+        let e = reap(1).expect_err("pid 1 is not our child");
+        assert_eq!(e.raw_os_error(), Some(libc::ECHILD), "{e}");
     }
 
     #[test]
