@@ -782,13 +782,19 @@ impl Sampler {
             if !is_main {
                 alive_descendants.insert(pid);
             }
-            if self.seen.insert(pid) && !is_main && first && !procfs::reset_hwm(pid) {
-                // Existed before tracking and its peak cannot be reset: its VmHWM may
-                // predate the tracking, so it is not used.
-                self.hwm_reset_failed.insert(pid);
+            // A descendant that existed before tracking: its high-water mark (just read)
+            // may predate the tracking. It is reset now, and counts from its RSS of now;
+            // where it cannot be reset, it is not used.
+            let mut peak = status.hwm;
+            if self.seen.insert(pid) && !is_main && first {
+                if procfs::reset_hwm(pid) {
+                    peak = status.rss;
+                } else {
+                    self.hwm_reset_failed.insert(pid);
+                }
             }
             let hwm = self.hwm.entry(pid).or_default();
-            *hwm = (*hwm).max(status.hwm);
+            *hwm = (*hwm).max(peak);
             cpu_ticks.insert(pid, stat.cpu_ticks);
             let shared = self.shared_rss(pid, now, status.rss);
             let private = status.rss - shared;

@@ -699,6 +699,60 @@ fn wait4s_peak_is_the_commands_only_when_no_descendant_reached_it() {
     });
 }
 
+/// A Python command that held 256 MiB and gave them back, with a child that did the
+/// same; both then say "ready" and wait for stdin to close.
+const PEAKED_BEFORE: &str = r#"
+import subprocess, sys
+b = bytearray(b'1' * (256 << 20)); del b
+child = "import sys\nb = bytearray(b'1' * (256 << 20)); del b\nprint('ready', flush=True)\nsys.stdin.read()"
+subprocess.run([sys.executable, '-c', child])
+"#;
+
+#[test]
+fn peaks_from_before_tracking_are_not_reported() {
+    // Both processes' high-water marks are reset when tracking starts: what they held
+    // before is not the tracked peak.
+    tt_testkit::hang::within(HANG, "the peaks-before test", || {
+        let mut command = python_child(PEAKED_BEFORE);
+        let out = command.stdout.take().unwrap();
+        tt_testkit::wait_for_line(out, "ready", Duration::from_secs(300));
+        let tracker = track_pid(command.id(), Duration::from_millis(20));
+        // 60 samples (at least 1.2 s): a full walk has read the child's high-water mark.
+        wait_for_samples(&tracker, 60);
+        let usage = tracker.stop().unwrap();
+        drop(command.stdin.take());
+        assert!(command.wait().unwrap().success());
+        let (r, methods) = (&usage.max_ram, &usage.torchtools.peak_methods);
+        let mib = |x: f64| x / f64::from(1u32 << 20);
+        assert!(mib(r.main.total_rss) < 128.0, "{r:?} {methods:?}");
+        assert!(mib(r.descendants.total_rss) < 128.0, "{r:?} {methods:?}");
+        assert!(r.descendants.total_rss > 0.0, "the child was seen: {r:?}");
+    });
+}
+
+#[test]
+fn a_dropped_tracker_stops_sampling() {
+    let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("t.jsonl");
+    let tracker = Tracker::start(TrackerConfig {
+        timeline: Some(path.clone()),
+        ..config(Duration::from_millis(10))
+    })
+    .unwrap();
+    wait_for_samples(&tracker, 3);
+    drop(tracker);
+    let lines = std::fs::read_to_string(&path).unwrap().lines().count();
+    // Another tracker's 20 samples as the clock (at least 200 ms): the first one's
+    // timeline stays as it was.
+    let clock = Tracker::start(config(Duration::from_millis(10))).unwrap();
+    wait_for_samples(&clock, 20);
+    drop(clock);
+    let after = std::fs::read_to_string(&path).unwrap();
+    assert_eq!(after.lines().count(), lines, "still sampling after drop");
+    assert!(after.ends_with('\n'), "the last line written whole");
+}
+
 #[test]
 fn a_descendants_cpu_use_is_its_own_not_the_tracked_processs() {
     tt_testkit::hang::within(HANG, "the descendant CPU test", || {
