@@ -272,11 +272,11 @@ const EXCLUDED_MUTANTS: [(&str, &str); 39] = [
          readings only; without a GPU nothing reads that set (the GPU tests do)",
     ),
     (
-        r"tracker.rs:\d+:(49: replace < with (<=|==)|52: replace < with >) in Sampler::shared_rss$|replace match guard .* with false in Sampler::shared_rss$",
-        "tt-tracker: when a process's cached `smaps_rollup` is read again: never cached \
-         (the guard `false`, or `== 1 MiB` which is never met after the first second: \
-         every tick reads it, the same values at a higher cost, which the tracker \
-         benchmark measures), at an RSS change of exactly 1 MiB (`<=`), or (`< \
+        r"tracker.rs:\d+:(49: replace < with (<=|==)|52: replace < with (>|==)|67: replace \* with /) in Sampler::shared_rss$|replace match guard .* with false in Sampler::shared_rss$",
+        "tt-tracker: when a process's cached `smaps_rollup` is read again: never cached, or
+         not after the first second (the guard `false`, `== 1 MiB`, `== 10 s`, `/ 10`: every \
+         tick reads it, the same values at a higher cost, which the tracker benchmark \
+         measures), at an RSS change of exactly 1 MiB (`<=`), or (`< \
          ROLLUP_EVERY * 10` as `>`) every tick between 1 and 10 s and then never for an \
          RSS that stays within 1 MiB: only the split between private and shared can \
          change then, which a test would need over 20 s to see. A change seen within \
