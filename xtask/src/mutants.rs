@@ -273,7 +273,7 @@ const EXCLUDED_MUTANTS: [(&str, &str); 39] = [
     ),
     (
         r"tracker.rs:\d+:(49: replace < with (<=|==)|52: replace < with (>|==)|67: replace \* with /) in Sampler::shared_rss$|replace match guard .* with false in Sampler::shared_rss$",
-        "tt-tracker: when a process's cached `smaps_rollup` is read again: never cached, or
+        "tt-tracker: when a process's cached `smaps_rollup` is read again: never cached, or \
          not after the first second (the guard `false`, `== 1 MiB`, `== 10 s`, `/ 10`: every \
          tick reads it, the same values at a higher cost, which the tracker benchmark \
          measures), at an RSS change of exactly 1 MiB (`<=`), or (`< \
