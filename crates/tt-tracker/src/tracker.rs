@@ -370,6 +370,63 @@ struct BlockAcc {
     open: Vec<f64>,
 }
 
+/// The plotted series, at most [`SERIES_POINTS`] points: beyond, neighbours merge
+/// (every point then stands for twice as many samples), keeping maxima, so that the
+/// plotted peaks are the real ones.
+#[derive(Debug)]
+struct Decimated {
+    points: Vec<SeriesPoint>,
+    /// Samples per point.
+    stride: usize,
+    /// Samples still to merge into the last point.
+    pending: usize,
+}
+
+impl Default for Decimated {
+    fn default() -> Self {
+        Decimated {
+            points: Vec::new(),
+            stride: 1,
+            pending: 0,
+        }
+    }
+}
+
+impl Decimated {
+    fn push(&mut self, p: SeriesPoint) {
+        if self.pending > 0 {
+            if let Some(last) = self.points.last_mut() {
+                last.ram = last.ram.max(p.ram);
+                last.gpu_ram = last.gpu_ram.max(p.gpu_ram);
+                last.cpu = last.cpu.max(p.cpu);
+            }
+            self.pending -= 1;
+            return;
+        }
+        self.points.push(p);
+        self.pending = self.stride - 1;
+        if self.points.len() >= SERIES_POINTS {
+            let merged: Vec<SeriesPoint> = self
+                .points
+                .chunks(2)
+                .map(|c| {
+                    let mut m = c[0];
+                    for q in &c[1..] {
+                        m.ram = m.ram.max(q.ram);
+                        m.gpu_ram = m.gpu_ram.max(q.gpu_ram);
+                        m.cpu = m.cpu.max(q.cpu);
+                    }
+                    m
+                })
+                .collect();
+            self.points = merged;
+            // The last point now stands for twice as many samples; it still owes the
+            // ones its newest half was waiting for (`pending`, unchanged).
+            self.stride *= 2;
+        }
+    }
+}
+
 /// Peak and mean of a percentage series.
 #[derive(Default, Clone)]
 struct Pct {
@@ -504,9 +561,7 @@ struct Sampler {
     /// Samples recorded (live process, real CPU interval).
     samples: u64,
     blocks: BTreeMap<String, BlockAcc>,
-    series: Vec<SeriesPoint>,
-    series_stride: usize,
-    series_pending: usize,
+    series: Decimated,
 }
 
 impl Sampler {
@@ -570,9 +625,7 @@ impl Sampler {
             timeline,
             samples: 0,
             blocks: BTreeMap::new(),
-            series: Vec::new(),
-            series_stride: 1,
-            series_pending: 0,
+            series: Decimated::default(),
         })
     }
 
@@ -720,7 +773,7 @@ impl Sampler {
         };
         self.record(&sample)?;
         if self.config.keep_series {
-            self.push_series(SeriesPoint {
+            self.series.push(SeriesPoint {
                 t: now.duration_since(self.start).as_secs_f64(),
                 ram: combined.total as f64,
                 gpu_ram: (g.main + g.descendants) as f64,
@@ -923,40 +976,6 @@ impl Sampler {
         Ok(())
     }
 
-    /// Keeps at most SERIES_POINTS points: beyond, neighbours merge, keeping maxima
-    /// (so that the plotted peaks are the real ones).
-    fn push_series(&mut self, p: SeriesPoint) {
-        if self.series_pending > 0 {
-            if let Some(last) = self.series.last_mut() {
-                last.ram = last.ram.max(p.ram);
-                last.gpu_ram = last.gpu_ram.max(p.gpu_ram);
-                last.cpu = last.cpu.max(p.cpu);
-            }
-            self.series_pending -= 1;
-            return;
-        }
-        self.series.push(p);
-        self.series_pending = self.series_stride - 1;
-        if self.series.len() >= SERIES_POINTS {
-            let merged: Vec<SeriesPoint> = self
-                .series
-                .chunks(2)
-                .map(|c| {
-                    let mut m = c[0];
-                    for q in &c[1..] {
-                        m.ram = m.ram.max(q.ram);
-                        m.gpu_ram = m.gpu_ram.max(q.gpu_ram);
-                        m.cpu = m.cpu.max(q.cpu);
-                    }
-                    m
-                })
-                .collect();
-            self.series = merged;
-            self.series_stride *= 2;
-            self.series_pending = 0;
-        }
-    }
-
     fn report(mut self, exit_max_rss: Option<u64>, exit_status: Option<i32>) -> Result<Finished> {
         let interval = format!("sampled every {:?}", self.config.interval);
         // Main: its kernel high-water mark, when it counts from the start of tracking.
@@ -1089,15 +1108,52 @@ impl Sampler {
                 warnings: std::mem::take(&mut self.warnings),
             },
         };
-        Ok((usage, std::mem::take(&mut self.series)))
+        Ok((usage, std::mem::take(&mut self.series.points)))
     }
 }
 
 #[cfg(test)]
 mod running_tests {
-    use super::{Running, TickHistory};
+    use super::{Decimated, Running, SeriesPoint, TickHistory, SERIES_POINTS};
     use std::collections::HashMap;
     use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_plotted_series_stays_small_evenly_spaced_and_keeps_the_peaks() {
+        let mut d = Decimated::default();
+        let n = 10_000;
+        for i in 0..n {
+            d.push(SeriesPoint {
+                t: i as f64,
+                ram: (i % 97) as f64,
+                gpu_ram: i as f64,
+                cpu: if i == 6_001 { 500.0 } else { 1.0 },
+            });
+        }
+        let p = &d.points;
+        assert!(
+            p.len() < SERIES_POINTS && p.len() >= SERIES_POINTS / 4,
+            "{}",
+            p.len()
+        );
+        assert_eq!(p[0].t, 0.0);
+        // Every point stands for `stride` samples: the first sample's time, spaced evenly.
+        let stride = d.stride as f64;
+        assert!(d.stride > 1 && d.stride.is_power_of_two(), "{}", d.stride);
+        for w in p.windows(2) {
+            assert_eq!(w[1].t - w[0].t, stride, "{w:?}");
+        }
+        let last = p[p.len() - 1];
+        assert!(
+            last.t <= (n - 1) as f64 && last.t + stride > (n - 1) as f64,
+            "{last:?}"
+        );
+        // The peaks survive the merging.
+        let max = |f: fn(&SeriesPoint) -> f64| p.iter().map(f).fold(f64::MIN, f64::max);
+        assert_eq!(max(|q| q.cpu), 500.0);
+        assert_eq!(max(|q| q.ram), 96.0);
+        assert_eq!(max(|q| q.gpu_ram), (n - 1) as f64);
+    }
 
     #[test]
     fn cpu_percentages_are_taken_over_a_window_not_one_interval() {

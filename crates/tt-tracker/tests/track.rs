@@ -661,6 +661,41 @@ fn cpu_utilisation_over_time_adds_up_to_the_cpu_time_used() {
     });
 }
 
+/// A Python command that says "ready", and on a line from stdin holds 256 MiB for a
+/// moment and ends.
+const SPIKE_AT_EXIT: &str = r#"
+import sys
+print('ready', flush=True)
+sys.stdin.readline()
+b = bytearray(b'1' * (256 << 20))
+"#;
+
+#[test]
+// The command is reaped by `process::reap` (wait4), whose peak this test checks.
+#[allow(clippy::zombie_processes)]
+fn wait4s_peak_is_the_commands_when_it_is_the_highest() {
+    // The spike comes just before the end: between two samples, and after the last
+    // high-water mark read, as a rule. wait4's figure is the exact peak whichever way
+    // it was seen.
+    tt_testkit::hang::within(HANG, "the wait4 exact peak test", || {
+        let mut command = python_child(SPIKE_AT_EXIT);
+        let out = command.stdout.take().unwrap();
+        let mut lines = BufReader::new(out).lines();
+        assert_eq!(lines.next().unwrap().unwrap(), "ready");
+        let tracker = track_pid(command.id(), Duration::from_millis(20));
+        wait_for_samples(&tracker, 3);
+        command.stdin.take().unwrap().write_all(b"go\n").unwrap();
+        let reaped = tt_tracker::process::reap(command.id()).unwrap();
+        assert!(reaped.max_rss >= 256 << 20, "{reaped:?}");
+        tracker.target_exited(reaped.max_rss, reaped.status);
+        let usage = tracker.stop().unwrap();
+        let r = &usage.max_ram;
+        assert_eq!(r.main.total_rss, reaped.max_rss as f64, "{r:?}");
+        assert_eq!(r.descendants.total_rss, 0.0, "{r:?}");
+        assert!(r.combined.total_rss >= r.main.total_rss, "{r:?}");
+    });
+}
+
 /// A Python command whose child holds 256 MiB, says "ready" and waits for stdin to
 /// close; the command reaps it, then ends.
 const BIG_CHILD: &str = r#"
@@ -760,7 +795,14 @@ fn a_descendants_cpu_use_is_its_own_not_the_tracked_processs() {
         let parent =
             format!("import subprocess, sys\nsubprocess.run([sys.executable, '-c', {BURN:?}])");
         let mut child = python_child(&parent);
-        let tracker = track_pid(child.id(), Duration::from_millis(20));
+        let tmp = tempfile::tempdir().unwrap();
+        let timeline = tmp.path().join("t.jsonl");
+        let tracker = Tracker::start(TrackerConfig {
+            target: tt_tracker::Target::Pid(child.id()),
+            timeline: Some(timeline.clone()),
+            ..config(Duration::from_millis(20))
+        })
+        .unwrap();
         let out = child.stdout.take().unwrap();
         tt_testkit::wait_for_line(out, "burnt", Duration::from_secs(300));
         let seen = tracker.samples();
@@ -776,6 +818,22 @@ fn a_descendants_cpu_use_is_its_own_not_the_tracked_processs() {
             cpu.combined.max_sum_percent >= cpu.descendants.max_sum_percent,
             "{cpu:?}"
         );
+        // Sample by sample, the tree's use is the command's plus its descendants'.
+        let text = std::fs::read_to_string(&timeline).unwrap();
+        let mut samples = 0;
+        for line in text.lines() {
+            let r: serde_json::Value = serde_json::from_str(line).unwrap();
+            let Some(both) = r["cpu_combined_sum_utilization_percent"].as_f64() else {
+                continue;
+            };
+            let main = r["cpu_main_sum_utilization_percent"].as_f64().unwrap();
+            let desc = r["cpu_descendants_sum_utilization_percent"]
+                .as_f64()
+                .unwrap();
+            assert!((both - (main + desc)).abs() < 1e-9, "{line}");
+            samples += 1;
+        }
+        assert!(samples >= 2, "{text}");
     });
 }
 
