@@ -613,6 +613,18 @@ fn a_tracking_files_last_line_may_be_cut_short_but_no_other() {
     std::fs::write(&broken, lines.join("\n") + "\n").unwrap();
     let e = subtrack::analyze(&broken, &blocks).unwrap_err().to_string();
     assert!(e.contains("sample 2 has 1 values for 3 columns"), "{e}");
+    // The static data and the header, no sample yet (a tracker that just started):
+    // read: no figure (NaN, as pandas gives for no values), the blocks' calls counted.
+    let started = tmp.path().join("started.csv");
+    std::fs::write(
+        &started,
+        full.lines().take(3).collect::<Vec<_>>().join("\n") + "\n",
+    )
+    .unwrap();
+    let r = subtrack::analyze(&started, &blocks).unwrap();
+    assert!(r.overall.get("main_ram").unwrap().max.is_nan(), "{r:?}");
+    let calls: Vec<usize> = r.code_block_results.iter().map(|b| b.num_calls).collect();
+    assert_eq!(calls, [2, 1], "{r:?}");
     // Too short to hold the static data and a header: said so, for 0 to 2 lines.
     for n in 0..3 {
         let short = tmp.path().join(format!("short{n}.csv"));
