@@ -633,3 +633,26 @@ fn a_tracking_files_last_line_may_be_cut_short_but_no_other() {
         assert!(e.contains("two lines of static data"), "{n} lines: {e}");
     }
 }
+
+#[test]
+fn combine_writes_beside_the_output_whatever_its_filesystem() {
+    // The combined file is written to a temporary file beside it, then hard-linked
+    // into place (never replacing one): on another filesystem than the current
+    // directory's (a tmpfs here), a temporary elsewhere could not be linked.
+    let tmp = tempfile::tempdir().unwrap();
+    let a = blocks_csv(tmp.path(), "a.csv");
+    let mount = tmp.path().join("tmpfs");
+    std::fs::create_dir(&mount).unwrap();
+    let Some(_mounted) = tt_testkit::mount_or_skip(
+        "combining onto another filesystem needs a tmpfs mount",
+        &["-t", "tmpfs", "-o", "size=1m", "tmpfs"],
+        &mount,
+    ) else {
+        return;
+    };
+    let out = mount.join("all.csv");
+    assert_eq!(subtrack::combine(&out, &[a]).unwrap(), (1, 7));
+    assert_eq!(std::fs::read_to_string(&out).unwrap().lines().count(), 8);
+    let left: Vec<_> = std::fs::read_dir(&mount).unwrap().collect();
+    assert_eq!(left.len(), 1, "only the combined file: {left:?}");
+}

@@ -577,5 +577,10 @@ mod tests {
             nan_to_null(r#"{"a": NaN, "b": [-Infinity, Infinity], "NaN": "x NaN \" NaN"}"#),
             r#"{"a": null, "b": [null, null], "NaN": "x NaN \" NaN"}"#
         );
+        // A string ending in an escaped backslash ends at its quote.
+        assert_eq!(
+            nan_to_null(r#"{"path": "C:\\", "x": NaN}"#),
+            r#"{"path": "C:\\", "x": null}"#
+        );
     }
 }

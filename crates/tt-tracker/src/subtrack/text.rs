@@ -331,6 +331,9 @@ mod tests {
             (0.0001, "0.0001"),
             (-3.25e20, "-3.25e+20"),
             (1e-7, "1e-07"),
+            (f64::INFINITY, "inf"),
+            (f64::NEG_INFINITY, "-inf"),
+            (-0.0, "-0.0"),
         ] {
             assert_eq!(python_repr(x), s, "{x}");
         }
