@@ -396,9 +396,16 @@ mod tests {
         let mut buf = String::new();
         let mut out = Vec::new();
         leader_children(sh.id(), &mut buf, &mut out);
-        let open = std::collections::HashMap::new();
+        let mut open = std::collections::HashMap::new();
         let cheap = descendants(sh.id(), &mut buf, false, &open);
         let full = descendants(sh.id(), &mut buf, true, &open);
+        // The tracker's cheap walk between full ones reads the `children` file it keeps
+        // open for a process it already follows.
+        let files = ProcFiles::open(sh.id()).unwrap_or_else(|| panic!("no /proc/{}", sh.id()));
+        let mut kept = Vec::new();
+        files.leader_children(&mut buf, &mut kept);
+        open.insert(sh.id(), files);
+        let through_open = descendants(sh.id(), &mut buf, false, &open);
         // SAFETY: kill(2) of the shell's child and of our own child.
         unsafe {
             libc::kill(sleep as i32, libc::SIGKILL);
@@ -408,6 +415,8 @@ mod tests {
         assert_eq!(out, [sleep]);
         assert_eq!(cheap, [sleep]);
         assert_eq!(full, [sleep]);
+        assert_eq!(kept, [sleep]);
+        assert_eq!(through_open, [sleep]);
     }
 
     #[test]

@@ -189,13 +189,13 @@ print(d["max_ram"]["combined"]["total_rss"], d["max_gpu_ram"]["unit"], d["comput
 #[test]
 fn compare_puts_each_figure_in_its_sessions_column_and_block_means_by_name() {
     use tt_tracker::compare::{Comparison, Session};
-    let block = |name: &str, mean: f64| BlockSummary {
+    let block = |name: &str, measure: &str, mean: f64| BlockSummary {
         name: name.into(),
         calls: 1,
         seconds: 1.0,
         samples: 1,
         measures: BTreeMap::from([(
-            "main_ram".to_owned(),
+            measure.to_owned(),
             Stat {
                 min: mean,
                 max: mean,
@@ -205,11 +205,18 @@ fn compare_puts_each_figure_in_its_sessions_column_and_block_means_by_name() {
         )]),
     };
     let mut a = usage();
-    a.torchtools.blocks = vec![block("epoch 1", 1.25), block("epoch 2", 7.75)];
+    a.torchtools.blocks = vec![
+        block("epoch 1", "main_ram", 1.25),
+        block("epoch 2", "main_ram", 7.75),
+    ];
     let mut b = usage();
     b.max_ram.combined.total_rss = 9.5;
     b.compute_time.time = 0.5;
-    b.torchtools.blocks = vec![block("epoch 2", 8.5), block("eval", 3.0)];
+    // A block with a measure of its own: listed under that block only.
+    b.torchtools.blocks = vec![
+        block("epoch 2", "main_ram", 8.5),
+        block("eval", "gpu_ram", 3.0),
+    ];
     let sessions = [("run-a", a), ("run-b", b)].map(|(name, usage)| Session {
         name: name.into(),
         usage,
@@ -246,20 +253,29 @@ fn compare_puts_each_figure_in_its_sessions_column_and_block_means_by_name() {
         ["0.012", "hours", "0.500", "hours"],
         "{text}"
     );
-    let block_row = |name: &str| -> Vec<String> {
+    // Every measure line of a block's section (up to the next header).
+    let block_rows = |name: &str| -> Vec<Vec<String>> {
         let at = lines
             .iter()
             .position(|l| l.starts_with(&format!("block {name:?} (mean)")))
             .unwrap_or_else(|| panic!("no block {name:?} in\n{text}"));
-        tokens(lines[at + 1])
+        lines[at + 1..]
+            .iter()
+            .take_while(|l| l.starts_with(' '))
+            .map(|l| tokens(l))
+            .collect()
     };
-    assert_eq!(block_row("epoch 1"), ["main_ram", "1.250", "-"], "{text}");
     assert_eq!(
-        block_row("epoch 2"),
-        ["main_ram", "7.750", "8.500"],
+        block_rows("epoch 1"),
+        [["main_ram", "1.250", "-"]],
         "{text}"
     );
-    assert_eq!(block_row("eval"), ["main_ram", "-", "3.000"], "{text}");
+    assert_eq!(
+        block_rows("epoch 2"),
+        [["main_ram", "7.750", "8.500"]],
+        "{text}"
+    );
+    assert_eq!(block_rows("eval"), [["gpu_ram", "-", "3.000"]], "{text}");
 }
 
 /// gpu_tracker's text rounds every figure to three decimals; so does ours, for each

@@ -536,6 +536,18 @@ fn blocks_that_do_not_pair_up_are_refused_with_the_events_named() {
     // A lone stop.
     let e = analyze("lone.csv", "7,load,1,10.0\n").unwrap_err();
     assert!(e.contains("stops at 10 without a start"), "{e}");
+    // A start in one process (its second, still open, is dropped) and a stop in another:
+    // positions 0 then 1, but not one call.
+    let e = analyze(
+        "two-processes.csv",
+        "7,load,0,10.0\n7,load,0,11.0\n8,load,1,12.0\n",
+    )
+    .unwrap_err();
+    assert!(e.contains("do not form a start/stop pair"), "{e}");
+    assert!(
+        e.contains("(process 7, position 0) and 12"),
+        "names both events: {e}"
+    );
     // Well-formed calls of two processes, the last one still open: accepted.
     let r = analyze(
         "good.csv",

@@ -735,7 +735,21 @@ impl fmt::Display for Comparison {
 
 #[cfg(test)]
 mod tests {
-    use super::pairwise_sum;
+    use super::{pairwise_sum, OrderedMap};
+
+    /// Sub-tracking results read back from JSON keep their keys in file order; anything
+    /// but an object where a map belongs is refused, saying what was expected.
+    #[test]
+    fn ordered_maps_read_back_in_file_order_and_refuse_non_objects() {
+        let m: OrderedMap<f64> =
+            serde_json::from_str(r#"{"z": 1.0, "a": 2.0}"#).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(m.0, [("z".to_owned(), 1.0), ("a".to_owned(), 2.0)]);
+        let e = serde_json::from_str::<OrderedMap<f64>>("[1.0]")
+            .map(|m| m.0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("expected a JSON object"), "{e}");
+    }
 
     #[test]
     fn sums_are_numpys_to_the_last_bit() {
