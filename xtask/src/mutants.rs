@@ -72,7 +72,7 @@ const EXCLUDED_FUNCTIONS: [(&str, &str); 5] = [
 /// Single mutants no test can tell from the original on this machine (a regular
 /// expression over cargo-mutants' description of the mutant), and why: they change how
 /// fast the code runs, what it logs, or a path no filesystem here takes.
-const EXCLUDED_MUTANTS: [(&str, &str); 39] = [
+const EXCLUDED_MUTANTS: [(&str, &str); 38] = [
     (
         r"replace write_direct_body -> std::io::Result<Option<usize>> with Ok\(None\)",
         "tt-ckpt: the O_DIRECT path declined, which the writer then does buffered: the same \
@@ -224,13 +224,6 @@ const EXCLUDED_MUTANTS: [(&str, &str); 39] = [
         "tt-sampler: `let last = n - 1` as `n / 1`: one more loop turn at the last \
          element, whose draw modulo 1 swaps it with itself: the same permutation (the \
          other `-` of the function are measured; a moved line shows up as missed)",
-    ),
-    (
-        r"replace < with (==|<=) in Sampler::run$",
-        "tt-tracker: `if next < now` after a sample, the re-pacing of a sampler that fell \
-         behind: without it the next samples come back to back until the schedule is \
-         caught up; the same readings, spaced differently in time (no test may time a \
-         busy machine)",
     ),
     (
         r"replace && with \|\| in Sampler::tick$",

@@ -661,12 +661,20 @@ impl Sampler {
                 self.events(events)?;
                 return self.report(max_rss, status);
             }
-            next += self.config.interval;
-            let now = Instant::now();
-            if next < now {
-                next = now + self.config.interval; // fell behind: do not burst
-            }
+            next = next_tick(next, self.config.interval, Instant::now());
         }
+    }
+}
+
+/// When the sample after the one planned for `planned` is due: one interval later, or,
+/// when the sampler fell behind (a busy machine), one interval from `now`: no burst of
+/// catch-up samples.
+fn next_tick(planned: Instant, interval: Duration, now: Instant) -> Instant {
+    let next = planned + interval;
+    if next < now {
+        now + interval
+    } else {
+        next
     }
 }
 
@@ -1114,9 +1122,20 @@ impl Sampler {
 
 #[cfg(test)]
 mod running_tests {
-    use super::{Decimated, Running, SeriesPoint, TickHistory, SERIES_POINTS};
+    use super::{next_tick, Decimated, Running, SeriesPoint, TickHistory, SERIES_POINTS};
     use std::collections::HashMap;
     use std::time::{Duration, Instant};
+
+    #[test]
+    fn samples_keep_their_schedule_and_a_late_one_does_not_cause_a_burst() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        // On time, or due exactly now: the next one interval after the planned one.
+        assert_eq!(next_tick(t0, ms(100), t0 + ms(30)), t0 + ms(100));
+        assert_eq!(next_tick(t0, ms(100), t0 + ms(100)), t0 + ms(100));
+        // Fell behind past the next one: one interval from now, not at once.
+        assert_eq!(next_tick(t0, ms(100), t0 + ms(250)), t0 + ms(350));
+    }
 
     #[test]
     fn the_plotted_series_stays_small_evenly_spaced_and_keeps_the_peaks() {

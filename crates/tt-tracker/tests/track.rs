@@ -788,6 +788,60 @@ fn a_dropped_tracker_stops_sampling() {
     assert!(after.ends_with('\n'), "the last line written whole");
 }
 
+/// A Python command whose second thread forks a child that holds 48 MiB, says "child
+/// ready" and waits for stdin to close.
+const THREAD_CHILD: &str = r#"
+import os, sys, threading
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        b = bytearray(b'1' * (48 << 20))
+        print('child ready', flush=True)
+        sys.stdin.read()
+        os._exit(0)
+    os.waitpid(pid, 0)
+t = threading.Thread(target=fork)
+t.start()
+t.join()
+"#;
+
+/// A child forked by a thread other than the main one is listed only under that thread
+/// (`/proc/PID/task/TID/children`), which the tracker reads about once a second; in
+/// between it keeps the descendants it found. Every sample counts the child's memory.
+#[test]
+fn a_child_of_another_thread_is_counted_in_every_sample() {
+    tt_testkit::hang::within(HANG, "the other thread's child test", || {
+        let mut command = python_child(THREAD_CHILD);
+        let out = command.stdout.take().unwrap();
+        let mut lines = BufReader::new(out).lines();
+        assert_eq!(lines.next().unwrap().unwrap(), "child ready");
+        let tmp = tempfile::tempdir().unwrap();
+        let timeline = tmp.path().join("t.jsonl");
+        let tracker = Tracker::start(TrackerConfig {
+            target: tt_tracker::Target::Pid(command.id()),
+            timeline: Some(timeline.clone()),
+            ..config(Duration::from_millis(20))
+        })
+        .unwrap();
+        // 60 samples: over a second, so cheap samples lie between full listings.
+        wait_for_samples(&tracker, 60);
+        let usage = tracker.stop().unwrap();
+        drop(command.stdin.take());
+        assert!(command.wait().unwrap().success());
+        let text = std::fs::read_to_string(&timeline).unwrap();
+        let mut samples = 0u64;
+        for line in text.lines() {
+            let r: serde_json::Value = serde_json::from_str(line).unwrap();
+            let Some(desc) = r["descendants_ram"].as_f64() else {
+                continue;
+            };
+            assert!(desc >= f64::from(48u32 << 20), "sample {samples}: {line}");
+            samples += 1;
+        }
+        assert_eq!(samples, usage.torchtools.samples, "{text}");
+    });
+}
+
 #[test]
 fn a_descendants_cpu_use_is_its_own_not_the_tracked_processs() {
     tt_testkit::hang::within(HANG, "the descendant CPU test", || {
