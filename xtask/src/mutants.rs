@@ -265,7 +265,7 @@ const EXCLUDED_MUTANTS: [(&str, &str); 38] = [
          readings only; without a GPU nothing reads that set (the GPU tests do)",
     ),
     (
-        r"tracker.rs:\d+:(44: replace < with ==|49: replace < with (<=|==)|52: replace < with (>|==)|67: replace \* with /) in Sampler::shared_rss$|replace match guard .* with false in Sampler::shared_rss$",
+        r"tracker.rs:\d+:(44: replace < with ==|49: replace < with (<=|==)|52: replace < with (<=|>|==)|67: replace \* with /) in Sampler::shared_rss$|replace match guard .* with false in Sampler::shared_rss$",
         "tt-tracker: when a process's cached `smaps_rollup` is read again: never cached, or \
          not after the first second (the guard `false`, `== 1 MiB`, `== 10 s`, `/ 10`: every \
          tick reads it; `== ROLLUP_EVERY`: it is read again at an RSS change within the \

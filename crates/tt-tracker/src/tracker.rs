@@ -666,6 +666,30 @@ impl Sampler {
     }
 }
 
+/// Whether the system-wide files are read again at this sample: at the first, at the
+/// last (`stopping`), and when [`SYSTEM_EVERY`] has passed since the last read.
+fn system_due(last_read: Option<Instant>, now: Instant, stopping: bool) -> bool {
+    stopping || last_read.is_none_or(|at| now.duration_since(at) >= SYSTEM_EVERY)
+}
+
+/// The system's CPU use between two reads of per-core (busy, total) jiffies, in percent
+/// of one core (as psutil's `cpu_percent(percpu=True)` summed, the figure gpu_tracker
+/// reports): 2 cores half busy make 100. A core without ticks in between adds 0.
+fn system_cpu_percent(before: &[(u64, u64)], after: &[(u64, u64)]) -> f64 {
+    after
+        .iter()
+        .zip(before)
+        .map(|((busy, total), (pb, pt))| {
+            let dt = total.saturating_sub(*pt);
+            if dt == 0 {
+                0.0
+            } else {
+                busy.saturating_sub(*pb) as f64 / dt as f64 * 100.0
+            }
+        })
+        .sum()
+}
+
 /// When the sample after the one planned for `planned` is due: one interval later, or,
 /// when the sampler fell behind (a busy machine), one interval from `now`: no burst of
 /// catch-up samples.
@@ -915,27 +939,13 @@ impl Sampler {
     /// System-wide RAM used and CPU percent: kernel-generated files that cost more than
     /// a process's, read at most every SYSTEM_EVERY (and at the last sample).
     fn read_system(&mut self, now: Instant) -> (u64, f64) {
-        let due = self
-            .system
-            .as_ref()
-            .is_none_or(|s| now.duration_since(s.at) >= SYSTEM_EVERY || self.stopping);
-        if due {
+        if system_due(self.system.as_ref().map(|s| s.at), now, self.stopping) {
             let (_, used) = procfs::meminfo(&mut self.buf);
             let times = procfs::cpu_times(&mut self.buf);
-            let pct = self.system.as_ref().map_or(0.0, |prev| {
-                times
-                    .iter()
-                    .zip(&prev.times)
-                    .map(|((busy, total), (pb, pt))| {
-                        let dt = total.saturating_sub(*pt);
-                        if dt == 0 {
-                            0.0
-                        } else {
-                            busy.saturating_sub(*pb) as f64 / dt as f64 * 100.0
-                        }
-                    })
-                    .sum()
-            });
+            let pct = self
+                .system
+                .as_ref()
+                .map_or(0.0, |prev| system_cpu_percent(&prev.times, &times));
             self.system = Some(SystemReads {
                 at: now,
                 times,
@@ -1122,7 +1132,10 @@ impl Sampler {
 
 #[cfg(test)]
 mod running_tests {
-    use super::{next_tick, Decimated, Running, SeriesPoint, TickHistory, SERIES_POINTS};
+    use super::{
+        next_tick, system_cpu_percent, system_due, Decimated, Running, SeriesPoint, TickHistory,
+        SERIES_POINTS, SYSTEM_EVERY,
+    };
     use std::collections::HashMap;
     use std::time::{Duration, Instant};
 
@@ -1135,6 +1148,37 @@ mod running_tests {
         assert_eq!(next_tick(t0, ms(100), t0 + ms(100)), t0 + ms(100));
         // Fell behind past the next one: one interval from now, not at once.
         assert_eq!(next_tick(t0, ms(100), t0 + ms(250)), t0 + ms(350));
+    }
+
+    #[test]
+    fn the_system_files_are_read_first_last_and_once_per_period_between() {
+        let t0 = Instant::now();
+        assert!(system_due(None, t0, false), "the first sample reads them");
+        let soon = t0 + SYSTEM_EVERY / 2;
+        assert!(!system_due(Some(t0), soon, false), "kept within the period");
+        assert!(
+            system_due(Some(t0), soon, true),
+            "the last sample reads them"
+        );
+        assert!(
+            system_due(Some(t0), t0 + SYSTEM_EVERY, false),
+            "due at the period"
+        );
+        assert!(system_due(Some(t0), t0 + SYSTEM_EVERY * 3, false));
+    }
+
+    #[test]
+    fn the_system_cpu_percent_is_per_core_busy_over_elapsed_summed() {
+        // Core 0: 30 of 40 ticks busy (75%); core 1: 10 of 40 (25%); core 2: no tick
+        // elapsed (0, not NaN).
+        let before = [(100, 1000), (50, 500), (7, 70)];
+        let after = [(130, 1040), (60, 540), (7, 70)];
+        assert_eq!(system_cpu_percent(&before, &after), 100.0);
+        // All cores idle in between: 0; no earlier read to compare with: 0.
+        assert_eq!(system_cpu_percent(&after, &after), 0.0);
+        assert_eq!(system_cpu_percent(&[], &after), 0.0);
+        // A counter that went back (a core brought back online) counts as no time.
+        assert_eq!(system_cpu_percent(&after, &before[..1]), 0.0);
     }
 
     #[test]

@@ -419,7 +419,9 @@ fn gpu_tracker(args: &[&str]) -> String {
 
 /// A Python parent and its forked child sharing 64 MiB (both touched every page), the
 /// parent also holding 32 MiB of its own, with 3 extra threads, the child 16 MiB of its
-/// own; both say "ready" and wait for stdin to close.
+/// own; both say "ready" and wait for stdin to close. Each line goes out in one `write`
+/// (atomic on a pipe): `print` writes every piece on its own when `PYTHONUNBUFFERED` is
+/// set, as in CI, and the two processes' lines could interleave into one.
 const SHARING: &str = r#"
 import mmap, os, sys, threading
 shared = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_SHARED)
@@ -429,7 +431,7 @@ pid = os.fork()
 if pid == 0:
     total = sum(shared[i] for i in range(0, 64 << 20, 4096))
     mine = bytearray(b'2' * (16 << 20))
-    print('child ready', total, flush=True)
+    os.write(1, f'child ready {total}\n'.encode())
     sys.stdin.read()
     os._exit(0)
 own = bytearray(32 << 20)
@@ -439,7 +441,7 @@ stop = threading.Event()
 threads = [threading.Thread(target=stop.wait) for _ in range(3)]
 for t in threads:
     t.start()
-print('parent ready', flush=True)
+os.write(1, b'parent ready\n')
 sys.stdin.read()
 stop.set()
 os.waitpid(pid, 0)
@@ -457,7 +459,7 @@ fn private_and_shared_rss_and_threads_are_what_the_processes_hold() {
                 .next()
                 .expect("the program ended before it was ready")
                 .unwrap();
-            ready += usize::from(line.contains("ready"));
+            ready += line.matches("ready").count();
         }
         let tracker = track_pid(child.id(), Duration::from_millis(20));
         wait_for_samples(&tracker, 3);
