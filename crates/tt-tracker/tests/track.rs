@@ -663,6 +663,18 @@ fn cpu_utilisation_over_time_adds_up_to_the_cpu_time_used() {
     });
 }
 
+/// Reaps the tracked command `pid` (wait4, whose peak must cover the 256 MiB the tests'
+/// commands or their children hold), tells the tracker, and stops it.
+fn stop_at_exit_with_a_256_mib_peak(
+    tracker: Tracker,
+    pid: u32,
+) -> (tt_tracker::process::Reaped, tt_tracker::ResourceUsage) {
+    let reaped = tt_tracker::process::reap(pid).unwrap();
+    assert!(reaped.max_rss >= 256 << 20, "{reaped:?}");
+    tracker.target_exited(reaped.max_rss, reaped.status);
+    (reaped, tracker.stop().unwrap())
+}
+
 /// A Python command that says "ready", and on a line from stdin holds 256 MiB for a
 /// moment and ends.
 const SPIKE_AT_EXIT: &str = r#"
@@ -687,10 +699,7 @@ fn wait4s_peak_is_the_commands_when_it_is_the_highest() {
         let tracker = track_pid(command.id(), Duration::from_millis(20));
         wait_for_samples(&tracker, 3);
         command.stdin.take().unwrap().write_all(b"go\n").unwrap();
-        let reaped = tt_tracker::process::reap(command.id()).unwrap();
-        assert!(reaped.max_rss >= 256 << 20, "{reaped:?}");
-        tracker.target_exited(reaped.max_rss, reaped.status);
-        let usage = tracker.stop().unwrap();
+        let (reaped, usage) = stop_at_exit_with_a_256_mib_peak(tracker, command.id());
         let r = &usage.max_ram;
         assert_eq!(r.main.total_rss, reaped.max_rss as f64, "{r:?}");
         assert_eq!(r.descendants.total_rss, 0.0, "{r:?}");
@@ -720,10 +729,7 @@ fn wait4s_peak_is_the_commands_only_when_no_descendant_reached_it() {
         // 60 samples (at least 1.2 s): a full walk has read the child's high-water mark.
         wait_for_samples(&tracker, tracker.samples() + 60);
         drop(command.stdin.take());
-        let reaped = tt_tracker::process::reap(command.id()).unwrap();
-        assert!(reaped.max_rss >= 256 << 20, "{reaped:?}");
-        tracker.target_exited(reaped.max_rss, reaped.status);
-        let usage = tracker.stop().unwrap();
+        let (_, usage) = stop_at_exit_with_a_256_mib_peak(tracker, command.id());
         let (r, methods) = (&usage.max_ram, &usage.torchtools.peak_methods);
         let mib = |x: f64| x / f64::from(1u32 << 20);
         assert!(mib(r.descendants.total_rss) >= 256.0, "{r:?} {methods:?}");
