@@ -880,9 +880,12 @@ fn a_descendants_cpu_use_is_its_own_not_the_tracked_processs() {
             cpu.combined.max_sum_percent >= cpu.descendants.max_sum_percent,
             "{cpu:?}"
         );
-        // Sample by sample, the tree's use is the command's plus its descendants'.
+        // Sample by sample, the tree's use is the command's plus its descendants'; over
+        // time (percent x seconds: CPU seconds, whatever the load), the 0.6 s burnt are
+        // the descendant's, and the waiting command's own start is far less.
         let text = std::fs::read_to_string(&timeline).unwrap();
-        let mut samples = 0;
+        let (mut samples, mut last_t) = (0, None);
+        let (mut main_s, mut desc_s) = (0.0, 0.0);
         for line in text.lines() {
             let r: serde_json::Value = serde_json::from_str(line).unwrap();
             let Some(both) = r["cpu_combined_sum_utilization_percent"].as_f64() else {
@@ -893,9 +896,22 @@ fn a_descendants_cpu_use_is_its_own_not_the_tracked_processs() {
                 .as_f64()
                 .unwrap();
             assert!((both - (main + desc)).abs() < 1e-9, "{line}");
+            let t = r["timestamp"].as_f64().unwrap();
+            if let Some(before) = last_t.replace(t) {
+                main_s += main / 100.0 * (t - before);
+                desc_s += desc / 100.0 * (t - before);
+            }
             samples += 1;
         }
         assert!(samples >= 2, "{text}");
+        assert!(
+            desc_s >= 0.4,
+            "the child's 0.6 s: {desc_s:.3} s (command {main_s:.3} s)"
+        );
+        assert!(
+            main_s < desc_s / 2.0,
+            "the command only waits: {main_s:.3} s, its child {desc_s:.3} s"
+        );
     });
 }
 
