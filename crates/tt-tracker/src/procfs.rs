@@ -243,7 +243,7 @@ pub(crate) fn descendants(
     all_threads: bool,
     open: &std::collections::HashMap<u32, ProcFiles>,
 ) -> Vec<u32> {
-    let list = |pid: u32, buf: &mut String, out: &mut Vec<u32>| {
+    walk_tree(root, |pid, out| {
         if all_threads {
             children(pid, buf, out)
         } else if let Some(files) = open.get(&pid) {
@@ -251,14 +251,21 @@ pub(crate) fn descendants(
         } else {
             leader_children(pid, buf, out)
         }
-    };
+    })
+}
+
+/// Every process below `root`, breadth first, each once, from `list` (which appends a
+/// process's children): a process listed under two parents (re-parented while the walk
+/// ran) is walked once, and `root` listed below itself (its pid reused) is not walked
+/// again, so the walk always ends.
+fn walk_tree(root: u32, mut list: impl FnMut(u32, &mut Vec<u32>)) -> Vec<u32> {
     let mut out = Vec::new();
-    list(root, buf, &mut out);
+    list(root, &mut out);
     let mut i = 0;
     while i < out.len() {
         let pid = out[i];
         let mut more = Vec::new();
-        list(pid, buf, &mut more);
+        list(pid, &mut more);
         for p in more {
             if p != root && !out.contains(&p) {
                 out.push(p);
@@ -320,6 +327,41 @@ pub(crate) fn reset_hwm(pid: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_tree_walk_lists_each_process_once_and_ends() {
+        // 1 -> 2, 3; 2 -> 4; 3 -> 4 again (re-parented during the walk) and 1 itself
+        // (its pid reused); 4 -> 5.
+        let tree = |pid: u32, out: &mut Vec<u32>| {
+            out.extend_from_slice(match pid {
+                1 => &[2, 3],
+                2 => &[4],
+                3 => &[4, 1],
+                4 => &[5],
+                _ => &[],
+            })
+        };
+        assert_eq!(walk_tree(1, tree), [2, 3, 4, 5]);
+        assert_eq!(walk_tree(4, tree), [5]);
+        assert_eq!(walk_tree(9, tree), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn a_file_longer_than_the_first_buffer_is_read_whole() {
+        // The buffer starts at 4 KiB and grows; a kept buffer's old text is replaced.
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let text: String = (0..3000).map(|i| format!("{i}\n")).collect();
+        assert!(text.len() > 3 * 4096);
+        let path = dir.path().join("long");
+        std::fs::write(&path, &text).unwrap_or_else(|e| panic!("{e}"));
+        let file = fs::File::open(&path).unwrap_or_else(|e| panic!("{e}"));
+        let mut buf = "old text".repeat(2000);
+        assert!(pread(&file, &mut buf));
+        assert_eq!(buf, text);
+        std::fs::write(&path, "short").unwrap_or_else(|e| panic!("{e}"));
+        assert!(pread(&file, &mut buf));
+        assert_eq!(buf, "short");
+    }
 
     #[test]
     fn per_core_busy_and_total_jiffies() {

@@ -936,6 +936,8 @@ fn a_timeline_path_is_checked_before_anything_is_tracked() {
     assert!(check(&existing, false).is_err());
     assert!(check(&existing, true).is_ok());
     assert!(check(&tmp.path().join("new.csv"), false).is_ok());
+    // A bare file name: in the current directory.
+    assert!(check(std::path::Path::new("no-timeline-here-yet.csv"), false).is_ok());
     // And the tracker refuses the missing directory before it starts.
     let e = Tracker::start(TrackerConfig {
         timeline: Some(missing.clone()),
