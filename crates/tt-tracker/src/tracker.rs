@@ -666,6 +666,13 @@ impl Sampler {
     }
 }
 
+/// Whether a process's `smaps_rollup` read `age` ago, when its RSS was `rss_moved` bytes
+/// away from now's, still stands: for [`ROLLUP_EVERY`] whatever happens, then for up to
+/// ten times that while the RSS stays within 1 MiB of it.
+fn rollup_still_stands(age: Duration, rss_moved: u64) -> bool {
+    age < ROLLUP_EVERY || (rss_moved < 1 << 20 && age < ROLLUP_EVERY * 10)
+}
+
 /// Whether the system-wide files are read again at this sample: at the first, at the
 /// last (`stopping`), and when [`SYSTEM_EVERY`] has passed since the last read.
 fn system_due(last_read: Option<Instant>, now: Instant, stopping: bool) -> bool {
@@ -921,9 +928,7 @@ impl Sampler {
     fn shared_rss(&mut self, pid: u32, now: Instant, rss: u64) -> u64 {
         let rollup = match self.rollups.get(&pid) {
             Some((at, last_rss, r))
-                if now.duration_since(*at) < ROLLUP_EVERY
-                    || (rss.abs_diff(*last_rss) < 1 << 20
-                        && now.duration_since(*at) < ROLLUP_EVERY * 10) =>
+                if rollup_still_stands(now.duration_since(*at), rss.abs_diff(*last_rss)) =>
             {
                 *r
             }
@@ -1133,8 +1138,8 @@ impl Sampler {
 #[cfg(test)]
 mod running_tests {
     use super::{
-        next_tick, system_cpu_percent, system_due, Decimated, Running, SeriesPoint, TickHistory,
-        SERIES_POINTS, SYSTEM_EVERY,
+        next_tick, rollup_still_stands, system_cpu_percent, system_due, Decimated, Running,
+        SeriesPoint, TickHistory, ROLLUP_EVERY, SERIES_POINTS, SYSTEM_EVERY,
     };
     use std::collections::HashMap;
     use std::time::{Duration, Instant};
@@ -1148,6 +1153,23 @@ mod running_tests {
         assert_eq!(next_tick(t0, ms(100), t0 + ms(100)), t0 + ms(100));
         // Fell behind past the next one: one interval from now, not at once.
         assert_eq!(next_tick(t0, ms(100), t0 + ms(250)), t0 + ms(350));
+    }
+
+    #[test]
+    fn a_shared_memory_reading_stands_a_second_then_while_the_rss_holds_for_ten() {
+        let mib = 1u64 << 20;
+        let ms = Duration::from_millis;
+        // Within the first second: whatever the RSS did.
+        assert!(rollup_still_stands(ms(0), 100 * mib));
+        assert!(rollup_still_stands(ROLLUP_EVERY - ms(1), mib));
+        // From one second on: only while the RSS stayed within 1 MiB.
+        assert!(!rollup_still_stands(ROLLUP_EVERY, mib));
+        assert!(rollup_still_stands(ROLLUP_EVERY, mib - 1));
+        assert!(rollup_still_stands(ROLLUP_EVERY, 0));
+        assert!(!rollup_still_stands(ROLLUP_EVERY * 5, 2 * mib));
+        // And never past ten seconds.
+        assert!(rollup_still_stands(ROLLUP_EVERY * 10 - ms(1), 0));
+        assert!(!rollup_still_stands(ROLLUP_EVERY * 10, 0));
     }
 
     #[test]
