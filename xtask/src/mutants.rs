@@ -401,15 +401,7 @@ pub(crate) fn run(args: &[&str]) -> Result<()> {
         "crate", "tested", "caught", "missed", "timeout", "unviable", "caught%"
     );
     for (krate, o) in &rows {
-        let scored = o.caught + o.missed;
-        let pct = if scored == 0 {
-            "-".to_owned()
-        } else {
-            format!(
-                "{:.0}%",
-                100.0 * (o.caught + o.timeout) as f64 / (scored + o.timeout) as f64
-            )
-        };
+        let pct = o.caught_percent();
         println!(
             "{krate:<12} {:>7} {:>7} {:>7} {:>9} {:>9} {pct:>8}",
             o.caught + o.missed + o.timeout + o.unviable,
@@ -442,6 +434,20 @@ struct Outcomes {
     missed: u64,
     timeout: u64,
     unviable: u64,
+}
+
+impl Outcomes {
+    /// Caught (a test failed, or hung past the timeout) out of the viable mutants, to
+    /// a tenth of a percent; a run with a miss never reads 100.0%.
+    fn caught_percent(&self) -> String {
+        let scored = self.caught + self.missed + self.timeout;
+        if scored == 0 {
+            return "-".to_owned();
+        }
+        let pct = 100.0 * (self.caught + self.timeout) as f64 / scored as f64;
+        let pct = if self.missed > 0 { pct.min(99.9) } else { pct };
+        format!("{pct:.1}%")
+    }
 }
 
 /// Counts from cargo-mutants' `outcomes.json`.
@@ -483,4 +489,34 @@ fn regex_escape(text: &str) -> String {
             special.then_some('\\').into_iter().chain([c])
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Outcomes;
+
+    fn pct(caught: u64, missed: u64, timeout: u64) -> String {
+        let unviable = 7;
+        Outcomes {
+            caught,
+            missed,
+            timeout,
+            unviable,
+        }
+        .caught_percent()
+    }
+
+    #[test]
+    fn timeouts_count_as_caught_and_unviable_mutants_not_at_all() {
+        assert_eq!(pct(187, 20, 10), "90.8%");
+        assert_eq!(pct(0, 0, 3), "100.0%");
+        assert_eq!(pct(0, 0, 0), "-");
+    }
+
+    #[test]
+    fn one_miss_never_reads_as_all_caught() {
+        assert_eq!(pct(202, 1, 13), "99.5%");
+        assert_eq!(pct(99_999, 1, 0), "99.9%");
+        assert_eq!(pct(10, 0, 0), "100.0%");
+    }
 }
