@@ -673,6 +673,26 @@ fn rollup_still_stands(age: Duration, rss_moved: u64) -> bool {
     age < ROLLUP_EVERY || (rss_moved < 1 << 20 && age < ROLLUP_EVERY * 10)
 }
 
+/// Which figure the tracked command's peak RSS is: its kernel high-water mark, the
+/// largest sampled RSS, or both (the same bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MainPeak {
+    HighWaterMark,
+    Both,
+    Sampled,
+}
+
+/// The command's peak from its high-water mark `hwm` (0 when unknown) and its largest
+/// sampled RSS. A mark below the sampled peak was read before the RSS grew further, so
+/// the sampled figure stands alone then.
+fn main_peak(hwm: u64, sampled: u64) -> MainPeak {
+    match hwm.cmp(&sampled) {
+        std::cmp::Ordering::Greater => MainPeak::HighWaterMark,
+        std::cmp::Ordering::Equal if hwm > 0 => MainPeak::Both,
+        _ => MainPeak::Sampled,
+    }
+}
+
 /// Whether the system-wide files are read again at this sample: at the first, at the
 /// last (`stopping`), and when [`SYSTEM_EVERY`] has passed since the last read.
 fn system_due(last_read: Option<Instant>, now: Instant, stopping: bool) -> bool {
@@ -1008,11 +1028,16 @@ impl Sampler {
         } else {
             self.hwm.get(&self.main).copied().unwrap_or(0)
         };
-        if main_hwm > self.max_main.total {
-            self.max_main.total = main_hwm;
-            main_method = "VmHWM (the kernel's high-water mark, reset at start)".into();
-        } else if main_hwm > 0 {
-            main_method = "VmHWM (the kernel's high-water mark, reset at start) = sampled".into();
+        match main_peak(main_hwm, self.max_main.total) {
+            MainPeak::HighWaterMark => {
+                self.max_main.total = main_hwm;
+                main_method = "VmHWM (the kernel's high-water mark, reset at start)".into();
+            }
+            MainPeak::Both => {
+                main_method =
+                    "VmHWM (the kernel's high-water mark, reset at start) = sampled".into();
+            }
+            MainPeak::Sampled => {}
         }
         let desc_hwm = self
             .hwm
@@ -1153,6 +1178,18 @@ mod running_tests {
         assert_eq!(next_tick(t0, ms(100), t0 + ms(100)), t0 + ms(100));
         // Fell behind past the next one: one interval from now, not at once.
         assert_eq!(next_tick(t0, ms(100), t0 + ms(250)), t0 + ms(350));
+    }
+
+    #[test]
+    fn the_commands_peak_is_credited_to_the_figure_that_holds_it() {
+        use super::{main_peak, MainPeak};
+        assert_eq!(main_peak(5 << 20, 4 << 20), MainPeak::HighWaterMark);
+        assert_eq!(main_peak(5 << 20, 0), MainPeak::HighWaterMark);
+        assert_eq!(main_peak(4 << 20, 4 << 20), MainPeak::Both);
+        // A mark read before the RSS grew further is not the peak, and no mark is none.
+        assert_eq!(main_peak(3 << 20, 4 << 20), MainPeak::Sampled);
+        assert_eq!(main_peak(0, 4 << 20), MainPeak::Sampled);
+        assert_eq!(main_peak(0, 0), MainPeak::Sampled);
     }
 
     #[test]
