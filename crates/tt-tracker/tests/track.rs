@@ -688,9 +688,9 @@ b = bytearray(b'1' * (256 << 20))
 // The command is reaped by `process::reap` (wait4), whose peak this test checks.
 #[allow(clippy::zombie_processes)]
 fn wait4s_peak_is_the_commands_when_it_is_the_highest() {
-    // The spike comes just before the end: between two samples, and after the last
-    // high-water mark read, as a rule. wait4's figure is the exact peak whichever way
-    // it was seen.
+    // The spike comes just before the end: the samples and high-water mark reads see
+    // it late or not at all, as a rule. The report gives at least wait4's exact peak
+    // whichever way it was seen.
     tt_testkit::hang::within(HANG, "the wait4 exact peak test", || {
         let mut command = python_child(SPIKE_AT_EXIT);
         let out = command.stdout.take().unwrap();
@@ -700,8 +700,12 @@ fn wait4s_peak_is_the_commands_when_it_is_the_highest() {
         wait_for_samples(&tracker, 3);
         command.stdin.take().unwrap().write_all(b"go\n").unwrap();
         let (reaped, usage) = stop_at_exit_with_a_256_mib_peak(tracker, command.id());
-        let r = &usage.max_ram;
-        assert_eq!(r.main.total_rss, reaped.max_rss as f64, "{r:?}");
+        let (r, peak) = (&usage.max_ram, reaped.max_rss as f64);
+        // Never below wait4's exact peak. A sample or high-water mark that caught the
+        // spike may read a little above it: the kernel's RSS counters are per-CPU and
+        // summed approximately (one CI run: 100 KiB above at 520 MiB).
+        assert!(r.main.total_rss >= peak, "wait4 said {peak}: {r:?}");
+        assert!(r.main.total_rss <= peak * 1.01, "wait4 said {peak}: {r:?}");
         assert_eq!(r.descendants.total_rss, 0.0, "{r:?}");
         assert!(r.combined.total_rss >= r.main.total_rss, "{r:?}");
     });
