@@ -455,7 +455,7 @@ impl Timeline {
                 conn, last_commit, ..
             } => insert(conn, "data", &s.row())
                 .and_then(|()| {
-                    if last_commit.elapsed().as_secs_f64() >= 1.0 {
+                    if commit_due(last_commit.elapsed()) {
                         *last_commit = Instant::now();
                         conn.execute_batch("COMMIT; BEGIN")
                     } else {
@@ -566,9 +566,32 @@ pub(crate) fn insert(
     Ok(())
 }
 
+/// How often an SQLite timeline's samples are committed: a crash loses at most the
+/// last second, and one transaction a second keeps a 10 ms interval cheap.
+#[cfg(feature = "sqlite")]
+const SQLITE_COMMIT_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Whether the samples of an SQLite timeline are committed now, `since_last` after the
+/// last commit.
+#[cfg(feature = "sqlite")]
+fn commit_due(since_last: std::time::Duration) -> bool {
+    since_last >= SQLITE_COMMIT_EVERY
+}
+
 #[cfg(test)]
 mod tests {
     use super::{csv_value, Cell};
+
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn an_sqlite_timeline_is_committed_once_a_second() {
+        use super::commit_due;
+        use std::time::Duration;
+        assert!(!commit_due(Duration::ZERO));
+        assert!(!commit_due(Duration::from_millis(999)));
+        assert!(commit_due(Duration::from_secs(1)));
+        assert!(commit_due(Duration::from_secs(30)));
+    }
 
     #[test]
     fn csv_cells_are_written_as_python_writes_them() {
