@@ -37,9 +37,11 @@ use torchtools::adaptive::{
     address_space_in_use, set_cpu_memory_limit, Adaptive, AdaptiveError, Cache, Policy,
 };
 use torchtools::ckpt::CheckpointDir;
+use torchtools::device::Bytes;
 use torchtools::dist::{launch, LaunchConfig};
 use torchtools::optim::{AdamConfig, Optimizer, SgdConfig};
 use torchtools::probe::{BoxError, ProbeContext, ProbeOptions, Step};
+use torchtools::reserve::Reservation;
 use torchtools::sampler::DistributedSampler;
 use torchtools::tch::nn;
 use torchtools::tch::{Device, Kind, Reduction, TchError, Tensor};
@@ -644,16 +646,30 @@ fn main_job(args: &Args) -> Result<()> {
                     reservation.gpus(),
                     reservation.fenced()
                 );
+                // The training processes below run on the reserved GPU, and only there
+                // (on a machine of several GPUs, `auto` would pick the freest one:
+                // never the one the fence fills).
+                std::env::set_var("CUDA_VISIBLE_DEVICES", reservation.cuda_visible_devices());
             }
-            training(args, &selection.device.to_string()).map_err(|e| e.to_string().into())
+            let device = match selection.device {
+                torchtools::device::Device::Cuda(_) if !reservation.is_empty() => "cuda:0".into(),
+                other => other.to_string(),
+            };
+            training(args, &device, reservation, plan.reserved).map_err(|e| e.to_string().into())
         },
         options,
     )?;
     Ok(())
 }
 
-/// Parts 3 to 6, under the reservation.
-fn training(args: &Args, device: &str) -> Result<()> {
+/// Parts 3 to 6, under the reservation (`reserved`: the bytes its fence leaves free,
+/// when it holds a GPU).
+fn training(
+    args: &Args,
+    device: &str,
+    reservation: &mut Reservation,
+    reserved: Option<Bytes>,
+) -> Result<()> {
     let (samples, epochs, every) = args.size();
     let per_epoch = samples.div_ceil(BATCH as u64);
     // Killed in the second epoch, after a checkpoint, steps after it lost.
@@ -695,9 +711,15 @@ fn training(args: &Args, device: &str) -> Result<()> {
     let mut ddp_args: Vec<std::ffi::OsString> =
         args.forward().into_iter().map(Into::into).collect();
     ddp_args.extend(["--role".into(), "ddp".into()]);
-    if torchtools::tch::Cuda::device_count() < 2 {
-        // Two ranks on one GPU is not what NCCL supports: both runs use the CPU (Gloo).
-        std::env::set_var("TORCHTOOLS_DEVICE", "cpu");
+    if let Some(bytes) = reserved {
+        // The fence was sized for one training process; the second rank needs as much
+        // again, so the reservation hands that much back (the Python torchtools'
+        // release of reserved memory). Both ranks share the reserved GPU, with Gloo:
+        // NCCL needs a GPU per rank.
+        let freed = reservation.release_fence(bytes)?;
+        println!(
+            "  the fence hands back {freed} for the second rank; both ranks on {device} (Gloo)"
+        );
     }
     let single = Command::new(&exe)
         .args(&ddp_args)
@@ -719,7 +741,7 @@ fn training(args: &Args, device: &str) -> Result<()> {
     if diff > 1e-5 {
         return Err(format!("2 ranks end {diff:e} away from one process").into());
     }
-    println!("  check: 2 ranks x {} samples end where 1 process x {BATCH} does (largest difference {diff:.1e})", BATCH / 2);
+    println!("  check: 2 ranks on {device} x {} samples end where 1 process x {BATCH} does (largest difference {diff:.1e})", BATCH / 2);
 
     heading(6, "summary");
     let losses = &reference.losses;

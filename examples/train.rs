@@ -65,15 +65,15 @@ fn batch(ctx: &StepContext<'_>) -> Result<(Tensor, Tensor), TchError> {
 }
 
 fn run() -> Result<ExitCode, Box<dyn Error>> {
+    // full, bf16 or fp16
+    let precision =
+        std::env::var("TORCHTOOLS_TRAIN_PRECISION").unwrap_or_else(|_| "full".to_owned());
     let mut config = TrainConfig::new(SAMPLES, 32, epochs()?)
         .seed(1)
         .accumulate(2)
         .clip_grad_norm(1.0)
         .evaluate(20, HELD_OUT, 64)
-        .precision(match std::env::var("TORCHTOOLS_TRAIN_PRECISION") {
-            Ok(p) => p.parse()?, // full, bf16 or fp16
-            Err(_) => Precision::Full,
-        });
+        .precision(precision.parse::<Precision>()?);
     config.log_every = 20;
     if let Some(dir) = std::env::var_os("TORCHTOOLS_TRAIN_CKPT") {
         config = config.checkpoints(dir, 20);
@@ -113,10 +113,12 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
             ..Default::default()
         },
     )?;
+    // The dtype the forward pass ran in (under autocast for bf16 and fp16), once.
+    let forward_kind = std::sync::OnceLock::new();
     let loss = |(x, y): (Tensor, Tensor)| {
-        net.forward(&x)
-            .to_kind(Kind::Float)
-            .f_mse_loss(&y, Reduction::Mean)
+        let out = net.forward(&x);
+        forward_kind.get_or_init(|| out.kind());
+        out.to_kind(Kind::Float).f_mse_loss(&y, Reduction::Mean)
     };
     // Batches from `batch` on a loader thread; the same loss held out, without gradients.
     let report = trainer.fit_eval_prefetched(
@@ -127,6 +129,16 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
         |ctx| loss(batch(ctx)?),
     )?;
     if main {
+        let kind = forward_kind
+            .get()
+            .map_or("-".to_owned(), |k| format!("{k:?}"));
+        println!("precision {precision}: forward in {kind}");
+        if let Some(scale) = report.loss_scale {
+            println!(
+                "loss scale {scale}, {} steps skipped (gradients not finite)",
+                report.skipped_steps
+            );
+        }
         if let Some((step, eval)) = report.best {
             println!("best held-out loss {eval:.5} at step {step}");
         }

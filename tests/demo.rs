@@ -77,7 +77,7 @@ fn the_demo_runs_its_six_parts_and_their_checks_from_any_directory() {
         "{stdout}"
     );
     assert!(
-        stdout.contains("2 ranks x 1024 samples end where 1 process x 2048 does"),
+        stdout.contains("2 ranks on cpu x 1024 samples end where 1 process x 2048 does"),
         "{stdout}"
     );
     if !stdout.contains("on cuda") {

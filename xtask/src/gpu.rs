@@ -96,79 +96,106 @@ fn strip_into(src: &Path, dst: &Path) -> Result<()> {
     }
 }
 
-const RUN_SH: &str = r#"#!/usr/bin/env bash
-# GPU tests of torchtools, built by `cargo xtask test-gpu --bundle`. Needs a machine with
-# an NVIDIA GPU and PyTorch 2.11 installed (no Rust): libtorch is found through Python's
-# torch (set PYTHON to choose the interpreter). Exit status: 0 only if every test passed
-# and at least one ran. `run.sh --bench` runs the GPU benchmarks instead.
-set -u
-here=$(cd "$(dirname "$0")" && pwd)
-py=${PYTHON:-python3}
-# The tests' reference Python (tt-testkit reads it; they fail, never guess, without it).
-export TORCHTOOLS_PYTHON="$(command -v "$py" || echo "$py")"
-torch_lib=$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null) || {
-  echo "run.sh: '$py' cannot import torch: install PyTorch 2.11 or set PYTHON" >&2; exit 1; }
-export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export TORCHTOOLS_BIN="$here/bin/torchtools"
-if [ "${1:-}" = "--bench" ]; then
-  # The probe's estimate against a real run's peak is the probe test's own figure.
-  "$here/bin/tt-probe-gpu" --exact the_estimate_is_within_10_percent_above_a_real_runs_peak \
-    --nocapture 2>&1 | grep -E 'estimate .* vs real' | sed 's/^/probe: /'
-  exec "$here/bin/gpu_bench"
-fi
-pass=0; fail=0; rows=""
-for t in "$here"/bin/*-gpu; do
-  name=$(basename "$t")
-  start=$(date +%s.%N)
-  out=$("$t" --test-threads=1 --show-output 2>&1); rc=$?
-  secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN { printf "%.2f", e - s }')
-  echo "$out"
-  line=$(echo "$out" | grep -E '^test result:' | tail -1)
-  p=$(echo "$line" | sed -nE 's/.* ([0-9]+) passed.*/\1/p'); f=$(echo "$line" | sed -nE 's/.* ([0-9]+) failed.*/\1/p')
-  p=${p:-0}; f=${f:-0}; [ "$rc" -ne 0 ] && [ "$f" -eq 0 ] && f=1
-  pass=$((pass + p)); fail=$((fail + f))
-  rows="$rows$(printf '%-28s %6s %6s %8s' "$name" "$p" "$f" "$secs")\n"
-done
-# Whole programs on the GPU, one row each (passed 1 when the program exits 0 and prints
-# the line expected of it): the main job, and the unified trainer under `torchtools
-# launch` with one rank (NCCL) and two ranks on one GPU (Gloo: NCCL refuses two ranks
-# on one GPU).
-work=$(mktemp -d)
-program() {
-  name=$1; expect=$2; shift 2
-  start=$(date +%s.%N)
-  echo "== $name: $*"
-  out=$("$@" 2>&1); rc=$?
-  echo "$out"
-  secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN { printf "%.2f", e - s }')
-  p=1; f=0
-  if [ "$rc" -ne 0 ]; then p=0; f=1; echo "$name: exit status $rc"
-  elif ! echo "$out" | grep -qE "$expect"; then p=0; f=1; echo "$name: no line matches '$expect'"; fi
-  pass=$((pass + p)); fail=$((fail + f))
-  rows="$rows$(printf '%-28s %6s %6s %8s' "$name" "$p" "$f" "$secs")\n"
+/// The bundle's `run.sh`, with its expected list and programs filled in.
+const RUN_SH: &str = include_str!("run.sh");
+
+/// A whole program that `run.sh` runs on the GPU: one row, passed when `command` exits
+/// 0 and every pattern of `expect` (an extended regular expression) matches a line of
+/// its output. `command` is shell text; `$here` is the bundle, `$work` a scratch folder.
+pub(crate) struct Program {
+    pub(crate) name: &'static str,
+    pub(crate) expect: &'static [&'static str],
+    pub(crate) command: &'static str,
 }
-program demo 'selected +cuda:0' "$here/bin/demo" --out "$work/demo"
-program "train (launch 1, NCCL)" 'on Cuda\(0\), nccl backend' env TORCHTOOLS_TRAIN_EPOCHS=2 \
-  "$here/bin/torchtools" launch --nproc-per-node 1 -- "$here/bin/train"
-program "train (launch 2, 1 GPU)" 'on Cuda\(0\), gloo backend' env TORCHTOOLS_TRAIN_EPOCHS=2 \
-  "$here/bin/torchtools" launch --nproc-per-node 2 -- "$here/bin/train"
-program "train (bf16, 1 GPU)" 'best held-out loss' env TORCHTOOLS_TRAIN_EPOCHS=1 \
-  TORCHTOOLS_TRAIN_PRECISION=bf16 "$here/bin/train"
-program "train (fp16, launch 1)" 'best held-out loss' env TORCHTOOLS_TRAIN_EPOCHS=1 \
-  TORCHTOOLS_TRAIN_PRECISION=fp16 "$here/bin/torchtools" launch --nproc-per-node 1 -- "$here/bin/train"
-program "torchtools devices" 'cuda:0 +nvml 0 +GPU-' "$here/bin/torchtools" devices
-rm -rf "$work"
-echo; printf '%-28s %6s %6s %8s\n' "binary" "passed" "failed" "seconds"; printf "$rows"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
-echo "gpu-tests: $pass passed, $fail failed"
-[ "$fail" -eq 0 ] && [ "$pass" -gt 0 ]
-"#;
+
+/// The programs of the GPU bundle, in the order `run.sh` runs them.
+pub(crate) const PROGRAMS: &[Program] = &[
+    Program {
+        name: "demo",
+        expect: &[
+            "selected +cuda:0",
+            "batches of [0-9]+, [0-9]+ epochs on cuda:0",
+            "reserved: \\[.*\\], fenced [1-9]",
+            "held by pid [0-9]+",
+            "probe of one training step \\(batch [0-9]+\\) in a fresh process, then: .*[1-9][0-9.]* [KMG]iB",
+            "check: the resumed run's parameters are bit for bit",
+            "check: 2 ranks on cuda:0 x [0-9]+ samples end where 1 process",
+        ],
+        command: "\"$here/bin/demo\" --out \"$work/demo\"",
+    },
+    Program {
+        name: "train (launch 1, NCCL)",
+        expect: &[
+            "on Cuda\\(0\\), nccl backend",
+            "precision full: forward in Float",
+            "finished: [0-9]+ steps",
+        ],
+        command: "env TORCHTOOLS_TRAIN_EPOCHS=2 \"$here/bin/torchtools\" launch --nproc-per-node 1 -- \"$here/bin/train\"",
+    },
+    Program {
+        name: "train (launch 2, 1 GPU)",
+        expect: &["on Cuda\\(0\\), gloo backend", "finished: [0-9]+ steps"],
+        command: "env TORCHTOOLS_TRAIN_EPOCHS=2 \"$here/bin/torchtools\" launch --nproc-per-node 2 -- \"$here/bin/train\"",
+    },
+    Program {
+        name: "train (bf16, 1 GPU)",
+        expect: &[
+            "on Cuda\\(0\\), one process",
+            "precision bf16: forward in BFloat16",
+            "best held-out loss [0-9]+\\.[0-9]+ at step",
+        ],
+        command: "env TORCHTOOLS_TRAIN_EPOCHS=1 TORCHTOOLS_TRAIN_PRECISION=bf16 \"$here/bin/train\"",
+    },
+    Program {
+        name: "train (fp16, launch 1)",
+        expect: &[
+            "on Cuda\\(0\\), nccl backend",
+            "precision fp16: forward in Half",
+            "loss scale [0-9]+(\\.[0-9]+)?, [0-9]+ steps skipped",
+            "best held-out loss [0-9]+\\.[0-9]+ at step",
+        ],
+        command: "env TORCHTOOLS_TRAIN_EPOCHS=1 TORCHTOOLS_TRAIN_PRECISION=fp16 \"$here/bin/torchtools\" launch --nproc-per-node 1 -- \"$here/bin/train\"",
+    },
+    Program {
+        name: "torchtools devices",
+        expect: &["cuda:0 +nvml 0 +GPU-"],
+        command: "\"$here/bin/torchtools\" devices",
+    },
+];
+
+/// `s` as one single-quoted shell word.
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// `run.sh` with the expected test binaries (`NAME-gpu MINIMUM`) and the programs.
+pub(crate) fn render_run_sh() -> String {
+    let expected: Vec<String> = GPU_CRATES
+        .iter()
+        .map(|(krate, minimum)| format!("{krate}-gpu {minimum}"))
+        .collect();
+    let programs: Vec<String> = PROGRAMS
+        .iter()
+        .map(|p| {
+            let patterns: Vec<String> = p.expect.iter().map(|e| shell_quote(e)).collect();
+            format!(
+                "program {} {} -- {}",
+                shell_quote(p.name),
+                patterns.join(" "),
+                p.command
+            )
+        })
+        .collect();
+    RUN_SH
+        .replace("__EXPECTED__", &expected.join("\n"))
+        .replace("__PROGRAMS__", &programs.join("\n"))
+}
 
 pub(crate) fn bundle(dir: &Path) -> Result<()> {
     crate::setup::setup()?;
     let bin = dir.join("bin");
     fs::create_dir_all(&bin).with_context(|| format!("cannot create {}", bin.display()))?;
-    for krate in GPU_CRATES {
+    for (krate, _) in GPU_CRATES {
         let exes = built_executables(&gpu_test_args(
             krate,
             &["--no-run", "--message-format=json"],
@@ -211,7 +238,7 @@ pub(crate) fn bundle(dir: &Path) -> Result<()> {
         )?;
     }
     let run_sh = dir.join("run.sh");
-    fs::write(&run_sh, RUN_SH)?;
+    fs::write(&run_sh, render_run_sh())?;
     fs::set_permissions(&run_sh, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
     let mut size = 0;
     for entry in fs::read_dir(&bin)?.flatten() {
@@ -228,4 +255,193 @@ pub(crate) fn bundle(dir: &Path) -> Result<()> {
         bail!("the bundle is {size} bytes, over the 64 MiB that travels to the GPU machine");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// Lines the programs really printed on the GPU (H200, November 2026): the fake
+    /// programs print them, so each row's patterns are checked against real output.
+    const REAL_OUTPUT: &str = "\
+  selected     cuda:0 (auto: CUDA is usable; one GPU is visible)
+probe of one training step (batch 2048) in a fresh process, then: 956.00 MiB reserved for training; probe: probe on cuda:0 (GPU-b56fe413-9f6c-3fc6-b146-5045d37d753a): GPU memory, peak 896.00 MiB
+  0  NVIDIA H200  GPU-b56fe413-9f6c-3fc6-b146-5045d37d753a: held by pid 1048 (root@vm) since 2026-11-25 15:22:45 UTC, reserving 956.00 MiB, fencing 138.30 GiB: demo
+reserved: [ReservedGpu { key: Uuid(\"GPU-b56fe413-9f6c-3fc6-b146-5045d37d753a\"), ordinal: Some(0), fenced: Bytes(148502609920) }], fenced 138.30 GiB
+16384 samples, batches of 2048, 3 epochs on cuda:0; Adam (tt-optim); checkpoint every 3 steps; tracker every 100 ms
+  check: the resumed run's parameters are bit for bit the uninterrupted run's (checksum ebb11ef3760a0aeb)
+  check: 2 ranks on cuda:0 x 1024 samples end where 1 process x 2048 does (largest difference 1.9e-8)
+[rank0]: rank 0 of 1 (local rank 0), rendezvous 127.0.0.1:46629 (torchrun variables) on Cuda(0), nccl backend
+[rank0]: rank 0 of 2 (local rank 0), rendezvous 127.0.0.1:39001 (torchrun variables) on Cuda(0), gloo backend
+single process (no RANK / WORLD_SIZE / SLURM_PROCID set) on Cuda(0), one process
+[rank0]: precision full: forward in Float
+precision bf16: forward in BFloat16
+[rank0]: precision fp16: forward in Half
+[rank0]: loss scale 65536, 0 steps skipped (gradients not finite)
+[rank0]: best held-out loss 0.00388 at step 128
+[rank0]: finished: 128 steps
+  GPUs         cuda:0  nvml 0  GPU-b56fe413-9f6c-3fc6-b146-5045d37d753a  NVIDIA H200  140.40 GiB total
+";
+
+    fn script(path: &Path, body: &str) {
+        fs::write(path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        fs::set_permissions(path, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    /// A bundle whose test binaries pass their minimum (unless `binary` says otherwise
+    /// for one: its script body, or `None` to leave it out) and whose programs print
+    /// `programs`; `run.sh`'s exit status and output.
+    fn run_fake(binary: Option<(&str, Option<&str>)>, programs: &str) -> (i32, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("bin");
+        fs::create_dir(&bin).unwrap();
+        fs::write(dir.path().join("run.sh"), render_run_sh()).unwrap();
+        // run.sh asks Python where torch's libraries are; any answer will do here.
+        script(&dir.path().join("python"), "echo /nonexistent");
+        for (krate, minimum) in GPU_CRATES {
+            let name = format!("{krate}-gpu");
+            let body = match binary {
+                Some((b, body)) if b == name => body.map(str::to_owned),
+                _ => Some(format!(
+                    "echo 'test result: ok. {minimum} passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'"
+                )),
+            };
+            if let Some(body) = body {
+                script(&bin.join(&name), &body);
+            }
+        }
+        if let Some((b, Some(body))) = binary {
+            if !bin.join(b).exists() {
+                script(&bin.join(b), body);
+            }
+        }
+        fs::write(dir.path().join("programs.txt"), programs).unwrap();
+        let cat = format!("cat '{}'", dir.path().join("programs.txt").display());
+        for program in ["demo", "train", "torchtools"] {
+            script(&bin.join(program), &cat);
+        }
+        let out = Command::new("bash")
+            .arg(dir.path().join("run.sh"))
+            .env("PYTHON", dir.path().join("python"))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.code().unwrap_or(-1), text)
+    }
+
+    fn total_minimum() -> u32 {
+        GPU_CRATES.iter().map(|(_, m)| m).sum()
+    }
+
+    #[test]
+    fn every_row_passing_its_minimum_passes_and_the_patterns_match_real_output() {
+        let (code, out) = run_fake(None, REAL_OUTPUT);
+        assert_eq!(code, 0, "{out}");
+        let want = format!(
+            "gpu-tests: {} tests and {} programs passed, 0 not run, 0 rows failed",
+            total_minimum(),
+            PROGRAMS.len()
+        );
+        assert!(out.contains(&want), "{out}");
+    }
+
+    #[test]
+    fn a_binary_below_its_minimum_or_missing_fails_the_run() {
+        let zero =
+            "echo 'test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'";
+        let (code, out) = run_fake(Some(("tt-dist-gpu", Some(zero))), REAL_OUTPUT);
+        assert_eq!(code, 1, "{out}");
+        assert!(
+            out.contains("tt-dist-gpu: 0 passed, fewer than its minimum"),
+            "{out}"
+        );
+        let (code, out) = run_fake(Some(("tt-sys-gpu", None)), REAL_OUTPUT);
+        assert_eq!(code, 1, "{out}");
+        assert!(out.contains("tt-sys-gpu: missing from the bundle"), "{out}");
+        // A failed test, though the count reads high.
+        let failed = "echo 'test result: FAILED. 9 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out'; exit 101";
+        let (code, out) = run_fake(Some(("tt-ckpt-gpu", Some(failed))), REAL_OUTPUT);
+        assert_eq!(code, 1, "{out}");
+        assert!(
+            out.contains("tt-ckpt-gpu: 1 failed (exit status 101)"),
+            "{out}"
+        );
+        // A binary that dies before its summary line.
+        let (code, out) = run_fake(Some(("tt-fence-gpu", Some("exit 134"))), REAL_OUTPUT);
+        assert_eq!(code, 1, "{out}");
+        assert!(
+            out.contains("tt-fence-gpu: 1 failed (exit status 134)"),
+            "{out}"
+        );
+    }
+
+    #[test]
+    fn a_test_not_run_here_is_counted_apart_never_as_passed() {
+        let (_, minimum) = GPU_CRATES
+            .iter()
+            .find(|(k, _)| *k == "tt-dist")
+            .copied()
+            .unwrap();
+        // libtest counts the returned test as passed; run.sh takes it back out.
+        let body = format!(
+            "echo '@@not-run two_nccl_ranks: two NCCL ranks need two GPUs; this machine has 1'\n\
+             echo 'test result: ok. {} passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'",
+            minimum + 1
+        );
+        let (code, out) = run_fake(Some(("tt-dist-gpu", Some(&body))), REAL_OUTPUT);
+        assert_eq!(code, 0, "{out}");
+        assert!(
+            out.contains("  tt-dist-gpu: two_nccl_ranks: two NCCL ranks need two GPUs"),
+            "{out}"
+        );
+        assert!(
+            out.contains(&format!(
+                "gpu-tests: {} tests and {} programs passed, 1 not run, 0 rows failed",
+                total_minimum(),
+                PROGRAMS.len()
+            )),
+            "{out}"
+        );
+        // At exactly the minimum, a test not run leaves the binary below it.
+        let body = format!(
+            "echo '@@not-run two_nccl_ranks: one GPU'\n\
+             echo 'test result: ok. {minimum} passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'"
+        );
+        let (code, out) = run_fake(Some(("tt-dist-gpu", Some(&body))), REAL_OUTPUT);
+        assert_eq!(code, 1, "{out}");
+        assert!(out.contains("fewer than its minimum"), "{out}");
+    }
+
+    #[test]
+    fn a_binary_outside_the_list_and_a_program_missing_a_line_fail_the_run() {
+        let ok =
+            "echo 'test result: ok. 3 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'";
+        let (code, out) = run_fake(Some(("tt-new-gpu", Some(ok))), REAL_OUTPUT);
+        assert_eq!(code, 1, "{out}");
+        assert!(
+            out.contains("tt-new-gpu: not in run.sh's expected list"),
+            "{out}"
+        );
+        // The bf16 row without its dtype line (a run that did not use autocast).
+        let without: String = REAL_OUTPUT
+            .lines()
+            .filter(|l| !l.contains("BFloat16"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let (code, out) = run_fake(None, &without);
+        assert_eq!(code, 1, "{out}");
+        assert!(
+            out.contains(
+                "train (bf16, 1 GPU): no line matches 'precision bf16: forward in BFloat16'"
+            ),
+            "{out}"
+        );
+        // A NaN evaluation is not a best held-out loss.
+        let nan = REAL_OUTPUT.replace("loss 0.00388", "loss NaN");
+        let (code, out) = run_fake(None, &nan);
+        assert_eq!(code, 1, "{out}");
+        assert!(out.contains("no line matches 'best held-out loss"), "{out}");
+    }
 }

@@ -87,7 +87,140 @@ fn probe_of_a_python_command_sees_its_2_gib_on_cuda() {
     );
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(json["memory"], "gpu", "{json}");
-    assert!(json["nvml_peak"].as_u64().unwrap() >= 2 << 30, "{json}");
+    // The command's own memory: its 2 GiB and PyTorch's CUDA context (under 1.5 GiB),
+    // not the whole GPU's use.
+    let peak = json["nvml_peak"].as_u64().unwrap();
+    assert!(
+        (2 << 30..(7 << 29)).contains(&peak),
+        "peak {peak} bytes: {json}"
+    );
+}
+
+/// A Python command holding 2 GiB on the GPU and computing for about a second.
+const PY_GPU_WORK: &str = "import torch, time, sys\n\
+    x = torch.ones(2 << 30, dtype=torch.uint8, device='cuda')\n\
+    a = torch.randn(4096, 4096, device='cuda')\n\
+    t = time.time()\n\
+    while time.time() - t < 1.0:\n\
+    \x20   a = (a @ a).clamp_(-1, 1)\n\
+    torch.cuda.synchronize()\n\
+    print('ready', flush=True)\n\
+    sys.stdin.read()\n";
+
+#[test]
+fn track_reports_the_commands_gpu_memory_and_use() {
+    require_gpu();
+    let python = tt_testkit::python_path();
+    let tmp = tempfile::tempdir().unwrap();
+    let report = tmp.path().join("report.json");
+    // The report to a file: the command's own output shares stdout.
+    let out = torchtools()
+        .args([
+            "track",
+            "--format",
+            "json",
+            "--gru",
+            "bytes",
+            "--interval",
+            "50ms",
+        ])
+        .arg("--output")
+        .arg(&report)
+        .args(["--", python.as_str(), "-c", PY_GPU_WORK])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&report).unwrap();
+    let r: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    let gpu_ram = &r["max_gpu_ram"];
+    let main = gpu_ram["main"].as_f64().unwrap_or(0.0);
+    // The command's 2 GiB and its CUDA context, not the whole GPU.
+    assert!(
+        ((2u64 << 30) as f64..(7u64 << 29) as f64).contains(&main),
+        "main GPU RAM {main}: {r}"
+    );
+    assert!(gpu_ram["system"].as_f64().unwrap_or(0.0) >= main, "{r}");
+    let busy = r["gpu_utilization"]["gpu_percentages"]["max_sum_percent"]
+        .as_f64()
+        .unwrap_or(0.0);
+    assert!(busy > 0.0, "a second of matrix products, no GPU use: {r}");
+}
+
+#[test]
+fn top_shows_the_gpu_its_holder_and_the_process_inside_the_reservation() {
+    let uuid = require_gpu();
+    let tmp = tempfile::tempdir().unwrap();
+    let python = tt_testkit::python_path();
+    let mut holder = torchtools()
+        .env("TORCHTOOLS_LOCK_DIR", tmp.path())
+        .args([
+            "reserve",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            &python,
+            "-c",
+            PY_GPU_WORK,
+        ])
+        .env_remove("PYTHONUNBUFFERED")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tt_testkit::wait_for_line(
+        holder.stdout.take().unwrap(),
+        "ready",
+        std::time::Duration::from_secs(120),
+    );
+    let top = |args: &[&str]| {
+        let out = torchtools()
+            .env("TORCHTOOLS_LOCK_DIR", tmp.path())
+            .env("COLUMNS", "200")
+            .args(["top"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let json: serde_json::Value = serde_json::from_str(&top(&["--json"])).unwrap();
+    let once = top(&["--once"]);
+    drop(holder.stdin.take());
+    assert!(holder.wait().unwrap().success());
+
+    assert_eq!(json["nvml"]["status"], "available", "{json}");
+    let gpus = json["gpus"].as_array().unwrap();
+    let gpu = gpus
+        .iter()
+        .find(|g| g["index"] == 0)
+        .unwrap_or_else(|| panic!("no GPU 0: {json}"));
+    let used = gpu["used"].as_u64().unwrap_or(0);
+    assert!(used >= 2 << 30, "GPU 0 uses {used} bytes: {gpu}");
+    assert!(gpu["total"].as_u64().unwrap_or(0) > used, "{gpu}");
+    assert!(!gpu["holder"].is_null(), "the reservation's holder: {gpu}");
+    let procs = gpu["processes"].as_array().unwrap();
+    let worker = procs
+        .iter()
+        .find(|p| p["used"].as_u64().unwrap_or(0) >= 2 << 30)
+        .unwrap_or_else(|| panic!("the Python process is not listed: {gpu}"));
+    assert_eq!(worker["in_reservation"], true, "{worker}");
+    assert!(
+        worker["command"].as_str().unwrap_or("").contains("python"),
+        "{worker}"
+    );
+    let name = gpu["name"].as_str().unwrap();
+    assert!(
+        once.contains(name),
+        "top --once does not show {name}:\n{once}"
+    );
+    println!("{uuid}: {once}");
 }
 
 #[test]

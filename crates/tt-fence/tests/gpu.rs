@@ -75,9 +75,24 @@ fn fence_leaves_the_requested_bytes_free_and_lowering_gives_them_back() {
 fn a_fence_by_uuid_is_the_same_gpu() {
     require_gpu();
     let uuid = CudaDriver::init().unwrap().uuid(0).unwrap();
-    let fence = Fence::raise_on_uuid(&uuid, &FenceOptions::keep_free(Bytes::gib(8))).unwrap();
+    let mut fence = Fence::raise_on_uuid(&uuid, &FenceOptions::keep_free(Bytes::gib(8))).unwrap();
     assert_eq!(fence.report().ordinal, 0);
     assert_eq!(fence.report().uuid, uuid);
+    // The fence holds that GPU's memory: 8 GiB and the margin left free there.
+    let free = nvml_free(&uuid);
+    let expected = Bytes::gib(8).0 + DEFAULT_SAFETY_MARGIN.0;
+    assert!(
+        close(free, expected, SLACK),
+        "free with the fence by UUID up: {} (expected {} ± {})",
+        Bytes(free),
+        Bytes(expected),
+        Bytes(SLACK)
+    );
+    fence.lower().unwrap();
+    assert!(
+        nvml_free(&uuid) > free + (4 << 30),
+        "lowered, the memory is back"
+    );
     // A UUID of no GPU here is an error that names it, not a fence on some other GPU.
     let stranger = "GPU-00000000-1111-2222-3333-444444444444";
     let Err(err) = Fence::raise_on_uuid(stranger, &FenceOptions::keep_free(Bytes::gib(8))) else {

@@ -167,3 +167,101 @@ fn a_model_larger_than_the_gpu_is_reported_as_out_of_memory() {
         other => panic!("a 90 GB layer: {other:?}"),
     }
 }
+
+/// NVML's free memory on the GPU `uuid`.
+fn nvml_free(uuid: &str) -> u64 {
+    tt_device::Inventory::query()
+        .gpus
+        .iter()
+        .find(|g| g.uuid.eq_ignore_ascii_case(uuid))
+        .expect("NVML lists the reserved GPU")
+        .free
+        .0
+}
+
+/// The Python torchtools' `run_training_with_reservation` on the GPU: the probe's
+/// estimate becomes the reservation, whose lock is held (by this process) and whose
+/// fence leaves that much free while training runs; both are gone afterwards.
+#[test]
+fn run_training_with_reservation_reserves_the_probes_estimate_on_the_gpu() {
+    tt_sys::require_cuda();
+    let locks = tempfile::tempdir().unwrap();
+    std::env::set_var("TORCHTOOLS_LOCK_DIR", locks.path());
+    let options = tt_probe::RunOptions {
+        probe: Some((
+            "medium".into(),
+            ProbeOptions {
+                device: Some("cuda:0".into()),
+                steps: 3,
+                ..ProbeOptions::in_test("probe_child")
+            },
+        )),
+        ..tt_probe::RunOptions::default()
+    };
+    let uuid = tt_device::CudaDriver::init().unwrap().uuid(0).unwrap();
+    let free_before = nvml_free(&uuid);
+    let me = std::process::id();
+    let seen = tt_probe::run_training_with_reservation(
+        |reservation, plan| -> Result<(u64, u64), BoxError> {
+            let report = plan.probe.as_ref().expect("the probe ran");
+            let estimate = report.estimate(&EstimatePolicy::default());
+            assert_eq!(plan.reserved, Some(estimate), "{plan}");
+            assert!(estimate.0 > 1 << 28, "{plan}");
+            let gpu = &reservation.gpus()[0];
+            assert_eq!(gpu.ordinal, Some(0));
+            assert!(reservation.fenced().0 > 0);
+            let dir = tt_lock::LockDir::from_env().unwrap();
+            let states = dir.status(&tt_device::Inventory::query()).unwrap();
+            let held = states
+                .iter()
+                .find(|s| s.held)
+                .unwrap_or_else(|| panic!("no lock held: {states:?}"));
+            assert_eq!(held.holder.as_ref().map(|h| h.pid), Some(me), "{held}");
+            // The fence leaves the estimate (and the margin) free: training fits in it.
+            let free = nvml_free(&uuid);
+            println!("{plan}; {free} bytes free with the fence up");
+            train_medium_briefly()?;
+            Ok((estimate.0, free))
+        },
+        options,
+    )
+    .unwrap();
+    let (estimate, free_during) = seen;
+    let margin = tt_fence::DEFAULT_SAFETY_MARGIN.0;
+    assert!(
+        free_during.abs_diff(estimate + margin) < 512 << 20,
+        "{free_during} free, the estimate {estimate} and margin {margin} expected"
+    );
+    // Released: the lock is free, the fence is down (this process's CUDA context and
+    // cached blocks from training stay).
+    let dir = tt_lock::LockDir::from_env().unwrap();
+    let states = dir.status(&tt_device::Inventory::query()).unwrap();
+    assert!(states.iter().all(|s| !s.held), "{states:?}");
+    tt_sys::empty_cache().unwrap();
+    let free_after = nvml_free(&uuid);
+    assert!(
+        free_after + (2 << 30) > free_before,
+        "after: {free_after}, before: {free_before}"
+    );
+}
+
+/// A few steps of the medium model on cuda:0 in this process.
+fn train_medium_briefly() -> Result<(), BoxError> {
+    let dev = Device::Cuda(0);
+    let vs = nn::VarStore::new(dev);
+    let p = vs.root();
+    let model = nn::seq_t()
+        .add(nn::linear(&p / "l1", 1024, 8192, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&p / "l2", 8192, 8192, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&p / "l3", 8192, 10, Default::default()));
+    let mut opt = Optimizer::new(&vs, Algorithm::Adam(AdamConfig::adam()), Schedule::Constant)?;
+    for _ in 0..3 {
+        let x = Tensor::f_randn([512, 1024], (Kind::Float, dev))?;
+        let y = Tensor::f_randint(10, [512], (Kind::Int64, dev))?;
+        let loss = model.forward_t(&x, true).cross_entropy_for_logits(&y);
+        opt.backward_step(&loss)?;
+    }
+    Ok(())
+}

@@ -173,3 +173,37 @@ fn asking_libtorch_about_cuda_first_in_main_still_finds_the_gpu() {
         "{line}"
     );
 }
+
+/// `torch.autocast("cuda", dtype)`: matrix products on CUDA run in the autocast dtype
+/// inside the region, precision-sensitive operations (log-softmax) in float32, and
+/// everything is float32 again outside; a CPU region leaves CUDA alone.
+#[test]
+fn autocast_runs_cuda_matmuls_in_bf16_and_fp16_and_stops_outside() {
+    tt_sys::require_cuda();
+    let dev = Device::Cuda(0);
+    tch::manual_seed(0);
+    let a = Tensor::randn([64, 64], (Kind::Float, dev));
+    let full = a.matmul(&a);
+    for dtype in [Kind::BFloat16, Kind::Half] {
+        let (product, sensitive) = tt_sys::autocast(dev, dtype, || {
+            let p = a.matmul(&a);
+            let s = p.log_softmax(-1, None::<Kind>);
+            (p, s)
+        })
+        .unwrap();
+        assert_eq!(product.kind(), dtype, "a matmul inside autocast({dtype:?})");
+        assert_eq!(product.device(), dev);
+        assert_eq!(sensitive.kind(), Kind::Float, "log_softmax stays float32");
+        // The product is the float32 one, to the dtype's precision.
+        let rel = ((product.to_kind(Kind::Float) - &full).abs().max() / full.abs().max())
+            .double_value(&[]);
+        assert!(
+            rel > 0.0 && rel < 2e-2,
+            "{dtype:?}: relative difference {rel}"
+        );
+        assert_eq!(a.matmul(&a).kind(), Kind::Float, "autocast left on");
+    }
+    // A CPU region is the CPU's: CUDA products stay float32 in it.
+    let on_cuda = tt_sys::autocast(Device::Cpu, Kind::BFloat16, || a.matmul(&a)).unwrap();
+    assert_eq!(on_cuda.kind(), Kind::Float);
+}

@@ -177,6 +177,17 @@ impl Selection {
     }
 }
 
+/// Reports the calling GPU test as not run on this machine, with `why` (two GPUs
+/// needed on a one-GPU machine, MIG without a MIG device): prints
+/// `@@not-run TEST: WHY`, which the GPU bundle's `run.sh` counts apart, never as
+/// passed. The test returns right after. `TEST` is the test's thread name (libtest
+/// names each test's thread after it).
+pub fn not_run(why: &str) {
+    let thread = std::thread::current();
+    let name = thread.name().unwrap_or("test");
+    println!("@@not-run {name}: {why}");
+}
+
 /// Runs the selected `tests` (see [`Selection`]) one after the other, printing libtest's
 /// lines (`test NAME ... ok`, `test result: ok. N passed; M failed`), and exits
 /// non-zero when one failed.

@@ -978,7 +978,8 @@ impl Trainer {
         self.pg.all_reduce(&both, ReduceOp::Sum)?;
         let value = both.double_value(&[0]) / both.double_value(&[1]).max(1.0);
         run.evals.push((steps, value));
-        let improved = run.best.is_none_or(|(_, b)| value < b);
+        // A NaN evaluation (a diverged run) is never the best, even the first one.
+        let improved = !value.is_nan() && run.best.is_none_or(|(_, b)| value < b);
         if self.pg.is_main() {
             run.say(|| {
                 tracing::info!(step = steps, epoch, eval = value, improved, "evaluation");
