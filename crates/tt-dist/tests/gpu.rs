@@ -10,6 +10,7 @@
 //! views of its bucket; an unused parameter fails the next step). The two-rank NCCL
 //! test needs two GPUs; on a one-GPU machine it reports itself not run (`@@not-run`),
 //! which the bundle's `run.sh` never counts as passed.
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::time::Duration;
 

@@ -1016,6 +1016,33 @@ fn best_checkpoint() -> TestResult {
             best_steps(&ckpt)?
         ));
     }
+    // A NaN evaluation (a diverged model) is never the best, even as the first one.
+    let mut cfg = TrainConfig::new(64, 4, 1).evaluate(4, 64..72, 4);
+    cfg.handle_signals = false;
+    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+    let nan_first = trainer
+        .fit_eval(
+            &mut vs,
+            &mut opt,
+            |ctx| {
+                let (x, y) = sample(ctx.indices, ctx.device);
+                Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+            },
+            |ctx| {
+                Ok(Tensor::from(if ctx.step == 4 {
+                    f64::NAN
+                } else {
+                    ctx.step as f64
+                }))
+            },
+        )
+        .map_err(|e| e.to_string())?;
+    if nan_first.best != Some((8, 8.0)) {
+        return Err(format!(
+            "with a NaN first evaluation, best {:?} of {:?}",
+            nan_first.best, nan_first.evals
+        ));
+    }
     // fit without the evaluation function is refused.
     let mut cfg = TrainConfig::new(64, 4, 1).evaluate(4, 64..72, 4);
     cfg.handle_signals = false;
