@@ -9,13 +9,20 @@
 //! - one training step of the same MLP in tch and in PyTorch eager on the same GPU (the
 //!   kernels are the same: the ratio is the cost of the Rust side);
 //! - the unified trainer's own cost: a step through `Trainer::fit` against the same step
-//!   in a hand-written loop.
+//!   in a hand-written loop;
+//! - two real models (a GPT-style decoder of about 85M parameters and a ResNet-18-style
+//!   conv net with batch norm), a bf16 training step with AdamW through `Trainer::fit`
+//!   against the same model in PyTorch eager (its step time and its peak of allocated
+//!   GPU memory), alternating, three rounds each.
 //!
 //! ```sh
 //! cargo run --example gpu_bench            # on a machine with a GPU and PyTorch 2.11
 //! ```
 //!
 //! `TORCHTOOLS_PYTHON` (default `python3`) is the PyTorch baseline's interpreter.
+
+#[path = "models/mod.rs"]
+mod models;
 
 use std::error::Error;
 use std::process::Command;
@@ -67,12 +74,28 @@ fn run() -> Result<()> {
     if info.device_count == 0 {
         return Err("no CUDA device: the GPU benchmarks need one".into());
     }
+    // `gpu_bench [GROUP..]`: only those groups of rows; none: all of them.
+    type Group = fn() -> Result<Vec<Row>>;
+    let groups: [(&str, Group); 7] = [
+        ("fence", fence_rows),
+        ("adaptive", adaptive_rows),
+        ("tracker", || Ok(vec![tracker_row()?])),
+        ("training", || Ok(vec![training_row()?])),
+        ("trainer", || Ok(vec![trainer_row()?])),
+        ("models", model_rows),
+        ("optimizer", optimizer_rows),
+    ];
+    let asked: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(bad) = asked.iter().find(|a| !groups.iter().any(|(g, _)| g == a)) {
+        let names: Vec<&str> = groups.iter().map(|(g, _)| *g).collect();
+        return Err(format!("no group of rows {bad:?}: use any of {}", names.join(", ")).into());
+    }
     let mut rows = Vec::new();
-    rows.extend(fence_rows()?);
-    rows.extend(adaptive_rows()?);
-    rows.push(tracker_row()?);
-    rows.push(training_row()?);
-    rows.push(trainer_row()?);
+    for (name, group) in groups {
+        if asked.is_empty() || asked.iter().any(|a| a == name) {
+            rows.extend(group()?);
+        }
+    }
 
     let name = torchtools::device::Inventory::query()
         .gpus
@@ -381,3 +404,226 @@ fn trainer_row() -> Result<Row> {
         ratio: format!("{:.3}", hand / fit),
     })
 }
+
+/// The steps timed after a warm-up of [`WARM_STEPS`].
+const WARM_STEPS: u64 = 5;
+
+/// One model's bf16 training through `Trainer::fit` (AdamW, lr 1e-4, fresh random data
+/// on the GPU each step): seconds per step after the warm-up, and the peak of allocated
+/// GPU memory over those steps.
+fn ours(which: &str, batch: usize, steps: u64) -> Result<(f64, u64)> {
+    use std::cell::Cell;
+    use torchtools::optim::{AdamConfig, Optimizer};
+    use torchtools::train::{Precision, TrainConfig, Trainer};
+    let dev = Device::Cuda(0);
+    torchtools::sys::empty_cache()?;
+    torchtools::tch::manual_seed(0);
+    let mut vs = nn::VarStore::new(dev);
+    let gpt = (which == "gpt").then(|| models::Gpt::new(&vs.root(), &models::GptConfig::GPU));
+    let resnet = (which != "gpt").then(|| models::ResNet::new(&vs.root(), 10));
+    let mut opt = Optimizer::adamw(
+        &vs,
+        AdamConfig {
+            lr: 1e-4,
+            ..AdamConfig::adamw()
+        },
+    )?;
+    let total = WARM_STEPS + steps;
+    let mut config = TrainConfig::new(batch as u64 * total, batch, 1).precision(Precision::Bf16);
+    config.handle_signals = false;
+    config.progress = false;
+    config.log_every = total;
+    let mut trainer = Trainer::with_group(config, torchtools::dist::ProcessGroup::single(), dev)?;
+    let start = Cell::new(None);
+    trainer.fit(&mut vs, &mut opt, |ctx| {
+        if ctx.step == WARM_STEPS {
+            torchtools::tch::Cuda::synchronize(0);
+            let _ = torchtools::sys::reset_peak_stats(0);
+            start.set(Some(Instant::now()));
+        }
+        let b = ctx.indices.len() as i64;
+        Ok::<_, TchError>(match (&gpt, &resnet) {
+            (Some(m), _) => m.loss(&Tensor::f_randint(2048, [b, 513], (Kind::Int64, dev))?),
+            (_, Some(m)) => m.loss(
+                &Tensor::f_randn([b, 3, 32, 32], (Kind::Float, dev))?,
+                &Tensor::f_randint(10, [b], (Kind::Int64, dev))?,
+            ),
+            _ => unreachable!("one model is built"),
+        })
+    })?;
+    torchtools::tch::Cuda::synchronize(0);
+    let secs = start
+        .get()
+        .ok_or("no step was timed")?
+        .elapsed()
+        .as_secs_f64()
+        / steps as f64;
+    let peak = torchtools::sys::device_stats(0)?.allocated_bytes.peak;
+    Ok((secs, peak))
+}
+
+/// The same in PyTorch eager, in its own process.
+fn theirs(which: &str, batch: usize, steps: u64) -> Result<(f64, u64)> {
+    let python = std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = Command::new(&python)
+        .args([
+            "-c",
+            models::PY_MODELS,
+            which,
+            &batch.to_string(),
+            &steps.to_string(),
+        ])
+        .output()
+        .map_err(|e| format!("cannot run {python}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "the PyTorch {which} baseline failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut words = text.split_whitespace();
+    let secs: f64 = words.next().ok_or("no time from PyTorch")?.parse()?;
+    let peak: u64 = words.next().ok_or("no peak from PyTorch")?.parse()?;
+    Ok((secs, peak))
+}
+
+/// Per model: the step time and the peak memory, ours against PyTorch eager (medians of
+/// three alternating rounds).
+fn model_rows() -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for (which, name, batch, steps) in [
+        ("gpt", "GPT 85M (12x768), batch 16x512", 16, 30),
+        ("resnet", "ResNet-18 (32x32), batch 256", 256, 50),
+    ] {
+        let (mut t_ours, mut t_theirs, mut m_ours, mut m_theirs) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..3 {
+            let (t, m) = ours(which, batch, steps)?;
+            t_ours.push(t);
+            m_ours.push(m as f64);
+            let (t, m) = theirs(which, batch, steps)?;
+            t_theirs.push(t);
+            m_theirs.push(m as f64);
+        }
+        let (a, b) = (median(t_ours), median(t_theirs));
+        rows.push(Row {
+            what: format!("{name}: bf16 step, fit vs PyTorch eager"),
+            ours: format!("{:.2} ms", a * 1e3),
+            baseline: format!("{:.2} ms", b * 1e3),
+            ratio: format!("{:.3}", b / a),
+        });
+        let (a, b) = (median(m_ours), median(m_theirs));
+        rows.push(Row {
+            what: format!("{name}: peak GPU memory allocated"),
+            ours: format!("{:.2} GiB", a / GIB as f64),
+            baseline: format!("{:.2} GiB", b / GIB as f64),
+            ratio: format!("{:.3}", b / a),
+        });
+    }
+    Ok(rows)
+}
+
+/// The GPT's optimizer alone (its 148 parameter tensors, gradients from one backward):
+/// tt-optim's AdamW step and `zero_grad` against torch.optim.AdamW's step with its
+/// default multi-tensor (`foreach`) kernels and with one tensor at a time
+/// (`foreach=False`), and `zero_grad(set_to_none=False)`. Medians of 5 runs of 20.
+fn optimizer_rows() -> Result<Vec<Row>> {
+    use torchtools::optim::{AdamConfig, Optimizer};
+    let dev = Device::Cuda(0);
+    torchtools::sys::empty_cache()?;
+    torchtools::tch::manual_seed(0);
+    let vs = nn::VarStore::new(dev);
+    let gpt = models::Gpt::new(&vs.root(), &models::GptConfig::GPU);
+    let mut opt = Optimizer::adamw(&vs, AdamConfig::adamw())?;
+    gpt.loss(&Tensor::randint(2048, [4, 513], (Kind::Int64, dev)))
+        .backward();
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        let mut v = Vec::new();
+        for _ in 0..5 {
+            torchtools::tch::Cuda::synchronize(0);
+            let start = Instant::now();
+            for _ in 0..20 {
+                f()?;
+            }
+            torchtools::tch::Cuda::synchronize(0);
+            v.push(start.elapsed().as_secs_f64() / 20.0);
+        }
+        Ok(median(v))
+    };
+    let step = time(&mut || Ok(opt.step()?))?;
+    let zero = time(&mut || {
+        opt.zero_grad();
+        Ok(())
+    })?;
+    let python = std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = format!("{}\n{PY_OPT_STEP}", models::PY_MODELS);
+    let out = Command::new(&python)
+        .args(["-c", &script, "gpt", "4", "1"])
+        .output()
+        .map_err(|e| format!("cannot run {python}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "the PyTorch optimizer baseline failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let figures: Vec<f64> = text
+        .lines()
+        .last()
+        .unwrap_or("")
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<std::result::Result<_, _>>()?;
+    let [foreach, single, zero_theirs] = figures[..] else {
+        return Err(format!("the PyTorch optimizer baseline printed {text:?}").into());
+    };
+    let ms = |s: f64| format!("{:.2} ms", s * 1e3);
+    Ok(vec![
+        Row {
+            what: "GPT's AdamW step alone vs torch's (foreach)".into(),
+            ours: ms(step),
+            baseline: ms(foreach),
+            ratio: format!("{:.3}", foreach / step),
+        },
+        Row {
+            what: "GPT's AdamW step alone vs torch's (foreach=False)".into(),
+            ours: ms(step),
+            baseline: ms(single),
+            ratio: format!("{:.3}", single / step),
+        },
+        Row {
+            what: "GPT's zero_grad vs torch's (set_to_none=False)".into(),
+            ours: ms(zero),
+            baseline: ms(zero_theirs),
+            ratio: format!("{:.3}", zero_theirs / zero),
+        },
+    ])
+}
+
+/// Appended to [`models::PY_MODELS`] (run for one step): the optimizer's step alone,
+/// foreach and one tensor at a time, and `zero_grad` keeping the gradients.
+const PY_OPT_STEP: &str = r#"
+model.loss(*data()).backward()
+def timed(f):
+    v = []
+    for _ in range(5):
+        torch.cuda.synchronize(); t = time.perf_counter()
+        for _ in range(20): f()
+        torch.cuda.synchronize(); v.append((time.perf_counter() - t) / 20)
+    return sorted(v)[2]
+grads = [p.grad.clone() for p in model.parameters()]
+def restore():
+    for p, g in zip(model.parameters(), grads): p.grad = g.clone()
+out = []
+for foreach in (True, False):
+    o = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+    restore(); o.step()
+    out.append(timed(o.step))
+restore()
+out.append(timed(lambda: o.zero_grad(set_to_none=False)))
+print(*out)
+"#;

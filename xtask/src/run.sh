@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU tests of torchtools, built by `cargo xtask test-gpu --bundle`. Needs a machine with
 # an NVIDIA GPU and PyTorch 2.11 installed (no Rust): libtorch is found through Python's
-# torch (set PYTHON to choose the interpreter). `run.sh --bench` runs the GPU benchmarks
-# instead.
+# torch (set PYTHON to choose the interpreter). `run.sh --bench [GROUP..]` runs the GPU
+# benchmarks instead (all, or the groups named: fence, adaptive, tracker, training,
+# trainer, models, optimizer).
 #
 # Every test binary of the expected list below must be here and pass at least its
 # minimum of tests; a test that cannot run on this machine (two GPUs on a one-GPU
@@ -23,7 +24,7 @@ if [ "${1:-}" = "--bench" ]; then
   # The probe's estimate against a real run's peak is the probe test's own figure.
   "$here/bin/tt-probe-gpu" --exact the_estimate_is_within_10_percent_above_a_real_runs_peak \
     --nocapture 2>&1 | grep -E 'estimate .* vs real' | sed 's/^/probe: /'
-  exec "$here/bin/gpu_bench"
+  exec "$here/bin/gpu_bench" "${@:2}"
 fi
 
 # name minimum: the test binaries, and the tests each must pass at least.

@@ -1,0 +1,273 @@
+//! Two real models written with tch's `nn`, for the benchmarks: a GPT-style decoder
+//! (token and position embeddings, pre-norm blocks of causal self-attention through
+//! libtorch's scaled-dot-product attention and a GELU MLP) and a ResNet-style conv net
+//! with batch norm (ResNet-18's basic blocks, for 32x32 images). [`PY_MODELS`] is the
+//! same two models in PyTorch, layer for layer, for the baseline.
+
+use torchtools::tch::nn::{self, Module, ModuleT};
+use torchtools::tch::{Kind, Tensor};
+
+/// The decoder's shape.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GptConfig {
+    pub(crate) vocab: i64,
+    pub(crate) context: i64,
+    pub(crate) layers: i64,
+    pub(crate) heads: i64,
+    pub(crate) width: i64,
+}
+
+impl GptConfig {
+    /// About 85M parameters in its blocks (GPT-2 small's blocks, a 2048-token vocabulary).
+    pub(crate) const GPU: GptConfig = GptConfig {
+        vocab: 2048,
+        context: 512,
+        layers: 12,
+        heads: 12,
+        width: 768,
+    };
+}
+
+struct Block {
+    ln1: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    fc: nn::Linear,
+    out: nn::Linear,
+    heads: i64,
+}
+
+impl Block {
+    fn new(p: nn::Path, c: &GptConfig) -> Block {
+        let d = c.width;
+        Block {
+            ln1: nn::layer_norm(&p / "ln1", vec![d], Default::default()),
+            qkv: nn::linear(&p / "qkv", d, 3 * d, Default::default()),
+            proj: nn::linear(&p / "proj", d, d, Default::default()),
+            ln2: nn::layer_norm(&p / "ln2", vec![d], Default::default()),
+            fc: nn::linear(&p / "fc", d, 4 * d, Default::default()),
+            out: nn::linear(&p / "out", 4 * d, d, Default::default()),
+            heads: c.heads,
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let (b, t, d) = x.size3().unwrap_or((0, 0, 0));
+        let split = |y: &Tensor| y.view([b, t, self.heads, d / self.heads]).transpose(1, 2);
+        let qkv = self.qkv.forward(&self.ln1.forward(x)).split(d, -1);
+        let y = Tensor::scaled_dot_product_attention(
+            &split(&qkv[0]),
+            &split(&qkv[1]),
+            &split(&qkv[2]),
+            None::<Tensor>,
+            0.0,
+            true,
+            None::<f64>,
+            false,
+        );
+        let x = x + self
+            .proj
+            .forward(&y.transpose(1, 2).contiguous().view([b, t, d]));
+        let h = self.fc.forward(&self.ln2.forward(&x)).gelu("none");
+        &x + self.out.forward(&h)
+    }
+}
+
+/// A GPT-style decoder: logits for every position of a batch of token sequences.
+pub(crate) struct Gpt {
+    wte: nn::Embedding,
+    wpe: nn::Embedding,
+    blocks: Vec<Block>,
+    ln_f: nn::LayerNorm,
+    head: nn::Linear,
+}
+
+impl Gpt {
+    pub(crate) fn new(p: &nn::Path, c: &GptConfig) -> Gpt {
+        Gpt {
+            wte: nn::embedding(p / "wte", c.vocab, c.width, Default::default()),
+            wpe: nn::embedding(p / "wpe", c.context, c.width, Default::default()),
+            blocks: (0..c.layers).map(|i| Block::new(p / "h" / i, c)).collect(),
+            ln_f: nn::layer_norm(p / "ln_f", vec![c.width], Default::default()),
+            head: nn::linear(p / "head", c.width, c.vocab, Default::default()),
+        }
+    }
+
+    /// Next-token cross-entropy of `tokens` (`[batch, context + 1]`), in float32.
+    pub(crate) fn loss(&self, tokens: &Tensor) -> Tensor {
+        let t = tokens.size()[1] - 1;
+        let (x, y) = (tokens.narrow(1, 0, t), tokens.narrow(1, 1, t));
+        let pos = Tensor::arange(t, (Kind::Int64, tokens.device()));
+        let mut h = self.wte.forward(&x) + self.wpe.forward(&pos);
+        for b in &self.blocks {
+            h = b.forward(&h);
+        }
+        let logits = self.head.forward(&self.ln_f.forward(&h));
+        let v = logits.size()[2];
+        logits
+            .to_kind(Kind::Float)
+            .view([-1, v])
+            .cross_entropy_for_logits(&y.reshape([-1]))
+    }
+}
+
+fn conv(p: nn::Path, i: i64, o: i64, k: i64, stride: i64) -> nn::Conv2D {
+    let cfg = nn::ConvConfig {
+        stride,
+        padding: k / 2,
+        bias: false,
+        ..Default::default()
+    };
+    nn::conv2d(p, i, o, k, cfg)
+}
+
+struct Basic {
+    c1: nn::Conv2D,
+    b1: nn::BatchNorm,
+    c2: nn::Conv2D,
+    b2: nn::BatchNorm,
+    down: Option<(nn::Conv2D, nn::BatchNorm)>,
+}
+
+impl Basic {
+    fn new(p: nn::Path, i: i64, o: i64, stride: i64) -> Basic {
+        Basic {
+            c1: conv(&p / "c1", i, o, 3, stride),
+            b1: nn::batch_norm2d(&p / "b1", o, Default::default()),
+            c2: conv(&p / "c2", o, o, 3, 1),
+            b2: nn::batch_norm2d(&p / "b2", o, Default::default()),
+            down: (stride != 1 || i != o).then(|| {
+                (
+                    conv(&p / "dc", i, o, 1, stride),
+                    nn::batch_norm2d(&p / "db", o, Default::default()),
+                )
+            }),
+        }
+    }
+
+    fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        let y = self.b1.forward_t(&self.c1.forward(x), train).relu();
+        let y = self.b2.forward_t(&self.c2.forward(&y), train);
+        let skip = match &self.down {
+            Some((c, b)) => b.forward_t(&c.forward(x), train),
+            None => x.shallow_clone(),
+        };
+        (y + skip).relu()
+    }
+}
+
+/// A ResNet-18-style net for 32x32 images (CIFAR's stem: one 3x3 convolution).
+pub(crate) struct ResNet {
+    stem: nn::Conv2D,
+    bn: nn::BatchNorm,
+    blocks: Vec<Basic>,
+    fc: nn::Linear,
+}
+
+impl ResNet {
+    pub(crate) fn new(p: &nn::Path, classes: i64) -> ResNet {
+        let mut blocks = Vec::new();
+        let mut i = 64;
+        for (n, o) in [64, 128, 256, 512].into_iter().enumerate() {
+            for k in 0..2 {
+                let stride = if n > 0 && k == 0 { 2 } else { 1 };
+                blocks.push(Basic::new(p / format!("layer{n}_{k}"), i, o, stride));
+                i = o;
+            }
+        }
+        ResNet {
+            stem: conv(p / "stem", 3, 64, 3, 1),
+            bn: nn::batch_norm2d(p / "bn", 64, Default::default()),
+            blocks,
+            fc: nn::linear(p / "fc", 512, classes, Default::default()),
+        }
+    }
+
+    /// Cross-entropy of the classes of `images` (`[batch, 3, 32, 32]`), in float32.
+    pub(crate) fn loss(&self, images: &Tensor, labels: &Tensor) -> Tensor {
+        let mut h = self.bn.forward_t(&self.stem.forward(images), true).relu();
+        for b in &self.blocks {
+            h = b.forward_t(&h, true);
+        }
+        let h = h.adaptive_avg_pool2d([1, 1]).flatten(1, -1);
+        self.fc
+            .forward(&h)
+            .to_kind(Kind::Float)
+            .cross_entropy_for_logits(labels)
+    }
+}
+
+/// The same models in PyTorch eager, and a training loop printing
+/// `SECONDS_PER_STEP PEAK_ALLOCATED_BYTES`: `python -c PY_MODELS gpt|resnet BATCH STEPS`.
+/// AdamW (lr 1e-4) and bf16 autocast, as the Rust side.
+pub(crate) const PY_MODELS: &str = r#"
+import sys, time, torch, torch.nn as nn, torch.nn.functional as F
+which, batch, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dev = 'cuda'
+class Block(nn.Module):
+    def __init__(s, d, h):
+        super().__init__(); s.h = h
+        s.ln1 = nn.LayerNorm(d); s.qkv = nn.Linear(d, 3 * d); s.proj = nn.Linear(d, d)
+        s.ln2 = nn.LayerNorm(d); s.fc = nn.Linear(d, 4 * d); s.out = nn.Linear(4 * d, d)
+    def forward(s, x):
+        b, t, d = x.shape
+        q, k, v = s.qkv(s.ln1(x)).split(d, -1)
+        sp = lambda y: y.view(b, t, s.h, d // s.h).transpose(1, 2)
+        y = F.scaled_dot_product_attention(sp(q), sp(k), sp(v), is_causal=True)
+        x = x + s.proj(y.transpose(1, 2).contiguous().view(b, t, d))
+        return x + s.out(F.gelu(s.fc(s.ln2(x))))
+class Gpt(nn.Module):
+    def __init__(s, vocab=2048, context=512, layers=12, heads=12, d=768):
+        super().__init__()
+        s.wte = nn.Embedding(vocab, d); s.wpe = nn.Embedding(context, d)
+        s.h = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        s.ln_f = nn.LayerNorm(d); s.head = nn.Linear(d, vocab)
+    def loss(s, tokens):
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        h = s.wte(x) + s.wpe(torch.arange(x.shape[1], device=x.device))
+        for b in s.h: h = b(h)
+        logits = s.head(s.ln_f(h))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+class Basic(nn.Module):
+    def __init__(s, i, o, stride):
+        super().__init__()
+        s.c1 = nn.Conv2d(i, o, 3, stride, 1, bias=False); s.b1 = nn.BatchNorm2d(o)
+        s.c2 = nn.Conv2d(o, o, 3, 1, 1, bias=False); s.b2 = nn.BatchNorm2d(o)
+        s.down = None
+        if stride != 1 or i != o:
+            s.down = nn.Sequential(nn.Conv2d(i, o, 1, stride, 0, bias=False), nn.BatchNorm2d(o))
+    def forward(s, x):
+        y = F.relu(s.b1(s.c1(x))); y = s.b2(s.c2(y))
+        return F.relu(y + (s.down(x) if s.down is not None else x))
+class ResNet(nn.Module):
+    def __init__(s, classes=10):
+        super().__init__()
+        s.stem = nn.Conv2d(3, 64, 3, 1, 1, bias=False); s.bn = nn.BatchNorm2d(64)
+        blocks, i = [], 64
+        for n, o in enumerate([64, 128, 256, 512]):
+            for k in range(2):
+                blocks.append(Basic(i, o, 2 if n > 0 and k == 0 else 1)); i = o
+        s.blocks = nn.Sequential(*blocks); s.fc = nn.Linear(512, classes)
+    def loss(s, images, labels):
+        h = s.blocks(F.relu(s.bn(s.stem(images))))
+        return F.cross_entropy(s.fc(torch.flatten(F.adaptive_avg_pool2d(h, 1), 1)).float(), labels)
+torch.manual_seed(0)
+model = (Gpt() if which == 'gpt' else ResNet()).to(dev).train()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def data():
+    if which == 'gpt':
+        return (torch.randint(2048, (batch, 513), device=dev),)
+    return (torch.randn(batch, 3, 32, 32, device=dev), torch.randint(10, (batch,), device=dev))
+def step():
+    args = data()
+    with torch.autocast('cuda', dtype=torch.bfloat16):
+        loss = model.loss(*args)
+    loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+for _ in range(5): step()
+torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+t = time.perf_counter()
+for _ in range(steps): step()
+torch.cuda.synchronize()
+print((time.perf_counter() - t) / steps, torch.cuda.max_memory_allocated())
+"#;
