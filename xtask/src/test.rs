@@ -48,7 +48,7 @@ const EXTRA_FEATURES: [(&str, &str); 4] = [
 /// With each, the tests its binary must pass at least in the GPU bundle's `run.sh` on a
 /// one-GPU machine (tests that need more GPUs, or MIG, report themselves not run and
 /// do not count): a binary below its minimum, or missing, fails the run.
-pub(crate) const GPU_CRATES: [(&str, u32); 11] = [
+pub(crate) const GPU_CRATES: [(&str, u32); 12] = [
     ("tt-sys", 6),
     ("tt-dist", 4),
     ("tt-device", 5),
@@ -57,6 +57,7 @@ pub(crate) const GPU_CRATES: [(&str, u32); 11] = [
     ("tt-adaptive", 4),
     ("tt-probe", 3),
     ("tt-ckpt", 1),
+    ("tt-optim", 1),
     ("tt-train", 2),
     ("torchtools-cli", 6),
     ("torchtools", 2),

@@ -129,9 +129,17 @@ impl Optimizer {
 
     /// One update of every parameter that has a gradient (as torch, parameters
     /// without one are left alone, their own step count included).
+    ///
+    /// Adam and AdamW (without AMSGrad) on CUDA update every tensor at once with
+    /// torch.optim's default multi-tensor kernels (`foreach=True`, its default on CUDA);
+    /// elsewhere, and for SGD, one tensor at a time as torch.optim does on the CPU.
     pub fn step(&mut self) -> Result<()> {
         let lr = self.lr();
         let algorithm = self.algorithm;
+        if self.foreach_step(lr)? {
+            self.step += 1;
+            return Ok(());
+        }
         tch::no_grad(|| -> Result<()> {
             for ((name, param), state) in self.params.iter_mut().zip(self.state.iter_mut()) {
                 let grad = param.grad();
@@ -149,6 +157,74 @@ impl Optimizer {
         })?;
         self.step += 1;
         Ok(())
+    }
+
+    /// torch.optim's multi-tensor Adam step, when it applies: Adam or AdamW without
+    /// AMSGrad, and every parameter that has a gradient on CUDA. `false` when it does
+    /// not apply (nothing was changed).
+    fn foreach_step(&mut self, lr: f64) -> Result<bool> {
+        let (c, decoupled) = match self.algorithm {
+            Algorithm::Adam(c) => (c, false),
+            Algorithm::AdamW(c) => (c, true),
+            Algorithm::Sgd(_) => return Ok(false),
+        };
+        if c.amsgrad {
+            return Ok(false);
+        }
+        let mut with_grad = Vec::new();
+        for (i, (_, p)) in self.params.iter().enumerate() {
+            let g = p.grad();
+            if !g.defined() {
+                continue;
+            }
+            if !matches!(p.device(), tch::Device::Cuda(_)) {
+                return Ok(false);
+            }
+            with_grad.push((i, g));
+        }
+        if with_grad.is_empty() {
+            return Ok(false);
+        }
+        let n = with_grad.len();
+        let (mut params, mut grads, mut m, mut v, mut steps) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for (i, g) in with_grad {
+            let (name, p) = &self.params[i];
+            let s = &mut self.state[i];
+            for buffer in [&mut s.exp_avg, &mut s.exp_avg_sq] {
+                if buffer.is_none() {
+                    *buffer = Some(p.f_zeros_like().map_err(torch(name))?);
+                }
+            }
+            s.step += 1;
+            params.push(p.shallow_clone());
+            grads.push(g);
+            m.push(s.exp_avg.as_ref().map(Tensor::shallow_clone));
+            v.push(s.exp_avg_sq.as_ref().map(Tensor::shallow_clone));
+            steps.push(s.step);
+        }
+        let (m, v): (Vec<Tensor>, Vec<Tensor>) = (
+            m.into_iter().flatten().collect(),
+            v.into_iter().flatten().collect(),
+        );
+        let step = tt_sys::AdamStep {
+            lr,
+            betas: c.betas,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            decoupled,
+            maximize: c.maximize,
+        };
+        tt_sys::foreach_adam(&params, &grads, &m, &v, &steps, &step).map_err(|e| Error::Torch {
+            param: format!("{n} parameters at once"),
+            message: e.to_string(),
+        })?;
+        Ok(true)
     }
 
     /// Adds this optimizer's state to `ckpt`: its hyper-parameters, schedule and

@@ -12,6 +12,8 @@
 #include <string>
 
 #include <ATen/Context.h>
+#include <ATen/Functions.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -168,3 +170,47 @@ char* tt_autocast_nesting(bool enter) {
 }
 
 }  // extern "C"
+
+namespace {
+
+std::vector<at::Tensor> tensors_of(void* const* ps, size_t n) {
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for (size_t i = 0; i < n; ++i) out.push_back(*static_cast<at::Tensor*>(ps[i]));
+  return out;
+}
+
+std::vector<at::Scalar> scalars_of(const double* xs, size_t n) {
+  return std::vector<at::Scalar>(xs, xs + n);
+}
+
+}  // namespace
+
+char* tt_foreach_adam(void* const* params, void* const* grads, void* const* exp_avgs,
+                      void* const* exp_avg_sqs, size_t n, const double* step_sizes,
+                      const double* bias_correction2_sqrts, double lr, double beta1,
+                      double beta2, double weight_decay, double eps, bool decoupled,
+                      bool maximize) {
+  TT_PROTECT({
+    at::NoGradGuard no_grad;
+    auto ps = tensors_of(params, n);
+    auto gs = tensors_of(grads, n);
+    auto m = tensors_of(exp_avgs, n);
+    auto v = tensors_of(exp_avg_sqs, n);
+    if (maximize) gs = at::_foreach_neg(gs);
+    if (weight_decay != 0) {
+      if (decoupled) {
+        at::_foreach_mul_(ps, 1 - lr * weight_decay);
+      } else {
+        gs = at::_foreach_add(gs, ps, weight_decay);
+      }
+    }
+    at::_foreach_lerp_(m, gs, 1 - beta1);
+    at::_foreach_mul_(v, beta2);
+    at::_foreach_addcmul_(v, gs, gs, 1 - beta2);
+    auto denom = at::_foreach_sqrt(v);
+    at::_foreach_div_(denom, scalars_of(bias_correction2_sqrts, n));
+    at::_foreach_add_(denom, eps);
+    at::_foreach_addcdiv_(ps, m, denom, scalars_of(step_sizes, n));
+  })
+}

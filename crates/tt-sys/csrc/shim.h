@@ -51,6 +51,16 @@ char* tt_autocast_set(int32_t device_type, bool enabled, int32_t dtype, bool* pr
 // enter: a region opens; !enter: it closes (the cast cache is cleared at the outermost).
 char* tt_autocast_nesting(bool enter);
 
+// torch.optim.Adam / AdamW's multi-tensor step (`_multi_tensor_adam`, without AMSGrad):
+// a few `_foreach_` kernels for all `n` tensors instead of several per tensor. Tensors
+// are `at::Tensor*`; `step_sizes[i]` is -lr / (1 - beta1^step_i) and
+// `bias_correction2_sqrts[i]` is sqrt(1 - beta2^step_i).
+char* tt_foreach_adam(void* const* params, void* const* grads, void* const* exp_avgs,
+                      void* const* exp_avg_sqs, size_t n, const double* step_sizes,
+                      const double* bias_correction2_sqrts, double lr, double beta1,
+                      double beta2, double weight_decay, double eps, bool decoupled,
+                      bool maximize);
+
 #ifdef __cplusplus
 }
 #endif

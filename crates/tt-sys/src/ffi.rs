@@ -43,6 +43,23 @@ extern "C" {
         prev_dtype: *mut i32,
     ) -> *mut c_char;
     pub(crate) fn tt_autocast_nesting(enter: bool) -> *mut c_char;
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn tt_foreach_adam(
+        params: *const *mut std::ffi::c_void,
+        grads: *const *mut std::ffi::c_void,
+        exp_avgs: *const *mut std::ffi::c_void,
+        exp_avg_sqs: *const *mut std::ffi::c_void,
+        n: usize,
+        step_sizes: *const f64,
+        bias_correction2_sqrts: *const f64,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        decoupled: bool,
+        maximize: bool,
+    ) -> *mut c_char;
 }
 
 /// Turns the shim's return value into a `Result`, freeing the message.

@@ -60,6 +60,8 @@ pub mod c10d;
 mod cuda;
 #[cfg(feature = "tch")]
 mod ffi;
+#[cfg(feature = "tch")]
+mod foreach;
 
 #[cfg(feature = "tch")]
 pub use autocast::autocast;
@@ -69,6 +71,8 @@ pub use cuda::{
     mem_get_info, reset_peak_stats, CudaInfo, CudaUnavailable, DeviceStats, Error, MemInfo, Result,
     Stat,
 };
+#[cfg(feature = "tch")]
+pub use foreach::{foreach_adam, AdamStep};
 
 /// For GPU-only tests: returns CUDA's info, or panics saying why CUDA is unusable.
 ///
