@@ -310,19 +310,9 @@ fn training_row() -> Result<Row> {
         times.push(start.elapsed().as_secs_f64() / STEPS as f64);
     }
     let ours = median(times);
-    let python = std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = Command::new(&python)
-        .args(["-c", PY_STEP, &STEPS.to_string()])
-        .output()
-        .map_err(|e| format!("cannot run {python}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "the PyTorch baseline failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-        .into());
-    }
-    let theirs: f64 = String::from_utf8_lossy(&out.stdout).trim().parse()?;
+    let theirs: f64 = python_baseline("MLP", &["-c", PY_STEP, &STEPS.to_string()])?
+        .trim()
+        .parse()?;
     Ok(Row {
         what: "training step, MLP 784-4096-4096-10, batch 256".into(),
         ours: format!("{:.3} ms", ours * 1e3),
@@ -464,29 +454,30 @@ fn ours(which: &str, batch: usize, steps: u64) -> Result<(f64, u64)> {
 
 /// The same in PyTorch eager, in its own process.
 fn theirs(which: &str, batch: usize, steps: u64) -> Result<(f64, u64)> {
-    let python = std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = Command::new(&python)
-        .args([
-            "-c",
-            models::PY_MODELS,
-            which,
-            &batch.to_string(),
-            &steps.to_string(),
-        ])
-        .output()
-        .map_err(|e| format!("cannot run {python}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "the PyTorch {which} baseline failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-        .into());
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
+    let (b, n) = (batch.to_string(), steps.to_string());
+    let text = python_baseline(which, &["-c", models::PY_MODELS, which, &b, &n])?;
     let mut words = text.split_whitespace();
     let secs: f64 = words.next().ok_or("no time from PyTorch")?.parse()?;
     let peak: u64 = words.next().ok_or("no peak from PyTorch")?.parse()?;
     Ok((secs, peak))
+}
+
+/// Runs the baseline Python (`TORCHTOOLS_PYTHON`, default `python3`) with `args`; its
+/// standard output, or an error naming `what` with Python's standard error.
+fn python_baseline(what: &str, args: &[&str]) -> Result<String> {
+    let python = std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = Command::new(&python)
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run {python}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "the PyTorch {what} baseline failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// Per model: the step time and the peak memory, ours against PyTorch eager (medians of
@@ -557,20 +548,8 @@ fn optimizer_rows() -> Result<Vec<Row>> {
         opt.zero_grad();
         Ok(())
     })?;
-    let python = std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into());
     let script = format!("{}\n{PY_OPT_STEP}", models::PY_MODELS);
-    let out = Command::new(&python)
-        .args(["-c", &script, "gpt", "4", "1"])
-        .output()
-        .map_err(|e| format!("cannot run {python}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "the PyTorch optimizer baseline failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-        .into());
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = python_baseline("optimizer", &["-c", &script, "gpt", "4", "1"])?;
     let figures: Vec<f64> = text
         .lines()
         .last()

@@ -18,6 +18,26 @@ fn require_gpu() -> String {
     inv.gpus[0].uuid.clone()
 }
 
+/// `torchtools reserve --gpu 0 --no-fence -- CMD` with the locks in `locks`, once CMD
+/// has printed `ready` (it runs until its standard input closes).
+fn hold_gpu_0(locks: &std::path::Path, cmd: &[&str], ready: &str) -> std::process::Child {
+    let mut holder = torchtools()
+        .env("TORCHTOOLS_LOCK_DIR", locks)
+        .args(["reserve", "--gpu", "0", "--no-fence", "--"])
+        .args(cmd)
+        .env_remove("PYTHONUNBUFFERED")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tt_testkit::wait_for_line(
+        holder.stdout.take().unwrap(),
+        ready,
+        std::time::Duration::from_secs(120),
+    );
+    holder
+}
+
 #[test]
 fn the_command_sees_the_fence_leave_its_bytes_free() {
     let uuid = require_gpu();
@@ -157,28 +177,7 @@ fn top_shows_the_gpu_its_holder_and_the_process_inside_the_reservation() {
     let uuid = require_gpu();
     let tmp = tempfile::tempdir().unwrap();
     let python = tt_testkit::python_path();
-    let mut holder = torchtools()
-        .env("TORCHTOOLS_LOCK_DIR", tmp.path())
-        .args([
-            "reserve",
-            "--gpu",
-            "0",
-            "--no-fence",
-            "--",
-            &python,
-            "-c",
-            PY_GPU_WORK,
-        ])
-        .env_remove("PYTHONUNBUFFERED")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    tt_testkit::wait_for_line(
-        holder.stdout.take().unwrap(),
-        "ready",
-        std::time::Duration::from_secs(120),
-    );
+    let mut holder = hold_gpu_0(tmp.path(), &[&python, "-c", PY_GPU_WORK], "ready");
     let top = |args: &[&str]| {
         let out = torchtools()
             .env("TORCHTOOLS_LOCK_DIR", tmp.path())
@@ -227,18 +226,10 @@ fn top_shows_the_gpu_its_holder_and_the_process_inside_the_reservation() {
 fn one_lock_per_gpu_whatever_form_names_it() {
     let uuid = require_gpu();
     let tmp = tempfile::tempdir().unwrap();
-    let mut holder = torchtools()
-        .env("TORCHTOOLS_LOCK_DIR", tmp.path())
-        .args(["reserve", "--gpu", "0", "--no-fence", "--", "sh", "-c"])
-        .arg("echo held; cat > /dev/null")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    tt_testkit::wait_for_line(
-        holder.stdout.take().unwrap(),
+    let mut holder = hold_gpu_0(
+        tmp.path(),
+        &["sh", "-c", "echo held; cat > /dev/null"],
         "held",
-        std::time::Duration::from_secs(120),
     );
     let prefix = &uuid[..12];
     // (CUDA_VISIBLE_DEVICES, --gpu): every one names the GPU the holder has.
