@@ -24,7 +24,17 @@ const SAMPLES: u64 = 512;
 const BATCH: usize = 16;
 const EPOCHS: u64 = 3;
 
-fn main() -> Result<(), Box<dyn Error>> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("checkpoint_resume: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn Error>> {
     torchtools::init_logging();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = "usage: checkpoint_resume DIR [--wait-after STEP]";
@@ -71,8 +81,13 @@ fn main() -> Result<(), Box<dyn Error>> {
         state.optimizer.backward_step(&loss)?;
         state.step += 1;
         if state.step % 10 == 0 {
-            state.save(&dir)?;
-            println!("saved step {}", state.step);
+            match state.save(&dir)? {
+                Some(_) => println!("saved step {}", state.step),
+                None => println!(
+                    "step {}: not saved by this process (only rank 0 writes checkpoints)",
+                    state.step
+                ),
+            }
         }
         if Some(state.step) == wait_after {
             println!("waiting after step {}: kill me now", state.step);

@@ -115,14 +115,20 @@ fn step_of(name: &str) -> Option<u64> {
 }
 
 impl CheckpointDir {
-    /// Opens (creating it if needed) the directory. The writer is rank 0 of
-    /// torchrun's `RANK` (every process when `RANK` is unset).
+    /// Opens (creating it if needed) the directory. The writer is rank 0 of the
+    /// launcher's variables: torchrun's `RANK`, else Slurm's `SLURM_PROCID` (the one
+    /// process when neither is set), read as [`tt_dist::Place`] reads them, the rule
+    /// every torchtools crate follows. A bad or partial value is
+    /// [`Error::Environment`], before anything is created. [`writer`](Self::writer)
+    /// overrides the rule.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
+        let place = tt_dist::Place::from_env().map_err(|cause| Error::Environment {
+            dir: dir.clone(),
+            cause,
+        })?;
         std::fs::create_dir_all(&dir).map_err(io("create the checkpoint directory", &dir))?;
-        let writer = std::env::var("RANK")
-            .map(|r| r.trim() == "0")
-            .unwrap_or(true);
+        let writer = place.is_main();
         Ok(CheckpointDir {
             rules: Rules {
                 dir,
@@ -153,7 +159,8 @@ impl CheckpointDir {
         self
     }
 
-    /// Makes this process the writer or not (overrides the `RANK` rule).
+    /// Makes this process the writer or not (overrides the rank rule of
+    /// [`open`](Self::open)).
     pub fn writer(mut self, writer: bool) -> Self {
         self.rules.writer = writer;
         self

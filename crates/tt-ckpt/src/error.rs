@@ -4,6 +4,16 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// The launcher's variables that say which rank writes are wrong (a typo in
+    /// `RANK`, one of `RANK` / `WORLD_SIZE` without the other, ...): nothing is opened,
+    /// rather than every rank writing or none.
+    #[error("which rank writes the checkpoints in {}: {cause}", dir.display())]
+    Environment {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// What is wrong, naming the variable.
+        cause: tt_dist::Error,
+    },
     /// A filesystem operation failed.
     #[error("{op} {}: {source}", path.display())]
     Io {

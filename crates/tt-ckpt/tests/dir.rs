@@ -488,34 +488,64 @@ fn rank_child() {
     let Ok(path) = std::env::var("TT_CKPT_RANK_DIR") else {
         return;
     };
-    let dir = CheckpointDir::open(path).unwrap();
-    let saved = dir.save(&ckpt(1)).unwrap();
-    println!("\n@@saved={}@@", saved.is_some());
+    match CheckpointDir::open(path) {
+        Ok(dir) => {
+            let saved = dir.save(&ckpt(1)).unwrap();
+            println!("\n@@saved={}@@", saved.is_some());
+        }
+        Err(e) => println!("\n@@error={e}@@"),
+    }
 }
 
 #[test]
-fn only_rank_0_writes_under_torchrun() {
-    // RANK as torchrun sets it, in real processes (a process's environment is its own).
-    for (rank, writes) in [
-        (Some("1"), false),
-        (Some("3"), false),
-        (Some("0"), true),
-        (None, true),
+fn only_rank_0_writes_under_torchrun_and_slurm_and_a_bad_rank_is_an_error() {
+    // The launchers' variables, in real processes (a process's environment is its own).
+    let torchrun = |rank| vec![("RANK", rank), ("WORLD_SIZE", "4")];
+    let slurm = |procid| {
+        vec![
+            ("SLURM_PROCID", procid),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "0"),
+        ]
+    };
+    for (vars, expect) in [
+        (torchrun("1"), "@@saved=false@@"),
+        (torchrun("3"), "@@saved=false@@"),
+        (torchrun("0"), "@@saved=true@@"),
+        (vec![], "@@saved=true@@"),
+        // srun sets no RANK: only task 0 writes, not every task.
+        (slurm("2"), "@@saved=false@@"),
+        (slurm("0"), "@@saved=true@@"),
+        // A typo is an error, not a silent non-writer.
+        (
+            torchrun("abc"),
+            "@@error=which rank writes the checkpoints in ",
+        ),
+        (vec![("RANK", "0")], "WORLD_SIZE missing"),
     ] {
         let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("ckpt");
         let mut cmd = tt_testkit::rerun("rank_child");
-        cmd.env("TT_CKPT_RANK_DIR", root.path()).env_remove("RANK");
-        if let Some(r) = rank {
-            cmd.env("RANK", r);
+        cmd.env("TT_CKPT_RANK_DIR", &dir);
+        for v in [
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "SLURM_PROCID",
+            "SLURM_NTASKS",
+            "SLURM_LOCALID",
+        ] {
+            cmd.env_remove(v);
         }
-        let out = cmd.output().unwrap();
+        let out = cmd.envs(vars.clone()).output().unwrap();
         tt_testkit::assert_ran_one(&out);
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            text.contains(&format!("@@saved={writes}@@")),
-            "RANK={rank:?}: {text}"
-        );
-        let files = std::fs::read_dir(root.path()).unwrap().count();
-        assert_eq!(files > 0, writes, "RANK={rank:?}: files written: {files}");
+        assert!(text.contains(expect), "{vars:?}: {text}");
+        let writes = expect == "@@saved=true@@";
+        let files = std::fs::read_dir(&dir).map_or(0, |d| d.count());
+        assert_eq!(files > 0, writes, "{vars:?}: files written: {files}");
+        if !expect.starts_with("@@saved") {
+            assert!(!dir.exists(), "{vars:?}: created before the error: {text}");
+        }
     }
 }

@@ -38,6 +38,132 @@ pub struct DistEnv {
 /// Slurm's default rendezvous port (torchrun's too), unless `MASTER_PORT` is set.
 pub const DEFAULT_PORT: u16 = 29500;
 
+/// This process's place in a distributed run: its rank, the world size and its rank on
+/// the node. The one rule torchtools follows for "which rank am I" and "who is rank
+/// 0": tt-ckpt (only rank 0 writes), tt-sampler (which shard is this rank's) and
+/// tt-dist's [`DistEnv`] all read it, so a job started by torchrun, by `torchtools
+/// launch` or by Slurm's `srun` is seen the same way everywhere. Needs no rendezvous
+/// variables and no libtorch.
+///
+/// ```
+/// use tt_dist::{Place, Source};
+/// let slurm = |k: &str| match k {
+///     "SLURM_PROCID" => Some("3".to_owned()),
+///     "SLURM_NTASKS" => Some("8".to_owned()),
+///     "SLURM_LOCALID" => Some("1".to_owned()),
+///     _ => None,
+/// };
+/// let place = Place::from_lookup(slurm)?;
+/// assert_eq!((place.rank, place.world_size, place.local_rank), (3, 8, 1));
+/// assert_eq!(place.source, Source::Slurm);
+/// assert!(!place.is_main());
+/// // A typo is an error naming the variable, never a silent "rank 0" or "not rank 0".
+/// assert!(Place::from_lookup(|k| (k == "RANK" || k == "WORLD_SIZE").then(|| "x".into())).is_err());
+/// # Ok::<(), tt_dist::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    /// Global rank, `0..world_size`.
+    pub rank: usize,
+    /// Processes in all.
+    pub world_size: usize,
+    /// Rank on this node.
+    pub local_rank: usize,
+    /// Where these came from.
+    pub source: Source,
+}
+
+impl Place {
+    /// One process (what nothing set means).
+    pub fn single() -> Place {
+        Place {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            source: Source::Single,
+        }
+    }
+
+    /// From this process's environment (see [`Place::from_lookup`]).
+    pub fn from_env() -> Result<Place> {
+        Place::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// torchrun's `RANK` and `WORLD_SIZE` (both, or neither) and `LOCAL_RANK` (the rank
+    /// when unset); else Slurm's `SLURM_PROCID`, `SLURM_NTASKS` and `SLURM_LOCALID`; else
+    /// a single process. Every value is checked: a non-number, a rank at or past the
+    /// world size, or one variable of a pair without the other is an error naming them.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Place> {
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        let (rank_var, world_var, local_var, source) =
+            if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
+                ("RANK", "WORLD_SIZE", "LOCAL_RANK", Source::Torchrun)
+            } else if get("SLURM_PROCID").is_some() {
+                (
+                    "SLURM_PROCID",
+                    "SLURM_NTASKS",
+                    "SLURM_LOCALID",
+                    Source::Slurm,
+                )
+            } else {
+                return Ok(Place::single());
+            };
+        let required: &[&str] = match source {
+            Source::Slurm => &["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"],
+            _ => &["RANK", "WORLD_SIZE"],
+        };
+        let missing: Vec<&str> = required
+            .iter()
+            .copied()
+            .filter(|k| get(k).is_none())
+            .collect();
+        if !missing.is_empty() {
+            return Err(Error::Missing {
+                source_name: if source == Source::Slurm {
+                    "Slurm"
+                } else {
+                    "torchrun"
+                },
+                missing: missing.join(", "),
+            });
+        }
+        let rank = number(&get, rank_var)?;
+        let place = Place {
+            rank,
+            world_size: number(&get, world_var)?,
+            local_rank: match get(local_var) {
+                Some(_) => number(&get, local_var)?,
+                None => rank,
+            },
+            source,
+        };
+        if place.world_size == 0 {
+            return Err(Error::Inconsistent(format!(
+                "{world_var}=0: there must be at least one process"
+            )));
+        }
+        if place.rank >= place.world_size {
+            return Err(Error::Inconsistent(format!(
+                "{rank_var}={} but {world_var}={}: ranks go from 0 to {}",
+                place.rank,
+                place.world_size,
+                place.world_size - 1
+            )));
+        }
+        Ok(place)
+    }
+
+    /// Whether this is rank 0 (which logs and writes checkpoints).
+    pub fn is_main(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// Whether there are several processes.
+    pub fn is_distributed(&self) -> bool {
+        self.world_size > 1
+    }
+}
+
 impl fmt::Display for DistEnv {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.source {
@@ -125,10 +251,11 @@ impl DistEnv {
                     missing: missing.join(", "),
                 });
             }
+            let place = Place::from_lookup(get)?;
             let env = DistEnv {
-                rank: number(&get, "RANK")?,
-                world_size: number(&get, "WORLD_SIZE")?,
-                local_rank: number(&get, "LOCAL_RANK")?,
+                rank: place.rank,
+                world_size: place.world_size,
+                local_rank: place.local_rank,
                 local_world_size: get("LOCAL_WORLD_SIZE")
                     .map(|_| number(&get, "LOCAL_WORLD_SIZE"))
                     .transpose()?,
@@ -168,10 +295,11 @@ impl DistEnv {
                     }
                 })?,
             };
+            let place = Place::from_lookup(get)?;
             let env = DistEnv {
-                rank: number(&get, "SLURM_PROCID")?,
-                world_size: number(&get, "SLURM_NTASKS")?,
-                local_rank: number(&get, "SLURM_LOCALID")?,
+                rank: place.rank,
+                world_size: place.world_size,
+                local_rank: place.local_rank,
                 local_world_size: get("SLURM_NTASKS_PER_NODE")
                     .and_then(|v| v.split(['(', ',']).next()?.trim().parse().ok()),
                 master_addr,
@@ -187,24 +315,12 @@ impl DistEnv {
         })
     }
 
+    /// The local world size against the place ([`Place::from_lookup`] checked the rest).
     fn checked(self) -> Result<DistEnv> {
-        let (rank_var, world_var, local_var) = match self.source {
-            Source::Slurm => ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-            _ => ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+        let (world_var, local_var) = match self.source {
+            Source::Slurm => ("SLURM_NTASKS", "SLURM_LOCALID"),
+            _ => ("WORLD_SIZE", "LOCAL_RANK"),
         };
-        if self.world_size == 0 {
-            return Err(Error::Inconsistent(format!(
-                "{world_var}=0: there must be at least one process"
-            )));
-        }
-        if self.rank >= self.world_size {
-            return Err(Error::Inconsistent(format!(
-                "{rank_var}={} but {world_var}={}: ranks go from 0 to {}",
-                self.rank,
-                self.world_size,
-                self.world_size - 1
-            )));
-        }
         if let Some(lws) = self.local_world_size {
             if self.local_rank >= lws || lws > self.world_size {
                 return Err(Error::Inconsistent(format!(
@@ -231,6 +347,16 @@ impl DistEnv {
     /// Whether this is rank 0 (which logs and checkpoints).
     pub fn is_main(&self) -> bool {
         self.rank == 0
+    }
+
+    /// Its rank, world size and local rank.
+    pub fn place(&self) -> Place {
+        Place {
+            rank: self.rank,
+            world_size: self.world_size,
+            local_rank: self.local_rank,
+            source: self.source,
+        }
     }
 }
 
@@ -443,6 +569,78 @@ mod tests {
                 e.contains(needle) || e_dbg.contains(needle),
                 "{vars:?}: {e}"
             );
+        }
+    }
+
+    fn place(vars: &[(&str, &str)]) -> String {
+        let lookup = |k: &str| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        };
+        match Place::from_lookup(lookup) {
+            Ok(p) => format!(
+                "{} {} {} {:?}",
+                p.rank, p.world_size, p.local_rank, p.source
+            ),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_place_from_torchrun_slurm_or_nothing_every_value_checked() {
+        assert_eq!(place(&[]), "0 1 0 Single");
+        assert_eq!(place(&[("WORLD_SIZE", ""), ("RANK", " ")]), "0 1 0 Single");
+        assert_eq!(
+            place(&[("WORLD_SIZE", "4"), ("RANK", "3")]),
+            "3 4 3 Torchrun"
+        );
+        assert_eq!(
+            place(&[("WORLD_SIZE", "8"), ("RANK", "5"), ("LOCAL_RANK", "1")]),
+            "5 8 1 Torchrun"
+        );
+        let slurm = [
+            ("SLURM_PROCID", "6"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "2"),
+        ];
+        assert_eq!(place(&slurm), "6 8 2 Slurm");
+        // torchrun's variables win over Slurm's (torchrun inside an allocation).
+        let both = [slurm.as_slice(), &[("RANK", "1"), ("WORLD_SIZE", "2")]].concat();
+        assert_eq!(place(&both), "1 2 1 Torchrun");
+        for (vars, says) in [
+            (
+                &[("WORLD_SIZE", "4")][..],
+                "torchrun variables are incomplete: RANK missing",
+            ),
+            (&[("RANK", "1")][..], "WORLD_SIZE missing"),
+            (
+                &[("WORLD_SIZE", "four"), ("RANK", "0")][..],
+                "WORLD_SIZE=\"four\" is not a non-negative integer",
+            ),
+            (
+                &[("WORLD_SIZE", "2"), ("RANK", "-1")][..],
+                "RANK=\"-1\" is not a non-negative integer",
+            ),
+            (
+                &[("WORLD_SIZE", "2"), ("RANK", "2")][..],
+                "RANK=2 but WORLD_SIZE=2: ranks go from 0 to 1",
+            ),
+            (&[("WORLD_SIZE", "0"), ("RANK", "0")][..], "WORLD_SIZE=0"),
+            (
+                &[("SLURM_PROCID", "0")][..],
+                "Slurm variables are incomplete: SLURM_NTASKS, SLURM_LOCALID missing",
+            ),
+            (
+                &[
+                    ("SLURM_PROCID", "x"),
+                    ("SLURM_NTASKS", "2"),
+                    ("SLURM_LOCALID", "0"),
+                ][..],
+                "SLURM_PROCID=\"x\"",
+            ),
+        ] {
+            assert!(place(vars).contains(says), "{vars:?}: {}", place(vars));
         }
     }
 

@@ -50,6 +50,6 @@ pub use ddp::{Ddp, DdpOptions, DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES}
 #[cfg(feature = "c10d")]
 pub use group::{BackendKind, GroupOptions, ProcessGroup, ReduceOp, Work, DEFAULT_TIMEOUT};
 
-pub use env::{first_host, DistEnv, Source, DEFAULT_PORT};
+pub use env::{first_host, DistEnv, Place, Source, DEFAULT_PORT};
 pub use error::{Error, Result};
 pub use launch::{free_port, launch, LaunchConfig, LaunchOutcome, EXIT_PREEMPTED};

@@ -13,22 +13,10 @@ pub enum Error {
         /// The number of replicas.
         num_replicas: u64,
     },
-    /// A torchrun variable is not a non-negative integer.
-    #[error("{var}={value:?} is not a non-negative integer; torchrun sets it for every process, unset it outside a launcher")]
-    InvalidEnv {
-        /// The variable.
-        var: &'static str,
-        /// Its value.
-        value: String,
-    },
-    /// Only one of `RANK` / `WORLD_SIZE` is set.
-    #[error("{set} is set but {missing} is not: set both (torchrun does), or neither for a single process")]
-    PartialEnv {
-        /// The variable that is set.
-        set: &'static str,
-        /// The one that is missing.
-        missing: &'static str,
-    },
+    /// The launcher's variables (torchrun's `RANK` / `WORLD_SIZE`, or Slurm's) are
+    /// wrong: the message names the variable, its value and the fix.
+    #[error("{0}")]
+    Environment(String),
     /// A batch size of zero.
     #[error("batch_size is 0: give a positive batch size")]
     ZeroBatchSize,

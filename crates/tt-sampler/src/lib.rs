@@ -45,7 +45,6 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod batch;
-mod env;
 mod error;
 mod mt19937;
 mod randperm;

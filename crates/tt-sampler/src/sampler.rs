@@ -125,11 +125,22 @@ impl DistributedSampler {
         self
     }
 
-    /// Like [`new`](Self::new), with `num_replicas` and `rank` from torchrun's
-    /// `WORLD_SIZE` and `RANK`; a single process (1, 0) when neither is set.
+    /// Like [`new`](Self::new), with `num_replicas` and `rank` from the launcher's
+    /// variables: torchrun's `WORLD_SIZE` and `RANK`, else Slurm's `SLURM_NTASKS` and
+    /// `SLURM_PROCID`; a single process (1, 0) when none is set. This is
+    /// [`tt_dist::Place`], the rule every torchtools crate follows (so a checkpoint's
+    /// writer and the sampler agree on who rank 0 is). A bad or partial value is
+    /// [`Error::Environment`], naming the variable.
     pub fn from_env(len: u64) -> Result<Self> {
-        let (world, rank) = crate::env::world_and_rank(|n| std::env::var(n).ok())?;
-        Self::new(len, world, rank)
+        Self::from_place(
+            len,
+            tt_dist::Place::from_env().map_err(|e| Error::Environment(e.to_string()))?,
+        )
+    }
+
+    /// Like [`new`](Self::new), with `num_replicas` and `rank` of `place`.
+    pub fn from_place(len: u64, place: tt_dist::Place) -> Result<Self> {
+        Self::new(len, place.world_size as u64, place.rank as u64)
     }
 
     /// Shuffles or not (default: shuffled). Restarts the current epoch.

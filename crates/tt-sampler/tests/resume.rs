@@ -396,17 +396,35 @@ fn from_env_reads_torchrun_variables_in_a_real_process() {
         assert_eq!(got, expect);
         return;
     }
+    let slurm = |procid| {
+        vec![
+            ("SLURM_PROCID", procid),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "0"),
+        ]
+    };
     for (vars, expect) in [
         (vec![], "1 0"),
         (vec![("WORLD_SIZE", "8"), ("RANK", "5")], "8 5"),
         (
             vec![("WORLD_SIZE", "2"), ("RANK", "2")],
-            "rank 2 is out of range for 2 replica(s): ranks are 0 to 1",
+            "inconsistent distributed environment: RANK=2 but WORLD_SIZE=2: ranks go from 0 to 1",
         ),
+        (
+            vec![("WORLD_SIZE", "2"), ("RANK", "1O")],
+            "RANK=\"1O\" is not a non-negative integer",
+        ),
+        // Under srun: Slurm's variables, no RANK; each task its own shard.
+        (slurm("3"), "4 3"),
+        (slurm("0"), "4 0"),
     ] {
         let out = tt_testkit::rerun("from_env_reads_torchrun_variables_in_a_real_process")
             .env_remove("WORLD_SIZE")
             .env_remove("RANK")
+            .env_remove("LOCAL_RANK")
+            .env_remove("SLURM_PROCID")
+            .env_remove("SLURM_NTASKS")
+            .env_remove("SLURM_LOCALID")
             .envs(vars)
             .env("TT_SAMPLER_CHILD", expect)
             .output()
