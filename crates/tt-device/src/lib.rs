@@ -54,6 +54,7 @@
 mod bytes;
 mod cpu;
 mod cuda;
+mod duration;
 mod env;
 mod error;
 mod inventory;
@@ -65,6 +66,7 @@ mod select;
 pub use bytes::Bytes;
 pub use cpu::CpuBudget;
 pub use cuda::{CudaDriver, CudaError};
+pub use duration::parse_duration;
 pub use env::{
     CudaVisibleDevices, DeviceRequest, EnvConfig, RawEnv, VisibleEntry, CUDA_VISIBLE_DEVICES,
     LOCAL_RANK, TORCHTOOLS_DEVICE,

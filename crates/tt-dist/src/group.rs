@@ -37,7 +37,7 @@ impl Default for GroupOptions {
 
 impl GroupOptions {
     /// The defaults, overridden by `TORCHTOOLS_DIST_BACKEND` (`gloo` | `nccl`) and
-    /// `TORCHTOOLS_DIST_TIMEOUT` (seconds, > 0).
+    /// `TORCHTOOLS_DIST_TIMEOUT` (a duration above 0: `600`, `20s`, `10m`).
     pub fn from_env() -> Result<GroupOptions> {
         GroupOptions::from_lookup(|k| std::env::var(k).ok())
     }
@@ -60,19 +60,20 @@ impl GroupOptions {
             });
         }
         if let Some(v) = get("TORCHTOOLS_DIST_TIMEOUT").filter(|v| !v.is_empty()) {
-            let secs: f64 = v.trim().parse().map_err(|_| Error::Invalid {
+            // The CLI's form: 600, 20s, 10m, 1.5h.
+            let timeout = tt_device::parse_duration(&v).map_err(|why| Error::Invalid {
                 name: "TORCHTOOLS_DIST_TIMEOUT",
                 value: v.clone(),
-                reason: "not a number of seconds (e.g. 600)".into(),
+                reason: format!("not a duration ({why})"),
             })?;
-            if !(secs.is_finite() && secs > 0.0 && secs < 1e9) {
+            if timeout.is_zero() || timeout.as_secs() >= 1_000_000_000 {
                 return Err(Error::Invalid {
                     name: "TORCHTOOLS_DIST_TIMEOUT",
                     value: v,
-                    reason: "out of range: give seconds > 0".into(),
+                    reason: "out of range: give a duration above 0, e.g. 600 or 10m".into(),
                 });
             }
-            opts.timeout = Duration::from_secs_f64(secs);
+            opts.timeout = timeout;
         }
         Ok(opts)
     }

@@ -839,6 +839,7 @@ fn bad_env() -> TestResult {
     for (var, value) in [
         ("TORCHTOOLS_DIST_TIMEOUT", "soon"),
         ("TORCHTOOLS_DIST_TIMEOUT", "-1"),
+        ("TORCHTOOLS_DIST_TIMEOUT", "0s"),
         ("TORCHTOOLS_DIST_BACKEND", "mpi"),
     ] {
         match GroupOptions::from_lookup(|k| (k == var).then(|| value.to_string())) {
@@ -855,6 +856,15 @@ fn bad_env() -> TestResult {
     .map_err(|e| e.to_string())?;
     if ok.timeout != Duration::from_millis(2500) || ok.backend != Some(tt_dist::BackendKind::Gloo) {
         return Err(format!("parsed {ok:?}"));
+    }
+    // The CLI's durations: 20s, 10m.
+    for (value, want) in [("20s", 20), ("10m", 600)] {
+        let o =
+            GroupOptions::from_lookup(|k| (k == "TORCHTOOLS_DIST_TIMEOUT").then(|| value.into()))
+                .map_err(|e| format!("TORCHTOOLS_DIST_TIMEOUT={value}: {e}"))?;
+        if o.timeout != Duration::from_secs(want) {
+            return Err(format!("TORCHTOOLS_DIST_TIMEOUT={value}: {:?}", o.timeout));
+        }
     }
     Ok(())
 }
