@@ -113,8 +113,23 @@ impl Optimizer {
         self.schedule.lr(self.algorithm.lr(), self.step)
     }
 
-    /// Sets every gradient to zero.
+    /// Clears every gradient, as torch.optim's `zero_grad()` does by default
+    /// (`set_to_none=True`): gradients become undefined, no kernel runs, and the next
+    /// backward writes them afresh. A parameter the next loss does not reach keeps no
+    /// gradient and is not updated by [`step`](Self::step), as in torch.
+    /// [`zero_grad_to_zeros`](Self::zero_grad_to_zeros) fills them with zeros instead.
     pub fn zero_grad(&mut self) {
+        let params: Vec<Tensor> = self.params.iter().map(|(_, p)| p.shallow_clone()).collect();
+        if tt_sys::set_grads_none(&params).is_err() {
+            // Only a broken libtorch would refuse; zeros keep the update right.
+            self.zero_grad_to_zeros();
+        }
+    }
+
+    /// Sets every gradient to zero (torch's `zero_grad(set_to_none=False)`): a
+    /// parameter the next loss does not reach then has a zero gradient, and Adam still
+    /// moves it by its momentum.
+    pub fn zero_grad_to_zeros(&mut self) {
         for (_, p) in &mut self.params {
             p.zero_grad();
         }

@@ -115,3 +115,66 @@ fn the_multi_tensor_adam_step_matches_torch_optims_foreach() {
         assert_close(&spec, "b", &b, &t["b"], 1e-6);
     }
 }
+
+/// torch.optim's `zero_grad()` sets gradients to `None`: a parameter the loss does not
+/// reach at a step has no gradient and Adam leaves it alone (its moments and step count
+/// too). Ours, with `b` used on even steps only, against torch's same loop.
+#[test]
+fn a_parameter_without_a_gradient_is_left_alone_as_torch_does() {
+    const PY: &str = r#"
+import json, torch
+a = torch.arange(12, dtype=torch.float32).sin().reshape(3, 4).requires_grad_()
+b = torch.arange(5, dtype=torch.float32).cos().requires_grad_()
+opt = torch.optim.Adam([a, b], lr=0.01)
+for k in range(25):
+    ga = (torch.arange(12, dtype=torch.float32) * 0.7 + k).sin().reshape(3, 4)
+    gb = (torch.arange(5, dtype=torch.float32) * 1.3 - k).cos() * 0.5
+    opt.zero_grad()
+    loss = (a * ga).sum() + ((b * gb).sum() if k % 2 == 0 else 0)
+    loss.backward()
+    opt.step()
+print(json.dumps({"a": a.detach().flatten().tolist(), "b": b.detach().tolist()}))
+"#;
+    let out = tt_testkit::python()
+        .args(["-W", "ignore", "-c", PY])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let t: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let f = (Kind::Float, Device::Cpu);
+    let vs = tch::nn::VarStore::new(Device::Cpu);
+    let a = vs
+        .root()
+        .var_copy("a", &Tensor::arange(12, f).sin().reshape([3, 4]));
+    let b = vs.root().var_copy("b", &Tensor::arange(5, f).cos());
+    let mut opt = tt_optim::Optimizer::adam(
+        &vs,
+        tt_optim::AdamConfig {
+            lr: 0.01,
+            ..tt_optim::AdamConfig::adam()
+        },
+    )
+    .unwrap();
+    for k in 0..25 {
+        let (ga, gb) = grads(k, Device::Cpu);
+        let mut loss = (&a * ga).sum(Kind::Float);
+        if k % 2 == 0 {
+            loss += (&b * gb).sum(Kind::Float);
+        }
+        opt.backward_step(&loss).unwrap();
+        if k % 2 == 1 {
+            assert!(
+                !b.grad().defined(),
+                "step {k}: b has a gradient it never got"
+            );
+        }
+    }
+    let flat = |t: &Tensor| Vec::<f32>::try_from(t.flatten(0, -1)).unwrap();
+    let spec = json!("Adam, b used on even steps only");
+    assert_close(&spec, "a", &flat(&a), &t["a"], 1e-5);
+    assert_close(&spec, "b", &flat(&b), &t["b"], 1e-5);
+}

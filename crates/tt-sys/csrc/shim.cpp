@@ -186,6 +186,12 @@ std::vector<at::Scalar> scalars_of(const double* xs, size_t n) {
 
 }  // namespace
 
+char* tt_set_grads_none(void* const* tensors, size_t n) {
+  TT_PROTECT({
+    for (size_t i = 0; i < n; ++i) static_cast<at::Tensor*>(tensors[i])->mutable_grad().reset();
+  })
+}
+
 char* tt_foreach_adam(void* const* params, void* const* grads, void* const* exp_avgs,
                       void* const* exp_avg_sqs, size_t n, const double* step_sizes,
                       const double* bias_correction2_sqrts, double lr, double beta1,

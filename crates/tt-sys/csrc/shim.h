@@ -51,6 +51,11 @@ char* tt_autocast_set(int32_t device_type, bool enabled, int32_t dtype, bool* pr
 // enter: a region opens; !enter: it closes (the cast cache is cleared at the outermost).
 char* tt_autocast_nesting(bool enter);
 
+// Sets each tensor's gradient to undefined (Python's `p.grad = None`, what
+// torch.optim's `zero_grad()` does by default): no kernel, the memory goes back to the
+// caching allocator.
+char* tt_set_grads_none(void* const* tensors, size_t n);
+
 // torch.optim.Adam / AdamW's multi-tensor step (`_multi_tensor_adam`, without AMSGrad):
 // a few `_foreach_` kernels for all `n` tensors instead of several per tensor. Tensors
 // are `at::Tensor*`; `step_sizes[i]` is -lr / (1 - beta1^step_i) and

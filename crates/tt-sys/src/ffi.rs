@@ -43,6 +43,8 @@ extern "C" {
         prev_dtype: *mut i32,
     ) -> *mut c_char;
     pub(crate) fn tt_autocast_nesting(enter: bool) -> *mut c_char;
+    pub(crate) fn tt_set_grads_none(tensors: *const *mut std::ffi::c_void, n: usize)
+        -> *mut c_char;
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn tt_foreach_adam(
         params: *const *mut std::ffi::c_void,

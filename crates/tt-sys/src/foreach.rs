@@ -29,6 +29,32 @@ fn ptrs(ts: &[Tensor]) -> Vec<*mut std::ffi::c_void> {
         .collect()
 }
 
+/// Sets the gradient of each tensor to undefined, as Python's `p.grad = None` (what
+/// torch.optim's `zero_grad()` does by default): no kernel runs, and the next backward
+/// writes fresh gradients instead of adding to zeros. tch's `zero_grad` fills them with
+/// zeros instead, one kernel each.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// let x = Tensor::ones([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+/// x.sum(Kind::Float).backward();
+/// assert!(x.grad().defined());
+/// tt_sys::set_grads_none(&[x.shallow_clone()])?;
+/// assert!(!x.grad().defined());
+/// # Ok::<(), tt_sys::Error>(())
+/// ```
+pub fn set_grads_none(tensors: &[Tensor]) -> Result<()> {
+    let ps = ptrs(tensors);
+    // SAFETY: every pointer is a live tensor borrowed for the call; the shim catches
+    // every C++ exception.
+    unsafe { check(ffi::tt_set_grads_none(ps.as_ptr(), ps.len())) }.map_err(|message| {
+        Error::Torch {
+            op: "set_grads_none",
+            message,
+        }
+    })
+}
+
 /// One Adam (or AdamW) step over many tensors at once, as torch.optim's default
 /// multi-tensor implementation (`_multi_tensor_adam`, `foreach=True`) does it: a few
 /// `_foreach_` kernels for all the tensors instead of several per tensor, which on a

@@ -72,7 +72,7 @@ pub use cuda::{
     Stat,
 };
 #[cfg(feature = "tch")]
-pub use foreach::{foreach_adam, AdamStep};
+pub use foreach::{foreach_adam, set_grads_none, AdamStep};
 
 /// For GPU-only tests: returns CUDA's info, or panics saying why CUDA is unusable.
 ///
