@@ -178,7 +178,8 @@ enum Command {
     },
     /// Launch N processes of CMD with torchrun's variables (RANK, WORLD_SIZE,
     /// LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1 when
-    /// unset and N > 1), each output line prefixed with its rank.
+    /// unset and N > 1), each output line prefixed with its rank as it is printed
+    /// (PYTHONUNBUFFERED=1 when unset, so that Python's print reaches you at once).
     ///
     /// When a rank fails, the others get SIGTERM, then SIGKILL after 10 s, and
     /// torchtools exits with the failed rank's status, naming it.

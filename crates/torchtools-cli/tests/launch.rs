@@ -110,3 +110,38 @@ fn omp_num_threads_is_set_to_1_only_when_unset() {
     let text = String::from_utf8(out.stdout).unwrap();
     assert_eq!(text.matches("omp=3").count(), 2, "{text}");
 }
+
+/// A Python rank's `print`, without flush, shows while the rank runs, as it does under
+/// torchrun (whose ranks write to the terminal): ours write into a pipe, where Python
+/// would hold the line back until it exits. The rank waits for a file that the test
+/// creates only once it has seen the line. PYTHONUNBUFFERED is unset, as on most users'
+/// machines.
+#[test]
+fn a_python_ranks_print_shows_while_it_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let script = "import os, sys, time\n\
+                  print('step 1 done')\n\
+                  t = time.time()\n\
+                  while not os.path.exists(sys.argv[1]) and time.time() - t < 300:\n\
+                  \x20   time.sleep(0.05)\n\
+                  print('finished')\n";
+    let mut child = Command::new(env!("CARGO_BIN_EXE_torchtools"))
+        .arg("launch")
+        .args(["--nproc-per-node", "1", "--"])
+        .arg(tt_testkit::python_path())
+        .args(["-c", script])
+        .arg(&go)
+        .env_remove("PYTHONUNBUFFERED")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let line = tt_testkit::wait_for_line(
+        child.stdout.take().unwrap(),
+        "step 1 done",
+        Duration::from_secs(120),
+    );
+    assert_eq!(line, "[rank0]: step 1 done");
+    std::fs::write(&go, "").unwrap();
+    assert!(child.wait().unwrap().success());
+}

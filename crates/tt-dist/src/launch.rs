@@ -168,6 +168,12 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
             if cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
                 cmd.env("OMP_NUM_THREADS", "1");
             }
+            // A rank writes into a pipe, where Python holds `print` back until its
+            // buffer fills or it exits; under torchrun it writes to the terminal and
+            // each line shows at once. Line by line here too, unless the user chose.
+            if std::env::var_os("PYTHONUNBUFFERED").is_none() {
+                cmd.env("PYTHONUNBUFFERED", "1");
+            }
             let mut child = match cmd.spawn() {
                 Ok(c) => c,
                 Err(source) => {
