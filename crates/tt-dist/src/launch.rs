@@ -114,11 +114,23 @@ fn prefix(
             } else {
                 Box::new(std::io::stdout().lock())
             };
-            let _ = out.write_all(format!("[rank{rank}]: ").as_bytes());
-            let _ = out.write_all(&line);
-            let _ = out.write_all(b"\n");
+            let _ = out.write_all(&prefixed(&line, rank));
         }
     })
+}
+
+/// `line` as the launcher prints it: `[rankN]: ` in front, unless the rank already put
+/// exactly that there (PyTorch's distributed error reports prefix their own traceback
+/// lines), and a newline.
+fn prefixed(line: &[u8], rank: usize) -> Vec<u8> {
+    let tag = format!("[rank{rank}]: ");
+    let mut out = Vec::with_capacity(tag.len() + line.len() + 1);
+    if !line.starts_with(tag.as_bytes()) {
+        out.extend_from_slice(tag.as_bytes());
+    }
+    out.extend_from_slice(line);
+    out.push(b'\n');
+    out
 }
 
 /// Launches the group, waits for it, restarts it on failure up to `max_restarts`.
@@ -300,5 +312,22 @@ fn supervise(cfg: &LaunchConfig, ranks: &mut [(usize, Child)]) -> Option<(usize,
             }
         }
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefixed;
+
+    #[test]
+    fn each_line_is_prefixed_once() {
+        let line = |l: &str, r| String::from_utf8(prefixed(l.as_bytes(), r)).unwrap_or_default();
+        assert_eq!(line("loss 0.5", 3), "[rank3]: loss 0.5\n");
+        assert_eq!(line("", 0), "[rank0]: \n");
+        // PyTorch's own prefix for this rank is kept, not doubled.
+        assert_eq!(line("[rank1]: Traceback", 1), "[rank1]: Traceback\n");
+        // Another rank's tag, or one without the space, is text like any other.
+        assert_eq!(line("[rank1]: x", 0), "[rank0]: [rank1]: x\n");
+        assert_eq!(line("[rank1]:x", 1), "[rank1]: [rank1]:x\n");
     }
 }
