@@ -145,3 +145,22 @@ fn a_python_ranks_print_shows_while_it_runs() {
     std::fs::write(&go, "").unwrap();
     assert!(child.wait().unwrap().success());
 }
+
+/// More ranks than a node runs is refused before anything starts (it used to start
+/// processes until the machine ran out, then panic), with the limit named.
+#[test]
+fn too_many_ranks_are_refused_before_any_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("started");
+    let out = launch(&[
+        "--nproc-per-node",
+        "100000",
+        "--",
+        "touch",
+        marker.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("at most 1024 ranks per node"), "{err}");
+    assert!(!marker.exists(), "a rank started");
+}

@@ -80,8 +80,21 @@ fn describe(status: ExitStatus) -> (i32, String) {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(c), _) => (c, format!("exited with status {c}")),
-        (None, Some(s)) => (128 + s, format!("was killed by signal {s}")),
+        (None, Some(s)) => (128 + s, format!("was {}", signal_words(s))),
         _ => (1, "ended abnormally".into()),
+    }
+}
+
+/// How a process ended by signal `s` is said: Ctrl-C is an interruption, not a kill.
+fn signal_words(s: i32) -> String {
+    match s {
+        libc::SIGINT => "interrupted (SIGINT, Ctrl-C)".into(),
+        libc::SIGTERM => "terminated (SIGTERM)".into(),
+        libc::SIGKILL => "killed (SIGKILL)".into(),
+        libc::SIGHUP => "hung up (SIGHUP: its terminal closed)".into(),
+        libc::SIGSEGV => "killed by a segmentation fault (SIGSEGV)".into(),
+        libc::SIGABRT => "aborted (SIGABRT)".into(),
+        s => format!("killed by signal {s}"),
     }
 }
 
@@ -105,8 +118,8 @@ fn prefix(
     reader: impl std::io::Read + Send + 'static,
     rank: usize,
     to_stderr: bool,
-) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().spawn(move || {
         for line in BufReader::new(reader).split(b'\n') {
             let Ok(line) = line else { break };
             let mut out: Box<dyn Write> = if to_stderr {
@@ -133,12 +146,23 @@ fn prefixed(line: &[u8], rank: usize) -> Vec<u8> {
     out
 }
 
+/// The most ranks [`launch`] starts on one node: checked before anything starts (each
+/// rank is a process and two reader threads).
+pub const MAX_NPROC_PER_NODE: usize = 1024;
+
 /// Launches the group, waits for it, restarts it on failure up to `max_restarts`.
 pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
     if cfg.nproc_per_node == 0 || cfg.nnodes == 0 {
         return Err(Error::Launch(
             "--nproc-per-node and --nnodes must be at least 1".into(),
         ));
+    }
+    if cfg.nproc_per_node > MAX_NPROC_PER_NODE {
+        return Err(Error::Launch(format!(
+            "--nproc-per-node {}: at most {MAX_NPROC_PER_NODE} ranks per node (one per GPU, or a \
+             few per CPU core, is the usual count)",
+            cfg.nproc_per_node
+        )));
     }
     if cfg.node_rank >= cfg.nnodes {
         return Err(Error::Launch(format!(
@@ -199,13 +223,26 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
                     });
                 }
             };
-            if let Some(out) = child.stdout.take() {
-                readers.push(prefix(out, rank, false));
-            }
-            if let Some(err) = child.stderr.take() {
-                readers.push(prefix(err, rank, true));
-            }
+            let streams = [
+                child.stdout.take().map(|o| prefix(o, rank, false)),
+                child.stderr.take().map(|e| prefix(e, rank, true)),
+            ];
             ranks.push((rank, child));
+            for reader in streams.into_iter().flatten() {
+                match reader {
+                    Ok(r) => readers.push(r),
+                    Err(source) => {
+                        for (_, c) in &mut ranks {
+                            let _ = c.kill();
+                            let _ = c.wait();
+                        }
+                        return Err(Error::Io {
+                            what: format!("starting the output reader of rank {rank}"),
+                            source,
+                        });
+                    }
+                }
+            }
         }
         let failed = supervise(cfg, &mut ranks);
         for r in readers {
@@ -318,6 +355,28 @@ fn supervise(cfg: &LaunchConfig, ranks: &mut [(usize, Child)]) -> Option<(usize,
 #[cfg(test)]
 mod tests {
     use super::prefixed;
+
+    #[test]
+    fn a_signal_is_said_in_words_and_its_status_is_128_plus_it() {
+        use std::os::unix::process::ExitStatusExt;
+        let by = |s: i32| super::describe(std::process::ExitStatus::from_raw(s));
+        assert_eq!(
+            by(libc::SIGINT),
+            (130, "was interrupted (SIGINT, Ctrl-C)".into())
+        );
+        assert_eq!(by(libc::SIGKILL), (137, "was killed (SIGKILL)".into()));
+        assert_eq!(
+            by(libc::SIGUSR1),
+            (
+                128 + libc::SIGUSR1,
+                format!("was killed by signal {}", libc::SIGUSR1)
+            )
+        );
+        assert_eq!(
+            super::describe(std::process::ExitStatus::from_raw(3 << 8)),
+            (3, "exited with status 3".into())
+        );
+    }
 
     #[test]
     fn each_line_is_prefixed_once() {

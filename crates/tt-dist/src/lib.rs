@@ -52,4 +52,6 @@ pub use group::{BackendKind, GroupOptions, ProcessGroup, ReduceOp, Work, DEFAULT
 
 pub use env::{first_host, DistEnv, Place, Source, DEFAULT_PORT};
 pub use error::{Error, Result};
-pub use launch::{free_port, launch, LaunchConfig, LaunchOutcome, EXIT_PREEMPTED};
+pub use launch::{
+    free_port, launch, LaunchConfig, LaunchOutcome, EXIT_PREEMPTED, MAX_NPROC_PER_NODE,
+};
