@@ -130,6 +130,14 @@ fn apply_tconfig(given: &mut Given, path: &Path) -> Result<()> {
 /// A report or plot path, checked before the command starts: an existing directory
 /// to write in, not a directory itself, writable.
 pub(crate) fn check_output(option: &str, path: &Path) -> Result<()> {
+    // `reports/` names a directory even when it does not exist (yet).
+    if path.as_os_str().as_encoded_bytes().ends_with(b"/") && !path.is_dir() {
+        return Err(bad(format!(
+            "{option} {} ends with / (a directory): give a file name, e.g. {}",
+            path.display(),
+            path.join("report.txt").display()
+        )));
+    }
     if path.is_dir() {
         return Err(bad(format!(
             "{option} {} is a directory: give a file name, e.g. {}",

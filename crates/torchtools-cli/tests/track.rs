@@ -210,8 +210,11 @@ fn a_bad_output_path_is_refused_before_the_command_starts() {
     let missing_csv = missing_dir.with_extension("csv");
     let dir = tmp.path().to_str().unwrap();
     let unknown = tmp.path().join("t.parquet");
-    let cases: [(Vec<&str>, &str); 7] = [
+    let slash = format!("{}/", tmp.path().join("reports").display());
+    let cases: [(Vec<&str>, &str); 8] = [
         (vec!["--output", missing], "does not exist"),
+        // A missing directory named with a trailing slash: it used to run the command.
+        (vec!["--output", &slash], "ends with / (a directory)"),
         (vec!["-o", dir], "is a directory"),
         (vec!["--plot", missing], "does not exist"),
         (
