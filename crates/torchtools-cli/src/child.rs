@@ -29,6 +29,21 @@ const EXIT_NOT_FOUND: u8 = 127;
 /// Exit status of a command that cannot be executed, as shells use it.
 const EXIT_NOT_EXECUTABLE: u8 = 126;
 
+/// A command that could not be started, with a shell's exit status: 127 when it is not
+/// found, 126 when it cannot be executed, 1 otherwise.
+pub(crate) fn spawn_failure(name: &str, e: &io::Error) -> Exit {
+    let (code, hint) = match e.kind() {
+        io::ErrorKind::NotFound if name.ends_with(".py") => (
+            EXIT_NOT_FOUND,
+            format!(" (a Python script: run it as `python {name}`)"),
+        ),
+        io::ErrorKind::NotFound => (EXIT_NOT_FOUND, " (not found on PATH)".into()),
+        io::ErrorKind::PermissionDenied => (EXIT_NOT_EXECUTABLE, " (not executable)".into()),
+        _ => (1, String::new()),
+    };
+    Exit(code, format!("cannot run {name:?}: {e}{hint}"))
+}
+
 /// The command, running.
 pub(crate) struct Running {
     child: Child,
@@ -49,14 +64,7 @@ pub(crate) struct Ended {
 pub(crate) fn spawn(cmd: &mut Command, name: &str) -> Result<Running> {
     let mut signals = SignalsInfo::<WithOrigin>::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
         .map_err(|e| anyhow::anyhow!("cannot install signal handlers: {e}"))?;
-    let child = cmd.spawn().map_err(|e| {
-        let (code, hint) = match e.kind() {
-            io::ErrorKind::NotFound => (EXIT_NOT_FOUND, " (not found on PATH)"),
-            io::ErrorKind::PermissionDenied => (EXIT_NOT_EXECUTABLE, " (not executable)"),
-            _ => (1, ""),
-        };
-        Exit(code, format!("cannot run {name:?}: {e}{hint}"))
-    })?;
+    let child = cmd.spawn().map_err(|e| spawn_failure(name, &e))?;
     let pid = child.id();
     let handle = signals.handle();
     let forwarder = std::thread::spawn(move || {

@@ -30,6 +30,9 @@ pub(crate) fn launch(mut cfg: LaunchConfig) -> Result<ExitCode> {
     cfg.forward = Some(forward);
     let outcome = launch_group(&cfg).map_err(|e| match e {
         tt_dist::Error::Launch(m) => anyhow::Error::from(Exit(2, m)),
+        tt_dist::Error::Spawn { program, cause, .. } => anyhow::Error::from(
+            crate::child::spawn_failure(&program.to_string_lossy(), &cause),
+        ),
         e => anyhow::Error::from(e),
     });
     handle.close();

@@ -164,3 +164,27 @@ fn too_many_ranks_are_refused_before_any_starts() {
     assert!(err.contains("at most 1024 ranks per node"), "{err}");
     assert!(!marker.exists(), "a rank started");
 }
+
+/// A command that cannot start exits as in a shell and the other commands: 127 when it
+/// is not found (a `.py` script is told how to run it), 126 when it is not executable.
+#[test]
+fn a_command_that_cannot_start_exits_127_or_126() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("train.py");
+    std::fs::write(&script, "print('hi')\n").unwrap();
+    let out = launch(&["--nproc-per-node", "2", "--", "no-such-command-here"]);
+    assert_eq!(out.status.code(), Some(127), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not found on PATH"));
+    let out = Command::new(env!("CARGO_BIN_EXE_torchtools"))
+        .current_dir(dir.path())
+        .args(["launch", "--", "train.py"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(127), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("run it as `python train.py`"),
+        "{out:?}"
+    );
+    let out = launch(&["--", script.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(126), "{out:?}");
+}

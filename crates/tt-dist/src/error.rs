@@ -59,6 +59,16 @@ pub enum Error {
     /// A tensor operation around a collective failed (tch's error).
     #[error("{0}")]
     Tensor(String),
+    /// A rank's program could not be started (not found, not executable, ...).
+    #[error("cannot start rank {rank} ({program:?}): {cause}")]
+    Spawn {
+        /// The rank.
+        rank: usize,
+        /// The program, as given.
+        program: std::path::PathBuf,
+        /// The OS error (its kind tells not found from not executable).
+        cause: std::io::Error,
+    },
     /// An OS error while launching.
     #[error("{what}: {source}")]
     Io {

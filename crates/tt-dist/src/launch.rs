@@ -217,9 +217,10 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
                         let _ = c.kill();
                         let _ = c.wait();
                     }
-                    return Err(Error::Io {
-                        what: format!("starting rank {rank} ({:?})", cfg.program),
-                        source,
+                    return Err(Error::Spawn {
+                        rank,
+                        program: cfg.program.clone().into(),
+                        cause: source,
                     });
                 }
             };
