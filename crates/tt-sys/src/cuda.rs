@@ -10,6 +10,15 @@ use crate::ffi;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum CudaUnavailable {
+    /// `TORCHTOOLS_CUDA_PRELOAD` holds something other than `0` or `1`.
+    #[error(
+        "TORCHTOOLS_CUDA_PRELOAD={value:?} is not 0 or 1: set 0 to keep libtorch's CUDA \
+         library from loading as the program starts, 1 (or unset it) for the default"
+    )]
+    BadPreload {
+        /// The value.
+        value: String,
+    },
     /// The libtorch in use has no `libtorch_cuda.so`.
     #[error(
         "libtorch_cuda.so not found in {dir}: this libtorch is CPU-only; \
@@ -171,6 +180,13 @@ fn dlopen(path: &str, flags: libc::c_int) -> Result<*mut libc::c_void, String> {
 }
 
 fn load_cuda() -> Result<CudaInfo, CudaUnavailable> {
+    // Read (as 0 or anything else) before main by the shim; checked here, where an
+    // error can be reported: a typo must not pass for the default.
+    if let Ok(value) = std::env::var("TORCHTOOLS_CUDA_PRELOAD") {
+        if !matches!(value.trim(), "" | "0" | "1") {
+            return Err(CudaUnavailable::BadPreload { value });
+        }
+    }
     let dir = libtorch_lib_dir().map_err(|e| CudaUnavailable::Torch(e.to_string()))?;
     let library = dir.join("libtorch_cuda.so");
     if !library.exists() {

@@ -140,3 +140,42 @@ fn test_binaries_find_libtorch_through_their_runpath() {
         );
     }
 }
+
+/// The child of the preload test: what `ensure_cuda_loaded` says.
+#[test]
+#[ignore = "a child process's entry point, run by the preload test"]
+fn preload_child() {
+    if std::env::var_os("TT_SYS_PRELOAD_CHILD").is_none() {
+        return;
+    }
+    match tt_sys::ensure_cuda_loaded() {
+        Ok(info) => println!("\n@@loaded {}", info.device_count),
+        Err(e) => println!("\n@@error {e}"),
+    }
+}
+
+#[test]
+fn a_bad_torchtools_cuda_preload_is_an_error_naming_it() {
+    let said = |value: &str| {
+        let out = tt_testkit::rerun("preload_child")
+            .env("TT_SYS_PRELOAD_CHILD", "1")
+            .env("TORCHTOOLS_CUDA_PRELOAD", value)
+            .output()
+            .unwrap();
+        tt_testkit::assert_ran_one(&out);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.lines()
+            .find_map(|l| l.split_once("@@").map(|(_, rest)| rest.to_owned()))
+            .unwrap_or_else(|| panic!("{text}"))
+    };
+    let bad = said("yes");
+    assert!(
+        bad.starts_with("error TORCHTOOLS_CUDA_PRELOAD=\"yes\" is not 0 or 1"),
+        "{bad}"
+    );
+    // 0 and 1 are accepted: whatever this machine then says, it is not about them.
+    for ok in ["0", "1"] {
+        let said = said(ok);
+        assert!(!said.contains("TORCHTOOLS_CUDA_PRELOAD=\""), "{ok}: {said}");
+    }
+}
