@@ -108,24 +108,13 @@ impl Place {
             } else {
                 return Ok(Place::single());
             };
-        let required: &[&str] = match source {
-            Source::Slurm => &["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"],
-            _ => &["RANK", "WORLD_SIZE"],
-        };
-        let missing: Vec<&str> = required
-            .iter()
-            .copied()
-            .filter(|k| get(k).is_none())
-            .collect();
-        if !missing.is_empty() {
-            return Err(Error::Missing {
-                source_name: if source == Source::Slurm {
-                    "Slurm"
-                } else {
-                    "torchrun"
-                },
-                missing: missing.join(", "),
-            });
+        match source {
+            Source::Slurm => require(
+                &get,
+                "Slurm",
+                &["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"],
+            )?,
+            _ => require(&get, "torchrun", &["RANK", "WORLD_SIZE"])?,
         }
         let rank = number(&get, rank_var)?;
         let place = Place {
@@ -240,17 +229,7 @@ impl DistEnv {
             "MASTER_PORT",
         ];
         if torchrun[..2].iter().any(|k| get(k).is_some()) {
-            let missing: Vec<&str> = torchrun
-                .iter()
-                .copied()
-                .filter(|k| get(k).is_none())
-                .collect();
-            if !missing.is_empty() {
-                return Err(Error::Missing {
-                    source_name: "torchrun",
-                    missing: missing.join(", "),
-                });
-            }
+            require(&get, "torchrun", &torchrun)?;
             let place = Place::from_lookup(get)?;
             let env = DistEnv {
                 rank: place.rank,
@@ -357,6 +336,27 @@ impl DistEnv {
             local_rank: self.local_rank,
             source: self.source,
         }
+    }
+}
+
+/// [`Error::Missing`] naming those of `required` that `get` does not have.
+fn require(
+    get: &impl Fn(&str) -> Option<String>,
+    source_name: &'static str,
+    required: &[&str],
+) -> Result<()> {
+    let missing: Vec<&str> = required
+        .iter()
+        .copied()
+        .filter(|k| get(k).is_none())
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Missing {
+            source_name,
+            missing: missing.join(", "),
+        })
     }
 }
 
