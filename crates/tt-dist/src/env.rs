@@ -13,6 +13,15 @@ pub enum Source {
     Single,
 }
 
+/// The variables a launcher names rank, world size and local rank by: torchrun's, or
+/// Slurm's (for a single process, torchrun's, which messages name).
+fn rank_variables(source: Source) -> (&'static str, &'static str, &'static str) {
+    match source {
+        Source::Slurm => ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+        Source::Torchrun | Source::Single => ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    }
+}
+
 /// The distributed environment of this process.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DistEnv {
@@ -95,26 +104,18 @@ impl Place {
     /// world size, or one variable of a pair without the other is an error naming them.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Place> {
         let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
-        let (rank_var, world_var, local_var, source) =
-            if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
-                ("RANK", "WORLD_SIZE", "LOCAL_RANK", Source::Torchrun)
-            } else if get("SLURM_PROCID").is_some() {
-                (
-                    "SLURM_PROCID",
-                    "SLURM_NTASKS",
-                    "SLURM_LOCALID",
-                    Source::Slurm,
-                )
-            } else {
-                return Ok(Place::single());
-            };
+        let source = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
+            Source::Torchrun
+        } else if get("SLURM_PROCID").is_some() {
+            Source::Slurm
+        } else {
+            return Ok(Place::single());
+        };
+        let (rank_var, world_var, local_var) = rank_variables(source);
+        // srun always sets the local id; torchrun's LOCAL_RANK may be left out.
         match source {
-            Source::Slurm => require(
-                &get,
-                "Slurm",
-                &["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"],
-            )?,
-            _ => require(&get, "torchrun", &["RANK", "WORLD_SIZE"])?,
+            Source::Slurm => require(&get, "Slurm", &[rank_var, world_var, local_var])?,
+            _ => require(&get, "torchrun", &[rank_var, world_var])?,
         }
         let rank = number(&get, rank_var)?;
         let place = Place {
@@ -296,10 +297,7 @@ impl DistEnv {
 
     /// The local world size against the place ([`Place::from_lookup`] checked the rest).
     fn checked(self) -> Result<DistEnv> {
-        let (world_var, local_var) = match self.source {
-            Source::Slurm => ("SLURM_NTASKS", "SLURM_LOCALID"),
-            _ => ("WORLD_SIZE", "LOCAL_RANK"),
-        };
+        let (_, world_var, local_var) = rank_variables(self.source);
         if let Some(lws) = self.local_world_size {
             if self.local_rank >= lws || lws > self.world_size {
                 return Err(Error::Inconsistent(format!(
