@@ -135,16 +135,7 @@ for k in range(25):
     opt.step()
 print(json.dumps({"a": a.detach().flatten().tolist(), "b": b.detach().tolist()}))
 "#;
-    let out = tt_testkit::python()
-        .args(["-W", "ignore", "-c", PY])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let t: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let t: serde_json::Value = serde_json::from_str(&tt_testkit::run_python(PY, &[])).unwrap();
     let f = (Kind::Float, Device::Cpu);
     let vs = tch::nn::VarStore::new(Device::Cpu);
     let a = vs
