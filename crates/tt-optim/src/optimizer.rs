@@ -211,22 +211,13 @@ impl Optimizer {
         for (i, g) in with_grad {
             let (name, p) = &self.params[i];
             let s = &mut self.state[i];
-            for buffer in [&mut s.exp_avg, &mut s.exp_avg_sq] {
-                if buffer.is_none() {
-                    *buffer = Some(p.f_zeros_like().map_err(torch(name))?);
-                }
-            }
+            m.push(moment(&mut s.exp_avg, p).map_err(torch(name))?);
+            v.push(moment(&mut s.exp_avg_sq, p).map_err(torch(name))?);
             s.step += 1;
             params.push(p.shallow_clone());
             grads.push(g);
-            m.push(s.exp_avg.as_ref().map(Tensor::shallow_clone));
-            v.push(s.exp_avg_sq.as_ref().map(Tensor::shallow_clone));
             steps.push(s.step);
         }
-        let (m, v): (Vec<Tensor>, Vec<Tensor>) = (
-            m.into_iter().flatten().collect(),
-            v.into_iter().flatten().collect(),
-        );
         let step = tt_sys::AdamStep {
             lr,
             betas: c.betas,
@@ -378,15 +369,9 @@ fn adam(
                 .map_err(&err)?;
         }
     }
-    let zeros = || p.f_zeros_like().map_err(&err);
-    let mut exp_avg = match s.exp_avg.take() {
-        Some(t) => t,
-        None => zeros()?,
-    };
-    let mut exp_avg_sq = match s.exp_avg_sq.take() {
-        Some(t) => t,
-        None => zeros()?,
-    };
+    // Views of the state's moments: the in-place updates below are the state's.
+    let mut exp_avg = moment(&mut s.exp_avg, p).map_err(&err)?;
+    let mut exp_avg_sq = moment(&mut s.exp_avg_sq, p).map_err(&err)?;
     // exp_avg.lerp_(grad, 1 - beta1); exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     let _ = exp_avg.f_lerp_(&g, 1.0 - beta1).map_err(&err)?;
     let _ = exp_avg_sq.f_mul_scalar_(beta2).map_err(&err)?;
@@ -425,7 +410,18 @@ fn adam(
         .and_then(|t| t.f_mul_scalar(-step_size))
         .map_err(&err)?;
     let _ = p.f_add_(&update).map_err(&err)?;
-    s.exp_avg = Some(exp_avg);
-    s.exp_avg_sq = Some(exp_avg_sq);
     Ok(())
+}
+
+/// Adam's moment buffer of `p` in `slot`, zeros (torch's initial state) on its first
+/// step: a shallow clone, so that in-place updates of it update the state.
+fn moment(slot: &mut Option<Tensor>, p: &Tensor) -> Result<Tensor, tch::TchError> {
+    match slot {
+        Some(t) => Ok(t.shallow_clone()),
+        None => {
+            let zeros = p.f_zeros_like()?;
+            *slot = Some(zeros.shallow_clone());
+            Ok(zeros)
+        }
+    }
 }
