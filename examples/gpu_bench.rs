@@ -13,7 +13,9 @@
 //! - two real models (a GPT-style decoder of about 85M parameters and a ResNet-18-style
 //!   conv net with batch norm), a bf16 training step with AdamW through `Trainer::fit`
 //!   against the same model in PyTorch eager (its step time and its peak of allocated
-//!   GPU memory), alternating, three rounds each.
+//!   GPU memory), alternating, three rounds each;
+//! - the largest batch of each model that fits beside a fence leaving 16 GiB: predicted
+//!   by tt-probe from three probes, against a binary search by real runs.
 //!
 //! ```sh
 //! cargo run --example gpu_bench            # on a machine with a GPU and PyTorch 2.11
@@ -41,6 +43,8 @@ const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
 fn main() {
+    // The probe children of the `maxbatch` rows are this program, re-executed.
+    torchtools::probe::entry(&[("gpt", gpt_probe), ("resnet", resnet_probe)]);
     torchtools::init_logging();
     if let Err(e) = run() {
         eprintln!("gpu_bench: {e}");
@@ -76,7 +80,7 @@ fn run() -> Result<()> {
     }
     // `gpu_bench [GROUP..]`: only those groups of rows; none: all of them.
     type Group = fn() -> Result<Vec<Row>>;
-    let groups: [(&str, Group); 7] = [
+    let groups: [(&str, Group); 8] = [
         ("fence", fence_rows),
         ("adaptive", adaptive_rows),
         ("tracker", || Ok(vec![tracker_row()?])),
@@ -84,6 +88,7 @@ fn run() -> Result<()> {
         ("trainer", || Ok(vec![trainer_row()?])),
         ("models", model_rows),
         ("optimizer", optimizer_rows),
+        ("maxbatch", max_batch_rows),
     ];
     let asked: Vec<String> = std::env::args().skip(1).collect();
     if let Some(bad) = asked.iter().find(|a| !groups.iter().any(|(g, _)| g == a)) {
@@ -619,3 +624,130 @@ def zero():
 out.append(sorted(zero() for _ in range(5))[2])
 print(*out)
 "#;
+
+/// A probe step of one model: its bf16 training step (AdamW) at the batch asked for.
+fn model_probe(
+    ctx: &torchtools::probe::ProbeContext,
+    which: &str,
+) -> std::result::Result<torchtools::probe::Step, torchtools::probe::BoxError> {
+    use torchtools::optim::{AdamConfig, Optimizer};
+    let dev = ctx.device;
+    let b = i64::try_from(ctx.batch.unwrap_or(2))?;
+    let vs = nn::VarStore::new(dev);
+    let gpt = (which == "gpt").then(|| models::Gpt::new(&vs.root(), &models::GptConfig::GPU));
+    let resnet = (which != "gpt").then(|| models::ResNet::new(&vs.root(), 10));
+    let mut opt = Optimizer::adamw(
+        &vs,
+        AdamConfig {
+            lr: 1e-4,
+            ..AdamConfig::adamw()
+        },
+    )?;
+    Ok(Box::new(move || {
+        let _keep = &vs;
+        let loss = torchtools::sys::autocast(dev, Kind::BFloat16, || {
+            Ok::<_, TchError>(match (&gpt, &resnet) {
+                (Some(m), _) => m.loss(&Tensor::f_randint(2048, [b, 513], (Kind::Int64, dev))?),
+                (_, Some(m)) => m.loss(
+                    &Tensor::f_randn([b, 3, 32, 32], (Kind::Float, dev))?,
+                    &Tensor::f_randint(10, [b], (Kind::Int64, dev))?,
+                ),
+                _ => unreachable!("one model is built"),
+            })
+        })??;
+        opt.backward_step(&loss)?;
+        Ok(())
+    }))
+}
+
+fn gpt_probe(
+    ctx: &torchtools::probe::ProbeContext,
+) -> std::result::Result<torchtools::probe::Step, torchtools::probe::BoxError> {
+    model_probe(ctx, "gpt")
+}
+
+fn resnet_probe(
+    ctx: &torchtools::probe::ProbeContext,
+) -> std::result::Result<torchtools::probe::Step, torchtools::probe::BoxError> {
+    model_probe(ctx, "resnet")
+}
+
+/// Per model, beside a fence that leaves 16 GiB free: the largest batch tt-probe
+/// predicts from at most three probes, against the largest a binary search by real
+/// training steps (three each, in a fresh process) finds, to 0.5%.
+fn max_batch_rows() -> Result<Vec<Row>> {
+    use torchtools::probe::{max_batch, probe, BatchSearch, ProbeError, ProbeOptions};
+    let _fence = Fence::raise(0, &FenceOptions::keep_free(Bytes::gib(16)))?;
+    let capacity = torchtools::device::Inventory::query()
+        .gpus
+        .first()
+        .map(|g| g.free)
+        .ok_or("NVML reports no GPU")?;
+    let mut rows = Vec::new();
+    for (which, name) in [
+        ("gpt", "GPT 85M, context 512"),
+        ("resnet", "ResNet-18 32x32"),
+    ] {
+        let run = |batch: u64| {
+            probe(
+                which,
+                &ProbeOptions {
+                    batch: Some(batch),
+                    steps: 3,
+                    timeout: Duration::from_secs(300),
+                    ..ProbeOptions::default()
+                },
+            )
+        };
+        let start = Instant::now();
+        let found = max_batch(&BatchSearch::new(capacity), run)?;
+        let predicted_in = start.elapsed().as_secs_f64();
+        eprintln!("gpu_bench: {which}: {found}");
+        // Real runs: a batch fits when three steps run without running out of memory.
+        let fits = |batch: u64| -> Result<bool> {
+            match run(batch) {
+                Ok(_) => Ok(true),
+                Err(ProbeError::OutOfMemory { .. }) => Ok(false),
+                Err(e) => Err(e.into()),
+            }
+        };
+        let start = Instant::now();
+        let mut runs = 0;
+        let (mut lo, mut hi) = (
+            found.probes.last().map_or(1, |(b, _)| *b),
+            found.batch * 11 / 10,
+        );
+        loop {
+            runs += 1;
+            if !fits(hi)? {
+                break;
+            }
+            lo = hi;
+            hi *= 2;
+        }
+        while hi - lo > (lo / 200).max(1) {
+            let mid = lo + (hi - lo) / 2;
+            runs += 1;
+            if fits(mid)? {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let searched_in = start.elapsed().as_secs_f64();
+        eprintln!("gpu_bench: {which}: largest batch by {runs} real runs: {lo}");
+        rows.push(Row {
+            what: format!("{name}: largest batch in {capacity}, predicted vs searched"),
+            ours: format!("{}", found.batch),
+            baseline: format!("{lo}"),
+            ratio: format!("{:.3}", found.batch as f64 / lo as f64),
+        });
+        rows.push(Row {
+            what: format!("{name}: runs to find it (seconds)"),
+            ours: format!("{} ({predicted_in:.0} s)", found.probes.len()),
+            baseline: format!("{runs} ({searched_in:.0} s)"),
+            ratio: format!("{:.3}", searched_in / predicted_in),
+        });
+    }
+    Ok(rows)
+}

@@ -29,6 +29,26 @@ struct Cli {
     command: Command,
 }
 
+/// `probe --max-batch` and its options.
+#[derive(clap::Args)]
+struct MaxBatchArgs {
+    /// Predict the largest batch that fits instead: probe the command at up to three
+    /// batch sizes (TORCHTOOLS_PROBE_BATCH), fit memory as a line in the batch, and
+    /// solve it for --capacity, leaving a reservation's headroom (3% + 32 MiB).
+    #[arg(long)]
+    max_batch: bool,
+    /// The first probe's batch (the second runs at twice it).
+    #[arg(long, default_value_t = 2, requires = "max_batch", value_parser = clap::value_parser!(u64).range(1..))]
+    batch_start: u64,
+    /// Never predict more than this batch (e.g. the dataset's size).
+    #[arg(long, requires = "max_batch", value_parser = clap::value_parser!(u64).range(1..))]
+    batch_limit: Option<u64>,
+    /// The memory the run may use (default: the probed GPU's free memory now; without
+    /// a GPU, the system's available memory).
+    #[arg(long, requires = "max_batch", value_parser = args::size)]
+    capacity: Option<Bytes>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// List the GPUs (NVML) and show which device TORCHTOOLS_DEVICE, LOCAL_RANK and
@@ -150,6 +170,8 @@ enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        max_batch: MaxBatchArgs,
         /// The command and its arguments, after `--`.
         #[arg(last = true, required = true, value_name = "CMD")]
         command: Vec<OsString>,
@@ -445,8 +467,15 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             timeout,
             steps,
             json,
+            max_batch,
             command,
-        } => probe::probe(gpu, timeout, steps, json, command),
+        } => {
+            if max_batch.max_batch {
+                probe::max_batch(gpu, timeout, steps, json, &max_batch, command)
+            } else {
+                probe::probe(gpu, timeout, steps, json, command)
+            }
+        }
         Command::Run {
             bytes,
             probe: _,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Result;
 use tt_device::{Bytes, Inventory};
 use tt_lock::GpuSpec;
-use tt_probe::{probe_command, CommandProbe, EstimatePolicy, ProbeError};
+use tt_probe::{probe_command, BatchSearch, CommandProbe, EstimatePolicy, ProbeError};
 
 use crate::child::Exit;
 
@@ -26,15 +26,17 @@ fn run_probe(
     gpu: Option<String>,
     timeout: Duration,
     steps: u64,
+    batch: Option<u64>,
     command: &[OsString],
 ) -> Result<tt_probe::ProbeReport> {
     eprintln!(
-        "torchtools: probing {:?} ({steps} step(s), at most {timeout:?})...",
+        "torchtools: probing {:?} ({steps} step(s){}, at most {timeout:?})...",
         command
             .iter()
             .map(|a| a.to_string_lossy())
             .collect::<Vec<_>>()
-            .join(" ")
+            .join(" "),
+        batch.map_or(String::new(), |b| format!(" at batch {b}"))
     );
     let report = probe_command(
         &command[0],
@@ -44,6 +46,7 @@ fn run_probe(
             timeout,
             gpu_uuid: gpu,
             echo_stderr: true,
+            batch,
         },
     )
     .map_err(|e| match e {
@@ -65,7 +68,7 @@ pub(crate) fn probe(
         Some(spec) => visible(spec, &inventory)?,
         None => None,
     };
-    let report = run_probe(uuid, timeout, steps, &command)?;
+    let report = run_probe(uuid, timeout, steps, None, &command)?;
     let estimate = report.estimate(&EstimatePolicy::default());
     if json {
         let mut value = serde_json::to_value(&report)?;
@@ -92,8 +95,93 @@ pub(crate) fn estimate_for_run(
         Some(spec) => visible(spec, &inventory)?,
         None => None,
     };
-    let report = run_probe(uuid, timeout, steps, command)?;
+    let report = run_probe(uuid, timeout, steps, None, command)?;
     let estimate = report.estimate(&EstimatePolicy::default());
     eprintln!("torchtools: {report}; reserving {estimate}");
     Ok(estimate)
+}
+
+/// `probe --max-batch`: the largest batch that fits, from at most three probes.
+pub(crate) fn max_batch(
+    gpu: Option<GpuSpec>,
+    timeout: Duration,
+    steps: u64,
+    json: bool,
+    args: &crate::MaxBatchArgs,
+    command: Vec<OsString>,
+) -> Result<ExitCode> {
+    let inventory = Inventory::query();
+    // One GPU for every probe, so that the capacity is that GPU's: --gpu's, else the
+    // first NVML lists.
+    let gpu_info = match &gpu {
+        Some(spec) if *spec != GpuSpec::Auto => Some(
+            spec.resolve(&inventory)
+                .map_err(|e| Exit(2, e.to_string()))?,
+        ),
+        _ => inventory
+            .gpus
+            .first()
+            .map(|g| tt_lock::GpuKey::of_uuid(&g.uuid)),
+    };
+    let uuid = gpu_info.as_ref().map(|k| k.cuda_visible_entry());
+    let (capacity, of_what) = match (args.capacity, &gpu_info) {
+        (Some(c), _) => (c, "--capacity".to_owned()),
+        (None, Some(key)) => {
+            let free = inventory
+                .gpus
+                .iter()
+                .find(|g| tt_lock::GpuKey::of_uuid(&g.uuid) == *key)
+                .map(|g| g.free)
+                .ok_or_else(|| {
+                    Exit(
+                        2,
+                        format!("NVML does not report the free memory of {key}: give --capacity"),
+                    )
+                })?;
+            (free, format!("free memory of {key}"))
+        }
+        (None, None) => {
+            let available = tt_tracker::process::available_memory().ok_or_else(|| {
+                Exit(
+                    2,
+                    "cannot read the available memory (/proc/meminfo): give --capacity".to_owned(),
+                )
+            })?;
+            (
+                Bytes(available),
+                "available system memory (no GPU)".to_owned(),
+            )
+        }
+    };
+    eprintln!("torchtools: capacity {capacity} ({of_what})");
+    let search = BatchSearch {
+        capacity,
+        start: args.batch_start,
+        policy: EstimatePolicy::default(),
+        limit: args.batch_limit,
+    };
+    let found = tt_probe::max_batch(&search, |batch| {
+        run_probe(uuid.clone(), timeout, steps, Some(batch), &command).map_err(|e| match e
+            .downcast::<ProbeError>()
+        {
+            Ok(p) => p,
+            Err(other) => ProbeError::Spawn {
+                what: "the command".into(),
+                reason: format!("{other:#}"),
+            },
+        })
+    });
+    let found = match found {
+        Ok(f) => f,
+        Err(e @ ProbeError::NoBatchGrowth(_)) => return Err(Exit(1, e.to_string()).into()),
+        Err(e @ ProbeError::Spawn { .. }) => return Err(Exit(127, e.to_string()).into()),
+        Err(e) => return Err(e.into()),
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&found)?);
+    } else {
+        println!("{found}");
+        println!("max batch: {}", found.batch);
+    }
+    Ok(ExitCode::SUCCESS)
 }

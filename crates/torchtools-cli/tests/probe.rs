@@ -160,3 +160,58 @@ fn a_failed_probe_exits_1_and_the_command_never_runs_for_real() {
     let out = torchtools(&["probe", "--", "sh", "-c", "exit 5"], tmp.path());
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
 }
+
+#[test]
+fn probe_max_batch_predicts_from_three_probes_and_names_a_script_without_the_variable() {
+    let tmp = tempfile::tempdir().unwrap();
+    let py = python();
+    // base + 4 MiB per sample, written (so resident).
+    let script = "import os, time\nb = int(os.environ['TORCHTOOLS_PROBE_BATCH'])\n\
+                  x = b'\\x01' * (b << 22)\ntime.sleep(0.5)\n";
+    let out = torchtools(
+        &[
+            "probe",
+            "--max-batch",
+            "--capacity",
+            "512MiB",
+            "--json",
+            "--",
+            &py,
+            "-c",
+            script,
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["probes"].as_array().unwrap().len(), 3, "{json}");
+    let batch = json["batch"].as_u64().unwrap();
+    let per_sample = json["line"]["per_sample"].as_f64().unwrap() / (1u64 << 20) as f64;
+    assert!((3.8..4.2).contains(&per_sample), "{json}");
+    // (512 MiB - 32 MiB) / 1.03 = 466 MiB for the interpreter and the batch.
+    assert!((95..=116).contains(&batch), "{json}");
+    assert!(json["reserve"].as_u64().unwrap() <= 512 << 20, "{json}");
+    // A script that does not read the variable: named, exit 1.
+    let out = torchtools(
+        &[
+            "probe",
+            "--max-batch",
+            "--capacity",
+            "512MiB",
+            "--",
+            &py,
+            "-c",
+            "x = b'1' * (50 << 20)",
+        ],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("TORCHTOOLS_PROBE_BATCH"),
+        "{}",
+        stderr(&out)
+    );
+    // The batch options need --max-batch.
+    let out = torchtools(&["probe", "--capacity", "1GiB", "--", "true"], tmp.path());
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+}

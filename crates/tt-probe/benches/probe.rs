@@ -38,6 +38,7 @@ fn main() {
         device: Some("cpu".into()),
         timeout: Duration::from_secs(60),
         child_args: vec!["--probe-child".into()],
+        batch: None,
     };
     // The same binary started and doing nothing (its libtorch start-up).
     let exe = std::env::current_exe().expect("exe");

@@ -24,6 +24,9 @@ pub struct CommandProbe {
     pub gpu_uuid: Option<String>,
     /// Copy the command's stderr to ours as it comes (its last 8 KiB are kept anyway).
     pub echo_stderr: bool,
+    /// The batch size the command is asked to use ([`crate::PROBE_BATCH_ENV`]), for
+    /// [`crate::max_batch`]; `None` leaves the variable unset.
+    pub batch: Option<u64>,
 }
 
 impl Default for CommandProbe {
@@ -33,6 +36,7 @@ impl Default for CommandProbe {
             timeout: Duration::from_secs(60),
             gpu_uuid: None,
             echo_stderr: false,
+            batch: None,
         }
     }
 }
@@ -74,6 +78,9 @@ pub fn probe_command(
         .env(PROBE_STEPS_ENV, opts.steps.to_string());
     if let Some(uuid) = &opts.gpu_uuid {
         cmd.env("CUDA_VISIBLE_DEVICES", uuid);
+    }
+    if let Some(batch) = opts.batch {
+        cmd.env(crate::PROBE_BATCH_ENV, batch.to_string());
     }
     let ended = child::run(
         cmd,

@@ -54,6 +54,9 @@ pub enum ProbeError {
         /// The end of the child's stderr.
         stderr_tail: String,
     },
+    /// The largest batch cannot be predicted from the probes (named in the text).
+    #[error("cannot predict the largest batch: {0}")]
+    NoBatchGrowth(String),
 }
 
 /// `Result` with tt-probe's [`ProbeError`].

@@ -41,6 +41,7 @@
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod batch;
 mod child;
 mod command;
 mod error;
@@ -50,6 +51,7 @@ mod run;
 #[cfg(feature = "tch")]
 mod rust_probe;
 
+pub use batch::{max_batch, BatchSearch, MaxBatch, MemoryLine, PROBE_BATCH_ENV};
 pub use command::{probe_command, CommandProbe, PROBE_ENV, PROBE_STEPS_ENV};
 pub use error::{ProbeError, Result};
 pub use report::{EstimatePolicy, MemoryKind, ProbeReport};

@@ -73,7 +73,34 @@ impl Default for EstimatePolicy {
     }
 }
 
+impl EstimatePolicy {
+    /// Bytes to reserve for a run whose peak is `peak`.
+    pub fn reserve_for(&self, peak: Bytes) -> Bytes {
+        let raw = peak.0 as f64 * (1.0 + self.fraction.max(0.0)) + self.margin.0 as f64;
+        let g = self.granularity.0.max(1);
+        let raw = raw.ceil() as u64;
+        Bytes(raw.div_ceil(g) * g)
+    }
+}
+
 impl ProbeReport {
+    /// A report of a peak measured elsewhere (your own probe, an earlier run): GPU
+    /// memory as NVML's per-process peak, CPU memory as the RSS peak; no steps, no time.
+    pub fn from_peak(memory: MemoryKind, peak: Bytes) -> ProbeReport {
+        let gpu = memory == MemoryKind::Gpu;
+        ProbeReport {
+            memory,
+            device: if gpu { "cuda" } else { "cpu" }.to_owned(),
+            peak_allocated: None,
+            peak_reserved: None,
+            nvml_peak: gpu.then_some(peak),
+            rss_peak: (!gpu).then_some(peak),
+            steps: 0,
+            duration: Duration::ZERO,
+            ended_by_timeout: false,
+        }
+    }
+
     /// The peak the estimate starts from: the larger of peak reserved and NVML's peak
     /// (GPU), or the RSS peak (CPU).
     pub fn peak(&self) -> Bytes {
@@ -85,10 +112,7 @@ impl ProbeReport {
 
     /// Bytes to reserve for the real run.
     pub fn estimate(&self, policy: &EstimatePolicy) -> Bytes {
-        let raw = self.peak().0 as f64 * (1.0 + policy.fraction.max(0.0)) + policy.margin.0 as f64;
-        let g = policy.granularity.0.max(1);
-        let raw = raw.ceil() as u64;
-        Bytes(raw.div_ceil(g) * g)
+        policy.reserve_for(self.peak())
     }
 }
 

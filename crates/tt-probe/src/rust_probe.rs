@@ -41,6 +41,9 @@ pub struct ProbeContext {
     pub device: Device,
     /// Steps that will be run.
     pub steps: u64,
+    /// The batch size asked for ([`ProbeOptions::batch`], by [`crate::max_batch`]);
+    /// `None`: the probe's own.
+    pub batch: Option<u64>,
 }
 
 /// How to run a Rust probe.
@@ -52,6 +55,8 @@ pub struct ProbeOptions {
     pub timeout: Duration,
     /// `TORCHTOOLS_DEVICE` for the child (default: inherited).
     pub device: Option<String>,
+    /// The batch size the probe is asked to use (its [`ProbeContext::batch`]).
+    pub batch: Option<u64>,
     /// Arguments of the re-executed binary: none for a program whose `main` calls
     /// [`entry`]; for a test, see [`ProbeOptions::in_test`].
     pub child_args: Vec<OsString>,
@@ -63,6 +68,7 @@ impl Default for ProbeOptions {
             steps: 5,
             timeout: Duration::from_secs(60),
             device: None,
+            batch: None,
             child_args: Vec::new(),
         }
     }
@@ -185,6 +191,15 @@ fn run_in_child(name: &str, probes: &[(&str, ProbeFn)]) -> std::result::Result<(
             EXIT_FAILED,
             format!("{REPORT_FD_ENV} is not set: run probes through tt_probe::probe"),
         ))?;
+    let batch = match std::env::var(crate::PROBE_BATCH_ENV) {
+        Ok(text) => Some(text.parse::<u64>().map_err(|_| {
+            (
+                EXIT_FAILED,
+                format!("{}={text:?} is not a batch size", crate::PROBE_BATCH_ENV),
+            )
+        })?),
+        Err(_) => None,
+    };
     let device = tt_device::select().map_err(|e| fail(&e))?;
     let cuda = match device {
         Device::Cuda(i) => Some(i),
@@ -199,7 +214,11 @@ fn run_in_child(name: &str, probes: &[(&str, ProbeFn)]) -> std::result::Result<(
         }
     }
     let start = Instant::now();
-    let ctx = ProbeContext { device, steps };
+    let ctx = ProbeContext {
+        device,
+        steps,
+        batch,
+    };
     let mut step = unpanic(|| f(&ctx)).map_err(|e| fail(&e))?;
     for _ in 0..steps {
         unpanic(&mut step).map_err(|e| fail(&e))?;
@@ -260,6 +279,9 @@ pub fn probe(name: &str, opts: &ProbeOptions) -> Result<ProbeReport> {
         .env(PROBE_STEPS_ENV, opts.steps.to_string());
     if let Some(d) = &opts.device {
         cmd.env("TORCHTOOLS_DEVICE", d);
+    }
+    if let Some(batch) = opts.batch {
+        cmd.env(crate::PROBE_BATCH_ENV, batch.to_string());
     }
     let ended = child::run(
         cmd,
@@ -344,7 +366,8 @@ pub struct ProbeSpec {
 
 impl ProbeSpec {
     /// A probe of the model `build` makes (e.g. `|p| Box::new(nn::seq_t().add(...))`),
-    /// on batches of shape `input` (first dimension: the batch size), with
+    /// on batches of shape `input` (first dimension: the batch size, replaced by
+    /// [`ProbeContext::batch`] when the probe is asked for one), with
     /// cross-entropy over 10 classes and Adam (`AdamConfig::adam()`, lr 1e-3) until
     /// told otherwise.
     pub fn new(
@@ -379,8 +402,12 @@ impl ProbeSpec {
         let vs = nn::VarStore::new(device);
         let model = (self.model)(&vs.root());
         let mut opt = Optimizer::new(&vs, self.algorithm, Schedule::Constant)?;
-        let x = Tensor::f_randn(self.input.as_slice(), (Kind::Float, device))?;
-        let batch = self.input.first().copied().unwrap_or(1);
+        let mut input = self.input;
+        if let (Some(b), Some(first)) = (ctx.batch, input.first_mut()) {
+            *first = i64::try_from(b)?;
+        }
+        let x = Tensor::f_randn(input.as_slice(), (Kind::Float, device))?;
+        let batch = input.first().copied().unwrap_or(1);
         let loss = self.loss;
         let mut target: Option<Tensor> = match loss {
             Loss::CrossEntropy { classes } => {

@@ -267,3 +267,75 @@ fn command_failures_and_timeouts() {
         start.elapsed()
     );
 }
+
+/// A command whose memory is `160 MiB + batch × 4 MiB` (bytes it writes, so resident),
+/// held for a moment as a training step holds its activations. (The base is above
+/// this test binary's own RSS, which the kernel's `ru_maxrss` of a child spawned from
+/// it includes: the image it had before `exec`.)
+fn batch_command() -> (std::ffi::OsString, Vec<std::ffi::OsString>) {
+    (
+        tt_testkit::python_path().into(),
+        vec![
+            "-c".into(),
+            "import os, time\nb = int(os.environ['TORCHTOOLS_PROBE_BATCH'])\n\
+             base = b'\\x01' * (160 << 20)\nx = b'\\x01' * (b << 22)\ntime.sleep(0.5)\n"
+                .into(),
+        ],
+    )
+}
+
+fn peak_at(batch: u64) -> tt_probe::ProbeReport {
+    let (program, args) = batch_command();
+    probe_command(
+        &program,
+        &args,
+        &CommandProbe {
+            batch: Some(batch),
+            ..CommandProbe::default()
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn the_largest_batch_is_predicted_from_three_measured_probes() {
+    let capacity = Bytes::mib(512);
+    let search = tt_probe::BatchSearch::new(capacity);
+    let mut asked = Vec::new();
+    let found = tt_probe::max_batch(&search, |b| {
+        asked.push(b);
+        Ok(peak_at(b))
+    })
+    .unwrap();
+    let peaks: Vec<_> = found.probes.iter().map(|(b, r)| (*b, r.peak())).collect();
+    assert_eq!(asked.len(), 3, "{asked:?}");
+    assert_eq!(&asked[..2], &[2, 4]);
+    // ~4 MiB per sample measured from RSS.
+    let per_sample = found.line.per_sample / Bytes::mib(1).0 as f64;
+    assert!((3.8..4.2).contains(&per_sample), "{found}; {peaks:?}");
+    // Real runs: the predicted batch's reservation fits, three samples more do not.
+    let policy = tt_probe::EstimatePolicy::default();
+    let at = peak_at(found.batch).estimate(&policy);
+    assert!(
+        at <= capacity,
+        "{found}: the real run at it needs {at}; {peaks:?}"
+    );
+    let over = peak_at(found.batch + 3).estimate(&policy);
+    assert!(over > capacity, "{found}: three more need only {over}");
+}
+
+#[test]
+fn a_command_that_ignores_the_batch_variable_is_named() {
+    let e = tt_probe::max_batch(&tt_probe::BatchSearch::new(Bytes::mib(256)), |b| {
+        probe_command(
+            &"true".into(),
+            &[],
+            &CommandProbe {
+                batch: Some(b),
+                ..CommandProbe::default()
+            },
+        )
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("TORCHTOOLS_PROBE_BATCH"), "{e}");
+}

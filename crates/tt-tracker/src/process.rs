@@ -15,6 +15,14 @@ pub fn memory(pid: u32) -> Option<(u64, u64)> {
     procfs::parse_status(&text).map(|s| (s.rss, s.hwm))
 }
 
+/// The system's memory that new work can use (`MemAvailable` of `/proc/meminfo`), in
+/// bytes; `None` where it cannot be read.
+pub fn available_memory() -> Option<u64> {
+    let mut buf = String::new();
+    let (total, used) = procfs::meminfo(&mut buf);
+    (total > 0).then(|| total - used)
+}
+
 /// Resets the high-water mark of `pid` to its current RSS (`clear_refs` 5, Linux 4.0+),
 /// so that it measures from now; `false` where that is not allowed.
 pub fn reset_peak(pid: u32) -> bool {
