@@ -1,5 +1,7 @@
-//! `torchtools launch`.
+//! `torchtools launch`: torchrun's command line, on tt-dist's launcher.
 
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
@@ -13,7 +15,312 @@ use tt_dist::{launch as launch_group, LaunchConfig};
 
 use crate::child::Exit;
 
-pub(crate) fn launch(mut cfg: LaunchConfig) -> Result<ExitCode> {
+/// How many ranks per node: a number, or torchrun's `auto`, `gpu`, `cpu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Nproc {
+    /// This many.
+    Count(usize),
+    /// One per visible GPU, else one per CPU.
+    Auto,
+    /// One per visible GPU (an error without any).
+    Gpu,
+    /// One per CPU.
+    Cpu,
+}
+
+fn nproc(text: &str) -> std::result::Result<Nproc, String> {
+    match text {
+        "auto" => Ok(Nproc::Auto),
+        "gpu" => Ok(Nproc::Gpu),
+        "cpu" => Ok(Nproc::Cpu),
+        n => match n.parse::<usize>() {
+            Ok(0) | Err(_) => Err(format!(
+                "{n:?} is not a count of processes: give a number from 1, or auto, gpu or cpu"
+            )),
+            Ok(n) => Ok(Nproc::Count(n)),
+        },
+    }
+}
+
+/// torchrun's `--nnodes`: `N`, or `MIN:MAX` with MIN = MAX (no elastic ranges).
+fn nnodes(text: &str) -> std::result::Result<usize, String> {
+    let count = |t: &str| match t.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{text:?} is not a number of nodes (1 or more)")),
+    };
+    match text.split_once(':') {
+        None => count(text),
+        Some((lo, hi)) => {
+            let (lo, hi) = (count(lo)?, count(hi)?);
+            if lo == hi {
+                Ok(lo)
+            } else {
+                Err(format!(
+                    "{text:?}: elastic ranges of nodes are not supported; give a fixed count \
+                     (--nnodes {hi})"
+                ))
+            }
+        }
+    }
+}
+
+/// `torchtools launch`'s options: torchrun's, in both its spellings.
+#[derive(clap::Args)]
+pub(crate) struct LaunchArgs {
+    /// Processes on this node: a number, `gpu` (one per visible GPU), `cpu` (one per
+    /// CPU) or `auto` (GPUs if there are any, else CPUs).
+    #[arg(long = "nproc-per-node", visible_alias = "nproc_per_node", default_value = "1", value_parser = nproc)]
+    nproc_per_node: Nproc,
+    /// Nodes in all (`N`, or torchrun's `N:N`).
+    #[arg(long, default_value = "1", value_parser = nnodes)]
+    nnodes: usize,
+    /// This node's index.
+    #[arg(long = "node-rank", visible_alias = "node_rank", default_value_t = 0)]
+    node_rank: u32,
+    /// Rank 0's host.
+    #[arg(long = "master-addr", visible_alias = "master_addr")]
+    master_addr: Option<String>,
+    /// The rendezvous port (default: a free one, on a single node).
+    #[arg(long = "master-port", visible_alias = "master_port", value_parser = clap::value_parser!(u16).range(1..))]
+    master_port: Option<u16>,
+    /// torchrun's `--rdzv-endpoint HOST[:PORT]` (c10d rendezvous): rank 0's host and
+    /// port (default port 29400).
+    #[arg(long = "rdzv-endpoint", visible_alias = "rdzv_endpoint", conflicts_with_all = ["master_addr", "master_port"])]
+    rdzv_endpoint: Option<String>,
+    /// torchrun's `--rdzv-backend`: `c10d` or `static` (both mean rank 0 serves the
+    /// store at the endpoint).
+    #[arg(long = "rdzv-backend", visible_alias = "rdzv_backend")]
+    rdzv_backend: Option<String>,
+    /// The job's id, for TORCHELASTIC_RUN_ID.
+    #[arg(long = "rdzv-id", visible_alias = "rdzv_id")]
+    rdzv_id: Option<String>,
+    /// One node on this machine, a free port (torchrun's `--standalone`; the default).
+    #[arg(long, conflicts_with_all = ["rdzv_endpoint", "master_addr"])]
+    standalone: bool,
+    /// Restart the whole group this many times after a failure.
+    #[arg(
+        long = "max-restarts",
+        visible_alias = "max_restarts",
+        default_value_t = 0
+    )]
+    max_restarts: u32,
+    /// Run CMD as a program even when it is a `.py` script (torchrun's `--no-python`).
+    #[arg(long = "no-python", visible_alias = "no_python", conflicts_with_all = ["module", "run_path"])]
+    no_python: bool,
+    /// CMD is a Python module: `python -m CMD` (torchrun's `-m`).
+    #[arg(short = 'm', long = "module", conflicts_with = "run_path")]
+    module: bool,
+    /// Run the script through `runpy.run_path` (torchrun's `--run-path`).
+    #[arg(long = "run-path", visible_alias = "run_path")]
+    run_path: bool,
+    #[command(flatten)]
+    unsupported: Unsupported,
+    /// The command: a program and its arguments, or a Python script (`train.py ARGS`),
+    /// with or without `--` before it.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    command: Vec<OsString>,
+}
+
+/// torchrun options with no equivalent here: each is refused, naming what to do.
+#[derive(clap::Args)]
+struct Unsupported {
+    #[arg(long = "log-dir", alias = "log_dir", hide = true)]
+    log_dir: Option<String>,
+    #[arg(long, short = 'r', hide = true)]
+    redirects: Option<String>,
+    #[arg(long, short = 't', hide = true)]
+    tee: Option<String>,
+    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", hide = true)]
+    local_ranks_filter: Option<String>,
+    #[arg(long, hide = true)]
+    role: Option<String>,
+    #[arg(long = "rdzv-conf", alias = "rdzv_conf", hide = true)]
+    rdzv_conf: Option<String>,
+    #[arg(long = "start-method", alias = "start_method", hide = true)]
+    start_method: Option<String>,
+    #[arg(long = "monitor-interval", alias = "monitor_interval", hide = true)]
+    monitor_interval: Option<String>,
+    #[arg(long = "local-addr", alias = "local_addr", hide = true)]
+    local_addr: Option<String>,
+}
+
+impl Unsupported {
+    /// The first torchrun option given that has no equivalent, with what to do instead.
+    fn refusal(&self) -> Option<String> {
+        let said = [
+            (&self.log_dir, "--log-dir", "every rank's output comes to the terminal, each line prefixed with its rank: redirect it (`> run.log 2>&1`)"),
+            (&self.redirects, "--redirects", "redirect the launcher's output instead (`> run.log 2>&1`)"),
+            (&self.tee, "--tee", "pipe the launcher's output through `tee FILE`"),
+            (&self.local_ranks_filter, "--local-ranks-filter", "every rank's lines carry `[rankN]: `: filter them with `grep '^\\[rank0\\]'`"),
+            (&self.role, "--role", "every rank has the role `default` (ROLE_NAME)"),
+            (&self.rdzv_conf, "--rdzv-conf", "rendezvous is c10d's store at --rdzv-endpoint, with TORCHTOOLS_DIST_TIMEOUT as its timeout"),
+            (&self.start_method, "--start-method", "ranks are always separate processes (torchrun's default, spawn)"),
+            (&self.monitor_interval, "--monitor-interval", "ranks are watched continuously"),
+            (&self.local_addr, "--local-addr", "set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to choose the interface"),
+        ];
+        said.iter()
+            .find(|(v, _, _)| v.is_some())
+            .map(|(_, name, instead)| {
+                format!("torchrun's {name} is not supported by torchtools launch: {instead}")
+            })
+    }
+}
+
+/// The Python that runs a script: the one installed beside this program (a venv's,
+/// where the wheel put `torchtools`), else `python3` or `python` on PATH.
+fn python() -> OsString {
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(Path::to_path_buf))
+        .into_iter()
+        .flat_map(|dir| [dir.join("python3"), dir.join("python")]);
+    let on_path = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect::<Vec<PathBuf>>())
+        .unwrap_or_default()
+        .into_iter()
+        .flat_map(|dir| [dir.join("python3"), dir.join("python")]);
+    beside
+        .chain(on_path)
+        .find(|p| p.is_file())
+        .map_or_else(|| "python3".into(), PathBuf::into_os_string)
+}
+
+impl LaunchArgs {
+    /// The program and its arguments, as torchrun would run them; a script that is not
+    /// there is refused before any rank starts (127, as a command not found).
+    fn program(&self) -> std::result::Result<Vec<OsString>, Exit> {
+        let command = self.command.clone();
+        let is_script = Path::new(&command[0])
+            .extension()
+            .is_some_and(|e| e == "py");
+        let with_python = self.run_path || (is_script && !self.no_python && !self.module);
+        if with_python && !Path::new(&command[0]).is_file() {
+            return Err(Exit(
+                127,
+                format!(
+                    "no such script: {} (from {})",
+                    command[0].to_string_lossy(),
+                    std::env::current_dir()
+                        .map_or_else(|_| "here".into(), |d| d.display().to_string())
+                ),
+            ));
+        }
+        Ok(if self.module {
+            [python(), "-m".into()].into_iter().chain(command).collect()
+        } else if self.run_path {
+            [
+                python(),
+                "-c".into(),
+                "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+                    .into(),
+            ]
+            .into_iter()
+            .chain(command)
+            .collect()
+        } else if is_script && !self.no_python {
+            std::iter::once(python()).chain(command).collect()
+        } else {
+            command
+        })
+    }
+
+    fn ranks(&self) -> std::result::Result<usize, Exit> {
+        let gpus = || -> usize {
+            let visible = match std::env::var("CUDA_VISIBLE_DEVICES") {
+                Ok(v) => tt_device::CudaVisibleDevices::parse(&v)
+                    .unwrap_or(tt_device::CudaVisibleDevices::List(Vec::new())),
+                Err(_) => tt_device::CudaVisibleDevices::Unset,
+            };
+            tt_device::Inventory::query().visible(&visible).len()
+        };
+        let cpus = || tt_device::CpuBudget::query().online.max(1);
+        Ok(match self.nproc_per_node {
+            Nproc::Count(n) => n,
+            Nproc::Cpu => cpus(),
+            Nproc::Auto => match gpus() {
+                0 => cpus(),
+                n => n,
+            },
+            Nproc::Gpu => {
+                match gpus() {
+                    0 => return Err(Exit(
+                        2,
+                        "--nproc-per-node gpu: no GPU is visible (NVML, CUDA_VISIBLE_DEVICES); \
+                         give a number, or cpu"
+                            .into(),
+                    )),
+                    n => n,
+                }
+            }
+        })
+    }
+
+    /// The launcher's configuration, every option checked.
+    fn config(&self) -> std::result::Result<LaunchConfig, Exit> {
+        if let Some(refusal) = self.unsupported.refusal() {
+            return Err(Exit(2, refusal));
+        }
+        if let Some(backend) = self.rdzv_backend.as_deref() {
+            if !matches!(backend, "c10d" | "static") {
+                return Err(Exit(
+                    2,
+                    format!(
+                        "--rdzv-backend {backend}: only c10d (and static) rendezvous is \
+                         supported; give --rdzv-endpoint HOST:PORT of the first node"
+                    ),
+                ));
+            }
+        }
+        if self.standalone && self.nnodes > 1 {
+            return Err(Exit(
+                2,
+                format!("--standalone is one node, but --nnodes {}", self.nnodes),
+            ));
+        }
+        let (master_addr, master_port) = match &self.rdzv_endpoint {
+            Some(endpoint) => match endpoint.rsplit_once(':') {
+                Some((host, port)) => match port.parse::<u16>() {
+                    Ok(p) if p > 0 => (host.to_owned(), Some(p)),
+                    _ => {
+                        return Err(Exit(
+                            2,
+                            format!("--rdzv-endpoint {endpoint}: {port:?} is not a port (1-65535)"),
+                        ))
+                    }
+                },
+                None => (endpoint.clone(), Some(29400)),
+            },
+            None => (
+                self.master_addr
+                    .clone()
+                    .unwrap_or_else(|| "127.0.0.1".into()),
+                self.master_port,
+            ),
+        };
+        let mut program = self.program()?;
+        Ok(LaunchConfig {
+            nproc_per_node: self.ranks()?,
+            nnodes: self.nnodes,
+            node_rank: self.node_rank as usize,
+            master_addr,
+            master_port,
+            max_restarts: self.max_restarts,
+            grace: std::time::Duration::from_secs(10),
+            program: program.remove(0),
+            args: program,
+            forward: None,
+            run_id: self.rdzv_id.clone(),
+        })
+    }
+}
+
+pub(crate) fn launch(args: LaunchArgs) -> Result<ExitCode> {
+    let mut cfg = args.config()?;
     // Signals a process sends us go to every rank; the terminal's reach them directly.
     let forward = Arc::new(AtomicI32::new(0));
     let mut signals = SignalsInfo::<WithOrigin>::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
@@ -42,7 +349,11 @@ pub(crate) fn launch(mut cfg: LaunchConfig) -> Result<ExitCode> {
         None => Ok(ExitCode::SUCCESS),
         Some((rank, how)) => {
             eprintln!(
-                "torchtools launch: rank {rank} {how}{}; the other ranks were stopped",
+                "torchtools launch: rank {rank} {how}{}{}; the other ranks were stopped",
+                outcome
+                    .error
+                    .as_ref()
+                    .map_or(String::new(), |e| format!(": {e}")),
                 if outcome.restarts > 0 {
                     format!(" (after {} restart(s))", outcome.restarts)
                 } else {

@@ -198,36 +198,22 @@ enum Command {
         #[arg(last = true, required = true, value_name = "CMD")]
         command: Vec<OsString>,
     },
-    /// Launch N processes of CMD with torchrun's variables (RANK, WORLD_SIZE,
-    /// LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1 when
-    /// unset and N > 1), each output line prefixed with its rank as it is printed
+    /// Launch N processes of CMD with torchrun's variables and command line: a drop-in
+    /// for `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+    /// ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*; OMP_NUM_THREADS=1 when unset and
+    /// N > 1), each output line prefixed with its rank as it is printed
     /// (PYTHONUNBUFFERED=1 when unset, so that Python's print reaches you at once).
     ///
+    /// torchrun's options work as torchrun spells them (`--nproc_per_node=2` and
+    /// `--nproc-per-node 2`, `--standalone`, `--rdzv-endpoint`, `-m`, `--no-python`,
+    /// `--run-path`), and a script path runs with Python: `torchtools launch
+    /// --nproc_per_node=4 train.py --lr 3e-4`. Without torchrun's forms: `launch
+    /// --nproc-per-node 2 -- ./my_rust_binary`.
+    ///
     /// When a rank fails, the others get SIGTERM, then SIGKILL after 10 s, and
-    /// torchtools exits with the failed rank's status, naming it.
-    Launch {
-        /// Processes on this node.
-        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-        nproc_per_node: u32,
-        /// Nodes in all.
-        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-        nnodes: u32,
-        /// This node's index.
-        #[arg(long, default_value_t = 0)]
-        node_rank: u32,
-        /// Rank 0's host.
-        #[arg(long, default_value = "127.0.0.1")]
-        master_addr: String,
-        /// The rendezvous port (default: a free one, on a single node).
-        #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
-        master_port: Option<u16>,
-        /// Restart the whole group this many times after a failure.
-        #[arg(long, default_value_t = 0)]
-        max_restarts: u32,
-        /// The command and its arguments, after `--`.
-        #[arg(last = true, required = true, value_name = "CMD")]
-        command: Vec<OsString>,
-    },
+    /// torchtools exits with the failed rank's status, naming it and the exception
+    /// it recorded (PyTorch's `@record`).
+    Launch(launch::LaunchArgs),
     /// Show every GPU's lock: free, or held by whom, since when, reserving how much,
     /// and how many requests wait for it.
     Locks {
@@ -442,26 +428,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             json,
             compact,
         } => top::top(once, json, compact),
-        Command::Launch {
-            nproc_per_node,
-            nnodes,
-            node_rank,
-            master_addr,
-            master_port,
-            max_restarts,
-            command,
-        } => launch::launch(tt_dist::LaunchConfig {
-            nproc_per_node: nproc_per_node as usize,
-            nnodes: nnodes as usize,
-            node_rank: node_rank as usize,
-            master_addr,
-            master_port,
-            max_restarts,
-            grace: std::time::Duration::from_secs(10),
-            program: command[0].clone(),
-            args: command[1..].to_vec(),
-            forward: None,
-        }),
+        Command::Launch(args) => launch::launch(args),
         Command::Probe {
             gpu,
             timeout,

@@ -166,25 +166,203 @@ fn too_many_ranks_are_refused_before_any_starts() {
 }
 
 /// A command that cannot start exits as in a shell and the other commands: 127 when it
-/// is not found (a `.py` script is told how to run it), 126 when it is not executable.
+/// is not found (a script too), 126 when it is not executable; a `.py` script runs with
+/// Python, as under torchrun.
 #[test]
-fn a_command_that_cannot_start_exits_127_or_126() {
+fn a_command_that_cannot_start_exits_127_or_126_and_a_script_runs_with_python() {
     let dir = tempfile::tempdir().unwrap();
     let script = dir.path().join("train.py");
     std::fs::write(&script, "print('hi')\n").unwrap();
     let out = launch(&["--nproc-per-node", "2", "--", "no-such-command-here"]);
     assert_eq!(out.status.code(), Some(127), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("not found on PATH"));
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_torchtools"))
+            .current_dir(dir.path())
+            .arg("launch")
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    for form in [
+        &["--", "train.py"][..],
+        &["train.py"],
+        &["--nproc_per_node=2", "train.py"],
+    ] {
+        let out = run(form);
+        assert!(out.status.success(), "{form:?}: {out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("[rank0]: hi"),
+            "{out:?}"
+        );
+    }
+    let out = run(&["missing.py"]);
+    assert_eq!(out.status.code(), Some(127), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no such script: missing.py"));
+    let out = launch(&["--no-python", "--", script.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(126), "{out:?}");
+}
+
+/// The torch-related variables a rank sees, as `KEY=VALUE` lines.
+const ENV_DUMP: &str = "import os, json\n\
+    keys = [k for k in os.environ if k.startswith(('TORCH', 'ROLE_', 'GROUP_', 'LOCAL_', \
+    'RANK', 'WORLD_', 'MASTER_', 'OMP_'))]\n\
+    print(json.dumps({k: os.environ[k] for k in keys}))\n";
+
+/// Each rank's variables (by RANK) from a launcher's output.
+fn rank_envs(out: &Output) -> std::collections::BTreeMap<String, serde_json::Value> {
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.find('{').map(|i| &l[i..]))
+        .map(|j| {
+            let v: serde_json::Value = serde_json::from_str(j).unwrap();
+            (v["RANK"].as_str().unwrap().to_owned(), v)
+        })
+        .collect()
+}
+
+/// torchrun and `torchtools launch` on the same script with torchrun's published
+/// command-line forms: the same ranks, the same variables (as sets), the same values
+/// where they are the rank's.
+#[test]
+fn torchruns_command_lines_give_the_ranks_torchruns_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("dump.py"), ENV_DUMP).unwrap();
+    std::fs::create_dir(dir.path().join("pkg")).unwrap();
+    std::fs::write(dir.path().join("pkg/__init__.py"), "").unwrap();
+    std::fs::write(dir.path().join("pkg/dump.py"), ENV_DUMP).unwrap();
+    let python = std::path::PathBuf::from(tt_testkit::python_path());
+    let bin = python.parent().unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let run = |program: &std::path::Path, args: &[&str]| {
+        Command::new(program)
+            .current_dir(dir.path())
+            .args(args)
+            .env("PATH", &path)
+            .env("PYTHONPATH", dir.path())
+            .env_remove("OMP_NUM_THREADS")
+            .env_remove("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+            .output()
+            .unwrap()
+    };
+    let ours = std::path::Path::new(env!("CARGO_BIN_EXE_torchtools"));
+    for form in [
+        &["--nproc_per_node=2", "--standalone", "dump.py"][..],
+        &["--nproc-per-node", "2", "-m", "pkg.dump"],
+        &[
+            "--nnodes=1",
+            "--nproc_per_node",
+            "2",
+            "--run-path",
+            "dump.py",
+        ],
+    ] {
+        let theirs = rank_envs(&run(&bin.join("torchrun"), form));
+        let mut args = vec!["launch"];
+        args.extend_from_slice(form);
+        let mine = rank_envs(&run(ours, &args));
+        assert_eq!(theirs.len(), 2, "{form:?}: {theirs:?}");
+        assert_eq!(
+            theirs.keys().collect::<Vec<_>>(),
+            mine.keys().collect::<Vec<_>>(),
+            "{form:?}"
+        );
+        for (rank, t) in &theirs {
+            let m = &mine[rank];
+            let keys = |v: &serde_json::Value| {
+                v.as_object()
+                    .unwrap()
+                    .keys()
+                    .cloned()
+                    .collect::<std::collections::BTreeSet<_>>()
+            };
+            assert_eq!(keys(t), keys(m), "{form:?} rank {rank}");
+            for same in [
+                "RANK",
+                "LOCAL_RANK",
+                "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE",
+                "GROUP_RANK",
+                "GROUP_WORLD_SIZE",
+                "ROLE_NAME",
+                "ROLE_RANK",
+                "ROLE_WORLD_SIZE",
+                "OMP_NUM_THREADS",
+                "TORCHELASTIC_MAX_RESTARTS",
+                "TORCHELASTIC_RESTART_COUNT",
+                "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            ] {
+                assert_eq!(t[same], m[same], "{form:?} rank {rank}: {same}");
+            }
+            // Our ranks' error files exist to be written (their directory does).
+            let file = std::path::PathBuf::from(m["TORCHELASTIC_ERROR_FILE"].as_str().unwrap());
+            assert!(
+                file.ends_with(format!("attempt_0/{rank}/error.json")),
+                "{file:?}"
+            );
+        }
+    }
+}
+
+/// A rank that fails in a function wrapped in PyTorch's `@record`: the summary names
+/// the exception and its line, from the rank's TORCHELASTIC_ERROR_FILE.
+#[test]
+fn the_failure_summary_names_the_recorded_exception() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("fail.py"),
+        "from torch.distributed.elastic.multiprocessing.errors import record\n\
+         import os\n\
+         @record\n\
+         def main():\n\
+         \x20   if os.environ['RANK'] == '1':\n\
+         \x20       raise ValueError('bad learning rate')\n\
+         main()\n",
+    )
+    .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_torchtools"))
         .current_dir(dir.path())
-        .args(["launch", "--", "train.py"])
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            &tt_testkit::python_path(),
+            "fail.py",
+        ])
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(127), "{out:?}");
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let summary = stderr.lines().last().unwrap_or_default();
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("run it as `python train.py`"),
-        "{out:?}"
+        summary.contains("rank 1 exited with status 1: ValueError: bad learning rate (")
+            && summary.contains("fail.py, line 6)"),
+        "{stderr}"
     );
-    let out = launch(&["--", script.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(126), "{out:?}");
+}
+
+/// torchrun options with no equivalent are refused by name, before anything starts.
+#[test]
+fn torchrun_options_without_an_equivalent_are_refused_by_name() {
+    for (args, named) in [
+        (&["--tee", "3", "x.py"][..], "--tee"),
+        (&["--log_dir", "/tmp/x", "x.py"], "--log-dir"),
+        (&["--rdzv-backend", "etcd", "x.py"], "c10d"),
+        (&["--nnodes", "1:4", "x.py"], "elastic"),
+        (&["--standalone", "--nnodes", "2", "x.py"], "--standalone"),
+    ] {
+        let out = launch(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(named),
+            "{args:?}: {out:?}"
+        );
+    }
 }

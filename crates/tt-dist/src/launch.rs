@@ -36,6 +36,9 @@ pub struct LaunchConfig {
     /// A signal number set here (by the caller's signal handler) is forwarded once to
     /// every rank.
     pub forward: Option<Arc<AtomicI32>>,
+    /// The job's id (`TORCHELASTIC_RUN_ID`, torchrun's `--rdzv-id`); `None`: `"none"`,
+    /// as torchrun's default.
+    pub run_id: Option<String>,
 }
 
 impl LaunchConfig {
@@ -52,6 +55,7 @@ impl LaunchConfig {
             program: program.into(),
             args,
             forward: None,
+            run_id: None,
         }
     }
 }
@@ -74,6 +78,9 @@ pub struct LaunchOutcome {
     pub restarts: u32,
     /// The port used.
     pub master_port: u16,
+    /// What the failed rank wrote to its `TORCHELASTIC_ERROR_FILE` (PyTorch's
+    /// `@record` writes the exception there): the exception and where it was raised.
+    pub error: Option<String>,
 }
 
 fn describe(status: ExitStatus) -> (i32, String) {
@@ -182,6 +189,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
         }
     };
     let world = cfg.nnodes * cfg.nproc_per_node;
+    let errors = ErrorFiles::new()?;
     let mut restarts = 0;
     loop {
         let mut ranks: Vec<(usize, Child)> = Vec::with_capacity(cfg.nproc_per_node);
@@ -195,12 +203,33 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
                 .env("LOCAL_RANK", local.to_string())
                 .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
                 .env("GROUP_RANK", cfg.node_rank.to_string())
+                .env("GROUP_WORLD_SIZE", cfg.nnodes.to_string())
+                .env("ROLE_NAME", "default")
+                .env("ROLE_RANK", rank.to_string())
+                .env("ROLE_WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", &cfg.master_addr)
                 .env("MASTER_PORT", port.to_string())
                 .env("TORCHELASTIC_RESTART_COUNT", restarts.to_string())
+                .env("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string())
+                .env(
+                    "TORCHELASTIC_RUN_ID",
+                    cfg.run_id.as_deref().unwrap_or("none"),
+                )
+                .env("TORCHELASTIC_ERROR_FILE", errors.prepare(restarts, rank)?)
+                // The signals the launcher forwards to every rank.
+                .env(
+                    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                    "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+                )
+                // Rank 0 serves the store (at MASTER_ADDR:MASTER_PORT): no launcher's.
+                .env("TORCHELASTIC_USE_AGENT_STORE", "False")
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
+            if std::env::var_os("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none() {
+                // As torchrun: a failed NCCL collective ends the rank, not hangs it.
+                cmd.env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
+            }
             if cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
                 cmd.env("OMP_NUM_THREADS", "1");
             }
@@ -256,6 +285,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
                     failed: None,
                     restarts,
                     master_port: port,
+                    error: None,
                 })
             }
             Some((rank, code, how)) => {
@@ -272,6 +302,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
                 }
                 return Ok(LaunchOutcome {
                     code,
+                    error: read_error_file(&errors.file(restarts, rank)),
                     failed: Some((rank, how)),
                     restarts,
                     master_port: port,
@@ -279,6 +310,74 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
             }
         }
     }
+}
+
+/// Where each rank's `TORCHELASTIC_ERROR_FILE` goes: `attempt_K/RANK/error.json` in a
+/// private temporary directory, removed when the launch ends (torchrun's layout).
+struct ErrorFiles {
+    dir: tempfile::TempDir,
+}
+
+impl ErrorFiles {
+    fn new() -> Result<ErrorFiles> {
+        let dir = tempfile::Builder::new()
+            .prefix("torchtools-launch-")
+            .tempdir()
+            .map_err(|source| Error::Io {
+                what: "creating the directory of the ranks' error files".into(),
+                source,
+            })?;
+        Ok(ErrorFiles { dir })
+    }
+
+    fn file(&self, attempt: u32, rank: usize) -> std::path::PathBuf {
+        self.dir
+            .path()
+            .join(format!("attempt_{attempt}"))
+            .join(rank.to_string())
+            .join("error.json")
+    }
+
+    /// The file's path, its directory created and no stale file in it.
+    fn prepare(&self, attempt: u32, rank: usize) -> Result<std::path::PathBuf> {
+        let file = self.file(attempt, rank);
+        if let Some(parent) = file.parent() {
+            std::fs::create_dir_all(parent).map_err(|source| Error::Io {
+                what: format!("creating {}", parent.display()),
+                source,
+            })?;
+        }
+        Ok(file)
+    }
+}
+
+/// The exception a rank recorded in torchelastic's error-file format
+/// (`{"message": {"message": "ValueError: ...", "extraInfo": {"py_callstack": ...}}}`),
+/// with the file and line of its innermost frame: `ValueError: bad (train.py, line 12)`.
+fn read_error_file(path: &std::path::Path) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let message = &json["message"];
+    let (what, stack) = match message {
+        serde_json::Value::String(m) => (m.clone(), None),
+        m => (
+            m["message"].as_str()?.to_owned(),
+            m["extraInfo"]["py_callstack"].as_str(),
+        ),
+    };
+    // The last `File "...", line N, in f` of the traceback is where it was raised.
+    let place = stack.and_then(|s| {
+        s.lines().rev().find_map(|l| {
+            let rest = l.trim_start().strip_prefix("File \"")?;
+            let (file, rest) = rest.split_once('"')?;
+            let line = rest.trim_start_matches(", line ").split(',').next()?;
+            Some(format!("{file}, line {line}"))
+        })
+    });
+    Some(match place {
+        Some(p) => format!("{what} ({p})"),
+        None => what,
+    })
 }
 
 /// Waits for every rank; on the first failure stops the others (SIGTERM, SIGKILL after
