@@ -15,7 +15,11 @@
 //!   against the same model in PyTorch eager (its step time and its peak of allocated
 //!   GPU memory), alternating, three rounds each;
 //! - the largest batch of each model that fits beside a fence leaving 16 GiB: predicted
-//!   by tt-probe from three probes, against a binary search by real runs.
+//!   by tt-probe from three probes, against a binary search by real runs;
+//! - a checkpoint of the GPT's CUDA state (parameters and AdamW's moments) taken while
+//!   it trains: the training loop's stall and the time until the file is durable,
+//!   `save_async` against PyTorch's `torch.distributed.checkpoint.async_save` and an
+//!   fsynced `torch.save` of the same state.
 //!
 //! ```sh
 //! cargo run --example gpu_bench            # on a machine with a GPU and PyTorch 2.11
@@ -80,7 +84,7 @@ fn run() -> Result<()> {
     }
     // `gpu_bench [GROUP..]`: only those groups of rows; none: all of them.
     type Group = fn() -> Result<Vec<Row>>;
-    let groups: [(&str, Group); 8] = [
+    let groups: [(&str, Group); 9] = [
         ("fence", fence_rows),
         ("adaptive", adaptive_rows),
         ("tracker", || Ok(vec![tracker_row()?])),
@@ -89,6 +93,7 @@ fn run() -> Result<()> {
         ("models", model_rows),
         ("optimizer", optimizer_rows),
         ("maxbatch", max_batch_rows),
+        ("checkpoint", checkpoint_rows),
     ];
     let asked: Vec<String> = std::env::args().skip(1).collect();
     if let Some(bad) = asked.iter().find(|a| !groups.iter().any(|(g, _)| g == a)) {
@@ -750,4 +755,110 @@ fn max_batch_rows() -> Result<Vec<Row>> {
         });
     }
     Ok(rows)
+}
+
+/// The GPT (batch 16x512) and its AdamW state on the GPU, checkpointed while it trains:
+/// the cost to the training loop (the save call and the next step, against a step
+/// alone) and the time until the file is durable, per GiB of state; `save_async`
+/// against PyTorch's `async_save` (DCP) and an fsynced `torch.save` in its own
+/// process. Medians of three.
+fn checkpoint_rows() -> Result<Vec<Row>> {
+    use torchtools::ckpt::CheckpointDir;
+    use torchtools::optim::{AdamConfig, Optimizer};
+    let dev = Device::Cuda(0);
+    torchtools::tch::manual_seed(0);
+    let vs = nn::VarStore::new(dev);
+    let gpt = models::Gpt::new(&vs.root(), &models::GptConfig::GPU);
+    let mut opt = Optimizer::adamw(
+        &vs,
+        AdamConfig {
+            lr: 1e-4,
+            ..AdamConfig::adamw()
+        },
+    )?;
+    let step = |opt: &mut Optimizer| -> Result<()> {
+        let tokens = Tensor::f_randint(2048, [16, 513], (Kind::Int64, dev))?;
+        let loss = torchtools::sys::autocast(dev, Kind::BFloat16, || gpt.loss(&tokens))?;
+        opt.backward_step(&loss)?;
+        Ok(())
+    };
+    // Seconds of `f` (a call, then one training step) to the GPU's end of it.
+    let timed = |f: &mut dyn FnMut() -> Result<()>| {
+        torchtools::tch::Cuda::synchronize(0);
+        let start = Instant::now();
+        f()?;
+        torchtools::tch::Cuda::synchronize(0);
+        Ok::<_, Box<dyn Error>>(start.elapsed().as_secs_f64())
+    };
+    for _ in 0..5 {
+        step(&mut opt)?;
+    }
+    let mut plain = Vec::new();
+    for _ in 0..5 {
+        plain.push(timed(&mut || step(&mut opt))?);
+    }
+    let plain = median(plain);
+    let root = tempfile::tempdir()?;
+    let dir = CheckpointDir::open(root.path().join("ours"))?
+        .writer(true)
+        .keep_last(2);
+    let (mut stall, mut durable, mut bytes) = (Vec::new(), Vec::new(), 0u64);
+    for i in 0..3 {
+        let start = Instant::now();
+        let took = timed(&mut || {
+            let mut ckpt = dir.checkpoint(i + 1);
+            ckpt.add_var_store(&vs)?;
+            opt.save_into(&mut ckpt, "optim")?;
+            dir.save_async(ckpt)?;
+            step(&mut opt)
+        })?;
+        let path = dir.wait()?.ok_or("no checkpoint written")?;
+        durable.push(start.elapsed().as_secs_f64());
+        stall.push((took - plain).max(0.0));
+        bytes = std::fs::metadata(path)?.len();
+    }
+    let gib = bytes as f64 / GIB as f64;
+    let theirs_dir = root.path().join("theirs");
+    std::fs::create_dir_all(&theirs_dir)?;
+    let text = python_baseline(
+        "checkpoint",
+        &[
+            "-c",
+            models::PY_MODELS,
+            "gpt-ckpt",
+            "16",
+            "0",
+            &theirs_dir.to_string_lossy(),
+        ],
+    )?;
+    let v: Vec<f64> = text
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<std::result::Result<_, _>>()?;
+    let [state, a_stall, a_durable, s_stall] = v[..] else {
+        return Err(format!("the checkpoint baseline printed {text:?}").into());
+    };
+    let their_gib = state / GIB as f64;
+    let (ours_stall, ours_durable) = (median(stall) / gib, median(durable) / gib);
+    let per = |s: f64| format!("{:.1} ms/GiB", s * 1e3);
+    Ok(vec![
+        Row {
+            what: format!("GPT + AdamW state ({gib:.2} GiB): stall, save_async vs DCP async_save"),
+            ours: per(ours_stall),
+            baseline: per(a_stall / their_gib),
+            ratio: format!("{:.1}", (a_stall / their_gib) / ours_stall.max(1e-6)),
+        },
+        Row {
+            what: "  the same, vs torch.save + fsync".into(),
+            ours: per(ours_stall),
+            baseline: per(s_stall / their_gib),
+            ratio: format!("{:.1}", (s_stall / their_gib) / ours_stall.max(1e-6)),
+        },
+        Row {
+            what: "  time until durable, save_async vs DCP async_save".into(),
+            ours: per(ours_durable),
+            baseline: per(a_durable / their_gib),
+            ratio: format!("{:.2}", (a_durable / their_gib) / ours_durable),
+        },
+    ])
 }

@@ -200,7 +200,10 @@ impl ResNet {
 
 /// The same models in PyTorch eager, and a training loop printing
 /// `SECONDS_PER_STEP PEAK_ALLOCATED_BYTES`: `python -c PY_MODELS gpt|resnet BATCH STEPS`.
-/// AdamW (lr 1e-4) and bf16 autocast, as the Rust side.
+/// AdamW (lr 1e-4) and bf16 autocast, as the Rust side. `gpt-ckpt BATCH STEPS DIR`
+/// times checkpoints of the model and its optimizer instead (PyTorch's
+/// `torch.distributed.checkpoint.async_save` and an fsynced `torch.save`): `STATE_BYTES
+/// ASYNC_STALL ASYNC_DURABLE SAVE_STALL` in bytes and seconds, medians of three.
 pub(crate) const PY_MODELS: &str = r#"
 import sys, time, torch, torch.nn as nn, torch.nn.functional as F
 which, batch, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -253,10 +256,10 @@ class ResNet(nn.Module):
         h = s.blocks(F.relu(s.bn(s.stem(images))))
         return F.cross_entropy(s.fc(torch.flatten(F.adaptive_avg_pool2d(h, 1), 1)).float(), labels)
 torch.manual_seed(0)
-model = (Gpt() if which == 'gpt' else ResNet()).to(dev).train()
+model = (Gpt() if which.startswith('gpt') else ResNet()).to(dev).train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 def data():
-    if which == 'gpt':
+    if which.startswith('gpt'):
         return (torch.randint(2048, (batch, 513), device=dev),)
     return (torch.randn(batch, 3, 32, 32, device=dev), torch.randint(10, (batch,), device=dev))
 def step():
@@ -265,9 +268,38 @@ def step():
         loss = model.loss(*args)
     loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 for _ in range(5): step()
-torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-t = time.perf_counter()
-for _ in range(steps): step()
-torch.cuda.synchronize()
-print((time.perf_counter() - t) / steps, torch.cuda.max_memory_allocated())
+if not which.endswith('-ckpt'):
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(steps): step()
+    torch.cuda.synchronize()
+    print((time.perf_counter() - t) / steps, torch.cuda.max_memory_allocated())
+    sys.exit(0)
+import os, statistics, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+out = sys.argv[4]
+dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
+def timed(f):
+    # The call, then one training step: what the checkpoint costs the training loop.
+    torch.cuda.synchronize(); t = time.perf_counter()
+    r = f(); step(); torch.cuda.synchronize()
+    return time.perf_counter() - t, r
+plain = statistics.median(timed(lambda: None)[0] for _ in range(5))
+def fsynced_save(path):
+    with open(path, 'wb') as fh:
+        torch.save({'model': model.state_dict(), 'optim': opt.state_dict()}, fh)
+        fh.flush(); os.fsync(fh.fileno())
+a_stall, a_durable, s_stall = [], [], []
+for i in range(3):
+    m, o = get_state_dict(model, opt)
+    t0 = time.perf_counter()
+    took, fut = timed(lambda: dcp.async_save({'model': m, 'optim': o}, checkpoint_id=f'{out}/dcp{i}'))
+    fut.result()
+    a_durable.append(time.perf_counter() - t0); a_stall.append(took - plain)
+    took, _ = timed(lambda: fsynced_save(f'{out}/save{i}.pt'))
+    s_stall.append(took - plain)
+state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+state += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+med = statistics.median
+print(state, med(a_stall), med(a_durable), med(s_stall))
 "#;

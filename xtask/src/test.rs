@@ -56,7 +56,7 @@ pub(crate) const GPU_CRATES: [(&str, u32); 12] = [
     ("tt-tracker", 1),
     ("tt-adaptive", 4),
     ("tt-probe", 3),
-    ("tt-ckpt", 1),
+    ("tt-ckpt", 2),
     ("tt-optim", 1),
     ("tt-train", 2),
     ("torchtools-cli", 6),

@@ -114,6 +114,10 @@ pub struct Checkpoint<'a> {
     /// Host buffers of an earlier checkpoint, reused by host copies (see
     /// `CheckpointDir::checkpoint`): no page faults for memory already touched.
     spare: Vec<Vec<u8>>,
+    /// Copies of CUDA tensors into pinned host memory, still landing: those tensors'
+    /// bytes are borrowed from them (kept alive here), and writing waits for them.
+    #[cfg(feature = "tch")]
+    staged: Vec<std::sync::Arc<std::sync::Mutex<tt_sys::HostCopies>>>,
 }
 
 impl<'a> Checkpoint<'a> {
@@ -135,7 +139,31 @@ impl<'a> Checkpoint<'a> {
             },
             tensors: BTreeMap::new(),
             spare: Vec::new(),
+            #[cfg(feature = "tch")]
+            staged: Vec::new(),
         }
+    }
+
+    /// Keeps host copies alive with this checkpoint; writing waits for them.
+    #[cfg(feature = "tch")]
+    pub(crate) fn keep_staged(
+        &mut self,
+        copies: std::sync::Arc<std::sync::Mutex<tt_sys::HostCopies>>,
+    ) {
+        self.staged.push(copies);
+    }
+
+    /// Waits for the host copies of CUDA tensors still landing.
+    fn wait_staged(&self) -> Result<()> {
+        #[cfg(feature = "tch")]
+        for copies in &self.staged {
+            copies
+                .lock()
+                .map_err(|_| Error::SaveThread("a thread panicked while copying tensors".into()))?
+                .synchronize()
+                .map_err(|e| Error::Tensors(format!("copying CUDA tensors to host memory: {e}")))?;
+        }
+        Ok(())
     }
 
     /// Gives this checkpoint host buffers to reuse for its copies.
@@ -211,6 +239,7 @@ impl<'a> Checkpoint<'a> {
     /// it) while their checksums are computed on another core, so the disk is busy
     /// from the start.
     pub fn write_to(&self, path: impl AsRef<Path>) -> Result<()> {
+        self.wait_staged()?;
         let path = path.as_ref();
         let mut file = AtomicFile::new(path)?;
         let temp_path = file.path().to_path_buf();

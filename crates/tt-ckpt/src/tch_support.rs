@@ -88,21 +88,73 @@ impl TensorData<'static> {
 }
 
 impl Checkpoint<'_> {
-    /// Adds `tensor` (any device) under `name`, copied to host memory (into a
-    /// recycled buffer when the checkpoint came from `CheckpointDir::checkpoint`).
+    /// Adds `tensor` (any device) under `name`, copied to host memory: a CPU tensor
+    /// into a recycled buffer when the checkpoint came from
+    /// `CheckpointDir::checkpoint`; a CUDA tensor as [`add_tch_many`](Self::add_tch_many)
+    /// does, without waiting.
     pub fn add_tch(&mut self, name: &str, tensor: &Tensor) -> Result<()> {
+        if tensor.device().is_cuda() {
+            return self.add_tch_many(&[(name.to_owned(), tensor.shallow_clone())]);
+        }
         let data = TensorData::from_tch_into(tensor, |len| self.buffer(len))?;
         self.add_tensor(name, data)
     }
 
-    /// Adds every variable of `vs` under its name (`layer1.weight`, ...).
+    /// Adds named tensors. CUDA tensors are copied into pinned host memory on their
+    /// device's current stream without waiting (`tt_sys::HostCopies`): the call returns
+    /// once the copies are queued, training goes on, and whatever it queues next (the
+    /// optimizer changing the parameters) runs after the copies, so the checkpoint
+    /// holds the values of this call. Writing it (`save`, `save_async`, `write_to`)
+    /// waits for the copies first. The pinned blocks are libtorch's cached ones: the
+    /// next checkpoint reuses them.
+    pub fn add_tch_many(&mut self, tensors: &[(String, Tensor)]) -> Result<()> {
+        let (cuda, host): (Vec<_>, Vec<_>) =
+            tensors.iter().partition(|(_, t)| t.device().is_cuda());
+        for (name, t) in host {
+            self.add_tch(name, t)?;
+        }
+        // One batch of copies (and one event) per device.
+        let mut devices: Vec<Device> = cuda.iter().map(|(_, t)| t.device()).collect();
+        devices.sort_by_key(|d| format!("{d:?}"));
+        devices.dedup();
+        for device in devices {
+            let batch: Vec<&(String, Tensor)> = cuda
+                .iter()
+                .copied()
+                .filter(|(_, t)| t.device() == device)
+                .collect();
+            let dtypes = batch
+                .iter()
+                .map(|(_, t)| dtype_of(t.kind()))
+                .collect::<Result<Vec<_>>>()?;
+            let src: Vec<Tensor> = batch.iter().map(|(_, t)| t.shallow_clone()).collect();
+            let copies = tt_sys::HostCopies::start(&src)
+                .map_err(|e| Error::Tensors(format!("copy to host: {e}")))?;
+            for (((name, _), dtype), host) in batch.iter().zip(dtypes).zip(copies.host_tensors()) {
+                let shape: Vec<usize> = host.size().iter().map(|&d| d as usize).collect();
+                let len = host.numel() * host.kind().elt_size_in_bytes();
+                let bytes: &'static [u8] = if len == 0 {
+                    &[]
+                } else {
+                    // SAFETY: `host` is a contiguous pinned CPU tensor of `len` bytes,
+                    // kept alive by `copies`, which this checkpoint holds as long as
+                    // its tensors (they never leave it as borrowed data); its bytes are
+                    // read only after the copies are waited for (every write path).
+                    unsafe { std::slice::from_raw_parts(host.data_ptr() as *const u8, len) }
+                };
+                self.add_tensor(name, TensorData::new(dtype, shape, bytes)?)?;
+            }
+            self.keep_staged(std::sync::Arc::new(std::sync::Mutex::new(copies)));
+        }
+        Ok(())
+    }
+
+    /// Adds every variable of `vs` under its name (`layer1.weight`, ...); on CUDA
+    /// without waiting, as [`add_tch_many`](Self::add_tch_many).
     pub fn add_var_store(&mut self, vs: &tch::nn::VarStore) -> Result<()> {
         let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
-        for (name, t) in vars {
-            self.add_tch(&name, &t)?;
-        }
-        Ok(())
+        self.add_tch_many(&vars)
     }
 }
 

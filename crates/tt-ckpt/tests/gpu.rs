@@ -19,3 +19,63 @@ fn cuda_tensors_are_saved_and_loaded_onto_the_device_asked_for() {
     assert!(back.equal(&on_gpu));
     assert_eq!(loaded.tch("g", Device::Cpu).unwrap().device(), Device::Cpu);
 }
+
+/// `save_async` of CUDA state while training goes on: the checkpoint holds the values of
+/// the moment it was taken (the in-place updates queued right after it run after its
+/// copies), byte for byte what a checkpoint of CPU copies of the same values holds.
+#[test]
+fn an_async_checkpoint_of_cuda_state_holds_the_values_it_was_taken_with() {
+    tt_sys::require_cuda();
+    let root = tempfile::tempdir().unwrap();
+    let dir = tt_ckpt::CheckpointDir::open(root.path().join("async"))
+        .unwrap()
+        .writer(true);
+    let vs = tch::nn::VarStore::new(Device::Cuda(0));
+    let _l = tch::nn::linear(vs.root() / "l", 4096, 4096, Default::default());
+    let _b = vs.root().var(
+        "big",
+        &[64 << 20],
+        tch::nn::Init::Randn {
+            mean: 0.0,
+            stdev: 1.0,
+        },
+    );
+    let before: Vec<(String, Tensor)> = {
+        let mut v: Vec<_> = vs
+            .variables()
+            .into_iter()
+            .map(|(n, t)| (n, t.to_device(Device::Cpu)))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    };
+    for round in 0..3 {
+        let mut ckpt = dir.checkpoint(round + 1);
+        ckpt.add_var_store(&vs).unwrap();
+        dir.save_async(ckpt).unwrap();
+        // What an optimizer step does next: changes every parameter in place.
+        tch::no_grad(|| {
+            for (_, mut t) in vs.variables() {
+                let _ = t.f_add_scalar_(1.0).unwrap();
+            }
+        });
+        let path = dir.wait().unwrap().unwrap();
+        let loaded = LoadedCheckpoint::read(&path).unwrap();
+        for (name, cpu) in &before {
+            let saved = loaded.tch(name, Device::Cpu).unwrap();
+            let expected = cpu + (round as f64);
+            assert!(saved.equal(&expected), "{name} in round {round}");
+        }
+        // Byte for byte the file a checkpoint of CPU copies writes.
+        let reference = root.path().join(format!("cpu-{round}.safetensors"));
+        let mut c = Checkpoint::new(round + 1);
+        for (name, cpu) in &before {
+            c.add_tch(name, &(cpu + (round as f64))).unwrap();
+        }
+        c.write_to(&reference).unwrap();
+        assert!(
+            std::fs::read(&path).unwrap() == std::fs::read(&reference).unwrap(),
+            "round {round}: the files differ"
+        );
+    }
+}

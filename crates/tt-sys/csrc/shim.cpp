@@ -17,6 +17,8 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/headeronly/version.h>
 
 namespace {
@@ -219,4 +221,41 @@ char* tt_foreach_adam(void* const* params, void* const* grads, void* const* exp_
     at::_foreach_add_(denom, eps);
     at::_foreach_addcdiv_(ps, m, denom, scalars_of(step_sizes, n));
   })
+}
+
+char* tt_copy_to_host_async(void* const* src, size_t n, int32_t device, void** out,
+                            void** out_event) {
+  TT_PROTECT({
+    c10::Device cuda(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+    std::vector<at::Tensor> staged;
+    staged.reserve(n);
+    for (size_t i = 0; i < n; ++i) {
+      const auto& t = *static_cast<at::Tensor*>(src[i]);
+      if (t.device() != cuda) {
+        throw std::invalid_argument("tt_copy_to_host_async: a tensor is not on " +
+                                    cuda.str() + " but on " + t.device().str());
+      }
+      // Pinned memory from libtorch's caching host allocator: the blocks of one save
+      // are reused by the next, with no new cudaHostAlloc.
+      auto host = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(true));
+      host.copy_(t, /*non_blocking=*/true);
+      staged.push_back(std::move(host));
+    }
+    auto event = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+    event->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(cuda));
+    for (size_t i = 0; i < n; ++i) out[i] = new at::Tensor(std::move(staged[i]));
+    *out_event = event.release();
+  })
+}
+
+char* tt_event_synchronize(void* event) {
+  TT_PROTECT({ static_cast<c10::Event*>(event)->synchronize(); })
+}
+
+void tt_event_free(void* event) {
+  try {
+    delete static_cast<c10::Event*>(event);
+  } catch (...) {
+    // A destructor that fails (a lost device) must not unwind into Rust.
+  }
 }

@@ -66,6 +66,18 @@ char* tt_foreach_adam(void* const* params, void* const* grads, void* const* exp_
                       double beta2, double weight_decay, double eps, bool decoupled,
                       bool maximize);
 
+// Copies each of the `n` tensors `src` (on CUDA device `device`) into new pinned host
+// tensors, written to `out` (`at::Tensor*`, owned by the caller), without waiting: the
+// copies are queued on the device's current stream, after the work that produces the
+// tensors and before any later work (an optimizer step) that changes them. `*out_event`
+// (owned by the caller, freed with tt_event_free) completes when every copy has.
+char* tt_copy_to_host_async(void* const* src, size_t n, int32_t device, void** out,
+                            void** out_event);
+// Waits for an event of tt_copy_to_host_async.
+char* tt_event_synchronize(void* event);
+// Frees an event of tt_copy_to_host_async.
+void tt_event_free(void* event);
+
 #ifdef __cplusplus
 }
 #endif

@@ -62,6 +62,15 @@ extern "C" {
         decoupled: bool,
         maximize: bool,
     ) -> *mut c_char;
+    pub(crate) fn tt_copy_to_host_async(
+        src: *const *mut std::ffi::c_void,
+        n: usize,
+        device: i32,
+        out: *mut *mut std::ffi::c_void,
+        out_event: *mut *mut std::ffi::c_void,
+    ) -> *mut c_char;
+    pub(crate) fn tt_event_synchronize(event: *mut std::ffi::c_void) -> *mut c_char;
+    pub(crate) fn tt_event_free(event: *mut std::ffi::c_void);
 }
 
 /// Turns the shim's return value into a `Result`, freeing the message.

@@ -62,6 +62,8 @@ mod cuda;
 mod ffi;
 #[cfg(feature = "tch")]
 mod foreach;
+#[cfg(feature = "tch")]
+mod staging;
 
 #[cfg(feature = "tch")]
 pub use autocast::autocast;
@@ -73,6 +75,8 @@ pub use cuda::{
 };
 #[cfg(feature = "tch")]
 pub use foreach::{foreach_adam, set_grads_none, AdamStep};
+#[cfg(feature = "tch")]
+pub use staging::HostCopies;
 
 /// For GPU-only tests: returns CUDA's info, or panics saying why CUDA is unusable.
 ///
