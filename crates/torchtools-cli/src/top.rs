@@ -466,6 +466,15 @@ fn block(title: String) -> Block<'static> {
 
 fn render_gpus(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {
     let dash = || "-".to_owned();
+    // The longest GPU name whole ("NVIDIA H100 80GB HBM3"), within bounds.
+    let name_width = snapshot
+        .gpus
+        .iter()
+        .filter_map(|g| g.name.as_ref())
+        .map(|n| n.chars().count())
+        .max()
+        .unwrap_or(18)
+        .clamp(18, 32) as u16;
     let rows: Vec<Row> = snapshot
         .gpus
         .iter()
@@ -553,7 +562,7 @@ fn render_gpus(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {
             ],
             vec![
                 Constraint::Length(4),
-                Constraint::Length(18),
+                Constraint::Length(name_width),
                 Constraint::Length(13),
                 Constraint::Length(8),
                 Constraint::Length(8),

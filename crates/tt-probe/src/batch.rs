@@ -85,6 +85,23 @@ impl MemoryLine {
     }
 }
 
+/// What a probe says its step needs: with the caching allocator's statistics (Rust
+/// probes), NVML's peak less the cache the allocator held beyond its tensors (peak
+/// reserved − peak allocated), which it gives back and retries with when memory runs
+/// short, so a run near the limit does not need it; else the report's peak.
+fn needed(report: &ProbeReport) -> Bytes {
+    match (
+        report.nvml_peak,
+        report.peak_reserved,
+        report.peak_allocated,
+    ) {
+        (Some(nvml), Some(reserved), Some(allocated)) if nvml >= reserved => {
+            Bytes(nvml.0 - reserved.0.saturating_sub(allocated.0))
+        }
+        _ => report.peak(),
+    }
+}
+
 fn estimate(peak: Bytes, policy: &EstimatePolicy) -> Bytes {
     policy.reserve_for(peak)
 }
@@ -133,7 +150,8 @@ pub struct MaxBatch {
     pub batch: u64,
     /// The capacity searched for.
     pub capacity: Bytes,
-    /// The predicted peak at that batch.
+    /// The predicted peak at that batch (for Rust probes on CUDA, without the
+    /// allocator's spare cache: see [`max_batch`]).
     pub peak: Bytes,
     /// The reservation at that batch (the policy applied to the peak).
     pub reserve: Bytes,
@@ -168,7 +186,10 @@ impl fmt::Display for MaxBatch {
 /// from (through the second and third) is measured near the batches it predicts, away
 /// from the small batches where fixed workspaces and algorithm choices dominate. The
 /// prediction leaves the policy's headroom (3% + 32 MiB by default), as a reservation
-/// made from it would.
+/// made from it would. A probe that reports the caching allocator's statistics (a Rust
+/// probe on CUDA) is measured without the cache the allocator held beyond its tensors
+/// (peak reserved − peak allocated): near the limit the allocator gives that back and
+/// retries, so the run does not need it.
 ///
 /// ```
 /// use tt_device::Bytes;
@@ -198,7 +219,7 @@ pub fn max_batch(
                  answer the probe (run TORCHTOOLS_PROBE_STEPS steps, then exit)"
             )));
         }
-        let peak = report.peak();
+        let peak = needed(&report);
         probes.push((batch, report));
         Ok(peak)
     };
