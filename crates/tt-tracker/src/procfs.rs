@@ -126,6 +126,8 @@ pub(crate) struct Stat {
     /// utime + stime, in clock ticks.
     pub(crate) cpu_ticks: u64,
     pub(crate) threads: u64,
+    /// It has exited and waits to be reaped (state `Z`, or `X`): no memory, one thread.
+    pub(crate) exited: bool,
 }
 
 pub(crate) fn stat(pid: u32, buf: &mut String) -> Option<Stat> {
@@ -146,6 +148,7 @@ pub(crate) fn parse_stat(text: &str) -> Option<Stat> {
     Some(Stat {
         cpu_ticks: utime + stime,
         threads,
+        exited: matches!(fields.first(), Some(&"Z") | Some(&"X")),
     })
 }
 
@@ -469,9 +472,13 @@ mod tests {
             parse_stat(line),
             Some(Stat {
                 cpu_ticks: 300,
-                threads: 7
+                threads: 7,
+                exited: false,
             })
         );
+        // A zombie (exited, not reaped yet).
+        let zombie = line.replace(") S ", ") Z ");
+        assert!(parse_stat(&zombie).unwrap().exited);
     }
 
     #[test]

@@ -891,6 +891,12 @@ impl Sampler {
                 self.files.remove(&pid); // exited
                 continue;
             };
+            if stat.exited {
+                // A zombie: its memory and threads are gone, and a sample of it would
+                // give gpu_tracker's readers a minimum of 0 RAM and one thread.
+                self.files.remove(&pid);
+                continue;
+            }
             if !is_main {
                 alive_descendants.insert(pid);
             }

@@ -1100,3 +1100,46 @@ fn the_system_ram_is_read_again_while_tracking_not_only_at_the_ends() {
         "one system reading for all samples: {system:?}"
     );
 }
+
+/// A tracked process that has exited but is not reaped yet (a zombie) is not sampled:
+/// such a row (no memory, one thread) gave gpu_tracker's `sub-track analyze` a minimum
+/// RAM of 0.
+#[test]
+fn a_process_that_has_exited_is_not_sampled() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("timeline.csv");
+    let mut child = Command::new("sh")
+        .args(["-c", "x=$(seq 1 20000); sleep 0.3"])
+        .spawn()
+        .unwrap();
+    let tracker = Tracker::start(TrackerConfig {
+        timeline: Some(path.clone()),
+        target: tt_tracker::Target::Pid(child.id()),
+        ..config(Duration::from_millis(10))
+    })
+    .unwrap();
+    // Until it has exited (not reaped), then while it stays a zombie.
+    tt_tracker::process::wait_for_exit(child.id(), None).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let usage = tracker.stop().unwrap();
+    child.wait().unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut lines = text.lines().skip(2);
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
+    let (ram, threads) = (col("main_ram"), col("main_n_threads"));
+    let rows: Vec<Vec<f64>> = lines
+        .map(|l| {
+            l.split(',')
+                .map(|v| v.parse().unwrap_or(f64::NAN))
+                .collect()
+        })
+        .collect();
+    assert!(!rows.is_empty(), "no sample while it ran: {usage:?}");
+    for row in &rows {
+        assert!(
+            row[ram] > 0.0 && row[threads] >= 1.0,
+            "a row of the exited process: {row:?}"
+        );
+    }
+}
