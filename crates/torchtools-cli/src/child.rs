@@ -49,6 +49,8 @@ pub(crate) struct Running {
     child: Child,
     handle: Handle,
     forwarder: JoinHandle<()>,
+    /// Watched with ptrace for its own peak at exit ([`Running::watch_exit`]).
+    watched: bool,
 }
 
 /// How the command ended.
@@ -57,6 +59,8 @@ pub(crate) struct Ended {
     pub(crate) code: u8,
     /// Its peak resident memory (and that of the descendants it reaped), in bytes.
     pub(crate) max_rss: u64,
+    /// Its own peak resident memory, read as it exited, when it was watched.
+    pub(crate) own_peak: Option<u64>,
 }
 
 /// Spawns `cmd` (whose program is `name`, for messages). Handlers are installed
@@ -80,6 +84,7 @@ pub(crate) fn spawn(cmd: &mut Command, name: &str) -> Result<Running> {
         child,
         handle,
         forwarder,
+        watched: false,
     })
 }
 
@@ -89,12 +94,23 @@ impl Running {
         self.child.id()
     }
 
+    /// Watches the command's exit with ptrace, to read its own peak RSS then (call
+    /// from the thread that will `wait`); `false` where ptrace is not allowed.
+    pub(crate) fn watch_exit(&mut self) -> bool {
+        self.watched = tt_tracker::process::watch_exit(self.child.id());
+        self.watched
+    }
+
     /// Waits for the command to end. It is reaped only after the forwarder stopped,
     /// so that its pid cannot be reused while a signal may still be sent to it.
     pub(crate) fn wait(self) -> Result<Ended> {
         let pid = self.child.id();
-        tt_tracker::process::wait_for_exit(pid, None)
-            .map_err(|e| anyhow::anyhow!("waiting for the command: {e}"))?;
+        let own_peak = if self.watched {
+            tt_tracker::process::wait_for_exit_with_peak(pid)
+        } else {
+            tt_tracker::process::wait_for_exit(pid, None).map(|_| None)
+        }
+        .map_err(|e| anyhow::anyhow!("waiting for the command: {e}"))?;
         self.handle.close();
         let _ = self.forwarder.join();
         let reaped = tt_tracker::process::reap(pid)
@@ -104,6 +120,7 @@ impl Running {
         Ok(Ended {
             code: u8::try_from(reaped.exit_code()).unwrap_or(u8::MAX),
             max_rss: reaped.max_rss,
+            own_peak,
         })
     }
 }

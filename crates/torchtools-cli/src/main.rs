@@ -139,6 +139,12 @@ enum Command {
         /// Do not print the tracker's warnings (they stay in the report).
         #[arg(long)]
         disable_logs: bool,
+        /// Do not watch the command's exit with ptrace. By default its own peak RSS is
+        /// read as it exits (exact, without the children it reaped); meanwhile a
+        /// debugger or py-spy cannot attach to it. With this, its peak is the sampled
+        /// high-water mark.
+        #[arg(long)]
+        no_ptrace: bool,
         /// gpu_tracker's JSON file of Tracker arguments (sleep_time, ram_unit,
         /// gpu_ram_unit, time_unit, n_expected_cores, gpu_uuids, disable_logs,
         /// gpu_brand, tracking_file, overwrite); options on the command line win.
@@ -506,6 +512,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             gpu_uuids,
             gpu_brand,
             disable_logs,
+            no_ptrace,
             tconfig,
             execute,
             command,
@@ -522,7 +529,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 timeline,
                 overwrite,
             };
-            track::track(track::request(
+            let mut request = track::request(
                 given,
                 tconfig.as_deref(),
                 format.as_deref() == Some("json"),
@@ -530,7 +537,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 plot,
                 execute,
                 command,
-            )?)
+            )?;
+            request.no_ptrace = no_ptrace;
+            track::track(request)
         }
     }
 }

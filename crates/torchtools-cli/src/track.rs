@@ -247,6 +247,7 @@ pub(crate) fn request(
         n_expected_cores: given.n_expected_cores.map(|n| n as usize),
         gpu_uuids: given.gpu_uuids,
         disable_logs: given.disable_logs,
+        no_ptrace: false,
         command,
     })
 }
@@ -265,6 +266,8 @@ pub(crate) struct Request {
     pub(crate) n_expected_cores: Option<usize>,
     pub(crate) gpu_uuids: Option<Vec<String>>,
     pub(crate) disable_logs: bool,
+    /// Do not watch the command's exit with ptrace (`--no-ptrace`).
+    pub(crate) no_ptrace: bool,
     pub(crate) command: Vec<OsString>,
 }
 
@@ -349,7 +352,11 @@ pub(crate) fn track(req: Request) -> Result<ExitCode> {
     if let Some(cg) = &cgroup {
         cg.enter_on_exec(&mut cmd);
     }
-    let running = child::spawn(&mut cmd, &name)?;
+    let mut running = child::spawn(&mut cmd, &name)?;
+    // Its own peak, read as it exits (wait4's ru_maxrss would include its children).
+    if !req.no_ptrace && !running.watch_exit() {
+        tracing::debug!("ptrace is not allowed here: the command's peak is the sampled one");
+    }
     let tracker = Tracker::start(TrackerConfig {
         interval: req.interval,
         ram_unit: req.ram_unit,
@@ -374,7 +381,7 @@ pub(crate) fn track(req: Request) -> Result<ExitCode> {
             return Ok(status);
         }
     };
-    tracker.target_exited(ended.max_rss, i32::from(ended.code));
+    tracker.target_exited_with_peak(ended.own_peak, ended.max_rss, i32::from(ended.code));
     let (usage, series) = match tracker.stop_with_series() {
         Ok(done) => done,
         Err(e) => {

@@ -506,3 +506,98 @@ fn timeline_plot_and_compare() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("missing.json"), "{}", stderr(&out));
 }
+
+/// A wrapper's child's peak is the child's, never the wrapper's (gpu_tracker: main
+/// 0.002 GB): wait4's ru_maxrss includes the children it reaped; the wrapper's own peak
+/// is read as it exits.
+#[test]
+fn a_wrappers_peak_is_its_own_and_its_childs_is_under_descendants() {
+    let tmp = tempfile::tempdir().unwrap();
+    let wrap = tmp.path().join("wrap.sh");
+    std::fs::write(
+        &wrap,
+        format!(
+            "#!/bin/sh\n{} -c \"x = b'1' * (300 << 20)\"\necho done\n",
+            python()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrap, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let out_file = tmp.path().join("r.json");
+    let out = track(&[
+        "--format",
+        "json",
+        "--ram-unit",
+        "megabytes",
+        "--output",
+        out_file.to_str().unwrap(),
+        "--",
+        wrap.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r = report(&out_file);
+    let main = r["max_ram"]["main"]["total_rss"].as_f64().unwrap();
+    let desc = r["max_ram"]["descendants"]["total_rss"].as_f64().unwrap();
+    assert!(main < 30.0, "the shell's own peak: {main} MB ({r})");
+    assert!(desc > 300.0, "the Python child's 300 MiB: {desc} MB");
+    assert!(
+        r["torchtools"]["peak_methods"]["main"]
+            .as_str()
+            .unwrap_or("")
+            .contains("exited"),
+        "{r}"
+    );
+}
+
+/// Watching the command's exit changes nothing it sees: a signal it sends itself
+/// reaches its handler, and a stop (as Ctrl-Z) holds until SIGCONT.
+#[test]
+fn the_watched_command_gets_its_signals_and_its_stops() {
+    let out = track(&[
+        "--",
+        "sh",
+        "-c",
+        "trap 'echo caught; exit 3' USR1; kill -USR1 $$; sleep 5",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("caught"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_torchtools"))
+        .args([
+            "track",
+            "--",
+            "sh",
+            "-c",
+            "echo $$; kill -STOP $$; echo resumed",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stdout, &mut line).unwrap();
+    let pid: i32 = line.trim().parse().unwrap();
+    // Stopped: state T in /proc (a generous bound; driven by the state, not a sleep).
+    let stopped = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                s.rsplit_once(") ")
+                    .is_some_and(|(_, r)| r.starts_with('T') || r.starts_with('t'))
+            })
+            .unwrap_or(false)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !stopped(pid) {
+        assert!(std::time::Instant::now() < deadline, "never stopped");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Still stopped a moment later: the watcher did not resume it.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(stopped(pid), "resumed without SIGCONT");
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    assert!(rest.contains("resumed"), "{rest}");
+    assert!(child.wait().unwrap().success());
+}

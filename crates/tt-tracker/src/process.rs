@@ -58,6 +58,104 @@ pub fn wait_for_exit(pid: u32, deadline: Option<Instant>) -> io::Result<bool> {
     }
 }
 
+/// Asks to see our child `pid` exit: ptrace's `PTRACE_SEIZE` with `PTRACE_O_TRACEEXIT`,
+/// which neither stops it nor changes what it sees, so that
+/// [`wait_for_exit_with_peak`] can read its own peak RSS at the moment it exits, before
+/// its memory is released. Call it from the thread that will wait (ptrace's rule).
+/// `false` where ptrace is not allowed (Yama's `ptrace_scope` 2 or 3, a seccomp
+/// profile, a debugger already attached): the peak is then the sampled one.
+pub fn watch_exit(pid: u32) -> bool {
+    // SAFETY: ptrace on our own child with no pointers (the data is the options).
+    let rc = unsafe {
+        libc::ptrace(
+            libc::PTRACE_SEIZE,
+            pid as libc::pid_t,
+            std::ptr::null_mut::<libc::c_void>(),
+            libc::PTRACE_O_TRACEEXIT as usize as *mut libc::c_void,
+        )
+    };
+    rc == 0
+}
+
+/// [`wait_for_exit`] for a child given to [`watch_exit`] (from this thread): waits until
+/// it has ended, without reaping it, passing on every signal it receives and leaving
+/// its stops to it, and returns its own high-water mark of resident memory (`VmHWM`)
+/// read as it exited: never its children's, which `wait4`'s `ru_maxrss` includes, nor
+/// the image it had before `exec`. `None` when it ended without that stop (killed by
+/// SIGKILL, or another of its threads ended the process).
+pub fn wait_for_exit_with_peak(pid: u32) -> io::Result<Option<u64>> {
+    let mut peak = None;
+    let ptrace = |request: libc::c_uint, data: usize| {
+        // SAFETY: ptrace on our own traced child, no pointers (data is a signal number).
+        unsafe {
+            libc::ptrace(
+                request,
+                pid as libc::pid_t,
+                std::ptr::null_mut::<libc::c_void>(),
+                data as *mut libc::c_void,
+            )
+        }
+    };
+    loop {
+        // SAFETY: an all-zero siginfo_t is a valid value for waitid to overwrite.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let flags = libc::WEXITED | libc::WSTOPPED | libc::WNOWAIT | libc::__WALL;
+        // SAFETY: waitid on a child of ours with a valid siginfo_t pointer.
+        if unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, flags) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        if matches!(
+            info.si_code,
+            libc::CLD_EXITED | libc::CLD_KILLED | libc::CLD_DUMPED
+        ) {
+            return Ok(peak);
+        }
+        // A stop: take it (never an exit: WEXITED is not asked), then let it go on.
+        // SAFETY: as above.
+        let mut stop: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let flags = libc::WSTOPPED | libc::WNOHANG | libc::__WALL;
+        // SAFETY: as above.
+        if unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut stop, flags) } != 0 {
+            continue;
+        }
+        // SAFETY: filled by waitid (si_pid 0: the stop went away, e.g. SIGKILL).
+        if unsafe { stop.si_pid() } == 0 {
+            continue;
+        }
+        // SAFETY: as above.
+        let status = unsafe { stop.si_status() };
+        let (event, signal) = (status >> 8, status & 0xff);
+        if event == libc::PTRACE_EVENT_EXIT {
+            let mut buf = String::new();
+            peak = procfs::read_into(&format!("/proc/{pid}/status"), &mut buf)
+                .then(|| procfs::parse_status(&buf))
+                .flatten()
+                .map(|s| s.hwm);
+            // It goes on exiting, untraced.
+            ptrace(libc::PTRACE_DETACH, 0);
+        } else if event == libc::PTRACE_EVENT_STOP
+            && matches!(
+                signal,
+                libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU
+            )
+        {
+            // A group stop (SIGSTOP, Ctrl-Z): it stays stopped until SIGCONT, as it
+            // would untraced.
+            ptrace(libc::PTRACE_LISTEN, 0);
+        } else if event == libc::PTRACE_EVENT_STOP {
+            // The end of a group stop (SIGCONT) reported to us: it runs again.
+            ptrace(libc::PTRACE_CONT, 0);
+        } else {
+            // A signal on its way to it: delivered as if nobody watched.
+            ptrace(libc::PTRACE_CONT, signal as usize);
+        }
+    }
+}
+
 /// How a reaped child ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Reaped {

@@ -18,7 +18,7 @@ pub(crate) fn clock_ticks() -> f64 {
 }
 
 /// Reads a small /proc file into `buf` (reused between calls). `false` when it is gone.
-fn read_into(path: &str, buf: &mut String) -> bool {
+pub(crate) fn read_into(path: &str, buf: &mut String) -> bool {
     buf.clear();
     match fs::File::open(path) {
         Ok(mut f) => f.read_to_string(buf).is_ok(),

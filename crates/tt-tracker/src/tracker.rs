@@ -105,6 +105,8 @@ struct Control {
     stop: bool,
     events: Vec<BlockEvent>,
     exit_max_rss: Option<u64>,
+    /// The command's own high-water mark read as it exited (`process::wait_for_exit_with_peak`).
+    exit_own_peak: Option<u64>,
     exit_status: Option<i32>,
 }
 
@@ -271,12 +273,21 @@ impl Tracker {
     /// from `wait4` and its exit status: the kernel's exact peak of the command (see
     /// the report's `peak_methods`).
     pub fn target_exited(&self, max_rss_bytes: u64, status: i32) {
+        self.target_exited_with_peak(None, max_rss_bytes, status);
+    }
+
+    /// [`target_exited`](Self::target_exited) with the command's own high-water mark
+    /// read as it exited ([`crate::process::wait_for_exit_with_peak`]): its exact peak,
+    /// without the children it reaped (which `ru_maxrss` includes: then the largest
+    /// of them, a descendant's peak).
+    pub fn target_exited_with_peak(&self, own_peak: Option<u64>, max_rss_bytes: u64, status: i32) {
         let mut c = self
             .shared
             .control
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         c.exit_max_rss = Some(max_rss_bytes);
+        c.exit_own_peak = own_peak;
         c.exit_status = Some(status);
     }
 
@@ -518,6 +529,14 @@ struct CpuSeries {
 }
 
 /// The process tree at one moment.
+/// What the tracked command's end told: `wait4`'s `ru_maxrss`, its own high-water mark
+/// read as it exited, its status.
+struct Exit {
+    max_rss: Option<u64>,
+    own_peak: Option<u64>,
+    status: Option<i32>,
+}
+
 struct TreeReading {
     cpu_ticks: HashMap<u32, u64>,
     main: Rss,
@@ -655,11 +674,15 @@ impl Sampler {
                 .store(self.samples, std::sync::atomic::Ordering::Release);
             if stop {
                 let c = shared.control.lock().unwrap_or_else(|e| e.into_inner());
-                let (max_rss, status) = (c.exit_max_rss, c.exit_status);
+                let exit = Exit {
+                    max_rss: c.exit_max_rss,
+                    own_peak: c.exit_own_peak,
+                    status: c.exit_status,
+                };
                 let events = c.events.clone();
                 drop(c);
                 self.events(events)?;
-                return self.report(max_rss, status);
+                return self.report(exit);
             }
             next = next_tick(next, self.config.interval, Instant::now());
         }
@@ -1025,7 +1048,8 @@ impl Sampler {
         Ok(())
     }
 
-    fn report(mut self, exit_max_rss: Option<u64>, exit_status: Option<i32>) -> Result<Finished> {
+    fn report(mut self, exit: Exit) -> Result<Finished> {
+        let exit_status = exit.status;
         let interval = format!("sampled every {:?}", self.config.interval);
         // Main: its kernel high-water mark, when it counts from the start of tracking.
         let mut main_method = interval.clone();
@@ -1052,18 +1076,32 @@ impl Sampler {
             .map(|(_, h)| *h)
             .max()
             .unwrap_or(0);
-        // wait4's ru_maxrss is the largest of the command and the descendants it
-        // reaped: above every descendant's high-water mark, it is the command's own.
-        if let Some(max_rss) = exit_max_rss {
-            if max_rss > desc_hwm && max_rss > self.max_main.total {
-                self.max_main.total = max_rss;
-                main_method = "wait4 ru_maxrss (the kernel's peak of the reaped command)".into();
-            }
-        }
         let mut desc_method = format!("{interval} (sum over descendants)");
         if desc_hwm > self.max_desc.total {
             self.max_desc.total = desc_hwm;
             desc_method = format!("{interval}, raised to the largest descendant's VmHWM");
+        }
+        // wait4's ru_maxrss is the largest of the command (with the image it had before
+        // exec), and the descendants it reaped.
+        let had_descendants = self.seen.iter().any(|p| *p != self.main);
+        match (exit.own_peak, exit.max_rss) {
+            (Some(own), max_rss) => {
+                if own >= self.max_main.total {
+                    self.max_main.total = own;
+                    main_method = "VmHWM read as it exited (ptrace's exit stop): its own".into();
+                }
+                // Above its own peak, ru_maxrss is a descendant's.
+                if let Some(m) = max_rss.filter(|m| *m > own && *m > self.max_desc.total) {
+                    self.max_desc.total = m;
+                    desc_method =
+                        "wait4 ru_maxrss (the largest descendant the command reaped)".into();
+                }
+            }
+            (None, Some(max_rss)) if !had_descendants && max_rss > self.max_main.total => {
+                self.max_main.total = max_rss;
+                main_method = "wait4 ru_maxrss (the kernel's peak of the reaped command)".into();
+            }
+            _ => {}
         }
         let mut comb_method = format!("{interval} (per-sample sum, shared pages once)");
         let floor = self.max_main.total.max(self.max_desc.total);
