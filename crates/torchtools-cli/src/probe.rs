@@ -96,6 +96,18 @@ pub(crate) fn estimate_for_run(
         None => None,
     };
     let report = run_probe(uuid, timeout, steps, None, command)?;
+    if report.ended_by_timeout {
+        // Its peak so far may be far from the real run's: nothing is reserved from it.
+        return Err(Exit(
+            1,
+            format!(
+                "{report}.\nA script answers the probe by running TORCHTOOLS_PROBE_STEPS \
+                 steps when TORCHTOOLS_PROBE=1 and exiting (without saving or logging): see \
+                 the README's Python section; or give --bytes instead of --probe"
+            ),
+        )
+        .into());
+    }
     let estimate = report.estimate(&EstimatePolicy::default());
     eprintln!("torchtools: {report}; reserving {estimate}");
     Ok(estimate)

@@ -215,3 +215,42 @@ fn probe_max_batch_predicts_from_three_probes_and_names_a_script_without_the_var
     let out = torchtools(&["probe", "--capacity", "1GiB", "--", "true"], tmp.path());
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
 }
+
+/// A command that does not answer the probe (it runs until the probe's timeout) is said
+/// to be one, never reported as having run its steps; `run --probe` reserves nothing
+/// from it and does not run it again.
+#[test]
+fn a_command_that_does_not_answer_the_probe_is_named_and_not_run_for_real() {
+    let tmp = tempfile::tempdir().unwrap();
+    let marker = tmp.path().join("runs");
+    let script = format!("echo run >> {}; sleep 60", marker.display());
+    let out = torchtools(
+        &[
+            "run",
+            "--probe",
+            "--probe-timeout",
+            "1s",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("does not answer the probe: measured its first"),
+        "{err}"
+    );
+    assert!(err.contains("TORCHTOOLS_PROBE_STEPS"), "{err}");
+    assert!(!err.contains("5 step(s) in"), "{err}");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap().lines().count(), 1);
+    // `probe` reports the measurement, said as such.
+    let out = torchtools(
+        &["probe", "--timeout", "1s", "--", "sh", "-c", "sleep 60"],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("does not answer the probe"));
+}

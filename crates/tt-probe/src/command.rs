@@ -120,5 +120,6 @@ pub fn probe_command(
         steps: opts.steps,
         duration: ended.elapsed,
         ended_by_timeout: ended.timed_out,
+        command: true,
     })
 }

@@ -38,9 +38,15 @@ pub struct ProbeReport {
     /// as a number (`"duration": 0.137`).
     #[serde(with = "seconds")]
     pub duration: Duration,
-    /// A command probe ended by its timeout (its peak so far is reported).
+    /// A command probe ended by its timeout (its peak so far is reported): the
+    /// command does not answer the probe (it did not stop after `steps` steps).
     #[serde(default)]
     pub ended_by_timeout: bool,
+    /// A command probe: `steps` is what the command was asked to run
+    /// (`TORCHTOOLS_PROBE_STEPS`), not a count it reported; a Rust probe ran exactly
+    /// `steps`.
+    #[serde(default)]
+    pub command: bool,
 }
 
 /// How a peak becomes a reservation: `peak × (1 + fraction) + margin`, rounded up to
@@ -98,6 +104,7 @@ impl ProbeReport {
             steps: 0,
             duration: Duration::ZERO,
             ended_by_timeout: false,
+            command: false,
         }
     }
 
@@ -132,11 +139,22 @@ impl fmt::Display for ProbeReport {
         if let Some(b) = self.nvml_peak {
             write!(f, "; NVML per-process peak {b}")?;
         }
-        write!(f, "; {} step(s) in {:.2?}", self.steps, self.duration)?;
         if self.ended_by_timeout {
-            write!(f, " (ended by the timeout)")?;
+            write!(
+                f,
+                "; the command does not answer the probe: measured its first {:.2?} (asked \
+                 for {} step(s) with TORCHTOOLS_PROBE_STEPS, it ran until the timeout)",
+                self.duration, self.steps
+            )
+        } else if self.command {
+            write!(
+                f,
+                "; asked for {} step(s) (TORCHTOOLS_PROBE_STEPS), it exited after {:.2?}",
+                self.steps, self.duration
+            )
+        } else {
+            write!(f, "; {} step(s) in {:.2?}", self.steps, self.duration)
         }
-        Ok(())
     }
 }
 
@@ -183,7 +201,23 @@ mod tests {
             steps: 5,
             duration: Duration::from_secs(1),
             ended_by_timeout: false,
+            command: false,
         }
+    }
+
+    #[test]
+    fn a_command_is_never_said_to_have_run_steps_it_did_not_report() {
+        let mut r = report(MemoryKind::Cpu);
+        assert!(r.to_string().contains("; 5 step(s) in 1.00s"), "{r}");
+        r.command = true;
+        assert!(r.to_string().contains("asked for 5 step(s)"), "{r}");
+        assert!(!r.to_string().contains("; 5 step(s)"), "{r}");
+        r.ended_by_timeout = true;
+        assert!(
+            r.to_string()
+                .contains("does not answer the probe: measured its first"),
+            "{r}"
+        );
     }
 
     #[test]

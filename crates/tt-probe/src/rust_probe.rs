@@ -334,6 +334,7 @@ pub fn probe(name: &str, opts: &ProbeOptions) -> Result<ProbeReport> {
         steps: child.steps,
         duration: Duration::from_secs_f64(child.seconds),
         ended_by_timeout: false,
+        command: false,
     })
 }
 
