@@ -142,6 +142,26 @@ impl TrainState {
     }
 }
 
+/// The parts as checkpoint `step` (CUDA tensors still landing in host memory).
+fn parts_checkpoint(
+    dir: &CheckpointDir,
+    step: u64,
+    vs: &VarStore,
+    optimizer: &Optimizer,
+    batches: &EpochBatches,
+    values: &Values,
+) -> Result<tt_ckpt::Checkpoint<'static>, TrainError> {
+    let state = batches.state();
+    let mut ckpt = dir.checkpoint(step).with_epoch(state.epoch);
+    ckpt.add_var_store(vs)?;
+    optimizer.save_into(&mut ckpt, OPTIM)?;
+    ckpt.set_value(SAMPLER, &state)?;
+    if !values.is_empty() {
+        ckpt.set_value(VALUES, values)?;
+    }
+    Ok(ckpt)
+}
+
 /// Saves the parts as checkpoint `step`.
 pub(crate) fn save_parts(
     dir: &CheckpointDir,
@@ -151,15 +171,23 @@ pub(crate) fn save_parts(
     batches: &EpochBatches,
     values: &Values,
 ) -> Result<Option<PathBuf>, TrainError> {
-    let state = batches.state();
-    let mut ckpt = dir.checkpoint(step).with_epoch(state.epoch);
-    ckpt.add_var_store(vs)?;
-    optimizer.save_into(&mut ckpt, OPTIM)?;
-    ckpt.set_value(SAMPLER, &state)?;
-    if !values.is_empty() {
-        ckpt.set_value(VALUES, values)?;
-    }
+    let ckpt = parts_checkpoint(dir, step, vs, optimizer, batches, values)?;
     Ok(dir.save(&ckpt)?)
+}
+
+/// Starts saving the parts as checkpoint `step` in the background
+/// (`CheckpointDir::save_async`): training goes on while the file is written; the next
+/// save, `wait()` or the directory's drop finishes it, and its failure comes back there.
+pub(crate) fn save_parts_async(
+    dir: &CheckpointDir,
+    step: u64,
+    vs: &VarStore,
+    optimizer: &Optimizer,
+    batches: &EpochBatches,
+    values: &Values,
+) -> Result<(), TrainError> {
+    let ckpt = parts_checkpoint(dir, step, vs, optimizer, batches, values)?;
+    Ok(dir.save_async(ckpt)?)
 }
 
 /// Loads the newest valid checkpoint into the parts; its step, or `None`.

@@ -15,7 +15,7 @@ use tt_sampler::{DistributedSampler, Reshard};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::state::{resume_parts, save_parts, Values};
+use crate::state::{resume_parts, save_parts, save_parts_async, Values};
 use crate::tensorboard::EventWriter;
 use crate::{EpochBatches, TrainError};
 
@@ -896,7 +896,7 @@ impl Trainer {
                 }
             }
             if self.config.checkpoint_every > 0 && run.steps % self.config.checkpoint_every == 0 {
-                self.checkpoint(&mut run, vs, opt)?;
+                self.checkpoint_in_background(&run, vs, opt)?;
             }
         }
         if let Some(mean) = run.window.take_mean() {
@@ -1337,6 +1337,21 @@ impl Trainer {
         {
             tracing::warn!("cannot write the loss curve {}: {e}", path.display());
         }
+    }
+
+    /// A periodic checkpoint, written while training goes on (rank 0; CUDA state is
+    /// copied on the stream without stopping the loop): the next save, the final one
+    /// included, finishes it first.
+    fn checkpoint_in_background(
+        &self,
+        run: &Run<'_>,
+        vs: &VarStore,
+        opt: &Optimizer,
+    ) -> Result<(), TrainError> {
+        if let (Some(dir), true) = (&run.dir, self.pg.is_main()) {
+            save_parts_async(dir, run.steps, vs, opt, &run.batches, &self.values(run))?;
+        }
+        Ok(())
     }
 
     /// Rank 0 writes; the others build nothing.
