@@ -20,7 +20,11 @@ fn distances(a: &Tensor, b: &Tensor) -> Result<Tensor, TchError> {
 }
 
 fn main() -> Result<(), Box<dyn Error>> {
-    torchtools::init_logging();
+    // A bad TORCHTOOLS_LOG is an error before any work, as every other variable.
+    if let Err(e) = torchtools::try_init_logging() {
+        eprintln!("{}: {e}", env!("CARGO_CRATE_NAME"));
+        std::process::exit(2);
+    }
     torchtools::use_allowed_threads();
     let device = torchtools::device::select()?;
     torchtools::tch::manual_seed(0);

@@ -17,7 +17,11 @@ use torchtools::tch::{Device, Kind, TchError, Tensor};
 const SAMPLES: i64 = 16_384;
 
 fn main() -> Result<(), Box<dyn Error>> {
-    torchtools::init_logging();
+    // A bad TORCHTOOLS_LOG is an error before any work, as every other variable.
+    if let Err(e) = torchtools::try_init_logging() {
+        eprintln!("{}: {e}", env!("CARGO_CRATE_NAME"));
+        std::process::exit(2);
+    }
     torchtools::use_allowed_threads();
     let device = torchtools::device::select()?;
     torchtools::tch::manual_seed(0);

@@ -35,7 +35,11 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> Result<(), Box<dyn Error>> {
-    torchtools::init_logging();
+    // A bad TORCHTOOLS_LOG is an error before any work, as every other variable.
+    if let Err(e) = torchtools::try_init_logging() {
+        eprintln!("{}: {e}", env!("CARGO_CRATE_NAME"));
+        std::process::exit(2);
+    }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = "usage: checkpoint_resume DIR [--wait-after STEP]";
     let dir = args.first().ok_or(usage)?;

@@ -130,7 +130,11 @@ impl Args {
 fn main() -> ExitCode {
     // In the probe's child process this runs the probe and exits; here it returns.
     torchtools::probe::entry(&[("train_step", probe_step)]);
-    torchtools::init_logging();
+    // A bad TORCHTOOLS_LOG is an error before any work, as every other variable.
+    if let Err(e) = torchtools::try_init_logging() {
+        eprintln!("{}: {e}", env!("CARGO_CRATE_NAME"));
+        std::process::exit(2);
+    }
     let args = match Args::parse() {
         Ok(a) => a,
         Err(e) => {

@@ -10,7 +10,11 @@
 //! ```
 
 fn main() -> std::process::ExitCode {
-    torchtools::init_logging();
+    // A bad TORCHTOOLS_LOG is an error before any work, as every other variable.
+    if let Err(e) = torchtools::try_init_logging() {
+        eprintln!("{}: {e}", env!("CARGO_CRATE_NAME"));
+        std::process::exit(2);
+    }
     let report = torchtools::device::report();
     println!("{report}");
     // `select()` is the same decision as a `tch::Device`, or the error in the report.

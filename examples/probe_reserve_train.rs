@@ -41,7 +41,11 @@ fn train_step(ctx: &ProbeContext) -> Result<Step, BoxError> {
 fn main() -> Result<(), Box<dyn Error>> {
     // In the probe's child process this runs the probe and exits; here it returns.
     torchtools::probe::entry(&[("train_step", train_step)]);
-    torchtools::init_logging();
+    // A bad TORCHTOOLS_LOG is an error before any work, as every other variable.
+    if let Err(e) = torchtools::try_init_logging() {
+        eprintln!("{}: {e}", env!("CARGO_CRATE_NAME"));
+        std::process::exit(2);
+    }
     torchtools::use_allowed_threads();
     let options = RunOptions {
         probe: Some(("train_step".into(), ProbeOptions::default())),

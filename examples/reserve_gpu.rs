@@ -16,7 +16,11 @@ use torchtools::lock::GpuSpec;
 use torchtools::{reserve_gpu_for_training, ReserveOptions};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    torchtools::init_logging();
+    // A bad TORCHTOOLS_LOG is an error before any work, as every other variable.
+    if let Err(e) = torchtools::try_init_logging() {
+        eprintln!("{}: {e}", env!("CARGO_CRATE_NAME"));
+        std::process::exit(2);
+    }
     let mut args = std::env::args().skip(1);
     let gpu: GpuSpec = args.next().as_deref().unwrap_or("auto").parse()?;
     let fence = !args.any(|a| a == "--no-fence");

@@ -22,7 +22,11 @@ fn config() -> TrackerConfig {
 }
 
 fn main() -> Result<(), Box<dyn Error>> {
-    torchtools::init_logging();
+    // A bad TORCHTOOLS_LOG is an error before any work, as every other variable.
+    if let Err(e) = torchtools::try_init_logging() {
+        eprintln!("{}: {e}", env!("CARGO_CRATE_NAME"));
+        std::process::exit(2);
+    }
 
     // A function of this process, with its blocks.
     let tracker = Tracker::start(config())?;

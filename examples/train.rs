@@ -33,7 +33,11 @@ const SAMPLES: u64 = 2048;
 const HELD_OUT: std::ops::Range<u64> = SAMPLES..SAMPLES + 256;
 
 fn main() -> ExitCode {
-    torchtools::init_logging();
+    // A bad TORCHTOOLS_LOG is an error before any work, as every other variable.
+    if let Err(e) = torchtools::try_init_logging() {
+        eprintln!("{}: {e}", env!("CARGO_CRATE_NAME"));
+        std::process::exit(2);
+    }
     match run() {
         Ok(code) => code,
         Err(e) => {

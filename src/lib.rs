@@ -70,14 +70,59 @@ pub use tt_train as train;
 /// GPU) on stderr, through a `tracing` subscriber that honours `TORCHTOOLS_LOG`
 /// (`RUST_LOG` syntax; default `info`). Call it first in `main`; it does nothing when
 /// the program already installed a subscriber of its own.
+///
+/// A `TORCHTOOLS_LOG` that is not a filter is said on stderr, naming it, and `info` is
+/// used: [`try_init_logging`] returns it as an error instead, for a program that
+/// stops on bad variables.
 pub fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("TORCHTOOLS_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if let Err(e) = try_init_logging() {
+        eprintln!("torchtools: {e}; logging at info");
+        install_logging(tracing_subscriber::EnvFilter::new("info"));
+    }
+}
+
+/// [`init_logging`], with a bad `TORCHTOOLS_LOG` returned as an error (naming the
+/// variable, its value and the fix) before anything is installed.
+///
+/// ```
+/// // SAFETY: no other thread reads the environment in this example.
+/// unsafe { std::env::set_var("TORCHTOOLS_LOG", "[[[") };
+/// let e = torchtools::try_init_logging().unwrap_err();
+/// assert!(e.to_string().contains("TORCHTOOLS_LOG=\"[[[\""));
+/// ```
+pub fn try_init_logging() -> Result<(), LogFilterError> {
+    let filter = match std::env::var("TORCHTOOLS_LOG") {
+        Err(_) => tracing_subscriber::EnvFilter::new("info"),
+        Ok(value) => tracing_subscriber::EnvFilter::builder()
+            .parse(&value)
+            .map_err(|e| LogFilterError {
+                value,
+                cause: e.to_string(),
+            })?,
+    };
+    install_logging(filter);
+    Ok(())
+}
+
+fn install_logging(filter: tracing_subscriber::EnvFilter) {
     // An error means a subscriber is already installed: theirs wins.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+/// `TORCHTOOLS_LOG` is not a log filter.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "TORCHTOOLS_LOG={value:?} is not a log filter ({cause}): give a level (error, warn, \
+     info, debug, trace) or RUST_LOG's directives (tt_lock=debug,warn), or unset it"
+)]
+pub struct LogFilterError {
+    /// The value given.
+    pub value: String,
+    /// What the filter parser said.
+    pub cause: String,
 }
 
 /// Sets libtorch's intra-op threads to what this process may really use, and returns

@@ -373,9 +373,37 @@ fn gpu_spec(text: &str) -> Result<GpuSpec, String> {
     text.parse().map_err(|e: tt_lock::Error| e.to_string())
 }
 
+/// The log filter: `TORCHTOOLS_LOG` (`RUST_LOG` syntax), else warnings and errors.
+fn log_filter() -> Result<tracing_subscriber::EnvFilter, String> {
+    match std::env::var("TORCHTOOLS_LOG") {
+        Err(_) => Ok(tracing_subscriber::EnvFilter::new("warn")),
+        Ok(value) => tracing_subscriber::EnvFilter::builder()
+            .parse(&value)
+            .map_err(|e| {
+                format!(
+                    "TORCHTOOLS_LOG={value:?} is not a log filter ({e}): give a level (error, \
+                     warn, info, debug, trace) or RUST_LOG's directives (tt_lock=debug,warn), \
+                     or unset it"
+                )
+            }),
+    }
+}
+
 fn main() -> ExitCode {
+    // The variables every command depends on, checked before any work.
+    let filter = match (log_filter(), tt_device::omp_num_threads()) {
+        (Ok(filter), Ok(_)) => filter,
+        (Err(e), _) => {
+            eprintln!("torchtools: error: {e}");
+            return ExitCode::from(EXIT_BAD_ENV);
+        }
+        (_, Err(e)) => {
+            eprintln!("torchtools: error: {e}");
+            return ExitCode::from(EXIT_BAD_ENV);
+        }
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("TORCHTOOLS_LOG"))
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();

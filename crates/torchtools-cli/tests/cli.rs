@@ -110,3 +110,34 @@ fn unknown_subcommands_and_flags_are_usage_errors() {
     let out = torchtools(&["devices", "--jsn"], &[]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// Variables every command depends on are checked before any command runs: a bad one
+/// exits 2 naming it, its value and the fix; libtorch would ignore a bad
+/// OMP_NUM_THREADS silently, tracing a bad filter.
+#[test]
+fn a_bad_log_filter_or_thread_count_exits_2_before_anything_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("ran");
+    let script = format!("touch {}", marker.display());
+    for (var, value) in [
+        ("TORCHTOOLS_LOG", "[[["),
+        ("OMP_NUM_THREADS", "abc"),
+        ("OMP_NUM_THREADS", "0"),
+    ] {
+        let out = torchtools(&["launch", "--", "sh", "-c", &script], &[(var, value)]);
+        assert_eq!(out.status.code(), Some(2), "{var}={value}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("{var}={value:?}")), "{err}");
+        assert!(!marker.exists(), "{var}={value}: the command ran");
+    }
+    // Good values pass.
+    let out = torchtools(
+        &["launch", "--", "sh", "-c", &script],
+        &[
+            ("TORCHTOOLS_LOG", "tt_dist=debug,warn"),
+            ("OMP_NUM_THREADS", "2"),
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert!(marker.exists());
+}

@@ -55,10 +55,7 @@ impl CpuBudget {
     ) -> CpuBudget {
         let mask = affinity.unwrap_or(online).max(1);
         let by_quota = quota.map(|q| (q.ceil() as usize).max(1));
-        let omp = omp_num_threads
-            .as_deref()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|&n| n > 0);
+        let omp = omp_num_threads.as_deref().and_then(parse_omp);
         let (threads, reason) = match (omp, by_quota) {
             (Some(n), _) => (
                 n,
@@ -99,6 +96,21 @@ impl CpuBudget {
             reason,
         }
     }
+}
+
+/// `OMP_NUM_THREADS` from the environment: `None` when unset, an error naming it when
+/// it is not a positive integer (libtorch would ignore such a value silently).
+pub fn omp_num_threads() -> crate::Result<Option<usize>> {
+    match std::env::var("OMP_NUM_THREADS") {
+        Err(_) => Ok(None),
+        Ok(value) => parse_omp(&value)
+            .map(Some)
+            .ok_or(crate::Error::InvalidOmpNumThreads { value }),
+    }
+}
+
+fn parse_omp(value: &str) -> Option<usize> {
+    value.trim().parse::<usize>().ok().filter(|&n| n > 0)
 }
 
 impl fmt::Display for CpuBudget {

@@ -16,6 +16,15 @@ pub enum Error {
         /// A suggestion for a near miss, e.g. "; did you mean `cuda`?".
         hint: String,
     },
+    /// `OMP_NUM_THREADS` is not a positive integer.
+    #[error(
+        "OMP_NUM_THREADS={value:?} is not a number of threads: give a positive integer \
+         (e.g. 4), or unset it to use the CPUs this process may run on"
+    )]
+    InvalidOmpNumThreads {
+        /// The value given.
+        value: String,
+    },
     /// `LOCAL_RANK` is not a non-negative integer.
     #[error(
         "{LOCAL_RANK}={value:?} is not a non-negative integer: launchers such as torchrun set it \

@@ -64,7 +64,7 @@ mod report;
 mod select;
 
 pub use bytes::Bytes;
-pub use cpu::CpuBudget;
+pub use cpu::{omp_num_threads, CpuBudget};
 pub use cuda::{CudaDriver, CudaError};
 pub use duration::parse_duration;
 pub use env::{
