@@ -3,9 +3,9 @@
 //! - `torchtools devices --json` (release build, no libtorch) against the Python
 //!   torchtools way of choosing a device (`import torch; torch.cuda.is_available()`),
 //!   in the venv of `cargo xtask setup`.
-//! - The libtorch demo's process (report + selection, `TORCHTOOLS_DEMO_STEPS=1`)
-//!   against the same Python baseline: the cost of choosing a device from Rust with
-//!   libtorch loaded.
+//! - A libtorch program's first lines (`examples/device_from_env`: the report, the
+//!   selection and one tensor operation on the device) against the same Python
+//!   baseline: the cost of choosing a device from Rust with libtorch loaded.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -51,14 +51,14 @@ pub(crate) fn run() -> Result<()> {
         cargo(&["build", "--release", "-p", "torchtools-cli"]),
     )?;
     steps::run(
-        "build the demo (release)",
+        "build device_from_env (release)",
         cargo(&[
             "build",
             "--release",
             "-p",
             "torchtools",
             "--example",
-            "demo",
+            "device_from_env",
         ]),
     )?;
     // The tracker's baseline: in our venv already (setup), into a user's Python here.
@@ -71,7 +71,7 @@ pub(crate) fn run() -> Result<()> {
     }
     let root = crate::root();
     let cli = root.join("target/release/torchtools");
-    let demo = root.join("target/release/examples/demo");
+    let first_lines = root.join("target/release/examples/device_from_env");
 
     let baseline = median_time(
         || {
@@ -92,14 +92,7 @@ pub(crate) fn run() -> Result<()> {
         },
         30,
     )?;
-    let ours_demo = median_time(
-        || {
-            let mut c = Command::new(&demo);
-            c.env("TORCHTOOLS_DEMO_STEPS", "1");
-            c
-        },
-        5,
-    )?;
+    let ours_demo = median_time(|| Command::new(&first_lines), 5)?;
 
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let python_name = "python: import torch + is_available";
@@ -113,7 +106,7 @@ pub(crate) fn run() -> Result<()> {
             false,
         ),
         Row::new(
-            "demo process: report + select + 1 step",
+            "device_from_env: report + select + a tensor op",
             ms(ours_demo),
             python_name,
             ms(baseline),
