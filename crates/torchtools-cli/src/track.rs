@@ -439,10 +439,12 @@ pub(crate) fn compare(files: &[PathBuf], json: bool) -> Result<ExitCode> {
     if files.len() < 2 {
         return Err(Exit(2, "give at least two JSON reports to compare".into()).into());
     }
+    // A missing or unreadable report is bad input (exit 2), as for `sub-track compare`.
     let sessions = files
         .iter()
         .map(|f| tt_tracker::compare::load(f))
-        .collect::<tt_tracker::Result<Vec<_>>>()?;
+        .collect::<tt_tracker::Result<Vec<_>>>()
+        .map_err(|e| Exit(2, e.to_string()))?;
     let comparison = tt_tracker::compare::Comparison::new(sessions);
     if json {
         println!("{}", serde_json::to_string_pretty(&comparison)?);

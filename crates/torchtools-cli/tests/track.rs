@@ -503,7 +503,8 @@ fn timeline_plot_and_compare() {
         .args(["track", "compare", &p("small.json"), &p("missing.json")])
         .output()
         .unwrap();
-    assert!(!out.status.success());
+    // Bad input, as `sub-track compare` says it: exit 2.
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("missing.json"), "{}", stderr(&out));
 }
 

@@ -529,6 +529,13 @@ fn pick_backend(
             fix: "build tt-sys with its `nccl` feature, or use gloo \
                   (TORCHTOOLS_DIST_BACKEND=gloo)",
         }),
+        Some(BackendKind::Nccl) if gpus == 0 => Err(Error::Invalid {
+            name: "TORCHTOOLS_DIST_BACKEND",
+            value: "nccl".into(),
+            reason: "impossible here: no GPU is visible (NCCL runs on GPUs only); use gloo \
+                     (TORCHTOOLS_DIST_BACKEND=gloo), or run where a GPU is"
+                .into(),
+        }),
         Some(BackendKind::Nccl) => match shared {
             Some(n) => Err(Error::Invalid {
                 name: "TORCHTOOLS_DIST_BACKEND",
@@ -631,6 +638,11 @@ mod tests {
             why.contains("2 ranks on this node share 1 visible GPU(s)"),
             "{why}"
         );
+        // No GPU at all: said so, not "launch at most 0 rank(s)".
+        let e = pick(Some(Nccl), false, true, Some(1), 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no GPU is visible") && !e.contains("at most 0"), "{e}");
         let e = pick(Some(Nccl), true, true, Some(2), 1)
             .unwrap_err()
             .to_string();
