@@ -132,17 +132,86 @@ pub(crate) fn run() -> Result<()> {
         "what", "ours", "baseline", "baseline", "unit", "ratio"
     );
     for r in &rows {
-        let ratio = if r.higher_is_better {
-            r.ours / r.baseline
-        } else {
-            r.baseline / r.ours
-        };
         println!(
             "{:<50} {:>10.1} {:<36} {:>10.1} {:>6} {:>6.1}x",
-            r.what, r.ours, r.baseline_name, r.baseline, r.unit, ratio
+            r.what,
+            r.ours,
+            r.baseline_name,
+            r.baseline,
+            r.unit,
+            r.ratio()
         );
     }
+    // The README's table is this file, pasted whole: never edited by hand.
+    let md = markdown(&rows, &machine(), &today());
+    let path = root.join("target/bench.md");
+    std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
+    println!("\nthe same as Markdown, for the README: {}", path.display());
     Ok(())
+}
+
+/// The table as Markdown, headed by the machine and the date it was measured on.
+fn markdown(rows: &[Row], machine: &str, date: &str) -> String {
+    let mut out = format!(
+        "`cargo xtask bench` on {machine}, {date} (medians; a ratio above 1 means \
+         torchtools is better):\n\n\
+         | what | torchtools | baseline | baseline value | unit | ratio |\n\
+         |---|---|---|---|---|---|\n"
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {}x |\n",
+            r.what.replace('|', "\\|"),
+            figure(r.ours),
+            r.baseline_name.replace('|', "\\|"),
+            figure(r.baseline),
+            r.unit,
+            figure(r.ratio())
+        ));
+    }
+    out
+}
+
+/// A figure with three significant digits (0.25 stays 0.25, 1494.1 is 1494): one
+/// decimal place turned a goal of 0.25 s into "0.2".
+fn figure(x: f64) -> String {
+    if !x.is_finite() || x == 0.0 {
+        return format!("{x}");
+    }
+    let digits = (2 - x.abs().log10().floor() as i32).max(0) as usize;
+    format!("{x:.digits$}")
+}
+
+/// This machine in words: its CPU model, cores and memory (from /proc).
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpu
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map_or("an unknown CPU", |(_, m)| m.trim())
+        .to_owned();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(String::new(), |kb| {
+            format!(", {} GiB", (kb + (1 << 19)) >> 20)
+        });
+    format!("{cores} cores of {model}{mem}")
+}
+
+/// Today's date (UTC), as `date -u +%F` prints it.
+fn today() -> String {
+    Command::new("date")
+        .args(["-u", "+%F"])
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|d| !d.is_empty())
+        .unwrap_or_else(|| "(date unknown)".into())
 }
 
 /// One line of the table.
@@ -156,6 +225,15 @@ struct Row {
 }
 
 impl Row {
+    /// Ours against the baseline, oriented so that above 1 is better for us.
+    fn ratio(&self) -> f64 {
+        if self.higher_is_better {
+            self.ours / self.baseline
+        } else {
+            self.baseline / self.ours
+        }
+    }
+
     fn new(
         what: &str,
         ours: f64,
@@ -205,4 +283,34 @@ fn crate_rows(krate: &str, bench: &str, feature: Option<&str>) -> Result<Vec<Row
         }
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_markdown_table_names_the_machine_and_orients_ratios() {
+        let rows = [
+            Row::new("a | b", 2.0, "base", 4.0, "ms", false),
+            Row::new("rate", 3.0, "theirs", 1.5, "GB/s", true),
+        ];
+        let md = markdown(&rows, "2 cores of X", "2026-11-26");
+        assert!(
+            md.starts_with("`cargo xtask bench` on 2 cores of X, 2026-11-26"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| a \\| b | 2.00 | base | 4.00 | ms | 2.00x |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| rate | 3.00 | theirs | 1.50 | GB/s | 2.00x |"),
+            "{md}"
+        );
+        assert_eq!(figure(0.25), "0.250");
+        assert_eq!(figure(1494.1), "1494");
+        assert_eq!(figure(18.34), "18.3");
+        assert!(machine().contains("cores of"));
+    }
 }

@@ -642,7 +642,10 @@ mod tests {
         let e = pick(Some(Nccl), false, true, Some(1), 0)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("no GPU is visible") && !e.contains("at most 0"), "{e}");
+        assert!(
+            e.contains("no GPU is visible") && !e.contains("at most 0"),
+            "{e}"
+        );
         let e = pick(Some(Nccl), true, true, Some(2), 1)
             .unwrap_err()
             .to_string();
