@@ -438,3 +438,17 @@ fn timed_and_blocking_reservations_are_served_in_arrival_order_and_queue_shows_t
     let text = String::from_utf8(run(dir.path(), &["queue"]).stdout).unwrap();
     assert!(text.ends_with("first served): 0\n"), "{text}");
 }
+
+/// An error is said once: the reservation's error holds the lock directory's, in its
+/// message, and a chain printer must not repeat it ("reserving a GPU: X: X").
+#[test]
+fn a_failure_names_its_cause_once() {
+    let out = run(
+        Path::new("/proc/no-such-dir/locks"),
+        &["reserve", "--gpu", "0", "--no-fence", "--", "true"],
+    );
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("reserving a GPU: "), "{err}");
+    assert_eq!(err.matches("cannot create it").count(), 1, "{err}");
+}

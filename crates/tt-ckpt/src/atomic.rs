@@ -75,7 +75,7 @@ impl AtomicFile {
         self.temp.persist(&target).map_err(|e| Error::Io {
             op: "rename the temp file over",
             path: target.clone(),
-            source: e.error,
+            cause: e.error,
         })?;
         let dir = parent_of(&target);
         File::open(&dir)

@@ -15,14 +15,14 @@ pub enum Error {
         cause: tt_dist::Error,
     },
     /// A filesystem operation failed.
-    #[error("{op} {}: {source}", path.display())]
+    #[error("{op} {}: {cause}", path.display())]
     Io {
         /// What was being done.
         op: &'static str,
         /// On which path.
         path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
+        /// The OS error (in the message, so not also the `source()`).
+        cause: std::io::Error,
     },
     /// The checkpoint's bytes or header are not what was written.
     #[error("{} is not a valid checkpoint: {reason}", path.display())]
@@ -55,12 +55,12 @@ pub enum Error {
         strict: bool,
     },
     /// A value could not be turned into JSON or back.
-    #[error("value {key:?}: {source}")]
+    #[error("value {key:?}: {cause}")]
     Value {
         /// The value's key.
         key: String,
-        /// serde's error.
-        source: serde_json::Error,
+        /// serde's error (in the message, so not also the `source()`).
+        cause: serde_json::Error,
     },
     /// A key or tensor name that is not there.
     #[error("the checkpoint has no {what} named {name:?}")]
@@ -166,7 +166,7 @@ pub(crate) fn io(
     path: impl Into<PathBuf>,
 ) -> impl FnOnce(std::io::Error) -> Error {
     let path = path.into();
-    move |source| Error::Io { op, path, source }
+    move |cause| Error::Io { op, path, cause }
 }
 
 #[cfg(test)]

@@ -209,9 +209,9 @@ impl<'a> Checkpoint<'a> {
 
     /// Stores `value` (anything serde can write as JSON) under `key`.
     pub fn set_value(&mut self, key: &str, value: &impl Serialize) -> Result<()> {
-        let json = serde_json::to_value(value).map_err(|source| Error::Value {
+        let json = serde_json::to_value(value).map_err(|cause| Error::Value {
             key: key.to_owned(),
-            source,
+            cause,
         })?;
         self.meta.values.insert(key.to_owned(), json);
         Ok(())
@@ -249,9 +249,9 @@ impl<'a> Checkpoint<'a> {
             metadata: |sums: &BTreeMap<String, String>| {
                 let mut meta = self.meta.clone();
                 meta.checksums = sums.clone();
-                serde_json::to_string(&meta).map_err(|source| Error::Value {
+                serde_json::to_string(&meta).map_err(|cause| Error::Value {
                     key: METADATA_KEY.into(),
-                    source,
+                    cause,
                 })
             },
         };
@@ -465,9 +465,9 @@ impl LoadedCheckpoint {
             what: "value",
             name: key.to_owned(),
         })?;
-        T::deserialize(v).map_err(|source| Error::Value {
+        T::deserialize(v).map_err(|cause| Error::Value {
             key: key.to_owned(),
-            source,
+            cause,
         })
     }
 

@@ -52,9 +52,9 @@ pub(crate) fn header(
     metadata_key: &str,
     metadata_json: &str,
 ) -> Result<Vec<u8>> {
-    let json_err = |source| Error::Value {
+    let json_err = |cause| Error::Value {
         key: metadata_key.to_owned(),
-        source,
+        cause,
     };
     let mut map = serde_json::Map::new();
     map.insert(
@@ -116,10 +116,10 @@ where
         metadata_key,
         metadata,
     } = plan;
-    let io_err = |source| Error::Io {
+    let io_err = |cause| Error::Io {
         op: "write",
         path: path.to_path_buf(),
-        source,
+        cause,
     };
     // The header's length with placeholder checksums is the final one.
     let placeholders: BTreeMap<String, String> = order

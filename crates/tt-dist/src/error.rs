@@ -70,13 +70,12 @@ pub enum Error {
         cause: std::io::Error,
     },
     /// An OS error while launching.
-    #[error("{what}: {source}")]
+    #[error("{what}: {cause}")]
     Io {
         /// What was being done.
         what: String,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
+        /// The OS error (in the message, so not also the `source()`).
+        cause: std::io::Error,
     },
 }
 

@@ -109,14 +109,14 @@ fn signal_words(s: i32) -> String {
 pub fn free_port(addr: &str) -> Result<u16> {
     let listener = TcpListener::bind((addr, 0)).map_err(|source| Error::Io {
         what: format!("finding a free port on {addr}"),
-        source,
+        cause: source,
     })?;
     listener
         .local_addr()
         .map(|a| a.port())
         .map_err(|source| Error::Io {
             what: "reading the free port".into(),
-            source,
+            cause: source,
         })
 }
 
@@ -268,7 +268,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
                         }
                         return Err(Error::Io {
                             what: format!("starting the output reader of rank {rank}"),
-                            source,
+                            cause: source,
                         });
                     }
                 }
@@ -325,7 +325,7 @@ impl ErrorFiles {
             .tempdir()
             .map_err(|source| Error::Io {
                 what: "creating the directory of the ranks' error files".into(),
-                source,
+                cause: source,
             })?;
         Ok(ErrorFiles { dir })
     }
@@ -344,7 +344,7 @@ impl ErrorFiles {
         if let Some(parent) = file.parent() {
             std::fs::create_dir_all(parent).map_err(|source| Error::Io {
                 what: format!("creating {}", parent.display()),
-                source,
+                cause: source,
             })?;
         }
         Ok(file)

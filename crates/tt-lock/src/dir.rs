@@ -188,7 +188,7 @@ impl LockDir {
                                 .map_err(|source| Error::Io {
                                     op: "making the lock file mode 0666",
                                     path: path.clone(),
-                                    source,
+                                    cause: source,
                                 })?;
                             file
                         }
@@ -201,7 +201,7 @@ impl LockDir {
             let meta = file.metadata().map_err(|source| Error::Io {
                 op: "reading",
                 path: path.clone(),
-                source,
+                cause: source,
             })?;
             if !meta.file_type().is_file() {
                 return Err(not_a_regular_file(path));
@@ -232,7 +232,7 @@ impl LockDir {
         Error::Io {
             op: "opening",
             path: path.to_owned(),
-            source: e,
+            cause: e,
         }
     }
 }

@@ -31,15 +31,14 @@ pub enum Error {
         reason: String,
     },
     /// An I/O error on a lock file.
-    #[error("{op} {path}: {source}")]
+    #[error("{op} {path}: {cause}")]
     Io {
         /// What was being done.
         op: &'static str,
         /// The file.
         path: PathBuf,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
+        /// The OS error (in the message, so not also the `source()`).
+        cause: std::io::Error,
     },
     /// `Wait::Try` and the GPU is locked by someone else.
     #[error("{gpu} is {}", busy_text(.holder, *.waiting))]

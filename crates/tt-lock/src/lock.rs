@@ -575,7 +575,7 @@ fn try_flock(file: &File, path: &Path) -> Result<bool> {
         _ => Err(Error::Io {
             op: "locking",
             path: path.to_owned(),
-            source: e,
+            cause: e,
         }),
     }
 }
@@ -596,7 +596,7 @@ fn write_holder(file: &File, path: &Path, holder: &Holder) -> Result<()> {
     let io_err = |source| Error::Io {
         op: "writing the holder record to",
         path: path.to_owned(),
-        source,
+        cause: source,
     };
     file.write_all_at(&text, 0).map_err(io_err)?;
     file.set_len(text.len() as u64).map_err(io_err)

@@ -294,7 +294,7 @@ impl LockDir {
             move |source| Error::Io {
                 op,
                 path: temp,
-                source,
+                cause: source,
             }
         };
         let _ = fs::remove_file(&temp); // a leftover of an earlier process with this pid

@@ -21,19 +21,20 @@ pub struct RunOptions {
     pub reserve: ReserveOptions,
 }
 
-/// Which stage failed; the stage's error is the [`source`](std::error::Error::source).
+/// Which stage failed, with the stage's error (in the message, and in the variant for
+/// matching or downcasting; not also the `source()`, so a chain printer says it once).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RunError {
     /// The probe failed: nothing was reserved, training did not start.
     #[error("probe stage: {0}")]
-    Probe(#[source] ProbeError),
+    Probe(ProbeError),
     /// The reservation failed: training did not start.
     #[error("reserve stage: {0}")]
-    Reserve(#[source] tt_reserve::Error),
+    Reserve(tt_reserve::Error),
     /// Training returned an error; the reservation was released.
     #[error("training: {0}")]
-    Train(#[source] Box<dyn std::error::Error + Send + Sync>),
+    Train(Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// What the flow did before training, for the training code.

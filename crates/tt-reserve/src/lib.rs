@@ -88,10 +88,10 @@ impl ReserveOptions {
 pub enum Error {
     /// Taking the GPU lock failed (busy past the timeout, bad GPU, lock directory).
     #[error("reserving a GPU: {0}")]
-    Lock(#[from] tt_lock::Error),
+    Lock(tt_lock::Error),
     /// Raising the memory fence failed; the locks were released.
     #[error("reserving a GPU: {0}")]
-    Fence(#[from] tt_fence::Error),
+    Fence(tt_fence::Error),
     /// The options contradict each other; nothing was taken.
     #[error("reserving a GPU: {0}")]
     Options(String),
@@ -118,6 +118,20 @@ pub enum Error {
         /// The GPU reserved.
         gpu: GpuKey,
     },
+}
+
+// The inner error is in the message; it is not also the `source()`, so that a chain
+// printer (`{e:#}`) says it once.
+impl From<tt_lock::Error> for Error {
+    fn from(e: tt_lock::Error) -> Error {
+        Error::Lock(e)
+    }
+}
+
+impl From<tt_fence::Error> for Error {
+    fn from(e: tt_fence::Error) -> Error {
+        Error::Fence(e)
+    }
 }
 
 impl Error {

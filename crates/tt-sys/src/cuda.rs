@@ -90,7 +90,7 @@ pub enum CudaUnavailable {
 pub enum Error {
     /// CUDA is not available in this process.
     #[error("CUDA is not available: {0}")]
-    CudaUnavailable(#[from] CudaUnavailable),
+    CudaUnavailable(CudaUnavailable),
     /// A device index at or beyond the number of visible devices.
     #[error("cuda:{device} does not exist: libtorch sees {count} CUDA device(s) (indices are logical, after CUDA_VISIBLE_DEVICES)")]
     DeviceOutOfRange {
@@ -107,6 +107,14 @@ pub enum Error {
         /// The exception's message.
         message: String,
     },
+}
+
+// The reason is in the message; it is not also the `source()`, so that a chain
+// printer (`{e:#}`) says it once.
+impl From<CudaUnavailable> for Error {
+    fn from(e: CudaUnavailable) -> Error {
+        Error::CudaUnavailable(e)
+    }
 }
 
 /// `Result` with this crate's [`Error`].

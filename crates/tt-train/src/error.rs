@@ -38,15 +38,16 @@ pub enum TrainError {
         /// This run's world size.
         now: u64,
     },
-    /// The step function failed at `step`; its error is the source.
-    #[error("training step {step} failed: {source}")]
+    /// The step function failed at `step`, with its error (in the message, not also
+    /// the `source()`: downcast `cause` to reach it).
+    #[error("training step {step} failed: {cause}")]
     Step {
         /// The step (0-based count of finished steps before it).
         step: u64,
         /// Its error.
-        source: Box<dyn std::error::Error + Send + Sync>,
+        cause: Box<dyn std::error::Error + Send + Sync>,
     },
     /// Installing the SIGTERM / SIGINT handlers failed.
     #[error("cannot install the preemption signal handler: {0}")]
-    Signal(#[source] std::io::Error),
+    Signal(std::io::Error),
 }

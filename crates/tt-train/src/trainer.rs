@@ -841,7 +841,7 @@ impl Trainer {
                 Ok(()) => report,
                 Err(_) => report.and(Err(TrainError::Step {
                     step: first,
-                    source: "the batch loader panicked (see its message)".into(),
+                    cause: "the batch loader panicked (see its message)".into(),
                 })),
             }
         })
@@ -930,9 +930,9 @@ impl Trainer {
             return Ok(());
         };
         let steps = run.steps;
-        let failed = |source: Box<dyn std::error::Error + Send + Sync>| TrainError::Step {
+        let failed = |cause: Box<dyn std::error::Error + Send + Sync>| TrainError::Step {
             step: steps,
-            source: format!("evaluation: {source}").into(),
+            cause: format!("evaluation: {cause}").into(),
         };
         let (world, rank) = (self.pg.world_size() as u64, self.pg.rank() as u64);
         let start = cfg.indices.start;
@@ -1148,9 +1148,9 @@ impl Trainer {
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         let steps = run.steps;
-        let failed = |source: Box<dyn std::error::Error + Send + Sync>| TrainError::Step {
+        let failed = |cause: Box<dyn std::error::Error + Send + Sync>| TrainError::Step {
             step: steps,
-            source,
+            cause,
         };
         if self.config.seed_every_step {
             tch::manual_seed(step_seed(self.config.seed, self.pg.rank() as u64, steps));

@@ -555,9 +555,16 @@ fn step_error() -> TestResult {
         Err(e @ TrainError::Step { step: 2, .. }) => e,
         other => return Err(format!("want a step-2 error: {other:?}")),
     };
-    let io = std::error::Error::source(&e)
-        .and_then(|s| s.downcast_ref::<std::io::Error>())
-        .ok_or("the step's io::Error is not the source")?;
+    let TrainError::Step { cause, .. } = &e else {
+        return Err(format!("{e:?}"));
+    };
+    let io = cause
+        .downcast_ref::<std::io::Error>()
+        .ok_or("the step's io::Error is not its cause")?;
+    // Said once: the cause is in the message, not also the source.
+    if std::error::Error::source(&e).is_some() {
+        return Err(format!("{e} also has a source"));
+    }
     if io.kind() != std::io::ErrorKind::NotFound || !e.to_string().contains("shard 3 is missing") {
         return Err(format!("{e}: {io:?}"));
     }
