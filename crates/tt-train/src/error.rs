@@ -1,12 +1,21 @@
 /// Errors of training: [`TrainState`](crate::TrainState) and the
-/// [`Trainer`](crate::Trainer). Each keeps its cause as its
-/// [`source`](std::error::Error::source).
+/// [`Trainer`](crate::Trainer). Each says its cause once: in its message (and its
+/// fields), or, for the crates' errors it wraps transparently, as theirs.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TrainError {
     /// A configuration value is unusable.
     #[error("trainer configuration: {0}")]
     Config(String),
+    /// An operating-system error: opening the metrics file or the TensorBoard
+    /// directory, starting the batch loader.
+    #[error("{what}: {cause}")]
+    Io {
+        /// What was being done, naming the path.
+        what: String,
+        /// The OS error (in the message, not also the `source()`).
+        cause: std::io::Error,
+    },
     /// Forming the group or a collective failed.
     #[error(transparent)]
     Dist(#[from] tt_dist::Error),

@@ -817,8 +817,9 @@ impl Trainer {
                         }
                     }
                 })
-                .map_err(|e| {
-                    TrainError::Config(format!("cannot start the batch-loader thread: {e}"))
+                .map_err(|cause| TrainError::Io {
+                    what: "starting the batch-loader thread".into(),
+                    cause,
                 })?;
             // Owns the receiver: when the run ends, the loader's next send fails and it
             // stops.
@@ -1058,17 +1059,20 @@ impl Trainer {
                     .create(true)
                     .append(true)
                     .open(path)
-                    .map_err(|e| {
-                        TrainError::Config(format!("metrics_file {}: {e}", path.display()))
+                    .map_err(|cause| TrainError::Io {
+                        what: format!("opening the metrics file {}", path.display()),
+                        cause,
                     })?,
             ),
             _ => None,
         };
         let events = match (&cfg.tensorboard_dir, pg.is_main()) {
-            (Some(dir), true) => Some(
-                EventWriter::create(dir)
-                    .map_err(|e| TrainError::Config(format!("tensorboard_dir: {e}")))?,
-            ),
+            (Some(dir), true) => {
+                Some(EventWriter::create(dir).map_err(|cause| TrainError::Io {
+                    what: "starting the TensorBoard event file".into(),
+                    cause,
+                })?)
+            }
             _ => None,
         };
         let bar = (cfg.progress && pg.is_main()).then(|| {
