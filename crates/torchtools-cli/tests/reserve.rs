@@ -452,3 +452,98 @@ fn a_failure_names_its_cause_once() {
     assert!(err.contains("reserving a GPU: "), "{err}");
     assert_eq!(err.matches("cannot create it").count(), 1, "{err}");
 }
+
+/// `torchtools ARGS` in a new PID namespace (as in a container sharing the lock
+/// directory): `None` (printed, chosen) where namespaces need root and
+/// TORCHTOOLS_TEST_NO_MOUNT says why; a failure otherwise.
+fn in_container(dir: &Path) -> Option<Command> {
+    let works = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !works {
+        match std::env::var(tt_testkit::NO_MOUNT_ENV) {
+            Ok(why) if !why.trim().is_empty() => {
+                eprintln!("SKIPPED: a PID namespace (unshare --pid needs root): {why}");
+                return None;
+            }
+            _ => panic!(
+                "`unshare --pid --fork --mount-proc` failed (it needs root): run as root, or \
+                 set {}=<why> to skip this test knowingly",
+                tt_testkit::NO_MOUNT_ENV
+            ),
+        }
+    }
+    // --kill-child: killing `unshare` kills the namespace's first process, and with it
+    // every process of the namespace, as stopping a container does.
+    let mut cmd = Command::new("unshare");
+    cmd.args([
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--kill-child",
+        env!("CARGO_BIN_EXE_torchtools"),
+    ])
+    .env("TORCHTOOLS_LOCK_DIR", dir)
+    .env_remove("CUDA_VISIBLE_DEVICES")
+    .env_remove("TORCHTOOLS_HELD_LOCKS")
+    .stdin(Stdio::null());
+    Some(cmd)
+}
+
+/// A lock held from the host is held in a container's views, and the other way round:
+/// held is decided on the lock itself (the kernel hides from `/proc/locks` the locks of
+/// processes another namespace cannot see), and the holder's PID is said to be from
+/// another namespace instead of passing for one of ours.
+#[test]
+fn locks_are_seen_held_across_pid_namespaces() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let Some(mut container_locks) = in_container(dir) else {
+        return;
+    };
+    // The host holds: the container sees it held, by a process of another namespace.
+    let (mut host, command) = reserve_sleeping(dir);
+    let out = container_locks.args(["locks", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["locks"][0]["held"], true, "{json}");
+    let text = in_container(dir).unwrap().arg("locks").output().unwrap();
+    let text = String::from_utf8_lossy(&text.stdout).into_owned();
+    assert!(
+        text.contains("held by pid") && text.contains("in another PID namespace"),
+        "{text}"
+    );
+    // The command keeps the lock after its reserve: both go.
+    // SAFETY: kill(2) of the test's own grandchild.
+    unsafe { libc::kill(command as i32, libc::SIGKILL) };
+    let _ = host.kill();
+    let _ = host.wait();
+    // The container holds: the host sees it held, and its pid (1 there) as foreign.
+    let mut holder = in_container(dir)
+        .unwrap()
+        .args(RESERVE_SH)
+        .arg("echo ready; exec sleep 60")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(holder.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready");
+    let out = run(dir, &["locks"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains("held by pid 1 in another PID namespace"),
+        "{text}"
+    );
+    // Killed (the container's whole tree, with its init): free again.
+    let _ = holder.kill();
+    let _ = holder.wait();
+    until("the container's lock is released", || {
+        let text = String::from_utf8_lossy(&run(dir, &["locks"]).stdout).into_owned();
+        text.contains(": free")
+    });
+}

@@ -37,6 +37,11 @@ pub struct Holder {
     /// keeps it current), so that others see memory set aside that no process uses yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fenced: Option<Bytes>,
+    /// The holder's PID namespace (the inode of `/proc/self/ns/pid`): its `pid` means
+    /// something only there. A view from another namespace (a container, or the host
+    /// looking at one) says so instead of showing a PID of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid_ns: Option<u64>,
 }
 
 impl Holder {
@@ -56,6 +61,7 @@ impl Holder {
             gpu: String::new(),
             command_pid: None,
             fenced: None,
+            pid_ns: own_pid_namespace(),
         }
     }
 
@@ -84,6 +90,7 @@ impl Holder {
             gpu: String::new(),
             command_pid: None,
             fenced: None,
+            pid_ns: None,
         }
     }
 
@@ -97,8 +104,9 @@ impl fmt::Display for Holder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "pid {} ({}@{}) since {}",
+            "pid {}{} ({}@{}) since {}",
             self.pid,
+            namespace_note(self.pid_ns),
             self.user,
             self.host,
             self.since_utc()
@@ -120,6 +128,28 @@ impl fmt::Display for Holder {
             write!(f, ": {command}")?;
         }
         Ok(())
+    }
+}
+
+/// This process's PID namespace: the inode in `/proc/self/ns/pid` (`pid:[4026531836]`);
+/// `None` where it cannot be read.
+pub fn own_pid_namespace() -> Option<u64> {
+    let link = std::fs::read_link("/proc/self/ns/pid").ok()?;
+    link.to_str()?
+        .strip_prefix("pid:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
+
+/// `" in another PID namespace (a container, or the host seen from one)"` when `ns` is known and not ours: a PID
+/// from there names another process here, or none.
+pub(crate) fn namespace_note(ns: Option<u64>) -> &'static str {
+    match (ns, own_pid_namespace()) {
+        (Some(theirs), Some(ours)) if theirs != ours => {
+            " in another PID namespace (a container, or the host seen from one)"
+        }
+        _ => "",
     }
 }
 

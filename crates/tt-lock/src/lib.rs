@@ -62,7 +62,7 @@ mod queue;
 pub use dir::{LockDir, DEFAULT_LOCK_DIR, LOCK_DIR_ENV};
 pub use error::{Error, Result};
 pub use gpu::{GpuKey, GpuSpec};
-pub use holder::{user_name_of, utc, Holder};
+pub use holder::{own_pid_namespace, user_name_of, utc, Holder};
 pub use list::LockState;
 pub use lock::{share_with, GpuLock, Wait, HELD_LOCKS_ENV};
 pub use queue::{Waiter, Wants};

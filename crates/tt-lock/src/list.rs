@@ -151,16 +151,26 @@ struct FlockTable {
     /// read in several calls can skip a lock that was held all along (seen: a lock
     /// missed when a lock listed before it was released between two calls).
     whole: bool,
+    /// Whether this process sees every process's locks: the kernel leaves out of
+    /// `/proc/locks` each lock whose owner is not visible in the reader's PID
+    /// namespace, so only the machine's initial PID namespace sees them all.
+    sees_all: bool,
 }
 
 impl FlockTable {
-    /// Whether `file` is locked: the table's answer when it came whole; otherwise a
-    /// lock it lists is held, and one it does not list is probed.
+    /// Whether `file` is locked: a lock the table lists is held; one it does not list
+    /// is free when the table came whole and this process sees every process (the
+    /// host's PID namespace), and is probed on the lock itself otherwise: in a
+    /// container, a lock held from the host or another container is never in the table.
     fn says_held(&self, file: &File, meta: &std::fs::Metadata) -> bool {
         let id = (libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino());
-        self.locked.contains(&id) || (!self.whole && probe_held(file))
+        self.locked.contains(&id) || (!(self.whole && self.sees_all) && probe_held(file))
     }
 }
+
+/// The inode of the machine's first PID namespace (the kernel's `PROC_PID_INIT_INO`),
+/// the one that sees every process.
+const INITIAL_PID_NAMESPACE: u64 = 0xEFFF_FFFC;
 
 /// The kernel's table of `flock` locks, from `/proc/locks`; `None` where that cannot be
 /// trusted for this directory (unreadable, or overlayfs, whose locks are recorded on the
@@ -180,6 +190,7 @@ fn kernel_flocks(dir: &LockDir) -> Option<FlockTable> {
     Some(FlockTable {
         locked: parse_proc_locks(&text),
         whole,
+        sees_all: crate::holder::own_pid_namespace() == Some(INITIAL_PID_NAMESPACE),
     })
 }
 
@@ -334,6 +345,7 @@ mod tests {
         let table = |listed: bool, whole: bool| FlockTable {
             locked: if listed { [id].into() } else { HashSet::new() },
             whole,
+            sees_all: true,
         };
         assert!(table(true, true).says_held(&file, &meta));
         assert!(table(true, false).says_held(&file, &meta));
@@ -342,8 +354,16 @@ mod tests {
         // A table read whole is believed without a probe (whose shared lock could make
         // another process's `Wait::Try` fail): here it says "not locked".
         assert!(!table(false, true).says_held(&file, &meta));
+        // In a container (not the initial PID namespace) a whole table is not the
+        // answer: a lock held from outside is missing from it.
+        let in_container = FlockTable {
+            sees_all: false,
+            ..table(false, true)
+        };
+        assert!(in_container.says_held(&file, &meta));
         drop(lock);
         assert!(!table(false, false).says_held(&file, &meta), "released");
+        assert!(!in_container.says_held(&file, &meta), "released");
     }
 
     #[test]

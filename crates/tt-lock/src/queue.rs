@@ -101,6 +101,9 @@ pub struct Waiter {
     pub command: Vec<String>,
     /// What it waits for.
     pub wants: Wants,
+    /// Its PID namespace (see [`Holder::pid_ns`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid_ns: Option<u64>,
 }
 
 impl Waiter {
@@ -115,6 +118,7 @@ impl Waiter {
             reserved: holder.reserved,
             command: holder.command.clone(),
             wants,
+            pid_ns: holder.pid_ns,
         }
     }
 
@@ -128,9 +132,10 @@ impl fmt::Display for Waiter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "#{} pid {} ({}@{}) since {} wants {}",
+            "#{} pid {}{} ({}@{}) since {} wants {}",
             self.position,
             self.pid,
+            crate::holder::namespace_note(self.pid_ns),
             self.user,
             self.host,
             self.since_utc(),
@@ -460,6 +465,7 @@ mod tests {
             since_unix: 951_782_400,
             reserved: None,
             command: vec![],
+            pid_ns: None,
             wants: Wants::Auto {
                 count: 2,
                 among: vec![],
