@@ -113,6 +113,27 @@ pub(crate) struct LaunchArgs {
     /// Run the script through `runpy.run_path` (torchrun's `--run-path`).
     #[arg(long = "run-path", visible_alias = "run_path")]
     run_path: bool,
+    /// Reserve GPUs for the group first, as `reserve` does (the same queue, all or
+    /// nothing): an index, a UUID, or auto (the free GPUs with the most free memory).
+    /// Each rank sees them all in CUDA_VISIBLE_DEVICES and uses cuda:LOCAL_RANK; they
+    /// are released when the group ends.
+    #[arg(long, value_delimiter = ',', value_parser = crate::gpu_spec)]
+    gpu: Option<Vec<tt_lock::GpuSpec>>,
+    /// How many GPUs --gpu auto takes (default: one per rank of this node).
+    #[arg(long, requires = "gpu", value_parser = clap::value_parser!(u32).range(1..))]
+    count: Option<u32>,
+    /// Memory each rank needs on its GPU: the fence leaves this much free.
+    #[arg(long, requires = "gpu", value_parser = crate::args::size)]
+    bytes: Option<tt_device::Bytes>,
+    /// Extra memory left free on top of --bytes.
+    #[arg(long, requires = "gpu", value_parser = crate::args::size, default_value = crate::reserve::DEFAULT_MARGIN)]
+    margin: tt_device::Bytes,
+    /// Take the GPUs' locks alone, without a memory fence.
+    #[arg(long, requires = "gpu", conflicts_with = "bytes")]
+    no_fence: bool,
+    /// Give up (exit 75) when the GPUs are still locked after this long.
+    #[arg(long, requires = "gpu", value_parser = crate::args::duration)]
+    timeout: Option<std::time::Duration>,
     #[command(flatten)]
     unsupported: Unsupported,
     /// The command: a program and its arguments, or a Python script (`train.py ARGS`),
@@ -315,12 +336,42 @@ impl LaunchArgs {
             args: program,
             forward: None,
             run_id: self.rdzv_id.clone(),
+            env: Vec::new(),
         })
     }
 }
 
 pub(crate) fn launch(args: LaunchArgs) -> Result<ExitCode> {
     let mut cfg = args.config()?;
+    // The group's GPUs, reserved before any rank starts, held until the group ends.
+    let reservation = match &args.gpu {
+        None => None,
+        Some(gpus) => {
+            let auto = gpus.contains(&tt_lock::GpuSpec::Auto);
+            let request = crate::reserve::Request {
+                gpus: gpus.clone(),
+                count: args
+                    .count
+                    .map(|c| c as usize)
+                    .or(auto.then_some(cfg.nproc_per_node)),
+                bytes: args.bytes,
+                margin: args.margin,
+                fence: !args.no_fence,
+                timeout: args.timeout,
+                command: std::iter::once(cfg.program.clone())
+                    .chain(cfg.args.iter().cloned())
+                    .collect(),
+            };
+            let reservation = crate::reserve::take(&request)?;
+            if !reservation.is_empty() {
+                cfg.env.push((
+                    "CUDA_VISIBLE_DEVICES".into(),
+                    reservation.cuda_visible_devices().into(),
+                ));
+            }
+            Some(reservation)
+        }
+    };
     // Signals a process sends us go to every rank; the terminal's reach them directly.
     let forward = Arc::new(AtomicI32::new(0));
     let mut signals = SignalsInfo::<WithOrigin>::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
@@ -344,6 +395,8 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<ExitCode> {
     });
     handle.close();
     let _ = forwarder.join();
+    // The GPUs go back as soon as every rank has ended.
+    drop(reservation);
     let outcome = outcome?;
     match outcome.failed {
         None => Ok(ExitCode::SUCCESS),

@@ -219,7 +219,7 @@ enum Command {
     /// When a rank fails, the others get SIGTERM, then SIGKILL after 10 s, and
     /// torchtools exits with the failed rank's status, naming it and the exception
     /// it recorded (PyTorch's `@record`).
-    Launch(launch::LaunchArgs),
+    Launch(Box<launch::LaunchArgs>),
     /// Show every GPU's lock: free, or held by whom, since when, reserving how much,
     /// and how many requests wait for it.
     Locks {
@@ -462,7 +462,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             json,
             compact,
         } => top::top(once, json, compact),
-        Command::Launch(args) => launch::launch(args),
+        Command::Launch(args) => launch::launch(*args),
         Command::Probe {
             gpu,
             timeout,

@@ -25,6 +25,28 @@ pub(crate) struct Request {
 }
 
 pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
+    let command_text: Vec<String> = req
+        .command
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let mut reservation = take(&req)?;
+    let mut cmd = Command::new(&req.command[0]);
+    cmd.args(&req.command[1..]);
+    reservation.prepare(&mut cmd);
+    let running = child::spawn(&mut cmd, &command_text[0])?;
+    if let Err(e) = reservation.record_command_pid(running.pid()) {
+        tracing::warn!("cannot record the command's pid: {e}");
+    }
+    let ended = running.wait()?;
+    // The reservation (fences, then locks) lives exactly as long as the command.
+    drop(reservation);
+    Ok(ExitCode::from(ended.code))
+}
+
+/// Takes the reservation `req` asks for (waiting in the queue), saying what it took;
+/// the errors exit as `reserve` documents (75 still locked, 2 a bad request).
+pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
     if req.fence && req.bytes.is_none() {
         return Err(Exit(
             2,
@@ -44,7 +66,7 @@ pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
         holder = holder.reserving(bytes);
     }
     let options = ReserveOptions {
-        gpus: req.gpus,
+        gpus: req.gpus.clone(),
         count: req.count,
         training_reserved_bytes: req.bytes.unwrap_or_default(),
         safety_margin_bytes: req.margin,
@@ -53,8 +75,8 @@ pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
         fence: req.fence,
         holder: Some(holder),
     };
-    let mut reservation = tt_reserve::reserve_with(options, |w| eprintln!("torchtools: {w}"))
-        .map_err(|e| {
+    let reservation =
+        tt_reserve::reserve_with(options, |w| eprintln!("torchtools: {w}")).map_err(|e| {
             if e.is_busy() {
                 Exit(EXIT_LOCKED, e.to_string()).into()
             } else if e.is_bad_request() {
@@ -79,18 +101,7 @@ pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
     for fence in reservation.fences() {
         eprintln!("torchtools: {}", fence.report());
     }
-
-    let mut cmd = Command::new(&req.command[0]);
-    cmd.args(&req.command[1..]);
-    reservation.prepare(&mut cmd);
-    let running = child::spawn(&mut cmd, &command_text[0])?;
-    if let Err(e) = reservation.record_command_pid(running.pid()) {
-        tracing::warn!("cannot record the command's pid: {e}");
-    }
-    let ended = running.wait()?;
-    // The reservation (fences, then locks) lives exactly as long as the command.
-    drop(reservation);
-    Ok(ExitCode::from(ended.code))
+    Ok(reservation)
 }
 
 pub(crate) fn locks(json: bool) -> Result<ExitCode> {

@@ -366,3 +366,86 @@ fn torchrun_options_without_an_equivalent_are_refused_by_name() {
         );
     }
 }
+
+/// `launch --gpu`: the group's GPUs are reserved through the queue before any rank
+/// starts, every rank sees them (and uses cuda:LOCAL_RANK), `locks` names the launch's
+/// command, another request waits for them, and they are free once the group ends.
+#[test]
+fn launch_reserves_its_gpus_for_the_group() {
+    let locks = tempfile::tempdir().unwrap();
+    let go = locks.path().join("go");
+    let script = format!(
+        "echo $CUDA_VISIBLE_DEVICES $LOCAL_RANK; while [ ! -e {} ]; do sleep 0.05; done",
+        go.display()
+    );
+    let torchtools = |args: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_torchtools"));
+        c.args(args)
+            .env("TORCHTOOLS_LOCK_DIR", locks.path())
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .env_remove("TORCHTOOLS_HELD_LOCKS");
+        c
+    };
+    let mut group = torchtools(&[
+        "launch",
+        "--gpu",
+        "0,1",
+        "--no-fence",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ])
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut out = std::io::BufReader::new(group.stdout.take().unwrap());
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        seen.push(line.trim().to_owned());
+    }
+    seen.sort();
+    assert_eq!(seen, ["[rank0]: 0,1 0", "[rank1]: 0,1 1"]);
+    // Both GPUs held for the launch's command.
+    let text =
+        String::from_utf8_lossy(&torchtools(&["locks"]).output().unwrap().stdout).into_owned();
+    assert_eq!(text.matches("held by pid").count(), 2, "{text}");
+    assert!(text.contains("sh -c echo $CUDA_VISIBLE_DEVICES"), "{text}");
+    // Another request for GPU 1 waits (here: gives up after its timeout, exit 75).
+    let other = torchtools(&[
+        "reserve",
+        "--gpu",
+        "1",
+        "--no-fence",
+        "--timeout",
+        "1s",
+        "--",
+        "true",
+    ])
+    .output()
+    .unwrap();
+    assert_eq!(other.status.code(), Some(75), "{other:?}");
+    std::fs::write(&go, "").unwrap();
+    assert!(group.wait().unwrap().success());
+    let text =
+        String::from_utf8_lossy(&torchtools(&["locks"]).output().unwrap().stdout).into_owned();
+    assert_eq!(text.matches(": free").count(), 2, "{text}");
+    // A bad request is refused before any rank starts: a fence needs --bytes.
+    let out = torchtools(&[
+        "launch",
+        "--gpu",
+        "0",
+        "--nproc-per-node",
+        "1",
+        "--",
+        "true",
+    ])
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+}

@@ -39,6 +39,9 @@ pub struct LaunchConfig {
     /// The job's id (`TORCHELASTIC_RUN_ID`, torchrun's `--rdzv-id`); `None`: `"none"`,
     /// as torchrun's default.
     pub run_id: Option<String>,
+    /// More variables for every rank (after torchrun's), e.g. `CUDA_VISIBLE_DEVICES` of
+    /// the GPUs reserved for the group.
+    pub env: Vec<(OsString, OsString)>,
 }
 
 impl LaunchConfig {
@@ -56,6 +59,7 @@ impl LaunchConfig {
             args,
             forward: None,
             run_id: None,
+            env: Vec::new(),
         }
     }
 }
@@ -230,6 +234,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
                 // As torchrun: a failed NCCL collective ends the rank, not hangs it.
                 cmd.env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
             }
+            cmd.envs(cfg.env.iter().map(|(k, v)| (k, v)));
             if cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
                 cmd.env("OMP_NUM_THREADS", "1");
             }
