@@ -193,6 +193,13 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
         }
     };
     let world = cfg.nnodes * cfg.nproc_per_node;
+    // Ranks on other hosts must reach ours: name the interface when the host's name
+    // resolves to loopback (Gloo would offer 127.0.0.1 to its peers).
+    let mut env = cfg.env.clone();
+    if let Some(iface) = crate::socket_interface_for(&cfg.master_addr)? {
+        let _ = writeln!(std::io::stderr(), "torchtools launch: {iface}");
+        env.extend(iface.set.iter().map(|(k, v)| (k.into(), v.into())));
+    }
     let errors = ErrorFiles::new()?;
     let mut restarts = 0;
     loop {
@@ -234,7 +241,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
                 // As torchrun: a failed NCCL collective ends the rank, not hangs it.
                 cmd.env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
             }
-            cmd.envs(cfg.env.iter().map(|(k, v)| (k, v)));
+            cmd.envs(env.iter().map(|(k, v)| (k, v)));
             if cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
                 cmd.env("OMP_NUM_THREADS", "1");
             }

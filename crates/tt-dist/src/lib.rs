@@ -43,6 +43,7 @@ mod env;
 mod error;
 #[cfg(feature = "c10d")]
 mod group;
+mod iface;
 mod launch;
 
 #[cfg(feature = "c10d")]
@@ -52,6 +53,7 @@ pub use group::{BackendKind, GroupOptions, ProcessGroup, ReduceOp, Work, DEFAULT
 
 pub use env::{first_host, DistEnv, Place, Source, DEFAULT_PORT};
 pub use error::{Error, Result};
+pub use iface::{socket_interface_for, SocketInterface, SOCKET_IFNAME_VARS};
 pub use launch::{
     free_port, launch, LaunchConfig, LaunchOutcome, EXIT_PREEMPTED, MAX_NPROC_PER_NODE,
 };
