@@ -450,121 +450,52 @@ fn launch_reserves_its_gpus_for_the_group() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
 }
 
-/// Two "hosts" (network namespaces joined by a veth pair), torn down on drop.
-struct TwoHosts {
-    names: [String; 2],
-}
-
-impl TwoHosts {
-    /// `None` (printed, chosen) where namespaces need root and TORCHTOOLS_TEST_NO_MOUNT
-    /// says why; a failure otherwise.
-    fn new(tag: &str) -> Option<TwoHosts> {
-        let names = [format!("tt{tag}a"), format!("tt{tag}b")];
-        let ip = |args: &[&str]| {
-            Command::new("ip")
-                .args(args)
-                .status()
-                .is_ok_and(|s| s.success())
-        };
-        for n in &names {
-            let _ = Command::new("ip").args(["netns", "del", n]).output();
-        }
-        let (a, b) = (names[0].as_str(), names[1].as_str());
-        let (va, vb) = (format!("{a}v"), format!("{b}v"));
-        let ok = ip(&["netns", "add", a])
-            && ip(&["netns", "add", b])
-            && ip(&[
-                "link", "add", &va, "netns", a, "type", "veth", "peer", &vb, "netns", b,
-            ])
-            && ip(&["-n", a, "addr", "add", "10.231.0.1/24", "dev", &va])
-            && ip(&["-n", b, "addr", "add", "10.231.0.2/24", "dev", &vb])
-            && ip(&["-n", a, "link", "set", &va, "up"])
-            && ip(&["-n", b, "link", "set", &vb, "up"])
-            && ip(&["-n", a, "link", "set", "lo", "up"])
-            && ip(&["-n", b, "link", "set", "lo", "up"]);
-        let hosts = TwoHosts { names };
-        if ok {
-            return Some(hosts);
-        }
-        match std::env::var(tt_testkit::NO_MOUNT_ENV) {
-            Ok(why) if !why.trim().is_empty() => {
-                eprintln!("SKIPPED: two network namespaces (ip netns needs root): {why}");
-                None
-            }
-            _ => panic!(
-                "cannot make two network namespaces (`ip netns add` needs root): run as root, \
-                 or set {}=<why> to skip this test knowingly",
-                tt_testkit::NO_MOUNT_ENV
-            ),
-        }
-    }
-
-    /// `torchtools ARGS` on host `i`.
-    fn torchtools(&self, i: usize, args: &[&str]) -> Command {
-        let mut c = Command::new("ip");
-        c.args([
-            "netns",
-            "exec",
-            &self.names[i],
-            env!("CARGO_BIN_EXE_torchtools"),
-        ])
-        .args(args)
-        .env_remove("GLOO_SOCKET_IFNAME")
-        .env_remove("NCCL_SOCKET_IFNAME")
-        .env_remove("OMP_NUM_THREADS");
-        c
-    }
-}
-
-impl Drop for TwoHosts {
-    fn drop(&mut self) {
-        for n in &self.names {
-            let _ = Command::new("ip").args(["netns", "del", n]).output();
-        }
-    }
-}
-
 /// Two hosts whose names resolve to 127.0.0.1 (as this machine's does), no interface
 /// variable set: each launcher names the interface that reaches the master, and Python
 /// ranks on the two hosts all-reduce; a user's own setting is kept.
 #[test]
 fn ranks_on_two_hosts_connect_without_an_interface_variable() {
-    let Some(hosts) = TwoHosts::new("if") else {
+    let Some(hosts) = tt_testkit::netns::TwoHosts::new("if") else {
         return;
+    };
+    let torchtools = |i: usize, args: &[&str]| {
+        let mut c = hosts.exec(i, env!("CARGO_BIN_EXE_torchtools"));
+        c.args(args).env_remove("OMP_NUM_THREADS");
+        c
     };
     let script = "import os, torch, torch.distributed as dist\n\
                   dist.init_process_group('gloo')\n\
                   t = torch.tensor([float(dist.get_rank() + 1)])\n\
                   dist.all_reduce(t)\n\
-                  print('sum', t.item(), os.environ.get('GLOO_SOCKET_IFNAME'))\n";
+                  print('sum', t.item(), os.environ.get('GLOO_SOCKET_IFNAME'))\n\
+                  dist.destroy_process_group()\n";
     let python = tt_testkit::python_path();
     let node = |i: usize| {
         let rank = i.to_string();
-        hosts
-            .torchtools(
-                i,
-                &[
-                    "launch",
-                    "--nnodes",
-                    "2",
-                    "--node-rank",
-                    &rank,
-                    "--master-addr",
-                    "10.231.0.1",
-                    "--master-port",
-                    "29531",
-                    "--nproc-per-node",
-                    "1",
-                    "--",
-                    &python,
-                    "-c",
-                    script,
-                ],
-            )
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap()
+        torchtools(
+            i,
+            &[
+                "launch",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                &rank,
+                "--master-addr",
+                "10.231.0.1",
+                "--master-port",
+                "29531",
+                "--nproc-per-node",
+                "1",
+                "--",
+                &python,
+                "-c",
+                script,
+            ],
+        )
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
     };
     let children = [node(0), node(1)];
     let outs: Vec<Output> = children
@@ -581,7 +512,7 @@ fn ranks_on_two_hosts_connect_without_an_interface_variable() {
             String::from_utf8_lossy(&out.stderr),
         );
         assert!(out.status.success(), "host {i}: {stdout}\n{stderr}");
-        let iface = if i == 0 { "ttifav" } else { "ttifbv" };
+        let iface = hosts.interface(i);
         assert!(
             stdout.contains(&format!("sum 3.0 {iface}")),
             "host {i}: {stdout}"
@@ -592,46 +523,44 @@ fn ranks_on_two_hosts_connect_without_an_interface_variable() {
         );
     }
     // A user's own interface is kept (a one-node launch at the same address).
-    let out = hosts
-        .torchtools(
-            0,
-            &[
-                "launch",
-                "--master-addr",
-                "10.231.0.1",
-                "--",
-                "sh",
-                "-c",
-                "echo $GLOO_SOCKET_IFNAME",
-            ],
-        )
-        .env("GLOO_SOCKET_IFNAME", "mine")
-        .output()
-        .unwrap();
+    let out = torchtools(
+        0,
+        &[
+            "launch",
+            "--master-addr",
+            "10.231.0.1",
+            "--",
+            "sh",
+            "-c",
+            "echo $GLOO_SOCKET_IFNAME",
+        ],
+    )
+    .env("GLOO_SOCKET_IFNAME", "mine")
+    .output()
+    .unwrap();
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("[rank0]: mine"),
         "{out:?}"
     );
     // No interface reaches the master: said before any rank starts.
-    let out = hosts
-        .torchtools(
-            1,
-            &[
-                "launch",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                "1",
-                "--master-addr",
-                "10.99.99.99",
-                "--master-port",
-                "29532",
-                "--",
-                "true",
-            ],
-        )
-        .output()
-        .unwrap();
+    let out = torchtools(
+        1,
+        &[
+            "launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "10.99.99.99",
+            "--master-port",
+            "29532",
+            "--",
+            "true",
+        ],
+    )
+    .output()
+    .unwrap();
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("no network interface"),

@@ -223,7 +223,18 @@ impl ProcessGroup {
                 };
                 Backend::nccl(&backend_store, env.rank, env.world_size, opts.timeout, gpu)
             }
-            _ => Backend::gloo(&backend_store, env.rank, env.world_size, opts.timeout),
+            _ => {
+                // Peers on other hosts must reach this rank: where the host's name
+                // resolves to loopback, the interface that reaches the master (as the
+                // launcher does for its ranks; GLOO_SOCKET_IFNAME, when set, wins).
+                let iface = crate::socket_interface_for(&env.master_addr)
+                    .map_err(|e| rendezvous_error(env, e.to_string()))?;
+                if let Some(iface) = &iface {
+                    tracing::info!(rank = env.rank, "Gloo on {iface}");
+                }
+                let name = iface.as_ref().map(|i| i.name.as_str());
+                Backend::gloo_on(&backend_store, env.rank, env.world_size, opts.timeout, name)
+            }
         }
         .map_err(|e| rendezvous_error(env, e.to_string()))?;
         tracing::debug!(rank = env.rank, world = env.world_size, backend = %kind, "process group formed");

@@ -48,6 +48,10 @@ fn main() {
         ("rust_and_python_ranks_form_one_gloo_group", python_interop),
         ("our_binary_runs_under_torchrun_no_python", under_torchrun),
         (
+            "rust_ranks_on_two_hosts_find_the_interface_to_the_master",
+            two_hosts,
+        ),
+        (
             "a_killed_rank_is_an_error_on_the_others_not_a_hang",
             killed_rank,
         ),
@@ -734,6 +738,45 @@ fn under_torchrun() -> TestResult {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         ));
+    }
+    Ok(())
+}
+
+/// Two Rust ranks on two "hosts" (network namespaces) whose names resolve to
+/// 127.0.0.1, started without a launcher and without GLOO_SOCKET_IFNAME (as srun would):
+/// the group finds the interface that reaches the master and the collectives run.
+fn two_hosts() -> TestResult {
+    let Some(hosts) = tt_testkit::netns::TwoHosts::new("rs") else {
+        return Ok(());
+    };
+    let exe = exe();
+    let exe = exe.to_str().ok_or("the test binary's path is not UTF-8")?;
+    let ranks: Vec<std::process::Child> = (0..2)
+        .map(|rank| {
+            let mut cmd = hosts.exec(rank, exe);
+            cmd.env("TT_DIST_ROLE", "collectives")
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", "0")
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_WORLD_SIZE", "1")
+                .env("MASTER_ADDR", hosts.addr(0))
+                .env("MASTER_PORT", "29533")
+                .env("TT_TIMEOUT_S", "60")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            cmd.spawn().map_err(|e| e.to_string())
+        })
+        .collect::<Result<_, _>>()?;
+    for (rank, child) in ranks.into_iter().enumerate() {
+        let out = child.wait_with_output().map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(format!(
+                "rank {rank} on host {rank}: {}\n{}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
     }
     Ok(())
 }

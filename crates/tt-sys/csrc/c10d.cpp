@@ -121,13 +121,15 @@ char* tt_store_set_timeout(tt_store* s, int64_t timeout_ms) {
 void tt_store_free(tt_store* s) { delete s; }
 
 char* tt_gloo_new(tt_store* s, int32_t rank, int32_t size, int64_t timeout_ms,
-                  tt_backend** out) {
+                  const char* interfaces, tt_backend** out) {
   TT_PROTECT({
     store(s);
     auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::milliseconds(timeout_ms));
-    // As torch.distributed does: GLOO_SOCKET_IFNAME names interfaces, else the
-    // address the host name resolves to (falling back to loopback).
-    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+    // The interfaces given; else as torch.distributed does: GLOO_SOCKET_IFNAME names
+    // interfaces, else the address the host name resolves to (falling back to loopback).
+    const char* ifname = (interfaces != nullptr && interfaces[0] != '\0')
+                             ? interfaces
+                             : std::getenv("GLOO_SOCKET_IFNAME");
     if (ifname != nullptr && ifname[0] != '\0') {
       std::string names(ifname);
       size_t start = 0;

@@ -30,9 +30,10 @@ char* tt_store_add(tt_store* store, const char* key, int64_t delta, int64_t* out
 char* tt_store_set_timeout(tt_store* store, int64_t timeout_ms);
 void tt_store_free(tt_store* store);
 
-// ProcessGroupGloo over `store` (GLOO_SOCKET_IFNAME picks the interface, like Python).
+// ProcessGroupGloo over `store` on the comma-separated `interfaces` when not null nor
+// empty, else as Python does (GLOO_SOCKET_IFNAME, else the host name's address).
 char* tt_gloo_new(tt_store* store, int32_t rank, int32_t size, int64_t timeout_ms,
-                  tt_backend** out);
+                  const char* interfaces, tt_backend** out);
 // ProcessGroupNCCL bound to CUDA device `device` and connected at once (only when
 // built with the `nccl` feature; otherwise an error).
 char* tt_nccl_new(tt_store* store, int32_t rank, int32_t size, int64_t timeout_ms,

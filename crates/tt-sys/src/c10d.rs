@@ -76,6 +76,7 @@ mod raw {
             rank: i32,
             size: i32,
             timeout_ms: i64,
+            interfaces: *const c_char,
             out: *mut *mut tt_backend,
         ) -> *mut c_char;
         pub(crate) fn tt_nccl_new(
@@ -416,7 +417,35 @@ impl Backend {
     /// `GLOO_SOCKET_IFNAME`, else the host name's address). Blocks until every rank
     /// has connected, or `timeout` (also each collective's timeout) passes.
     pub fn gloo(store: &Store, rank: usize, size: usize, timeout: Duration) -> Result<Backend> {
-        Backend::new(store, rank, size, timeout, BackendKind::Gloo, 0)
+        Backend::gloo_on(store, rank, size, timeout, None)
+    }
+
+    /// [`Backend::gloo`] on the named network interfaces (comma-separated, as
+    /// `GLOO_SOCKET_IFNAME` takes them); `None`: as [`Backend::gloo`] chooses.
+    pub fn gloo_on(
+        store: &Store,
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+        interfaces: Option<&str>,
+    ) -> Result<Backend> {
+        let interfaces = interfaces
+            .map(|i| {
+                std::ffi::CString::new(i).map_err(|_| Error::Torch {
+                    op: "ProcessGroupGloo",
+                    message: format!("the interface list {i:?} holds a NUL byte"),
+                })
+            })
+            .transpose()?;
+        Backend::new(
+            store,
+            rank,
+            size,
+            timeout,
+            BackendKind::Gloo,
+            0,
+            interfaces.as_deref(),
+        )
     }
 
     /// A `ProcessGroupNCCL` on `store`, bound to CUDA device `device` (this rank's GPU)
@@ -433,7 +462,7 @@ impl Backend {
         timeout: Duration,
         device: usize,
     ) -> Result<Backend> {
-        Backend::new(store, rank, size, timeout, BackendKind::Nccl, device)
+        Backend::new(store, rank, size, timeout, BackendKind::Nccl, device, None)
     }
 
     fn new(
@@ -443,6 +472,7 @@ impl Backend {
         timeout: Duration,
         kind: BackendKind,
         device: usize,
+        interfaces: Option<&std::ffi::CStr>,
     ) -> Result<Backend> {
         if size == 0 || rank >= size {
             return Err(Error::Torch {
@@ -457,7 +487,14 @@ impl Backend {
         // SAFETY: live store; the backend keeps its own reference to it.
         let err = unsafe {
             match kind {
-                BackendKind::Gloo => raw::tt_gloo_new(raw_store, r, s, ms, &mut out),
+                BackendKind::Gloo => raw::tt_gloo_new(
+                    raw_store,
+                    r,
+                    s,
+                    ms,
+                    interfaces.map_or(std::ptr::null(), std::ffi::CStr::as_ptr),
+                    &mut out,
+                ),
                 BackendKind::Nccl => raw::tt_nccl_new(raw_store, r, s, ms, d, &mut out),
             }
         };

@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::panic)] // a panic is how a test reports
 
 pub mod hang;
+pub mod netns;
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::Command;
