@@ -12,6 +12,7 @@
 //! ```
 
 mod bench;
+mod docs;
 mod downstream;
 mod gpu;
 mod mutants;
