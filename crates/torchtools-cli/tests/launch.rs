@@ -435,6 +435,25 @@ fn launch_reserves_its_gpus_for_the_group() {
     let text =
         String::from_utf8_lossy(&torchtools(&["locks"]).output().unwrap().stdout).into_owned();
     assert_eq!(text.matches(": free").count(), 2, "{text}");
+    // A rank that fails ends the group, and every GPU of the launch goes back.
+    let out = torchtools(&[
+        "launch",
+        "--gpu",
+        "0,1",
+        "--no-fence",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "if [ $LOCAL_RANK = 1 ]; then exit 3; fi; exec sleep 60",
+    ])
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let text =
+        String::from_utf8_lossy(&torchtools(&["locks"]).output().unwrap().stdout).into_owned();
+    assert_eq!(text.matches(": free").count(), 2, "{text}");
     // A bad request is refused before any rank starts: a fence needs --bytes.
     let out = torchtools(&[
         "launch",
