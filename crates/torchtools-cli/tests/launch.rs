@@ -203,20 +203,26 @@ fn a_command_that_cannot_start_exits_127_or_126_and_a_script_runs_with_python() 
     assert_eq!(out.status.code(), Some(126), "{out:?}");
 }
 
-/// The torch-related variables a rank sees, as `KEY=VALUE` lines.
+/// The torch-related variables a rank sees, as JSON in `$ENV_OUT/RANK.json` (a file
+/// each: under torchrun the ranks share one stdout, where their lines can interleave).
 const ENV_DUMP: &str = "import os, json\n\
     keys = [k for k in os.environ if k.startswith(('TORCH', 'ROLE_', 'GROUP_', 'LOCAL_', \
     'RANK', 'WORLD_', 'MASTER_', 'OMP_'))]\n\
-    print(json.dumps({k: os.environ[k] for k in keys}))\n";
+    path = os.path.join(os.environ['ENV_OUT'], os.environ['RANK'] + '.json')\n\
+    open(path, 'w').write(json.dumps({k: os.environ[k] for k in keys}))\n";
 
-/// Each rank's variables (by RANK) from a launcher's output.
-fn rank_envs(out: &Output) -> std::collections::BTreeMap<String, serde_json::Value> {
+/// Each rank's variables (by RANK), from the files a launch's ranks wrote in `dir`.
+fn rank_envs(
+    out: &Output,
+    dir: &std::path::Path,
+) -> std::collections::BTreeMap<String, serde_json::Value> {
     assert!(out.status.success(), "{out:?}");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.find('{').map(|i| &l[i..]))
-        .map(|j| {
-            let v: serde_json::Value = serde_json::from_str(j).unwrap();
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|f| {
+            let v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(f.path()).unwrap()).unwrap();
             (v["RANK"].as_str().unwrap().to_owned(), v)
         })
         .collect()
@@ -240,15 +246,18 @@ fn torchruns_command_lines_give_the_ranks_torchruns_variables() {
         std::env::var("PATH").unwrap_or_default()
     );
     let run = |program: &std::path::Path, args: &[&str]| {
-        Command::new(program)
+        let out_dir = tempfile::tempdir().unwrap();
+        let out = Command::new(program)
             .current_dir(dir.path())
             .args(args)
             .env("PATH", &path)
             .env("PYTHONPATH", dir.path())
+            .env("ENV_OUT", out_dir.path())
             .env_remove("OMP_NUM_THREADS")
             .env_remove("TORCH_NCCL_ASYNC_ERROR_HANDLING")
             .output()
-            .unwrap()
+            .unwrap();
+        rank_envs(&out, out_dir.path())
     };
     let ours = std::path::Path::new(env!("CARGO_BIN_EXE_torchtools"));
     for form in [
@@ -262,10 +271,10 @@ fn torchruns_command_lines_give_the_ranks_torchruns_variables() {
             "dump.py",
         ],
     ] {
-        let theirs = rank_envs(&run(&bin.join("torchrun"), form));
+        let theirs = run(&bin.join("torchrun"), form);
         let mut args = vec!["launch"];
         args.extend_from_slice(form);
-        let mine = rank_envs(&run(ours, &args));
+        let mine = run(ours, &args);
         assert_eq!(theirs.len(), 2, "{form:?}: {theirs:?}");
         assert_eq!(
             theirs.keys().collect::<Vec<_>>(),

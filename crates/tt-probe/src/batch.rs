@@ -38,8 +38,10 @@ impl MemoryLine {
             )));
         }
         let per_sample = (m1 - m0) / (b1 - b0);
-        // Growth below 0.5% of the peak is measurement noise, not a slope.
-        if m1 - m0 <= 0.005 * m1.max(m0) {
+        // Growth below 1% of the peak is measurement noise (an interpreter's RSS from
+        // run to run), not a slope: real models grow by more than 10% from the first
+        // probe to the second.
+        if m1 - m0 <= 0.01 * m1.max(m0) {
             return Err(ProbeError::NoBatchGrowth(format!(
                 "peak memory did not grow measurably from batch {} ({}) to batch {} ({}): \
                  does the command read its batch size from {PROBE_BATCH_ENV}? If it does, \

@@ -326,10 +326,13 @@ fn the_largest_batch_is_predicted_from_three_measured_probes() {
 
 #[test]
 fn a_command_that_ignores_the_batch_variable_is_named() {
-    let e = tt_probe::max_batch(&tt_probe::BatchSearch::new(Bytes::mib(256)), |b| {
+    // The same 256 MiB whatever the batch (above this test binary's own RSS, which the
+    // kernel's figure for a child includes).
+    let script = "import time\nx = b'\\x01' * (256 << 20)\ntime.sleep(0.2)\n";
+    let e = tt_probe::max_batch(&tt_probe::BatchSearch::new(Bytes::gib(4)), |b| {
         probe_command(
-            &"true".into(),
-            &[],
+            &tt_testkit::python_path().into(),
+            &["-c".into(), script.into()],
             &CommandProbe {
                 batch: Some(b),
                 ..CommandProbe::default()
