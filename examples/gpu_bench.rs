@@ -409,6 +409,20 @@ fn trainer_row() -> Result<Row> {
     })
 }
 
+/// AdamW as the PyTorch baselines configure it (`lr=1e-4`, torch's defaults otherwise).
+fn adamw_as_the_baseline(
+    vs: &nn::VarStore,
+) -> std::result::Result<torchtools::optim::Optimizer, torchtools::optim::Error> {
+    use torchtools::optim::{AdamConfig, Optimizer};
+    Optimizer::adamw(
+        vs,
+        AdamConfig {
+            lr: 1e-4,
+            ..AdamConfig::adamw()
+        },
+    )
+}
+
 /// The steps timed after a warm-up of [`WARM_STEPS`].
 const WARM_STEPS: u64 = 5;
 
@@ -417,7 +431,6 @@ const WARM_STEPS: u64 = 5;
 /// GPU memory over those steps.
 fn ours(which: &str, batch: usize, steps: u64) -> Result<(f64, u64)> {
     use std::cell::Cell;
-    use torchtools::optim::{AdamConfig, Optimizer};
     use torchtools::train::{Precision, TrainConfig, Trainer};
     let dev = Device::Cuda(0);
     torchtools::sys::empty_cache()?;
@@ -425,13 +438,7 @@ fn ours(which: &str, batch: usize, steps: u64) -> Result<(f64, u64)> {
     let mut vs = nn::VarStore::new(dev);
     let gpt = (which == "gpt").then(|| models::Gpt::new(&vs.root(), &models::GptConfig::GPU));
     let resnet = (which != "gpt").then(|| models::ResNet::new(&vs.root(), 10));
-    let mut opt = Optimizer::adamw(
-        &vs,
-        AdamConfig {
-            lr: 1e-4,
-            ..AdamConfig::adamw()
-        },
-    )?;
+    let mut opt = adamw_as_the_baseline(&vs)?;
     let total = WARM_STEPS + steps;
     let mut config = TrainConfig::new(batch as u64 * total, batch, 1).precision(Precision::Bf16);
     config.handle_signals = false;
@@ -639,19 +646,12 @@ fn model_probe(
     ctx: &torchtools::probe::ProbeContext,
     which: &str,
 ) -> std::result::Result<torchtools::probe::Step, torchtools::probe::BoxError> {
-    use torchtools::optim::{AdamConfig, Optimizer};
     let dev = ctx.device;
     let b = i64::try_from(ctx.batch.unwrap_or(2))?;
     let vs = nn::VarStore::new(dev);
     let gpt = (which == "gpt").then(|| models::Gpt::new(&vs.root(), &models::GptConfig::GPU));
     let resnet = (which != "gpt").then(|| models::ResNet::new(&vs.root(), 10));
-    let mut opt = Optimizer::adamw(
-        &vs,
-        AdamConfig {
-            lr: 1e-4,
-            ..AdamConfig::adamw()
-        },
-    )?;
+    let mut opt = adamw_as_the_baseline(&vs)?;
     Ok(Box::new(move || {
         let _keep = &vs;
         let loss = torchtools::sys::autocast(dev, Kind::BFloat16, || {
@@ -774,18 +774,12 @@ fn max_batch_rows() -> Result<Vec<Row>> {
 /// process. Medians of three.
 fn checkpoint_rows() -> Result<Vec<Row>> {
     use torchtools::ckpt::CheckpointDir;
-    use torchtools::optim::{AdamConfig, Optimizer};
+    use torchtools::optim::Optimizer;
     let dev = Device::Cuda(0);
     torchtools::tch::manual_seed(0);
     let vs = nn::VarStore::new(dev);
     let gpt = models::Gpt::new(&vs.root(), &models::GptConfig::GPU);
-    let mut opt = Optimizer::adamw(
-        &vs,
-        AdamConfig {
-            lr: 1e-4,
-            ..AdamConfig::adamw()
-        },
-    )?;
+    let mut opt = adamw_as_the_baseline(&vs)?;
     let step = |opt: &mut Optimizer| -> Result<()> {
         let tokens = Tensor::f_randint(2048, [16, 513], (Kind::Int64, dev))?;
         let loss = torchtools::sys::autocast(dev, Kind::BFloat16, || gpt.loss(&tokens))?;
@@ -880,7 +874,7 @@ fn checkpoint_rows() -> Result<Vec<Row>> {
 /// batches and steps the same model. Seconds per step, medians of two alternating
 /// rounds.
 fn toolkit_row() -> Result<Row> {
-    use torchtools::optim::{AdamConfig, Optimizer};
+    use torchtools::optim::Optimizer;
     use torchtools::train::{Precision, TrainConfig, Trainer};
     const STEPS: u64 = 300;
     const BATCH: usize = 16;
@@ -898,13 +892,7 @@ fn toolkit_row() -> Result<Row> {
         torchtools::tch::manual_seed(0);
         let vs = nn::VarStore::new(dev);
         let gpt = models::Gpt::new(&vs.root(), &models::GptConfig::GPU);
-        let opt = Optimizer::adamw(
-            &vs,
-            AdamConfig {
-                lr: 1e-4,
-                ..AdamConfig::adamw()
-            },
-        )?;
+        let opt = adamw_as_the_baseline(&vs)?;
         Ok((vs, gpt, opt))
     };
     let (mut t_kit, mut t_bare) = (Vec::new(), Vec::new());
