@@ -395,6 +395,8 @@ fn launch_reserves_its_gpus_for_the_group() {
             .env_remove("TORCHTOOLS_HELD_LOCKS");
         c
     };
+    let locks_text =
+        || String::from_utf8_lossy(&torchtools(&["locks"]).output().unwrap().stdout).into_owned();
     let mut group = torchtools(&[
         "launch",
         "--gpu",
@@ -421,8 +423,7 @@ fn launch_reserves_its_gpus_for_the_group() {
     seen.sort();
     assert_eq!(seen, ["[rank0]: 0,1 0", "[rank1]: 0,1 1"]);
     // Both GPUs held for the launch's command.
-    let text =
-        String::from_utf8_lossy(&torchtools(&["locks"]).output().unwrap().stdout).into_owned();
+    let text = locks_text();
     assert_eq!(text.matches("held by pid").count(), 2, "{text}");
     assert!(text.contains("sh -c echo $CUDA_VISIBLE_DEVICES"), "{text}");
     // Another request for GPU 1 waits (here: gives up after its timeout, exit 75).
@@ -441,8 +442,7 @@ fn launch_reserves_its_gpus_for_the_group() {
     assert_eq!(other.status.code(), Some(75), "{other:?}");
     std::fs::write(&go, "").unwrap();
     assert!(group.wait().unwrap().success());
-    let text =
-        String::from_utf8_lossy(&torchtools(&["locks"]).output().unwrap().stdout).into_owned();
+    let text = locks_text();
     assert_eq!(text.matches(": free").count(), 2, "{text}");
     // A rank that fails ends the group, and every GPU of the launch goes back.
     let out = torchtools(&[
@@ -460,8 +460,7 @@ fn launch_reserves_its_gpus_for_the_group() {
     .output()
     .unwrap();
     assert_eq!(out.status.code(), Some(3), "{out:?}");
-    let text =
-        String::from_utf8_lossy(&torchtools(&["locks"]).output().unwrap().stdout).into_owned();
+    let text = locks_text();
     assert_eq!(text.matches(": free").count(), 2, "{text}");
     // A bad request is refused before any rank starts: a fence needs --bytes.
     let out = torchtools(&[
