@@ -91,6 +91,119 @@ mod tests {
         );
     }
 
+    /// `(crate, README text)` of every crate under `crates/`.
+    fn crate_readmes() -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(crate::root().join("crates"))
+            .unwrap()
+            .flatten()
+        {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let text = std::fs::read_to_string(entry.path().join("README.md"))
+                .unwrap_or_else(|e| panic!("crates/{name}/README.md: {e}"));
+            out.push((name, text));
+        }
+        out.sort();
+        out
+    }
+
+    /// The lines of each fenced block whose info string starts with `lang`, with the
+    /// info string: `(info, lines)`.
+    fn blocks<'a>(text: &'a str, lang: &str) -> Vec<(&'a str, Vec<&'a str>)> {
+        let mut out = Vec::new();
+        let mut current: Option<(&str, Vec<&str>)> = None;
+        for line in text.lines() {
+            let t = line.trim();
+            let fence = t.starts_with("```");
+            // A block ends at a fence with no info string (```` ```rust ```` inside a
+            // block is one of its lines).
+            let close = fence && t.chars().all(|c| c == '`');
+            match (&mut current, fence) {
+                (Some(_), _) if close => out.extend(current.take()),
+                (Some((_, lines)), _) => lines.push(line),
+                (None, true) => {
+                    let info = line.trim_start().trim_start_matches('`');
+                    // Every fence opens a block, so a block of another language is
+                    // skipped whole, not mistaken for text between blocks.
+                    current = Some((info, Vec::new()));
+                }
+                (None, false) => {}
+            }
+        }
+        out.into_iter()
+            .filter(|(info, _)| info.split(',').next() == Some(lang))
+            .collect()
+    }
+
+    /// A crate's README is its documentation on docs.rs and the page GitHub and
+    /// crates.io show: one text, whose Rust examples are doctests.
+    #[test]
+    fn every_library_crate_is_documented_by_its_readme() {
+        for (name, readme) in crate_readmes() {
+            let lib = crate::root().join("crates").join(&name).join("src/lib.rs");
+            let Ok(source) = std::fs::read_to_string(&lib) else {
+                continue; // the CLI: a binary
+            };
+            assert!(
+                source.starts_with("#![doc = include_str!(\"../README.md\")]"),
+                "crates/{name}/src/lib.rs: its documentation is not its README"
+            );
+            assert!(
+                !source.lines().any(|l| l.starts_with("//!")),
+                "crates/{name}/src/lib.rs: a second front page beside the README"
+            );
+            if name != "tt-testkit" {
+                assert!(
+                    blocks(&readme, "rust")
+                        .iter()
+                        .any(|(info, _)| !info.contains("ignore") && !info.contains("no_run")),
+                    "crates/{name}/README.md: no Rust example that runs as a doctest"
+                );
+            }
+        }
+    }
+
+    /// Hidden doctest lines (`# ...`) show as they are on GitHub and crates.io, so the
+    /// READMEs' examples are whole programs instead.
+    #[test]
+    fn readme_examples_have_no_hidden_lines() {
+        for (name, readme) in crate_readmes() {
+            for (info, lines) in blocks(&readme, "rust") {
+                for line in lines {
+                    let t = line.trim_start();
+                    assert!(
+                        !(t == "#" || t.starts_with("# ")),
+                        "crates/{name}/README.md, a ```{info} block: hidden line {line:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Relative links break on crates.io and docs.rs, where a README is shown alone.
+    #[test]
+    fn crate_readmes_link_absolutely() {
+        for (name, readme) in crate_readmes() {
+            for (at, _) in readme.match_indices("](") {
+                let target = &readme[at + 2..];
+                assert!(
+                    target.starts_with("http") || target.starts_with('#'),
+                    "crates/{name}/README.md: a relative link ]({})",
+                    target.split(')').next().unwrap_or_default()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn blocks_are_read_by_language() {
+        let text = "a\n```rust\nx\n```\n```sh\n```rust\n```\n```rust,no_run\ny\n```\n";
+        assert_eq!(
+            blocks(text, "rust"),
+            [("rust", vec!["x"]), ("rust,no_run", vec!["y"])]
+        );
+    }
+
     #[test]
     fn names_are_whole_words() {
         let mut out = BTreeSet::new();

@@ -69,6 +69,7 @@ enum Command {
     /// Exit status: the command's (128+N when killed by signal N); 75 when the GPUs stay
     /// locked past --timeout; 127 when the command is not found; 2 for bad arguments.
     #[command(arg_required_else_help = true)]
+    #[command(group(clap::ArgGroup::new("fence").required(true).multiple(true).args(["bytes", "no_fence"])))]
     Reserve {
         /// Memory the command needs on each GPU: the fence leaves this much (plus
         /// --margin) free. Sizes: 6GiB, 512MiB, 6G, 1.5GB, bytes.

@@ -1,26 +1,4 @@
-//! Reserve GPUs for a training job on a machine you share: the cooperative lock
-//! ([`tt_lock`]) and the memory fence ([`tt_fence`]) taken as one guard, in Rust, as the
-//! Python torchtools' `reserve_gpu_for_training` context manager does, without its
-//! defects (a timeout that never fired, locks keyed by the logical index, no owner
-//! record, fence memory kept in a cache).
-//!
-//! ```
-//! use tt_reserve::{reserve, ReserveOptions};
-//! use tt_device::Bytes;
-//!
-//! let reservation = reserve(ReserveOptions {
-//!     training_reserved_bytes: Bytes::gib(6),
-//!     ..ReserveOptions::default()
-//! })?;
-//! // On a machine without GPUs the reservation is empty and training goes on the CPU;
-//! // on a GPU machine it holds the lock of the free GPU with the most memory and a
-//! // fence leaving 6 GiB (+ 50 MiB margin) free for this job.
-//! println!("reserved {:?}", reservation.gpus());
-//! # Ok::<(), tt_reserve::Error>(())
-//! ```
-//!
-//! No libtorch: the `torchtools reserve` command is built on this crate. With the
-//! feature `tch`, [`Reservation::device`] gives the `tch::Device` to train on.
+#![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 use std::fmt;

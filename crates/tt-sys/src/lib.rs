@@ -1,51 +1,6 @@
-//! The native layer of [torchtools]: the parts of libtorch that `tch` does not expose,
-//! behind a small safe API, and a build-script helper for rpaths.
-//!
-//! - [`ensure_cuda_loaded`] makes CUDA usable in any binary linked through tch (whose
-//!   `--as-needed` link otherwise drops `libtorch_cuda.so`, so that
-//!   `tch::Cuda::is_available()` says false on a GPU machine), or says why it is not.
-//! - [`device_stats`], [`empty_cache`], [`reset_peak_stats`] and [`mem_get_info`] read
-//!   and steer libtorch's CUDA caching allocator, like `torch.cuda.memory_stats()`,
-//!   `empty_cache()`, `reset_peak_memory_stats()` and `mem_get_info()`.
-//! - [`build::link_libtorch_rpath`] gives a downstream binary an rpath to libtorch.
-//!
-//! Where an NVIDIA driver is (its device node exists), the shim loads
-//! `libtorch_cuda.so` as the program starts, before `main`: libtorch otherwise answers a
-//! first question about CUDA (`tch::Cuda::is_available()`, `tch::manual_seed`) from its
-//! CPU-only stub and keeps "no GPU" for the process. `TORCHTOOLS_CUDA_PRELOAD=0` turns
-//! that off. Loading the library registers libtorch's CUDA hooks; it creates no CUDA
-//! context.
-//!
-//! What it does not do: it never initialises CUDA on its own (only the functions
-//! above, when called, do), and it never prints. Every C++ exception is caught inside
-//! the shim and comes back as an [`Error`]; nothing unwinds across `extern "C"`.
-//!
-//! Only [`build`] is compiled without the default `tch` feature; that part needs no
-//! libtorch, so build scripts can use it.
-//!
-//! # Example
-//!
-//! ```
-//! # #[cfg(feature = "tch")] {
-//! // On a machine without a GPU this reports why; on one with, it loads CUDA.
-//! match tt_sys::ensure_cuda_loaded() {
-//!     Ok(cuda) => {
-//!         println!("{} CUDA device(s)", cuda.device_count);
-//!         let stats = tt_sys::device_stats(0)?;
-//!         println!("allocated now {} B, peak {} B", stats.allocated_bytes.current, stats.allocated_bytes.peak);
-//!     }
-//!     Err(why) => println!("CPU only: {why}"),
-//! }
-//! // Allocator calls without CUDA are errors, never crashes.
-//! if tt_sys::ensure_cuda_loaded().is_err() {
-//!     assert!(tt_sys::empty_cache().is_err());
-//! }
-//! println!("libtorch {}", tt_sys::libtorch_version());
-//! # }
-//! # Ok::<(), Box<dyn std::error::Error>>(())
-//! ```
-//!
-//! [torchtools]: https://docs.rs/torchtools
+#![doc = include_str!("../README.md")]
+// The README shows a build script whole: its `fn main` is what users copy.
+#![allow(clippy::needless_doctest_main)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod build;

@@ -1,5 +1,4 @@
-//! Test support for the torchtools workspace (dev-dependency only, not published): the
-//! reference Python, and test binaries that re-run themselves as child processes.
+#![doc = include_str!("../README.md")]
 #![allow(clippy::unwrap_used, clippy::panic)] // a panic is how a test reports
 
 pub mod hang;
