@@ -16,6 +16,18 @@ use anyhow::{bail, Context, Result};
 use crate::setup::Libtorch;
 use crate::steps::{self, cargo};
 
+/// The crates' own benchmarks in the table: (crate, bench, the optional feature it
+/// needs). Each crate's README shows its rows.
+pub(crate) const BENCHES: [(&str, &str, Option<&str>); 7] = [
+    ("tt-sampler", "sampler", None),
+    ("tt-ckpt", "ckpt", None),
+    ("tt-lock", "lock", None),
+    ("tt-tracker", "tracker", None),
+    ("tt-adaptive", "adaptive", None),
+    ("tt-probe", "probe", None),
+    ("tt-dist", "dist", Some("c10d")),
+];
+
 /// Median wall time of `runs` runs of `cmd` (after one warm-up run).
 fn median_time(mut make: impl FnMut() -> Command, runs: usize) -> Result<Duration> {
     let mut times = Vec::with_capacity(runs);
@@ -98,6 +110,7 @@ pub(crate) fn run() -> Result<()> {
     let python_name = "python: import torch + is_available";
     let mut rows = vec![
         Row::new(
+            "torchtools-cli",
             "torchtools devices --json (CLI, no libtorch)",
             ms(ours_cli),
             python_name,
@@ -106,6 +119,7 @@ pub(crate) fn run() -> Result<()> {
             false,
         ),
         Row::new(
+            "torchtools",
             "device_from_env: report + select + a tensor op",
             ms(ours_demo),
             python_name,
@@ -114,16 +128,7 @@ pub(crate) fn run() -> Result<()> {
             false,
         ),
     ];
-    // (crate, bench, the optional feature it needs)
-    for (krate, bench, feature) in [
-        ("tt-sampler", "sampler", None),
-        ("tt-ckpt", "ckpt", None),
-        ("tt-lock", "lock", None),
-        ("tt-tracker", "tracker", None),
-        ("tt-adaptive", "adaptive", None),
-        ("tt-probe", "probe", None),
-        ("tt-dist", "dist", Some("c10d")),
-    ] {
+    for (krate, bench, feature) in BENCHES {
         rows.extend(crate_rows(krate, bench, feature)?);
     }
     println!("\nbenchmark table (medians; ratio > 1 means torchtools is better)");
@@ -142,16 +147,50 @@ pub(crate) fn run() -> Result<()> {
             r.ratio()
         );
     }
-    // The README's table is this file, pasted whole: never edited by hand.
-    let md = markdown(&rows, &machine(), &today());
+    let (machine, date) = (machine(), today());
+    let md = markdown(&rows, &machine, &date);
     let path = root.join("target/bench.md");
     std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
-    println!("\nthe same as Markdown, for the README: {}", path.display());
+    println!("\nthe same as Markdown: {}", path.display());
+    // The READMEs' tables are this run's, written here: never edited by hand.
+    let mut readmes = vec![(root.join("README.md"), md)];
+    let mut krates: Vec<&str> = rows.iter().map(|r| r.krate.as_str()).collect();
+    krates.dedup();
+    for krate in krates.into_iter().filter(|k| *k != "torchtools") {
+        let own: Vec<&Row> = rows.iter().filter(|r| r.krate == krate).collect();
+        let path = root.join("crates").join(krate).join("README.md");
+        readmes.push((path, markdown(own, &machine, &date)));
+    }
+    for (path, table) in readmes {
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let text = replace_table(&text, &table)
+            .with_context(|| format!("{}: where does the table go?", path.display()))?;
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+        println!("table written into {}", path.display());
+    }
     Ok(())
 }
 
+/// The line before a README's benchmark table, which `cargo xtask bench` writes.
+pub(crate) const TABLE_BEGIN: &str = "<!-- cargo xtask bench writes this table: do not edit -->";
+/// The line after it.
+pub(crate) const TABLE_END: &str = "<!-- end of cargo xtask bench's table -->";
+
+/// `text` with the table between its markers replaced by `table`.
+fn replace_table(text: &str, table: &str) -> Result<String> {
+    let (Some(begin), Some(end)) = (text.find(TABLE_BEGIN), text.find(TABLE_END)) else {
+        bail!("no lines {TABLE_BEGIN} and {TABLE_END} around its benchmark table");
+    };
+    if end < begin {
+        bail!("{TABLE_END} comes before {TABLE_BEGIN}");
+    }
+    let from = begin + TABLE_BEGIN.len();
+    Ok(format!("{}\n\n{}\n{}", &text[..from], table, &text[end..]))
+}
+
 /// The table as Markdown, headed by the machine and the date it was measured on.
-fn markdown(rows: &[Row], machine: &str, date: &str) -> String {
+fn markdown<'a>(rows: impl IntoIterator<Item = &'a Row>, machine: &str, date: &str) -> String {
     let mut out = format!(
         "`cargo xtask bench` on {machine}, {date} (medians; a ratio above 1 means \
          torchtools is better):\n\n\
@@ -216,6 +255,8 @@ fn today() -> String {
 
 /// One line of the table.
 struct Row {
+    /// The package measured: its README shows the row too.
+    krate: String,
     what: String,
     ours: f64,
     baseline_name: String,
@@ -235,6 +276,7 @@ impl Row {
     }
 
     fn new(
+        krate: &str,
         what: &str,
         ours: f64,
         baseline_name: &str,
@@ -243,6 +285,7 @@ impl Row {
         higher_is_better: bool,
     ) -> Row {
         Row {
+            krate: krate.into(),
             what: what.into(),
             ours,
             baseline_name: baseline_name.into(),
@@ -272,6 +315,7 @@ fn crate_rows(krate: &str, bench: &str, feature: Option<&str>) -> Result<Vec<Row
         let f: Vec<&str> = line.split('|').collect();
         match f.as_slice() {
             ["row", what, ours, name, base, unit, better] => rows.push(Row::new(
+                krate,
                 what,
                 ours.parse().context("benchmark row: ours")?,
                 name,
@@ -292,8 +336,8 @@ mod tests {
     #[test]
     fn the_markdown_table_names_the_machine_and_orients_ratios() {
         let rows = [
-            Row::new("a | b", 2.0, "base", 4.0, "ms", false),
-            Row::new("rate", 3.0, "theirs", 1.5, "GB/s", true),
+            Row::new("k", "a | b", 2.0, "base", 4.0, "ms", false),
+            Row::new("k", "rate", 3.0, "theirs", 1.5, "GB/s", true),
         ];
         let md = markdown(&rows, "2 cores of X", "2026-11-26");
         assert!(
@@ -312,5 +356,18 @@ mod tests {
         assert_eq!(figure(1494.1), "1494");
         assert_eq!(figure(18.34), "18.3");
         assert!(machine().contains("cores of"));
+    }
+
+    #[test]
+    fn tables_are_written_between_their_markers_only() {
+        let text = format!("# x\n\nbefore\n{TABLE_BEGIN}\n\nold | table\n\n{TABLE_END}\nafter\n");
+        let new = replace_table(&text, "| new |\n").unwrap();
+        assert_eq!(
+            new,
+            format!("# x\n\nbefore\n{TABLE_BEGIN}\n\n| new |\n\n{TABLE_END}\nafter\n")
+        );
+        assert_eq!(replace_table(&new, "| new |\n").unwrap(), new, "idempotent");
+        assert!(replace_table("no markers", "t").is_err());
+        assert!(replace_table(&format!("{TABLE_END} {TABLE_BEGIN}"), "t").is_err());
     }
 }

@@ -204,6 +204,63 @@ mod tests {
         );
     }
 
+    /// The benchmark table between the markers `cargo xtask bench` writes: its header
+    /// line (machine and date) and its rows.
+    fn bench_table(text: &str) -> Option<(String, Vec<String>)> {
+        use crate::bench::{TABLE_BEGIN, TABLE_END};
+        let begin = text.find(TABLE_BEGIN)? + TABLE_BEGIN.len();
+        let end = text[begin..].find(TABLE_END)? + begin;
+        let region = &text[begin..end];
+        let header = region
+            .lines()
+            .find(|l| l.starts_with("`cargo xtask bench` on "))?
+            .to_owned();
+        let rows = region
+            .lines()
+            .filter(|l| l.starts_with("| ") && !l.starts_with("| what |"))
+            .map(str::to_owned)
+            .collect();
+        Some((header, rows))
+    }
+
+    /// The READMEs' benchmark tables are one `cargo xtask bench` run's: the project's
+    /// whole table, and in each measured crate's README its own rows, with the same
+    /// machine and date.
+    #[test]
+    fn benchmark_tables_come_from_one_bench_run() {
+        let root = std::fs::read_to_string(crate::root().join("README.md")).unwrap();
+        let (header, rows) = bench_table(&root).expect("README.md: the benchmark table's markers");
+        assert!(rows.len() > 10, "README.md: {} benchmark rows", rows.len());
+        let readmes = crate_readmes();
+        let measured = crate::bench::BENCHES.map(|(k, _, _)| k);
+        for krate in measured.iter().chain(&["torchtools-cli"]) {
+            let (_, text) = readmes.iter().find(|(n, _)| n == krate).unwrap();
+            assert!(
+                bench_table(text).is_some(),
+                "crates/{krate}/README.md: no benchmark table between the markers"
+            );
+        }
+        for (name, text) in &readmes {
+            let Some((own_header, own_rows)) = bench_table(text) else {
+                continue;
+            };
+            assert_eq!(
+                own_header, header,
+                "crates/{name}/README.md: another run's table"
+            );
+            assert!(
+                !own_rows.is_empty(),
+                "crates/{name}/README.md: an empty table"
+            );
+            for row in own_rows {
+                assert!(
+                    rows.contains(&row),
+                    "crates/{name}/README.md: a row that is not the run's: {row}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn names_are_whole_words() {
         let mut out = BTreeSet::new();

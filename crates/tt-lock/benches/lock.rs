@@ -130,7 +130,7 @@ fn main() {
     println!("row|GPU lock acquire+release, uncontended (µs)|{acquire:.1}|goal|20.0|µs|lower");
     if let Some(py) = python_flock_us(&dir) {
         println!("  python open + fcntl.flock + unlock (the Python torchtools' way, no record): {py:.1} µs");
-        println!("row|GPU lock acquire+release, uncontended (µs)|{acquire:.1}|python fcntl.flock (seed)|{py:.1}|µs|lower");
+        println!("row|GPU lock acquire+release, uncontended (µs)|{acquire:.1}|Python open + fcntl.flock + unlock|{py:.1}|µs|lower");
     }
     println!("row|lock hand-off to the next blocked waiter in line (µs)|{blocked:.1}|goal|1000.0|µs|lower");
     println!(
