@@ -8,9 +8,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
-use signal_hook::iterator::exfiltrator::WithOrigin;
-use signal_hook::iterator::SignalsInfo;
-use signal_hook::low_level::siginfo::Cause;
+use signal_hook::iterator::Signals;
 use tt_dist::{launch as launch_group, LaunchConfig};
 
 use crate::child::Exit;
@@ -372,22 +370,23 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<ExitCode> {
             Some(reservation)
         }
     };
-    // Signals a process sends us go to every rank; the terminal's reach them directly.
+    // Every signal we get goes to every rank: each rank leads a process group of its
+    // own (so that stopping it stops what it started), out of the terminal's reach, so
+    // the terminal's Ctrl-C reaches the ranks through us.
     let forward = Arc::new(AtomicI32::new(0));
-    let mut signals = SignalsInfo::<WithOrigin>::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
+    let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
         .map_err(|e| anyhow::anyhow!("cannot install signal handlers: {e}"))?;
     let handle = signals.handle();
     let flag = Arc::clone(&forward);
     let forwarder = std::thread::spawn(move || {
-        for origin in signals.forever() {
-            if !matches!(origin.cause, Cause::Kernel) {
-                flag.store(origin.signal, Ordering::Relaxed);
-            }
+        for signal in signals.forever() {
+            flag.store(signal, Ordering::Relaxed);
         }
     });
     cfg.forward = Some(forward);
     let outcome = launch_group(&cfg).map_err(|e| match e {
         tt_dist::Error::Launch(m) => anyhow::Error::from(Exit(2, m)),
+        tt_dist::Error::Job(m) => anyhow::Error::from(Exit(1, m)),
         tt_dist::Error::Spawn { program, cause, .. } => anyhow::Error::from(
             crate::child::spawn_failure(&program.to_string_lossy(), &cause),
         ),

@@ -1,4 +1,5 @@
 use std::fmt;
+use std::time::Duration;
 
 use crate::{Error, Result};
 
@@ -410,6 +411,34 @@ pub fn first_host(nodelist: &str) -> Option<String> {
             Some(format!("{prefix}{start}{rest}"))
         }
     }
+}
+
+/// How long rendezvous and each collective may take, unless `TORCHTOOLS_DIST_TIMEOUT`
+/// says otherwise: a process group's timeout, and how long `torchtools launch` waits
+/// for every node of a job to join. (torch.distributed's default is 30 minutes for
+/// Gloo; a dead peer is usually detected at once, the timeout is for hung ones.)
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// `TORCHTOOLS_DIST_TIMEOUT` read through `get` (a duration above 0: `600`, `20s`,
+/// `10m`, `1.5h`), else [`DEFAULT_TIMEOUT`].
+pub(crate) fn dist_timeout(get: impl Fn(&str) -> Option<String>) -> Result<Duration> {
+    let Some(v) = get("TORCHTOOLS_DIST_TIMEOUT").filter(|v| !v.is_empty()) else {
+        return Ok(DEFAULT_TIMEOUT);
+    };
+    // The CLI's form: 600, 20s, 10m, 1.5h.
+    let timeout = tt_device::parse_duration(&v).map_err(|why| Error::Invalid {
+        name: "TORCHTOOLS_DIST_TIMEOUT",
+        value: v.clone(),
+        reason: format!("not a duration ({why})"),
+    })?;
+    if timeout.is_zero() || timeout.as_secs() >= 1_000_000_000 {
+        return Err(Error::Invalid {
+            name: "TORCHTOOLS_DIST_TIMEOUT",
+            value: v,
+            reason: "out of range: give a duration above 0, e.g. 600 or 10m".into(),
+        });
+    }
+    Ok(timeout)
 }
 
 #[cfg(test)]

@@ -26,6 +26,10 @@ pub enum Error {
     /// A launch argument is wrong.
     #[error("{0}")]
     Launch(String),
+    /// A job of several nodes ended without a rank to blame: a node never joined, or a
+    /// node's launcher was lost.
+    #[error("{0}")]
+    Job(String),
     /// Forming the process group failed (store or backend); the message says what
     /// to check.
     #[error("rendezvous at {addr}:{port} failed: {message}")]

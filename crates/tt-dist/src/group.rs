@@ -9,11 +9,7 @@ pub use tt_sys::c10d::{BackendKind, ReduceOp};
 
 use crate::{DistEnv, Error, Result, Source};
 
-/// How long rendezvous and each collective may take, unless `TORCHTOOLS_DIST_TIMEOUT`
-/// (seconds) or [`GroupOptions::timeout`] says otherwise. (torch.distributed's default
-/// is 30 minutes for Gloo; a dead peer is usually detected at once, the timeout is for
-/// hung ones.)
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+use crate::env::DEFAULT_TIMEOUT;
 
 /// How to form a [`ProcessGroup`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,22 +55,7 @@ impl GroupOptions {
                 }
             });
         }
-        if let Some(v) = get("TORCHTOOLS_DIST_TIMEOUT").filter(|v| !v.is_empty()) {
-            // The CLI's form: 600, 20s, 10m, 1.5h.
-            let timeout = tt_device::parse_duration(&v).map_err(|why| Error::Invalid {
-                name: "TORCHTOOLS_DIST_TIMEOUT",
-                value: v.clone(),
-                reason: format!("not a duration ({why})"),
-            })?;
-            if timeout.is_zero() || timeout.as_secs() >= 1_000_000_000 {
-                return Err(Error::Invalid {
-                    name: "TORCHTOOLS_DIST_TIMEOUT",
-                    value: v,
-                    reason: "out of range: give a duration above 0, e.g. 600 or 10m".into(),
-                });
-            }
-            opts.timeout = timeout;
-        }
+        opts.timeout = crate::env::dist_timeout(&get)?;
         Ok(opts)
     }
 

@@ -73,15 +73,22 @@ fn resolve(host: &str) -> Option<IpAddr> {
     (host, 0).to_socket_addrs().ok()?.map(|a| a.ip()).next()
 }
 
-/// Whether this host's name resolves to a loopback address (or does not resolve).
-fn hostname_is_loopback() -> bool {
+/// This host's name (`gethostname`).
+pub(crate) fn host_name() -> Option<String> {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most buf.len() bytes into buf.
     if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
-        return true;
+        return None;
     }
     let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    let name = String::from_utf8_lossy(&buf[..end]).into_owned();
+    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
+}
+
+/// Whether this host's name resolves to a loopback address (or does not resolve).
+fn hostname_is_loopback() -> bool {
+    let Some(name) = host_name() else {
+        return true;
+    };
     match (name.as_str(), 0).to_socket_addrs() {
         Ok(mut addrs) => addrs.next().is_none_or(|a| a.ip().is_loopback()),
         Err(_) => true,

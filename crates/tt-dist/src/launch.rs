@@ -192,7 +192,6 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
             ))
         }
     };
-    let world = cfg.nnodes * cfg.nproc_per_node;
     // Ranks on other hosts must reach ours: name the interface when the host's name
     // resolves to loopback (Gloo would offer 127.0.0.1 to its peers).
     let mut env = cfg.env.clone();
@@ -201,96 +200,15 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
         env.extend(iface.set.iter().map(|(k, v)| (k.into(), v.into())));
     }
     let errors = ErrorFiles::new()?;
+    if cfg.nnodes > 1 {
+        return launch_nodes(cfg, port, &env, &errors);
+    }
     let mut restarts = 0;
     loop {
-        let mut ranks: Vec<(usize, Child)> = Vec::with_capacity(cfg.nproc_per_node);
-        let mut readers = Vec::new();
-        for local in 0..cfg.nproc_per_node {
-            let rank = cfg.node_rank * cfg.nproc_per_node + local;
-            let mut cmd = Command::new(&cfg.program);
-            cmd.args(&cfg.args)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", local.to_string())
-                .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
-                .env("GROUP_RANK", cfg.node_rank.to_string())
-                .env("GROUP_WORLD_SIZE", cfg.nnodes.to_string())
-                .env("ROLE_NAME", "default")
-                .env("ROLE_RANK", rank.to_string())
-                .env("ROLE_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", &cfg.master_addr)
-                .env("MASTER_PORT", port.to_string())
-                .env("TORCHELASTIC_RESTART_COUNT", restarts.to_string())
-                .env("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string())
-                .env(
-                    "TORCHELASTIC_RUN_ID",
-                    cfg.run_id.as_deref().unwrap_or("none"),
-                )
-                .env("TORCHELASTIC_ERROR_FILE", errors.prepare(restarts, rank)?)
-                // The signals the launcher forwards to every rank.
-                .env(
-                    "TORCHELASTIC_SIGNALS_TO_HANDLE",
-                    "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-                )
-                // Rank 0 serves the store (at MASTER_ADDR:MASTER_PORT): no launcher's.
-                .env("TORCHELASTIC_USE_AGENT_STORE", "False")
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            if std::env::var_os("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none() {
-                // As torchrun: a failed NCCL collective ends the rank, not hangs it.
-                cmd.env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
-            }
-            cmd.envs(env.iter().map(|(k, v)| (k, v)));
-            if cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
-                cmd.env("OMP_NUM_THREADS", "1");
-            }
-            // A rank writes into a pipe, where Python holds `print` back until its
-            // buffer fills or it exits; under torchrun it writes to the terminal and
-            // each line shows at once. Line by line here too, unless the user chose.
-            if std::env::var_os("PYTHONUNBUFFERED").is_none() {
-                cmd.env("PYTHONUNBUFFERED", "1");
-            }
-            let mut child = match cmd.spawn() {
-                Ok(c) => c,
-                Err(source) => {
-                    for (_, c) in &mut ranks {
-                        let _ = c.kill();
-                        let _ = c.wait();
-                    }
-                    return Err(Error::Spawn {
-                        rank,
-                        program: cfg.program.clone().into(),
-                        cause: source,
-                    });
-                }
-            };
-            let streams = [
-                child.stdout.take().map(|o| prefix(o, rank, false)),
-                child.stderr.take().map(|e| prefix(e, rank, true)),
-            ];
-            ranks.push((rank, child));
-            for reader in streams.into_iter().flatten() {
-                match reader {
-                    Ok(r) => readers.push(r),
-                    Err(source) => {
-                        for (_, c) in &mut ranks {
-                            let _ = c.kill();
-                            let _ = c.wait();
-                        }
-                        return Err(Error::Io {
-                            what: format!("starting the output reader of rank {rank}"),
-                            cause: source,
-                        });
-                    }
-                }
-            }
-        }
-        let failed = supervise(cfg, &mut ranks);
-        for r in readers {
-            let _ = r.join();
-        }
-        match failed {
+        let (mut ranks, readers) = start_ranks(cfg, port, restarts, &env, &errors)?;
+        let ended = supervise(cfg, &mut ranks, &mut |_| {}, &mut || false);
+        join_readers(readers);
+        match ended.first {
             None => {
                 return Ok(LaunchOutcome {
                     code: 0,
@@ -321,6 +239,238 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
                 });
             }
         }
+    }
+}
+
+/// The threads copying the ranks' output.
+type Readers = Vec<std::thread::JoinHandle<()>>;
+
+/// This node's ranks of attempt `attempt`, their store at `MASTER_ADDR:port`, each
+/// with a reader thread per output stream.
+fn start_ranks(
+    cfg: &LaunchConfig,
+    port: u16,
+    attempt: u32,
+    env: &[(OsString, OsString)],
+    errors: &ErrorFiles,
+) -> Result<(Vec<(usize, Child)>, Readers)> {
+    let world = cfg.nnodes * cfg.nproc_per_node;
+    let mut ranks: Vec<(usize, Child)> = Vec::with_capacity(cfg.nproc_per_node);
+    let mut readers = Vec::new();
+    let stop_started = |ranks: &mut Vec<(usize, Child)>| {
+        for (_, c) in ranks.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    };
+    for local in 0..cfg.nproc_per_node {
+        let rank = cfg.node_rank * cfg.nproc_per_node + local;
+        let mut cmd = Command::new(&cfg.program);
+        cmd.args(&cfg.args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
+            .env("GROUP_RANK", cfg.node_rank.to_string())
+            .env("GROUP_WORLD_SIZE", cfg.nnodes.to_string())
+            .env("ROLE_NAME", "default")
+            .env("ROLE_RANK", rank.to_string())
+            .env("ROLE_WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", &cfg.master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", attempt.to_string())
+            .env("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string())
+            .env(
+                "TORCHELASTIC_RUN_ID",
+                cfg.run_id.as_deref().unwrap_or("none"),
+            )
+            .env("TORCHELASTIC_ERROR_FILE", errors.prepare(attempt, rank)?)
+            // The signals the launcher forwards to every rank.
+            .env(
+                "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+            )
+            // Rank 0 serves the store (at MASTER_ADDR:MASTER_PORT): no launcher's.
+            .env("TORCHELASTIC_USE_AGENT_STORE", "False")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // Each rank leads a process group of its own, so that stopping it stops what
+        // it started too (a shell's children, a data loader's workers), whose open
+        // copies of the rank's output would otherwise keep the launcher waiting.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        if std::env::var_os("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none() {
+            // As torchrun: a failed NCCL collective ends the rank, not hangs it.
+            cmd.env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
+        }
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
+        if cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
+            cmd.env("OMP_NUM_THREADS", "1");
+        }
+        // A rank writes into a pipe, where Python holds `print` back until its
+        // buffer fills or it exits; under torchrun it writes to the terminal and
+        // each line shows at once. Line by line here too, unless the user chose.
+        if std::env::var_os("PYTHONUNBUFFERED").is_none() {
+            cmd.env("PYTHONUNBUFFERED", "1");
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(source) => {
+                stop_started(&mut ranks);
+                return Err(Error::Spawn {
+                    rank,
+                    program: cfg.program.clone().into(),
+                    cause: source,
+                });
+            }
+        };
+        let streams = [
+            child.stdout.take().map(|o| prefix(o, rank, false)),
+            child.stderr.take().map(|e| prefix(e, rank, true)),
+        ];
+        ranks.push((rank, child));
+        for reader in streams.into_iter().flatten() {
+            match reader {
+                Ok(r) => readers.push(r),
+                Err(source) => {
+                    stop_started(&mut ranks);
+                    return Err(Error::Io {
+                        what: format!("starting the output reader of rank {rank}"),
+                        cause: source,
+                    });
+                }
+            }
+        }
+    }
+    Ok((ranks, readers))
+}
+
+/// A job of several nodes: every node's launcher (this one too) joins node 0's, which
+/// starts each attempt on every node and ends it on every node (see `job`).
+fn launch_nodes(
+    cfg: &LaunchConfig,
+    port: u16,
+    env: &[(OsString, OsString)],
+    errors: &ErrorFiles,
+) -> Result<LaunchOutcome> {
+    use crate::job::{Coordinator, Down, Link, NodeEnd, Up};
+    let join = crate::env::dist_timeout(|k| std::env::var(k).ok())?;
+    // Node 0's launcher runs the job; it ends (joined) after the last message.
+    let coordinator = match cfg.node_rank {
+        0 => Some(Coordinator::start(
+            port,
+            cfg.nnodes,
+            cfg.max_restarts,
+            join,
+        )?),
+        _ => None,
+    };
+    let addr = if cfg.node_rank == 0 {
+        "127.0.0.1"
+    } else {
+        cfg.master_addr.as_str()
+    };
+    let link = Link::connect(addr, port, cfg.node_rank, join)?;
+    // A message that came while the ranks ran and that the loop must still act on.
+    let mut backlog: Option<Down> = None;
+    loop {
+        let message = match backlog.take() {
+            Some(m) => m,
+            None => match link.next(Duration::from_secs(1))? {
+                Some(m) => m,
+                None => continue,
+            },
+        };
+        let (attempt, rank_port, after) = match message {
+            Down::Start {
+                attempt,
+                port,
+                after,
+            } => (attempt, port, after),
+            Down::Finish { end } => {
+                // The coordinator has said its last word to every node.
+                drop(coordinator);
+                return match (end.code, end.rank) {
+                    (0, _) => Ok(LaunchOutcome {
+                        code: 0,
+                        failed: None,
+                        restarts: end.restarts,
+                        master_port: port,
+                        error: None,
+                    }),
+                    (code, Some(rank)) => Ok(LaunchOutcome {
+                        code,
+                        failed: Some((rank, end.how)),
+                        restarts: end.restarts,
+                        master_port: port,
+                        error: end.error,
+                    }),
+                    (_, None) => Err(Error::Job(end.how)),
+                };
+            }
+            Down::Refused { reason } => return Err(Error::Launch(reason)),
+            Down::Stop { .. } | Down::Alive => continue,
+        };
+        if let Some(after) = after {
+            let _ = writeln!(
+                std::io::stderr(),
+                "torchtools launch: {after}; restarting the ranks of every node ({attempt}/{})",
+                cfg.max_restarts
+            );
+        }
+        let (mut ranks, readers) = start_ranks(cfg, rank_port, attempt, env, errors)?;
+        let mut lost: Option<Error> = None;
+        let mut told = false;
+        let ended = {
+            let mut on_first = |(rank, code, how): &(usize, i32, String)| {
+                if *code != EXIT_PREEMPTED {
+                    let end = NodeEnd {
+                        code: *code,
+                        rank: Some(*rank),
+                        how: how.clone(),
+                        error: read_error_file(&errors.file(attempt, *rank)),
+                        stopped: false,
+                    };
+                    told = true;
+                    let _ = link.send(&Up::Failing { attempt, end });
+                }
+            };
+            let mut stop = || match link.next(Duration::ZERO) {
+                Ok(Some(Down::Stop { attempt: a })) => a == attempt,
+                Ok(Some(m @ Down::Finish { .. })) => {
+                    backlog = Some(m);
+                    true
+                }
+                Ok(_) => false,
+                Err(e) => {
+                    lost.get_or_insert(e);
+                    true
+                }
+            };
+            supervise(cfg, &mut ranks, &mut on_first, &mut stop)
+        };
+        join_readers(readers);
+        if let Some(e) = lost {
+            return Err(e);
+        }
+        let end = match ended.first {
+            None => NodeEnd {
+                code: 0,
+                rank: None,
+                how: String::new(),
+                error: None,
+                stopped: ended.stopped,
+            },
+            Some((rank, code, how)) => NodeEnd {
+                code,
+                rank: Some(rank),
+                error: read_error_file(&errors.file(attempt, rank)),
+                how,
+                // Ranks that failed because they were told to stop are not the cause.
+                stopped: ended.stopped && !told,
+            },
+        };
+        link.send(&Up::Ended { attempt, end })?;
     }
 }
 
@@ -392,12 +542,28 @@ fn read_error_file(path: &std::path::Path) -> Option<String> {
     })
 }
 
-/// Waits for every rank; on the first failure stops the others (SIGTERM, SIGKILL after
-/// the grace period). Returns the first failure.
-fn supervise(cfg: &LaunchConfig, ranks: &mut [(usize, Child)]) -> Option<(usize, i32, String)> {
+/// How this node's ranks ended.
+struct Ended {
+    /// The first rank that failed (else the first preempted), its status and how.
+    first: Option<(usize, i32, String)>,
+    /// The ranks were stopped because `stop` asked.
+    stopped: bool,
+}
+
+/// Waits for every rank; on the first failure, or when `stop` says so (another node's
+/// rank failed), stops the others (SIGTERM, SIGKILL after the grace period).
+/// `on_first` hears of the first failure (or preemption) at once, before the others
+/// are stopped.
+fn supervise(
+    cfg: &LaunchConfig,
+    ranks: &mut [(usize, Child)],
+    on_first: &mut dyn FnMut(&(usize, i32, String)),
+    stop: &mut dyn FnMut() -> bool,
+) -> Ended {
     let mut done = vec![false; ranks.len()];
     let mut failed: Option<(usize, i32, String)> = None;
     let mut preempted: Option<usize> = None;
+    let mut stopped = false;
     let mut term_sent: Option<Instant> = None;
     let mut killed = false;
     loop {
@@ -406,8 +572,7 @@ fn supervise(cfg: &LaunchConfig, ranks: &mut [(usize, Child)]) -> Option<(usize,
             if signal != 0 {
                 for ((_, c), d) in ranks.iter().zip(&done) {
                     if !d {
-                        // SAFETY: kill(2) of our own unreaped child.
-                        unsafe { libc::kill(c.id() as i32, signal) };
+                        signal_group(c, signal);
                     }
                 }
             }
@@ -420,31 +585,40 @@ fn supervise(cfg: &LaunchConfig, ranks: &mut [(usize, Child)]) -> Option<(usize,
                 done[i] = true;
                 if status.code() == Some(EXIT_PREEMPTED) {
                     // Stopping with a checkpoint, as the other ranks are: let them.
+                    if preempted.is_none() && failed.is_none() && !stopped {
+                        on_first(&(*rank, EXIT_PREEMPTED, PREEMPTED.into()));
+                    }
                     preempted.get_or_insert(*rank);
                 } else if !status.success() && failed.is_none() {
                     let (code, how) = describe(status);
-                    failed = Some((*rank, code, how));
+                    let first = (*rank, code, how);
+                    if !stopped {
+                        on_first(&first);
+                    }
+                    failed = Some(first);
                 }
             }
         }
         if done.iter().all(|d| *d) {
-            return failed.or_else(|| {
-                preempted.map(|rank| {
-                    (
-                        rank,
-                        EXIT_PREEMPTED,
-                        "was preempted (checkpoint written)".into(),
-                    )
-                })
-            });
+            if failed.is_some() || stopped {
+                // What the stopped ranks left behind goes with them.
+                for (_, c) in ranks.iter() {
+                    signal_group(c, libc::SIGKILL);
+                }
+            }
+            let first =
+                failed.or_else(|| preempted.map(|rank| (rank, EXIT_PREEMPTED, PREEMPTED.into())));
+            return Ended { first, stopped };
         }
-        if failed.is_some() {
+        if !stopped && failed.is_none() && stop() {
+            stopped = true;
+        }
+        if failed.is_some() || stopped {
             match term_sent {
                 None => {
                     for ((_, c), d) in ranks.iter().zip(&done) {
                         if !d {
-                            // SAFETY: kill(2) of our own unreaped child.
-                            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+                            signal_group(c, libc::SIGTERM);
                         }
                     }
                     term_sent = Some(Instant::now());
@@ -452,6 +626,7 @@ fn supervise(cfg: &LaunchConfig, ranks: &mut [(usize, Child)]) -> Option<(usize,
                 Some(at) if !killed && at.elapsed() >= cfg.grace => {
                     for ((_, c), d) in ranks.iter_mut().zip(&done) {
                         if !d {
+                            signal_group(c, libc::SIGKILL);
                             let _ = c.kill();
                         }
                     }
@@ -463,6 +638,36 @@ fn supervise(cfg: &LaunchConfig, ranks: &mut [(usize, Child)]) -> Option<(usize,
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Waits for the output readers of ranks that have all ended: each ends when every
+/// process holding its pipe has closed it. A process a rank left running on its own (a
+/// daemon it started, which the launcher does not stop when the rank succeeded) may
+/// keep it open: after [`READERS_GRACE`] the launcher goes on without waiting for it.
+fn join_readers(readers: Readers) {
+    let deadline = Instant::now() + READERS_GRACE;
+    for r in readers {
+        while !r.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if r.is_finished() {
+            let _ = r.join();
+        }
+    }
+}
+
+/// How long the launcher waits for the last output of ranks that have ended.
+const READERS_GRACE: Duration = Duration::from_secs(2);
+
+/// Sends `signal` to the process group `rank` leads (the rank and what it started).
+fn signal_group(rank: &Child, signal: i32) {
+    // SAFETY: kill(2) of the group our own child leads; the child is not reaped yet or
+    // its group id is not reused while we hold it (a reaped leader's group may
+    // outlive it only through its own members).
+    unsafe { libc::kill(-(rank.id() as i32), signal) };
+}
+
+/// How a preempted rank is said.
+const PREEMPTED: &str = "was preempted (checkpoint written)";
 
 #[cfg(test)]
 mod tests {

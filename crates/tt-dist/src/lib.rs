@@ -8,14 +8,15 @@ mod error;
 #[cfg(feature = "c10d")]
 mod group;
 mod iface;
+mod job;
 mod launch;
 
 #[cfg(feature = "c10d")]
 pub use ddp::{Ddp, DdpOptions, DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES};
 #[cfg(feature = "c10d")]
-pub use group::{BackendKind, GroupOptions, ProcessGroup, ReduceOp, Work, DEFAULT_TIMEOUT};
+pub use group::{BackendKind, GroupOptions, ProcessGroup, ReduceOp, Work};
 
-pub use env::{first_host, DistEnv, Place, Source, DEFAULT_PORT};
+pub use env::{first_host, DistEnv, Place, Source, DEFAULT_PORT, DEFAULT_TIMEOUT};
 pub use error::{Error, Result};
 pub use iface::{socket_interface_for, SocketInterface, SOCKET_IFNAME_VARS};
 pub use launch::{
