@@ -263,3 +263,112 @@ fn checkpoint_resume_after_kill_9_ends_as_an_uninterrupted_run() {
     assert!(resumed.contains("finished 96 steps"), "{resumed}");
     assert_eq!(checksum(&resumed), checksum(&uninterrupted));
 }
+
+/// The train example as a job of two nodes (one rank each, on this host): `kill -9` of
+/// node 1's rank mid-training ends node 0's launcher too, naming node 1's rank; the
+/// same two commands again resume from the checkpoint on both nodes and end with the
+/// parameters of an uninterrupted run, bit for bit.
+#[test]
+fn a_two_node_train_job_survives_kill_9_of_a_rank_and_resumes_exactly() {
+    use torchtools::dist::{free_port, launch, LaunchConfig, LaunchOutcome};
+    let exe = std::env::current_exe().unwrap();
+    let example = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("examples/train");
+    let node = |rank: usize, port: u16, ckpt: &Path| {
+        let mut cfg = LaunchConfig::local(1, example.as_os_str(), Vec::new());
+        cfg.nnodes = 2;
+        cfg.node_rank = rank;
+        cfg.master_port = Some(port);
+        cfg.env = [
+            ("TORCHTOOLS_TRAIN_EPOCHS", "20".as_ref()),
+            ("TORCHTOOLS_DEVICE", "cpu".as_ref()),
+            ("TORCHTOOLS_TRAIN_CKPT", ckpt.as_os_str()),
+            ("TORCHTOOLS_DIST_TIMEOUT", "300".as_ref()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.into(), v.to_owned()))
+        .collect();
+        cfg
+    };
+    let job = |ckpt: &Path, during: &dyn Fn()| -> Vec<LaunchOutcome> {
+        let port = free_port("127.0.0.1").unwrap();
+        let nodes: Vec<_> = (0..2)
+            .map(|rank| {
+                let cfg = node(rank, port, ckpt);
+                std::thread::spawn(move || launch(&cfg).unwrap())
+            })
+            .collect();
+        during();
+        nodes.into_iter().map(|n| n.join().unwrap()).collect()
+    };
+    let parameters = |ckpt: &Path| {
+        let loaded = torchtools::ckpt::CheckpointDir::open(ckpt)
+            .unwrap()
+            .load_latest()
+            .unwrap()
+            .expect("a checkpoint");
+        assert_eq!(loaded.checkpoint.step(), 640, "20 epochs of 32 steps");
+        ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+            .map(|name| loaded.checkpoint.tensor(name).unwrap().data().to_vec())
+    };
+
+    let whole = tempfile::tempdir().unwrap();
+    for outcome in job(whole.path(), &|| {}) {
+        assert_eq!(outcome.code, 0, "{outcome:?}");
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let me = std::process::id();
+    let kill_node_1s_rank = || {
+        // The event: rank 0 has written the checkpoint of step 20 (of 640).
+        let latest = dir.path().join("latest");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+        while !std::fs::read_to_string(&latest).is_ok_and(|l| !l.contains("00000000")) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no checkpoint was written"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        // Node 1's rank: our child whose variables say GROUP_RANK=1.
+        let rank = std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .find(|pid| {
+                let status = std::fs::read_to_string(format!("/proc/{pid}/status"));
+                let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+                status.is_ok_and(|s| s.contains(&format!("\nPPid:\t{me}\n")))
+                    && env.split(|b| *b == 0).any(|v| v == b"GROUP_RANK=1")
+            })
+            .expect("node 1's rank is running");
+        // SAFETY: kill(2) of a child of this process, found just above.
+        unsafe { libc::kill(rank, libc::SIGKILL) };
+    };
+    let killed = job(dir.path(), &kill_node_1s_rank);
+    for (node, outcome) in killed.iter().enumerate() {
+        let (rank, how) = outcome.failed.clone().expect("the job failed");
+        assert_eq!(outcome.code, 137, "node {node}: {outcome:?}");
+        assert_eq!(rank, 1, "node {node}: {outcome:?}");
+        assert!(
+            how.contains("killed (SIGKILL) on node 1"),
+            "node {node}: {how}"
+        );
+    }
+    // Killed mid-training: a checkpoint there, the run not finished.
+    let step = torchtools::ckpt::CheckpointDir::open(dir.path())
+        .unwrap()
+        .load_latest()
+        .unwrap()
+        .expect("a checkpoint")
+        .checkpoint
+        .step();
+    assert!(step > 0 && step < 640, "killed at step {step}");
+    for outcome in job(dir.path(), &|| {}) {
+        assert_eq!(outcome.code, 0, "{outcome:?}");
+    }
+    assert_eq!(parameters(dir.path()), parameters(whole.path()));
+}

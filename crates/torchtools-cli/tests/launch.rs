@@ -594,3 +594,224 @@ fn ranks_on_two_hosts_connect_without_an_interface_variable() {
         "{out:?}"
     );
 }
+
+/// A job of two nodes on two "hosts" (network namespaces): each node's launcher with
+/// `args` after the node flags, every rank running `python -c script` (or `sh -c`
+/// when `script` starts with `sh:`); the two launchers' outputs and how long each ran.
+fn two_node_job(
+    hosts: &tt_testkit::netns::TwoHosts,
+    port: &str,
+    args: &[&str],
+    script: &str,
+    env: &[(&str, &str)],
+) -> Vec<(Output, Duration)> {
+    let python = tt_testkit::python_path();
+    let (program, code) = match script.strip_prefix("sh:") {
+        Some(sh) => ("sh".to_owned(), sh.to_owned()),
+        None => (python, script.to_owned()),
+    };
+    let node = |i: usize| {
+        let rank = i.to_string();
+        let mut c = hosts.exec(i, env!("CARGO_BIN_EXE_torchtools"));
+        c.args([
+            "launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            &rank,
+            "--master-addr",
+            hosts.addr(0),
+            "--master-port",
+            port,
+        ])
+        .args(args)
+        .args(["--", &program, "-c", &code])
+        .env_remove("OMP_NUM_THREADS")
+        .env_remove("TORCHTOOLS_LOG")
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+        let start = Instant::now();
+        (c.spawn().unwrap(), start)
+    };
+    let children = [node(0), node(1)];
+    children
+        .into_iter()
+        .map(|(c, start)| {
+            tt_testkit::hang::within(Duration::from_secs(300), "a two-node job", move || {
+                let out = c.wait_with_output().unwrap();
+                (out, start.elapsed())
+            })
+        })
+        .collect()
+}
+
+fn said(out: &Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// torchrun's all-reduce across two hosts of two ranks each, no interface variable.
+#[test]
+fn two_nodes_of_two_ranks_all_reduce() {
+    let Some(hosts) = tt_testkit::netns::TwoHosts::new("fa") else {
+        return;
+    };
+    let script = "import torch, torch.distributed as dist\n\
+                  dist.init_process_group('gloo')\n\
+                  t = torch.tensor([float(dist.get_rank() + 1)])\n\
+                  dist.all_reduce(t)\n\
+                  print('sum', t.item(), 'world', dist.get_world_size())\n\
+                  dist.destroy_process_group()\n";
+    for (i, (out, _)) in two_node_job(&hosts, "29541", &["--nproc-per-node", "2"], script, &[])
+        .iter()
+        .enumerate()
+    {
+        let text = said(out);
+        assert!(out.status.success(), "node {i}: {text}");
+        for local in 0..2 {
+            let rank = 2 * i + local;
+            assert!(
+                text.contains(&format!("[rank{rank}]: sum 10.0 world 4")),
+                "node {i}: {text}"
+            );
+        }
+    }
+}
+
+/// A rank that fails on node 1 while node 0's rank waits at the rendezvous (which would
+/// wait TORCHTOOLS_DIST_TIMEOUT, 300 s here): both launchers end at once with the
+/// failed rank's status, naming it and its node.
+#[test]
+fn a_rank_failing_on_one_node_ends_every_node() {
+    let Some(hosts) = tt_testkit::netns::TwoHosts::new("fb") else {
+        return;
+    };
+    let script = "import os, sys, datetime, torch.distributed as dist\n\
+                  if os.environ['GROUP_RANK'] == '1': sys.exit(3)\n\
+                  dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=300))\n\
+                  print('never here')\n";
+    let ends = two_node_job(
+        &hosts,
+        "29542",
+        &["--nproc-per-node", "1", "--max-restarts", "0"],
+        script,
+        &[("TORCHTOOLS_DIST_TIMEOUT", "300")],
+    );
+    for (i, (out, took)) in ends.iter().enumerate() {
+        let text = said(out);
+        assert_eq!(out.status.code(), Some(3), "node {i}: {text}");
+        assert!(
+            text.contains("rank 1 exited with status 3 on node 1"),
+            "node {i}: {text}"
+        );
+        assert!(!text.contains("never here"), "node {i}: {text}");
+        // Without one fate node 0 would wait for the rendezvous's 300 s.
+        eprintln!("node {i} ended after {took:?}");
+        assert!(*took < Duration::from_secs(120), "node {i} took {took:?}");
+    }
+}
+
+/// `--max-restarts 1` and a rank of node 1 that fails once: every node's ranks start
+/// again, together, and the job succeeds; a preempted rank (75) is passed on by every
+/// node and never restarted.
+#[test]
+fn restarts_and_preemption_are_the_whole_jobs() {
+    let Some(hosts) = tt_testkit::netns::TwoHosts::new("fc") else {
+        return;
+    };
+    let scratch = tempfile::tempdir().unwrap();
+    let once = scratch.path().join("failed-once");
+    let script = format!(
+        "sh:echo attempt $TORCHELASTIC_RESTART_COUNT; \
+         if [ $GROUP_RANK = 1 ] && [ ! -e {0} ]; then touch {0}; exit 4; fi; sleep 1",
+        once.display()
+    );
+    let ends = two_node_job(
+        &hosts,
+        "29543",
+        &["--nproc-per-node", "1", "--max-restarts", "1"],
+        &script,
+        &[],
+    );
+    for (i, (out, _)) in ends.iter().enumerate() {
+        let text = said(out);
+        assert!(out.status.success(), "node {i}: {text}");
+        assert!(
+            text.contains(&format!("[rank{i}]: attempt 0"))
+                && text.contains(&format!("[rank{i}]: attempt 1")),
+            "node {i}: {text}"
+        );
+        assert!(
+            text.contains("rank 1 exited with status 4 on node 1")
+                && text.contains("restarting the ranks of every node (1/1)"),
+            "node {i}: {text}"
+        );
+    }
+    let script = "sh:echo attempt $TORCHELASTIC_RESTART_COUNT; \
+                  if [ $GROUP_RANK = 1 ]; then exit 75; fi";
+    let ends = two_node_job(
+        &hosts,
+        "29544",
+        &["--nproc-per-node", "1", "--max-restarts", "3"],
+        script,
+        &[],
+    );
+    for (i, (out, _)) in ends.iter().enumerate() {
+        let text = said(out);
+        assert_eq!(out.status.code(), Some(75), "node {i}: {text}");
+        assert!(text.contains("was preempted"), "node {i}: {text}");
+        assert!(!text.contains("attempt 1"), "node {i}: {text}");
+    }
+}
+
+/// A node that never starts: node 0 fails at TORCHTOOLS_DIST_TIMEOUT naming it, and a
+/// node whose node 0 never starts says where it looked.
+#[test]
+fn a_node_that_never_joins_fails_the_job_naming_it() {
+    let Some(hosts) = tt_testkit::netns::TwoHosts::new("fd") else {
+        return;
+    };
+    let alone = |node: usize, port: &str| {
+        let rank = node.to_string();
+        hosts
+            .exec(node, env!("CARGO_BIN_EXE_torchtools"))
+            .args([
+                "launch",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                &rank,
+                "--master-addr",
+                hosts.addr(0),
+                "--master-port",
+                port,
+                "--",
+                "sh",
+                "-c",
+                "echo started",
+            ])
+            .env("TORCHTOOLS_DIST_TIMEOUT", "2s")
+            .env_remove("TORCHTOOLS_LOG")
+            .output()
+            .unwrap()
+    };
+    let out = alone(0, "29545");
+    let text = said(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("node(s) 1 never joined within 2s (TORCHTOOLS_DIST_TIMEOUT)"),
+        "{text}"
+    );
+    assert!(!text.contains("started"), "no rank starts alone: {text}");
+    let out = alone(1, "29546");
+    let text = said(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("node 0's launcher at 10.231.0.1:29546 did not answer within 2s"),
+        "{text}"
+    );
+}

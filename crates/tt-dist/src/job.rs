@@ -493,7 +493,7 @@ impl Link {
                 Err(e) => e.to_string(),
             };
             if Instant::now() >= deadline {
-                return Err(Error::Launch(format!(
+                return Err(Error::Job(format!(
                     "node 0's launcher at {addr}:{port} did not answer within {timeout:?} \
                      (TORCHTOOLS_DIST_TIMEOUT): {error}. Start `torchtools launch --node-rank 0` \
                      there with the same --nnodes and --master-port"
@@ -571,7 +571,7 @@ impl Link {
 }
 
 fn lost_coordinator(how: &str) -> Error {
-    Error::Launch(format!(
+    Error::Job(format!(
         "lost node 0's launcher, which runs the job ({how}): this node's ranks were stopped"
     ))
 }

@@ -1,6 +1,6 @@
 //! A torchrun-style launcher: N local processes with torchrun's variables, each line of
 //! their output prefixed with the rank, the group stopped when one rank fails, whole-group
-//! restarts.
+//! restarts; across nodes, one fate for the job through node 0's launcher (`job`).
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
