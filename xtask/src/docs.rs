@@ -261,6 +261,91 @@ mod tests {
         }
     }
 
+    /// Every source file under `dir` (`.rs`, and the C++ under `csrc`), as a path from
+    /// `dir`.
+    fn sources(dir: &Path, base: &Path, out: &mut Vec<String>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                sources(&path, base, out);
+            } else if path
+                .extension()
+                .is_some_and(|e| e == "rs" || e == "cpp" || e == "h")
+            {
+                let rel = path.strip_prefix(base).unwrap_or(&path);
+                out.push(rel.display().to_string());
+            }
+        }
+    }
+
+    /// ARCHITECTURE.md's code map names every source file: under its package's bullet,
+    /// each file as a code span of its path from `src/` (or from the package for
+    /// `csrc/`, `examples/` and `xtask/`).
+    #[test]
+    fn the_code_map_names_every_source_file() {
+        let root = crate::root();
+        let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+        let start = text.find("## Code map").expect("a code map");
+        let map = &text[start..];
+        let map = &map[..map[3..].find("\n## ").map_or(map.len(), |e| e + 3)];
+        // Bullets: the first code span names the package or directory.
+        let mut bullets: Vec<(String, BTreeSet<String>)> = Vec::new();
+        for line in map.lines() {
+            if let Some(rest) = line.strip_prefix("- `") {
+                let head = rest.split('`').next().unwrap_or_default().to_owned();
+                bullets.push((head, BTreeSet::new()));
+            }
+            if let Some((_, spans)) = bullets.last_mut() {
+                for (i, span) in line.split('`').enumerate() {
+                    if i % 2 == 1 {
+                        // `shim.{h,cpp}` names both.
+                        if let Some((stem, rest)) = span.split_once(".{") {
+                            for ext in rest.trim_end_matches('}').split(',') {
+                                spans.insert(format!("{stem}.{ext}"));
+                            }
+                        }
+                        spans.insert(span.to_owned());
+                    }
+                }
+            }
+        }
+        let bullet = |head: &str| {
+            bullets
+                .iter()
+                .find(|(h, _)| h == head)
+                .map(|(_, s)| s)
+                .unwrap_or_else(|| panic!("ARCHITECTURE.md's code map has no bullet for `{head}`"))
+        };
+        let mut missing = Vec::new();
+        let mut check = |head: &str, dir: &Path, prefix: &str| {
+            let spans = bullet(head);
+            let mut files = Vec::new();
+            sources(dir, dir, &mut files);
+            for file in files {
+                let named = format!("{prefix}{file}");
+                if file != "lib.rs" && file != "error.rs" && !spans.contains(&named) {
+                    missing.push(format!("{head}: {named}"));
+                }
+            }
+        };
+        for entry in std::fs::read_dir(root.join("crates")).unwrap().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let head = format!("crates/{name}");
+            check(&head, &entry.path().join("src"), "");
+            check(&head, &entry.path().join("csrc"), "csrc/");
+        }
+        check("torchtools", &root.join("src"), "src/");
+        check("examples/", &root.join("examples"), "");
+        check("xtask/", &root.join("xtask/src"), "");
+        assert!(
+            missing.is_empty(),
+            "source files missing from ARCHITECTURE.md's code map: {missing:#?}"
+        );
+    }
+
     #[test]
     fn names_are_whole_words() {
         let mut out = BTreeSet::new();

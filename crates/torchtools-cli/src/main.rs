@@ -69,7 +69,11 @@ enum Command {
     /// Exit status: the command's (128+N when killed by signal N); 75 when the GPUs stay
     /// locked past --timeout; 127 when the command is not found; 2 for bad arguments.
     #[command(arg_required_else_help = true)]
-    #[command(group(clap::ArgGroup::new("fence").required(true).multiple(true).args(["bytes", "no_fence"])))]
+    // --bytes or --no-fence is required (checked where the request is made, whose
+    // message says why: a fence leaves free what --bytes says); the usage says so.
+    #[command(
+        override_usage = "torchtools reserve (--bytes <BYTES> | --no-fence) [OPTIONS] -- <CMD>..."
+    )]
     Reserve {
         /// Memory the command needs on each GPU: the fence leaves this much (plus
         /// --margin) free. Sizes: 6GiB, 512MiB, 6G, 1.5GB, bytes.
