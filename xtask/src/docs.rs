@@ -346,6 +346,116 @@ mod tests {
         );
     }
 
+    /// The modules of one crate that each module names, through `crate::module::` or
+    /// through the items `lib.rs` re-exports from a module (`crate::{Item}`).
+    fn module_graph(src: &Path) -> std::collections::BTreeMap<String, BTreeSet<String>> {
+        let lib = std::fs::read_to_string(src.join("lib.rs")).unwrap_or_default();
+        let mut modules = BTreeSet::new();
+        let mut item_of = std::collections::BTreeMap::new();
+        for line in lib.lines().map(str::trim) {
+            let line = line.trim_start_matches("pub ");
+            if let Some(m) = line.strip_prefix("mod ").and_then(|m| m.strip_suffix(';')) {
+                modules.insert(m.to_owned());
+            }
+        }
+        // `pub use module::{A, B};`, possibly over several lines.
+        for stmt in lib.split(';') {
+            let stmt = stmt.trim();
+            let Some(rest) = stmt.strip_prefix("pub use ") else {
+                continue;
+            };
+            let Some((module, items)) = rest.split_once("::") else {
+                continue;
+            };
+            if !modules.contains(module) {
+                continue;
+            }
+            for item in items.trim_matches(|c| c == '{' || c == '}').split(',') {
+                let item = item.trim().rsplit(" as ").next().unwrap_or_default().trim();
+                if !item.is_empty() {
+                    item_of.insert(item.to_owned(), module.to_owned());
+                }
+            }
+        }
+        let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+        let mut graph = std::collections::BTreeMap::new();
+        for module in &modules {
+            let text = std::fs::read_to_string(src.join(format!("{module}.rs")))
+                .or_else(|_| std::fs::read_to_string(src.join(module).join("mod.rs")))
+                .unwrap_or_default();
+            // Tests may use anything; a doc link is not a dependency.
+            let text = text
+                .split("#[cfg(test)]\nmod tests")
+                .next()
+                .unwrap_or_default();
+            let text: String = text
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("//"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            let mut uses = BTreeSet::new();
+            for (at, _) in text.match_indices("crate::") {
+                let rest = &text[at + "crate::".len()..];
+                let names: Vec<&str> = if let Some(group) = rest.strip_prefix('{') {
+                    group
+                        .split('}')
+                        .next()
+                        .unwrap_or_default()
+                        .split(',')
+                        .collect()
+                } else {
+                    vec![rest]
+                };
+                for name in names {
+                    let name: String = name.trim().chars().take_while(|c| word(*c)).collect();
+                    if modules.contains(&name) {
+                        uses.insert(name);
+                    } else if let Some(m) = item_of.get(&name) {
+                        uses.insert(m.clone());
+                    }
+                }
+            }
+            uses.remove(module);
+            uses.remove("error"); // every module's error type: a leaf
+            graph.insert(module.clone(), uses);
+        }
+        graph
+    }
+
+    /// A module that names another which names it back (directly or around a circle)
+    /// means a helper sits in the wrong file: move it to a leaf.
+    #[test]
+    fn no_crate_has_modules_that_import_each_other_in_circles() {
+        let mut circles = Vec::new();
+        for entry in std::fs::read_dir(crate::root().join("crates"))
+            .unwrap()
+            .flatten()
+        {
+            let graph = module_graph(&entry.path().join("src"));
+            for start in graph.keys() {
+                // Depth-first from `start`: does a path lead back to it?
+                let mut stack = vec![(start.clone(), vec![start.clone()])];
+                let mut seen = BTreeSet::new();
+                while let Some((at, path)) = stack.pop() {
+                    for next in graph.get(&at).into_iter().flatten() {
+                        if next == start {
+                            circles.push(format!(
+                                "{}: {} -> {start}",
+                                entry.file_name().to_string_lossy(),
+                                path.join(" -> ")
+                            ));
+                        } else if seen.insert(next.clone()) {
+                            let mut longer = path.clone();
+                            longer.push(next.clone());
+                            stack.push((next.clone(), longer));
+                        }
+                    }
+                }
+            }
+        }
+        assert!(circles.is_empty(), "modules in circles: {circles:#?}");
+    }
+
     #[test]
     fn names_are_whole_words() {
         let mut out = BTreeSet::new();

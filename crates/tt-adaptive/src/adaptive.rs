@@ -5,14 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::classify::{classify_message, OomClassify, OomKind};
-use crate::memory::{CpuMemory, MemoryProbe};
-
-#[cfg(feature = "tch")]
-use crate::tch_support::release_cached_memory;
-
-/// Without libtorch there is no cache to release.
-#[cfg(not(feature = "tch"))]
-fn release_cached_memory(_kind: OomKind) {}
+use crate::memory::{release_cached_memory, CpuMemory, MemoryProbe};
 
 /// How the size goes down after an out-of-memory, and back up.
 #[derive(Debug, Clone, Copy, PartialEq)]

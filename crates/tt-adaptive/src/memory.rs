@@ -142,6 +142,24 @@ pub fn available_cpu_memory() -> io::Result<u64> {
     Ok(available)
 }
 
+/// After a CUDA-side OOM, hand libtorch's cached blocks back to the driver, so that the
+/// next attempt (or another process) can use them. Never on the success path.
+#[cfg(feature = "tch")]
+pub(crate) fn release_cached_memory(kind: crate::OomKind) {
+    if matches!(
+        kind,
+        crate::OomKind::Cuda | crate::OomKind::Cudnn | crate::OomKind::Cublas
+    ) {
+        if let Err(e) = tt_sys::empty_cache() {
+            tracing::debug!("empty_cache after an OOM: {e}");
+        }
+    }
+}
+
+/// Without libtorch there is no cache to release.
+#[cfg(not(feature = "tch"))]
+pub(crate) fn release_cached_memory(_kind: crate::OomKind) {}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,7 +3,7 @@
 use std::panic::Location;
 
 use crate::adaptive::Site;
-use crate::{Adaptive, AdaptiveError, MemoryProbe, OomClassify, OomKind};
+use crate::{Adaptive, AdaptiveError, MemoryProbe, OomClassify};
 
 /// Free memory of CUDA device `n` as libtorch's allocator sees it: the driver's free
 /// memory plus what the caching allocator holds but does not use (so the second call
@@ -23,16 +23,6 @@ impl MemoryProbe for CudaMemory {
                     .current
                     .saturating_sub(stats.allocated_bytes.current),
         )
-    }
-}
-
-/// After a CUDA-side OOM, hand libtorch's cached blocks back to the driver, so that the
-/// next attempt (or another process) can use them. Never on the success path.
-pub(crate) fn release_cached_memory(kind: OomKind) {
-    if matches!(kind, OomKind::Cuda | OomKind::Cudnn | OomKind::Cublas) {
-        if let Err(e) = tt_sys::empty_cache() {
-            tracing::debug!("empty_cache after an OOM: {e}");
-        }
     }
 }
 

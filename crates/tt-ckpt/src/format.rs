@@ -1,15 +1,14 @@
 //! The checkpoint file: safetensors, with torchtools' metadata in its header.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{SafeTensors, TensorView};
-use safetensors::{Dtype, View};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use crate::atomic::AtomicFile;
 use crate::error::io;
+use crate::tensor::TensorData;
 use crate::writer;
 use crate::{Error, Result};
 
@@ -32,78 +31,6 @@ pub struct Meta {
     pub versions: BTreeMap<String, String>,
     /// `xxh3:<hex>` of each tensor's bytes, by name.
     pub checksums: BTreeMap<String, String>,
-}
-
-/// One tensor's bytes, little-endian as safetensors stores them.
-#[derive(Debug, Clone)]
-pub struct TensorData<'a> {
-    dtype: Dtype,
-    shape: Vec<usize>,
-    data: Cow<'a, [u8]>,
-}
-
-impl<'a> TensorData<'a> {
-    /// A tensor of `dtype` and `shape` over `data`; the length must match.
-    pub fn new(dtype: Dtype, shape: Vec<usize>, data: impl Into<Cow<'a, [u8]>>) -> Result<Self> {
-        let data = data.into();
-        let elements: usize = shape.iter().product();
-        let expected = elements * dtype.bitsize() / 8;
-        if data.len() != expected {
-            return Err(Error::Tensors(format!(
-                "{dtype:?} tensor of shape {shape:?} needs {expected} bytes, got {}",
-                data.len()
-            )));
-        }
-        Ok(TensorData { dtype, shape, data })
-    }
-
-    /// An `f32` tensor from values.
-    pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Result<TensorData<'static>> {
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        TensorData::new(Dtype::F32, shape, bytes)
-    }
-}
-
-impl TensorData<'_> {
-    /// The dtype.
-    pub fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-
-    /// The shape.
-    pub fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    /// The bytes, little-endian.
-    pub fn bytes(&self) -> &[u8] {
-        &self.data
-    }
-
-    /// The number of bytes.
-    pub fn len(&self) -> usize {
-        self.data.len()
-    }
-
-    /// Whether it holds no bytes (a tensor with a zero dimension).
-    pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
-    }
-}
-
-impl View for &TensorData<'_> {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
 }
 
 /// A checkpoint to write: a step, optional epoch, serde values and named tensors.
@@ -189,10 +116,11 @@ impl<'a> Checkpoint<'a> {
     /// The owned host buffers of this checkpoint, for the next one to reuse.
     pub(crate) fn into_buffers(self) -> Vec<Vec<u8>> {
         let mut out = self.spare;
-        out.extend(self.tensors.into_values().filter_map(|t| match t.data {
-            Cow::Owned(v) => Some(v),
-            Cow::Borrowed(_) => None,
-        }));
+        out.extend(
+            self.tensors
+                .into_values()
+                .filter_map(TensorData::into_owned_bytes),
+        );
         out
     }
 
@@ -438,7 +366,7 @@ impl LoadedCheckpoint {
             views.push((name.as_str(), view.data()));
         }
         // On all cores: verifying is reading every byte, at the disk's or memory's speed.
-        let sums = writer::checksums_parallel(views.into_iter());
+        let sums = crate::checksum::checksums_parallel(views.into_iter());
         for (name, sum) in &meta.checksums {
             if sums.get(name) != Some(sum) {
                 return Err(corrupt(format!(
@@ -495,6 +423,7 @@ impl LoadedCheckpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use safetensors::Dtype;
 
     #[test]
     fn tensor_data_checks_its_length_and_says_whether_it_is_empty() {

@@ -18,16 +18,12 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
-use crate::format::TensorData;
+use crate::checksum::{checksum, spawn_scoped};
+use crate::tensor::TensorData;
 use crate::{Error, Result};
 
 /// Bytes per write (and per writeback request).
 const CHUNK: usize = 8 << 20;
-
-/// A checksum of a tensor's bytes, as stored in the metadata.
-pub(crate) fn checksum(bytes: &[u8]) -> String {
-    format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
-}
 
 /// The placeholder checksum, of the same width as every real one.
 fn placeholder() -> String {
@@ -426,81 +422,6 @@ fn sync_range(fd: i32, offset: u64, len: u64, flags: libc::c_uint) {
     let _ = unsafe { libc::sync_file_range(fd, offset, len, flags) };
 }
 
-/// `Builder::spawn_scoped`, which this crate's tests can make fail as a container's
-/// memory or pids limit does (a real limit cannot be aimed at one call: glibc reuses
-/// cached thread stacks, and Rust's own start-up allocations then fail in the thread).
-fn spawn_scoped<'scope, T: Send + 'scope>(
-    scope: &'scope std::thread::Scope<'scope, '_>,
-    name: &str,
-    f: impl FnOnce() -> T + Send + 'scope,
-) -> std::io::Result<std::thread::ScopedJoinHandle<'scope, T>> {
-    #[cfg(test)]
-    if REFUSE_THREADS.with(std::cell::Cell::get) {
-        return Err(std::io::Error::other("this test refuses threads"));
-    }
-    std::thread::Builder::new()
-        .name(name.into())
-        .spawn_scoped(scope, f)
-}
-
-#[cfg(test)]
-thread_local! {
-    /// Set by a test: this thread's spawns fail.
-    static REFUSE_THREADS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// A tensor's name and bytes.
-type Named<'a> = (&'a str, &'a [u8]);
-
-/// Checksums of `tensors` on all cores (one tensor per task), by name.
-pub(crate) fn checksums_parallel<'a>(
-    tensors: impl Iterator<Item = (&'a str, &'a [u8])>,
-) -> BTreeMap<String, String> {
-    let items: Vec<(&str, &[u8])> = tensors.collect();
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(items.len().max(1));
-    if threads <= 1 {
-        return items
-            .into_iter()
-            .map(|(n, b)| (n.to_owned(), checksum(b)))
-            .collect();
-    }
-    // Largest first, each to the least loaded thread.
-    let mut sorted = items;
-    sorted.sort_by_key(|(_, b)| std::cmp::Reverse(b.len()));
-    let mut shares: Vec<(usize, Vec<Named<'_>>)> = vec![(0, Vec::new()); threads];
-    for item in sorted {
-        if let Some(share) = shares.iter_mut().min_by_key(|(load, _)| *load) {
-            share.0 += item.1.len();
-            share.1.push(item);
-        }
-    }
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = shares
-            .into_iter()
-            .map(|(_, share)| {
-                let work = |share: Vec<Named<'_>>| {
-                    share
-                        .into_iter()
-                        .map(|(n, b)| (n.to_owned(), checksum(b)))
-                        .collect::<Vec<_>>()
-                };
-                // Where no thread can be had, this share is done here.
-                let here = share.clone();
-                spawn_scoped(scope, "tt-ckpt-sums", move || work(share)).map_err(|_| work(here))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| match h {
-                Ok(h) => h.join().unwrap_or_default(),
-                Err(done) => done,
-            })
-            .collect()
-    })
-}
-
 /// The dtype's name in a header (`"F32"`, `"BF16"`, ...), for tests.
 #[cfg(test)]
 fn dtype_name(d: safetensors::Dtype) -> String {
@@ -513,6 +434,7 @@ fn dtype_name(d: safetensors::Dtype) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checksum::{checksums_parallel, REFUSE_THREADS};
     use safetensors::Dtype;
 
     #[test]

@@ -23,8 +23,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::launch::EXIT_PREEMPTED;
-use crate::{Error, Result};
+use crate::{Error, Result, EXIT_PREEMPTED};
 
 /// How often each side says it is alive.
 pub(crate) const ALIVE_EVERY: Duration = Duration::from_secs(2);

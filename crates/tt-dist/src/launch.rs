@@ -5,12 +5,13 @@
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::{Error, Result};
+use crate::status::{describe, PREEMPTED};
+use crate::{Error, Result, EXIT_PREEMPTED};
 
 /// What to launch.
 #[derive(Debug, Clone)]
@@ -64,12 +65,6 @@ impl LaunchConfig {
     }
 }
 
-/// Exit status of a rank that stopped because it was preempted (SIGTERM from a
-/// scheduler) after writing its checkpoint: sysexits' `EX_TEMPFAIL` (75), "try again".
-/// The launcher neither counts it as a failure (no other rank is killed, no restart)
-/// nor hides it: it becomes the launch's status, so a scheduler can requeue the job.
-pub const EXIT_PREEMPTED: i32 = 75;
-
 /// How a launch ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaunchOutcome {
@@ -85,28 +80,6 @@ pub struct LaunchOutcome {
     /// What the failed rank wrote to its `TORCHELASTIC_ERROR_FILE` (PyTorch's
     /// `@record` writes the exception there): the exception and where it was raised.
     pub error: Option<String>,
-}
-
-fn describe(status: ExitStatus) -> (i32, String) {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(c), _) => (c, format!("exited with status {c}")),
-        (None, Some(s)) => (128 + s, format!("was {}", signal_words(s))),
-        _ => (1, "ended abnormally".into()),
-    }
-}
-
-/// How a process ended by signal `s` is said: Ctrl-C is an interruption, not a kill.
-fn signal_words(s: i32) -> String {
-    match s {
-        libc::SIGINT => "interrupted (SIGINT, Ctrl-C)".into(),
-        libc::SIGTERM => "terminated (SIGTERM)".into(),
-        libc::SIGKILL => "killed (SIGKILL)".into(),
-        libc::SIGHUP => "hung up (SIGHUP: its terminal closed)".into(),
-        libc::SIGSEGV => "killed by a segmentation fault (SIGSEGV)".into(),
-        libc::SIGABRT => "aborted (SIGABRT)".into(),
-        s => format!("killed by signal {s}"),
-    }
 }
 
 /// A free TCP port on `addr`, from the kernel.
@@ -666,34 +639,9 @@ fn signal_group(rank: &Child, signal: i32) {
     unsafe { libc::kill(-(rank.id() as i32), signal) };
 }
 
-/// How a preempted rank is said.
-const PREEMPTED: &str = "was preempted (checkpoint written)";
-
 #[cfg(test)]
 mod tests {
     use super::prefixed;
-
-    #[test]
-    fn a_signal_is_said_in_words_and_its_status_is_128_plus_it() {
-        use std::os::unix::process::ExitStatusExt;
-        let by = |s: i32| super::describe(std::process::ExitStatus::from_raw(s));
-        assert_eq!(
-            by(libc::SIGINT),
-            (130, "was interrupted (SIGINT, Ctrl-C)".into())
-        );
-        assert_eq!(by(libc::SIGKILL), (137, "was killed (SIGKILL)".into()));
-        assert_eq!(
-            by(libc::SIGUSR1),
-            (
-                128 + libc::SIGUSR1,
-                format!("was killed by signal {}", libc::SIGUSR1)
-            )
-        );
-        assert_eq!(
-            super::describe(std::process::ExitStatus::from_raw(3 << 8)),
-            (3, "exited with status 3".into())
-        );
-    }
 
     #[test]
     fn each_line_is_prefixed_once() {

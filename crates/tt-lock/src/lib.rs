@@ -3,6 +3,7 @@
 
 mod dir;
 mod error;
+mod file;
 mod gpu;
 mod holder;
 mod list;

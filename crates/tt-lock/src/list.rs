@@ -1,15 +1,14 @@
 use std::collections::HashSet;
 use std::ffi::CString;
-use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
+use std::fs::File;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
 use serde::Serialize;
 use tt_device::{Inventory, NvmlStatus};
 
-use crate::lock::read_holder;
+use crate::file::{open_to_read, probe_held, read_holder};
 use crate::{GpuKey, Holder, LockDir, Result, Waiter};
 
 /// One GPU's lock as [`LockDir::list`] and [`LockDir::status`] see it.
@@ -120,18 +119,6 @@ impl LockDir {
         out.extend(files);
         Ok(out)
     }
-}
-
-/// Opens a file of the lock directory to read it: never through a symbolic link, never
-/// blocking on a FIFO, and only a regular file; `None` otherwise (or when it vanished).
-pub(crate) fn open_to_read(path: &std::path::Path) -> Option<(File, std::fs::Metadata)> {
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-        .ok()?;
-    let meta = file.metadata().ok()?;
-    meta.file_type().is_file().then_some((file, meta))
 }
 
 /// How many of the queued requests wait for `gpu`.
@@ -247,24 +234,10 @@ fn parse_proc_locks(text: &str) -> HashSet<(u32, u32, u64)> {
     set
 }
 
-/// Whether someone holds an exclusive lock on `file`: a non-blocking shared lock
-/// fails then. (It may make a concurrent try-lock fail during the probe, which is why
-/// `/proc/locks` is preferred.)
-pub(crate) fn probe_held(file: &File) -> bool {
-    // SAFETY: the fd is open for the duration of the calls.
-    unsafe {
-        if libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) == 0 {
-            libc::flock(file.as_raw_fd(), libc::LOCK_UN);
-            false
-        } else {
-            true
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     #[test]
     fn a_state_reads_as_one_line_of_torchtools_locks() {

@@ -2,7 +2,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::FileExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use tt_device::{Inventory, NvmlStatus};
 
+use crate::file::{read_holder, same_file};
 use crate::queue::{Ticket, Waiter, Wants, Watch};
 use crate::{Error, GpuKey, Holder, LockDir, Result};
 
@@ -504,7 +505,7 @@ fn take(slots: &mut [Slot], wants: &Wants, earlier: &[&Waiter]) -> Result<Taken>
             continue;
         }
         if first_busy.is_none() {
-            let held = waiting == 0 || crate::list::probe_held(&slot.file);
+            let held = waiting == 0 || crate::file::probe_held(&slot.file);
             first_busy = Some(Busy {
                 gpu: slot.key.clone(),
                 holder: if held {
@@ -580,14 +581,6 @@ fn try_flock(file: &File, path: &Path) -> Result<bool> {
     }
 }
 
-/// Whether `file` is still the file at `path` (same device and inode).
-pub(crate) fn same_file(file: &File, path: &Path) -> bool {
-    match (file.metadata(), std::fs::symlink_metadata(path)) {
-        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-        _ => false,
-    }
-}
-
 /// Writes the record in place (then trims the rest), so a reader never sees an empty
 /// file between two holders.
 fn write_holder(file: &File, path: &Path, holder: &Holder) -> Result<()> {
@@ -600,18 +593,4 @@ fn write_holder(file: &File, path: &Path, holder: &Holder) -> Result<()> {
     };
     file.write_all_at(&text, 0).map_err(io_err)?;
     file.set_len(text.len() as u64).map_err(io_err)
-}
-
-/// The record in a lock file, if it holds a readable one.
-pub(crate) fn read_holder(file: &File) -> Option<Holder> {
-    read_record(file)
-}
-
-/// The JSON record on the first line of a lock or ticket file (at most 64 KiB), if it
-/// holds a readable one.
-pub(crate) fn read_record<T: serde::de::DeserializeOwned>(file: &File) -> Option<T> {
-    let mut buf = vec![0u8; 64 * 1024];
-    let n = file.read_at(&mut buf, 0).ok()?;
-    let line = buf[..n].split(|&b| b == b'\n').next()?;
-    serde_json::from_slice(line).ok()
 }

@@ -25,7 +25,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tt_device::Bytes;
 
-use crate::list::{open_to_read, probe_held};
+use crate::file::{open_to_read, probe_held};
 use crate::{Error, GpuKey, Holder, LockDir, Result};
 
 /// What a request waits for.
@@ -182,7 +182,7 @@ impl Ticket {
 
     /// Whether the ticket is still in the directory (a `/tmp` cleaner may delete it).
     pub(crate) fn is_in_place(&self) -> bool {
-        crate::lock::same_file(&self.file, &self.path)
+        crate::file::same_file(&self.file, &self.path)
     }
 }
 
@@ -247,7 +247,7 @@ impl LockDir {
                 self.remove_dead(&file, &path, meta.uid());
                 continue;
             }
-            if let Some(mut waiter) = crate::lock::read_record::<Waiter>(&file) {
+            if let Some(mut waiter) = crate::file::read_record::<Waiter>(&file) {
                 waiter.ticket = ticket;
                 waiters.push(waiter);
             }
@@ -270,7 +270,7 @@ impl LockDir {
         let Ok(_guard) = DirLock::take(self) else {
             return;
         };
-        if crate::lock::same_file(file, path) && !probe_held(file) {
+        if crate::file::same_file(file, path) && !probe_held(file) {
             let _ = fs::remove_file(path);
         }
     }

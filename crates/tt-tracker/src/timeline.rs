@@ -223,7 +223,7 @@ fn csv_value(v: &Cell) -> String {
         Cell::Text(s) => s.clone(),
         // As gpu_tracker's files have them: Python's repr (always a dot or an
         // exponent, exponents from 1e16 and below 1e-4, `nan`, `inf`).
-        Cell::Real(x) => crate::subtrack::text::python_repr(*x),
+        Cell::Real(x) => crate::units::python_repr(*x),
         Cell::Int(i) => i.to_string(),
     }
 }

@@ -133,3 +133,42 @@ impl FromStr for TimeUnit {
             })
     }
 }
+
+/// Python's `repr` of a float: the shortest text that reads back as the same float,
+/// in exponent form below 1e-4 and from 1e16 on.
+pub(crate) fn python_repr(x: f64) -> String {
+    if x.is_nan() {
+        return "nan".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "inf" } else { "-inf" }.into();
+    }
+    if x == 0.0 {
+        return if x.is_sign_negative() { "-0.0" } else { "0.0" }.into();
+    }
+    let e = format!("{x:e}");
+    let (mantissa, exp) = e.split_once('e').unwrap_or((&e, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let sign = if x < 0.0 { "-" } else { "" };
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    if (-4..16).contains(&exp) {
+        let body = if exp >= 0 {
+            let point = exp as usize + 1;
+            let padded = format!("{digits:0<point$}");
+            let (int, frac) = padded.split_at(point);
+            format!("{int}.{}", if frac.is_empty() { "0" } else { frac })
+        } else {
+            format!("0.{}{digits}", "0".repeat((-exp - 1) as usize))
+        };
+        format!("{sign}{body}")
+    } else {
+        let (first, rest) = digits.split_at(1);
+        let rest = if rest.is_empty() {
+            String::new()
+        } else {
+            format!(".{rest}")
+        };
+        let esign = if exp < 0 { '-' } else { '+' };
+        format!("{sign}{first}{rest}e{esign}{:02}", exp.abs())
+    }
+}

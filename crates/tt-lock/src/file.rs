@@ -1,0 +1,59 @@
+//! A lock directory's files as every part reads them: opened safely, their first-line
+//! JSON record, whether a lock is held, whether a path still names the file opened.
+//! (A leaf: `lock`, `queue` and `list` use it, and it uses none of them.)
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+
+use crate::Holder;
+
+/// Opens a file of the lock directory to read it: never through a symbolic link, never
+/// blocking on a FIFO, and only a regular file; `None` otherwise (or when it vanished).
+pub(crate) fn open_to_read(path: &Path) -> Option<(File, std::fs::Metadata)> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    meta.file_type().is_file().then_some((file, meta))
+}
+
+/// Whether someone holds an exclusive lock on `file`: a non-blocking shared lock
+/// fails then. (It may make a concurrent try-lock fail during the probe, which is why
+/// `/proc/locks` is preferred.)
+pub(crate) fn probe_held(file: &File) -> bool {
+    // SAFETY: the fd is open for the duration of the calls.
+    unsafe {
+        if libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) == 0 {
+            libc::flock(file.as_raw_fd(), libc::LOCK_UN);
+            false
+        } else {
+            true
+        }
+    }
+}
+
+/// Whether `file` is still the file at `path` (same device and inode).
+pub(crate) fn same_file(file: &File, path: &Path) -> bool {
+    match (file.metadata(), std::fs::symlink_metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// The record in a lock file, if it holds a readable one.
+pub(crate) fn read_holder(file: &File) -> Option<Holder> {
+    read_record(file)
+}
+
+/// The JSON record on the first line of a lock or ticket file (at most 64 KiB), if it
+/// holds a readable one.
+pub(crate) fn read_record<T: serde::de::DeserializeOwned>(file: &File) -> Option<T> {
+    let mut buf = vec![0u8; 64 * 1024];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    let line = buf[..n].split(|&b| b == b'\n').next()?;
+    serde_json::from_slice(line).ok()
+}
