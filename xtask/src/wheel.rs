@@ -119,8 +119,19 @@ fn install_and_run_in(wheel: &Path, tmp: &Path) -> Result<()> {
         bail!("pip install {} failed", wheel.display());
     }
     let bin = venv.join("bin");
-    if !bin.join("torchtools").exists() {
-        bail!("the wheel put no torchtools into {}", bin.display());
+    for program in ["torchtools", "gpu-tracker"] {
+        if !bin.join(program).exists() {
+            bail!("the wheel put no {program} into {}", bin.display());
+        }
+    }
+    // The wheel's version is the crates' (maturin fills it in from Cargo.toml).
+    let shown = Command::new(venv.join("bin/pip"))
+        .args(["show", "torchtools-cli"])
+        .output()?;
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    let version = workspace_version()?;
+    if !shown.lines().any(|l| l == format!("Version: {version}")) {
+        bail!("the wheel's version is not the workspace's {version}: {shown}");
     }
     let path = format!(
         "{}:{}",
@@ -155,6 +166,24 @@ fn install_and_run_in(wheel: &Path, tmp: &Path) -> Result<()> {
     if !tracked.contains("tracked by the wheel") || !tracked.contains("Max RAM") {
         bail!("torchtools track did not run the command and report on it");
     }
+    // gpu_tracker's own command line, on the `gpu-tracker` the wheel installs.
+    let out = Command::new("gpu-tracker")
+        .args(["-e", "python -c print('tracked_by_gpu_tracker')"])
+        .env("PATH", &path)
+        .current_dir(tmp)
+        .output()
+        .context("running gpu-tracker")?;
+    let said = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success()
+        || !said.contains("tracked_by_gpu_tracker")
+        || !said.contains("Max RAM")
+    {
+        bail!(
+            "gpu-tracker -e ... did not run the command and report on it ({}): {said}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     let reserved = run(&[
         "reserve",
         "--gpu",
@@ -172,4 +201,18 @@ fn install_and_run_in(wheel: &Path, tmp: &Path) -> Result<()> {
         bail!("torchtools reserve did not hand the GPU to the Python command");
     }
     Ok(())
+}
+
+/// The workspace's version (`[workspace.package]` of the root Cargo.toml).
+fn workspace_version() -> Result<String> {
+    let manifest = std::fs::read_to_string(crate::root().join("Cargo.toml"))?;
+    let section = manifest
+        .split("[workspace.package]")
+        .nth(1)
+        .context("no [workspace.package] in Cargo.toml")?;
+    section
+        .lines()
+        .find_map(|l| l.strip_prefix("version = "))
+        .map(|v| v.trim().trim_matches('"').to_owned())
+        .context("no version in [workspace.package]")
 }

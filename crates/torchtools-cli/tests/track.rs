@@ -602,3 +602,44 @@ fn the_watched_command_gets_its_signals_and_its_stops() {
     assert!(rest.contains("resumed"), "{rest}");
     assert!(child.wait().unwrap().success());
 }
+
+/// `gpu-tracker`, installed beside `torchtools`: a script written for the Python
+/// gpu_tracker's command runs unchanged, with `torchtools track`'s report and exit
+/// status; its sub-tracking commands are there too.
+#[test]
+fn gpu_tracker_command_lines_run_unchanged_on_the_gpu_tracker_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_file = tmp.path().join("usage.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-tracker"))
+        .args(["-e", "sh -c exit", "-f", "json", "-o"])
+        .arg(&out_file)
+        .args(["--ru=megabytes", "--st=0.1"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r = report(&out_file);
+    assert_eq!(r["max_ram"]["unit"], "megabytes", "{r}");
+    assert!(r["max_ram"]["descendants"]["total_rss"].is_number(), "{r}");
+    // The command's status, as `torchtools track` gives it. (`-e` splits on
+    // whitespace, as gpu_tracker's does: a script file, not `sh -c 'exit 3'`.)
+    let script = tmp.path().join("exit3.sh");
+    std::fs::write(&script, "exit 3\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-tracker"))
+        .arg("-e")
+        .arg(format!("sh {}", script.display()))
+        .arg("--disable-logs")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-tracker"))
+        .args(["sub-track", "analyze", "--help"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("--tf"),
+        "{out:?}"
+    );
+}

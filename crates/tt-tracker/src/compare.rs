@@ -16,26 +16,44 @@ pub struct Session {
     pub name: String,
     /// Its report.
     pub usage: ResourceUsage,
+    /// The report's sections its file did not hold (`cpu_utilization` and
+    /// `gpu_utilization` in gpu_tracker's reports before version 5): shown as unknown.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub absent: Vec<String>,
 }
 
-/// Reads a JSON report written by `torchtools track --format json` (or by
-/// gpu_tracker, whose keys are the same; the torchtools part is then empty).
+/// The sections a report may lack (gpu_tracker before version 5 wrote none of them).
+const OPTIONAL_SECTIONS: [&str; 2] = ["cpu_utilization", "gpu_utilization"];
+
+/// Reads a JSON report written by `torchtools track --format json`, or by gpu_tracker:
+/// version 5's keys are ours (the torchtools part is then empty); earlier versions'
+/// `descendents` are read as `descendants`, and their missing CPU and GPU use is shown
+/// as unknown.
 pub fn load(path: &Path) -> Result<Session> {
     let err = |reason: String| Error::Report {
         path: path.to_owned(),
         reason,
     };
     let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-    let usage: ResourceUsage = serde_json::from_str(&text).map_err(|e| {
-        err(format!(
-            "{e}; expected the JSON report of `torchtools track --format json`"
-        ))
-    })?;
+    let expected = "expected the JSON report of `torchtools track --format json` or gpu_tracker's";
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| err(format!("{e}; {expected}")))?;
+    let absent = OPTIONAL_SECTIONS
+        .iter()
+        .filter(|k| value.get(**k).is_none())
+        .map(|k| (*k).to_owned())
+        .collect();
+    let usage: ResourceUsage =
+        serde_json::from_value(value).map_err(|e| err(format!("{e}; {expected}")))?;
     let name = path.file_stem().map_or_else(
         || path.display().to_string(),
         |s| s.to_string_lossy().into_owned(),
     );
-    Ok(Session { name, usage })
+    Ok(Session {
+        name,
+        usage,
+        absent,
+    })
 }
 
 /// The comparison: overall figures per session, then each block's mean of each
@@ -71,33 +89,39 @@ impl fmt::Display for Comparison {
         };
         header(f, "overall")?;
         type Get = fn(&ResourceUsage) -> String;
-        let rows: [(&str, Get); 7] = [
-            ("max RAM combined total RSS", |u| {
+        // (label, the report's section it reads, how)
+        let rows: [(&str, &str, Get); 7] = [
+            ("max RAM combined total RSS", "max_ram", |u| {
                 format!("{:.3} {}", u.max_ram.combined.total_rss, u.max_ram.unit)
             }),
-            ("max RAM main total RSS", |u| {
+            ("max RAM main total RSS", "max_ram", |u| {
                 format!("{:.3} {}", u.max_ram.main.total_rss, u.max_ram.unit)
             }),
-            ("max GPU RAM combined", |u| {
+            ("max GPU RAM combined", "max_gpu_ram", |u| {
                 format!("{:.3} {}", u.max_gpu_ram.combined, u.max_gpu_ram.unit)
             }),
-            ("CPU combined mean (sum %)", |u| {
+            ("CPU combined mean (sum %)", "cpu_utilization", |u| {
                 format!("{:.1}", u.cpu_utilization.combined.mean_sum_percent)
             }),
-            ("CPU combined max (sum %)", |u| {
+            ("CPU combined max (sum %)", "cpu_utilization", |u| {
                 format!("{:.1}", u.cpu_utilization.combined.max_sum_percent)
             }),
-            ("GPU mean (sum %)", |u| {
+            ("GPU mean (sum %)", "gpu_utilization", |u| {
                 format!("{:.1}", u.gpu_utilization.gpu_percentages.mean_sum_percent)
             }),
-            ("compute time", |u| {
+            ("compute time", "compute_time", |u| {
                 format!("{:.3} {}", u.compute_time.time, u.compute_time.unit)
             }),
         ];
-        for (label, get) in rows {
+        for (label, section, get) in rows {
             write!(f, "  {label:<42}")?;
             for s in &self.sessions {
-                write!(f, " {:>width$}", get(&s.usage))?;
+                let v = if s.absent.iter().any(|a| a == section) {
+                    "-".to_owned()
+                } else {
+                    get(&s.usage)
+                };
+                write!(f, " {v:>width$}")?;
             }
             writeln!(f)?;
         }

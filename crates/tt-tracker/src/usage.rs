@@ -30,7 +30,8 @@ pub struct MaxRam {
     pub system: f64,
     /// The tracked process.
     pub main: RssValues,
-    /// Its descendants, summed per sample.
+    /// Its descendants, summed per sample (`descendents` in gpu_tracker before 5).
+    #[serde(alias = "descendents")]
     pub descendants: RssValues,
     /// Both, summed per sample (never above main + descendants).
     pub combined: RssValues,
@@ -42,12 +43,15 @@ pub struct MaxGpuRam {
     /// The unit of every figure here.
     pub unit: RamUnit,
     /// Memory of every GPU in the system.
+    #[serde(default)]
     pub system_capacity: f64,
     /// Peak used on all GPUs by every process.
+    #[serde(default)]
     pub system: f64,
     /// The tracked process.
     pub main: f64,
     /// Its descendants.
+    #[serde(alias = "descendents")]
     pub descendants: f64,
     /// Both.
     pub combined: f64,
@@ -67,7 +71,7 @@ pub struct ProcessingUnitPercentages {
 }
 
 /// CPU use.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CpuUtilization {
     /// Cores of the machine.
     pub system_core_count: usize,
@@ -78,19 +82,21 @@ pub struct CpuUtilization {
     /// The tracked process.
     pub main: ProcessingUnitPercentages,
     /// Its descendants.
+    #[serde(alias = "descendents")]
     pub descendants: ProcessingUnitPercentages,
     /// Both.
     pub combined: ProcessingUnitPercentages,
     /// Peak threads of the tracked process.
     pub main_n_threads: u64,
     /// Peak sum of the descendants' threads.
+    #[serde(alias = "descendents_n_threads")]
     pub descendants_n_threads: u64,
     /// Peak sum of both.
     pub combined_n_threads: u64,
 }
 
 /// GPU use.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct GpuUtilization {
     /// GPUs of the machine.
     pub system_gpu_count: usize,
@@ -193,9 +199,12 @@ pub struct ResourceUsage {
     pub max_ram: MaxRam,
     /// Peak GPU RAM.
     pub max_gpu_ram: MaxGpuRam,
-    /// CPU use.
+    /// CPU use (absent from gpu_tracker's reports before version 5: read as zeros,
+    /// and `compare` shows it as unknown).
+    #[serde(default)]
     pub cpu_utilization: CpuUtilization,
-    /// GPU use.
+    /// GPU use (as `cpu_utilization`).
+    #[serde(default)]
     pub gpu_utilization: GpuUtilization,
     /// Wall time.
     pub compute_time: ComputeTime,

@@ -220,6 +220,7 @@ fn compare_puts_each_figure_in_its_sessions_column_and_block_means_by_name() {
     let sessions = [("run-a", a), ("run-b", b)].map(|(name, usage)| Session {
         name: name.into(),
         usage,
+        absent: Vec::new(),
     });
     let text = Comparison::new(sessions.to_vec()).to_string();
     let lines: Vec<&str> = text.lines().collect();
@@ -312,4 +313,42 @@ fn text_rounds_every_figure_to_three_decimals() {
     ] {
         assert!(text.contains(figure), "{figure} in\n{text}");
     }
+}
+
+/// A report of gpu_tracker before version 5 (the `-f json -o out.json` output printed in
+/// gpu_tracker's own tutorial): `descendents` read as descendants, and the CPU and GPU
+/// use it does not hold shown as unknown, never as 0.
+#[test]
+fn compare_reads_gpu_trackers_reports_before_version_5() {
+    use tt_tracker::compare::{Comparison, Session};
+    let old = std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/gpu_tracker-4-report.json"
+    ));
+    let session = tt_tracker::compare::load(old).unwrap();
+    assert_eq!(session.usage.max_ram.descendants.total_rss, 0.830509056);
+    assert_eq!(session.usage.max_gpu_ram.descendants, 0.314);
+    assert_eq!(session.absent, ["cpu_utilization", "gpu_utilization"]);
+    let mut new = usage();
+    new.cpu_utilization.combined.mean_sum_percent = 42.0;
+    let new = Session {
+        name: "new".into(),
+        usage: new,
+        absent: Vec::new(),
+    };
+    let text = Comparison::new(vec![session, new]).to_string();
+    let cpu = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("CPU combined mean"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(
+        cpu.split_whitespace().rev().take(2).collect::<Vec<_>>(),
+        ["42.0", "-"],
+        "{text}"
+    );
+    let ram = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("max RAM combined total RSS"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(ram.contains("0.832 gigabytes"), "{text}");
 }
