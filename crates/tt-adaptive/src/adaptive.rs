@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::classify::{classify_message, OomClassify, OomKind};
-use crate::memory::{release_cached_memory, CpuMemory, MemoryProbe};
+use crate::memory::{release_cached_memory, MemoryProbe};
 
 /// How the size goes down after an out-of-memory, and back up.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,6 +43,30 @@ pub enum Cache {
     /// `range` or `chunked` call the policy may search back up between what that call
     /// saw fit and fail. Statistics are still counted.
     None,
+}
+
+/// The cache [`Adaptive::new`] starts with, for the whole process (toma's
+/// `DEFAULT_CACHE_TYPE`): [`Cache::CallSite`] until [`set_default_cache`] says otherwise.
+static DEFAULT_CACHE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Sets the cache every later [`Adaptive::new`] starts with, in this process (toma's
+/// `toma.DEFAULT_CACHE_TYPE = ...`); [`Adaptive::cache`] still chooses per instance.
+pub fn set_default_cache(cache: Cache) {
+    let code = match cache {
+        Cache::CallSite => 0,
+        Cache::Global => 1,
+        Cache::None => 2,
+    };
+    DEFAULT_CACHE.store(code, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The cache [`Adaptive::new`] starts with now (see [`set_default_cache`]).
+pub fn default_cache() -> Cache {
+    match DEFAULT_CACHE.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => Cache::Global,
+        2 => Cache::None,
+        _ => Cache::CallSite,
+    }
 }
 
 /// Why an adaptive call failed.
@@ -200,17 +224,24 @@ impl Default for Adaptive {
 }
 
 impl Adaptive {
-    /// `Search`, call-site cache keyed by free CPU memory (use [`Adaptive::memory`] for a
-    /// GPU), minimum 1, no maximum, no growth, panics not caught.
+    /// `Search`, the process's default cache ([`set_default_cache`]; the call site
+    /// unless set) keyed by the free memory of the device this process trains on (with
+    /// the `tch` feature: `DeviceMemory`, a GPU's when tt-device selects one; without
+    /// it the CPU's; [`Adaptive::memory`] chooses another), minimum 1, no maximum, no
+    /// growth, panics not caught.
     pub fn new() -> Adaptive {
+        #[cfg(feature = "tch")]
+        let memory: Arc<dyn MemoryProbe> = Arc::new(crate::memory::DeviceMemory::default());
+        #[cfg(not(feature = "tch"))]
+        let memory: Arc<dyn MemoryProbe> = Arc::new(crate::memory::CpuMemory);
         Adaptive {
             policy: Policy::Search,
-            cache: Cache::CallSite,
+            cache: default_cache(),
             min: 1,
             max: usize::MAX,
             grow: false,
             catch_panics: false,
-            memory: Arc::new(CpuMemory),
+            memory,
             on_oom: None,
             agree: None,
             shared: Arc::new(Shared {

@@ -18,6 +18,65 @@ impl MemoryProbe for CpuMemory {
     }
 }
 
+/// Free memory of CUDA device `n` as libtorch's allocator sees it: the driver's free
+/// memory plus what the caching allocator holds but does not use (so the second call
+/// of a call site, after the first one's tensors went back to the cache, finds the
+/// same bucket).
+#[derive(Debug, Clone, Copy)]
+#[cfg(feature = "tch")]
+pub struct CudaMemory(pub usize);
+
+#[cfg(feature = "tch")]
+impl MemoryProbe for CudaMemory {
+    fn free_bytes(&self) -> Option<u64> {
+        let info = tt_sys::mem_get_info(self.0).ok()?;
+        let stats = tt_sys::device_stats(self.0).ok()?;
+        Some(
+            info.free
+                + stats
+                    .reserved_bytes
+                    .current
+                    .saturating_sub(stats.allocated_bytes.current),
+        )
+    }
+}
+
+/// The free memory of the device this process trains on, as tt-device selects it
+/// (`TORCHTOOLS_DEVICE`, `LOCAL_RANK` under a launcher): a GPU's as [`CudaMemory`]
+/// reads it, else the CPU's. The cache key of [`Adaptive::new`] with the `tch`
+/// feature, as toma keys on CUDA memory. The device is chosen at the first read (no
+/// cost before the first adaptive call); a selection that fails (a bad variable) falls
+/// back to the CPU's memory with a warning, since a cache key is no place to fail.
+#[cfg(feature = "tch")]
+#[derive(Debug, Default)]
+pub struct DeviceMemory {
+    chosen: std::sync::OnceLock<tch::Device>,
+}
+
+#[cfg(feature = "tch")]
+impl DeviceMemory {
+    /// The device whose memory is read.
+    pub fn device(&self) -> tch::Device {
+        *self.chosen.get_or_init(|| match tt_device::select() {
+            Ok(device) => device,
+            Err(e) => {
+                tracing::warn!("adaptive cache keyed by CPU memory: {e}");
+                tch::Device::Cpu
+            }
+        })
+    }
+}
+
+#[cfg(feature = "tch")]
+impl MemoryProbe for DeviceMemory {
+    fn free_bytes(&self) -> Option<u64> {
+        match self.device() {
+            tch::Device::Cuda(i) => CudaMemory(i).free_bytes(),
+            _ => CpuMemory.free_bytes(),
+        }
+    }
+}
+
 /// Errors of the CPU memory limit.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -1,30 +1,9 @@
-//! Feature `tch`: `chunked` over tensors, CUDA free memory, releasing libtorch's cache.
+//! Feature `tch`: `chunked` over tensors.
 
 use std::panic::Location;
 
 use crate::adaptive::Site;
-use crate::{Adaptive, AdaptiveError, MemoryProbe, OomClassify};
-
-/// Free memory of CUDA device `n` as libtorch's allocator sees it: the driver's free
-/// memory plus what the caching allocator holds but does not use (so the second call
-/// of a call site, after the first one's tensors went back to the cache, finds the
-/// same bucket).
-#[derive(Debug, Clone, Copy)]
-pub struct CudaMemory(pub usize);
-
-impl MemoryProbe for CudaMemory {
-    fn free_bytes(&self) -> Option<u64> {
-        let info = tt_sys::mem_get_info(self.0).ok()?;
-        let stats = tt_sys::device_stats(self.0).ok()?;
-        Some(
-            info.free
-                + stats
-                    .reserved_bytes
-                    .current
-                    .saturating_sub(stats.allocated_bytes.current),
-        )
-    }
-}
+use crate::{Adaptive, AdaptiveError, OomClassify};
 
 impl Adaptive {
     /// Calls `f(chunk, from, to)` on `tensor.narrow(dim, from, to - from)` (a view: in-place

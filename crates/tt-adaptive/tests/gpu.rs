@@ -158,3 +158,17 @@ fn catch_oom_panics_retries_tchs_panicking_methods_on_a_real_cuda_oom() {
     assert!(text.contains("out of memory"), "{text}");
     tt_sys::empty_cache().unwrap();
 }
+
+/// `Adaptive::new()` keys its cache on the GPU this process trains on (as toma keys on
+/// CUDA memory): `DeviceMemory` chooses cuda:0 here and reads what CUDA says is free.
+#[test]
+fn the_default_cache_key_is_the_training_gpus_free_memory() {
+    let free = free_mib();
+    let memory = tt_adaptive::DeviceMemory::default();
+    assert_eq!(memory.device(), tch::Device::Cuda(0));
+    let read = tt_adaptive::MemoryProbe::free_bytes(&memory).expect("CUDA free memory") >> 20;
+    assert!(
+        read.abs_diff(free) < 1024,
+        "read {read} MiB, CUDA says {free} MiB"
+    );
+}
