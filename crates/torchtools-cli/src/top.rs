@@ -10,8 +10,6 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use nvml_wrapper::enums::device::UsedGpuMemory;
-use nvml_wrapper::Nvml;
 use ratatui::buffer::Buffer;
 use ratatui::crossterm::event::{self, Event, KeyCode, KeyEventKind, KeyModifiers};
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -20,7 +18,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Paragraph, Row, Table, Widget};
 use ratatui::Frame;
 use serde::Serialize;
-use tt_device::{Bytes, Inventory, NvmlStatus};
+use tt_device::{Bytes, GpuBackend, NvmlBackend, NvmlStatus};
 use tt_lock::{utc, GpuKey, Holder, LockDir, Waiter};
 
 use crate::reserve::{age, now_unix, wants_text};
@@ -74,123 +72,73 @@ struct ProcessView {
     in_reservation: bool,
 }
 
-/// NVML, opened once for the whole session.
+/// The GPUs, from NVML opened once for the whole session (a test may give any
+/// backend).
 pub(crate) struct Gpus {
-    nvml: Option<Nvml>,
-    status: NvmlStatus,
+    backend: Box<dyn GpuBackend>,
 }
 
 impl Gpus {
     pub(crate) fn open() -> Gpus {
-        match Nvml::init() {
-            Ok(nvml) => Gpus {
-                status: NvmlStatus::Available {
-                    driver_version: nvml.sys_driver_version().unwrap_or_default(),
-                },
-                nvml: Some(nvml),
-            },
-            // The inventory says why in the words `torchtools devices` uses.
-            Err(_) => Gpus {
-                nvml: None,
-                status: Inventory::query().nvml,
-            },
+        Gpus {
+            backend: Box::new(NvmlBackend::open()),
         }
-    }
-
-    fn views(&self) -> Vec<GpuView> {
-        let Some(nvml) = &self.nvml else {
-            return Vec::new();
-        };
-        let count = nvml.device_count().unwrap_or(0);
-        (0..count)
-            .filter_map(|index| {
-                let device = nvml.device_by_index(index).ok()?;
-                let uuid = device.uuid().ok()?;
-                let memory = device.memory_info().ok();
-                let mut processes: Vec<(u32, Option<Bytes>)> = Vec::new();
-                let compute = device.running_compute_processes().unwrap_or_default();
-                let graphics = device.running_graphics_processes().unwrap_or_default();
-                for p in compute.into_iter().chain(graphics) {
-                    if processes.iter().any(|(pid, _)| *pid == p.pid) {
-                        continue;
-                    }
-                    let used = match p.used_gpu_memory {
-                        UsedGpuMemory::Used(b) => Some(Bytes(b)),
-                        UsedGpuMemory::Unavailable => None,
-                    };
-                    processes.push((p.pid, used));
-                }
-                Some(GpuView {
-                    key: GpuKey::of_uuid(&uuid),
-                    index: Some(index),
-                    name: device.name().ok(),
-                    total: memory.as_ref().map(|m| Bytes(m.total)),
-                    used: memory.as_ref().map(|m| Bytes(m.used)),
-                    free: memory.as_ref().map(|m| Bytes(m.free)),
-                    utilization: device.utilization_rates().ok().map(|u| u.gpu),
-                    holder: None,
-                    waiting: Vec::new(),
-                    processes: processes
-                        .into_iter()
-                        .map(|(pid, used)| ProcessView {
-                            pid,
-                            user: process_user(pid),
-                            used,
-                            command: process_command(pid),
-                            in_reservation: false,
-                        })
-                        .collect(),
-                })
-            })
-            .collect()
     }
 }
 
 impl Snapshot {
+    /// One frame: the lock directory's view of every GPU (`LockDir::status`: NVML's
+    /// GPUs in its order, then lock files of GPUs NVML does not list) with each GPU's
+    /// memory, use and processes from the same inventory, and the queue.
     pub(crate) fn take(dir: &LockDir, gpus: &Gpus) -> Result<Snapshot> {
-        let mut views = gpus.views();
+        let inventory = gpus.backend.inventory();
         let queue = dir.queue()?;
-        for state in dir.list()? {
-            let view = match views.iter_mut().position(|v| v.key == state.gpu) {
-                Some(i) => &mut views[i],
-                None => {
-                    views.push(GpuView {
-                        key: state.gpu.clone(),
-                        index: None,
-                        name: None,
-                        total: None,
-                        used: None,
-                        free: None,
-                        utilization: None,
-                        holder: None,
-                        waiting: Vec::new(),
-                        processes: Vec::new(),
-                    });
-                    let last = views.len() - 1;
-                    &mut views[last]
+        let views = dir
+            .status(&inventory)?
+            .into_iter()
+            .map(|state| {
+                let gpu = inventory
+                    .gpus
+                    .iter()
+                    .find(|g| GpuKey::of_uuid(&g.uuid) == state.gpu);
+                let holder = state.holder.filter(|_| state.held);
+                let roots: Vec<u32> = holder
+                    .iter()
+                    .flat_map(|h| std::iter::once(h.pid).chain(h.command_pid))
+                    .collect();
+                GpuView {
+                    waiting: queue
+                        .iter()
+                        .filter(|w| w.wants.gpus().contains(&state.gpu))
+                        .map(|w| w.position)
+                        .collect(),
+                    key: state.gpu,
+                    index: state.nvml_index,
+                    name: state.name,
+                    total: gpu.map(|g| g.total),
+                    used: gpu.map(|g| g.used),
+                    free: gpu.map(|g| g.free),
+                    utilization: gpu.and_then(|g| g.utilization),
+                    processes: gpu
+                        .map(|g| g.processes.as_slice())
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|p| ProcessView {
+                            pid: p.pid,
+                            user: process_user(p.pid),
+                            used: p.used,
+                            command: process_command(p.pid),
+                            in_reservation: descends_from(p.pid, &roots),
+                        })
+                        .collect(),
+                    holder,
                 }
-            };
-            view.holder = state.holder.filter(|_| state.held);
-        }
-        for view in &mut views {
-            view.waiting = queue
-                .iter()
-                .filter(|w| w.wants.gpus().contains(&view.key))
-                .map(|w| w.position)
-                .collect();
-            let roots: Vec<u32> = view
-                .holder
-                .iter()
-                .flat_map(|h| std::iter::once(h.pid).chain(h.command_pid))
-                .collect();
-            for p in &mut view.processes {
-                p.in_reservation = descends_from(p.pid, &roots);
-            }
-        }
+            })
+            .collect();
         Ok(Snapshot {
             lock_dir: dir.path().to_owned(),
             time_unix: now_unix(),
-            nvml: gpus.status.clone(),
+            nvml: inventory.nvml,
             gpus: views,
             queue,
         })
@@ -733,5 +681,60 @@ mod tests {
         assert!(!descends_from(parent, &[me]));
         assert!(!process_command(me).is_empty());
         assert_ne!(process_user(me), "?");
+    }
+
+    /// The view of a machine given as an inventory (two GPUs, one held by this
+    /// process, which also runs on it): memory, use and processes from the inventory,
+    /// holders from the lock directory, merged as `locks` merges them.
+    #[test]
+    fn a_frame_merges_the_inventory_with_the_locks() {
+        use tt_device::{GpuInfo, GpuProcess, Inventory};
+        use tt_lock::{Holder, Wait};
+        let uuid = |i: u32| format!("GPU-0000000{i}-1111-2222-3333-444444444444");
+        let gpu = |i: u32, pid: u32| GpuInfo {
+            nvml_index: i,
+            uuid: uuid(i),
+            name: format!("Test GPU {i}"),
+            total: Bytes::gib(80),
+            free: Bytes::gib(60 - u64::from(i)),
+            used: Bytes::gib(20 + u64::from(i)),
+            utilization: Some(40 + i),
+            processes: vec![GpuProcess {
+                pid,
+                used: Some(Bytes::gib(2)),
+            }],
+            mig: Vec::new(),
+        };
+        let me = std::process::id();
+        let parent = parent_of(me).unwrap_or(1);
+        let inventory = Inventory {
+            nvml: NvmlStatus::Available {
+                driver_version: "test".into(),
+            },
+            gpus: vec![gpu(0, me), gpu(1, parent)],
+            errors: Vec::new(),
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        let _held = dir
+            .lock(&GpuKey::of_uuid(&uuid(0)), Wait::Try, Holder::current())
+            .unwrap();
+        let gpus = Gpus {
+            backend: Box::new(inventory),
+        };
+        let frame = Snapshot::take(&dir, &gpus).unwrap();
+        assert_eq!(frame.gpus.len(), 2);
+        let (a, b) = (&frame.gpus[0], &frame.gpus[1]);
+        assert_eq!((a.index, b.index), (Some(0), Some(1)));
+        assert_eq!(a.name.as_deref(), Some("Test GPU 0"));
+        assert_eq!(a.free, Some(Bytes::gib(60)));
+        assert_eq!(a.utilization, Some(40));
+        assert_eq!(a.holder.as_ref().map(|h| h.pid), Some(me));
+        assert!(b.holder.is_none());
+        // This process runs on the GPU it holds; the other GPU's process is outside.
+        assert!(a.processes[0].in_reservation);
+        assert!(!b.processes[0].in_reservation);
+        let text = render_text(&frame, &View::default(), 120);
+        assert!(text.contains("Test GPU 0"), "{text}");
     }
 }

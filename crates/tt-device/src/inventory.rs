@@ -29,7 +29,10 @@ pub struct GpuInfo {
     pub free: Bytes,
     /// Memory in use by every process.
     pub used: Bytes,
-    /// Compute processes on it.
+    /// Percent of time a kernel ran over the driver's last sample period, when it can say.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub utilization: Option<u32>,
+    /// The processes on it (compute, then graphics).
     pub processes: Vec<GpuProcess>,
     /// Its MIG instances, when MIG mode is on (empty otherwise). CUDA names a MIG
     /// instance by the instance's UUID, never the GPU's: [`Inventory::gpu_of`] maps one
@@ -54,6 +57,87 @@ fn uuid_digits(uuid: &str) -> String {
         _ => uuid,
     };
     rest.to_ascii_lowercase()
+}
+
+/// Where the GPUs are read from: NVML on a real machine ([`NvmlBackend`]); a fixed
+/// [`Inventory`] (which is a backend too) in tests, or another source of GPUs. Every
+/// torchtools part that needs the GPUs of the machine takes one, so none of them opens
+/// NVML on its own.
+pub trait GpuBackend: Send + Sync {
+    /// The machine's GPUs now, or why there are none.
+    fn inventory(&self) -> Inventory;
+}
+
+/// A fixed inventory: what it holds, every time (a test double, or a snapshot).
+impl GpuBackend for Inventory {
+    fn inventory(&self) -> Inventory {
+        self.clone()
+    }
+}
+
+/// NVML, loaded at run time and opened once: each [`GpuBackend::inventory`] asks it
+/// again (memory, processes and use change; the GPUs do not).
+pub struct NvmlBackend {
+    nvml: Result<Nvml, String>,
+}
+
+impl std::fmt::Debug for NvmlBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.nvml {
+            Ok(_) => f.write_str("NvmlBackend(open)"),
+            Err(why) => write!(f, "NvmlBackend(unavailable: {why})"),
+        }
+    }
+}
+
+impl NvmlBackend {
+    /// Opens NVML; without it (no NVIDIA driver) every inventory is empty and says why.
+    pub fn open() -> NvmlBackend {
+        NvmlBackend {
+            nvml: Nvml::init().map_err(|e| nvml_reason(&e)),
+        }
+    }
+}
+
+impl GpuBackend for NvmlBackend {
+    fn inventory(&self) -> Inventory {
+        let nvml = match &self.nvml {
+            Ok(nvml) => nvml,
+            Err(reason) => {
+                return Inventory {
+                    nvml: NvmlStatus::Unavailable {
+                        reason: reason.clone(),
+                    },
+                    gpus: Vec::new(),
+                    errors: Vec::new(),
+                }
+            }
+        };
+        let driver_version = nvml
+            .sys_driver_version()
+            .unwrap_or_else(|e| format!("unknown ({e})"));
+        let mut inventory = Inventory {
+            nvml: NvmlStatus::Available { driver_version },
+            gpus: Vec::new(),
+            errors: Vec::new(),
+        };
+        let count = match nvml.device_count() {
+            Ok(n) => n,
+            Err(e) => {
+                inventory
+                    .errors
+                    .push(format!("NVML could not count devices: {e}"));
+                0
+            }
+        };
+        for index in 0..count {
+            match describe(nvml, index) {
+                Ok(gpu) => inventory.gpus.push(gpu),
+                Err(e) => inventory.errors.push(format!("NVML device {index}: {e}")),
+            }
+        }
+        inventory
+    }
 }
 
 /// Whether NVML could be used.
@@ -94,44 +178,11 @@ pub struct VisibleGpu {
 
 impl Inventory {
     /// Queries NVML, loaded at run time. Without NVML (no NVIDIA driver) the
-    /// inventory is empty and [`Inventory::nvml`] says why; this never fails.
+    /// inventory is empty and [`Inventory::nvml`] says why; this never fails. (A
+    /// program that asks again and again, such as a live view, keeps one
+    /// [`NvmlBackend`] open instead.)
     pub fn query() -> Inventory {
-        let nvml = match Nvml::init() {
-            Ok(nvml) => nvml,
-            Err(e) => {
-                return Inventory {
-                    nvml: NvmlStatus::Unavailable {
-                        reason: nvml_reason(&e),
-                    },
-                    gpus: Vec::new(),
-                    errors: Vec::new(),
-                }
-            }
-        };
-        let driver_version = nvml
-            .sys_driver_version()
-            .unwrap_or_else(|e| format!("unknown ({e})"));
-        let mut inventory = Inventory {
-            nvml: NvmlStatus::Available { driver_version },
-            gpus: Vec::new(),
-            errors: Vec::new(),
-        };
-        let count = match nvml.device_count() {
-            Ok(n) => n,
-            Err(e) => {
-                inventory
-                    .errors
-                    .push(format!("NVML could not count devices: {e}"));
-                0
-            }
-        };
-        for index in 0..count {
-            match describe(&nvml, index) {
-                Ok(gpu) => inventory.gpus.push(gpu),
-                Err(e) => inventory.errors.push(format!("NVML device {index}: {e}")),
-            }
-        }
-        inventory
+        NvmlBackend::open().inventory()
     }
 
     /// The GPUs of CUDA's logical devices `cuda:0`, `cuda:1`, ..., given their UUIDs as
@@ -241,18 +292,23 @@ fn nvml_reason(e: &nvml_wrapper::error::NvmlError) -> String {
 fn describe(nvml: &Nvml, index: u32) -> Result<GpuInfo, nvml_wrapper::error::NvmlError> {
     let device = nvml.device_by_index(index)?;
     let memory = device.memory_info()?;
-    let processes = device
-        .running_compute_processes()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|p| GpuProcess {
+    // Compute processes, then graphics ones not already listed (a process doing both
+    // shows once).
+    let mut processes: Vec<GpuProcess> = Vec::new();
+    let compute = device.running_compute_processes().unwrap_or_default();
+    let graphics = device.running_graphics_processes().unwrap_or_default();
+    for p in compute.into_iter().chain(graphics) {
+        if processes.iter().any(|q| q.pid == p.pid) {
+            continue;
+        }
+        processes.push(GpuProcess {
             pid: p.pid,
             used: match p.used_gpu_memory {
                 UsedGpuMemory::Used(b) => Some(Bytes(b)),
                 UsedGpuMemory::Unavailable => None,
             },
-        })
-        .collect();
+        });
+    }
     Ok(GpuInfo {
         nvml_index: index,
         uuid: device.uuid()?,
@@ -260,6 +316,7 @@ fn describe(nvml: &Nvml, index: u32) -> Result<GpuInfo, nvml_wrapper::error::Nvm
         total: Bytes(memory.total),
         free: Bytes(memory.free),
         used: Bytes(memory.used),
+        utilization: device.utilization_rates().ok().map(|u| u.gpu),
         processes,
         mig: mig_instances(&device),
     })

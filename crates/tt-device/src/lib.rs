@@ -22,7 +22,9 @@ pub use env::{
     LOCAL_RANK, TORCHTOOLS_DEVICE,
 };
 pub use error::{Error, Result};
-pub use inventory::{GpuInfo, GpuProcess, Inventory, MigInstance, NvmlStatus, VisibleGpu};
+pub use inventory::{
+    GpuBackend, GpuInfo, GpuProcess, Inventory, MigInstance, NvmlBackend, NvmlStatus, VisibleGpu,
+};
 #[cfg(feature = "tch")]
 pub use libtorch::{availability, report, select, select_device};
 pub use report::{Backend, DeviceReport, LibtorchInfo, View};

@@ -15,6 +15,7 @@ fn gpu(nvml_index: u32, uuid: &str, free_gib: u64) -> GpuInfo {
         total: Bytes::gib(80),
         free: Bytes::gib(free_gib),
         used: Bytes::gib(80 - free_gib),
+        utilization: None,
         processes: vec![GpuProcess {
             pid: 4242,
             used: Some(Bytes::gib(80 - free_gib)),

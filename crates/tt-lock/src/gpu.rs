@@ -244,6 +244,7 @@ mod tests {
                     total: Bytes::gib(80),
                     free: Bytes::gib(80),
                     used: Bytes(0),
+                    utilization: None,
                     processes: vec![],
                     mig: vec![],
                 })

@@ -497,6 +497,7 @@ mod tests {
                 total: tt_device::Bytes::gib(80),
                 free: tt_device::Bytes::gib(80),
                 used: tt_device::Bytes(0),
+                utilization: None,
                 processes: vec![],
                 mig: vec![],
             }],

@@ -543,6 +543,7 @@ fn three_gpus() -> tt_device::Inventory {
                 total: tt_device::Bytes::gib(80),
                 free: tt_device::Bytes::gib(free[i as usize]),
                 used: tt_device::Bytes::gib(80 - free[i as usize]),
+                utilization: None,
                 processes: vec![],
                 mig: vec![],
             })

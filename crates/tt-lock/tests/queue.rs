@@ -38,6 +38,7 @@ fn two_gpus() -> tt_device::Inventory {
                 total: tt_device::Bytes::gib(80),
                 free: tt_device::Bytes::gib(60 - 20 * u64::from(i)),
                 used: tt_device::Bytes::gib(20 + 20 * u64::from(i)),
+                utilization: None,
                 processes: vec![],
                 mig: vec![],
             })

@@ -5,7 +5,7 @@ use std::fmt;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use tt_device::{Bytes, CudaDriver, Inventory, NvmlStatus};
+use tt_device::{Bytes, CudaDriver, GpuBackend, Inventory, NvmlBackend, NvmlStatus};
 use tt_fence::{Fence, FenceOptions, DEFAULT_SAFETY_MARGIN};
 use tt_lock::{GpuKey, GpuLock, GpuSpec, Holder, LockDir, Wait};
 
@@ -220,6 +220,16 @@ pub fn reserve_with(
     options: ReserveOptions,
     on_wait: impl FnOnce(&Waiting),
 ) -> Result<Reservation, Error> {
+    reserve_on(&NvmlBackend::open(), options, on_wait)
+}
+
+/// [`reserve_with`] on the GPUs `machine` lists (NVML's through [`NvmlBackend`] in
+/// [`reserve`]; another backend, such as a fixed inventory, chooses among its GPUs).
+pub fn reserve_on(
+    machine: &dyn GpuBackend,
+    options: ReserveOptions,
+    on_wait: impl FnOnce(&Waiting),
+) -> Result<Reservation, Error> {
     let auto = options.gpus.contains(&GpuSpec::Auto);
     if options.gpus.is_empty() {
         return Err(Error::Options(
@@ -246,7 +256,7 @@ pub fn reserve_with(
         Some(n) => n,
         None => 1,
     };
-    let inventory = Inventory::query();
+    let inventory = machine.inventory();
     let no_gpu =
         !matches!(inventory.nvml, NvmlStatus::Available { .. }) || inventory.gpus.is_empty();
     // `auto` chooses among the GPUs this process may use.
@@ -524,6 +534,7 @@ mod tests {
             total: Bytes::gib(80),
             free: Bytes::gib(free),
             used: Bytes::gib(80 - free),
+            utilization: None,
             processes: vec![],
             mig: vec![],
         };
