@@ -815,3 +815,29 @@ fn a_node_that_never_joins_fails_the_job_naming_it() {
         "{text}"
     );
 }
+
+/// A rank that is a shell running a long command: when another rank fails, stopping it
+/// stops what it started too (its process group), so the launcher ends at once instead
+/// of waiting for the command, and nothing is left running.
+#[test]
+fn stopping_a_rank_stops_what_it_started() {
+    let start = Instant::now();
+    let out = launch(&[
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "if [ $RANK = 1 ]; then exit 3; fi; sleep 61.25",
+    ]);
+    let took = start.elapsed();
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    // Without process groups the launcher waited for `sleep` to close the rank's output.
+    assert!(took < Duration::from_secs(45), "took {took:?}");
+    let left = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .any(|c| c == b"sleep\x0061.25\x00");
+    assert!(!left, "the rank's sleep is still running");
+}

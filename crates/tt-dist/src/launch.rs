@@ -35,7 +35,11 @@ pub struct LaunchConfig {
     /// Its arguments.
     pub args: Vec<OsString>,
     /// A signal number set here (by the caller's signal handler) is forwarded once to
-    /// every rank.
+    /// every rank. With it, each rank leads a process group of its own, which every
+    /// signal reaches (what the rank started included), and the terminal's Ctrl-C
+    /// reaches the ranks only through the caller, which must forward it, as `torchtools
+    /// launch` does; without it the ranks stay in the caller's process group, where the
+    /// terminal's signals reach them directly.
     pub forward: Option<Arc<AtomicI32>>,
     /// The job's id (`TORCHELASTIC_RUN_ID`, torchrun's `--rdzv-id`); `None`: `"none"`,
     /// as torchrun's default.
@@ -268,10 +272,13 @@ fn start_ranks(
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        // Each rank leads a process group of its own, so that stopping it stops what
-        // it started too (a shell's children, a data loader's workers), whose open
-        // copies of the rank's output would otherwise keep the launcher waiting.
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        // Where the caller forwards signals, each rank leads a process group of its
+        // own, so that stopping it stops what it started too (a shell's children, a
+        // data loader's workers), whose open copies of the rank's output would
+        // otherwise keep the launcher waiting.
+        if cfg.forward.is_some() {
+            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        }
         if std::env::var_os("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none() {
             // As torchrun: a failed NCCL collective ends the rank, not hangs it.
             cmd.env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
@@ -539,13 +546,14 @@ fn supervise(
     let mut stopped = false;
     let mut term_sent: Option<Instant> = None;
     let mut killed = false;
+    let grouped = cfg.forward.is_some();
     loop {
         if let Some(flag) = &cfg.forward {
             let signal = flag.swap(0, Ordering::Relaxed);
             if signal != 0 {
                 for ((_, c), d) in ranks.iter().zip(&done) {
                     if !d {
-                        signal_group(c, signal);
+                        signal_rank(c, signal, grouped);
                     }
                 }
             }
@@ -573,10 +581,11 @@ fn supervise(
             }
         }
         if done.iter().all(|d| *d) {
-            if failed.is_some() || stopped {
-                // What the stopped ranks left behind goes with them.
+            if grouped && (failed.is_some() || stopped) {
+                // What the stopped ranks left behind goes with them (their groups; a
+                // reaped rank's own pid is never signalled).
                 for (_, c) in ranks.iter() {
-                    signal_group(c, libc::SIGKILL);
+                    signal_rank(c, libc::SIGKILL, true);
                 }
             }
             let first =
@@ -591,7 +600,7 @@ fn supervise(
                 None => {
                     for ((_, c), d) in ranks.iter().zip(&done) {
                         if !d {
-                            signal_group(c, libc::SIGTERM);
+                            signal_rank(c, libc::SIGTERM, grouped);
                         }
                     }
                     term_sent = Some(Instant::now());
@@ -599,7 +608,7 @@ fn supervise(
                 Some(at) if !killed && at.elapsed() >= cfg.grace => {
                     for ((_, c), d) in ranks.iter_mut().zip(&done) {
                         if !d {
-                            signal_group(c, libc::SIGKILL);
+                            signal_rank(c, libc::SIGKILL, grouped);
                             let _ = c.kill();
                         }
                     }
@@ -631,12 +640,14 @@ fn join_readers(readers: Readers) {
 /// How long the launcher waits for the last output of ranks that have ended.
 const READERS_GRACE: Duration = Duration::from_secs(2);
 
-/// Sends `signal` to the process group `rank` leads (the rank and what it started).
-fn signal_group(rank: &Child, signal: i32) {
-    // SAFETY: kill(2) of the group our own child leads; the child is not reaped yet or
-    // its group id is not reused while we hold it (a reaped leader's group may
-    // outlive it only through its own members).
-    unsafe { libc::kill(-(rank.id() as i32), signal) };
+/// Sends `signal` to `rank`: to the process group it leads when `grouped` (the rank
+/// and what it started), else to the rank alone.
+fn signal_rank(rank: &Child, signal: i32, grouped: bool) {
+    let pid = rank.id() as i32;
+    let target = if grouped { -pid } else { pid };
+    // SAFETY: kill(2) of our own child, or of the group it leads; its pid is not
+    // reused while it is unreaped, nor as a group id while a member of its group lives.
+    unsafe { libc::kill(target, signal) };
 }
 
 #[cfg(test)]
