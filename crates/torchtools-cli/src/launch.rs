@@ -342,7 +342,7 @@ impl LaunchArgs {
 pub(crate) fn launch(args: LaunchArgs) -> Result<ExitCode> {
     let mut cfg = args.config()?;
     // The group's GPUs, reserved before any rank starts, held until the group ends.
-    let reservation = match &args.gpu {
+    let mut reservation = match &args.gpu {
         None => None,
         Some(gpus) => {
             let auto = gpus.contains(&tt_lock::GpuSpec::Auto);
@@ -395,6 +395,9 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<ExitCode> {
     handle.close();
     let _ = forwarder.join();
     // The GPUs go back as soon as every rank has ended.
+    if let (Some(r), Ok(o)) = (reservation.as_mut(), outcome.as_ref()) {
+        r.set_exit_status(o.code);
+    }
     drop(reservation);
     let outcome = outcome?;
     match outcome.failed {

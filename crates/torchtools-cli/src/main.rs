@@ -18,6 +18,7 @@ mod reserve;
 mod subtrack;
 mod top;
 mod track;
+mod usage;
 
 /// Exit status for a bad variable or an impossible device request.
 const EXIT_BAD_ENV: u8 = 2;
@@ -232,6 +233,21 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Who used the GPUs, and how much: GPU-hours and reserved GiB-hours per user (or
+    /// per GPU) from the lock directory's usage log, which every reservation writes
+    /// (`reserve`, `run`, `launch --gpu`, the API). A holder that died holding its GPU
+    /// is counted until the GPU's next holder took it (or until now), marked lost.
+    Usage {
+        /// Only reservations that ended in this last while (or still run): 7d, 24h, 30m.
+        #[arg(long, value_parser = args::duration)]
+        since: Option<Duration>,
+        /// Group by user (default) or by GPU.
+        #[arg(long, value_enum, default_value_t = usage::By::User)]
+        by: usage::By,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Show the requests waiting for GPUs, in the order they will be served (first
     /// come, first served): user, pid, how long, GPUs asked, bytes, command.
     Queue {
@@ -436,7 +452,10 @@ fn quiet_on_closed_pipe() {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     if matches!(
         cli.command,
-        Command::Devices { .. } | Command::Locks { .. } | Command::Queue { .. }
+        Command::Devices { .. }
+            | Command::Locks { .. }
+            | Command::Queue { .. }
+            | Command::Usage { .. }
     ) || matches!(cli.command, Command::Top { once, json, .. } if once || json)
     {
         quiet_on_closed_pipe();
@@ -462,6 +481,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => reserve::reserve(reservation.request(bytes, command)),
         Command::Locks { json } => reserve::locks(json),
         Command::Queue { json } => reserve::queue(json),
+        Command::Usage { since, by, json } => usage::usage(since, by, json),
         Command::Top {
             once,
             json,

@@ -39,6 +39,7 @@ pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
         tracing::warn!("cannot record the command's pid: {e}");
     }
     let ended = running.wait()?;
+    reservation.set_exit_status(i32::from(ended.code));
     // The reservation (fences, then locks) lives exactly as long as the command.
     drop(reservation);
     Ok(ExitCode::from(ended.code))

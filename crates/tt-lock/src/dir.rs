@@ -19,6 +19,9 @@ pub const DEFAULT_LOCK_DIR: &str = "/tmp/torchtools-locks";
 pub struct LockDir {
     path: PathBuf,
     origin: Origin,
+    /// The usage log, opened for appending at its first record and kept (each record is
+    /// then one `write`).
+    pub(crate) usage_log: std::sync::Arc<std::sync::OnceLock<Option<fs::File>>>,
 }
 
 /// Where the lock directory's path came from, for error messages.
@@ -61,7 +64,11 @@ impl LockDir {
     }
 
     fn open_inner(path: PathBuf, origin: Origin) -> Result<LockDir> {
-        let dir = LockDir { path, origin };
+        let dir = LockDir {
+            path,
+            origin,
+            usage_log: Default::default(),
+        };
         match fs::symlink_metadata(&dir.path) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => dir.create()?,
             Err(e) => return Err(dir.error(format!("cannot read it: {e}"))),
@@ -254,6 +261,7 @@ mod tests {
 
     fn given(path: &Path) -> LockDir {
         LockDir {
+            usage_log: Default::default(),
             path: path.to_owned(),
             origin: Origin::Given,
         }

@@ -42,6 +42,10 @@ pub struct Holder {
     /// looking at one) says so instead of showing a PID of its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pid_ns: Option<u64>,
+    /// The id of this holding's record in the usage log (`usage.jsonl`), set by the
+    /// lock: how a reader of the log tells a holder still holding from one that died.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<String>,
 }
 
 impl Holder {
@@ -62,6 +66,7 @@ impl Holder {
             command_pid: None,
             fenced: None,
             pid_ns: own_pid_namespace(),
+            usage: None,
         }
     }
 
@@ -91,6 +96,7 @@ impl Holder {
             command_pid: None,
             fenced: None,
             pid_ns: None,
+            usage: None,
         }
     }
 

@@ -9,6 +9,7 @@ mod holder;
 mod list;
 mod lock;
 mod queue;
+mod usage;
 
 pub use dir::{LockDir, DEFAULT_LOCK_DIR, LOCK_DIR_ENV};
 pub use error::{Error, Result};
@@ -17,3 +18,4 @@ pub use holder::{own_pid_namespace, user_name_of, utc, Holder};
 pub use list::LockState;
 pub use lock::{share_with, GpuLock, Wait, HELD_LOCKS_ENV};
 pub use queue::{Waiter, Wants};
+pub use usage::{Usage, UsageEvent, UsageLog, USAGE_FILE};

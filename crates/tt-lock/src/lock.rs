@@ -43,6 +43,10 @@ pub struct GpuLock {
     path: PathBuf,
     holder: Holder,
     inherited: bool,
+    /// Where its usage record goes (not for an inherited lock: the parent records).
+    dir: Option<LockDir>,
+    /// The job's exit status, for the usage record.
+    status: Option<i32>,
     // Declared last: dropped after the unlock in `Drop`.
     _registered: Option<Registered>,
 }
@@ -99,9 +103,18 @@ impl GpuLock {
     /// was handed to). The GPU field is kept.
     pub fn set_holder(&mut self, mut holder: Holder) -> Result<()> {
         holder.gpu = self.holder.gpu.clone();
+        holder.usage = self.holder.usage.clone();
         write_holder(&self.file, &self.path, &holder)?;
         self.holder = holder;
         Ok(())
+    }
+}
+
+impl GpuLock {
+    /// The exit status of the job that used the GPU (128 + a signal's number when it
+    /// was killed), for the usage log's record of this holding.
+    pub fn set_exit_status(&mut self, status: i32) {
+        self.status = Some(status);
     }
 }
 
@@ -113,6 +126,16 @@ impl AsRawFd for GpuLock {
 
 impl Drop for GpuLock {
     fn drop(&mut self) {
+        // Recorded while still held: a reader of the log never takes it for a holder
+        // that died.
+        if let (Some(dir), Some(id)) = (&self.dir, &self.holder.usage) {
+            dir.record(&crate::usage::UsageEvent::End {
+                id: id.clone(),
+                time: crate::usage::now_unix(),
+                status: self.status,
+                lost: false,
+            });
+        }
         if !self.inherited {
             // Explicit unlock: a child forked without exec may still hold a copy of the
             // descriptor, and must not keep the GPU locked after we let go. (The
@@ -256,7 +279,7 @@ impl LockDir {
                         }
                         continue;
                     }
-                    granted.extend(LockDir::grant(slots, &taken, &holder)?);
+                    granted.extend(self.grant(slots, &taken, &holder)?);
                     drop(ticket); // leaves the queue only once the GPUs are held
                     return Ok(granted);
                 }
@@ -387,7 +410,7 @@ impl LockDir {
     }
 
     /// Turns the slots taken into locks: records the holder in each.
-    fn grant(slots: Vec<Slot>, taken: &[usize], holder: &Holder) -> Result<Vec<GpuLock>> {
+    fn grant(&self, slots: Vec<Slot>, taken: &[usize], holder: &Holder) -> Result<Vec<GpuLock>> {
         let mut slots: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
         let mut locks = Vec::with_capacity(taken.len());
         for &i in taken {
@@ -402,13 +425,18 @@ impl LockDir {
             };
             let mut holder = holder.clone();
             holder.gpu = slot.key.cuda_visible_entry();
+            let id = crate::usage::new_id(&holder);
+            holder.usage = Some(id.clone());
             write_holder(&slot.file, &slot.path, &holder)?;
+            self.record_start(&holder, &id);
             locks.push(GpuLock {
                 file: slot.file,
                 key: slot.key,
                 path: slot.path,
                 holder,
                 inherited: false,
+                dir: Some(self.clone()),
+                status: None,
                 _registered: Some(registered),
             });
         }
@@ -451,6 +479,8 @@ impl LockDir {
             path: path.to_owned(),
             holder,
             inherited: true,
+            dir: None,
+            status: None,
             _registered: None,
         }))
     }

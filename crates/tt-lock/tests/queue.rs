@@ -358,12 +358,13 @@ fn a_waiter_killed_in_the_middle_leaves_the_queue_by_itself() {
     scene.until("a and c served", |s| s.granted().len() == 2);
     assert_eq!(scene.names_granted(), ["a", "c"]);
     scene.finish();
-    // The dead ticket was this user's: removed, nothing left but the lock files.
+    // The dead ticket was this user's: removed, nothing left but the lock files (and
+    // the usage log).
     let left: Vec<String> = std::fs::read_dir(scene.dir.path())
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| !n.ends_with(".lock"))
+        .filter(|n| !n.ends_with(".lock") && n != tt_lock::USAGE_FILE)
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }

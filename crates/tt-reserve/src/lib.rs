@@ -367,6 +367,15 @@ impl Reservation {
         &self.gpus
     }
 
+    /// The exit status of the job that used the GPUs (128 + a signal's number when it
+    /// was killed), for the records of the lock directory's usage log (`torchtools
+    /// usage`).
+    pub fn set_exit_status(&mut self, status: i32) {
+        for lock in &mut self.locks {
+            lock.set_exit_status(status);
+        }
+    }
+
     /// The held locks (their files and holder records).
     pub fn locks(&self) -> &[GpuLock] {
         &self.locks

@@ -1,0 +1,195 @@
+//! `torchtools usage`: GPU-hours and reserved GiB-hours from the lock directory's usage
+//! log (tt-lock's `LockDir::usage`).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use tt_lock::{LockDir, Usage};
+
+/// How `usage` groups its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum By {
+    User,
+    Gpu,
+}
+
+/// One row: a user's (or a GPU's) use.
+#[derive(Debug, Default, Serialize, PartialEq)]
+pub(crate) struct Row {
+    /// The user or the GPU.
+    pub(crate) name: String,
+    /// Reservations counted.
+    pub(crate) reservations: usize,
+    /// Of which still running.
+    pub(crate) running: usize,
+    /// Of which their holder died holding the GPU.
+    pub(crate) lost: usize,
+    /// Hours of GPU held, one GPU for one hour being one GPU-hour.
+    pub(crate) gpu_hours: f64,
+    /// Reserved bytes held, in GiB-hours.
+    pub(crate) reserved_gib_hours: f64,
+}
+
+/// The rows of `records` that ended after `from` (or still run), grouped `by`, the
+/// most GPU-hours first; hours counted from `from` on.
+pub(crate) fn rows(records: &[Usage], by: By, from: f64, now: f64) -> Vec<Row> {
+    let mut rows: BTreeMap<String, Row> = BTreeMap::new();
+    for r in records
+        .iter()
+        .filter(|r| r.end.is_none_or(|end| end > from))
+    {
+        let name = match by {
+            By::User => r.user.clone(),
+            By::Gpu => r.gpu.clone(),
+        };
+        let row = rows.entry(name.clone()).or_insert_with(|| Row {
+            name,
+            ..Row::default()
+        });
+        let start = r.start.max(from);
+        let hours = (r.end.unwrap_or(now) - start).max(0.0) / 3600.0;
+        row.reservations += 1;
+        row.running += usize::from(r.end.is_none());
+        row.lost += usize::from(r.lost);
+        row.gpu_hours += hours;
+        row.reserved_gib_hours += hours * r.bytes.unwrap_or(0) as f64 / (1u64 << 30) as f64;
+    }
+    let mut rows: Vec<Row> = rows.into_values().collect();
+    rows.sort_by(|a, b| {
+        b.gpu_hours
+            .total_cmp(&a.gpu_hours)
+            .then(a.name.cmp(&b.name))
+    });
+    rows
+}
+
+pub(crate) fn usage(since: Option<Duration>, by: By, json: bool) -> Result<ExitCode> {
+    let dir = LockDir::from_env()?;
+    let log = dir.usage().context("reading the usage log")?;
+    for why in &log.skipped {
+        eprintln!("torchtools usage: warning: skipped a damaged record: {why}");
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    let from = since.map_or(f64::MIN, |d| now - d.as_secs_f64());
+    let rows = rows(&log.records, by, from, now);
+    if json {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            log: String,
+            since_unix: Option<f64>,
+            by: &'a str,
+            rows: &'a [Row],
+            skipped: &'a [String],
+        }
+        let out = Out {
+            log: dir.path().join(tt_lock::USAGE_FILE).display().to_string(),
+            since_unix: since.map(|_| from),
+            by: match by {
+                By::User => "user",
+                By::Gpu => "gpu",
+            },
+            rows: &rows,
+            skipped: &log.skipped,
+        };
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    print!("{}", text(&rows, by));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn text(rows: &[Row], by: By) -> String {
+    let head = match by {
+        By::User => "user",
+        By::Gpu => "GPU",
+    };
+    let width = rows
+        .iter()
+        .map(|r| r.name.len())
+        .max()
+        .unwrap_or(0)
+        .max(head.len());
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{head:<width$}  {:>9}  {:>14}  {:>12}",
+        "GPU-hours", "reserved GiB·h", "reservations"
+    );
+    for r in rows {
+        let mut notes = Vec::new();
+        if r.running > 0 {
+            notes.push(format!("{} running", r.running));
+        }
+        if r.lost > 0 {
+            notes.push(format!("{} lost", r.lost));
+        }
+        let notes = if notes.is_empty() {
+            String::new()
+        } else {
+            format!("  ({})", notes.join(", "))
+        };
+        let _ = writeln!(
+            out,
+            "{:<width$}  {:>9.3}  {:>14.3}  {:>12}{notes}",
+            r.name, r.gpu_hours, r.reserved_gib_hours, r.reservations
+        );
+    }
+    if rows.is_empty() {
+        out.push_str("no reservation recorded\n");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(user: &str, gpu: &str, start: f64, end: Option<f64>, gib: u64) -> Usage {
+        Usage {
+            id: format!("{user}-{start}"),
+            user: user.into(),
+            host: "h".into(),
+            pid: 1,
+            gpu: gpu.into(),
+            bytes: Some(gib << 30),
+            command: Vec::new(),
+            start,
+            end,
+            status: None,
+            lost: false,
+        }
+    }
+
+    #[test]
+    fn hours_are_summed_per_user_or_gpu_and_cut_at_since() {
+        let records = [
+            record("ada", "GPU-a", 0.0, Some(7200.0), 4),
+            record("ada", "GPU-b", 3600.0, None, 0),
+            record("bob", "GPU-a", 7200.0, Some(9000.0), 2),
+        ];
+        let now = 10_800.0;
+        let by_user = rows(&records, By::User, f64::MIN, now);
+        assert_eq!(by_user[0].name, "ada");
+        assert!((by_user[0].gpu_hours - 4.0).abs() < 1e-9, "{by_user:?}");
+        assert!((by_user[0].reserved_gib_hours - 8.0).abs() < 1e-9);
+        assert_eq!((by_user[0].reservations, by_user[0].running), (2, 1));
+        assert!((by_user[1].gpu_hours - 0.5).abs() < 1e-9);
+        let by_gpu = rows(&records, By::Gpu, f64::MIN, now);
+        assert_eq!(by_gpu[0].name, "GPU-a");
+        assert!((by_gpu[0].gpu_hours - 2.5).abs() < 1e-9);
+        // The last hour only: ada's first ended as it began, not counted; her second
+        // counts from its start, bob's whole.
+        let last_hour = rows(&records, By::User, now - 3600.0, now);
+        assert_eq!(last_hour.len(), 2, "{last_hour:?}");
+        assert_eq!(last_hour[0].reservations, 1, "{last_hour:?}");
+        assert!((last_hour[0].gpu_hours - 1.0).abs() < 1e-9);
+        assert!((last_hour[1].gpu_hours - 0.5).abs() < 1e-9);
+        assert!(text(&by_user, By::User).contains("(1 running)"));
+    }
+}

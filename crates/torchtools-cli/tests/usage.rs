@@ -1,0 +1,155 @@
+//! `torchtools usage`: the usage log every reservation writes, read back as GPU-hours,
+//! with real reservations, a `kill -9` in the middle and a damaged record.
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+mod common;
+use common::torchtools;
+
+fn usage(dir: &Path, args: &[&str]) -> serde_json::Value {
+    let out = torchtools(dir)
+        .args(["usage", "--json"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// Reservations of known lengths on GPUs 0 and 1, one ending with status 3, and one
+/// killed with `kill -9` (the command and `torchtools` together) while it holds GPU 2:
+/// the hours are theirs, the exit status is recorded, and the killed one is closed by
+/// the next reader, marked lost, ending between its death and that read.
+#[test]
+fn reservations_are_counted_and_a_killed_holder_is_closed_by_the_next_reader() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let reserve = |gpu: &str, script: &str| {
+        torchtools(dir)
+            .args([
+                "reserve",
+                "--gpu",
+                gpu,
+                "--bytes",
+                "2GiB",
+                "--no-fence",
+                "--",
+            ])
+            .args(["sh", "-c", script])
+            .output()
+            .unwrap()
+    };
+    let mut sleeps = 0.0;
+    for (gpu, seconds) in [("0", 1.0), ("1", 0.5), ("0", 0.5)] {
+        let out = reserve(gpu, &format!("sleep {seconds}"));
+        assert!(out.status.success(), "{out:?}");
+        sleeps += seconds;
+    }
+    let out = reserve("1", "exit 3");
+    assert_eq!(out.status.code(), Some(3));
+
+    // GPU 2, killed while held: `torchtools` and its command in their own group.
+    let mut held = torchtools(dir)
+        .args(["reserve", "--gpu", "2", "--no-fence", "--"])
+        .args(["sh", "-c", "echo ready; exec sleep 600"])
+        .process_group(0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(held.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready");
+    let running = usage(dir, &["--by", "gpu"]);
+    let gpu2 = running["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "2");
+    assert_eq!(gpu2.unwrap()["running"], 1, "{running}");
+    std::thread::sleep(Duration::from_millis(300));
+    let killed_at = now();
+    // SAFETY: kill(2) of the process group of a child of this test.
+    unsafe { libc::kill(-(held.id() as i32), libc::SIGKILL) };
+    held.wait().unwrap();
+    let before_read = now();
+    let after = usage(dir, &["--by", "gpu"]);
+    let rows = after["rows"].as_array().unwrap();
+    let row = |name: &str| rows.iter().find(|r| r["name"] == name).unwrap();
+    assert_eq!(row("2")["running"], 0, "{after}");
+    assert_eq!(row("2")["lost"], 1, "{after}");
+    let lost_hours = row("2")["gpu_hours"].as_f64().unwrap();
+    assert!(lost_hours * 3600.0 >= 0.3, "{after}");
+    // It ended no later than the read that closed it.
+    let log = std::fs::read_to_string(dir.join(tt_lock::USAGE_FILE)).unwrap();
+    let lost_end = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|r| r["event"] == "end" && r["lost"] == true)
+        .unwrap_or_else(|| panic!("no lost record in {log}"));
+    let end = lost_end["time"].as_f64().unwrap();
+    assert!(
+        end >= killed_at - 1.0 && end <= now(),
+        "{end} vs killed at {killed_at}, read at {before_read}"
+    );
+    // A second read closes nothing again.
+    usage(dir, &[]);
+    let ends = std::fs::read_to_string(dir.join(tt_lock::USAGE_FILE))
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("\"lost\":true"))
+        .count();
+    assert_eq!(ends, 1);
+
+    // The finished ones: their sleeps, plus at most a second of starting and ending.
+    let finished: f64 = ["0", "1"]
+        .iter()
+        .map(|g| row(g)["gpu_hours"].as_f64().unwrap())
+        .sum();
+    let seconds = finished * 3600.0;
+    assert!(
+        seconds >= sleeps && seconds < sleeps + 1.0,
+        "{seconds} s for {sleeps} s of sleeps"
+    );
+    assert!(
+        (row("0")["reserved_gib_hours"].as_f64().unwrap() * 3600.0 - 2.0 * 1.5).abs() < 2.0,
+        "{after}"
+    );
+    assert!(log.contains("\"status\":3"), "{log}");
+
+    // A damaged record (a full disk cut it short): skipped, said, never an error.
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(dir.join(tt_lock::USAGE_FILE))
+        .and_then(|mut f| std::io::Write::write_all(&mut f, b"{\"event\":\"sta"))
+        .unwrap();
+    let out = torchtools(dir).args(["usage"]).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("skipped a damaged record"),
+        "{out:?}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("reservations"),
+        "{out:?}"
+    );
+    // --since: only what ran in the last while.
+    let started = Instant::now();
+    let recent = usage(dir, &["--since", "1h"]);
+    assert!(!recent["rows"].as_array().unwrap().is_empty(), "{recent}");
+    assert!(started.elapsed() < common::PATIENCE);
+}
