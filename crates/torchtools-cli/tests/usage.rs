@@ -153,3 +153,55 @@ fn reservations_are_counted_and_a_killed_holder_is_closed_by_the_next_reader() {
     assert!(!recent["rows"].as_array().unwrap().is_empty(), "{recent}");
     assert!(started.elapsed() < common::PATIENCE);
 }
+
+/// Two Unix users (this test's, root in CI, and `nobody` through `runuser`) share one
+/// log: each appends to it, and `usage --by user` counts both.
+#[test]
+fn two_users_share_the_usage_log() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        match std::env::var("TORCHTOOLS_TEST_NO_MOUNT") {
+            Ok(why) if !why.trim().is_empty() => {
+                eprintln!("SKIPPED: a second user needs root (runuser): {why}");
+                return;
+            }
+            _ => panic!(
+                "a second user needs root (runuser): run as root, or set \
+                 TORCHTOOLS_TEST_NO_MOUNT=<why> to skip this test knowingly"
+            ),
+        }
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    // A shared lock directory, as /tmp/torchtools-locks is (the test's tempdir is 0700).
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let dir = tmp.path().join("locks");
+    let reserve = |as_nobody: bool, gpu: &str| {
+        let mut cmd = if as_nobody {
+            let mut c = std::process::Command::new("runuser");
+            c.args(["-u", "nobody", "--", env!("CARGO_BIN_EXE_torchtools")])
+                .env("TORCHTOOLS_LOCK_DIR", &dir)
+                .env_remove("CUDA_VISIBLE_DEVICES")
+                .env_remove("TORCHTOOLS_HELD_LOCKS")
+                .stdin(Stdio::null());
+            c
+        } else {
+            torchtools(&dir)
+        };
+        let out = cmd
+            .args(["reserve", "--gpu", gpu, "--no-fence", "--", "sleep", "0.2"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+    };
+    reserve(false, "0"); // creates the log
+    reserve(true, "1"); // another user appends to it
+    let rows = usage(&dir, &["--by", "user"]);
+    let users: Vec<&str> = rows["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert!(users.contains(&"nobody") && users.len() == 2, "{rows}");
+}
