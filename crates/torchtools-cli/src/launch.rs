@@ -65,6 +65,12 @@ fn nnodes(text: &str) -> std::result::Result<usize, String> {
 /// `torchtools launch`'s options: torchrun's, in both its spellings.
 #[derive(clap::Args)]
 pub(crate) struct LaunchArgs {
+    /// Start the launch in a session of its own, immune to the terminal's hang-up and
+    /// to logging out, its ranks' prefixed output in a log file (in `--log-dir DIR`,
+    /// default $XDG_STATE_HOME/torchtools/logs); print its job id at once (see
+    /// `torchtools jobs`, `logs`, `stop`).
+    #[arg(long)]
+    detach: bool,
     /// Processes on this node: a number, `gpu` (one per visible GPU), `cpu` (one per
     /// CPU) or `auto` (GPUs if there are any, else CPUs).
     #[arg(long = "nproc-per-node", visible_alias = "nproc_per_node", default_value = "1", value_parser = nproc)]
@@ -169,10 +175,12 @@ struct Unsupported {
 }
 
 impl Unsupported {
-    /// The first torchrun option given that has no equivalent, with what to do instead.
-    fn refusal(&self) -> Option<String> {
+    /// The first torchrun option given that has no equivalent, with what to do instead
+    /// (`--log-dir` is the detached job's log directory with `--detach`).
+    fn refusal(&self, detach: bool) -> Option<String> {
+        let log_dir = if detach { &None } else { &self.log_dir };
         let said = [
-            (&self.log_dir, "--log-dir", "every rank's output comes to the terminal, each line prefixed with its rank: redirect it (`> run.log 2>&1`)"),
+            (log_dir, "--log-dir", "every rank's output comes to the terminal, each line prefixed with its rank: redirect it (`> run.log 2>&1`), or give --detach, whose job log goes into --log-dir"),
             (&self.redirects, "--redirects", "redirect the launcher's output instead (`> run.log 2>&1`)"),
             (&self.tee, "--tee", "pipe the launcher's output through `tee FILE`"),
             (&self.local_ranks_filter, "--local-ranks-filter", "every rank's lines carry `[rankN]: `: filter them with `grep '^\\[rank0\\]'`"),
@@ -210,6 +218,18 @@ fn python() -> OsString {
 }
 
 impl LaunchArgs {
+    /// `--detach` (and its `--log-dir`), when given.
+    pub(crate) fn detached(&self) -> Option<crate::jobs::DetachArgs> {
+        self.detach.then(|| crate::jobs::DetachArgs {
+            detach: true,
+            log_dir: self
+                .unsupported
+                .log_dir
+                .as_ref()
+                .map(std::path::PathBuf::from),
+        })
+    }
+
     /// The program and its arguments, as torchrun would run them; a script that is not
     /// there is refused before any rank starts (127, as a command not found).
     fn program(&self) -> std::result::Result<Vec<OsString>, Exit> {
@@ -281,7 +301,7 @@ impl LaunchArgs {
 
     /// The launcher's configuration, every option checked.
     fn config(&self) -> std::result::Result<LaunchConfig, Exit> {
-        if let Some(refusal) = self.unsupported.refusal() {
+        if let Some(refusal) = self.unsupported.refusal(self.detach) {
             return Err(Exit(2, refusal));
         }
         if let Some(backend) = self.rdzv_backend.as_deref() {

@@ -12,6 +12,7 @@ use tt_lock::GpuSpec;
 
 mod args;
 mod child;
+mod jobs;
 mod launch;
 mod probe;
 mod reserve;
@@ -82,6 +83,8 @@ enum Command {
         bytes: Option<Bytes>,
         #[command(flatten)]
         reservation: ReserveArgs,
+        #[command(flatten)]
+        detach: jobs::DetachArgs,
         /// The command and its arguments, after `--`.
         #[arg(last = true, required = true, value_name = "CMD")]
         command: Vec<OsString>,
@@ -206,6 +209,8 @@ enum Command {
         probe_timeout: Duration,
         #[command(flatten)]
         reservation: ReserveArgs,
+        #[command(flatten)]
+        detach: jobs::DetachArgs,
         /// The command and its arguments, after `--`.
         #[arg(last = true, required = true, value_name = "CMD")]
         command: Vec<OsString>,
@@ -232,6 +237,41 @@ enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+    },
+    /// Your detached jobs (`--detach` on reserve, run, launch): id, state (waiting,
+    /// running, finished or failed with its status, lost when the machine rebooted),
+    /// how long, the command and its log.
+    Jobs {
+        /// Everyone's jobs, not only yours.
+        #[arg(long)]
+        all: bool,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// A detached job's log (its id, a unique prefix of it, or `last`).
+    Logs {
+        /// The job.
+        job: String,
+        /// Follow the log while the job runs; end when it ends.
+        #[arg(short, long)]
+        follow: bool,
+    },
+    /// Stop a detached job: SIGTERM to it (a torchtools trainer then checkpoints and
+    /// exits 75), SIGKILL to all of it after --grace.
+    Stop {
+        /// The job.
+        job: String,
+        /// How long it has to end after SIGTERM.
+        #[arg(long, value_parser = args::duration, default_value = "10s")]
+        grace: Duration,
+    },
+    /// (Internal) the keeper of a detached job.
+    #[command(hide = true)]
+    JobRun {
+        id: String,
+        #[arg(last = true)]
+        command: Vec<OsString>,
     },
     /// Who used the GPUs, and how much: GPU-hours and reserved GiB-hours per user (or
     /// per GPU) from the lock directory's usage log, which every reservation writes
@@ -477,8 +517,18 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Reserve {
             bytes,
             reservation,
+            detach,
             command,
-        } => reserve::reserve(reservation.request(bytes, command)),
+        } => {
+            if detach.detach {
+                return jobs::detach(&detach, &std::env::args_os().collect::<Vec<_>>());
+            }
+            reserve::reserve(reservation.request(bytes, command))
+        }
+        Command::Jobs { all, json } => jobs::jobs(json, all),
+        Command::Logs { job, follow } => jobs::logs(&job, follow),
+        Command::Stop { job, grace } => jobs::stop(&job, grace),
+        Command::JobRun { id, command } => jobs::keep(&id, &command),
         Command::Locks { json } => reserve::locks(json),
         Command::Queue { json } => reserve::queue(json),
         Command::Usage { since, by, json } => usage::usage(since, by, json),
@@ -487,7 +537,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             json,
             compact,
         } => top::top(once, json, compact),
-        Command::Launch(args) => launch::launch(*args),
+        Command::Launch(args) => {
+            if let Some(detach) = args.detached() {
+                return jobs::detach(&detach, &std::env::args_os().collect::<Vec<_>>());
+            }
+            launch::launch(*args)
+        }
         Command::Probe {
             gpu,
             timeout,
@@ -508,8 +563,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             probe_steps,
             probe_timeout,
             reservation,
+            detach,
             command,
         } => {
+            if detach.detach {
+                return jobs::detach(&detach, &std::env::args_os().collect::<Vec<_>>());
+            }
             let bytes = match bytes {
                 Some(b) => b,
                 None => {

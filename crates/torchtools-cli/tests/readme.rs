@@ -300,6 +300,7 @@ fn shell_blocks_marked_cpu_run_as_written() {
                     .current_dir(dir.path())
                     .env("PATH", &path)
                     .env("TORCHTOOLS_LOCK_DIR", dir.path().join("locks"))
+                    .env("XDG_STATE_HOME", dir.path().join("state"))
                     .env_remove("PYTHONUNBUFFERED")
                     .env_remove("TORCHTOOLS_LOG")
                     .env_remove("TORCHTOOLS_DEVICE")

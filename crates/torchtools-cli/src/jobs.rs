@@ -1,0 +1,548 @@
+//! Runs that outlive the terminal: `--detach` on `reserve`, `run` and `launch` starts
+//! the same command in a session of its own (a terminal's hang-up or the user logging
+//! out does not reach it), its output in a log file, and prints a job id at once;
+//! `jobs`, `logs` and `stop` find it again.
+//!
+//! A detached job is `torchtools job-run ID -- ARGS`: a small keeper, leader of the
+//! job's session, that runs `torchtools ARGS` with the output in the log, ignores the
+//! signals meant for the job, and writes how it ended into the job's record. Records
+//! live in the lock directory's `jobs/` (every user's jobs are visible with `--all`),
+//! logs in the user's own state directory.
+
+use std::ffi::OsString;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use tt_lock::LockDir;
+
+use crate::child::Exit;
+
+/// `--detach` and `--log-dir`, on `reserve`, `run` and `launch`.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub(crate) struct DetachArgs {
+    /// Start the command in a session of its own, immune to the terminal's hang-up and
+    /// to logging out, with its output in a log file; print its job id at once (see
+    /// `torchtools jobs`, `logs`, `stop`).
+    #[arg(long)]
+    pub(crate) detach: bool,
+    /// Where a detached job's log goes (default: $XDG_STATE_HOME/torchtools/logs, or
+    /// ~/.local/state/torchtools/logs).
+    #[arg(long, value_name = "DIR", requires = "detach")]
+    pub(crate) log_dir: Option<PathBuf>,
+}
+
+/// A job's record: `jobs/ID.json` in the lock directory.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub(crate) struct Job {
+    pub(crate) id: String,
+    pub(crate) user: String,
+    pub(crate) uid: u32,
+    pub(crate) host: String,
+    /// The kernel's boot id when it started: another one now means the machine
+    /// rebooted and the job is lost.
+    pub(crate) boot_id: String,
+    /// `torchtools` and its arguments, as the job runs them.
+    pub(crate) command: Vec<String>,
+    pub(crate) log: PathBuf,
+    pub(crate) started_unix: f64,
+    /// The keeper (`job-run`), leader of the job's session.
+    pub(crate) keeper_pid: u32,
+    /// The job's `torchtools`, once started.
+    #[serde(default)]
+    pub(crate) pid: Option<u32>,
+    #[serde(default)]
+    pub(crate) ended_unix: Option<f64>,
+    /// The exit status (128 + a signal's number when killed).
+    #[serde(default)]
+    pub(crate) status: Option<i32>,
+}
+
+fn now_unix() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn boot_id() -> String {
+    fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn uid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}
+
+/// The shared directory of job records, `jobs/` in the lock directory (mode 01777, as
+/// the lock directory itself).
+fn records_dir() -> Result<PathBuf> {
+    let locks = LockDir::from_env()?;
+    let dir = locks.path().join("jobs");
+    if !dir.exists() {
+        fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let _ = fs::set_permissions(&dir, fs::Permissions::from_mode(0o1777));
+    }
+    Ok(dir)
+}
+
+fn record_path(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}.json"))
+}
+
+/// Writes `job` atomically (a temporary file renamed over the record), readable by all.
+fn save(dir: &Path, job: &Job) -> Result<()> {
+    let path = record_path(dir, &job.id);
+    let temp = dir.join(format!(".{}.{}.tmp", job.id, std::process::id()));
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&temp)
+        .with_context(|| format!("writing {}", temp.display()))?;
+    file.write_all(&serde_json::to_vec_pretty(job)?)?;
+    file.sync_all()?;
+    fs::rename(&temp, &path).with_context(|| format!("placing {}", path.display()))?;
+    Ok(())
+}
+
+fn load(path: &Path) -> Option<Job> {
+    serde_json::from_slice(&fs::read(path).ok()?).ok()
+}
+
+/// The user's default log directory: `$XDG_STATE_HOME/torchtools/logs`, else
+/// `~/.local/state/torchtools/logs`.
+fn default_log_dir() -> Result<PathBuf> {
+    if let Some(state) = std::env::var_os("XDG_STATE_HOME").filter(|s| !s.is_empty()) {
+        return Ok(PathBuf::from(state).join("torchtools/logs"));
+    }
+    let home = std::env::var_os("HOME")
+        .filter(|h| !h.is_empty())
+        .context("neither XDG_STATE_HOME nor HOME is set: give --log-dir DIR")?;
+    Ok(PathBuf::from(home).join(".local/state/torchtools/logs"))
+}
+
+/// `argv` without `--detach` and `--log-dir DIR` (before a `--`): the command the job
+/// runs.
+pub(crate) fn without_detach(argv: &[OsString]) -> Vec<OsString> {
+    let mut out = Vec::with_capacity(argv.len());
+    let mut i = 0;
+    let mut after_dashes = false;
+    while i < argv.len() {
+        let a = &argv[i];
+        if !after_dashes {
+            if a == "--" {
+                after_dashes = true;
+            } else if a == "--detach" {
+                i += 1;
+                continue;
+            } else if a == "--log-dir" {
+                i += 2;
+                continue;
+            } else if a.to_string_lossy().starts_with("--log-dir=") {
+                i += 1;
+                continue;
+            }
+        }
+        out.push(a.clone());
+        i += 1;
+    }
+    out
+}
+
+/// Starts the command line `argv` (this process's own arguments) as a detached job.
+pub(crate) fn detach(args: &DetachArgs, argv: &[OsString]) -> Result<ExitCode> {
+    let log_dir = match &args.log_dir {
+        Some(d) => d.clone(),
+        None => default_log_dir()?,
+    };
+    fs::create_dir_all(&log_dir).map_err(|e| {
+        Exit(
+            2,
+            format!("--log-dir {}: cannot create it: {e}", log_dir.display()),
+        )
+    })?;
+    let records = records_dir()?;
+    let started = now_unix();
+    let id = format!("{}-{}", started as u64, std::process::id());
+    let log = log_dir.join(format!("{id}.log"));
+    let out = OpenOptions::new()
+        .append(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&log)
+        .map_err(|e| {
+            Exit(
+                2,
+                format!(
+                    "--log-dir {}: cannot write a log there: {e}",
+                    log_dir.display()
+                ),
+            )
+        })?;
+    let err = out.try_clone()?;
+    let command = without_detach(&argv[1..]);
+    let exe = std::env::current_exe().context("finding this program")?;
+    let mut keeper = Command::new(&exe);
+    keeper
+        .arg("job-run")
+        .arg(&id)
+        .arg("--")
+        .args(&command)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err);
+    // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        keeper.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = keeper.spawn().context("starting the detached job")?;
+    let job = Job {
+        id: id.clone(),
+        user: tt_lock::Holder::current().user,
+        uid: uid(),
+        host: tt_lock::Holder::current().host,
+        boot_id: boot_id(),
+        command: std::iter::once("torchtools".to_owned())
+            .chain(command.iter().map(|a| a.to_string_lossy().into_owned()))
+            .collect(),
+        log: log.clone(),
+        started_unix: started,
+        keeper_pid: child.id(),
+        pid: None,
+        ended_unix: None,
+        status: None,
+    };
+    save(&records, &job)?;
+    println!("{id}");
+    eprintln!(
+        "torchtools: started job {id} (log: {}); `torchtools logs {id} -f` follows it, \
+         `torchtools stop {id}` stops it",
+        log.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `torchtools job-run ID -- ARGS`: the detached job's keeper (see the module's
+/// documentation).
+pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    // The job's signals are for the job: the keeper stays to write how it ended.
+    let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGTERM])
+        .context("installing the keeper's signal handlers")?;
+    std::thread::spawn(move || for _ in signals.forever() {});
+    let records = records_dir()?;
+    let path = record_path(&records, id);
+    // The starter writes the record once the keeper runs: wait for it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut job = loop {
+        if let Some(job) = load(&path) {
+            break job;
+        }
+        if Instant::now() > deadline {
+            bail!("job {id}: its record {} never appeared", path.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let exe = std::env::current_exe().context("finding this program")?;
+    let mut child = Command::new(exe)
+        .args(command)
+        .stdin(Stdio::null())
+        .spawn()
+        .context("starting the job")?;
+    job.pid = Some(child.id());
+    save(&records, &job)?;
+    let status = loop {
+        match child.wait() {
+            Ok(s) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e).context("waiting for the job"),
+        }
+    };
+    use std::os::unix::process::ExitStatusExt;
+    let code = status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap_or(1);
+    job.ended_unix = Some(now_unix());
+    job.status = Some(code);
+    save(&records, &job)?;
+    Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
+
+/// A job's state, as `jobs` says it.
+fn state(job: &Job, waiting_pids: &[u32]) -> String {
+    if let Some(code) = job.status {
+        return match code {
+            0 => "finished".into(),
+            75 => "preempted (75)".into(),
+            c if c > 128 => format!("killed by signal {}", c - 128),
+            c => format!("failed ({c})"),
+        };
+    }
+    if job.boot_id != boot_id() {
+        return "lost (the machine rebooted)".into();
+    }
+    if !alive(job) {
+        return "lost (its keeper was killed)".into();
+    }
+    match job.pid {
+        Some(pid) if waiting_pids.contains(&pid) => "waiting".into(),
+        Some(_) => "running".into(),
+        None => "starting".into(),
+    }
+}
+
+/// Whether `job`'s keeper still runs: its pid is a `job-run` of this id (a pid alone
+/// could be another process's by now).
+fn alive(job: &Job) -> bool {
+    fs::read(format!("/proc/{}/cmdline", job.keeper_pid)).is_ok_and(|cmdline| {
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        args.windows(2)
+            .any(|w| w[0] == b"job-run" && w[1] == job.id.as_bytes())
+    })
+}
+
+fn all_jobs() -> Result<Vec<Job>> {
+    let records = records_dir()?;
+    let mut jobs: Vec<Job> = fs::read_dir(&records)
+        .with_context(|| format!("reading {}", records.display()))?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
+        .filter_map(|e| load(&e.path()))
+        .collect();
+    jobs.sort_by(|a, b| a.started_unix.total_cmp(&b.started_unix));
+    Ok(jobs)
+}
+
+/// The job `id` names: exactly, or by a unique prefix; `last`: the user's latest.
+fn find(id: &str) -> Result<Job> {
+    let jobs = all_jobs()?;
+    if id == "last" {
+        return jobs
+            .into_iter()
+            .rev()
+            .find(|j| j.uid == uid())
+            .ok_or_else(|| Exit(2, "you have no job yet".into()).into());
+    }
+    let matches: Vec<Job> = jobs.into_iter().filter(|j| j.id.starts_with(id)).collect();
+    match matches.len() {
+        1 => Ok(matches.into_iter().next().unwrap_or_else(|| unreachable!())),
+        0 => Err(Exit(
+            2,
+            format!("no job {id:?}: `torchtools jobs --all` lists them"),
+        )
+        .into()),
+        n => Err(Exit(
+            2,
+            format!("{n} jobs start with {id:?}: give more of the id"),
+        )
+        .into()),
+    }
+}
+
+pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
+    let waiting: Vec<u32> = LockDir::from_env()?
+        .queue()
+        .map(|q| q.iter().map(|w| w.pid).collect())
+        .unwrap_or_default();
+    let mine = uid();
+    let jobs: Vec<Job> = all_jobs()?
+        .into_iter()
+        .filter(|j| all || j.uid == mine)
+        .collect();
+    if json {
+        #[derive(Serialize)]
+        struct Row<'a> {
+            #[serde(flatten)]
+            job: &'a Job,
+            state: String,
+        }
+        let rows: Vec<Row<'_>> = jobs
+            .iter()
+            .map(|job| Row {
+                job,
+                state: state(job, &waiting),
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if jobs.is_empty() {
+        println!(
+            "no job{}",
+            if all {
+                ""
+            } else {
+                " of yours (--all: everyone's)"
+            }
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = now_unix();
+    for job in &jobs {
+        let took = job.ended_unix.unwrap_or(now) - job.started_unix;
+        println!(
+            "{}  {:<8}  {:<28}  {:>8}  {}  {}",
+            job.id,
+            job.user,
+            state(job, &waiting),
+            format!("{:.0}s", took.max(0.0)),
+            job.command.join(" "),
+            job.log.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(crate) fn logs(id: &str, follow: bool) -> Result<ExitCode> {
+    let job = find(id)?;
+    let mut file = File::open(&job.log).map_err(|e| {
+        Exit(
+            1,
+            format!(
+                "job {}: cannot read its log {}: {e}",
+                job.id,
+                job.log.display()
+            ),
+        )
+    })?;
+    let mut out = std::io::stdout().lock();
+    let records = records_dir()?;
+    loop {
+        // Copied in pieces, never held whole.
+        std::io::copy(&mut file, &mut out)?;
+        out.flush()?;
+        if !follow {
+            return Ok(ExitCode::SUCCESS);
+        }
+        let now = load(&record_path(&records, &job.id)).unwrap_or(job.clone());
+        if now.status.is_some() || !alive(&now) {
+            // The rest written before it ended.
+            std::io::copy(&mut file, &mut out)?;
+            out.flush()?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
+    let job = find(id)?;
+    let me = uid();
+    if job.uid != me && me != 0 {
+        return Err(Exit(
+            1,
+            format!(
+                "job {} belongs to {} (uid {}): only they (or root) can stop it",
+                job.id, job.user, job.uid
+            ),
+        )
+        .into());
+    }
+    let records = records_dir()?;
+    if job.status.is_some() || !alive(&job) {
+        eprintln!("torchtools: job {} has ended already", job.id);
+        return Ok(ExitCode::SUCCESS);
+    }
+    // SIGTERM to the job's torchtools, which passes it on to the command or the ranks
+    // (a torchtools trainer then checkpoints and exits 75).
+    if let Some(pid) = job.pid {
+        // SAFETY: kill(2) of the job's process, found in its record.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    }
+    let deadline = Instant::now() + grace;
+    loop {
+        let now = load(&record_path(&records, &job.id)).unwrap_or(job.clone());
+        if now.status.is_some() || !alive(&now) {
+            eprintln!("torchtools: job {} stopped ({})", job.id, state(&now, &[]));
+            return Ok(ExitCode::SUCCESS);
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Past the grace period: everything in the job's session (its torchtools, the
+    // command, ranks in process groups of their own) but its keeper, which then
+    // records the kill.
+    eprintln!(
+        "torchtools: job {} still runs {grace:?} after SIGTERM: SIGKILL",
+        job.id
+    );
+    for pid in session_members(job.keeper_pid) {
+        if pid != job.keeper_pid {
+            // SAFETY: kill(2) of a process of the job's session.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The processes of session `sid` (field 6 of `/proc/PID/stat`).
+fn session_members(sid: u32) -> Vec<u32> {
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    // After the command's name in parentheses: state, ppid, pgrp, session.
+                    let rest = &s[s.rfind(')')? + 2..];
+                    rest.split_whitespace().nth(3)?.parse::<u32>().ok()
+                })
+                == Some(sid)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_job_runs_the_command_line_without_detach() {
+        let argv: Vec<OsString> = [
+            "reserve",
+            "--detach",
+            "--log-dir",
+            "/x",
+            "--gpu",
+            "0",
+            "--",
+            "sh",
+            "--detach",
+        ]
+        .map(OsString::from)
+        .to_vec();
+        assert_eq!(
+            without_detach(&argv),
+            ["reserve", "--gpu", "0", "--", "sh", "--detach"].map(OsString::from)
+        );
+        let argv: Vec<OsString> = ["launch", "--log-dir=/x", "--detach", "train.py"]
+            .map(OsString::from)
+            .to_vec();
+        assert_eq!(
+            without_detach(&argv),
+            ["launch", "train.py"].map(OsString::from)
+        );
+    }
+}
