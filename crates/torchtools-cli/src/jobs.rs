@@ -355,11 +355,34 @@ fn find(id: &str) -> Result<Job> {
     }
 }
 
+/// The GPUs a running job holds and the bytes it reserved on them: the locks whose
+/// holder is the job's torchtools.
+fn held_by(job: &Job, locks: &[tt_lock::LockState]) -> (Vec<String>, Option<u64>) {
+    let Some(pid) = job.pid else {
+        return (Vec::new(), None);
+    };
+    let mut gpus = Vec::new();
+    let mut bytes = None;
+    for state in locks.iter().filter(|s| s.held) {
+        if let Some(h) = state
+            .holder
+            .as_ref()
+            .filter(|h| h.pid == pid && h.host == job.host)
+        {
+            gpus.push(h.gpu.clone());
+            bytes = h.reserved.map(|b| b.0).or(bytes);
+        }
+    }
+    (gpus, bytes)
+}
+
 pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
-    let waiting: Vec<u32> = LockDir::from_env()?
+    let locks = LockDir::from_env()?;
+    let waiting: Vec<u32> = locks
         .queue()
         .map(|q| q.iter().map(|w| w.pid).collect())
         .unwrap_or_default();
+    let held = locks.list().unwrap_or_default();
     let mine = uid();
     let jobs: Vec<Job> = all_jobs()?
         .into_iter()
@@ -371,12 +394,20 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
             #[serde(flatten)]
             job: &'a Job,
             state: String,
+            /// The GPUs it holds now, and the bytes reserved on each.
+            gpus: Vec<String>,
+            bytes: Option<u64>,
         }
         let rows: Vec<Row<'_>> = jobs
             .iter()
-            .map(|job| Row {
-                job,
-                state: state(job, &waiting),
+            .map(|job| {
+                let (gpus, bytes) = held_by(job, &held);
+                Row {
+                    job,
+                    state: state(job, &waiting),
+                    gpus,
+                    bytes,
+                }
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -396,12 +427,22 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
     let now = now_unix();
     for job in &jobs {
         let took = job.ended_unix.unwrap_or(now) - job.started_unix;
+        let (gpus, bytes) = held_by(job, &held);
+        let gpus = if gpus.is_empty() {
+            "-".to_owned()
+        } else {
+            let each = bytes.map_or(String::new(), |b| {
+                format!(" ({} each)", tt_device::Bytes(b))
+            });
+            format!("GPU {}{each}", gpus.join(","))
+        };
         println!(
-            "{}  {:<8}  {:<28}  {:>8}  {}  {}",
+            "{}  {:<8}  {:<24}  {:>7}  {}  {}  {}",
             job.id,
             job.user,
             state(job, &waiting),
             format!("{:.0}s", took.max(0.0)),
+            gpus,
             job.command.join(" "),
             job.log.display()
         );

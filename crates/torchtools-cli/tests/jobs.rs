@@ -221,3 +221,238 @@ fn bad_job_requests_are_refused_with_the_reason() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{out:?}");
 }
+
+/// A detached `reserve` that waits in the queue shows as waiting, then as running
+/// with its GPU and bytes; a record from before a reboot shows as lost.
+#[test]
+fn jobs_show_waiting_running_and_lost() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let locks = tt_lock::LockDir::open(dir.join("locks")).unwrap();
+    let held = locks
+        .lock(
+            &common::key0(),
+            tt_lock::Wait::Try,
+            tt_lock::Holder::current(),
+        )
+        .unwrap();
+    let id = detach(
+        dir,
+        &[
+            "reserve",
+            "--detach",
+            "--gpu",
+            "0",
+            "--bytes",
+            "1GiB",
+            "--no-fence",
+            "--",
+            "sh",
+            "-c",
+            "echo got it; sleep 600",
+        ],
+    );
+    until("the job waits for GPU 0", || {
+        job(dir, &id)["state"] == "waiting"
+    });
+    drop(held);
+    until("the job holds GPU 0", || {
+        ok(tt(dir).args(["logs", &id]).output().unwrap()).contains("got it")
+    });
+    let running = job(dir, &id);
+    assert_eq!(running["state"], "running", "{running}");
+    assert_eq!(
+        running["gpus"].as_array().map(Vec::len),
+        Some(1),
+        "{running}"
+    );
+    assert_eq!(running["bytes"], 1u64 << 30, "{running}");
+    assert!(tt(dir)
+        .args(["stop", &id, "--grace", "1s"])
+        .output()
+        .unwrap()
+        .status
+        .success());
+    assert_ne!(job(dir, &id)["status"], serde_json::Value::Null);
+
+    // A job whose record says another boot: the machine rebooted under it.
+    let record = dir.join("locks/jobs").join(format!("{id}.json"));
+    let mut j: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&record).unwrap()).unwrap();
+    j["status"] = serde_json::Value::Null;
+    j["boot_id"] = "another boot".into();
+    std::fs::write(&record, serde_json::to_vec(&j).unwrap()).unwrap();
+    assert_eq!(job(dir, &id)["state"], "lost (the machine rebooted)");
+}
+
+/// Two Unix users (root in CI, and `nobody` through `runuser`): each sees the other's
+/// jobs with `--all`; nobody cannot stop root's job.
+#[test]
+fn another_users_jobs_are_listed_but_not_stopped() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        match std::env::var("TORCHTOOLS_TEST_NO_MOUNT") {
+            Ok(why) if !why.trim().is_empty() => {
+                eprintln!("SKIPPED: a second user needs root (runuser): {why}");
+                return;
+            }
+            _ => panic!("a second user needs root (runuser): run as root, or set TORCHTOOLS_TEST_NO_MOUNT=<why>"),
+        }
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let dir = tmp.path();
+    let as_nobody = |args: &[&str]| {
+        Command::new("runuser")
+            .args(["-u", "nobody", "--", env!("CARGO_BIN_EXE_torchtools")])
+            .args(args)
+            .env("TORCHTOOLS_LOCK_DIR", dir.join("locks"))
+            .env("XDG_STATE_HOME", dir.join("nobody-state"))
+            .env_remove("TORCHTOOLS_HELD_LOCKS")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let mine = detach(
+        dir,
+        &[
+            "reserve",
+            "--detach",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "sleep",
+            "600",
+        ],
+    );
+    std::fs::create_dir(dir.join("nobody-state")).unwrap();
+    std::fs::set_permissions(
+        dir.join("nobody-state"),
+        std::fs::Permissions::from_mode(0o777),
+    )
+    .unwrap();
+    let theirs = ok(as_nobody(&[
+        "reserve",
+        "--detach",
+        "--gpu",
+        "1",
+        "--no-fence",
+        "--",
+        "sleep",
+        "600",
+    ]))
+    .trim()
+    .to_owned();
+    // Each sees both with --all, only their own without.
+    let listed = ok(as_nobody(&["jobs", "--all"]));
+    assert!(
+        listed.contains(&mine) && listed.contains(&theirs),
+        "{listed}"
+    );
+    assert!(!ok(as_nobody(&["jobs"])).contains(&mine));
+    // nobody cannot stop root's job...
+    let out = as_nobody(&["stop", &mine]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("belongs to root"),
+        "{out:?}"
+    );
+    assert_eq!(job(dir, &mine)["state"], "running");
+    // ...root can stop both.
+    for id in [&mine, &theirs] {
+        assert!(tt(dir)
+            .args(["stop", id, "--grace", "1s"])
+            .output()
+            .unwrap()
+            .status
+            .success());
+        assert_ne!(job(dir, id)["status"], serde_json::Value::Null, "{id}");
+    }
+}
+
+/// The issue's hang-up: a detached two-rank `launch` of a PyTorch DDP script, started
+/// in a terminal (a pseudo-terminal from `script`) whose session is then hung up and
+/// killed: both ranks finish, the job's log holds both ranks' lines, and the trained
+/// parameters are an attached run's, bit for bit.
+#[test]
+fn a_detached_launch_survives_its_terminal_and_trains_as_an_attached_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let script = dir.join("ddp.py");
+    std::fs::write(
+        &script,
+        "import torch, torch.distributed as dist\n\
+         dist.init_process_group('gloo')\n\
+         torch.manual_seed(0)\n\
+         model = torch.nn.Linear(8, 1)\n\
+         ddp = torch.nn.parallel.DistributedDataParallel(model)\n\
+         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)\n\
+         g = torch.Generator().manual_seed(1 + dist.get_rank())\n\
+         for step in range(30):\n\
+         \x20   loss = ddp(torch.randn(16, 8, generator=g)).pow(2).mean()\n\
+         \x20   opt.zero_grad(); loss.backward(); opt.step()\n\
+         print('rank', dist.get_rank(), 'done')\n\
+         if dist.get_rank() == 0:\n\
+         \x20   print('params', b''.join(p.detach().numpy().tobytes() for p in model.parameters()).hex())\n\
+         dist.destroy_process_group()\n",
+    )
+    .unwrap();
+    let python = tt_testkit::python_path();
+    let launch = |extra: &[&str]| {
+        let mut args: Vec<String> = vec!["launch".into(), "--nproc-per-node".into(), "2".into()];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args.extend(["--".into(), python.clone(), script.display().to_string()]);
+        args
+    };
+    let params = |log: &str| {
+        log.lines()
+            .find_map(|l| l.split_once("params ").map(|(_, p)| p.to_owned()))
+            .unwrap_or_else(|| panic!("no parameters in {log}"))
+    };
+    let attached = ok(tt(dir)
+        .args(launch(&[]))
+        .env_remove("PYTHONUNBUFFERED")
+        .output()
+        .unwrap());
+
+    let id_file = dir.join("id");
+    let line = format!(
+        "{} {} > {}; sleep 600",
+        env!("CARGO_BIN_EXE_torchtools"),
+        launch(&["--detach"]).join(" "),
+        id_file.display()
+    );
+    let mut terminal = Command::new("script");
+    terminal
+        .args(["-qec", &line, "/dev/null"])
+        .env("TORCHTOOLS_LOCK_DIR", dir.join("locks"))
+        .env("XDG_STATE_HOME", dir.join("state"))
+        .env_remove("TORCHTOOLS_HELD_LOCKS")
+        .env_remove("PYTHONUNBUFFERED")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0);
+    let mut terminal = terminal.spawn().unwrap();
+    until("the job's id", || {
+        std::fs::read_to_string(&id_file).is_ok_and(|s| !s.trim().is_empty())
+    });
+    let id = std::fs::read_to_string(&id_file).unwrap().trim().to_owned();
+    // The terminal goes away: its session is hung up, then everything in it killed.
+    let group = terminal.id() as i32;
+    // SAFETY: kill(2) of the test's own child process group.
+    unsafe {
+        libc::kill(-group, libc::SIGHUP);
+        libc::kill(-group, libc::SIGKILL);
+    }
+    terminal.wait().unwrap();
+    let log = ok(tt(dir).args(["logs", &id, "-f"]).output().unwrap());
+    assert!(
+        log.contains("[rank0]: rank 0 done") && log.contains("[rank1]: rank 1 done"),
+        "{log}"
+    );
+    assert_eq!(job(dir, &id)["status"], 0, "{log}");
+    assert_eq!(params(&log), params(&attached));
+}
