@@ -372,3 +372,85 @@ fn a_two_node_train_job_survives_kill_9_of_a_rank_and_resumes_exactly() {
     }
     assert_eq!(parameters(dir.path()), parameters(whole.path()));
 }
+
+/// The `torchtools` command of this workspace (built here if a test run has not built
+/// it yet: cargo does not hold its build lock while tests run).
+fn torchtools_command() -> std::path::PathBuf {
+    let status = Command::new(env!("CARGO"))
+        .args([
+            "build",
+            "--quiet",
+            "-p",
+            "torchtools-cli",
+            "--bin",
+            "torchtools",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status()
+        .unwrap();
+    assert!(status.success(), "building the torchtools command failed");
+    let exe = std::env::current_exe().unwrap();
+    exe.parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("torchtools")
+}
+
+/// `torchtools stop` of a detached two-rank training job: the trainer checkpoints and
+/// the job ends preempted (75); the same command run again resumes and finishes.
+#[test]
+fn a_stopped_detached_training_job_checkpoints_and_resumes() {
+    let exe = std::env::current_exe().unwrap();
+    let example = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("examples/train");
+    let torchtools = torchtools_command();
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let tt = |args: &[&str]| {
+        let mut c = Command::new(&torchtools);
+        c.args(args)
+            .env("TORCHTOOLS_LOCK_DIR", tmp.path().join("locks"))
+            .env("XDG_STATE_HOME", tmp.path().join("state"))
+            .env("TORCHTOOLS_TRAIN_EPOCHS", "50")
+            .env("TORCHTOOLS_TRAIN_CKPT", &ckpt)
+            .env("TORCHTOOLS_DEVICE", "cpu")
+            .env_remove("TORCHTOOLS_HELD_LOCKS");
+        c
+    };
+    let train = example.to_str().unwrap();
+    let out = tt(&["launch", "--detach", "--nproc-per-node", "2", "--", train])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    // The event: the first checkpoint is written.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    while !ckpt.join("latest").exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint was written"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = tt(&["stop", &id, "--grace", "60s"]).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let jobs: serde_json::Value =
+        serde_json::from_slice(&tt(&["jobs", "--json"]).output().unwrap().stdout).unwrap();
+    let job = &jobs.as_array().unwrap()[0];
+    let log = String::from_utf8(tt(&["logs", &id]).output().unwrap().stdout).unwrap();
+    assert_eq!(job["status"], 75, "{job}\n{log}");
+    assert!(log.contains("preempted after step"), "{log}");
+    // The same command again (attached): it resumes and finishes.
+    let out = tt(&["launch", "--nproc-per-node", "2", "--", train])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        said.contains("finished: 1600 steps (resumed from step"),
+        "{said}"
+    );
+}

@@ -122,7 +122,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-train --no-default-features", 6),
     ("test -p torchtools-cli (default features)", 86),
     ("test -p torchtools-cli --no-default-features", 86),
-    ("test -p torchtools (default features)", 15),
+    ("test -p torchtools (default features)", 16),
     ("test -p torchtools --no-default-features", 2),
     ("test -p tt-sys --features c10d", 16),
     ("test -p tt-dist --features c10d", 35),
