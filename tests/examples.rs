@@ -7,14 +7,7 @@ use std::process::Command;
 
 #[test]
 fn the_train_example_runs_alone_and_under_the_launcher() {
-    // cargo test builds examples: target/debug/deps/examples-<hash> -> target/debug/examples/train.
-    let exe = std::env::current_exe().unwrap();
-    let example = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("examples/train");
-    assert!(example.exists(), "{} was not built", example.display());
+    let example = train_example();
     let dir = tempfile::tempdir().unwrap();
     let logs = tempfile::tempdir().unwrap();
     let out = Command::new(&example)
@@ -105,6 +98,19 @@ fn the_train_example_runs_alone_and_under_the_launcher() {
         said.contains("finished: 128 steps (resumed from step 64)"),
         "{said}"
     );
+}
+
+/// The `train` example (cargo test builds the examples: target/debug/deps/examples-<hash>
+/// -> target/debug/examples/train).
+fn train_example() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let example = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("examples/train");
+    assert!(example.exists(), "{} was not built", example.display());
+    example
 }
 
 /// An example binary (cargo test builds the examples), in a scratch directory, with
@@ -271,12 +277,7 @@ fn checkpoint_resume_after_kill_9_ends_as_an_uninterrupted_run() {
 #[test]
 fn a_two_node_train_job_survives_kill_9_of_a_rank_and_resumes_exactly() {
     use torchtools::dist::{free_port, launch, LaunchConfig, LaunchOutcome};
-    let exe = std::env::current_exe().unwrap();
-    let example = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("examples/train");
+    let example = train_example();
     let node = |rank: usize, port: u16, ckpt: &Path| {
         let mut cfg = LaunchConfig::local(1, example.as_os_str(), Vec::new());
         cfg.nnodes = 2;
@@ -400,12 +401,7 @@ fn torchtools_command() -> std::path::PathBuf {
 /// the job ends preempted (75); the same command run again resumes and finishes.
 #[test]
 fn a_stopped_detached_training_job_checkpoints_and_resumes() {
-    let exe = std::env::current_exe().unwrap();
-    let example = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("examples/train");
+    let example = train_example();
     let torchtools = torchtools_command();
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tmp.path().join("ckpt");

@@ -289,19 +289,9 @@ fn jobs_show_waiting_running_and_lost() {
 /// jobs with `--all`; nobody cannot stop root's job.
 #[test]
 fn another_users_jobs_are_listed_but_not_stopped() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        match std::env::var("TORCHTOOLS_TEST_NO_MOUNT") {
-            Ok(why) if !why.trim().is_empty() => {
-                eprintln!("SKIPPED: a second user needs root (runuser): {why}");
-                return;
-            }
-            _ => panic!("a second user needs root (runuser): run as root, or set TORCHTOOLS_TEST_NO_MOUNT=<why>"),
-        }
-    }
-    use std::os::unix::fs::PermissionsExt;
-    let tmp = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
     let dir = tmp.path();
     let as_nobody = |args: &[&str]| {
         Command::new("runuser")
@@ -330,7 +320,7 @@ fn another_users_jobs_are_listed_but_not_stopped() {
     std::fs::create_dir(dir.join("nobody-state")).unwrap();
     std::fs::set_permissions(
         dir.join("nobody-state"),
-        std::fs::Permissions::from_mode(0o777),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
     )
     .unwrap();
     let theirs = ok(as_nobody(&[

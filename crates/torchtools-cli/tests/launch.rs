@@ -595,6 +595,15 @@ fn ranks_on_two_hosts_connect_without_an_interface_variable() {
     );
 }
 
+/// `torchtools launch` as node `i` of a job of two on the two hosts, rendezvous on host
+/// 0's `port`.
+fn node_launch(hosts: &tt_testkit::netns::TwoHosts, i: usize, port: &str) -> Command {
+    let mut c = hosts.exec(i, env!("CARGO_BIN_EXE_torchtools"));
+    c.args(["launch", "--nnodes", "2", "--node-rank", &i.to_string()])
+        .args(["--master-addr", hosts.addr(0), "--master-port", port]);
+    c
+}
+
 /// A job of two nodes on two "hosts" (network namespaces): each node's launcher with
 /// `args` after the node flags, every rank running `python -c script` (or `sh -c`
 /// when `script` starts with `sh:`); the two launchers' outputs and how long each ran.
@@ -611,26 +620,14 @@ fn two_node_job(
         None => (python, script.to_owned()),
     };
     let node = |i: usize| {
-        let rank = i.to_string();
-        let mut c = hosts.exec(i, env!("CARGO_BIN_EXE_torchtools"));
-        c.args([
-            "launch",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            &rank,
-            "--master-addr",
-            hosts.addr(0),
-            "--master-port",
-            port,
-        ])
-        .args(args)
-        .args(["--", &program, "-c", &code])
-        .env_remove("OMP_NUM_THREADS")
-        .env_remove("TORCHTOOLS_LOG")
-        .envs(env.iter().copied())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
+        let mut c = node_launch(hosts, i, port);
+        c.args(args)
+            .args(["--", &program, "-c", &code])
+            .env_remove("OMP_NUM_THREADS")
+            .env_remove("TORCHTOOLS_LOG")
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
         let start = Instant::now();
         (c.spawn().unwrap(), start)
     };
@@ -776,24 +773,8 @@ fn a_node_that_never_joins_fails_the_job_naming_it() {
         return;
     };
     let alone = |node: usize, port: &str| {
-        let rank = node.to_string();
-        hosts
-            .exec(node, env!("CARGO_BIN_EXE_torchtools"))
-            .args([
-                "launch",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                &rank,
-                "--master-addr",
-                hosts.addr(0),
-                "--master-port",
-                port,
-                "--",
-                "sh",
-                "-c",
-                "echo started",
-            ])
+        node_launch(&hosts, node, port)
+            .args(["--", "sh", "-c", "echo started"])
             .env("TORCHTOOLS_DIST_TIMEOUT", "2s")
             .env_remove("TORCHTOOLS_LOG")
             .output()

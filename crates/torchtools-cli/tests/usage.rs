@@ -158,23 +158,9 @@ fn reservations_are_counted_and_a_killed_holder_is_closed_by_the_next_reader() {
 /// log: each appends to it, and `usage --by user` counts both.
 #[test]
 fn two_users_share_the_usage_log() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        match std::env::var("TORCHTOOLS_TEST_NO_MOUNT") {
-            Ok(why) if !why.trim().is_empty() => {
-                eprintln!("SKIPPED: a second user needs root (runuser): {why}");
-                return;
-            }
-            _ => panic!(
-                "a second user needs root (runuser): run as root, or set \
-                 TORCHTOOLS_TEST_NO_MOUNT=<why> to skip this test knowingly"
-            ),
-        }
-    }
-    use std::os::unix::fs::PermissionsExt;
-    let tmp = tempfile::tempdir().unwrap();
-    // A shared lock directory, as /tmp/torchtools-locks is (the test's tempdir is 0700).
-    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
     let dir = tmp.path().join("locks");
     let reserve = |as_nobody: bool, gpu: &str| {
         let mut cmd = if as_nobody {

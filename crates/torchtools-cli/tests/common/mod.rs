@@ -51,3 +51,27 @@ pub(crate) fn pids_of(list: &serde_json::Value) -> Vec<u32> {
         })
         .collect()
 }
+
+/// A scratch directory two Unix users can share (mode 01777, as `/tmp` is), for a test
+/// that runs a second user (`nobody`, through `runuser`, which needs root). Without
+/// root: `None` after a printed "SKIPPED" line where `TORCHTOOLS_TEST_NO_MOUNT` says
+/// why, else the test fails.
+pub(crate) fn shared_dir_for_two_users() -> Option<tempfile::TempDir> {
+    use std::os::unix::fs::PermissionsExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        match std::env::var("TORCHTOOLS_TEST_NO_MOUNT") {
+            Ok(why) if !why.trim().is_empty() => {
+                eprintln!("SKIPPED: a second user needs root (runuser): {why}");
+                return None;
+            }
+            _ => panic!(
+                "a second user needs root (runuser): run as root, or set \
+                 TORCHTOOLS_TEST_NO_MOUNT=<why> to skip this test knowingly"
+            ),
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    Some(tmp)
+}
