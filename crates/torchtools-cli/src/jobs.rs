@@ -77,8 +77,12 @@ fn boot_id() -> String {
 }
 
 fn uid() -> u32 {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() }
+    nix::unistd::geteuid().as_raw()
+}
+
+/// Sends `signal` to `pid` (a process of a job, found in its record).
+fn signal(pid: u32, signal: nix::sys::signal::Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);
 }
 
 /// The shared directory of job records, `jobs/` in the lock directory (mode 01777, as
@@ -204,10 +208,9 @@ pub(crate) fn detach(args: &DetachArgs, argv: &[OsString]) -> Result<ExitCode> {
     // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
     unsafe {
         keeper.pre_exec(|| {
-            if libc::setsid() < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
+            nix::unistd::setsid()
+                .map(drop)
+                .map_err(std::io::Error::from)
         });
     }
     let child = keeper.spawn().context("starting the detached job")?;
@@ -503,8 +506,7 @@ pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
     // SIGTERM to the job's torchtools, which passes it on to the command or the ranks
     // (a torchtools trainer then checkpoints and exits 75).
     if let Some(pid) = job.pid {
-        // SAFETY: kill(2) of the job's process, found in its record.
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        signal(pid, nix::sys::signal::Signal::SIGTERM);
     }
     let deadline = Instant::now() + grace;
     loop {
@@ -527,8 +529,7 @@ pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
     );
     for pid in session_members(job.keeper_pid) {
         if pid != job.keeper_pid {
-            // SAFETY: kill(2) of a process of the job's session.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            signal(pid, nix::sys::signal::Signal::SIGKILL);
         }
     }
     Ok(ExitCode::SUCCESS)

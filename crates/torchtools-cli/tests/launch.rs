@@ -260,13 +260,21 @@ fn torchruns_command_lines_give_the_ranks_torchruns_variables() {
         rank_envs(&out, out_dir.path())
     };
     let ours = std::path::Path::new(env!("CARGO_BIN_EXE_torchtools"));
+    // torchrun's static rendezvous serves its store on 29500 unless told: a free port
+    // instead, so that nothing else on the machine (another test run) collides with it.
+    let port = || {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("--master-port={}", free.local_addr().unwrap().port())
+    };
+    let (p1, p2) = (port(), port());
     for form in [
         &["--nproc_per_node=2", "--standalone", "dump.py"][..],
-        &["--nproc-per-node", "2", "-m", "pkg.dump"],
+        &["--nproc-per-node", "2", &p1, "-m", "pkg.dump"],
         &[
             "--nnodes=1",
             "--nproc_per_node",
             "2",
+            &p2,
             "--run-path",
             "dump.py",
         ],

@@ -75,13 +75,9 @@ fn resolve(host: &str) -> Option<IpAddr> {
 
 /// This host's name (`gethostname`).
 pub(crate) fn host_name() -> Option<String> {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most buf.len() bytes into buf.
-    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
-        return None;
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    Some(String::from_utf8_lossy(&buf[..end]).into_owned())
+    nix::unistd::gethostname()
+        .ok()
+        .map(|n| n.to_string_lossy().into_owned())
 }
 
 /// Whether this host's name resolves to a loopback address (or does not resolve).
@@ -112,53 +108,15 @@ fn route_to(to: IpAddr) -> Option<(String, IpAddr)> {
 
 /// The name of the interface that holds `addr` (`getifaddrs`).
 fn interface_with(addr: IpAddr) -> Option<String> {
-    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs allocates the list and writes its head; freed below.
-    if unsafe { libc::getifaddrs(&mut list) } != 0 {
-        return None;
-    }
-    let mut found = None;
-    let mut cur = list;
-    while !cur.is_null() {
-        // SAFETY: cur is a node of the list getifaddrs returned, not yet freed.
-        let entry = unsafe { &*cur };
-        // SAFETY: ifa_addr, when not null, points to a sockaddr of the family it says.
-        let ip = unsafe { sockaddr_ip(entry.ifa_addr) };
-        if ip == Some(addr) && !entry.ifa_name.is_null() {
-            // SAFETY: ifa_name is a NUL-terminated string owned by the list.
-            let name = unsafe { std::ffi::CStr::from_ptr(entry.ifa_name) };
-            found = Some(name.to_string_lossy().into_owned());
-            break;
-        }
-        cur = entry.ifa_next;
-    }
-    // SAFETY: the list came from getifaddrs and is freed once.
-    unsafe { libc::freeifaddrs(list) };
-    found
-}
-
-/// The IP address of a `sockaddr` of family `AF_INET` or `AF_INET6`.
-///
-/// # Safety
-/// `sa` is null or points to a valid `sockaddr` of the family its `sa_family` says.
-unsafe fn sockaddr_ip(sa: *const libc::sockaddr) -> Option<IpAddr> {
-    if sa.is_null() {
-        return None;
-    }
-    // SAFETY: the caller's contract.
-    match i32::from(unsafe { (*sa).sa_family }) {
-        libc::AF_INET => {
-            // SAFETY: the family says it is a sockaddr_in.
-            let v4 = unsafe { &*(sa as *const libc::sockaddr_in) };
-            Some(IpAddr::from(u32::from_be(v4.sin_addr.s_addr).to_be_bytes()))
-        }
-        libc::AF_INET6 => {
-            // SAFETY: the family says it is a sockaddr_in6.
-            let v6 = unsafe { &*(sa as *const libc::sockaddr_in6) };
-            Some(IpAddr::from(v6.sin6_addr.s6_addr))
-        }
-        _ => None,
-    }
+    nix::ifaddrs::getifaddrs().ok()?.find_map(|entry| {
+        let sa = entry.address?;
+        let ip = match (sa.as_sockaddr_in(), sa.as_sockaddr_in6()) {
+            (Some(v4), _) => IpAddr::V4(v4.ip()),
+            (_, Some(v6)) => IpAddr::V6(v6.ip()),
+            _ => return None,
+        };
+        (ip == addr).then_some(entry.interface_name)
+    })
 }
 
 #[cfg(test)]

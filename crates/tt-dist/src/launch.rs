@@ -644,10 +644,12 @@ const READERS_GRACE: Duration = Duration::from_secs(2);
 /// and what it started), else to the rank alone.
 fn signal_rank(rank: &Child, signal: i32, grouped: bool) {
     let pid = rank.id() as i32;
-    let target = if grouped { -pid } else { pid };
-    // SAFETY: kill(2) of our own child, or of the group it leads; its pid is not
-    // reused while it is unreaped, nor as a group id while a member of its group lives.
-    unsafe { libc::kill(target, signal) };
+    // Our own child, or the group it leads: its pid is not reused while it is unreaped,
+    // nor as a group id while a member of its group lives.
+    let target = nix::unistd::Pid::from_raw(if grouped { -pid } else { pid });
+    if let Ok(signal) = nix::sys::signal::Signal::try_from(signal) {
+        let _ = nix::sys::signal::kill(target, signal);
+    }
 }
 
 #[cfg(test)]

@@ -88,8 +88,7 @@ impl LockDir {
                 // The umask trimmed the mode; only the creator may (and needs to) fix it.
                 let meta = fs::symlink_metadata(&self.path)
                     .map_err(|e| self.error(format!("cannot read it after creating it: {e}")))?;
-                // SAFETY: geteuid has no preconditions.
-                if meta.uid() == unsafe { libc::geteuid() } {
+                if meta.uid() == nix::unistd::geteuid().as_raw() {
                     fs::set_permissions(&self.path, Permissions::from_mode(0o1777)).map_err(
                         |e| self.error(format!("cannot make it mode 1777 after creating it: {e}")),
                     )?;

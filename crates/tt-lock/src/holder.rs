@@ -187,8 +187,7 @@ pub fn utc(unix: u64) -> String {
 }
 
 fn user_name() -> String {
-    // SAFETY: geteuid has no preconditions.
-    let uid = unsafe { libc::geteuid() };
+    let uid = nix::unistd::geteuid().as_raw();
     user_name_of(uid)
         .or_else(|| std::env::var("USER").ok())
         .unwrap_or_else(|| format!("uid {uid}"))

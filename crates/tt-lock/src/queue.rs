@@ -263,8 +263,7 @@ impl LockDir {
     /// directory keeps other users' files), under the directory lock, so that a new
     /// ticket given the same number meanwhile is never removed.
     fn remove_dead(&self, file: &File, path: &Path, owner: u32) {
-        // SAFETY: geteuid has no preconditions.
-        if owner != unsafe { libc::geteuid() } {
+        if owner != nix::unistd::geteuid().as_raw() {
             return;
         }
         let Ok(_guard) = DirLock::take(self) else {
