@@ -258,6 +258,19 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "--allow-dirty",
         ]),
     ));
+    // tt-ckpt's fuzz target is a workspace of its own with a tracked lockfile: it
+    // must follow the crates' dependencies (running the fuzzer must not rewrite it).
+    results.push(run_counted(
+        "fuzz lockfile current (crates/tt-ckpt/fuzz)",
+        cargo(&[
+            "tree",
+            "--locked",
+            "--depth",
+            "0",
+            "--manifest-path",
+            "crates/tt-ckpt/fuzz/Cargo.toml",
+        ]),
+    ));
     results.push(no_libtorch_in_cores());
 
     let total = summarize("cpu-matrix", &results);
