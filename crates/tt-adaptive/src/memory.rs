@@ -43,8 +43,9 @@ impl MemoryProbe for CudaMemory {
 
 /// The free memory of the device this process trains on, as tt-device selects it
 /// (`TORCHTOOLS_DEVICE`, `LOCAL_RANK` under a launcher): a GPU's as [`CudaMemory`]
-/// reads it, else the CPU's. The cache key of [`Adaptive::new`] with the `tch`
-/// feature, as toma keys on CUDA memory. The device is chosen at the first read (no
+/// reads it, else the CPU's. The cache key of
+/// [`Adaptive::new`](crate::Adaptive::new) with the `tch` feature, as toma keys on CUDA
+/// memory. The device is chosen at the first read (no
 /// cost before the first adaptive call); a selection that fails (a bad variable) falls
 /// back to the CPU's memory with a warning, since a cache key is no place to fail.
 #[cfg(feature = "tch")]
