@@ -104,7 +104,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-sys --no-default-features", 1),
     ("test -p tt-device (default features)", 28),
     ("test -p tt-device --no-default-features", 21),
-    ("test -p tt-lock (no features)", 64),
+    ("test -p tt-lock (no features)", 65),
     ("test -p tt-fence (no features)", 2),
     ("test -p tt-tracker (no features)", 74),
     ("test -p tt-adaptive (default features)", 27),

@@ -611,8 +611,10 @@ fn try_flock(file: &File, path: &Path) -> Result<bool> {
     }
 }
 
-/// Writes the record in place (then trims the rest), so a reader never sees an empty
-/// file between two holders.
+/// Writes the record in place (then trims what a longer earlier record left), so a
+/// reader never sees an empty file between two holders. The trim only when needed: a
+/// truncation is a journaled metadata change, several times the cost of the `fstat`
+/// that tells.
 fn write_holder(file: &File, path: &Path, holder: &Holder) -> Result<()> {
     let mut text = serde_json::to_vec(holder).unwrap_or_default();
     text.push(b'\n');
@@ -621,6 +623,10 @@ fn write_holder(file: &File, path: &Path, holder: &Holder) -> Result<()> {
         path: path.to_owned(),
         cause: source,
     };
+    let before = file.metadata().map_err(io_err)?.len();
     file.write_all_at(&text, 0).map_err(io_err)?;
-    file.set_len(text.len() as u64).map_err(io_err)
+    if before > text.len() as u64 {
+        file.set_len(text.len() as u64).map_err(io_err)?;
+    }
+    Ok(())
 }

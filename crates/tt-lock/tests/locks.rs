@@ -1030,3 +1030,21 @@ fn try_on_a_free_gpu_that_a_queued_request_waits_for_names_no_holder() {
     tt_testkit::assert_ran_one(&out);
     assert!(String::from_utf8_lossy(&out.stdout).contains("@@granted 2@@"));
 }
+
+/// A holder's record shorter than the last one's leaves nothing of it behind: the file
+/// is one JSON line, as any reader of the whole file expects.
+#[test]
+fn a_shorter_record_replaces_a_longer_one_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = LockDir::open(tmp.path()).unwrap();
+    let key = GpuKey::Index(0);
+    let long = Holder::current().running(vec!["x".repeat(500)]);
+    drop(dir.lock(&key, Wait::Try, long).unwrap());
+    let short = Holder::current().running(vec!["y".to_owned()]);
+    let lock = dir.lock(&key, Wait::Try, short).unwrap();
+    let text = std::fs::read_to_string(lock.path()).unwrap();
+    assert_eq!(text.lines().count(), 1, "{text}");
+    let record: Holder = serde_json::from_str(text.trim_end()).unwrap();
+    assert_eq!(record.command, ["y"]);
+    assert!(!text.contains("xxx"), "{text}");
+}
