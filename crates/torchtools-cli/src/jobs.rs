@@ -85,10 +85,14 @@ fn signal(pid: u32, signal: nix::sys::signal::Signal) {
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);
 }
 
-/// The shared directory of job records, `jobs/` in the lock directory (mode 01777, as
-/// the lock directory itself).
+/// The shared directory of job records, `jobs/` in the lock directory (`TORCHTOOLS_LOCK_DIR`;
+/// mode 01777, as the lock directory itself).
 fn records_dir() -> Result<PathBuf> {
-    let locks = LockDir::from_env()?;
+    records_dir_in(&LockDir::from_env()?)
+}
+
+/// [`records_dir`] of a lock directory already open.
+fn records_dir_in(locks: &LockDir) -> Result<PathBuf> {
     let dir = locks.path().join("jobs");
     if !dir.exists() {
         fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -214,11 +218,12 @@ pub(crate) fn detach(args: &DetachArgs, argv: &[OsString]) -> Result<ExitCode> {
         });
     }
     let child = keeper.spawn().context("starting the detached job")?;
+    let me = tt_lock::Holder::current();
     let job = Job {
         id: id.clone(),
-        user: tt_lock::Holder::current().user,
+        user: me.user,
         uid: uid(),
-        host: tt_lock::Holder::current().host,
+        host: me.host,
         boot_id: boot_id(),
         command: std::iter::once("torchtools".to_owned())
             .chain(command.iter().map(|a| a.to_string_lossy().into_owned()))
@@ -320,9 +325,9 @@ fn alive(job: &Job) -> bool {
     })
 }
 
-fn all_jobs() -> Result<Vec<Job>> {
-    let records = records_dir()?;
-    let mut jobs: Vec<Job> = fs::read_dir(&records)
+/// Every job's record in `records`, oldest first.
+fn all_jobs(records: &Path) -> Result<Vec<Job>> {
+    let mut jobs: Vec<Job> = fs::read_dir(records)
         .with_context(|| format!("reading {}", records.display()))?
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
@@ -333,8 +338,8 @@ fn all_jobs() -> Result<Vec<Job>> {
 }
 
 /// The job `id` names: exactly, or by a unique prefix; `last`: the user's latest.
-fn find(id: &str) -> Result<Job> {
-    let jobs = all_jobs()?;
+fn find(records: &Path, id: &str) -> Result<Job> {
+    let jobs = all_jobs(records)?;
     if id == "last" {
         return jobs
             .into_iter()
@@ -387,7 +392,7 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
         .unwrap_or_default();
     let held = locks.list().unwrap_or_default();
     let mine = uid();
-    let jobs: Vec<Job> = all_jobs()?
+    let jobs: Vec<Job> = all_jobs(&records_dir_in(&locks)?)?
         .into_iter()
         .filter(|j| all || j.uid == mine)
         .collect();
@@ -454,7 +459,8 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
 }
 
 pub(crate) fn logs(id: &str, follow: bool) -> Result<ExitCode> {
-    let job = find(id)?;
+    let records = records_dir()?;
+    let job = find(&records, id)?;
     let mut file = File::open(&job.log).map_err(|e| {
         Exit(
             1,
@@ -466,7 +472,6 @@ pub(crate) fn logs(id: &str, follow: bool) -> Result<ExitCode> {
         )
     })?;
     let mut out = std::io::stdout().lock();
-    let records = records_dir()?;
     loop {
         // Copied in pieces, never held whole.
         std::io::copy(&mut file, &mut out)?;
@@ -486,7 +491,8 @@ pub(crate) fn logs(id: &str, follow: bool) -> Result<ExitCode> {
 }
 
 pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
-    let job = find(id)?;
+    let records = records_dir()?;
+    let job = find(&records, id)?;
     let me = uid();
     if job.uid != me && me != 0 {
         return Err(Exit(
@@ -498,7 +504,6 @@ pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
         )
         .into());
     }
-    let records = records_dir()?;
     if job.status.is_some() || !alive(&job) {
         eprintln!("torchtools: job {} has ended already", job.id);
         return Ok(ExitCode::SUCCESS);

@@ -117,16 +117,18 @@ fn send<T: Serialize>(stream: &Mutex<TcpStream>, message: &T) -> std::io::Result
 }
 
 /// Reads JSON lines from `stream` into `to` as `(from, Some(message))`, then
-/// `(from, None)` at the end of the stream or at a line that is not a message.
+/// `(from, None)` at the end of the stream or at a line that is not a message. (A
+/// reader, not a stream: whatever it buffered past a first line read elsewhere is
+/// read here too.)
 fn read_lines<T: for<'de> Deserialize<'de> + Send + 'static, K: Copy + Send + 'static>(
-    stream: TcpStream,
+    stream: BufReader<TcpStream>,
     from: K,
     to: Sender<(K, Option<T>)>,
 ) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name("torchtools-job".into())
         .spawn(move || {
-            for line in BufReader::new(stream).lines() {
+            for line in stream.lines() {
                 let Ok(line) = line else { break };
                 match serde_json::from_str(&line) {
                     Ok(message) => {
@@ -301,12 +303,9 @@ impl Job {
                 self.hosts[node]
             ));
         }
-        // The rest of the lines, read by a thread of their own. (What the BufReader
-        // already holds beyond the first line is nothing: a launcher waits for Start.)
-        let Ok(stream) = writer.lock().unwrap_or_else(|e| e.into_inner()).try_clone() else {
-            return;
-        };
-        if read_lines::<Up, usize>(stream, node, self.sender.clone()).is_err() {
+        // The rest of the lines (an `Alive` may already be buffered behind the first),
+        // read by a thread of their own.
+        if read_lines::<Up, usize>(reader, node, self.sender.clone()).is_err() {
             return;
         }
         self.nodes[node] = Some(writer);
@@ -512,7 +511,8 @@ impl Link {
         let host = crate::iface::host_name().unwrap_or_default();
         send(&writer, &Up::Hello { node, host }).map_err(io("joining the job"))?;
         let (to, messages) = mpsc::channel();
-        read_lines::<Down, ()>(reader, (), to).map_err(io("starting the job's reader"))?;
+        read_lines::<Down, ()>(BufReader::new(reader), (), to)
+            .map_err(io("starting the job's reader"))?;
         let alive = {
             let writer = Arc::clone(&writer);
             std::thread::Builder::new()

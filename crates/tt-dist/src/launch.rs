@@ -333,7 +333,7 @@ fn launch_nodes(
     env: &[(OsString, OsString)],
     errors: &ErrorFiles,
 ) -> Result<LaunchOutcome> {
-    use crate::job::{Coordinator, Down, Link, NodeEnd, Up};
+    use crate::job::{Coordinator, Down, Link, Up};
     let join = crate::env::dist_timeout(|k| std::env::var(k).ok())?;
     // Node 0's launcher runs the job; it ends (joined) after the last message.
     let coordinator = match cfg.node_rank {
@@ -402,16 +402,10 @@ fn launch_nodes(
         let mut lost: Option<Error> = None;
         let mut told = false;
         let ended = {
-            let mut on_first = |(rank, code, how): &(usize, i32, String)| {
-                if *code != EXIT_PREEMPTED {
-                    let end = NodeEnd {
-                        code: *code,
-                        rank: Some(*rank),
-                        how: how.clone(),
-                        error: read_error_file(&errors.file(attempt, *rank)),
-                        stopped: false,
-                    };
+            let mut on_first = |first: &(usize, i32, String)| {
+                if first.1 != EXIT_PREEMPTED {
                     told = true;
+                    let end = node_end(Some(first.clone()), errors, attempt, false);
                     let _ = link.send(&Up::Failing { attempt, end });
                 }
             };
@@ -433,24 +427,37 @@ fn launch_nodes(
         if let Some(e) = lost {
             return Err(e);
         }
-        let end = match ended.first {
-            None => NodeEnd {
-                code: 0,
-                rank: None,
-                how: String::new(),
-                error: None,
-                stopped: ended.stopped,
-            },
-            Some((rank, code, how)) => NodeEnd {
-                code,
-                rank: Some(rank),
-                error: read_error_file(&errors.file(attempt, rank)),
-                how,
-                // Ranks that failed because they were told to stop are not the cause.
-                stopped: ended.stopped && !told,
-            },
-        };
+        // Ranks that failed because they were told to stop are not the cause.
+        let stopped = ended.stopped && (ended.first.is_none() || !told);
+        let end = node_end(ended.first, errors, attempt, stopped);
         link.send(&Up::Ended { attempt, end })?;
+    }
+}
+
+/// How this node's ranks ended in `attempt`, for node 0's launcher: `first` is the rank
+/// that failed (or was preempted) first, with its status and how, and the exception it
+/// recorded in its error file.
+fn node_end(
+    first: Option<(usize, i32, String)>,
+    errors: &ErrorFiles,
+    attempt: u32,
+    stopped: bool,
+) -> crate::job::NodeEnd {
+    match first {
+        None => crate::job::NodeEnd {
+            code: 0,
+            rank: None,
+            how: String::new(),
+            error: None,
+            stopped,
+        },
+        Some((rank, code, how)) => crate::job::NodeEnd {
+            code,
+            rank: Some(rank),
+            how,
+            error: read_error_file(&errors.file(attempt, rank)),
+            stopped,
+        },
     }
 }
 
