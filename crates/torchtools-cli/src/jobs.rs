@@ -54,6 +54,9 @@ pub(crate) struct Job {
     pub(crate) started_unix: f64,
     /// The keeper (`job-run`), leader of the job's session.
     pub(crate) keeper_pid: u32,
+    /// The PID namespace its pids mean something in (a container's, or the host's).
+    #[serde(default)]
+    pub(crate) pid_ns: Option<u64>,
     /// The job's `torchtools`, once started.
     #[serde(default)]
     pub(crate) pid: Option<u32>,
@@ -231,6 +234,7 @@ pub(crate) fn detach(args: &DetachArgs, argv: &[OsString]) -> Result<ExitCode> {
         log: log.clone(),
         started_unix: started,
         keeper_pid: child.id(),
+        pid_ns: tt_lock::own_pid_namespace(),
         pid: None,
         ended_unix: None,
         status: None,
@@ -305,6 +309,9 @@ fn state(job: &Job, waiting_pids: &[u32]) -> String {
     if job.boot_id != boot_id() {
         return "lost (the machine rebooted)".into();
     }
+    if elsewhere(job) {
+        return "started in another PID namespace".into();
+    }
     if !alive(job) {
         return "lost (its keeper was killed)".into();
     }
@@ -313,6 +320,18 @@ fn state(job: &Job, waiting_pids: &[u32]) -> String {
         Some(_) => "running".into(),
         None => "starting".into(),
     }
+}
+
+/// Whether `job` was started in another PID namespace (a container, or the host seen
+/// from one), where its pids mean other processes than here.
+fn elsewhere(job: &Job) -> bool {
+    job.pid_ns.is_some() && job.pid_ns != tt_lock::own_pid_namespace()
+}
+
+/// Whether `job` has ended: its status is recorded, or (in its own PID namespace) its
+/// keeper is gone. From another namespace only the record can say.
+fn ended(job: &Job) -> bool {
+    job.status.is_some() || (!elsewhere(job) && !alive(job))
 }
 
 /// Whether `job`'s keeper still runs: its pid is a `job-run` of this id (a pid alone
@@ -480,7 +499,7 @@ pub(crate) fn logs(id: &str, follow: bool) -> Result<ExitCode> {
             return Ok(ExitCode::SUCCESS);
         }
         let now = load(&record_path(&records, &job.id)).unwrap_or(job.clone());
-        if now.status.is_some() || !alive(&now) {
+        if ended(&now) {
             // The rest written before it ended.
             std::io::copy(&mut file, &mut out)?;
             out.flush()?;
@@ -504,9 +523,20 @@ pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
         )
         .into());
     }
-    if job.status.is_some() || !alive(&job) {
+    if ended(&job) {
         eprintln!("torchtools: job {} has ended already", job.id);
         return Ok(ExitCode::SUCCESS);
+    }
+    if elsewhere(&job) {
+        return Err(Exit(
+            1,
+            format!(
+                "job {} was started in another PID namespace (a container, or the host seen \
+                 from one), where its processes are: stop it from there",
+                job.id
+            ),
+        )
+        .into());
     }
     // SIGTERM to the job's torchtools, which passes it on to the command or the ranks
     // (a torchtools trainer then checkpoints and exits 75).
@@ -516,7 +546,7 @@ pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
     let deadline = Instant::now() + grace;
     loop {
         let now = load(&record_path(&records, &job.id)).unwrap_or(job.clone());
-        if now.status.is_some() || !alive(&now) {
+        if ended(&now) {
             eprintln!("torchtools: job {} stopped ({})", job.id, state(&now, &[]));
             return Ok(ExitCode::SUCCESS);
         }

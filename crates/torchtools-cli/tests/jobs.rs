@@ -446,3 +446,56 @@ fn a_detached_launch_survives_its_terminal_and_trains_as_an_attached_one() {
     assert_eq!(job(dir, &id)["status"], 0, "{log}");
     assert_eq!(params(&log), params(&attached));
 }
+
+/// A job started on the host, seen from a container sharing the lock directory (a PID
+/// namespace of its own): listed as started elsewhere (its keeper's pid means nothing
+/// there), never as lost; `logs -f` there follows it to its end; `stop` there is refused,
+/// naming where to stop it.
+#[test]
+fn a_job_seen_from_another_pid_namespace_is_not_lost() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let Some(_) = common::in_container(&dir.join("locks")) else {
+        return;
+    };
+    let container = |args: &[&str]| {
+        common::in_container(&dir.join("locks"))
+            .unwrap()
+            .args(args)
+            .env("XDG_STATE_HOME", dir.join("state"))
+            .output()
+            .unwrap()
+    };
+    let id = detach(
+        dir,
+        &[
+            "reserve",
+            "--detach",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "sh",
+            "-c",
+            "echo ready; sleep 2; echo end",
+        ],
+    );
+    until("the job runs", || {
+        ok(tt(dir).args(["logs", &id]).output().unwrap()).contains("ready")
+    });
+    let seen: serde_json::Value =
+        serde_json::from_str(&ok(container(&["jobs", "--json", "--all"]))).unwrap();
+    assert_eq!(
+        seen[0]["state"], "started in another PID namespace",
+        "{seen}"
+    );
+    let out = container(&["stop", &id]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("another PID namespace"),
+        "{out:?}"
+    );
+    let log = ok(container(&["logs", &id, "-f"]));
+    assert!(log.contains("end"), "followed to its end: {log}");
+    assert_eq!(job(dir, &id)["status"], 0);
+}

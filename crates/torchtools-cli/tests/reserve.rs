@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tt_lock::{Holder, LockDir, Wait};
 
 mod common;
-use common::{key0, pids_of, torchtools, until};
+use common::{in_container, key0, pids_of, torchtools, until};
 
 fn run(dir: &Path, args: &[&str]) -> Output {
     torchtools(dir).args(args).output().unwrap()
@@ -451,44 +451,6 @@ fn a_failure_names_its_cause_once() {
     let err = stderr(&out);
     assert!(err.contains("reserving a GPU: "), "{err}");
     assert_eq!(err.matches("cannot create it").count(), 1, "{err}");
-}
-
-/// `torchtools ARGS` in a new PID namespace (as in a container sharing the lock
-/// directory): `None` (printed, chosen) where namespaces need root and
-/// TORCHTOOLS_TEST_NO_MOUNT says why; a failure otherwise.
-fn in_container(dir: &Path) -> Option<Command> {
-    let works = Command::new("unshare")
-        .args(["--pid", "--fork", "--mount-proc", "true"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !works {
-        match std::env::var(tt_testkit::NO_MOUNT_ENV) {
-            Ok(why) if !why.trim().is_empty() => {
-                eprintln!("SKIPPED: a PID namespace (unshare --pid needs root): {why}");
-                return None;
-            }
-            _ => panic!(
-                "`unshare --pid --fork --mount-proc` failed (it needs root): run as root, or \
-                 set {}=<why> to skip this test knowingly",
-                tt_testkit::NO_MOUNT_ENV
-            ),
-        }
-    }
-    // --kill-child: killing `unshare` kills the namespace's first process, and with it
-    // every process of the namespace, as stopping a container does.
-    let mut cmd = Command::new("unshare");
-    cmd.args([
-        "--pid",
-        "--fork",
-        "--mount-proc",
-        "--kill-child",
-        env!("CARGO_BIN_EXE_torchtools"),
-    ])
-    .env("TORCHTOOLS_LOCK_DIR", dir)
-    .env_remove("CUDA_VISIBLE_DEVICES")
-    .env_remove("TORCHTOOLS_HELD_LOCKS")
-    .stdin(Stdio::null());
-    Some(cmd)
 }
 
 /// A lock held from the host is held in a container's views, and the other way round:

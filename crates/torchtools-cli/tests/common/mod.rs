@@ -75,3 +75,41 @@ pub(crate) fn shared_dir_for_two_users() -> Option<tempfile::TempDir> {
     std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
     Some(tmp)
 }
+
+/// `torchtools ARGS` in a new PID namespace (as in a container sharing the lock
+/// directory): `None` (printed, chosen) where namespaces need root and
+/// TORCHTOOLS_TEST_NO_MOUNT says why; a failure otherwise.
+pub(crate) fn in_container(dir: &Path) -> Option<Command> {
+    let works = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !works {
+        match std::env::var(tt_testkit::NO_MOUNT_ENV) {
+            Ok(why) if !why.trim().is_empty() => {
+                eprintln!("SKIPPED: a PID namespace (unshare --pid needs root): {why}");
+                return None;
+            }
+            _ => panic!(
+                "`unshare --pid --fork --mount-proc` failed (it needs root): run as root, or \
+                 set {}=<why> to skip this test knowingly",
+                tt_testkit::NO_MOUNT_ENV
+            ),
+        }
+    }
+    // --kill-child: killing `unshare` kills the namespace's first process, and with it
+    // every process of the namespace, as stopping a container does.
+    let mut cmd = Command::new("unshare");
+    cmd.args([
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--kill-child",
+        env!("CARGO_BIN_EXE_torchtools"),
+    ])
+    .env("TORCHTOOLS_LOCK_DIR", dir)
+    .env_remove("CUDA_VISIBLE_DEVICES")
+    .env_remove("TORCHTOOLS_HELD_LOCKS")
+    .stdin(Stdio::null());
+    Some(cmd)
+}
