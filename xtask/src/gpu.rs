@@ -133,6 +133,14 @@ pub(crate) const PROGRAMS: &[Program] = &[
         command: "env TORCHTOOLS_TRAIN_EPOCHS=2 \"$here/bin/torchtools\" launch --nproc-per-node 1 -- \"$here/bin/train\"",
     },
     Program {
+        name: "train (launch --gpu auto, NCCL)",
+        expect: &[
+            "on Cuda\\(0\\), nccl backend",
+            "finished: [0-9]+ steps",
+        ],
+        command: "env TORCHTOOLS_TRAIN_EPOCHS=1 TORCHTOOLS_LOCK_DIR=\"$work/locks\" \"$here/bin/torchtools\" launch --gpu auto --bytes 8GiB --nproc-per-node 1 -- \"$here/bin/train\"",
+    },
+    Program {
         name: "train (launch 2, 1 GPU)",
         expect: &["on Cuda\\(0\\), gloo backend", "finished: [0-9]+ steps"],
         command: "env TORCHTOOLS_TRAIN_EPOCHS=2 \"$here/bin/torchtools\" launch --nproc-per-node 2 -- \"$here/bin/train\"",
