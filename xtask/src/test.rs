@@ -76,7 +76,7 @@ pub(crate) const GPU_CRATES: [(&str, u32); 12] = [
     ("tt-ckpt", 2),
     ("tt-optim", 1),
     ("tt-train", 2),
-    ("torchtools-cli", 6),
+    ("torchtools-cli", 8),
     ("torchtools", 2),
 ];
 
@@ -104,7 +104,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-sys --no-default-features", 1),
     ("test -p tt-device (default features)", 28),
     ("test -p tt-device --no-default-features", 21),
-    ("test -p tt-lock (no features)", 65),
+    ("test -p tt-lock (no features)", 69),
     ("test -p tt-fence (no features)", 2),
     ("test -p tt-tracker (no features)", 74),
     ("test -p tt-adaptive (default features)", 27),
@@ -117,18 +117,18 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-ckpt --no-default-features", 30),
     ("test -p tt-optim (default features)", 9),
     ("test -p tt-optim --no-default-features", 2),
-    ("test -p tt-reserve (no features)", 5),
+    ("test -p tt-reserve (no features)", 6),
     ("test -p tt-train (default features)", 38),
     ("test -p tt-train --no-default-features", 6),
-    ("test -p torchtools-cli (default features)", 87),
-    ("test -p torchtools-cli --no-default-features", 87),
+    ("test -p torchtools-cli (default features)", 88),
+    ("test -p torchtools-cli --no-default-features", 88),
     ("test -p torchtools (default features)", 16),
     ("test -p torchtools --no-default-features", 2),
     ("test -p tt-sys --features c10d", 16),
     ("test -p tt-dist --features c10d", 35),
-    ("test -p tt-reserve --features tch", 4),
+    ("test -p tt-reserve --features tch", 5),
     ("test -p tt-tracker --features sqlite,plot", 76),
-    ("test --workspace (all CPU features, doc tests)", 206),
+    ("test --workspace (all CPU features, doc tests)", 211),
 ];
 
 pub(crate) fn cpu_matrix() -> Result<()> {

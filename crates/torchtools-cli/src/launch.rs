@@ -375,6 +375,8 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<ExitCode> {
                 bytes: args.bytes,
                 margin: args.margin,
                 fence: !args.no_fence,
+                share: false,
+                cap: false,
                 timeout: args.timeout,
                 command: std::iter::once(cfg.program.clone())
                     .chain(cfg.args.iter().cloned())

@@ -332,6 +332,18 @@ struct ReserveArgs {
     /// Take the lock alone, without a memory fence (works without a GPU).
     #[arg(long)]
     no_fence: bool,
+    /// Share one GPU with other jobs by memory budget instead of taking it alone:
+    /// --bytes is this job's budget, granted (in the same queue) when it fits beside the
+    /// other sharers' budgets within the GPU's memory; a job that asks for the GPU
+    /// alone waits for every sharer to leave. No fence; PyTorch's allocator in the
+    /// command is capped at the budget (PYTORCH_CUDA_ALLOC_CONF).
+    #[arg(long)]
+    share: bool,
+    /// With --share: leave PYTORCH_CUDA_ALLOC_CONF alone (for a PyTorch too old to know
+    /// its per_process_memory_fraction option, which it refuses); the command reads its
+    /// share from TORCHTOOLS_SHARE_FRACTION instead.
+    #[arg(long, requires = "share")]
+    no_cap: bool,
     /// Give up (exit 75) when the GPUs are still locked after this long: 30s, 10m,
     /// 1h. Default: wait as long as it takes.
     #[arg(long, value_parser = args::duration)]
@@ -346,6 +358,8 @@ impl ReserveArgs {
             bytes,
             margin: self.margin,
             fence: !self.no_fence,
+            share: self.share,
+            cap: !self.no_cap,
             timeout: self.timeout,
             command,
         }

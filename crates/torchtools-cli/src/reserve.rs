@@ -20,6 +20,9 @@ pub(crate) struct Request {
     pub(crate) bytes: Option<Bytes>,
     pub(crate) margin: Bytes,
     pub(crate) fence: bool,
+    pub(crate) share: bool,
+    /// With `share`: cap the command's PyTorch allocator (`PYTORCH_CUDA_ALLOC_CONF`).
+    pub(crate) cap: bool,
     pub(crate) timeout: Option<Duration>,
     pub(crate) command: Vec<OsString>,
 }
@@ -34,6 +37,12 @@ pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
     let mut cmd = Command::new(&req.command[0]);
     cmd.args(&req.command[1..]);
     reservation.prepare(&mut cmd);
+    if req.share && !req.cap {
+        match std::env::var_os("PYTORCH_CUDA_ALLOC_CONF") {
+            Some(own) => cmd.env("PYTORCH_CUDA_ALLOC_CONF", own),
+            None => cmd.env_remove("PYTORCH_CUDA_ALLOC_CONF"),
+        };
+    }
     let running = child::spawn(&mut cmd, &command_text[0])?;
     if let Err(e) = reservation.record_command_pid(running.pid()) {
         tracing::warn!("cannot record the command's pid: {e}");
@@ -48,7 +57,16 @@ pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
 /// Takes the reservation `req` asks for (waiting in the queue), saying what it took;
 /// the errors exit as `reserve` documents (75 still locked, 2 a bad request).
 pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
-    if req.fence && req.bytes.is_none() {
+    if req.share && req.bytes.is_none() {
+        return Err(Exit(
+            2,
+            "--share needs the job's budget: give --bytes (e.g. --share --bytes 20GiB); \
+             sharers are admitted while their budgets fit in the GPU's memory"
+                .into(),
+        )
+        .into());
+    }
+    if req.fence && !req.share && req.bytes.is_none() {
         return Err(Exit(
             2,
             "a fence leaves free only what --bytes says the command needs: give --bytes \
@@ -75,6 +93,7 @@ pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
         timeout: req.timeout,
         fence: req.fence,
         holder: Some(holder),
+        share: req.share,
     };
     let reservation =
         tt_reserve::reserve_with(options, |w| eprintln!("torchtools: {w}")).map_err(|e| {
@@ -88,6 +107,14 @@ pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
         })?;
     if reservation.is_empty() {
         eprintln!("torchtools: no GPU on this machine: nothing reserved, running the command");
+    } else if let (true, Some(bytes)) = (req.share, req.bytes) {
+        for gpu in reservation.gpus() {
+            eprintln!(
+                "torchtools: sharing {} with a budget of {bytes} (no fence; PyTorch's \
+                 allocator in the command is capped at it)",
+                gpu.key
+            );
+        }
     } else {
         eprintln!(
             "torchtools: reserved {}",
@@ -251,6 +278,9 @@ pub(crate) fn wants_text(
         tt_lock::Wants::Gpus { gpus } => gpus.iter().map(label).collect::<Vec<_>>().join(" + "),
         tt_lock::Wants::Auto { count, among } => {
             format!("auto: {count} of {} GPU(s)", among.len())
+        }
+        tt_lock::Wants::Share { gpu, capacity, .. } => {
+            format!("a share of {} ({capacity})", label(gpu))
         }
     }
 }

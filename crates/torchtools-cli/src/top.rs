@@ -55,6 +55,8 @@ struct GpuView {
     utilization: Option<u32>,
     /// The lock's holder, when held.
     holder: Option<Holder>,
+    /// The jobs sharing it by memory budget (`reserve --share`), oldest first.
+    shares: Vec<Holder>,
     /// Queue positions of the requests waiting for this GPU.
     waiting: Vec<usize>,
     processes: Vec<ProcessView>,
@@ -68,8 +70,13 @@ struct ProcessView {
     /// Its GPU memory, when the driver can say.
     used: Option<Bytes>,
     command: String,
-    /// Whether it is the holder of this GPU's lock or runs under it.
+    /// Whether it is the holder of this GPU's lock or runs under it (or under a job
+    /// sharing the GPU).
     in_reservation: bool,
+    /// The budget of the sharing job it runs under, if it does.
+    share: Option<Bytes>,
+    /// Whether that job's processes use more GPU memory than its budget.
+    over_share: bool,
 }
 
 /// The GPUs, from NVML opened once for the whole session (a test may give any
@@ -102,10 +109,36 @@ impl Snapshot {
                     .iter()
                     .find(|g| GpuKey::of_uuid(&g.uuid) == state.gpu);
                 let holder = state.holder.filter(|_| state.held);
-                let roots: Vec<u32> = holder
+                let roots_of = |h: &Holder| -> Vec<u32> {
+                    std::iter::once(h.pid).chain(h.command_pid).collect()
+                };
+                let roots: Vec<u32> = holder.iter().flat_map(roots_of).collect();
+                let processes: Vec<ProcessView> = gpu
+                    .map(|g| g.processes.as_slice())
+                    .unwrap_or_default()
                     .iter()
-                    .flat_map(|h| std::iter::once(h.pid).chain(h.command_pid))
+                    .map(|p| {
+                        let sharer = state
+                            .shares
+                            .iter()
+                            .position(|h| descends_from(p.pid, &roots_of(h)));
+                        ProcessView {
+                            pid: p.pid,
+                            user: process_user(p.pid),
+                            used: p.used,
+                            command: process_command(p.pid),
+                            in_reservation: sharer.is_some() || descends_from(p.pid, &roots),
+                            share: sharer.and_then(|i| state.shares[i].share),
+                            over_share: false,
+                        }
+                    })
                     .collect();
+                let processes = flag_over_share(processes, &state.shares, |p| {
+                    state
+                        .shares
+                        .iter()
+                        .position(|h| descends_from(p.pid, &roots_of(h)))
+                });
                 GpuView {
                     waiting: queue
                         .iter()
@@ -119,19 +152,9 @@ impl Snapshot {
                     used: gpu.map(|g| g.used),
                     free: gpu.map(|g| g.free),
                     utilization: gpu.and_then(|g| g.utilization),
-                    processes: gpu
-                        .map(|g| g.processes.as_slice())
-                        .unwrap_or_default()
-                        .iter()
-                        .map(|p| ProcessView {
-                            pid: p.pid,
-                            user: process_user(p.pid),
-                            used: p.used,
-                            command: process_command(p.pid),
-                            in_reservation: descends_from(p.pid, &roots),
-                        })
-                        .collect(),
+                    processes,
                     holder,
+                    shares: state.shares,
                 }
             })
             .collect();
@@ -143,6 +166,33 @@ impl Snapshot {
             queue,
         })
     }
+}
+
+/// Marks the processes of every sharing job whose processes together use more GPU
+/// memory than its budget (`sharer_of` says which job a process runs under).
+fn flag_over_share(
+    mut processes: Vec<ProcessView>,
+    shares: &[Holder],
+    sharer_of: impl Fn(&ProcessView) -> Option<usize>,
+) -> Vec<ProcessView> {
+    let owners: Vec<Option<usize>> = processes.iter().map(&sharer_of).collect();
+    for (i, h) in shares.iter().enumerate() {
+        let used: u64 = processes
+            .iter()
+            .zip(&owners)
+            .filter(|(_, o)| **o == Some(i))
+            .filter_map(|(p, _)| p.used)
+            .map(|b| b.0)
+            .sum();
+        if h.share.is_some_and(|budget| used > budget.0) {
+            for (p, o) in processes.iter_mut().zip(&owners) {
+                if *o == Some(i) {
+                    p.over_share = true;
+                }
+            }
+        }
+    }
+    processes
 }
 
 /// Whether `pid` is one of `roots` or a descendant of one (through `/proc`'s parents).
@@ -438,18 +488,23 @@ fn render_gpus(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {
                 .and_then(|h| h.fenced)
                 .filter(|b| b.0 > 0)
                 .map_or_else(dash, |b| format!("{} GiB", gib(b)));
-            let holder = g
-                .holder
-                .as_ref()
-                .map_or("free".to_owned(), |h| holder_cell(h, view.compact));
+            let holder = match (&g.holder, g.shares.as_slice()) {
+                (Some(h), _) => holder_cell(h, view.compact),
+                (None, []) => "free".to_owned(),
+                (None, shares) => format!("shared by {} job(s)", shares.len()),
+            };
             let since = g.holder.as_ref().map_or_else(dash, |h| {
                 age(snapshot.time_unix.saturating_sub(h.since_unix))
             });
-            let reserving = g
-                .holder
-                .as_ref()
-                .and_then(|h| h.reserved)
-                .map_or_else(dash, |b| format!("{} GiB", gib(b)));
+            let budgets: u64 = g.shares.iter().filter_map(|h| h.share).map(|b| b.0).sum();
+            let reserving = match (&g.holder, budgets) {
+                (None, b) if b > 0 => format!("{} GiB shared", gib(Bytes(b))),
+                _ => g
+                    .holder
+                    .as_ref()
+                    .and_then(|h| h.reserved)
+                    .map_or_else(dash, |b| format!("{} GiB", gib(b))),
+            };
             let cells = if view.compact {
                 vec![
                     gpu_name(g),
@@ -542,10 +597,14 @@ fn render_detail(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer)
         (Some(i), GpuKey::Uuid(u)) => format!("GPU {i} ({u})"),
         (_, key) => key.to_string(),
     };
-    let mut lines = vec![Line::from(match &g.holder {
-        Some(h) => format!("held by {h}"),
-        None => "free".to_owned(),
+    let mut lines = vec![Line::from(match (&g.holder, g.shares.len()) {
+        (Some(h), _) => format!("held by {h}"),
+        (None, 0) => "free".to_owned(),
+        (None, n) => format!("shared by {n} job(s) by memory budget:"),
     })];
+    for h in &g.shares {
+        lines.push(Line::from(format!("  {h}")));
+    }
     if g.waiting.is_empty() {
         lines.push(Line::from("nobody waits for it"));
     } else {
@@ -619,12 +678,13 @@ fn render_processes(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buff
     let mut rows = Vec::new();
     for g in &snapshot.gpus {
         for p in &g.processes {
-            let mark = if p.in_reservation {
-                "reserved"
-            } else {
-                "OUTSIDE"
+            let mark = match (p.in_reservation, p.share, p.over_share) {
+                (_, Some(_), true) => "OVER SHARE",
+                (_, Some(_), false) => "share",
+                (true, None, _) => "reserved",
+                (false, None, _) => "OUTSIDE",
             };
-            let style = if p.in_reservation {
+            let style = if p.in_reservation && !p.over_share {
                 Style::default()
             } else {
                 Style::default().fg(Color::Red)
@@ -644,7 +704,9 @@ fn render_processes(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buff
     }
     let title = match &snapshot.nvml {
         NvmlStatus::Available { .. } => {
-            "processes on the GPUs (OUTSIDE: not under the GPU's lock holder)".to_owned()
+            "processes on the GPUs (OUTSIDE: not under the GPU's lock holder or a sharer; \
+             OVER SHARE: a sharer using more than its budget)"
+                .to_owned()
         }
         NvmlStatus::Unavailable { .. } => "processes on the GPUs: unknown without NVML".into(),
     };
@@ -653,7 +715,7 @@ fn render_processes(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buff
         Constraint::Length(8),
         Constraint::Length(10),
         Constraint::Length(10),
-        Constraint::Length(9),
+        Constraint::Length(10),
     ];
     let mut header = vec!["GPU", "pid", "user", "memory", "lock"];
     if !view.compact {
@@ -736,5 +798,62 @@ mod tests {
         assert!(!b.processes[0].in_reservation);
         let text = render_text(&frame, &View::default(), 120);
         assert!(text.contains("Test GPU 0"), "{text}");
+    }
+
+    /// A GPU shared by memory budget (this process, 1 GiB, using 2 GiB per the
+    /// inventory): shown shared, its process flagged over its share; within budget it
+    /// is a plain share.
+    #[test]
+    fn a_sharer_over_its_budget_is_flagged() {
+        use tt_device::{GpuInfo, GpuProcess, Inventory};
+        use tt_lock::{Holder, Wait};
+        let uuid = "GPU-00000000-1111-2222-3333-444444444444";
+        let inventory = Inventory {
+            nvml: NvmlStatus::Available {
+                driver_version: "test".into(),
+            },
+            gpus: vec![GpuInfo {
+                nvml_index: 0,
+                uuid: uuid.into(),
+                name: "Test GPU".into(),
+                total: Bytes::gib(80),
+                free: Bytes::gib(78),
+                used: Bytes::gib(2),
+                utilization: None,
+                processes: vec![GpuProcess {
+                    pid: std::process::id(),
+                    used: Some(Bytes::gib(2)),
+                }],
+                mig: Vec::new(),
+            }],
+            errors: Vec::new(),
+        };
+        let gpus = Gpus {
+            backend: Box::new(inventory),
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        let key = GpuKey::of_uuid(uuid);
+        for (budget, mark) in [(1, "OVER SHARE"), (4, "share")] {
+            let lock = dir
+                .lock_shared(
+                    &key,
+                    Bytes::gib(budget),
+                    Bytes::gib(80),
+                    Wait::Try,
+                    Holder::current(),
+                )
+                .unwrap();
+            let frame = Snapshot::take(&dir, &gpus).unwrap();
+            let g = &frame.gpus[0];
+            assert!(g.holder.is_none());
+            assert_eq!(g.shares.len(), 1);
+            assert_eq!(g.processes[0].share, Some(Bytes::gib(budget)));
+            assert_eq!(g.processes[0].over_share, budget == 1);
+            let text = render_text(&frame, &View::default(), 160);
+            assert!(text.contains("shared by 1 job(s)"), "{text}");
+            assert!(text.contains(mark), "{text}");
+            drop(lock);
+        }
     }
 }

@@ -281,3 +281,118 @@ fn one_lock_per_gpu_whatever_form_names_it() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Issue 33: a container's `track` (a PID namespace of its own, `/proc` mounted there)
+/// attributes the command's 2 GiB to it. The NVIDIA driver translates the PIDs NVML
+/// lists into the caller's namespace (seen with driver 580), so the tracker's PIDs and
+/// NVML's agree inside the container.
+#[test]
+fn track_inside_a_pid_namespace_sees_the_commands_2_gib() {
+    require_gpu();
+    let python = tt_testkit::python_path();
+    let bin = std::env::var("TORCHTOOLS_BIN").unwrap_or(env!("CARGO_BIN_EXE_torchtools").into());
+    let tmp = tempfile::tempdir().unwrap();
+    let report = tmp.path().join("report.json");
+    let out = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", &bin])
+        .args(["track", "--format", "json", "--gru", "bytes", "--output"])
+        .arg(&report)
+        .args(["--", python.as_str(), "-c", PY_GPU_WORK])
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "unshare (root needed) or track failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&report).unwrap();
+    let r: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    let main = r["max_gpu_ram"]["main"].as_f64().unwrap_or(0.0);
+    assert!(
+        ((2u64 << 30) as f64..(7u64 << 29) as f64).contains(&main),
+        "main GPU RAM {main} inside the PID namespace: {r}"
+    );
+}
+
+/// A Python job of a shared reservation: allocates `GIB` GiB, prints `ready` (or the
+/// out-of-memory error's first words), then waits for its standard input to close.
+const PY_SHARE_JOB: &str = "import torch, sys, os\n\
+    n = int(float(sys.argv[1]) * (1 << 30))\n\
+    try:\n\
+    \x20   x = torch.empty(n, dtype=torch.uint8, device='cuda')\n\
+    \x20   torch.cuda.synchronize()\n\
+    \x20   print('ready', os.environ.get('TORCHTOOLS_SHARE_FRACTION'), flush=True)\n\
+    except torch.OutOfMemoryError as e:\n\
+    \x20   print('oom', flush=True)\n\
+    sys.stdin.read()\n";
+
+/// Issue 33: two jobs of 20 GiB share the H100 at once while a job asking for 60 GiB
+/// waits (20 + 20 + 60 > 80) and is served when they leave; a sharer's PyTorch cannot
+/// grow past its budget; `locks` shows the two sharers.
+#[test]
+fn two_20_gib_sharers_run_together_while_a_60_gib_share_waits() {
+    require_gpu();
+    let python = tt_testkit::python_path();
+    let tmp = tempfile::tempdir().unwrap();
+    let locks = tmp.path();
+    let share = |gib: &str, alloc: &str| {
+        let mut child = torchtools()
+            .env("TORCHTOOLS_LOCK_DIR", locks)
+            .args(["reserve", "--gpu", "0", "--share", "--bytes", gib, "--"])
+            .args([python.as_str(), "-c", PY_SHARE_JOB, alloc])
+            .env_remove("PYTHONUNBUFFERED")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut first = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut first,
+        )
+        .unwrap();
+        (child, first)
+    };
+    let (a, a_says) = share("20GiB", "18");
+    let (b, b_says) = share("20GiB", "18");
+    assert!(a_says.starts_with("ready 0.2"), "{a_says}");
+    assert!(b_says.starts_with("ready"), "{b_says}");
+    // Both hold 18 GiB now, side by side.
+    let listed = torchtools()
+        .env("TORCHTOOLS_LOCK_DIR", locks)
+        .arg("locks")
+        .output()
+        .unwrap();
+    let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
+    assert!(listed.contains("shared by 2 job(s), 40.00 GiB"), "{listed}");
+    // A sharer's allocator is capped at its budget: 10 GiB fit in the ledger, 14 GiB
+    // of tensors do not fit in the budget.
+    let (mut c, c_says) = share("10GiB", "14");
+    assert_eq!(c_says.trim(), "oom", "a 10 GiB share allocated 14 GiB");
+    drop(c.stdin.take());
+    assert!(c.wait().unwrap().success());
+    // 60 GiB does not fit beside 40: it waits, and gives up at its timeout.
+    let waited = torchtools()
+        .env("TORCHTOOLS_LOCK_DIR", locks)
+        .args(["reserve", "--gpu", "0", "--share", "--bytes", "60GiB"])
+        .args(["--timeout", "3s", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        waited.status.code(),
+        Some(75),
+        "{}",
+        String::from_utf8_lossy(&waited.stderr)
+    );
+    for mut job in [a, b] {
+        drop(job.stdin.take());
+        assert!(job.wait().unwrap().success());
+    }
+    let (mut d, d_says) = share("60GiB", "50");
+    assert!(d_says.starts_with("ready"), "{d_says}");
+    drop(d.stdin.take());
+    assert!(d.wait().unwrap().success());
+}

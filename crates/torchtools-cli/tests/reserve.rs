@@ -155,6 +155,28 @@ fn bad_arguments_exit_2_with_the_reason() {
             "--count",
         ),
         (&["reserve", "--gpu", "0", "--no-fence"][..], "<CMD>"),
+        (
+            &["reserve", "--gpu", "0", "--share", "--", "true"][..],
+            "--share needs the job's budget",
+        ),
+        (
+            &[
+                "reserve",
+                "--gpu",
+                "0",
+                "--no-cap",
+                "--no-fence",
+                "--",
+                "true",
+            ][..],
+            "--share",
+        ),
+        (
+            &[
+                "reserve", "--share", "--bytes", "1GiB", "--count", "2", "--", "true",
+            ][..],
+            "one GPU",
+        ),
     ] {
         let out = run(tmp.path(), args);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));

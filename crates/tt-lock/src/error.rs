@@ -100,6 +100,14 @@ pub enum Error {
         /// Why not.
         reason: String,
     },
+    /// A shared request that can never be granted.
+    #[error("cannot share {gpu}: {reason}")]
+    BadShare {
+        /// The GPU.
+        gpu: GpuKey,
+        /// Why, and what to do.
+        reason: String,
+    },
     /// A logical CUDA index could not be mapped to a physical GPU.
     #[error("cannot tell which physical GPU {spec} is: {reason}")]
     Cuda {

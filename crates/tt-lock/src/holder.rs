@@ -46,6 +46,10 @@ pub struct Holder {
     /// lock: how a reader of the log tells a holder still holding from one that died.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<String>,
+    /// The GPU memory budget of a holder that shares the GPU with others
+    /// ([`crate::LockDir::lock_shared`]); `None` for an exclusive holder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<Bytes>,
 }
 
 impl Holder {
@@ -67,6 +71,7 @@ impl Holder {
             fenced: None,
             pid_ns: own_pid_namespace(),
             usage: None,
+            share: None,
         }
     }
 
@@ -97,6 +102,7 @@ impl Holder {
             fenced: None,
             pid_ns: None,
             usage: None,
+            share: None,
         }
     }
 
@@ -120,8 +126,10 @@ impl fmt::Display for Holder {
         if let Some(pid) = self.command_pid {
             write!(f, ", command pid {pid}")?;
         }
-        if let Some(bytes) = self.reserved {
-            write!(f, ", reserving {bytes}")?;
+        match (self.share, self.reserved) {
+            (Some(bytes), _) => write!(f, ", sharing the GPU with a budget of {bytes}")?,
+            (None, Some(bytes)) => write!(f, ", reserving {bytes}")?,
+            (None, None) => {}
         }
         if let Some(bytes) = self.fenced.filter(|b| b.0 > 0) {
             write!(f, ", fencing {bytes}")?;

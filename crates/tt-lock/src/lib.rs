@@ -9,6 +9,7 @@ mod holder;
 mod list;
 mod lock;
 mod queue;
+mod share;
 mod usage;
 
 pub use dir::{LockDir, DEFAULT_LOCK_DIR, LOCK_DIR_ENV};

@@ -28,6 +28,23 @@ pub struct LockState {
     pub holder: Option<Holder>,
     /// How many requests in the queue wait for this GPU (`auto` ones included).
     pub waiting: usize,
+    /// The jobs sharing the GPU by memory budget ([`LockDir::lock_shared`]), oldest
+    /// first, each with its budget in [`Holder::share`]; empty when none. `held` is
+    /// false then: nobody holds it exclusively.
+    pub shares: Vec<Holder>,
+}
+
+impl LockState {
+    /// The sum of the sharers' budgets.
+    pub fn shared_bytes(&self) -> tt_device::Bytes {
+        tt_device::Bytes(
+            self.shares
+                .iter()
+                .filter_map(|h| h.share)
+                .map(|b| b.0)
+                .sum(),
+        )
+    }
 }
 
 /// One line, as `torchtools locks` prints it: index, name and UUID (or the index when
@@ -40,6 +57,17 @@ impl std::fmt::Display for LockState {
             (_, _, GpuKey::Index(i)) => write!(f, "{i}  (keyed by index: no NVML)")?,
         }
         match (&self.held, &self.holder) {
+            (false, _) if !self.shares.is_empty() => {
+                write!(
+                    f,
+                    ": shared by {} job(s), {} budgeted:",
+                    self.shares.len(),
+                    self.shared_bytes()
+                )?;
+                for (i, h) in self.shares.iter().enumerate() {
+                    write!(f, "{} {h}", if i == 0 { "" } else { ";" })?;
+                }
+            }
             (false, _) => f.write_str(": free")?,
             (true, Some(h)) => write!(f, ": held by {h}")?,
             (true, None) => f.write_str(": held (no record yet)")?,
@@ -81,12 +109,16 @@ impl LockDir {
                 held,
                 holder: if held { read_holder(&file) } else { None },
                 waiting: 0,
+                shares: Vec::new(),
             });
         }
         states.sort_by(|a, b| a.gpu.cmp(&b.gpu));
         let queue = self.queue()?;
         for state in &mut states {
             state.waiting = waiting_for(&queue, &state.gpu);
+            if !state.held {
+                state.shares = self.sharers(&state.gpu)?;
+            }
         }
         Ok(states)
     }
@@ -109,6 +141,7 @@ impl LockDir {
                         held: false,
                         holder: None,
                         waiting: 0,
+                        shares: Vec::new(),
                     },
                 };
                 state.nvml_index = Some(gpu.nvml_index);
@@ -209,7 +242,9 @@ fn read_in_one_call(path: &str) -> Option<(String, bool)> {
 }
 
 /// Parses `/proc/locks` lines such as `1: FLOCK  ADVISORY  WRITE 6661 fe:00:10010682 0 EOF`
-/// (device numbers in hex). Waiters (`1: -> FLOCK ...`) hold nothing and are skipped.
+/// (device numbers in hex): the files locked exclusively. Waiters (`1: -> FLOCK ...`)
+/// hold nothing and are skipped; shared locks (`READ`: jobs sharing a GPU, a view's
+/// probe) are not an exclusive holder.
 fn parse_proc_locks(text: &str) -> HashSet<(u32, u32, u64)> {
     let mut set = HashSet::new();
     for line in text.lines() {
@@ -217,7 +252,10 @@ fn parse_proc_locks(text: &str) -> HashSet<(u32, u32, u64)> {
         if fields.next() != Some("FLOCK") {
             continue;
         }
-        let Some(id) = fields.nth(3) else { continue };
+        if fields.nth(1) != Some("WRITE") {
+            continue;
+        }
+        let Some(id) = fields.nth(1) else { continue };
         let mut parts = id.split(':');
         let (Some(major), Some(minor), Some(ino)) = (parts.next(), parts.next(), parts.next())
         else {
@@ -254,6 +292,7 @@ mod tests {
             held: false,
             holder: None,
             waiting: 0,
+            shares: Vec::new(),
         };
         assert_eq!(state.to_string(), format!("3  NVIDIA H100  {uuid}: free"));
         state.held = true;
@@ -281,7 +320,8 @@ mod tests {
                     1: -> FLOCK  ADVISORY  WRITE 6662 fe:00:10010682 0 EOF\n\
                     2: POSIX  ADVISORY  WRITE 77 08:01:99 0 EOF\n\
                     3: OFDLCK ADVISORY  READ  -1 00:1a:5 0 EOF\n\
-                    4: FLOCK  ADVISORY  WRITE 12 103:02:42 0 EOF\n";
+                    4: FLOCK  ADVISORY  WRITE 12 103:02:42 0 EOF\n\
+                    5: FLOCK  ADVISORY  READ  13 103:02:43 0 EOF\n";
         let set = parse_proc_locks(text);
         assert_eq!(set.len(), 2, "{set:?}");
         assert!(set.contains(&(0xfe, 0, 10_010_682)));

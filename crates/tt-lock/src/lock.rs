@@ -9,10 +9,11 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use tt_device::{Inventory, NvmlStatus};
+use tt_device::{Bytes, Inventory, NvmlStatus};
 
 use crate::file::{read_holder, same_file};
 use crate::queue::{Ticket, Waiter, Wants, Watch};
+use crate::share::NotAdmitted;
 use crate::{Error, GpuKey, Holder, LockDir, Result};
 
 /// The variable through which `torchtools reserve` hands its locks to the command it
@@ -47,6 +48,8 @@ pub struct GpuLock {
     dir: Option<LockDir>,
     /// The job's exit status, for the usage record.
     status: Option<i32>,
+    /// A shared lock's ledger record (removed after the unlock in `Drop`).
+    share: Option<crate::share::ShareRecord>,
     // Declared last: dropped after the unlock in `Drop`.
     _registered: Option<Registered>,
 }
@@ -99,12 +102,22 @@ impl GpuLock {
         self.inherited
     }
 
+    /// The budget of a lock that shares the GPU ([`LockDir::lock_shared`]); `None` for
+    /// an exclusive one.
+    pub fn share(&self) -> Option<Bytes> {
+        self.holder.share
+    }
+
     /// Rewrites the holder record (for example to add the pid of the command the lock
     /// was handed to). The GPU field is kept.
     pub fn set_holder(&mut self, mut holder: Holder) -> Result<()> {
         holder.gpu = self.holder.gpu.clone();
         holder.usage = self.holder.usage.clone();
-        write_holder(&self.file, &self.path, &holder)?;
+        holder.share = self.holder.share;
+        match &self.share {
+            Some(record) => record.write(&holder)?,
+            None => write_holder(&self.file, &self.path, &holder)?,
+        }
         self.holder = holder;
         Ok(())
     }
@@ -151,7 +164,12 @@ impl Drop for GpuLock {
 /// either this process or the command lives; a `kill -9` of this process alone does not
 /// free a GPU the command still uses.
 pub fn share_with(command: &mut Command, locks: &[GpuLock]) {
-    let fds: Vec<RawFd> = locks.iter().map(AsRawFd::as_raw_fd).collect();
+    // A shared lock's ledger record too: the budget stays counted while the command
+    // lives, even if this process dies first.
+    let fds: Vec<RawFd> = locks
+        .iter()
+        .flat_map(|l| std::iter::once(l.as_raw_fd()).chain(l.share.as_ref().map(|r| r.as_raw_fd())))
+        .collect();
     let value = locks
         .iter()
         .map(|l| format!("{}={}", l.key.file_name(), l.file.as_raw_fd()))
@@ -239,6 +257,45 @@ impl LockDir {
         self.acquire(Wants::Auto { count, among }, wait, holder)
     }
 
+    /// Shares one GPU with other jobs by memory budget: granted when nobody holds it
+    /// exclusively, `bytes` fit beside the budgets of the jobs sharing it now within
+    /// `capacity` (the GPU's memory), and no earlier request in the queue waits for it.
+    /// An exclusive request ([`LockDir::lock`]) waits for every sharer to leave; a
+    /// sharer that dies leaves the ledger by itself. `holder`'s [`Holder::share`] is
+    /// set to `bytes`; [`LockDir::sharers`] lists the sharers.
+    pub fn lock_shared(
+        &self,
+        key: &GpuKey,
+        bytes: Bytes,
+        capacity: Bytes,
+        wait: Wait,
+        mut holder: Holder,
+    ) -> Result<GpuLock> {
+        let refuse = |reason: String| Error::BadShare {
+            gpu: key.clone(),
+            reason,
+        };
+        if bytes.0 == 0 {
+            return Err(refuse(
+                "a share of 0 bytes: give the memory the job needs".into(),
+            ));
+        }
+        if bytes > capacity {
+            return Err(refuse(format!(
+                "{bytes} asked, but the GPU has {capacity}: it would wait forever"
+            )));
+        }
+        holder.share = Some(bytes);
+        holder.reserved = Some(bytes);
+        let wants = Wants::Share {
+            gpu: key.clone(),
+            bytes,
+            capacity,
+        };
+        let mut locks = self.acquire(wants, wait, holder)?;
+        locks.pop().ok_or(Error::AlreadyHeld { gpu: key.clone() })
+    }
+
     /// Every form of request goes through here: inherited locks first, then the queue.
     fn acquire(&self, wants: Wants, wait: Wait, holder: Holder) -> Result<Vec<GpuLock>> {
         let start = Instant::now();
@@ -265,7 +322,7 @@ impl LockDir {
                         .any(|k| ours.contains(&self.path().join(k.file_name())))
                 })
                 .collect();
-            let busy = match take(&mut slots, &wants, &earlier)? {
+            let busy = match self.take(&mut slots, &wants, &earlier, &holder)? {
                 Taken::All(taken) => {
                     if taken
                         .iter()
@@ -273,7 +330,7 @@ impl LockDir {
                     {
                         // A lock file was replaced while we waited (deleted by a /tmp
                         // cleaner and created anew): the locks are on orphans; again.
-                        release(&slots, &taken);
+                        release(&mut slots, &taken);
                         for &i in &taken {
                             slots[i].file = self.open_file(&slots[i].key.file_name())?;
                         }
@@ -357,6 +414,7 @@ impl LockDir {
         }
         let left = match wants {
             Wants::Gpus { .. } => (!rest.is_empty()).then_some(Wants::Gpus { gpus: rest }),
+            share @ Wants::Share { .. } => (!rest.is_empty()).then_some(share),
             Wants::Auto { count, .. } => {
                 inherited.truncate(count);
                 (inherited.len() < count).then(|| Wants::Auto {
@@ -376,7 +434,7 @@ impl LockDir {
             let path = self.path().join(key.file_name());
             let registered = match wants {
                 // A second lock of the same file in one process would wait for itself.
-                Wants::Gpus { .. } => Some(
+                Wants::Gpus { .. } | Wants::Share { .. } => Some(
                     Registered::new(&path)
                         .ok_or_else(|| Error::AlreadyHeld { gpu: key.clone() })?,
                 ),
@@ -392,6 +450,7 @@ impl LockDir {
                 key: key.clone(),
                 path,
                 registered,
+                share: None,
             });
         }
         if let Wants::Auto { count, among } = wants {
@@ -427,7 +486,10 @@ impl LockDir {
             holder.gpu = slot.key.cuda_visible_entry();
             let id = crate::usage::new_id(&holder);
             holder.usage = Some(id.clone());
-            write_holder(&slot.file, &slot.path, &holder)?;
+            match &slot.share {
+                Some(record) => record.write(&holder)?,
+                None => write_holder(&slot.file, &slot.path, &holder)?,
+            }
             self.record_start(&holder, &id);
             locks.push(GpuLock {
                 file: slot.file,
@@ -437,6 +499,7 @@ impl LockDir {
                 inherited: false,
                 dir: Some(self.clone()),
                 status: None,
+                share: slot.share,
                 _registered: Some(registered),
             });
         }
@@ -481,6 +544,7 @@ impl LockDir {
             inherited: true,
             dir: None,
             status: None,
+            share: None,
             _registered: None,
         }))
     }
@@ -494,6 +558,8 @@ struct Slot {
     /// This process's claim on the path: taken up front for named GPUs, at the grant
     /// for `auto` ones.
     registered: Option<Registered>,
+    /// The ledger record of a shared request admitted by the current attempt.
+    share: Option<crate::share::ShareRecord>,
 }
 
 /// Why a request cannot be granted now.
@@ -509,17 +575,64 @@ enum Taken {
     Busy(Busy),
 }
 
-/// One attempt: the GPUs wanted that are free and that no earlier request waits for,
-/// locked without blocking, all or nothing.
-fn take(slots: &mut [Slot], wants: &Wants, earlier: &[&Waiter]) -> Result<Taken> {
-    let waiting_for = |key: &GpuKey| {
-        earlier
-            .iter()
-            .filter(|w| w.wants.gpus().contains(key))
-            .count()
-    };
+impl LockDir {
+    /// One attempt: the GPUs wanted that are free and that no earlier request waits
+    /// for, locked without blocking, all or nothing.
+    fn take(
+        &self,
+        slots: &mut [Slot],
+        wants: &Wants,
+        earlier: &[&Waiter],
+        holder: &Holder,
+    ) -> Result<Taken> {
+        let waiting_for = |key: &GpuKey| {
+            earlier
+                .iter()
+                .filter(|w| w.wants.gpus().contains(key))
+                .count()
+        };
+        if let (Wants::Share { capacity, .. }, [slot]) = (wants, &mut *slots) {
+            let waiting = waiting_for(&slot.key);
+            let refused = if waiting > 0 {
+                // Behind an earlier request: whoever is there now is the holder shown.
+                let sharers = self.sharers(&slot.key)?;
+                NotAdmitted::Full { sharers }
+            } else {
+                match self.try_share(&slot.key, &slot.file, &slot.path, *capacity, holder)? {
+                    Ok(record) => {
+                        slot.share = Some(record);
+                        return Ok(Taken::All(vec![0]));
+                    }
+                    Err(refused) => refused,
+                }
+            };
+            let holder = match refused {
+                NotAdmitted::Exclusive(h) => h,
+                NotAdmitted::Full { sharers } => sharers.into_iter().next().or_else(|| {
+                    crate::file::probe_held(&slot.file)
+                        .then(|| read_holder(&slot.file))
+                        .flatten()
+                }),
+            };
+            return Ok(Taken::Busy(Busy {
+                gpu: slot.key.clone(),
+                holder: holder.map(Box::new),
+                waiting,
+            }));
+        }
+        take_exclusive(self, slots, wants, &waiting_for)
+    }
+}
+
+/// The exclusive form of [`LockDir::take`].
+fn take_exclusive(
+    dir: &LockDir,
+    slots: &mut [Slot],
+    wants: &Wants,
+    waiting_for: &dyn Fn(&GpuKey) -> usize,
+) -> Result<Taken> {
     let count = match wants {
-        Wants::Gpus { .. } => slots.len(),
+        Wants::Gpus { .. } | Wants::Share { .. } => slots.len(),
         Wants::Auto { count, .. } => *count,
     };
     let mut taken = Vec::with_capacity(count);
@@ -536,13 +649,17 @@ fn take(slots: &mut [Slot], wants: &Wants, earlier: &[&Waiter]) -> Result<Taken>
         }
         if first_busy.is_none() {
             let held = waiting == 0 || crate::file::probe_held(&slot.file);
+            let holder = if !held {
+                None
+            } else if crate::file::probe_held(&slot.file) {
+                read_holder(&slot.file)
+            } else {
+                // Not held exclusively, yet not free: shared (the oldest sharer shown).
+                dir.sharers(&slot.key)?.into_iter().next()
+            };
             first_busy = Some(Busy {
                 gpu: slot.key.clone(),
-                holder: if held {
-                    read_holder(&slot.file).map(Box::new)
-                } else {
-                    None
-                },
+                holder: holder.map(Box::new),
                 waiting,
             });
         }
@@ -558,11 +675,13 @@ fn take(slots: &mut [Slot], wants: &Wants, earlier: &[&Waiter]) -> Result<Taken>
     })))
 }
 
-/// Unlocks the slots of a failed attempt (their files stay open).
-fn release(slots: &[Slot], taken: &[usize]) {
+/// Unlocks the slots of a failed attempt (their files stay open), and removes the
+/// ledger record of a shared one.
+fn release(slots: &mut [Slot], taken: &[usize]) {
     for &i in taken {
         // SAFETY: the fd is open for as long as the slot lives.
         unsafe { libc::flock(slots[i].file.as_raw_fd(), libc::LOCK_UN) };
+        slots[i].share = None;
     }
 }
 

@@ -44,6 +44,15 @@ pub enum Wants {
         /// The GPUs it may take, most free memory first.
         among: Vec<GpuKey>,
     },
+    /// A share of one GPU's memory beside other sharers ([`LockDir::lock_shared`]).
+    Share {
+        /// The GPU.
+        gpu: GpuKey,
+        /// The budget asked for.
+        bytes: Bytes,
+        /// The GPU's memory, within which the sharers' budgets must fit.
+        capacity: Bytes,
+    },
 }
 
 impl Wants {
@@ -53,6 +62,7 @@ impl Wants {
         match self {
             Wants::Gpus { gpus } => gpus,
             Wants::Auto { among, .. } => among,
+            Wants::Share { gpu, .. } => std::slice::from_ref(gpu),
         }
     }
 }
@@ -65,6 +75,11 @@ impl fmt::Display for Wants {
                 f.write_str(&names.join(" + "))
             }
             Wants::Auto { count, among } => write!(f, "auto: {count} of {} GPU(s)", among.len()),
+            Wants::Share {
+                gpu,
+                bytes,
+                capacity,
+            } => write!(f, "a share of {bytes} of {} ({capacity})", short_name(gpu)),
         }
     }
 }
@@ -196,12 +211,12 @@ impl Drop for Ticket {
 
 /// The lock directory's own `flock`, held while a ticket is numbered and placed, and
 /// while a dead ticket is removed, so that a number is never given twice.
-struct DirLock {
+pub(crate) struct DirLock {
     _file: File,
 }
 
 impl DirLock {
-    fn take(dir: &LockDir) -> Result<DirLock> {
+    pub(crate) fn take(dir: &LockDir) -> Result<DirLock> {
         let file = OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)

@@ -33,6 +33,13 @@ pub struct ReserveOptions {
     /// The record left in the lock file (default: this process, with
     /// `training_reserved_bytes` as the reserved bytes).
     pub holder: Option<Holder>,
+    /// Share one GPU with other jobs by memory budget instead of taking it alone:
+    /// `training_reserved_bytes` is the budget, granted when it fits beside the other
+    /// sharers' within the GPU's memory (in the same first-come-first-served queue; see
+    /// [`LockDir::lock_shared`]). A shared reservation raises no fence; the command it
+    /// prepares gets PyTorch's allocator capped at the budget
+    /// (`PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:F`). Default `false`.
+    pub share: bool,
 }
 
 impl Default for ReserveOptions {
@@ -46,6 +53,7 @@ impl Default for ReserveOptions {
             timeout: None,
             fence: true,
             holder: None,
+            share: false,
         }
     }
 }
@@ -185,6 +193,8 @@ pub struct Reservation {
     fences: Vec<Fence>,
     locks: Vec<GpuLock>,
     gpus: Vec<ReservedGpu>,
+    /// A shared reservation's budget as a fraction of its GPU's memory.
+    share_fraction: Option<f64>,
 }
 
 /// The GPUs of `inventory` that `CUDA_VISIBLE_DEVICES` (`cuda_visible`) leaves to this
@@ -256,6 +266,17 @@ pub fn reserve_on(
         Some(n) => n,
         None => 1,
     };
+    // A shared request's own mistakes, before anything is looked at.
+    if options.share && (count != 1 || options.gpus.len() != 1) {
+        return Err(Error::Options(
+            "a shared reservation takes one GPU: name one, or auto with a count of 1".into(),
+        ));
+    }
+    if options.share && options.training_reserved_bytes.0 == 0 {
+        return Err(Error::Options(
+            "a shared reservation needs its budget: give the bytes the job needs (--bytes)".into(),
+        ));
+    }
     let inventory = machine.inventory();
     let no_gpu =
         !matches!(inventory.nvml, NvmlStatus::Available { .. }) || inventory.gpus.is_empty();
@@ -279,6 +300,7 @@ pub fn reserve_on(
             fences: Vec::new(),
             locks: Vec::new(),
             gpus: Vec::new(),
+            share_fraction: None,
         });
     }
     // Named GPUs resolve before anything is taken: a typo waits for nothing.
@@ -296,8 +318,21 @@ pub fn reserve_on(
         .holder
         .clone()
         .unwrap_or_else(|| Holder::current().reserving(options.training_reserved_bytes));
+    let shared = match options.share {
+        true => Some(share_target(
+            &dir,
+            &inventory,
+            if auto { &candidates.gpus } else { &[] },
+            &keys,
+        )?),
+        false => None,
+    };
     let attempt = |wait: Wait| -> tt_lock::Result<Vec<GpuLock>> {
-        if auto {
+        if let Some((key, capacity)) = &shared {
+            let bytes = options.training_reserved_bytes;
+            dir.lock_shared(key, bytes, *capacity, wait, holder.clone())
+                .map(|lock| vec![lock])
+        } else if auto {
             dir.lock_auto(&candidates, count, wait, holder.clone())
         } else {
             dir.lock_many(&keys, wait, holder.clone())
@@ -335,8 +370,10 @@ pub fn reserve_on(
             })
             .collect(),
         locks,
+        share_fraction: shared
+            .map(|(_, capacity)| options.training_reserved_bytes.0 as f64 / capacity.0 as f64),
     };
-    if options.fence {
+    if options.fence && !options.share {
         let fence_options = FenceOptions {
             safety_margin: options.safety_margin_bytes,
             ..FenceOptions::keep_free(options.training_reserved_bytes)
@@ -359,6 +396,68 @@ pub fn reserve_on(
         reservation.record_fences();
     }
     Ok(reservation)
+}
+
+/// The GPU a shared reservation asks for, and its memory: the named GPU, or among
+/// `candidates` (`auto`) the one with the most memory no sharer budgeted and nobody
+/// holds alone (NVML's most free memory on ties).
+fn share_target(
+    dir: &LockDir,
+    inventory: &Inventory,
+    candidates: &[tt_device::GpuInfo],
+    keys: &[GpuKey],
+) -> Result<(GpuKey, Bytes), Error> {
+    let capacity_of = |key: &GpuKey| match key {
+        GpuKey::Uuid(uuid) => inventory
+            .gpus
+            .iter()
+            .find(|g| g.uuid.eq_ignore_ascii_case(uuid))
+            .map(|g| g.total),
+        GpuKey::Index(_) => None,
+    };
+    if let Some(key) = keys.first() {
+        let capacity = capacity_of(key).ok_or_else(|| {
+            Error::Options(format!(
+                "cannot share {key} by memory: its memory is unknown without NVML; reserve it whole instead"
+            ))
+        })?;
+        return Ok((key.clone(), capacity));
+    }
+    let states = dir.status(inventory)?;
+    let room = |gpu: &tt_device::GpuInfo| {
+        let key = GpuKey::of_uuid(&gpu.uuid);
+        let state = states.iter().find(|s| s.gpu == key);
+        let held = state.is_some_and(|s| s.held);
+        let budgeted = state.map_or(0, |s| s.shared_bytes().0);
+        (!held, gpu.total.0.saturating_sub(budgeted), gpu.free.0)
+    };
+    candidates
+        .iter()
+        .max_by_key(|g| room(g))
+        .map(|g| (GpuKey::of_uuid(&g.uuid), g.total))
+        .ok_or_else(|| Error::Options("no GPU to share on this machine".into()))
+}
+
+/// The variable through which a shared reservation tells its command its budget as a
+/// fraction of the GPU's memory (for `torch.cuda.set_per_process_memory_fraction`).
+pub const SHARE_FRACTION_ENV: &str = "TORCHTOOLS_SHARE_FRACTION";
+
+/// `PYTORCH_CUDA_ALLOC_CONF` with `per_process_memory_fraction` set to `fraction`
+/// (PyTorch's allocator refuses to grow past that share of the GPU's memory), the
+/// other options of `current` kept.
+fn alloc_conf_with_fraction(current: Option<&str>, fraction: f64) -> String {
+    let mut parts: Vec<String> = current
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty() && !p.starts_with("per_process_memory_fraction"))
+        .map(str::to_owned)
+        .collect();
+    parts.push(format!(
+        "per_process_memory_fraction:{:.6}",
+        fraction.clamp(0.0, 1.0)
+    ));
+    parts.join(",")
 }
 
 impl Reservation {
@@ -426,9 +525,22 @@ impl Reservation {
     /// Prepares `command` to run on the reservation: `CUDA_VISIBLE_DEVICES` set to the
     /// reserved GPUs (when any), and the lock descriptors inherited, so that torchtools
     /// inside the child takes them over instead of waiting for its own parent.
+    ///
+    /// A shared reservation also caps the command's PyTorch (or libtorch) allocator at
+    /// its budget: `per_process_memory_fraction` added to `PYTORCH_CUDA_ALLOC_CONF`
+    /// (an option of recent PyTorch: checked with 2.11), and says the fraction in
+    /// [`SHARE_FRACTION_ENV`].
     pub fn prepare(&self, command: &mut Command) {
         if !self.gpus.is_empty() {
             command.env("CUDA_VISIBLE_DEVICES", self.cuda_visible_devices());
+        }
+        if let Some(fraction) = self.share_fraction {
+            command.env(SHARE_FRACTION_ENV, format!("{fraction:.6}"));
+            let current = std::env::var("PYTORCH_CUDA_ALLOC_CONF").ok();
+            command.env(
+                "PYTORCH_CUDA_ALLOC_CONF",
+                alloc_conf_with_fraction(current.as_deref(), fraction),
+            );
         }
         tt_lock::share_with(command, &self.locks);
     }
@@ -531,7 +643,7 @@ pub fn fence_release_hook(
 
 #[cfg(test)]
 mod tests {
-    use super::usable;
+    use super::{alloc_conf_with_fraction, usable};
     use tt_device::{Bytes, GpuInfo, Inventory, NvmlStatus};
 
     #[test]
@@ -569,5 +681,20 @@ mod tests {
         assert_eq!(indices(Some("")), Vec::<u32>::new());
         let e = usable(&machine, Some("0,x")).unwrap_err().to_string();
         assert!(e.contains("CUDA_VISIBLE_DEVICES"), "{e}");
+    }
+
+    #[test]
+    fn a_share_caps_pytorchs_allocator_and_keeps_the_users_other_options() {
+        assert_eq!(
+            alloc_conf_with_fraction(None, 0.25),
+            "per_process_memory_fraction:0.250000"
+        );
+        assert_eq!(
+            alloc_conf_with_fraction(
+                Some("expandable_segments:True, per_process_memory_fraction:0.9"),
+                0.5
+            ),
+            "expandable_segments:True,per_process_memory_fraction:0.500000"
+        );
     }
 }
