@@ -16,6 +16,9 @@ pub(crate) struct GpuSample {
     pub(crate) system: u64,
     /// Sum of the tracked GPUs' utilisation.
     pub(crate) util_sum: f64,
+    /// A PID NVML lists that names no process of this PID namespace (see
+    /// [`invisible_pid_note`]), if any.
+    pub(crate) invisible: Option<u32>,
 }
 
 pub(crate) struct Gpus {
@@ -127,6 +130,10 @@ impl Gpus {
                     s.main += used;
                 } else if descendants.contains(&p.pid) {
                     s.descendants += used;
+                } else if s.invisible.is_none()
+                    && !std::path::Path::new(&format!("/proc/{}", p.pid)).exists()
+                {
+                    s.invisible = Some(p.pid);
                 }
             }
         }
@@ -154,5 +161,54 @@ impl Gpus {
                 })
             })
             .collect()
+    }
+}
+
+/// The inode of the machine's first PID namespace (the kernel's `PROC_PID_INIT_INO`).
+const INITIAL_PID_NAMESPACE: u64 = 0xEFFF_FFFC;
+
+/// Whether this process runs in a PID namespace of its own (a container), where a PID
+/// NVML lists may name a process of another namespace.
+fn in_a_pid_namespace() -> bool {
+    std::fs::read_link("/proc/self/ns/pid")
+        .ok()
+        .and_then(|l| {
+            l.to_str()?
+                .strip_prefix("pid:[")?
+                .strip_suffix(']')?
+                .parse::<u64>()
+                .ok()
+        })
+        .is_some_and(|ns| ns != INITIAL_PID_NAMESPACE)
+}
+
+/// The report's note when the tracked processes' GPU memory read 0 while NVML listed a
+/// process (`pid`) this namespace cannot see, inside a container: a driver that lists
+/// host PIDs there makes the memory impossible to attribute (NVIDIA's driver 580
+/// translates them into the container's namespace, and the figures are exact). `None`
+/// outside containers, or when memory was attributed.
+pub(crate) fn invisible_pid_note(pid: u32, attributed: u64) -> Option<String> {
+    (attributed == 0 && in_a_pid_namespace()).then(|| {
+        format!(
+            "the tracked processes' GPU RAM reads 0, and NVML listed a GPU process (pid \
+             {pid}) that this PID namespace (a container) cannot see: if the command used \
+             the GPU, this NVIDIA driver reports PIDs of another namespace and its memory \
+             cannot be attributed here (the system's GPU RAM is exact); track from the host \
+             or run the container with --pid=host"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::invisible_pid_note;
+
+    #[test]
+    fn the_note_speaks_only_for_unattributed_memory_inside_a_container() {
+        assert_eq!(invisible_pid_note(7, 1 << 30), None);
+        let own = std::fs::read_link("/proc/self/ns/pid").unwrap();
+        let in_container = own.to_string_lossy() != "pid:[4026531836]";
+        let note = invisible_pid_note(7, 0);
+        assert_eq!(note.is_some(), in_container, "{note:?}");
     }
 }

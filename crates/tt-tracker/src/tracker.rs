@@ -576,6 +576,8 @@ struct Sampler {
     gpu_pct: Pct,
     gpus: Gpus,
     warnings: Vec<String>,
+    /// A PID NVML listed that this PID namespace cannot see, the first seen.
+    invisible_gpu_pid: Option<u32>,
     timeline: Option<Timeline>,
     /// Samples recorded (live process, real CPU interval).
     samples: u64,
@@ -641,6 +643,7 @@ impl Sampler {
             gpu_pct: Pct::default(),
             gpus,
             warnings: gpu_warning.into_iter().collect(),
+            invisible_gpu_pid: None,
             timeline,
             samples: 0,
             blocks: BTreeMap::new(),
@@ -810,6 +813,9 @@ impl Sampler {
         } else {
             0.0
         };
+        if let Some(pid) = g.invisible {
+            self.invisible_gpu_pid.get_or_insert(pid);
+        }
         let peaks = &mut self.max_gpu;
         peaks.main = peaks.main.max(g.main);
         peaks.descendants = peaks.descendants.max(g.descendants);
@@ -1197,7 +1203,15 @@ impl Sampler {
                 cgroup_peak: cgroup_peak.map(ram),
                 exit_status,
                 blocks,
-                warnings: std::mem::take(&mut self.warnings),
+                warnings: {
+                    let mut warnings = std::mem::take(&mut self.warnings);
+                    let attributed = self.max_gpu.main + self.max_gpu.descendants;
+                    warnings.extend(
+                        self.invisible_gpu_pid
+                            .and_then(|pid| crate::gpu::invisible_pid_note(pid, attributed)),
+                    );
+                    warnings
+                },
             },
         };
         Ok((usage, std::mem::take(&mut self.series.points)))
