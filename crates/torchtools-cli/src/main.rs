@@ -335,8 +335,9 @@ struct ReserveArgs {
     /// Share one GPU with other jobs by memory budget instead of taking it alone:
     /// --bytes is this job's budget, granted (in the same queue) when it fits beside the
     /// other sharers' budgets within the GPU's memory; a job that asks for the GPU
-    /// alone waits for every sharer to leave. No fence; PyTorch's allocator in the
-    /// command is capped at the budget (PYTORCH_CUDA_ALLOC_CONF).
+    /// alone waits for every sharer to leave. The memory no sharer budgeted is fenced
+    /// (--no-fence: not); PyTorch's allocator in the command is capped at the budget
+    /// (PYTORCH_CUDA_ALLOC_CONF).
     #[arg(long)]
     share: bool,
     /// With --share: leave PYTORCH_CUDA_ALLOC_CONF alone (for a PyTorch too old to know

@@ -110,9 +110,19 @@ pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
     } else if let (true, Some(bytes)) = (req.share, req.bytes) {
         for gpu in reservation.gpus() {
             eprintln!(
-                "torchtools: sharing {} with a budget of {bytes} (no fence; PyTorch's \
-                 allocator in the command is capped at it)",
-                gpu.key
+                "torchtools: sharing {} with a budget of {bytes} ({}; the command's PyTorch \
+                 allocator {})",
+                gpu.key,
+                if req.fence {
+                    "memory no sharer budgeted is fenced"
+                } else {
+                    "no fence"
+                },
+                if req.cap {
+                    "is capped at it"
+                } else {
+                    "is not capped (--no-cap)"
+                }
             );
         }
     } else {

@@ -18,7 +18,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Paragraph, Row, Table, Widget};
 use ratatui::Frame;
 use serde::Serialize;
-use tt_device::{Bytes, GpuBackend, NvmlBackend, NvmlStatus};
+use tt_device::{descends_from, Bytes, GpuBackend, NvmlBackend, NvmlStatus};
 use tt_lock::{utc, GpuKey, Holder, LockDir, Waiter};
 
 use crate::reserve::{age, now_unix, wants_text};
@@ -193,28 +193,6 @@ fn flag_over_share(
         }
     }
     processes
-}
-
-/// Whether `pid` is one of `roots` or a descendant of one (through `/proc`'s parents).
-fn descends_from(pid: u32, roots: &[u32]) -> bool {
-    let mut pid = pid;
-    for _ in 0..128 {
-        if roots.contains(&pid) {
-            return true;
-        }
-        match parent_of(pid) {
-            Some(parent) if parent > 1 => pid = parent,
-            _ => return false,
-        }
-    }
-    false
-}
-
-fn parent_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may hold spaces and parentheses: the fields follow the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
 }
 
 fn process_command(pid: u32) -> String {
@@ -731,16 +709,11 @@ fn render_processes(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buff
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tt_device::parent_of;
 
     #[test]
-    fn ancestry_is_read_from_proc() {
+    fn commands_and_users_are_read_from_proc() {
         let me = std::process::id();
-        assert!(descends_from(me, &[me]));
-        // This process descends from its parent, not from an unrelated pid.
-        let parent = parent_of(me).unwrap_or(0);
-        assert!(parent > 0);
-        assert!(descends_from(me, &[parent]));
-        assert!(!descends_from(parent, &[me]));
         assert!(!process_command(me).is_empty());
         assert_ne!(process_user(me), "?");
     }

@@ -330,8 +330,9 @@ const PY_SHARE_JOB: &str = "import torch, sys, os\n\
     sys.stdin.read()\n";
 
 /// Issue 33: two jobs of 20 GiB share the H100 at once while a job asking for 60 GiB
-/// waits (20 + 20 + 60 > 80) and is served when they leave; a sharer's PyTorch cannot
-/// grow past its budget; `locks` shows the two sharers.
+/// waits (20 + 20 + 60 > 80) and is served when they leave; a Python process outside
+/// any reservation cannot allocate the memory no sharer budgeted (the fence); a
+/// sharer's PyTorch cannot grow past its budget; `locks` shows the two sharers.
 #[test]
 fn two_20_gib_sharers_run_together_while_a_60_gib_share_waits() {
     require_gpu();
@@ -368,6 +369,19 @@ fn two_20_gib_sharers_run_together_while_a_60_gib_share_waits() {
         .unwrap();
     let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
     assert!(listed.contains("shared by 2 job(s), 40.00 GiB"), "{listed}");
+    // Outside any reservation, 8 GiB of the 40 GiB no sharer budgeted: fenced.
+    let outsider = Command::new(&python)
+        .args(["-c", PY_SHARE_JOB, "8"])
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let says = String::from_utf8_lossy(&outsider.stdout).into_owned();
+    assert_eq!(
+        says.trim(),
+        "oom",
+        "an outsider allocated 8 GiB beside two sharers"
+    );
     // A sharer's allocator is capped at its budget: 10 GiB fit in the ledger, 14 GiB
     // of tensors do not fit in the budget.
     let (mut c, c_says) = share("10GiB", "14");

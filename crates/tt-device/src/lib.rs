@@ -10,6 +10,7 @@ mod error;
 mod inventory;
 #[cfg(feature = "tch")]
 mod libtorch;
+mod process;
 mod report;
 mod select;
 
@@ -27,5 +28,6 @@ pub use inventory::{
 };
 #[cfg(feature = "tch")]
 pub use libtorch::{availability, report, select, select_device};
+pub use process::{descends_from, parent_of};
 pub use report::{Backend, DeviceReport, LibtorchInfo, View};
 pub use select::{select_with, Availability, CudaCandidate, Device, Selection};

@@ -1,6 +1,8 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod keeper;
+
 use std::fmt;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -36,9 +38,11 @@ pub struct ReserveOptions {
     /// Share one GPU with other jobs by memory budget instead of taking it alone:
     /// `training_reserved_bytes` is the budget, granted when it fits beside the other
     /// sharers' within the GPU's memory (in the same first-come-first-served queue; see
-    /// [`LockDir::lock_shared`]). A shared reservation raises no fence; the command it
-    /// prepares gets PyTorch's allocator capped at the budget
-    /// (`PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:F`). Default `false`.
+    /// [`LockDir::lock_shared`]). With `fence`, the memory no sharer budgeted (or
+    /// budgeted and took) is fenced, by the oldest sharer's reservation, following the
+    /// sharers as they come and go; the command it prepares gets PyTorch's allocator
+    /// capped at the budget (`PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:F`).
+    /// Default `false`.
     pub share: bool,
 }
 
@@ -190,6 +194,8 @@ impl fmt::Display for Waiting {
 #[must_use = "the GPUs are released when the reservation is dropped"]
 pub struct Reservation {
     // Field order is drop order: fences go back to the driver before the locks go.
+    /// A shared GPU's fence keeper (its thread stops and lowers its fence on drop).
+    keeper: Option<keeper::Keeper>,
     fences: Vec<Fence>,
     locks: Vec<GpuLock>,
     gpus: Vec<ReservedGpu>,
@@ -301,6 +307,7 @@ pub fn reserve_on(
             locks: Vec::new(),
             gpus: Vec::new(),
             share_fraction: None,
+            keeper: None,
         });
     }
     // Named GPUs resolve before anything is taken: a typo waits for nothing.
@@ -371,8 +378,37 @@ pub fn reserve_on(
             .collect(),
         locks,
         share_fraction: shared
+            .as_ref()
             .map(|(_, capacity)| options.training_reserved_bytes.0 as f64 / capacity.0 as f64),
+        keeper: None,
     };
+    if let (true, Some((GpuKey::Uuid(uuid), _)), Some(gpu), Some(lock)) = (
+        options.fence,
+        &shared,
+        reservation.gpus.first(),
+        reservation.locks.first(),
+    ) {
+        // The fence of a shared GPU follows the ledger (see `keeper`); this job's
+        // budget is freed for it before its command starts.
+        reservation.keeper = Some(keeper::Keeper::start(
+            dir.clone(),
+            keeper::Target {
+                key: gpu.key.clone(),
+                uuid: uuid.clone(),
+                ordinal: gpu.ordinal,
+                margin: options.safety_margin_bytes,
+            },
+            lock.holder().clone(),
+        ));
+        let room = Bytes(options.training_reserved_bytes.0 + options.safety_margin_bytes.0);
+        if !keeper::wait_for_room(uuid, room) {
+            tracing::warn!(
+                "{room} not free on {uuid} after {:?} (memory used outside the sharers' \
+                 budgets): starting anyway",
+                keeper::ADMISSION_WAIT
+            );
+        }
+    }
     if options.fence && !options.share {
         let fence_options = FenceOptions {
             safety_margin: options.safety_margin_bytes,
