@@ -71,7 +71,7 @@ pub(crate) const GPU_CRATES: [(&str, u32); 12] = [
     ("tt-device", 5),
     ("tt-fence", 3),
     ("tt-tracker", 1),
-    ("tt-adaptive", 4),
+    ("tt-adaptive", 5),
     ("tt-probe", 3),
     ("tt-ckpt", 2),
     ("tt-optim", 1),
