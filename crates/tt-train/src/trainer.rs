@@ -494,6 +494,9 @@ struct Run<'a> {
     losses: Vec<(u64, f64)>,
     window: LossWindow,
     last_ckpt: Option<PathBuf>,
+    /// The step and values of the checkpoint last started in the background: when the
+    /// run ends there, that checkpoint is the final one (waited for, not written again).
+    background: Option<(u64, Values)>,
     /// The last step's gradient norm before clipping (on the device).
     grad_norm: Option<Tensor>,
     /// The trainable variables (for clipping).
@@ -897,7 +900,7 @@ impl Trainer {
                 }
             }
             if self.config.checkpoint_every > 0 && run.steps % self.config.checkpoint_every == 0 {
-                self.checkpoint_in_background(&run, vs, opt)?;
+                self.checkpoint_in_background(&mut run, vs, opt)?;
             }
         }
         if let Some(mean) = run.window.take_mean() {
@@ -1098,6 +1101,7 @@ impl Trainer {
             losses: Vec::new(),
             window: LossWindow::default(),
             last_ckpt: None,
+            background: None,
             grad_norm: None,
             params: vs.trainable_variables(),
             metrics,
@@ -1348,12 +1352,14 @@ impl Trainer {
     /// included, finishes it first.
     fn checkpoint_in_background(
         &self,
-        run: &Run<'_>,
+        run: &mut Run<'_>,
         vs: &VarStore,
         opt: &Optimizer,
     ) -> Result<(), TrainError> {
         if let (Some(dir), true) = (&run.dir, self.pg.is_main()) {
-            save_parts_async(dir, run.steps, vs, opt, &run.batches, &self.values(run))?;
+            let values = self.values(run);
+            save_parts_async(dir, run.steps, vs, opt, &run.batches, &values)?;
+            run.background = Some((run.steps, values));
         }
         Ok(())
     }
@@ -1366,7 +1372,16 @@ impl Trainer {
         opt: &Optimizer,
     ) -> Result<(), TrainError> {
         if let (Some(dir), true) = (&run.dir, self.pg.is_main()) {
-            run.last_ckpt = save_parts(dir, run.steps, vs, opt, &run.batches, &self.values(run))?;
+            let values = self.values(run);
+            run.last_ckpt = match run.background.take() {
+                // The run ended at the background checkpoint's step, nothing changed
+                // since: it is the final checkpoint once durable (not written twice).
+                Some((step, saved)) if step == run.steps && saved == values => match dir.wait()? {
+                    Some(path) => Some(path),
+                    None => save_parts(dir, run.steps, vs, opt, &run.batches, &values)?,
+                },
+                _ => save_parts(dir, run.steps, vs, opt, &run.batches, &values)?,
+            };
         }
         Ok(())
     }

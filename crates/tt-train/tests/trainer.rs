@@ -104,6 +104,10 @@ fn main() {
             "a_learning_rate_schedule_is_stepped_logged_and_resumed",
             lr_schedule,
         ),
+        (
+            "a_run_ending_at_a_periodic_checkpoint_writes_it_once",
+            final_checkpoint_once,
+        ),
     ];
     tt_testkit::run_tests(tests);
 }
@@ -1546,6 +1550,81 @@ fn lr_schedule() -> TestResult {
     let diff = max_diff(&whole, &resumed)?;
     if diff != 0.0 {
         return Err(format!("the resumed run differs by {diff}"));
+    }
+    Ok(())
+}
+
+/// How many times a file named `name` was placed in `dir` (renamed there or created)
+/// while `f` ran, as inotify reports it.
+fn placements<T>(dir: &Path, name: &str, f: impl FnOnce() -> T) -> Result<(T, usize), String> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: inotify_init1 has no memory-safety preconditions.
+    let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+    if fd < 0 {
+        return Err(format!("inotify: {}", std::io::Error::last_os_error()));
+    }
+    let path = CString::new(dir.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: fd is an inotify descriptor and path a NUL-terminated string.
+    if unsafe { libc::inotify_add_watch(fd, path.as_ptr(), libc::IN_MOVED_TO | libc::IN_CREATE) }
+        < 0
+    {
+        return Err(format!(
+            "inotify watch: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    let out = f();
+    let mut count = 0;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        // SAFETY: buf is writable for its length.
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if n <= 0 {
+            break;
+        }
+        let mut at = 0;
+        while at + std::mem::size_of::<libc::inotify_event>() <= n as usize {
+            // SAFETY: the kernel wrote whole events; read_unaligned copes with alignment.
+            let event: libc::inotify_event =
+                unsafe { std::ptr::read_unaligned(buf[at..].as_ptr().cast()) };
+            let start = at + std::mem::size_of::<libc::inotify_event>();
+            let raw = &buf[start..start + event.len as usize];
+            let len = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+            if &raw[..len] == name.as_bytes() {
+                count += 1;
+            }
+            at = start + event.len as usize;
+        }
+    }
+    // SAFETY: fd is ours and closed once.
+    unsafe { libc::close(fd) };
+    Ok((out, count))
+}
+
+/// 16 steps with a checkpoint every 4: the one of step 16, started in the background,
+/// is the final checkpoint; `fit` waits for it rather than writing the same state
+/// again (a second write of a GPU model's state costs as much as the first).
+fn final_checkpoint_once() -> TestResult {
+    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let ckpt = tmp.path().join("ckpt");
+    std::fs::create_dir_all(&ckpt).map_err(|e| e.to_string())?;
+    let cfg = TrainConfig::new(64, 4, 1).checkpoints(&ckpt, 4);
+    let (fitted, placed) = placements(&ckpt, "ckpt-00000016.safetensors", || fit_linear(cfg))?;
+    let (_, report, _) = fitted?;
+    if report.steps != 16 {
+        return Err(format!("{} steps, not 16", report.steps));
+    }
+    let final_path = report
+        .checkpoint
+        .ok_or("no final checkpoint in the report")?;
+    if !final_path.ends_with("ckpt-00000016.safetensors") || !final_path.exists() {
+        return Err(format!("final checkpoint {}", final_path.display()));
+    }
+    if placed != 1 {
+        return Err(format!(
+            "the checkpoint of step 16 was written {placed} times, not once"
+        ));
     }
     Ok(())
 }
