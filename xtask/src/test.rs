@@ -106,7 +106,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-device --no-default-features", 22),
     ("test -p tt-lock (no features)", 69),
     ("test -p tt-fence (no features)", 2),
-    ("test -p tt-tracker (no features)", 75),
+    ("test -p tt-tracker (no features)", 76),
     ("test -p tt-adaptive (default features)", 27),
     ("test -p tt-adaptive --no-default-features", 17),
     ("test -p tt-probe (default features)", 24),
@@ -127,7 +127,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-sys --features c10d", 16),
     ("test -p tt-dist --features c10d", 35),
     ("test -p tt-reserve --features tch", 5),
-    ("test -p tt-tracker --features sqlite,plot", 77),
+    ("test -p tt-tracker --features sqlite,plot", 78),
     ("test --workspace (all CPU features, doc tests)", 211),
 ];
 

@@ -215,6 +215,33 @@ mod tests {
     use std::process::Command;
 
     #[test]
+    fn a_reader_samples_a_live_process_and_ends_with_it() {
+        let mut me = ProcessReader::open(std::process::id()).unwrap_or_else(|| panic!("self"));
+        let s = me
+            .read(true)
+            .unwrap_or_else(|| panic!("no sample of this process"));
+        assert!(s.threads >= 1 && s.rss > 0, "{s:?}");
+        assert!(
+            s.hwm >= s.rss,
+            "the high-water mark is at least the RSS: {s:?}"
+        );
+        assert_eq!(
+            me.read(false).map(|s| s.hwm),
+            Some(0),
+            "hwm only when asked"
+        );
+        let mut child = Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut reader = ProcessReader::open(child.id()).unwrap_or_else(|| panic!("child"));
+        assert!(reader.read(false).is_some());
+        child.kill().unwrap_or_else(|e| panic!("{e}"));
+        child.wait().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(reader.read(false), None, "a reaped process gives no sample");
+    }
+
+    #[test]
     // The children are reaped by `reap` (wait4), which is what this test checks.
     #[allow(clippy::zombie_processes)]
     fn a_child_is_waited_for_then_reaped_with_its_status_and_peak() {
@@ -324,5 +351,48 @@ mod tests {
         let (rss, hwm) = memory(std::process::id()).unwrap_or_default();
         assert!(rss > 0 && hwm >= rss);
         assert_eq!(memory(u32::MAX), None);
+    }
+}
+
+/// One process's `/proc` files kept open for repeated samples, as the tracker reads
+/// every tracked process at every tick: re-reading an open `/proc` file (`pread` at 0)
+/// gives fresh figures without an `open` and its path walk each time.
+pub struct ProcessReader {
+    files: procfs::ProcFiles,
+    buf: String,
+}
+
+/// What one [`ProcessReader::read`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessSample {
+    /// User + system CPU time, in clock ticks.
+    pub cpu_ticks: u64,
+    /// Threads.
+    pub threads: u64,
+    /// Resident memory, in bytes.
+    pub rss: u64,
+    /// The resident high-water mark, in bytes (0 unless asked for).
+    pub hwm: u64,
+}
+
+impl ProcessReader {
+    /// Opens `pid`'s files; `None` when it is gone or unreadable.
+    pub fn open(pid: u32) -> Option<ProcessReader> {
+        Some(ProcessReader {
+            files: procfs::ProcFiles::open(pid)?,
+            buf: String::new(),
+        })
+    }
+
+    /// A sample now (with `hwm`, the high-water mark too, which costs a read of
+    /// `status`); `None` once the process has ended.
+    pub fn read(&mut self, hwm: bool) -> Option<ProcessSample> {
+        let (stat, status) = self.files.read(&mut self.buf, hwm)?;
+        Some(ProcessSample {
+            cpu_ticks: stat.cpu_ticks,
+            threads: stat.threads,
+            rss: status.rss,
+            hwm: status.hwm,
+        })
     }
 }
