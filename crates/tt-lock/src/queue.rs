@@ -11,17 +11,19 @@
 //! [`FALLBACK_RECHECK`] covers what inotify does not report.
 
 use std::cell::RefCell;
-use std::ffi::{CString, OsStr};
+use std::ffi::OsStr;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Duration;
 
+use nix::poll::{ppoll, PollFd, PollFlags};
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+use nix::sys::time::TimeSpec;
 use serde::{Deserialize, Serialize};
 use tt_device::Bytes;
 
@@ -349,7 +351,7 @@ impl LockDir {
 /// served: a file open for writing closed (a holder let go or died, a waiter died), or
 /// a ticket removed.
 pub(crate) struct Watch {
-    fd: Option<OwnedFd>,
+    fd: Option<Inotify>,
 }
 
 thread_local! {
@@ -381,71 +383,46 @@ impl Watch {
 
     /// Reads away the events pending: only that one came matters, not which.
     fn drain(&self) {
-        if let Some(fd) = &self.fd {
-            let mut buf = [0u8; 4096];
-            // SAFETY: buf is writable for its length; the fd is non-blocking.
-            while unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
+        if let Some(inotify) = &self.fd {
+            // Non-blocking: EAGAIN once nothing is left.
+            while inotify.read_events().is_ok_and(|events| !events.is_empty()) {}
         }
     }
 
     /// Sleeps until an event or for `limit`, whichever comes first (never longer than
     /// [`FALLBACK_RECHECK`] with inotify, 2 ms without).
     pub(crate) fn wait(&self, limit: Duration) {
-        let Some(fd) = &self.fd else {
+        let Some(inotify) = &self.fd else {
             std::thread::sleep(limit.min(Duration::from_millis(2)));
             return;
         };
         let limit = limit.min(FALLBACK_RECHECK);
-        let ts = libc::timespec {
-            tv_sec: limit.as_secs() as libc::time_t,
-            tv_nsec: limit.subsec_nanos() as libc::c_long,
-        };
-        let mut pfd = libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: pfd and ts are valid for the call; a null sigmask keeps the mask.
-        let n = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
-        if n > 0 {
+        let mut fds = [PollFd::new(inotify.as_fd(), PollFlags::POLLIN)];
+        let timeout = TimeSpec::from_duration(limit);
+        if ppoll(&mut fds, Some(timeout), None).is_ok_and(|n| n > 0) {
             // Drain the events: their content does not matter, only that one came.
-            let mut buf = [0u8; 4096];
-            // SAFETY: buf is writable for its length; the fd is non-blocking.
-            while unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
+            self.drain();
         }
     }
 }
 
-#[cfg(target_os = "linux")]
-fn inotify_watch(dir: &Path) -> Option<OwnedFd> {
-    let c_path = CString::new(dir.as_os_str().as_bytes()).ok()?;
-    // SAFETY: inotify_init1 has no preconditions.
-    let raw = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
-    if raw < 0 {
-        tracing::debug!(
-            "no inotify ({}): queue waits poll",
-            io::Error::last_os_error()
-        );
+fn inotify_watch(dir: &Path) -> Option<Inotify> {
+    let inotify = match Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC) {
+        Ok(i) => i,
+        Err(e) => {
+            tracing::debug!("no inotify ({e}): queue waits poll");
+            return None;
+        }
+    };
+    let mask = AddWatchFlags::IN_CLOSE_WRITE
+        | AddWatchFlags::IN_DELETE
+        | AddWatchFlags::IN_MOVED_FROM
+        | AddWatchFlags::IN_ONLYDIR;
+    if let Err(e) = inotify.add_watch(dir, mask) {
+        tracing::debug!("cannot watch {} ({e}): queue waits poll", dir.display());
         return None;
     }
-    // SAFETY: raw is a fresh descriptor that nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    let mask = libc::IN_CLOSE_WRITE | libc::IN_DELETE | libc::IN_MOVED_FROM | libc::IN_ONLYDIR;
-    // SAFETY: fd is an inotify descriptor and c_path a NUL-terminated string.
-    if unsafe { libc::inotify_add_watch(fd.as_raw_fd(), c_path.as_ptr(), mask) } < 0 {
-        tracing::debug!(
-            "cannot watch {} ({}): queue waits poll",
-            dir.display(),
-            io::Error::last_os_error()
-        );
-        return None;
-    }
-    Some(fd)
-}
-
-#[cfg(not(target_os = "linux"))]
-fn inotify_watch(_dir: &Path) -> Option<OwnedFd> {
-    None
+    Some(inotify)
 }
 
 #[cfg(test)]
