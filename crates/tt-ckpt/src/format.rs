@@ -101,6 +101,9 @@ impl<'a> Checkpoint<'a> {
 
     /// A zeroed buffer of `len` bytes: a spare one that is large enough, else new.
     #[cfg(feature = "tch")]
+    // Left out of mutation testing: host buffers for libtorch tensors, behind the `tch`
+    // feature.
+    #[cfg_attr(mutants, mutants::skip)]
     pub(crate) fn buffer(&mut self, len: usize) -> Vec<u8> {
         match self.spare.iter().position(|b| b.capacity() >= len) {
             Some(i) => {
@@ -114,6 +117,9 @@ impl<'a> Checkpoint<'a> {
     }
 
     /// The owned host buffers of this checkpoint, for the next one to reuse.
+    // Left out of mutation testing: hands those buffers back for the next checkpoint's
+    // `add_tch` copies (behind the `tch` feature); without `tch` no save takes one.
+    #[cfg_attr(mutants, mutants::skip)]
     pub(crate) fn into_buffers(self) -> Vec<Vec<u8>> {
         let mut out = self.spare;
         out.extend(

@@ -1,4 +1,7 @@
 //! tch tensors and VarStores in checkpoints (feature `tch`).
+// Left out of mutation testing: libtorch tensors behind the `tch` feature, not in
+// the core that is measured.
+#![cfg_attr(mutants, mutants::skip)]
 
 use std::collections::BTreeMap;
 

@@ -29,6 +29,9 @@ pub(crate) struct Gpus {
     pub(crate) capacity: u64,
 }
 
+// Left out of mutation testing: NVML readings of a real GPU, which the GPU tests
+// cover (`cargo xtask test-gpu`).
+#[cfg_attr(mutants, mutants::skip)]
 impl Gpus {
     /// Opens NVML. Without it: no GPUs and one warning. `only` restricts utilisation
     /// and energy to these UUIDs; an unknown UUID is returned as an error message.

@@ -1,4 +1,7 @@
 //! `--plot usage.svg`: RAM, GPU RAM and CPU over time, peaks marked.
+// Left out of mutation testing: SVG drawing behind the `plot` feature, not in the
+// measured build.
+#![cfg_attr(mutants, mutants::skip)]
 
 use std::path::Path;
 
