@@ -245,6 +245,20 @@ impl TensorFile {
         let file = std::fs::File::open(&path).map_err(io("open", &path))?;
         let len = file.metadata().map_err(io("stat", &path))?.len();
         if len > 0 {
+            // The whole file asked of the disk at once (the kernel queues its reads
+            // without waiting), so that the mapping's faults find the pages arriving at
+            // the disk's speed: a cold 1 GiB load went from 1.3-2.8 GB/s, run to run,
+            // to 2.4-2.75 (the default readahead of 128 KiB keeps one or two requests in
+            // flight). Only a hint: ignored where not supported.
+            // SAFETY: a plain system call on a descriptor open for its duration.
+            let _ = unsafe {
+                libc::posix_fadvise(
+                    std::os::fd::AsRawFd::as_raw_fd(&file),
+                    0,
+                    len as libc::off_t,
+                    libc::POSIX_FADV_WILLNEED,
+                )
+            };
             // SAFETY: the mapping is read-only and private to this TensorFile; the
             // file is a checkpoint, which torchtools only ever replaces by a rename
             // (the mapped inode is never written), as documented on the type.
