@@ -22,6 +22,8 @@ pub struct LockDir {
     /// The usage log, opened for appending at its first record and kept (each record is
     /// then one `write`).
     pub(crate) usage_log: std::sync::Arc<std::sync::OnceLock<Option<fs::File>>>,
+    /// A handle on the directory kept open for listing it (see [`LockDir::names`]).
+    listing: std::sync::Arc<std::sync::Mutex<Option<nix::dir::Dir>>>,
 }
 
 /// Where the lock directory's path came from, for error messages.
@@ -33,6 +35,32 @@ enum Origin {
 }
 
 impl LockDir {
+    /// The names in the directory, through a handle kept open and rewound for each
+    /// listing (the queue is listed at every request: two `getdents` and an `lseek`
+    /// instead of also an `open`, an `fstat` and a `close`).
+    pub(crate) fn names(&self) -> Result<Vec<std::ffi::OsString>> {
+        use nix::fcntl::OFlag;
+        use std::os::unix::ffi::OsStrExt;
+        let cannot = |e: nix::Error| self.error(format!("cannot list it: {e}"));
+        let mut guard = self.listing.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.is_none() {
+            let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+            *guard = Some(
+                nix::dir::Dir::open(self.path(), flags, nix::sys::stat::Mode::empty())
+                    .map_err(cannot)?,
+            );
+        }
+        let mut names = Vec::new();
+        if let Some(dir) = guard.as_mut() {
+            // The iterator rewinds the directory when dropped.
+            for entry in dir.iter() {
+                let entry = entry.map_err(cannot)?;
+                names.push(std::ffi::OsStr::from_bytes(entry.file_name().to_bytes()).to_owned());
+            }
+        }
+        Ok(names)
+    }
+
     /// The directory named by `TORCHTOOLS_LOCK_DIR`, or [`DEFAULT_LOCK_DIR`]; created
     /// (mode 01777) when missing, and checked (see [`LockDir::open`]).
     pub fn from_env() -> Result<LockDir> {
@@ -68,6 +96,7 @@ impl LockDir {
             path,
             origin,
             usage_log: Default::default(),
+            listing: Default::default(),
         };
         match fs::symlink_metadata(&dir.path) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => dir.create()?,
@@ -261,6 +290,7 @@ mod tests {
     fn given(path: &Path) -> LockDir {
         LockDir {
             usage_log: Default::default(),
+            listing: Default::default(),
             path: path.to_owned(),
             origin: Origin::Given,
         }

@@ -36,6 +36,16 @@ pub(crate) fn probe_held(file: &File) -> bool {
     }
 }
 
+/// The length of `file` when it is still the file at `path` (same device and inode);
+/// `None` when the path names another file now, or nothing. (One `fstat` serves both
+/// the check and a record's rewrite that follows.)
+pub(crate) fn len_if_same_file(file: &File, path: &Path) -> Option<u64> {
+    match (file.metadata(), std::fs::symlink_metadata(path)) {
+        (Ok(a), Ok(b)) if a.dev() == b.dev() && a.ino() == b.ino() => Some(a.len()),
+        _ => None,
+    }
+}
+
 /// Whether `file` is still the file at `path` (same device and inode).
 pub(crate) fn same_file(file: &File, path: &Path) -> bool {
     match (file.metadata(), std::fs::symlink_metadata(path)) {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tt_device::{Bytes, Inventory, NvmlStatus};
 
-use crate::file::{read_holder, same_file};
+use crate::file::{len_if_same_file, read_holder, same_file};
 use crate::queue::{Ticket, Waiter, Wants, Watch};
 use crate::share::NotAdmitted;
 use crate::{Error, GpuKey, Holder, LockDir, Result};
@@ -324,10 +324,11 @@ impl LockDir {
                 .collect();
             let busy = match self.take(&mut slots, &wants, &earlier, &holder)? {
                 Taken::All(taken) => {
-                    if taken
+                    let lens: Vec<Option<u64>> = taken
                         .iter()
-                        .any(|&i| !same_file(&slots[i].file, &slots[i].path))
-                    {
+                        .map(|&i| len_if_same_file(&slots[i].file, &slots[i].path))
+                        .collect();
+                    if lens.iter().any(Option::is_none) {
                         // A lock file was replaced while we waited (deleted by a /tmp
                         // cleaner and created anew): the locks are on orphans; again.
                         release(&mut slots, &taken);
@@ -336,7 +337,8 @@ impl LockDir {
                         }
                         continue;
                     }
-                    granted.extend(self.grant(slots, &taken, &holder)?);
+                    let lens: Vec<u64> = lens.into_iter().flatten().collect();
+                    granted.extend(self.grant(slots, &taken, &lens, &holder)?);
                     drop(ticket); // leaves the queue only once the GPUs are held
                     return Ok(granted);
                 }
@@ -469,10 +471,17 @@ impl LockDir {
     }
 
     /// Turns the slots taken into locks: records the holder in each.
-    fn grant(&self, slots: Vec<Slot>, taken: &[usize], holder: &Holder) -> Result<Vec<GpuLock>> {
+    /// `lens`: each taken lock file's length, read after it was locked.
+    fn grant(
+        &self,
+        slots: Vec<Slot>,
+        taken: &[usize],
+        lens: &[u64],
+        holder: &Holder,
+    ) -> Result<Vec<GpuLock>> {
         let mut slots: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
         let mut locks = Vec::with_capacity(taken.len());
-        for &i in taken {
+        for (&i, &len) in taken.iter().zip(lens) {
             let Some(slot) = slots.get_mut(i).and_then(Option::take) else {
                 continue;
             };
@@ -488,7 +497,7 @@ impl LockDir {
             holder.usage = Some(id.clone());
             match &slot.share {
                 Some(record) => record.write(&holder)?,
-                None => write_holder(&slot.file, &slot.path, &holder)?,
+                None => write_holder_over(&slot.file, &slot.path, &holder, len)?,
             }
             self.record_start(&holder, &id);
             locks.push(GpuLock {
@@ -735,6 +744,16 @@ fn try_flock(file: &File, path: &Path) -> Result<bool> {
 /// truncation is a journaled metadata change, several times the cost of the `fstat`
 /// that tells.
 fn write_holder(file: &File, path: &Path, holder: &Holder) -> Result<()> {
+    let before = file.metadata().map_err(|cause| Error::Io {
+        op: "reading the length of",
+        path: path.to_owned(),
+        cause,
+    })?;
+    write_holder_over(file, path, holder, before.len())
+}
+
+/// [`write_holder`] over a record `before` bytes long.
+fn write_holder_over(file: &File, path: &Path, holder: &Holder, before: u64) -> Result<()> {
     let mut text = serde_json::to_vec(holder).unwrap_or_default();
     text.push(b'\n');
     let io_err = |source| Error::Io {
@@ -742,7 +761,6 @@ fn write_holder(file: &File, path: &Path, holder: &Holder) -> Result<()> {
         path: path.to_owned(),
         cause: source,
     };
-    let before = file.metadata().map_err(io_err)?.len();
     file.write_all_at(&text, 0).map_err(io_err)?;
     if before > text.len() as u64 {
         file.set_len(text.len() as u64).map_err(io_err)?;

@@ -246,17 +246,15 @@ impl LockDir {
 
     /// Live tickets in order; `own` is this process's ticket, listed without re-reading.
     pub(crate) fn scan_queue(&self, own: Option<u64>) -> Result<Vec<Waiter>> {
-        let entries =
-            fs::read_dir(self.path()).map_err(|e| self.error(format!("cannot list it: {e}")))?;
         let mut waiters = Vec::new();
-        for entry in entries.flatten() {
-            let Some(ticket) = ticket_of(&entry.file_name()) else {
+        for name in self.names()? {
+            let Some(ticket) = ticket_of(&name) else {
                 continue;
             };
             if Some(ticket) == own {
                 continue;
             }
-            let path = entry.path();
+            let path = self.path().join(&name);
             let Some((file, meta)) = open_to_read(&path) else {
                 continue; // gone since, or not a ticket to read
             };
