@@ -18,54 +18,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::state::{resume_parts, save_parts, save_parts_async, Values};
 use crate::tensorboard::EventWriter;
 use crate::{EpochBatches, TrainError};
-
-/// The arithmetic of the forward pass ([`TrainConfig::precision`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum Precision {
-    /// float32 throughout (the default).
-    #[default]
-    Full,
-    /// The step function runs under autocast to bfloat16 (`torch.autocast(dtype=
-    /// torch.bfloat16)`) on the CPU or CUDA; gradients and parameters stay float32.
-    Bf16,
-    /// Autocast to float16 with dynamic loss scaling (`torch.amp.GradScaler`): the loss
-    /// is multiplied by a scale before backward, the gradients divided after; a step
-    /// whose gradients hold an inf or NaN is skipped and the scale halved, and the scale
-    /// doubles after 2000 good steps. The scale is saved in checkpoints.
-    Fp16,
-}
-
-impl Precision {
-    /// The dtype the step function runs under autocast in, if any.
-    fn autocast_kind(self) -> Option<tch::Kind> {
-        match self {
-            Precision::Full => None,
-            Precision::Bf16 => Some(tch::Kind::BFloat16),
-            Precision::Fp16 => Some(tch::Kind::Half),
-        }
-    }
-}
-
-impl std::str::FromStr for Precision {
-    type Err = TrainError;
-
-    /// `full` (or `fp32`), `bf16` or `fp16`, as a command-line flag or variable says it.
-    fn from_str(s: &str) -> Result<Precision, TrainError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "full" | "fp32" | "float32" => Ok(Precision::Full),
-            "bf16" | "bfloat16" => Ok(Precision::Bf16),
-            "fp16" | "float16" | "half" => Ok(Precision::Fp16),
-            _ => Err(TrainError::Config(format!(
-                "precision {s:?}: use full, bf16 or fp16"
-            ))),
-        }
-    }
-}
-
-/// `torch.amp.GradScaler`'s defaults.
-const SCALER_INIT: f64 = 65536.0;
-const SCALER_GROWTH_INTERVAL: u64 = 2000;
+use crate::{GradScaler, Precision};
 
 /// Held-out evaluation during training (see [`Trainer::fit_eval`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -509,7 +462,7 @@ struct Run<'a> {
     /// Where the best checkpoint goes (`<checkpoint_dir>/best`).
     best_dir: Option<CheckpointDir>,
     /// Fp16's loss scale and good steps since it last changed.
-    scaler: Option<(f64, u64)>,
+    scaler: Option<GradScaler>,
     skipped: u64,
     /// Rank 0's TensorBoard event file.
     events: Option<EventWriter>,
@@ -1011,7 +964,7 @@ impl Trainer {
             values.insert(BEST.into(), serde_json::json!(best));
         }
         if let Some(scaler) = run.scaler {
-            values.insert(SCALER.into(), serde_json::json!(scaler));
+            values.insert(SCALER.into(), serde_json::json!(scaler.state()));
         }
         values
     }
@@ -1046,7 +999,7 @@ impl Trainer {
         };
         let best: Option<(u64, f64)> = saved(&values, BEST);
         let scaler = (cfg.precision == Precision::Fp16)
-            .then(|| saved(&values, SCALER).unwrap_or((SCALER_INIT, 0)));
+            .then(|| saved(&values, SCALER).map_or_else(GradScaler::default, GradScaler::restored));
         let best_dir = match (&cfg.checkpoint_dir, &cfg.eval) {
             (Some(d), Some(_)) => Some(
                 CheckpointDir::open(d.join("best"))?
@@ -1198,8 +1151,8 @@ impl Trainer {
                 Some(v) => v + detached,
                 None => detached,
             });
-            let loss = match run.scaler {
-                Some((scale, _)) => loss.to_kind(tch::Kind::Float) * scale,
+            let loss = match &run.scaler {
+                Some(scaler) => scaler.scale_loss(&loss).map_err(|e| failed(e.into()))?,
                 None => loss,
             };
             if m + 1 < parts {
@@ -1208,37 +1161,26 @@ impl Trainer {
                 run.ddp.backward(&loss)?;
             }
         }
-        let finite = match run.scaler {
-            Some((scale, _)) => unscale(&run.params, scale).map_err(|e| failed(e.into()))?,
+        let finite = match &run.scaler {
+            Some(scaler) => scaler.unscale(&run.params).map_err(|e| failed(e.into()))?,
             None => true,
         };
         if let Some(max_norm) = self.config.clip_grad_norm {
             run.grad_norm =
                 Some(clip_grad_norm(&run.params, max_norm).map_err(|e| failed(e.into()))?);
         }
-        match (finite, run.scaler.as_mut()) {
-            (true, scaler) => {
-                opt.step()?;
-                if let Some((scale, good)) = scaler {
-                    *good += 1;
-                    if *good == SCALER_GROWTH_INTERVAL {
-                        *scale *= 2.0;
-                        *good = 0;
-                    }
-                }
-            }
-            (false, Some((scale, good))) => {
-                // torch.amp.GradScaler: skip the update, halve the scale.
-                *scale *= 0.5;
-                *good = 0;
-                run.skipped += 1;
-                tracing::info!(
-                    step = steps,
-                    scale = *scale,
-                    "gradients not finite: step skipped"
-                );
-            }
-            (false, None) => {}
+        // torch.amp.GradScaler: a step with gradients that are not all finite is
+        // skipped and the scale backed off.
+        let take = run.scaler.as_mut().is_none_or(|s| s.update(finite));
+        if take {
+            opt.step()?;
+        } else {
+            run.skipped += 1;
+            tracing::info!(
+                step = steps,
+                scale = run.scaler.map_or(1.0, |s| s.scale()),
+                "gradients not finite: step skipped"
+            );
         }
         run.steps += 1;
         run.since_log.0 += indices.len() as u64;
@@ -1419,7 +1361,7 @@ impl Trainer {
             evals: run.evals,
             best: run.best,
             skipped_steps: run.skipped,
-            loss_scale: run.scaler.map(|s| s.0),
+            loss_scale: run.scaler.map(|s| s.scale()),
         })
     }
 }
@@ -1473,23 +1415,6 @@ fn step_seed(seed: u64, rank: u64, step: u64) -> i64 {
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^= z >> 31;
     (z >> 1) as i64
-}
-
-/// Divides every gradient by `scale` (GradScaler's unscale); whether all are finite
-/// (one host sync: the step's update depends on it, as in PyTorch).
-fn unscale(params: &[Tensor], scale: f64) -> Result<bool, tch::TchError> {
-    let _guard = tch::no_grad_guard();
-    // Per gradient on its device, read once at the end.
-    let mut finite: Option<Tensor> = None;
-    for g in params.iter().map(Tensor::grad).filter(Tensor::defined) {
-        let _ = g.shallow_clone().f_mul_scalar_(1.0 / scale)?;
-        let this = g.f_isfinite()?.f_all()?;
-        finite = Some(match finite {
-            Some(f) => f.f_logical_and(&this)?,
-            None => this,
-        });
-    }
-    Ok(finite.is_none_or(|f| f.int64_value(&[]) != 0))
 }
 
 /// PyTorch's `clip_grad_norm_`: scales every gradient by `max_norm / (norm + 1e-6)`
