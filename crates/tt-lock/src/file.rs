@@ -67,3 +67,45 @@ pub(crate) fn read_record<T: serde::de::DeserializeOwned>(file: &File) -> Option
     let line = buf[..n].split(|&b| b == b'\n').next()?;
     serde_json::from_slice(line).ok()
 }
+
+/// Creates `path` holding `text`, locked (`flock`, exclusive) by the returned file for
+/// as long as it stays open: written and locked under the name `temp`, which the
+/// directory's readers ignore, then renamed into place, so that nobody ever sees it
+/// unlocked or half written. Mode 0644: every user reads it, only its owner removes
+/// it. `what` names it in errors ("the queue ticket").
+pub(crate) fn create_locked(
+    temp: &Path,
+    path: &Path,
+    text: &[u8],
+    what: &'static str,
+) -> crate::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let io_err = |op: &'static str, path: &Path| {
+        let path = path.to_owned();
+        move |cause| crate::Error::Io { op, path, cause }
+    };
+    let _ = std::fs::remove_file(temp); // a leftover of an earlier process with this pid
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(temp)
+        .map_err(io_err(what, temp))?;
+    // SAFETY: the fd is open for the duration of the call.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        let _ = std::fs::remove_file(temp);
+        return Err(io_err("locking", temp)(e));
+    }
+    let placed = file
+        .write_all_at(text, 0)
+        .map_err(io_err("writing", temp))
+        .and_then(|()| std::fs::rename(temp, path).map_err(io_err("placing", path)));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(temp);
+        return Err(e);
+    }
+    Ok(file)
+}

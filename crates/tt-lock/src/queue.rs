@@ -16,7 +16,7 @@ use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Duration;
@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use tt_device::Bytes;
 
 use crate::file::{open_to_read, probe_held};
-use crate::{Error, GpuKey, Holder, LockDir, Result};
+use crate::{GpuKey, Holder, LockDir, Result};
 
 /// What a request waits for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -308,38 +308,8 @@ impl LockDir {
         let temp = self
             .path()
             .join(format!(".wait-{}-{number}.tmp", std::process::id()));
-        let io_err = |op: &'static str| {
-            let temp = temp.clone();
-            move |source| Error::Io {
-                op,
-                path: temp,
-                cause: source,
-            }
-        };
-        let _ = fs::remove_file(&temp); // a leftover of an earlier process with this pid
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&temp)
-            .map_err(io_err("creating the queue ticket"))?;
-        // SAFETY: the fd is open for the duration of the call.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = io::Error::last_os_error();
-            let _ = fs::remove_file(&temp);
-            return Err(io_err("locking the queue ticket")(e));
-        }
         let path = self.path().join(ticket_name(number));
-        let placed = file
-            .write_all_at(&text, 0)
-            .map_err(io_err("writing the queue ticket"))
-            .and_then(|()| fs::rename(&temp, &path).map_err(io_err("placing the queue ticket")));
-        if let Err(e) = placed {
-            let _ = fs::remove_file(&temp);
-            return Err(e);
-        }
+        let file = crate::file::create_locked(&temp, &path, &text, "creating the queue ticket")?;
         drop(guard);
         Ok(Ticket { file, path, number })
     }

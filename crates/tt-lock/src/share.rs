@@ -13,10 +13,10 @@
 //! queue waits for the GPU (first come, first served, shared and exclusive requests
 //! alike).
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -177,25 +177,6 @@ impl LockDir {
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
         let temp = self.path().join(format!(".share-{pid}-{n}.tmp"));
-        let io_err = |op: &'static str, path: &Path| {
-            let path = path.to_owned();
-            move |cause| Error::Io { op, path, cause }
-        };
-        let _ = fs::remove_file(&temp); // a leftover of an earlier process with this pid
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&temp)
-            .map_err(io_err("creating the share record", &temp))?;
-        // SAFETY: the fd is open for the duration of the call.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = io::Error::last_os_error();
-            let _ = fs::remove_file(&temp);
-            return Err(io_err("locking the share record", &temp)(e));
-        }
         let (since, ns) = (
             holder.since_unix,
             crate::holder::own_pid_namespace().unwrap_or(0),
@@ -203,13 +184,9 @@ impl LockDir {
         let path = self
             .path()
             .join(format!("{}{since}-{ns}-{pid}-{n}.json", record_prefix(key)));
-        let placed = write_record(&file, &temp, holder).and_then(|()| {
-            fs::rename(&temp, &path).map_err(io_err("placing the share record", &path))
-        });
-        if let Err(e) = placed {
-            let _ = fs::remove_file(&temp);
-            return Err(e);
-        }
+        let mut text = serde_json::to_vec(holder).unwrap_or_default();
+        text.push(b'\n');
+        let file = crate::file::create_locked(&temp, &path, &text, "creating the share record")?;
         Ok(ShareRecord { file, path })
     }
 }

@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 
 use tt_lock::{Error, GpuKey, Holder, LockDir, Wait, Wants};
 
+mod common;
+use common::{now_ns, Stage, PATIENCE};
+
 const ROLE: &str = "TT_QUEUE_TEST_ROLE";
-/// The longest any step may take on a busy machine before the test calls it stuck.
-const PATIENCE: Duration = Duration::from_secs(120);
 
 fn uuid(i: u32) -> String {
     format!("GPU-{i}{i}{i}{i}{i}{i}{i}{i}-0000-4000-8000-000000000000")
@@ -94,13 +95,6 @@ fn request() {
         .unwrap();
 }
 
-fn now_ns() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos()
-}
-
 /// One request served: who, the GPUs it got, and when it held them.
 #[derive(Debug)]
 struct Grant {
@@ -111,22 +105,21 @@ struct Grant {
 }
 
 struct Scene {
-    _tmp: tempfile::TempDir,
-    dir: LockDir,
-    log: std::path::PathBuf,
+    stage: Stage,
     children: Vec<Child>,
+}
+
+impl std::ops::Deref for Scene {
+    type Target = Stage;
+    fn deref(&self) -> &Stage {
+        &self.stage
+    }
 }
 
 impl Scene {
     fn new() -> Scene {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
-        let log = tmp.path().join("granted.log");
-        std::fs::write(&log, "").unwrap();
         Scene {
-            _tmp: tmp,
-            dir,
-            log,
+            stage: Stage::new(),
             children: Vec::new(),
         }
     }
@@ -173,11 +166,7 @@ impl Scene {
 
     /// The grants so far, in order: `NAME GPUS`.
     fn granted(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.log)
-            .unwrap()
-            .lines()
-            .map(str::to_owned)
-            .collect()
+        self.stage.lines()
     }
 
     /// The grants so far, in the order their holds began.

@@ -12,20 +12,15 @@ use std::time::{Duration, Instant};
 use tt_device::Bytes;
 use tt_lock::{Error, GpuKey, Holder, LockDir, UsageEvent, Wait, USAGE_FILE};
 
+mod common;
+use common::{now_ns, Stage, PATIENCE};
+
 const ROLE: &str = "TT_SHARE_TEST_ROLE";
-const PATIENCE: Duration = Duration::from_secs(120);
 const GIB: u64 = 1 << 30;
 const CAPACITY: Bytes = Bytes(80 * GIB);
 
 fn gpu() -> GpuKey {
     GpuKey::of_uuid("GPU-00000000-0000-4000-8000-000000000000")
-}
-
-fn now_ns() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos()
 }
 
 /// The child side: `ROLE` = `share` (a budget of `GIB` GiB) or `alone`; on grant the
@@ -101,22 +96,21 @@ struct Request {
 }
 
 struct Scene {
-    _tmp: tempfile::TempDir,
-    dir: LockDir,
-    log: std::path::PathBuf,
+    stage: Stage,
     requests: Vec<Request>,
+}
+
+impl std::ops::Deref for Scene {
+    type Target = Stage;
+    fn deref(&self) -> &Stage {
+        &self.stage
+    }
 }
 
 impl Scene {
     fn new() -> Scene {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
-        let log = tmp.path().join("granted.log");
-        std::fs::write(&log, "").unwrap();
         Scene {
-            _tmp: tmp,
-            dir,
-            log,
+            stage: Stage::new(),
             requests: Vec::new(),
         }
     }
@@ -149,14 +143,6 @@ impl Scene {
             s.lines().iter().any(|l| l.starts_with(&granted))
                 || s.dir.queue().unwrap().iter().any(|w| w.pid == pid)
         });
-    }
-
-    fn lines(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.log)
-            .unwrap()
-            .lines()
-            .map(str::to_owned)
-            .collect()
     }
 
     fn until(&self, what: &str, done: impl Fn(&Scene) -> bool) {
@@ -195,8 +181,8 @@ impl Scene {
                     start.elapsed() < PATIENCE,
                     "{} never ended: wedged; log: {:?}; queue: {:?}",
                     r.name,
-                    std::fs::read_to_string(&self.log),
-                    self.dir.queue()
+                    self.stage.lines(),
+                    self.stage.dir.queue()
                 );
                 std::thread::sleep(Duration::from_millis(5));
             }
