@@ -5,7 +5,7 @@ use tch::Tensor;
 
 use crate::TrainError;
 
-/// The arithmetic of the forward pass ([`TrainConfig::precision`]).
+/// The arithmetic of the forward pass (`TrainConfig::precision`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Precision {
@@ -55,8 +55,8 @@ impl std::str::FromStr for Precision {
 /// it again and says whether they are all finite; [`update`](Self::update) then skips a
 /// step whose gradients are not (multiplying the scale by the backoff factor) and
 /// multiplies the scale by the growth factor after `growth_interval` good steps in a row.
-/// The defaults are PyTorch's: 65536, 2.0, 0.5, 2000. [`Trainer`](crate::Trainer) uses
-/// one under [`Precision::Fp16`] and saves it in its checkpoints.
+/// The defaults are PyTorch's: 65536, 2.0, 0.5, 2000. The trainer (`Trainer`) uses one
+/// under [`Precision::Fp16`] and saves it in its checkpoints.
 ///
 /// ```
 /// use tt_train::GradScaler;
