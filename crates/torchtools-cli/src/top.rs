@@ -113,32 +113,32 @@ impl Snapshot {
                     std::iter::once(h.pid).chain(h.command_pid).collect()
                 };
                 let roots: Vec<u32> = holder.iter().flat_map(roots_of).collect();
-                let processes: Vec<ProcessView> = gpu
-                    .map(|g| g.processes.as_slice())
-                    .unwrap_or_default()
+                let on_gpu = gpu.map(|g| g.processes.as_slice()).unwrap_or_default();
+                // Which sharing job each process runs under, if any (one walk of its
+                // ancestry per process).
+                let owners: Vec<Option<usize>> = on_gpu
                     .iter()
                     .map(|p| {
-                        let sharer = state
+                        state
                             .shares
                             .iter()
-                            .position(|h| descends_from(p.pid, &roots_of(h)));
-                        ProcessView {
-                            pid: p.pid,
-                            user: process_user(p.pid),
-                            used: p.used,
-                            command: process_command(p.pid),
-                            in_reservation: sharer.is_some() || descends_from(p.pid, &roots),
-                            share: sharer.and_then(|i| state.shares[i].share),
-                            over_share: false,
-                        }
+                            .position(|h| descends_from(p.pid, &roots_of(h)))
                     })
                     .collect();
-                let processes = flag_over_share(processes, &state.shares, |p| {
-                    state
-                        .shares
-                        .iter()
-                        .position(|h| descends_from(p.pid, &roots_of(h)))
-                });
+                let processes: Vec<ProcessView> = on_gpu
+                    .iter()
+                    .zip(&owners)
+                    .map(|(p, &sharer)| ProcessView {
+                        pid: p.pid,
+                        user: process_user(p.pid),
+                        used: p.used,
+                        command: process_command(p.pid),
+                        in_reservation: sharer.is_some() || descends_from(p.pid, &roots),
+                        share: sharer.and_then(|i| state.shares[i].share),
+                        over_share: false,
+                    })
+                    .collect();
+                let processes = flag_over_share(processes, &owners, &state.shares);
                 GpuView {
                     waiting: queue
                         .iter()
@@ -169,23 +169,22 @@ impl Snapshot {
 }
 
 /// Marks the processes of every sharing job whose processes together use more GPU
-/// memory than its budget (`sharer_of` says which job a process runs under).
+/// memory than its budget (`owners[k]`: the job process `k` runs under, if any).
 fn flag_over_share(
     mut processes: Vec<ProcessView>,
+    owners: &[Option<usize>],
     shares: &[Holder],
-    sharer_of: impl Fn(&ProcessView) -> Option<usize>,
 ) -> Vec<ProcessView> {
-    let owners: Vec<Option<usize>> = processes.iter().map(&sharer_of).collect();
     for (i, h) in shares.iter().enumerate() {
         let used: u64 = processes
             .iter()
-            .zip(&owners)
+            .zip(owners)
             .filter(|(_, o)| **o == Some(i))
             .filter_map(|(p, _)| p.used)
             .map(|b| b.0)
             .sum();
         if h.share.is_some_and(|budget| used > budget.0) {
-            for (p, o) in processes.iter_mut().zip(&owners) {
+            for (p, o) in processes.iter_mut().zip(owners) {
                 if *o == Some(i) {
                     p.over_share = true;
                 }

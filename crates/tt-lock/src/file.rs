@@ -1,6 +1,7 @@
-//! A lock directory's files as every part reads them: opened safely, their first-line
-//! JSON record, whether a lock is held, whether a path still names the file opened.
-//! (A leaf: `lock`, `queue` and `list` use it, and it uses none of them.)
+//! A lock directory's files as every part reads and writes them: opened safely, their
+//! first-line JSON record (read, and rewritten in place), whether a lock is held,
+//! whether a path still names the file opened, a locked file created whole.
+//! (A leaf: `lock`, `queue`, `list` and `share` use it, and it uses none of them.)
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
@@ -108,4 +109,38 @@ pub(crate) fn create_locked(
         return Err(e);
     }
     Ok(file)
+}
+
+/// Writes the record in place (then trims what a longer earlier record left), so a
+/// reader never sees an empty file between two holders. The trim only when needed: a
+/// truncation is a journaled metadata change, several times the cost of the `fstat`
+/// that tells.
+pub(crate) fn write_record(file: &File, path: &Path, holder: &Holder) -> crate::Result<()> {
+    let before = file.metadata().map_err(|cause| crate::Error::Io {
+        op: "reading the length of",
+        path: path.to_owned(),
+        cause,
+    })?;
+    write_record_over(file, path, holder, before.len())
+}
+
+/// [`write_record`] over a record `before` bytes long.
+pub(crate) fn write_record_over(
+    file: &File,
+    path: &Path,
+    holder: &Holder,
+    before: u64,
+) -> crate::Result<()> {
+    let mut text = serde_json::to_vec(holder).unwrap_or_default();
+    text.push(b'\n');
+    let io_err = |source| crate::Error::Io {
+        op: "writing the holder record to",
+        path: path.to_owned(),
+        cause: source,
+    };
+    file.write_all_at(&text, 0).map_err(io_err)?;
+    if before > text.len() as u64 {
+        file.set_len(text.len() as u64).map_err(io_err)?;
+    }
+    Ok(())
 }

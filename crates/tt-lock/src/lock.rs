@@ -2,7 +2,6 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::FileExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tt_device::{Bytes, Inventory, NvmlStatus};
 
-use crate::file::{len_if_same_file, read_holder, same_file};
+use crate::file::{len_if_same_file, read_holder, same_file, write_record, write_record_over};
 use crate::queue::{Ticket, Waiter, Wants, Watch};
 use crate::share::NotAdmitted;
 use crate::{Error, GpuKey, Holder, LockDir, Result};
@@ -116,7 +115,7 @@ impl GpuLock {
         holder.share = self.holder.share;
         match &self.share {
             Some(record) => record.write(&holder)?,
-            None => write_holder(&self.file, &self.path, &holder)?,
+            None => write_record(&self.file, &self.path, &holder)?,
         }
         self.holder = holder;
         Ok(())
@@ -497,7 +496,7 @@ impl LockDir {
             holder.usage = Some(id.clone());
             match &slot.share {
                 Some(record) => record.write(&holder)?,
-                None => write_holder_over(&slot.file, &slot.path, &holder, len)?,
+                None => write_record_over(&slot.file, &slot.path, &holder, len)?,
             }
             self.record_start(&holder, &id);
             locks.push(GpuLock {
@@ -657,14 +656,12 @@ fn take_exclusive(
             continue;
         }
         if first_busy.is_none() {
-            let held = waiting == 0 || crate::file::probe_held(&slot.file);
-            let holder = if !held {
-                None
-            } else if crate::file::probe_held(&slot.file) {
-                read_holder(&slot.file)
-            } else {
+            let holder = match (crate::file::probe_held(&slot.file), waiting) {
+                (true, _) => read_holder(&slot.file),
                 // Not held exclusively, yet not free: shared (the oldest sharer shown).
-                dir.sharers(&slot.key)?.into_iter().next()
+                (false, 0) => dir.sharers(&slot.key)?.into_iter().next(),
+                // Free, but earlier requests wait for it.
+                (false, _) => None,
             };
             first_busy = Some(Busy {
                 gpu: slot.key.clone(),
@@ -737,33 +734,4 @@ fn try_flock(file: &File, path: &Path) -> Result<bool> {
             cause: e,
         }),
     }
-}
-
-/// Writes the record in place (then trims what a longer earlier record left), so a
-/// reader never sees an empty file between two holders. The trim only when needed: a
-/// truncation is a journaled metadata change, several times the cost of the `fstat`
-/// that tells.
-fn write_holder(file: &File, path: &Path, holder: &Holder) -> Result<()> {
-    let before = file.metadata().map_err(|cause| Error::Io {
-        op: "reading the length of",
-        path: path.to_owned(),
-        cause,
-    })?;
-    write_holder_over(file, path, holder, before.len())
-}
-
-/// [`write_holder`] over a record `before` bytes long.
-fn write_holder_over(file: &File, path: &Path, holder: &Holder, before: u64) -> Result<()> {
-    let mut text = serde_json::to_vec(holder).unwrap_or_default();
-    text.push(b'\n');
-    let io_err = |source| Error::Io {
-        op: "writing the holder record to",
-        path: path.to_owned(),
-        cause: source,
-    };
-    file.write_all_at(&text, 0).map_err(io_err)?;
-    if before > text.len() as u64 {
-        file.set_len(text.len() as u64).map_err(io_err)?;
-    }
-    Ok(())
 }

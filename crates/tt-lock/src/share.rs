@@ -16,7 +16,7 @@
 use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -42,9 +42,11 @@ pub(crate) struct ShareRecord {
 }
 
 impl ShareRecord {
-    /// Rewrites the record (the holder changed: its usage id, the command's pid).
+    /// Rewrites the record (the holder changed: its usage id, the command's pid), in
+    /// place as a lock file's record: an admission reading it meanwhile never finds it
+    /// empty, and so never leaves its budget out.
     pub(crate) fn write(&self, holder: &Holder) -> Result<()> {
-        write_record(&self.file, &self.path, holder)
+        crate::file::write_record(&self.file, &self.path, holder)
     }
 
     /// The record's descriptor, for a child that inherits the share.
@@ -59,18 +61,6 @@ impl Drop for ShareRecord {
             let _ = fs::remove_file(&self.path);
         }
     }
-}
-
-fn write_record(file: &File, path: &Path, holder: &Holder) -> Result<()> {
-    let mut text = serde_json::to_vec(holder).unwrap_or_default();
-    text.push(b'\n');
-    let io_err = |cause| Error::Io {
-        op: "writing the share record",
-        path: path.to_owned(),
-        cause,
-    };
-    file.set_len(0).map_err(io_err)?;
-    file.write_all_at(&text, 0).map_err(io_err)
 }
 
 /// Why a shared request cannot be admitted now.
@@ -90,16 +80,13 @@ impl LockDir {
     /// this user owns it).
     pub fn sharers(&self, key: &GpuKey) -> Result<Vec<Holder>> {
         let prefix = record_prefix(key);
-        let entries =
-            fs::read_dir(self.path()).map_err(|e| self.error(format!("cannot list it: {e}")))?;
         let mut sharers = Vec::new();
-        for entry in entries.flatten() {
-            let name = entry.file_name();
+        for name in self.names()? {
             let Some(name) = name.to_str() else { continue };
             if !(name.starts_with(&prefix) && name.ends_with(".json")) {
                 continue;
             }
-            let path = entry.path();
+            let path = self.path().join(name);
             let Some((file, meta)) = open_to_read(&path) else {
                 continue;
             };

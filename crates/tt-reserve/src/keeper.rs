@@ -93,11 +93,7 @@ fn step(
         return Ok(());
     }
     let inventory = backend.inventory();
-    let Some(gpu) = inventory
-        .gpus
-        .iter()
-        .find(|g| g.uuid.eq_ignore_ascii_case(&target.uuid))
-    else {
+    let Some(gpu) = inventory.gpu_of(&target.uuid) else {
         return Err("NVML does not list the GPU".into());
     };
     let own_fence: u64 = fences.iter().map(|f| f.fenced().0).sum();
@@ -156,18 +152,11 @@ fn step(
 }
 
 /// Waits until `bytes` are free on the GPU (the keeper shrinks its fence for a new
-/// sharer), at most [`ADMISSION_WAIT`]; whether they were.
-pub(crate) fn wait_for_room(uuid: &str, bytes: Bytes) -> bool {
-    let backend = NvmlBackend::open();
+/// sharer), as `machine` sees it, at most [`ADMISSION_WAIT`]; whether they were.
+pub(crate) fn wait_for_room(machine: &dyn GpuBackend, uuid: &str, bytes: Bytes) -> bool {
     let start = Instant::now();
     loop {
-        let free = backend
-            .inventory()
-            .gpus
-            .iter()
-            .find(|g| g.uuid.eq_ignore_ascii_case(uuid))
-            .map(|g| g.free);
-        match free {
+        match machine.inventory().gpu_of(uuid).map(|g| g.free) {
             Some(f) if f >= bytes => return true,
             None => return false,
             Some(_) if start.elapsed() >= ADMISSION_WAIT => return false,

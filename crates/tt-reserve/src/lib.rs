@@ -401,7 +401,7 @@ pub fn reserve_on(
             lock.holder().clone(),
         ));
         let room = Bytes(options.training_reserved_bytes.0 + options.safety_margin_bytes.0);
-        if !keeper::wait_for_room(uuid, room) {
+        if !keeper::wait_for_room(machine, uuid, room) {
             tracing::warn!(
                 "{room} not free on {uuid} after {:?} (memory used outside the sharers' \
                  budgets): starting anyway",
@@ -444,11 +444,7 @@ fn share_target(
     keys: &[GpuKey],
 ) -> Result<(GpuKey, Bytes), Error> {
     let capacity_of = |key: &GpuKey| match key {
-        GpuKey::Uuid(uuid) => inventory
-            .gpus
-            .iter()
-            .find(|g| g.uuid.eq_ignore_ascii_case(uuid))
-            .map(|g| g.total),
+        GpuKey::Uuid(uuid) => inventory.gpu_of(uuid).map(|g| g.total),
         GpuKey::Index(_) => None,
     };
     if let Some(key) = keys.first() {
