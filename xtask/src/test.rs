@@ -245,6 +245,7 @@ pub(crate) fn cpu_matrix() -> Result<()> {
     // (the workspace's crates resolved from each other's packages, in dependency
     // order) and built from its package. Their cores need no libtorch, so the
     // verification builds without default features: libtorch is never built again.
+    forget_unpacked_packages();
     results.push(run_counted(
         "package --workspace --no-default-features (each crate built from its package)",
         cargo(&[
@@ -286,6 +287,55 @@ pub(crate) fn cpu_matrix() -> Result<()> {
         bail!("the CPU matrix ran no test");
     }
     Ok(())
+}
+
+/// Removes the copies of this workspace's crates that an earlier `cargo package` left
+/// unpacked in Cargo's home.
+///
+/// The verification resolves the crates from a local registry of their fresh packages
+/// (`target/package/tmp-registry`) and unpacks each into
+/// `$CARGO_HOME/registry/src/-<hash>/<crate>-<version>`; Cargo skips the unpacking when
+/// that directory exists, so a second run from the same checkout built tt-reserve
+/// against the tt-lock of the first (CI failed so, 2026-11-26: "no method named
+/// `sharers`"). Only directories of local registries (named `-<hash>`: a path has no
+/// host) and only this workspace's crates are removed; Cargo unpacks them again.
+fn forget_unpacked_packages() {
+    let Some(home) = std::env::var_os("CARGO_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cargo")))
+    else {
+        return;
+    };
+    let Ok(registries) = std::fs::read_dir(home.join("registry").join("src")) else {
+        return;
+    };
+    for registry in registries.flatten() {
+        if !registry.file_name().to_string_lossy().starts_with('-') {
+            continue;
+        }
+        let Ok(unpacked) = std::fs::read_dir(registry.path()) else {
+            continue;
+        };
+        for dir in unpacked.flatten() {
+            let name = dir.file_name().to_string_lossy().into_owned();
+            if CRATES.iter().any(|krate| is_unpacked(&name, krate)) {
+                match std::fs::remove_dir_all(dir.path()) {
+                    Ok(()) => eprintln!(
+                        "removed {}, unpacked by an earlier run",
+                        dir.path().display()
+                    ),
+                    Err(e) => eprintln!("could not remove {}: {e}", dir.path().display()),
+                }
+            }
+        }
+    }
+}
+
+/// Whether `dir` is `krate`'s unpacked package: `<krate>-<version>`.
+fn is_unpacked(dir: &str, krate: &str) -> bool {
+    dir.strip_prefix(krate)
+        .and_then(|rest| rest.strip_prefix('-'))
+        .is_some_and(|version| version.starts_with(|c: char| c.is_ascii_digit()))
 }
 
 /// The map's one rule: every crate's core (no default features) builds without
@@ -353,5 +403,19 @@ fn no_libtorch_in_cores() -> StepResult {
         ok,
         time: start.elapsed(),
         counts: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_unpacked;
+
+    #[test]
+    fn only_the_crates_own_unpacked_packages_are_recognised() {
+        assert!(is_unpacked("tt-lock-0.1.0", "tt-lock"));
+        assert!(is_unpacked("torchtools-cli-0.1.0", "torchtools-cli"));
+        assert!(!is_unpacked("torchtools-cli-0.1.0", "torchtools"));
+        assert!(!is_unpacked("tt-lockfree-1.0.0", "tt-lock"));
+        assert!(!is_unpacked("tt-lock", "tt-lock"));
     }
 }
