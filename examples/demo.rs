@@ -46,7 +46,7 @@ use torchtools::sampler::DistributedSampler;
 use torchtools::tch::nn;
 use torchtools::tch::{Device, Kind, Reduction, TchError, Tensor};
 use torchtools::tracker::{RamUnit, Target, TimeUnit, Tracker, TrackerConfig};
-use torchtools::train::{EpochBatches, TrainConfig, TrainState, Trainer};
+use torchtools::train::{EpochBatches, Steps, TrainConfig, TrainState, Trainer};
 use torchtools::{run_training_with_reservation, RunOptions};
 
 type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
@@ -547,7 +547,7 @@ fn ddp_child(args: &Args) -> Result<()> {
     let (x, y) = dataset(args, device)?;
     let samples = x.size()[0] as u64;
     let mut config = TrainConfig::new(samples, BATCH / world, 1).seed(7);
-    config.log_every = 1000;
+    config = config.log_every(1000);
     let mut trainer = Trainer::from_env(config)?;
     let mut vs = nn::VarStore::new(trainer.device());
     let model = Model::new(&vs);
@@ -562,14 +562,18 @@ fn ddp_child(args: &Args) -> Result<()> {
             ..Default::default()
         },
     )?;
-    let report = trainer.fit(&mut vs, &mut opt, |ctx| {
-        let idx: Vec<i64> = ctx.indices.iter().map(|&i| i as i64).collect();
-        let idx = Tensor::from_slice(&idx).to_device(ctx.device);
-        let n = idx.size()[0] as f64;
-        model
-            .loss_sum(&x.index_select(0, &idx), &y.index_select(0, &idx))?
-            .f_div_scalar(n)
-    })?;
+    let report = trainer.fit(
+        &mut vs,
+        &mut opt,
+        Steps::new(|ctx| {
+            let idx: Vec<i64> = ctx.indices.iter().map(|&i| i as i64).collect();
+            let idx = Tensor::from_slice(&idx).to_device(ctx.device);
+            let n = idx.size()[0] as f64;
+            model
+                .loss_sum(&x.index_select(0, &idx), &y.index_select(0, &idx))?
+                .f_div_scalar(n)
+        }),
+    )?;
     if trainer.is_main() {
         vs.save(args.out.join(format!("ddp-{world}.safetensors")))?;
         println!(

@@ -20,7 +20,7 @@
 //!   it trains: the training loop's stall and the time until the file is durable,
 //!   `save_async` against PyTorch's `torch.distributed.checkpoint.async_save` and an
 //!   fsynced `torch.save` of the same state;
-//! - the whole toolkit around the GPT's training (`Trainer::fit_prefetched` with the
+//! - the whole toolkit around the GPT's training (`Trainer::fit` with prefetched batches,
 //!   tracker sampling every 100 ms, batches gathered on the loader thread, a checkpoint
 //!   every 100 steps, metrics to JSON Lines) against a bare loop of the same steps.
 //!
@@ -356,7 +356,7 @@ fn mlp_on_gpu() -> Result<(nn::VarStore, nn::Sequential, torchtools::optim::Opti
 /// Seconds per step of 3 epochs of 100 steps (batch 256, data on the GPU): through
 /// `Trainer::fit` (one process), and in a hand-written loop over the same batches.
 fn trainer_row() -> Result<Row> {
-    use torchtools::train::{TrainConfig, Trainer};
+    use torchtools::train::{Steps, TrainConfig, Trainer};
     let dev = Device::Cuda(0);
     let x = Tensor::randn([SAMPLES, 784], (Kind::Float, dev));
     let y = Tensor::randn([SAMPLES, 10], (Kind::Float, dev));
@@ -369,17 +369,21 @@ fn trainer_row() -> Result<Row> {
     for _ in 0..3 {
         // Through the trainer.
         let mut config = TrainConfig::new(SAMPLES as u64, 256, 3).seed(1);
-        config.handle_signals = false;
-        config.log_every = 100;
+        config = config.handle_signals(false);
+        config = config.log_every(100);
         let mut trainer =
             Trainer::with_group(config, torchtools::dist::ProcessGroup::single(), dev)?;
         let (mut vs, model, mut opt) = mlp_on_gpu()?;
         torchtools::tch::Cuda::synchronize(0);
         let start = Instant::now();
-        let report = trainer.fit(&mut vs, &mut opt, |ctx| {
-            let (bx, by) = batch(ctx.indices);
-            Ok::<_, TchError>(model.forward(&bx).mse_loss(&by, Reduction::Mean))
-        })?;
+        let report = trainer.fit(
+            &mut vs,
+            &mut opt,
+            Steps::new(|ctx| {
+                let (bx, by) = batch(ctx.indices);
+                Ok::<_, TchError>(model.forward(&bx).mse_loss(&by, Reduction::Mean))
+            }),
+        )?;
         torchtools::tch::Cuda::synchronize(0);
         t_fit.push(start.elapsed().as_secs_f64() / report.steps as f64);
 
@@ -431,7 +435,7 @@ const WARM_STEPS: u64 = 5;
 /// GPU memory over those steps.
 fn ours(which: &str, batch: usize, steps: u64) -> Result<(f64, u64)> {
     use std::cell::Cell;
-    use torchtools::train::{Precision, TrainConfig, Trainer};
+    use torchtools::train::{Precision, Steps, TrainConfig, Trainer};
     let dev = Device::Cuda(0);
     torchtools::sys::empty_cache()?;
     torchtools::tch::manual_seed(0);
@@ -441,27 +445,31 @@ fn ours(which: &str, batch: usize, steps: u64) -> Result<(f64, u64)> {
     let mut opt = adamw_as_the_baseline(&vs)?;
     let total = WARM_STEPS + steps;
     let mut config = TrainConfig::new(batch as u64 * total, batch, 1).precision(Precision::Bf16);
-    config.handle_signals = false;
-    config.progress = false;
-    config.log_every = total;
+    config = config.handle_signals(false);
+    config = config.progress(false);
+    config = config.log_every(total);
     let mut trainer = Trainer::with_group(config, torchtools::dist::ProcessGroup::single(), dev)?;
     let start = Cell::new(None);
-    trainer.fit(&mut vs, &mut opt, |ctx| {
-        if ctx.step == WARM_STEPS {
-            torchtools::tch::Cuda::synchronize(0);
-            let _ = torchtools::sys::reset_peak_stats(0);
-            start.set(Some(Instant::now()));
-        }
-        let b = ctx.indices.len() as i64;
-        Ok::<_, TchError>(match (&gpt, &resnet) {
-            (Some(m), _) => m.loss(&Tensor::f_randint(2048, [b, 513], (Kind::Int64, dev))?),
-            (_, Some(m)) => m.loss(
-                &Tensor::f_randn([b, 3, 32, 32], (Kind::Float, dev))?,
-                &Tensor::f_randint(10, [b], (Kind::Int64, dev))?,
-            ),
-            _ => unreachable!("one model is built"),
-        })
-    })?;
+    trainer.fit(
+        &mut vs,
+        &mut opt,
+        Steps::new(|ctx| {
+            if ctx.step == WARM_STEPS {
+                torchtools::tch::Cuda::synchronize(0);
+                let _ = torchtools::sys::reset_peak_stats(0);
+                start.set(Some(Instant::now()));
+            }
+            let b = ctx.indices.len() as i64;
+            Ok::<_, TchError>(match (&gpt, &resnet) {
+                (Some(m), _) => m.loss(&Tensor::f_randint(2048, [b, 513], (Kind::Int64, dev))?),
+                (_, Some(m)) => m.loss(
+                    &Tensor::f_randn([b, 3, 32, 32], (Kind::Float, dev))?,
+                    &Tensor::f_randint(10, [b], (Kind::Int64, dev))?,
+                ),
+                _ => unreachable!("one model is built"),
+            })
+        }),
+    )?;
     torchtools::tch::Cuda::synchronize(0);
     let secs = start
         .get()
@@ -868,7 +876,7 @@ fn checkpoint_rows() -> Result<Vec<Row>> {
 }
 
 /// The GPT (batch 16x512, bf16, AdamW) for 300 steps from a token dataset in host
-/// memory: through `Trainer::fit_prefetched` with the whole toolkit on (the tracker
+/// memory: through `Trainer::fit` with prefetched batches and the whole toolkit on (the tracker
 /// every 100 ms, the loader thread, a checkpoint every 100 steps written in the
 /// background, metrics to JSON Lines) against a bare loop that gathers the same
 /// batches and steps the same model. Seconds per step, medians of three rounds after
@@ -878,7 +886,7 @@ fn checkpoint_rows() -> Result<Vec<Row>> {
 /// on every call that its device argument is deprecated.
 fn toolkit_rows() -> Result<Vec<Row>> {
     use torchtools::optim::Optimizer;
-    use torchtools::train::{Precision, TrainConfig, Trainer};
+    use torchtools::train::{Precision, Steps, TrainConfig, Trainer};
     const STEPS: u64 = 300;
     const BATCH: usize = 16;
     let dev = Device::Cuda(0);
@@ -897,7 +905,7 @@ fn toolkit_rows() -> Result<Vec<Row>> {
         let opt = adamw_as_the_baseline(&vs)?;
         Ok((vs, gpt, opt))
     };
-    // The whole toolkit (`full`), or `fit_prefetched` alone: where the overhead is.
+    // The whole toolkit (`full`), or `fit` with its loader alone: where the overhead is.
     let kit_run = |full: bool| -> Result<f64> {
         let root = tempfile::tempdir()?;
         let (mut vs, gpt, mut opt) = build()?;
@@ -907,8 +915,8 @@ fn toolkit_rows() -> Result<Vec<Row>> {
                 .checkpoints(root.path().join("ckpt"), 100)
                 .metrics(root.path().join("metrics.jsonl"));
         }
-        config.handle_signals = false;
-        config.progress = false;
+        config = config.handle_signals(false);
+        config = config.progress(false);
         let mut trainer =
             Trainer::with_group(config, torchtools::dist::ProcessGroup::single(), dev)?;
         let tracker = match full {
@@ -921,12 +929,11 @@ fn toolkit_rows() -> Result<Vec<Row>> {
         let loader_tokens = tokens.shallow_clone();
         torchtools::tch::Cuda::synchronize(0);
         let start = Instant::now();
-        let report = trainer.fit_prefetched(
-            &mut vs,
-            &mut opt,
+        let work = Steps::prefetched(
             move |ctx| gather(&loader_tokens, ctx.indices),
             |_ctx, batch: Tensor| Ok::<_, TchError>(gpt.loss(&batch)),
-        )?;
+        );
+        let report = trainer.fit(&mut vs, &mut opt, work)?;
         torchtools::tch::Cuda::synchronize(0);
         let per_step = start.elapsed().as_secs_f64() / report.steps as f64;
         if let Some(tracker) = tracker {

@@ -26,7 +26,7 @@ use std::process::ExitCode;
 
 use torchtools::optim::{Optimizer, SgdConfig};
 use torchtools::tch::{nn, nn::Module, Kind, Reduction, TchError, Tensor};
-use torchtools::train::{FitOutcome, Precision, StepContext, TrainConfig, Trainer};
+use torchtools::train::{Eval, FitOutcome, Precision, StepContext, Steps, TrainConfig, Trainer};
 
 const SAMPLES: u64 = 2048;
 /// Held-out samples, after the training ones.
@@ -76,9 +76,8 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
         .seed(1)
         .accumulate(2)
         .clip_grad_norm(1.0)
-        .evaluate(20, HELD_OUT, 64)
-        .precision(precision.parse::<Precision>()?);
-    config.log_every = 20;
+        .precision(precision.parse::<Precision>()?)
+        .log_every(20);
     if let Some(dir) = std::env::var_os("TORCHTOOLS_TRAIN_CKPT") {
         config = config.checkpoints(dir, 20);
     }
@@ -124,14 +123,15 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
         forward_kind.get_or_init(|| out.kind());
         out.to_kind(Kind::Float).f_mse_loss(&y, Reduction::Mean)
     };
-    // Batches from `batch` on a loader thread; the same loss held out, without gradients.
-    let report = trainer.fit_eval_prefetched(
-        &mut vs,
-        &mut opt,
-        batch,
-        |_, xy| loss(xy),
+    // Batches from `batch` on a loader thread; the same loss held out, without
+    // gradients, every 20 steps, 64 samples a batch.
+    let work = Steps::prefetched(batch, |_, xy| loss(xy)).eval(Eval::lower_is_better(
+        20,
+        HELD_OUT,
+        64,
         |ctx| loss(batch(ctx)?),
-    )?;
+    ));
+    let report = trainer.fit(&mut vs, &mut opt, work)?;
     if main {
         let kind = forward_kind
             .get()

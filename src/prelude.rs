@@ -12,4 +12,4 @@ pub use tt_optim::Optimizer;
 pub use tt_train::{EpochBatches, TrainState};
 
 #[cfg(feature = "dist")]
-pub use tt_train::{FitOutcome, TrainConfig, Trainer};
+pub use tt_train::{Eval, FitOutcome, Steps, TrainConfig, Trainer};

@@ -16,6 +16,18 @@ const SAMPLER: &str = "sampler";
 /// The entry of [`TrainState::values`] in a checkpoint.
 const VALUES: &str = "values";
 
+/// The trainer's best evaluation `(step, value)` in a checkpoint's values.
+pub(crate) const BEST: &str = "tt_train.best_eval";
+/// The fp16 [`GradScaler`](crate::GradScaler)'s state in a checkpoint's values.
+pub(crate) const SCALER: &str = "tt_train.grad_scaler";
+
+/// The trainer's value `key` in a checkpoint's values, if there and readable.
+pub(crate) fn saved<T: serde::de::DeserializeOwned>(values: &Values, key: &str) -> Option<T> {
+    values
+        .get(key)
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
+}
+
 /// [`TrainState::values`]: your own values, by name.
 pub type Values = std::collections::BTreeMap<String, serde_json::Value>;
 

@@ -8,7 +8,7 @@ use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tt_ckpt::LoadedCheckpoint;
 use tt_optim::{AdamConfig, Algorithm, Optimizer, Schedule, SgdConfig};
-use tt_train::{Precision, TrainConfig, Trainer};
+use tt_train::{Precision, Steps, TrainConfig, Trainer};
 
 /// The step whose loss is made infinite.
 const INF_AT: u64 = 5;
@@ -37,10 +37,10 @@ fn fp16_on_cuda_skips_an_overflowing_step_halves_the_scale_and_grows_it_back() {
     let mut cfg = TrainConfig::new(64, 4, 126)
         .precision(Precision::Fp16)
         .checkpoints(dir.path(), 1000);
-    cfg.handle_signals = false;
-    cfg.progress = false;
-    cfg.log_every = 1000;
-    cfg.keep_last = 5;
+    cfg = cfg.handle_signals(false);
+    cfg = cfg.progress(false);
+    cfg = cfg.log_every(1000);
+    cfg = cfg.keep_last(5);
     let mut trainer = Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), dev).unwrap();
     tch::manual_seed(3);
     let mut vs = nn::VarStore::new(dev);
@@ -48,21 +48,25 @@ fn fp16_on_cuda_skips_an_overflowing_step_halves_the_scale_and_grows_it_back() {
     let mut opt = Optimizer::sgd(&vs, SgdConfig::default()).unwrap();
     let forward_kind = std::cell::Cell::new(None);
     let report = trainer
-        .fit(&mut vs, &mut opt, |ctx| {
-            let idx: Vec<f32> = ctx.indices.iter().map(|&i| i as f32).collect();
-            let i = Tensor::from_slice(&idx).to_device(ctx.device).unsqueeze(1);
-            let freq = Tensor::arange(8, (Kind::Float, ctx.device)).unsqueeze(0) + 1.0;
-            let x = (&i * &freq * 0.05).sin();
-            let y = (&i * 0.1).cos();
-            let out = net.forward(&x);
-            forward_kind.set(Some(out.kind()));
-            let loss = out.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean) * 1e-3;
-            Ok::<_, tch::TchError>(if ctx.step == INF_AT {
-                loss * f64::INFINITY
-            } else {
-                loss
-            })
-        })
+        .fit(
+            &mut vs,
+            &mut opt,
+            Steps::new(|ctx| {
+                let idx: Vec<f32> = ctx.indices.iter().map(|&i| i as f32).collect();
+                let i = Tensor::from_slice(&idx).to_device(ctx.device).unsqueeze(1);
+                let freq = Tensor::arange(8, (Kind::Float, ctx.device)).unsqueeze(0) + 1.0;
+                let x = (&i * &freq * 0.05).sin();
+                let y = (&i * 0.1).cos();
+                let out = net.forward(&x);
+                forward_kind.set(Some(out.kind()));
+                let loss = out.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean) * 1e-3;
+                Ok::<_, tch::TchError>(if ctx.step == INF_AT {
+                    loss * f64::INFINITY
+                } else {
+                    loss
+                })
+            }),
+        )
         .unwrap();
     println!("{report:?}");
     assert_eq!(
@@ -105,8 +109,8 @@ fn fp16_on_cuda_skips_an_overflowing_step_halves_the_scale_and_grows_it_back() {
 fn adam_on_cuda(ckpt: &std::path::Path, crash_at: Option<u64>) -> Option<Vec<(String, Tensor)>> {
     let dev = Device::Cuda(0);
     let mut cfg = TrainConfig::new(64, 4, 3).seed(7).checkpoints(ckpt, 5);
-    cfg.handle_signals = false;
-    cfg.progress = false;
+    cfg = cfg.handle_signals(false);
+    cfg = cfg.progress(false);
     let mut trainer = Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), dev).unwrap();
     tch::manual_seed(11);
     let mut vs = nn::VarStore::new(dev);
@@ -116,17 +120,21 @@ fn adam_on_cuda(ckpt: &std::path::Path, crash_at: Option<u64>) -> Option<Vec<(St
         .add(nn::linear(vs.root() / "l2", 64, 1, Default::default()));
     let mut opt =
         Optimizer::new(&vs, Algorithm::Adam(AdamConfig::adam()), Schedule::Constant).unwrap();
-    let result = trainer.fit(&mut vs, &mut opt, |ctx| {
-        if Some(ctx.step) == crash_at {
-            return Err(std::io::Error::other("crash"));
-        }
-        let idx: Vec<f32> = ctx.indices.iter().map(|&i| i as f32).collect();
-        let i = Tensor::from_slice(&idx).to_device(ctx.device).unsqueeze(1);
-        let x = (&i * (Tensor::arange(8, (Kind::Float, ctx.device)) + 1.0) * 0.05).sin();
-        Ok(net
-            .forward(&x)
-            .mse_loss(&(&i * 0.1).cos(), tch::Reduction::Mean))
-    });
+    let result = trainer.fit(
+        &mut vs,
+        &mut opt,
+        Steps::new(|ctx| {
+            if Some(ctx.step) == crash_at {
+                return Err(std::io::Error::other("crash"));
+            }
+            let idx: Vec<f32> = ctx.indices.iter().map(|&i| i as f32).collect();
+            let i = Tensor::from_slice(&idx).to_device(ctx.device).unsqueeze(1);
+            let x = (&i * (Tensor::arange(8, (Kind::Float, ctx.device)) + 1.0) * 0.05).sin();
+            Ok(net
+                .forward(&x)
+                .mse_loss(&(&i * 0.1).cos(), tch::Reduction::Mean))
+        }),
+    );
     match (result, crash_at) {
         (Ok(report), None) => {
             assert_eq!(report.steps, 48);

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 use tt_optim::{Optimizer, SgdConfig};
-use tt_train::{FitOutcome, Precision, TrainConfig, TrainError, Trainer};
+use tt_train::{Direction, Eval, FitOutcome, Precision, Steps, TrainConfig, TrainError, Trainer};
 
 type TestResult = Result<(), String>;
 
@@ -61,6 +61,10 @@ fn main() {
         (
             "accumulated_micro_batches_equal_the_whole_batch",
             accumulation,
+        ),
+        (
+            "a_hand_written_loop_of_the_building_blocks_ends_as_fit_bit_for_bit",
+            building_blocks,
         ),
         (
             "two_ranks_accumulating_equal_one_process_on_the_whole_batch",
@@ -152,7 +156,7 @@ fn train_process() -> TestResult {
         .parse()
         .map_err(|e| format!("TT_BATCH: {e}"))?;
     let mut cfg = TrainConfig::new(DATASET, batch, EPOCHS).seed(7);
-    cfg.log_every = 4;
+    cfg = cfg.log_every(4);
     if let Some(dir) = var("TT_CKPT") {
         cfg = cfg.checkpoints(dir, 5);
     }
@@ -160,9 +164,6 @@ fn train_process() -> TestResult {
         cfg = cfg.accumulate(k.parse().map_err(|e| format!("TT_ACCUM: {e}"))?);
     }
     let evaluating = var("TT_EVAL").is_some();
-    if evaluating {
-        cfg = cfg.evaluate(4, HELD_OUT, batch);
-    }
     let mut trainer = Trainer::from_env(cfg).map_err(|e| e.to_string())?;
     let rank = trainer.group().rank();
     // Different seeds per rank: the trainer's DDP broadcast must align them.
@@ -203,12 +204,13 @@ fn train_process() -> TestResult {
         let (x, y) = sample(ctx.indices, ctx.device);
         net.forward(&x).f_mse_loss(&y, tch::Reduction::Mean)
     };
-    let report = if evaluating {
-        trainer.fit_eval(&mut vs, &mut opt, step, eval)
-    } else {
-        trainer.fit(&mut vs, &mut opt, step)
+    let mut work = Steps::new(step);
+    if evaluating {
+        work = work.eval(Eval::lower_is_better(4, HELD_OUT, batch, eval));
     }
-    .map_err(|e| e.to_string())?;
+    let report = trainer
+        .fit(&mut vs, &mut opt, work)
+        .map_err(|e| e.to_string())?;
     if rank == 0 && evaluating {
         println!("\n@@evals {}@@", serde_json::json!(report.evals));
     }
@@ -483,46 +485,26 @@ fn bad_config() -> TestResult {
             other => return Err(format!("{word}: {other:?}")),
         }
     }
-    // A method and a configuration that disagree on evaluating: refused before
-    // training, naming what to call or configure.
-    let config = |eval: bool| {
-        let mut cfg = TrainConfig::new(64, 4, 1);
-        cfg.handle_signals = false;
-        if eval {
-            cfg = cfg.evaluate(4, 64..72, 4);
-        }
-        cfg
-    };
+    // An evaluation schedule that cannot run: refused before the first step (the
+    // model untouched), naming what to give.
+    let mut cfg = TrainConfig::new(64, 4, 1);
+    cfg = cfg.handle_signals(false);
+    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+    let before = vs.trainable_variables()[0].copy();
     type Loss = Result<Tensor, std::io::Error>;
-    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(config(true))?;
     let loss = |ctx: &tt_train::StepContext<'_>| -> Loss {
         let (x, y) = sample(ctx.indices, ctx.device);
         Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
     };
-    let load = |ctx: &tt_train::StepContext<'_>| Ok(ctx.indices.to_vec());
-    let results = [
-        (trainer.fit(&mut vs, &mut opt, loss), "train with fit_eval,"),
-        (
-            trainer.fit_prefetched(&mut vs, &mut opt, load, |ctx, _| loss(ctx)),
-            "train with fit_eval_prefetched,",
-        ),
-    ];
-    let (mut trainer, mut vs, _, mut opt) = one_cpu_process(config(false))?;
-    let results = results.into_iter().chain([
-        (
-            trainer.fit_eval(&mut vs, &mut opt, loss, loss),
-            "fit_eval without TrainConfig::eval",
-        ),
-        (
-            trainer.fit_eval_prefetched(&mut vs, &mut opt, load, |ctx, _| loss(ctx), loss),
-            "fit_eval_prefetched without TrainConfig::eval",
-        ),
-    ]);
-    for (result, want) in results {
-        match result {
-            Err(TrainError::Config(m)) if m.contains(want) => {}
-            other => return Err(format!("want {want:?}: {other:?}")),
+    for (every, held_out, batch) in [(0, 64..72, 4), (4, 64..64, 4), (4, 64..72, 0)] {
+        let work = Steps::new(loss).eval(Eval::lower_is_better(every, held_out, batch, loss));
+        match trainer.fit(&mut vs, &mut opt, work) {
+            Err(TrainError::Config(m)) if m.contains("eval: every") => {}
+            other => return Err(format!("eval every {every}, batch {batch}: {other:?}")),
         }
+    }
+    if !vs.trainable_variables()[0].equal(&before) {
+        return Err("a refused evaluation still trained".into());
     }
     Ok(())
 }
@@ -532,7 +514,7 @@ fn one_cpu_process(
     cfg: TrainConfig,
 ) -> Result<(Trainer, nn::VarStore, nn::Linear, Optimizer), String> {
     let mut cfg = cfg;
-    cfg.progress = false; // no bar on the terminal of whoever runs the tests
+    cfg = cfg.progress(false); // no bar on the terminal of whoever runs the tests
     let trainer = Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), tch::Device::Cpu)
         .map_err(|e| e.to_string())?;
     let vs = nn::VarStore::new(tch::Device::Cpu);
@@ -541,20 +523,90 @@ fn one_cpu_process(
     Ok((trainer, vs, net, opt))
 }
 
+/// The step of both loops: dropout on the input (so that the step's seed matters),
+/// a linear model, the mean squared error.
+fn dropout_loss(net: &nn::Linear, indices: &[u64]) -> Result<Tensor, tch::TchError> {
+    let (x, y) = sample(indices, tch::Device::Cpu);
+    net.forward(&x.f_dropout(0.25, true)?)
+        .f_mse_loss(&y, tch::Reduction::Mean)
+}
+
+/// `fit` with shuffling, 2 micro-batches a step, clipping and dropout, against a loop
+/// written by hand from the public pieces (the sampler's batches, `step_seed`,
+/// `micro_batches`, DDP's `no_sync` and `backward`, `clip_grad_norm`, the optimizer):
+/// the same parameters, bit for bit, and both moved from the start.
+fn building_blocks() -> TestResult {
+    let cfg = || {
+        let mut cfg = TrainConfig::new(64, 8, 2).seed(5).accumulate(2);
+        cfg = cfg.clip_grad_norm(0.05).handle_signals(false);
+        cfg
+    };
+    tch::manual_seed(3);
+    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg())?;
+    let init = params_of(&vs);
+    let work = Steps::new(|ctx| dropout_loss(&net, ctx.indices));
+    trainer
+        .fit(&mut vs, &mut opt, work)
+        .map_err(|e| e.to_string())?;
+    let by_fit = params_of(&vs);
+
+    tch::manual_seed(3);
+    let (_, vs, net, mut opt) = one_cpu_process(cfg())?;
+    let mut by_hand = || -> Result<(), Box<dyn std::error::Error>> {
+        let pg = tt_dist::ProcessGroup::single();
+        let ddp = tt_dist::Ddp::new(&pg, &vs)?;
+        let sampler = tt_sampler::DistributedSampler::new(64, 1, 0)?.with_seed(5);
+        let mut batches = tt_train::EpochBatches::new(sampler, 8, 2)?;
+        let params = vs.trainable_variables();
+        let mut step = 0;
+        while let Some(batch) = batches.next_batch()? {
+            tch::manual_seed(tt_train::step_seed(5, 0, step));
+            opt.zero_grad();
+            let parts = tt_train::micro_batches(&batch.indices, 2);
+            for (m, part) in parts.iter().enumerate() {
+                let share = part.len() as f64 / batch.indices.len() as f64;
+                let loss = dropout_loss(&net, part)? * share;
+                if m + 1 < parts.len() {
+                    ddp.no_sync(|| ddp.backward(&loss))?;
+                } else {
+                    ddp.backward(&loss)?;
+                }
+            }
+            let _norm = tt_train::clip_grad_norm(&params, 0.05)?;
+            opt.step()?;
+            step += 1;
+        }
+        Ok(())
+    };
+    by_hand().map_err(|e| e.to_string())?;
+    let hand = params_of(&vs);
+    let (diff, moved) = (max_diff(&by_fit, &hand)?, max_diff(&init, &hand)?);
+    if diff != 0.0 || moved == 0.0 {
+        return Err(format!(
+            "the hand-written loop differs from fit by {diff} (and moved {moved} from the start)"
+        ));
+    }
+    Ok(())
+}
+
 fn step_error() -> TestResult {
     let mut cfg = TrainConfig::new(64, 4, 1);
-    cfg.handle_signals = false;
+    cfg = cfg.handle_signals(false);
     let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
-    let result = trainer.fit(&mut vs, &mut opt, |ctx| {
-        if ctx.step == 2 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                "shard 3 is missing",
-            ));
-        }
-        let (x, y) = sample(ctx.indices, ctx.device);
-        Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
-    });
+    let result = trainer.fit(
+        &mut vs,
+        &mut opt,
+        Steps::new(|ctx| {
+            if ctx.step == 2 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "shard 3 is missing",
+                ));
+            }
+            let (x, y) = sample(ctx.indices, ctx.device);
+            Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+        }),
+    );
     let e = match result {
         Err(e @ TrainError::Step { step: 2, .. }) => e,
         other => return Err(format!("want a step-2 error: {other:?}")),
@@ -577,13 +629,17 @@ fn step_error() -> TestResult {
 
 fn non_scalar_loss() -> TestResult {
     let mut cfg = TrainConfig::new(64, 4, 1);
-    cfg.handle_signals = false;
+    cfg = cfg.handle_signals(false);
     let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
-    let result = trainer.fit(&mut vs, &mut opt, |ctx| {
-        let (x, y) = sample(ctx.indices, ctx.device);
-        // Forgot the reduction: one loss per sample.
-        Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::None))
-    });
+    let result = trainer.fit(
+        &mut vs,
+        &mut opt,
+        Steps::new(|ctx| {
+            let (x, y) = sample(ctx.indices, ctx.device);
+            // Forgot the reduction: one loss per sample.
+            Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::None))
+        }),
+    );
     match result {
         Err(e @ TrainError::Step { step: 0, .. })
             if e.to_string().contains("scalar") && e.to_string().contains("[4, 1]") =>
@@ -598,17 +654,21 @@ fn non_scalar_loss() -> TestResult {
 /// the device between log lines).
 fn logged_losses() -> TestResult {
     let mut cfg = TrainConfig::new(64, 4, 1);
-    cfg.handle_signals = false;
-    cfg.log_every = 4;
+    cfg = cfg.handle_signals(false);
+    cfg = cfg.log_every(4);
     let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
     let mut seen = Vec::new();
     let report = trainer
-        .fit(&mut vs, &mut opt, |ctx| {
-            let (x, y) = sample(ctx.indices, ctx.device);
-            let loss = net.forward(&x).mse_loss(&y, tch::Reduction::Mean);
-            seen.push(loss.double_value(&[]));
-            Ok::<_, std::io::Error>(loss)
-        })
+        .fit(
+            &mut vs,
+            &mut opt,
+            Steps::new(|ctx| {
+                let (x, y) = sample(ctx.indices, ctx.device);
+                let loss = net.forward(&x).mse_loss(&y, tch::Reduction::Mean);
+                seen.push(loss.double_value(&[]));
+                Ok::<_, std::io::Error>(loss)
+            }),
+        )
         .map_err(|e| e.to_string())?;
     // 16 steps, logged at 4, 8, 12, 16.
     let want: Vec<(u64, f64)> = seen
@@ -635,7 +695,7 @@ fn signals_process() -> TestResult {
     let mut trainers = Vec::new();
     for _ in 0..3 {
         let mut cfg = TrainConfig::new(8, 4, 1);
-        cfg.handle_signals = handle;
+        cfg = cfg.handle_signals(handle);
         trainers.push(
             Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), tch::Device::Cpu)
                 .map_err(|e| e.to_string())?,
@@ -698,7 +758,7 @@ type Fitted = (Vec<(String, Tensor)>, tt_train::FitReport, Vec<usize>);
 /// report and the micro-batch sizes the step function saw.
 fn fit_linear(cfg: TrainConfig) -> Result<Fitted, String> {
     let mut cfg = cfg;
-    cfg.shuffle = false;
+    cfg = cfg.shuffle(false);
     let (params, report, seen) = fit_linear_seen(cfg)?;
     Ok((params, report, seen.iter().map(Vec::len).collect()))
 }
@@ -710,16 +770,20 @@ type FittedSeen = (Vec<(String, Tensor)>, tt_train::FitReport, Vec<Vec<u64>>);
 /// micro-batch the step saw.
 fn fit_linear_seen(cfg: TrainConfig) -> Result<FittedSeen, String> {
     let mut cfg = cfg;
-    cfg.handle_signals = false;
+    cfg = cfg.handle_signals(false);
     tch::manual_seed(3);
     let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
     let mut seen = Vec::new();
     let report = trainer
-        .fit(&mut vs, &mut opt, |ctx| {
-            seen.push(ctx.indices.to_vec());
-            let (x, y) = sample(ctx.indices, ctx.device);
-            Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
-        })
+        .fit(
+            &mut vs,
+            &mut opt,
+            Steps::new(|ctx| {
+                seen.push(ctx.indices.to_vec());
+                let (x, y) = sample(ctx.indices, ctx.device);
+                Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+            }),
+        )
         .map_err(|e| e.to_string())?;
     let params = params_of(&vs);
     Ok((params, report, seen))
@@ -787,7 +851,7 @@ fn clipping() -> TestResult {
     let mut cfg = TrainConfig::new(64, 4, 1)
         .clip_grad_norm(max_norm)
         .metrics(&metrics);
-    cfg.log_every = 4;
+    cfg = cfg.log_every(4);
     let (clipped, report, _) = fit_linear(cfg)?;
     // The same steps by hand with PyTorch's clip_grad_norm_ formula.
     tch::manual_seed(3);
@@ -872,18 +936,22 @@ fn reseeding() -> TestResult {
                  reseed: bool|
      -> Result<Vec<(String, Tensor)>, String> {
         let mut cfg = TrainConfig::new(64, 4, 1).checkpoints(ckpt, 2);
-        cfg.handle_signals = false;
-        cfg.seed_every_step = reseed;
+        cfg = cfg.handle_signals(false);
+        cfg = cfg.seed_every_step(reseed);
         tch::manual_seed(3); // the same initial parameters in every run
         let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
-        let result = trainer.fit(&mut vs, &mut opt, |ctx| {
-            if Some(ctx.step) == fail_at {
-                return Err(std::io::Error::other("crash"));
-            }
-            let (x, y) = sample(ctx.indices, ctx.device);
-            let x = x.dropout(0.5, true);
-            Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
-        });
+        let result = trainer.fit(
+            &mut vs,
+            &mut opt,
+            Steps::new(|ctx| {
+                if Some(ctx.step) == fail_at {
+                    return Err(std::io::Error::other("crash"));
+                }
+                let (x, y) = sample(ctx.indices, ctx.device);
+                let x = x.dropout(0.5, true);
+                Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+            }),
+        );
         match (result, fail_at) {
             (Ok(_), None) | (Err(TrainError::Step { .. }), Some(_)) => {}
             (other, _) => return Err(format!("fit: {other:?}")),
@@ -981,22 +1049,20 @@ fn best_checkpoint() -> TestResult {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let ckpt = dir.path().join("ckpt");
     let fit = |epochs: u64| -> Result<tt_train::FitReport, String> {
-        let mut cfg = TrainConfig::new(64, 4, epochs)
-            .checkpoints(&ckpt, 4)
-            .evaluate(4, 64..72, 4);
-        cfg.handle_signals = false;
+        let mut cfg = TrainConfig::new(64, 4, epochs).checkpoints(&ckpt, 4);
+        cfg = cfg.handle_signals(false);
         let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+        let step = |ctx: &tt_train::StepContext<'_>| {
+            let (x, y) = sample(ctx.indices, ctx.device);
+            Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+        };
+        // A metric that is best at step 8 and worse ever after.
+        let metric = |ctx: &tt_train::StepContext<'_>| {
+            Ok::<_, std::io::Error>(Tensor::from((ctx.step as f64 - 8.0).abs() + 1.0))
+        };
+        let work = Steps::new(step).eval(Eval::lower_is_better(4, 64..72, 4, metric));
         trainer
-            .fit_eval(
-                &mut vs,
-                &mut opt,
-                |ctx| {
-                    let (x, y) = sample(ctx.indices, ctx.device);
-                    Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
-                },
-                // A metric that is best at step 8 and worse ever after.
-                |ctx| Ok(Tensor::from((ctx.step as f64 - 8.0).abs() + 1.0)),
-            )
+            .fit(&mut vs, &mut opt, work)
             .map_err(|e| e.to_string())
     };
     let first = fit(1)?;
@@ -1027,62 +1093,63 @@ fn best_checkpoint() -> TestResult {
             best_steps(&ckpt)?
         ));
     }
-    // A NaN evaluation (a diverged model) is never the best, even as the first one.
-    let mut cfg = TrainConfig::new(64, 4, 1).evaluate(4, 64..72, 4);
-    cfg.handle_signals = false;
-    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
-    let nan_first = trainer
-        .fit_eval(
-            &mut vs,
-            &mut opt,
-            |ctx| {
-                let (x, y) = sample(ctx.indices, ctx.device);
-                Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
-            },
-            |ctx| {
-                Ok(Tensor::from(if ctx.step == 4 {
-                    f64::NAN
-                } else {
-                    ctx.step as f64
-                }))
-            },
-        )
-        .map_err(|e| e.to_string())?;
-    if nan_first.best != Some((8, 8.0)) {
-        return Err(format!(
-            "with a NaN first evaluation, best {:?} of {:?}",
-            nan_first.best, nan_first.evals
-        ));
+    // A NaN evaluation (a diverged model) is never the best, even as the first one;
+    // with higher is better (an accuracy), the best is the highest.
+    for (direction, want) in [
+        (Direction::LowerIsBetter, (8, 8.0)),
+        (Direction::HigherIsBetter, (16, 16.0)),
+    ] {
+        let mut cfg = TrainConfig::new(64, 4, 1);
+        cfg = cfg.handle_signals(false);
+        let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+        let step = |ctx: &tt_train::StepContext<'_>| {
+            let (x, y) = sample(ctx.indices, ctx.device);
+            Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+        };
+        let metric = |ctx: &tt_train::StepContext<'_>| {
+            let value = if ctx.step == 4 {
+                f64::NAN
+            } else {
+                ctx.step as f64
+            };
+            Ok::<_, std::io::Error>(Tensor::from(value))
+        };
+        let work = Steps::new(step).eval(Eval::new(4, 64..72, 4, direction, metric));
+        let report = trainer
+            .fit(&mut vs, &mut opt, work)
+            .map_err(|e| e.to_string())?;
+        if report.best != Some(want) {
+            return Err(format!(
+                "{direction:?}, a NaN first evaluation: best {:?} of {:?}, want {want:?}",
+                report.best, report.evals
+            ));
+        }
     }
-    // fit without the evaluation function is refused.
-    let mut cfg = TrainConfig::new(64, 4, 1).evaluate(4, 64..72, 4);
-    cfg.handle_signals = false;
-    let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
-    match trainer.fit(&mut vs, &mut opt, |ctx| {
-        let (x, y) = sample(ctx.indices, ctx.device);
-        Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
-    }) {
-        Err(TrainError::Config(m)) if m.contains("fit_eval") => Ok(()),
-        other => Err(format!("fit with an evaluation configured: {other:?}")),
-    }
+    Ok(())
 }
 
 fn bf16() -> TestResult {
     type Bf16Run = (Vec<(String, Tensor)>, Vec<Kind>);
     let fit = |precision: Precision| -> Result<Bf16Run, String> {
         let mut cfg = TrainConfig::new(64, 8, 2).precision(precision);
-        cfg.handle_signals = false;
-        cfg.shuffle = false;
+        cfg = cfg.handle_signals(false);
+        cfg = cfg.shuffle(false);
         tch::manual_seed(3);
         let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
         let mut kinds = Vec::new();
         trainer
-            .fit(&mut vs, &mut opt, |ctx| {
-                let (x, y) = sample(ctx.indices, ctx.device);
-                let out = net.forward(&x);
-                kinds.push(out.kind());
-                Ok::<_, std::io::Error>(out.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean))
-            })
+            .fit(
+                &mut vs,
+                &mut opt,
+                Steps::new(|ctx| {
+                    let (x, y) = sample(ctx.indices, ctx.device);
+                    let out = net.forward(&x);
+                    kinds.push(out.kind());
+                    Ok::<_, std::io::Error>(
+                        out.to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean),
+                    )
+                }),
+            )
             .map_err(|e| e.to_string())?;
         let params = params_of(&vs);
         Ok((params, kinds))
@@ -1121,24 +1188,28 @@ fn fp16_scaler() -> TestResult {
         let mut cfg = TrainConfig::new(64, 4, 1)
             .precision(Precision::Fp16)
             .checkpoints(ckpt, 2);
-        cfg.handle_signals = false;
+        cfg = cfg.handle_signals(false);
         tch::manual_seed(3);
         let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
-        let report = trainer.fit(&mut vs, &mut opt, |ctx| {
-            if Some(ctx.step) == fail_at {
-                return Err(std::io::Error::other("crash"));
-            }
-            let (x, y) = sample(ctx.indices, ctx.device);
-            let loss = net
-                .forward(&x)
-                .to_kind(Kind::Float)
-                .mse_loss(&y, tch::Reduction::Mean);
-            Ok(if Some(ctx.step) == inf_at {
-                loss * f64::INFINITY
-            } else {
-                loss
-            })
-        });
+        let report = trainer.fit(
+            &mut vs,
+            &mut opt,
+            Steps::new(|ctx| {
+                if Some(ctx.step) == fail_at {
+                    return Err(std::io::Error::other("crash"));
+                }
+                let (x, y) = sample(ctx.indices, ctx.device);
+                let loss = net
+                    .forward(&x)
+                    .to_kind(Kind::Float)
+                    .mse_loss(&y, tch::Reduction::Mean);
+                Ok(if Some(ctx.step) == inf_at {
+                    loss * f64::INFINITY
+                } else {
+                    loss
+                })
+            }),
+        );
         let params = params_of(&vs);
         match (report, fail_at) {
             (Ok(r), None) => Ok((r, params)),
@@ -1198,7 +1269,7 @@ type Started = std::sync::Arc<(
 fn prefetch() -> TestResult {
     let cfg = || {
         let mut cfg = TrainConfig::new(64, 8, 2).accumulate(2).seed(5);
-        cfg.handle_signals = false;
+        cfg = cfg.handle_signals(false);
         cfg
     };
     let (plain, _, plain_seen) = fit_linear_seen(cfg())?;
@@ -1212,45 +1283,47 @@ fn prefetch() -> TestResult {
     let mut seen = Vec::new();
     let mut late = Vec::new();
     let report = trainer
-        .fit_prefetched(
+        .fit(
             &mut vs,
             &mut opt,
-            move |ctx| {
-                let (log, cv) = &*loader_log;
-                if let Ok(mut log) = log.lock() {
-                    log.push((ctx.step, ctx.micro_batch, std::thread::current().id()));
-                }
-                cv.notify_all();
-                let (x, y) = sample(ctx.indices, ctx.device);
-                Ok::<_, std::io::Error>((x, y, ctx.indices.to_vec()))
-            },
-            |ctx, (x, y, indices)| {
-                if indices != ctx.indices {
-                    late.push(format!("step {} got the batch of {indices:?}", ctx.step));
-                }
-                seen.push(indices);
-                let (log, cv) = &*started;
-                let want = seen.len() + 1; // this micro-batch and the next
-                                           // After one late batch, the failure is known: no more minutes of waiting.
-                if want <= total && late.is_empty() {
-                    let log = log
-                        .lock()
-                        .map_err(|e| std::io::Error::other(e.to_string()))?;
-                    let (log, timeout) = cv
-                        .wait_timeout_while(log, Duration::from_secs(60), |l| l.len() < want)
-                        .map_err(|e| std::io::Error::other(e.to_string()))?;
-                    if timeout.timed_out() {
-                        late.push(format!(
-                            "step {} micro-batch {}: the next was not prepared while it ran \
-                             ({} started)",
-                            ctx.step,
-                            ctx.micro_batch,
-                            log.len()
-                        ));
+            Steps::prefetched(
+                move |ctx| {
+                    let (log, cv) = &*loader_log;
+                    if let Ok(mut log) = log.lock() {
+                        log.push((ctx.step, ctx.micro_batch, std::thread::current().id()));
                     }
-                }
-                Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
-            },
+                    cv.notify_all();
+                    let (x, y) = sample(ctx.indices, ctx.device);
+                    Ok::<_, std::io::Error>((x, y, ctx.indices.to_vec()))
+                },
+                |ctx, (x, y, indices)| {
+                    if indices != ctx.indices {
+                        late.push(format!("step {} got the batch of {indices:?}", ctx.step));
+                    }
+                    seen.push(indices);
+                    let (log, cv) = &*started;
+                    let want = seen.len() + 1; // this micro-batch and the next
+                                               // After one late batch, the failure is known: no more minutes of waiting.
+                    if want <= total && late.is_empty() {
+                        let log = log
+                            .lock()
+                            .map_err(|e| std::io::Error::other(e.to_string()))?;
+                        let (log, timeout) = cv
+                            .wait_timeout_while(log, Duration::from_secs(60), |l| l.len() < want)
+                            .map_err(|e| std::io::Error::other(e.to_string()))?;
+                        if timeout.timed_out() {
+                            late.push(format!(
+                                "step {} micro-batch {}: the next was not prepared while it ran \
+                             ({} started)",
+                                ctx.step,
+                                ctx.micro_batch,
+                                log.len()
+                            ));
+                        }
+                    }
+                    Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+                },
+            ),
         )
         .map_err(|e| e.to_string())?;
     if !late.is_empty() {
@@ -1291,14 +1364,12 @@ fn prefetch_resume() -> TestResult {
     type Trained = (Vec<(String, Tensor)>, Vec<(u64, Vec<u64>)>, Option<u64>);
     let train = |ckpt: &Path, fail_at: Option<u64>| -> Result<Trained, String> {
         let mut cfg = TrainConfig::new(64, 4, 2).checkpoints(ckpt, 5);
-        cfg.handle_signals = false;
-        cfg.prefetch = 6;
+        cfg = cfg.handle_signals(false);
+        cfg = cfg.prefetch(6);
         tch::manual_seed(3);
         let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
         let mut seen = Vec::new();
-        let result = trainer.fit_prefetched(
-            &mut vs,
-            &mut opt,
+        let work = Steps::prefetched(
             |ctx| Ok(sample(ctx.indices, ctx.device)),
             |ctx, (x, y)| {
                 if Some(ctx.step) == fail_at {
@@ -1308,6 +1379,7 @@ fn prefetch_resume() -> TestResult {
                 Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
             },
         );
+        let result = trainer.fit(&mut vs, &mut opt, work);
         let resumed = match (result, fail_at) {
             (Ok(report), None) => report.resumed_from,
             (Err(TrainError::Step { step, .. }), Some(at)) if step == at => None,
@@ -1341,21 +1413,42 @@ fn tensorboard_and_curve() -> TestResult {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let (tb, curve) = (dir.path().join("tb"), dir.path().join("loss.svg"));
     let mut cfg = TrainConfig::new(64, 4, 1)
-        .evaluate(6, 64..80, 4)
         .clip_grad_norm(10.0)
         .tensorboard(&tb)
         .loss_curve(&curve)
         .metrics(dir.path().join("metrics.jsonl"));
-    cfg.handle_signals = false;
-    cfg.log_every = 4;
+    cfg = cfg.handle_signals(false);
+    cfg = cfg.log_every(4);
     let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
     let loss = |ctx: &tt_train::StepContext<'_>| {
         let (x, y) = sample(ctx.indices, ctx.device);
         net.forward(&x).f_mse_loss(&y, tch::Reduction::Mean)
     };
+    let seen = Recorder::default();
+    trainer.add_logger(seen.clone());
+    let work = Steps::new(loss).eval(Eval::lower_is_better(6, 64..80, 4, loss));
     let report = trainer
-        .fit_eval(&mut vs, &mut opt, loss, loss)
+        .fit(&mut vs, &mut opt, work)
         .map_err(|e| e.to_string())?;
+    // A logger of the user's own sees what the report says, once each, in order.
+    let seen = seen.0.lock().map_err(|e| e.to_string())?.clone();
+    let want: Vec<String> = std::iter::once("start 0 of 16".to_owned())
+        .chain(report.losses.iter().map(|(s, l)| format!("log {s} {l}")))
+        .chain(report.evals.iter().map(|(s, v)| format!("eval {s} {v}")))
+        .chain(std::iter::once("finish 16".to_owned()))
+        .collect();
+    let mut sorted: Vec<String> = seen
+        .iter()
+        .filter(|l| !l.starts_with("step "))
+        .cloned()
+        .collect();
+    let last = sorted.len().saturating_sub(1);
+    sorted[1.min(last)..last].sort_by_key(|l| l.starts_with("eval"));
+    if sorted != want || !seen.iter().any(|l| l.starts_with("step 16")) {
+        return Err(format!(
+            "the user's logger saw {seen:?}; the report {want:?}"
+        ));
+    }
     let script = r#"
 import json, sys
 from tensorboard.backend.event_processing import event_accumulator as ea
@@ -1497,8 +1590,8 @@ fn lr_schedule() -> TestResult {
         let mut cfg = TrainConfig::new(64, 4, 1)
             .checkpoints(dir.path().join(name), 4)
             .metrics(&metrics);
-        cfg.handle_signals = false;
-        cfg.log_every = 1;
+        cfg = cfg.handle_signals(false);
+        cfg = cfg.log_every(1);
         tch::manual_seed(3);
         let (mut trainer, mut vs, net, _) = one_cpu_process(cfg)?;
         let sgd = SgdConfig {
@@ -1512,13 +1605,17 @@ fn lr_schedule() -> TestResult {
         };
         let mut opt = Optimizer::new(&vs, tt_optim::Algorithm::Sgd(sgd), schedule)
             .map_err(|e| e.to_string())?;
-        let result = trainer.fit(&mut vs, &mut opt, |ctx| {
-            if Some(ctx.step) == fail_at {
-                return Err(std::io::Error::other("crash"));
-            }
-            let (x, y) = sample(ctx.indices, ctx.device);
-            Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
-        });
+        let result = trainer.fit(
+            &mut vs,
+            &mut opt,
+            Steps::new(|ctx| {
+                if Some(ctx.step) == fail_at {
+                    return Err(std::io::Error::other("crash"));
+                }
+                let (x, y) = sample(ctx.indices, ctx.device);
+                Ok(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+            }),
+        );
         match (result, fail_at) {
             (Ok(_), None) | (Err(TrainError::Step { .. }), Some(_)) => {}
             (other, _) => return Err(format!("fit: {other:?}")),
@@ -1627,4 +1724,44 @@ fn final_checkpoint_once() -> TestResult {
         ));
     }
     Ok(())
+}
+
+/// A logger of the user's own: every call as a line ("step N" lines for the last step).
+#[derive(Clone, Default)]
+struct Recorder(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Recorder {
+    fn push(&self, line: String) {
+        if let Ok(mut lines) = self.0.lock() {
+            lines.push(line);
+        }
+    }
+}
+
+impl tt_train::Logger for Recorder {
+    fn on_start(&mut self, start: &tt_train::RunStart) -> Result<(), tt_train::BoxError> {
+        self.push(format!("start {} of {}", start.step, start.total_steps));
+        Ok(())
+    }
+
+    fn on_step(&mut self, step: u64) {
+        if step == 16 {
+            self.push(format!("step {step}"));
+        }
+    }
+
+    fn on_log(&mut self, r: &tt_train::LogRecord) -> Result<(), tt_train::BoxError> {
+        self.push(format!("log {} {}", r.step, r.loss));
+        Ok(())
+    }
+
+    fn on_eval(&mut self, r: &tt_train::EvalRecord) -> Result<(), tt_train::BoxError> {
+        self.push(format!("eval {} {}", r.step, r.value));
+        Ok(())
+    }
+
+    fn on_finish(&mut self, report: &tt_train::FitReport) -> Result<(), tt_train::BoxError> {
+        self.push(format!("finish {}", report.steps));
+        Ok(())
+    }
 }

@@ -1,0 +1,180 @@
+//! A started run of [`Trainer::fit`](crate::Trainer::fit): what it carries between
+//! steps, and how it starts (the sampler, the resume, DDP, the loggers).
+
+use std::path::PathBuf;
+
+use tch::nn::VarStore;
+use tch::Tensor;
+use tt_ckpt::CheckpointDir;
+use tt_dist::Ddp;
+use tt_optim::Optimizer;
+use tt_sampler::{DistributedSampler, Reshard};
+
+use crate::sinks::{Console, JsonLines, LossCurve, RunStart, Sinks, TensorBoard};
+use crate::state::{resume_parts, saved, Values, BEST, SCALER};
+use crate::{EpochBatches, GradScaler, Logger, Precision, TrainError, Trainer};
+
+/// The running loss: summed over the ranks and steps since the last log line, kept on
+/// the loss's device (reading it is a host sync on a GPU: done only at log steps).
+#[derive(Default)]
+pub(crate) struct LossWindow {
+    sum: Option<Tensor>,
+    steps: u64,
+}
+
+impl LossWindow {
+    /// Adds one step's loss (a one-element double tensor).
+    pub(crate) fn add(&mut self, loss: Tensor) {
+        self.sum = Some(match self.sum.take() {
+            Some(sum) => sum + loss,
+            None => loss,
+        });
+        self.steps += 1;
+    }
+
+    pub(crate) fn take_mean(&mut self) -> Option<f64> {
+        let steps = self.steps;
+        let mean = self
+            .sum
+            .take()
+            .filter(|_| steps > 0)
+            .map(|sum| sum.double_value(&[0]) / steps as f64);
+        *self = LossWindow::default();
+        mean
+    }
+}
+
+/// What one [`Trainer::fit`] carries between steps.
+pub(crate) struct Run<'a> {
+    pub(crate) batches: EpochBatches,
+    pub(crate) dir: Option<CheckpointDir>,
+    pub(crate) ddp: Ddp<'a>,
+    pub(crate) steps: u64,
+    pub(crate) resumed_from: Option<u64>,
+    pub(crate) losses: Vec<(u64, f64)>,
+    pub(crate) window: LossWindow,
+    pub(crate) last_ckpt: Option<PathBuf>,
+    /// The step and values of the checkpoint last started in the background: when the
+    /// run ends there, that checkpoint is the final one (waited for, not written again).
+    pub(crate) background: Option<(u64, Values)>,
+    /// The last step's gradient norm before clipping (on the device).
+    pub(crate) grad_norm: Option<Tensor>,
+    /// The trainable variables (for clipping).
+    pub(crate) params: Vec<Tensor>,
+    /// Samples and time since the last log line.
+    pub(crate) since_log: (u64, std::time::Instant),
+    pub(crate) evals: Vec<(u64, f64)>,
+    pub(crate) best: Option<(u64, f64)>,
+    /// Where the best checkpoint goes (`<checkpoint_dir>/best`).
+    pub(crate) best_dir: Option<CheckpointDir>,
+    /// Fp16's loss scale and good steps since it last changed.
+    pub(crate) scaler: Option<GradScaler>,
+    pub(crate) skipped: u64,
+    /// Rank 0's loggers (none elsewhere).
+    pub(crate) sinks: Sinks<'a>,
+}
+
+impl Trainer {
+    /// The trainer's own values in a checkpoint: the best evaluation, the scaler.
+    pub(crate) fn values(&self, run: &Run<'_>) -> Values {
+        let mut values = Values::new();
+        if let Some(best) = run.best {
+            values.insert(BEST.into(), serde_json::json!(best));
+        }
+        if let Some(scaler) = run.scaler {
+            values.insert(SCALER.into(), serde_json::json!(scaler.state()));
+        }
+        values
+    }
+
+    /// Rank 0's loggers as the configuration asks (their files opened before any step).
+    pub(crate) fn own_loggers(&self) -> Result<Vec<Box<dyn Logger + Send>>, TrainError> {
+        let cfg = &self.config;
+        let io = |what: String| move |cause| TrainError::Io { what, cause };
+        let mut own: Vec<Box<dyn Logger + Send>> = vec![Box::new(Console::new(cfg.progress))];
+        if let Some(path) = &cfg.metrics_file {
+            let what = format!("opening the metrics file {}", path.display());
+            own.push(Box::new(JsonLines::append(path).map_err(io(what))?));
+        }
+        if let Some(dir) = &cfg.tensorboard_dir {
+            let what = "starting the TensorBoard event file".to_owned();
+            own.push(Box::new(TensorBoard::create(dir).map_err(io(what))?));
+        }
+        if let Some(path) = &cfg.loss_curve {
+            own.push(Box::new(LossCurve::new(path, cfg.metrics_file.clone())));
+        }
+        Ok(own)
+    }
+
+    /// The sampler, the checkpoint directory, the resume, the DDP wrapper, the loggers.
+    pub(crate) fn start<'a>(
+        &'a self,
+        vs: &mut VarStore,
+        opt: &mut Optimizer,
+        evaluates: bool,
+        user: &'a mut Vec<Box<dyn Logger + Send>>,
+    ) -> Result<Run<'a>, TrainError> {
+        let (cfg, pg) = (&self.config, &self.pg);
+        let sampler =
+            DistributedSampler::new(cfg.dataset_len, pg.world_size() as u64, pg.rank() as u64)?
+                .with_shuffle(cfg.shuffle)
+                .with_seed(cfg.seed);
+        let mut batches = EpochBatches::new(sampler, cfg.batch_size, cfg.epochs)?;
+        let open = |d: PathBuf, keep: usize| -> Result<CheckpointDir, TrainError> {
+            Ok(CheckpointDir::open(d)?.keep_last(keep).writer(pg.is_main()))
+        };
+        let dir = cfg
+            .checkpoint_dir
+            .clone()
+            .map(|d| open(d, cfg.keep_last))
+            .transpose()?;
+        let best_dir = match (&cfg.checkpoint_dir, evaluates) {
+            (Some(d), true) => Some(open(d.join("best"), 1)?),
+            _ => None,
+        };
+        // Every rank reads the same file, so all agree without a broadcast.
+        let reshard = if cfg.allow_reshard {
+            Reshard::Allow
+        } else {
+            Reshard::Refuse
+        };
+        let mut values = Values::new();
+        let resumed_from = match &dir {
+            Some(dir) => resume_parts(dir, vs, opt, &mut batches, reshard, Some(&mut values))?,
+            None => None,
+        };
+        let scaler = (cfg.precision == Precision::Fp16)
+            .then(|| saved(&values, SCALER).map_or_else(GradScaler::default, GradScaler::restored));
+        let ddp = Ddp::new(pg, vs)?;
+        let mut sinks = match pg.is_main() {
+            true => Sinks::new(self.own_loggers()?, user),
+            false => Sinks::default(),
+        };
+        let done = resumed_from.unwrap_or(0);
+        sinks.start(&RunStart {
+            step: done,
+            total_steps: done + batches.remaining_batches(),
+            world_size: pg.world_size(),
+        });
+        Ok(Run {
+            batches,
+            dir,
+            ddp,
+            steps: done,
+            resumed_from,
+            losses: Vec::new(),
+            window: LossWindow::default(),
+            last_ckpt: None,
+            background: None,
+            grad_norm: None,
+            params: vs.trainable_variables(),
+            since_log: (0, std::time::Instant::now()),
+            evals: Vec::new(),
+            best: saved(&values, BEST),
+            best_dir,
+            scaler,
+            skipped: 0,
+            sinks,
+        })
+    }
+}
