@@ -91,15 +91,10 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
     let mut trainer = Trainer::from_env(config)?;
     let main = trainer.is_main();
     if main {
-        let backend = trainer
-            .group()
-            .backend()
-            .map_or_else(|| "one process".to_owned(), |b| format!("{b} backend"));
-        println!(
-            "{} on {:?}, {backend}",
-            trainer.group().env(),
-            trainer.device()
-        );
+        let group = trainer.group();
+        let backend = group.backend().map(|b| format!("{b} backend"));
+        let backend = backend.unwrap_or_else(|| "one process".to_owned());
+        println!("{} on {:?}, {backend}", group.env(), trainer.device());
     }
     // Reproducible runs (rank 0's initialisation is broadcast to the others anyway).
     torchtools::tch::manual_seed(0);
@@ -125,40 +120,29 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
     };
     // Batches from `batch` on a loader thread; the same loss held out, without
     // gradients, every 20 steps, 64 samples a batch.
-    let work = Steps::prefetched(batch, |_, xy| loss(xy)).eval(Eval::lower_is_better(
-        20,
-        HELD_OUT,
-        64,
-        |ctx| loss(batch(ctx)?),
-    ));
+    let eval = Eval::lower_is_better(20, HELD_OUT, 64, |ctx| loss(batch(ctx)?));
+    let work = Steps::prefetched(batch, |_, xy| loss(xy)).eval(eval);
     let report = trainer.fit(&mut vs, &mut opt, work)?;
     if main {
-        let kind = forward_kind
-            .get()
-            .map_or("-".to_owned(), |k| format!("{k:?}"));
+        let kind = forward_kind.get().map_or("-".into(), |k| format!("{k:?}"));
         println!("precision {precision}: forward in {kind}");
         if let Some(scale) = report.loss_scale {
-            println!(
-                "loss scale {scale}, {} steps skipped (gradients not finite)",
-                report.skipped_steps
-            );
+            let skipped = report.skipped_steps;
+            println!("loss scale {scale}, {skipped} steps skipped (gradients not finite)");
         }
         if let Some((step, eval)) = report.best {
             println!("best held-out loss {eval:.5} at step {step}");
         }
+        let steps = report.steps;
+        let resumed = match report.resumed_from {
+            Some(s) => format!(" (resumed from step {s})"),
+            None => String::new(),
+        };
         match report.outcome {
-            FitOutcome::Finished => println!(
-                "finished: {} steps{}",
-                report.steps,
-                report
-                    .resumed_from
-                    .map(|s| format!(" (resumed from step {s})"))
-                    .unwrap_or_default()
-            ),
-            FitOutcome::Preempted => println!(
-                "preempted after step {}: checkpoint written, run the same command again to resume",
-                report.steps
-            ),
+            FitOutcome::Finished => println!("finished: {steps} steps{resumed}"),
+            FitOutcome::Preempted => {
+                println!("preempted after step {steps}: checkpoint written; run it again to resume")
+            }
         }
     }
     Ok(report.exit_code())

@@ -38,42 +38,7 @@ pub(crate) fn fit(
             .name("tt-train-loader".into())
             .spawn_scoped(scope, move || {
                 let _guard = tch::no_grad_guard();
-                for step in first.. {
-                    let batch = match ahead.next_batch() {
-                        Ok(Some(batch)) => batch,
-                        Ok(None) => return,
-                        Err(e) => {
-                            let (indices, data) = (Vec::new(), Err(e.into()));
-                            let _ = tx.send(Loaded {
-                                step,
-                                indices,
-                                data,
-                            });
-                            return;
-                        }
-                    };
-                    let contexts = Trainer::micro_contexts(
-                        accumulate,
-                        device,
-                        &batch.indices,
-                        batch.epoch,
-                        step,
-                    );
-                    for ctx in contexts {
-                        let data = load(&ctx);
-                        let indices = ctx.indices.to_vec();
-                        if tx
-                            .send(Loaded {
-                                step,
-                                indices,
-                                data,
-                            })
-                            .is_err()
-                        {
-                            return; // the training ended
-                        }
-                    }
-                }
+                load_ahead(&mut ahead, first, (accumulate, device), &mut load, &tx);
             })
             .map_err(|cause| TrainError::Io {
                 what: "starting the batch-loader thread".into(),
@@ -106,4 +71,46 @@ pub(crate) fn fit(
             })),
         }
     })
+}
+
+/// The loader thread's work: each micro-batch of the batches from step `first` on,
+/// loaded and sent, until the batches end or the receiver is gone.
+fn load_ahead(
+    ahead: &mut crate::EpochBatches,
+    first: u64,
+    (accumulate, device): (usize, tch::Device),
+    load: &mut LoadFn<'_>,
+    tx: &std::sync::mpsc::SyncSender<Loaded>,
+) {
+    for step in first.. {
+        let batch = match ahead.next_batch() {
+            Ok(Some(batch)) => batch,
+            Ok(None) => return,
+            Err(e) => {
+                let (indices, data) = (Vec::new(), Err(e.into()));
+                let _ = tx.send(Loaded {
+                    step,
+                    indices,
+                    data,
+                });
+                return;
+            }
+        };
+        let contexts =
+            Trainer::micro_contexts(accumulate, device, &batch.indices, batch.epoch, step);
+        for ctx in contexts {
+            let data = load(&ctx);
+            let indices = ctx.indices.to_vec();
+            if tx
+                .send(Loaded {
+                    step,
+                    indices,
+                    data,
+                })
+                .is_err()
+            {
+                return; // the training ended
+            }
+        }
+    }
 }
