@@ -42,6 +42,7 @@ pub struct TrainConfig {
     pub(crate) loss_curve: Option<PathBuf>,
     pub(crate) progress: bool,
     pub(crate) prefetch: usize,
+    pub(crate) adaptive_micro_batch: bool,
 }
 
 impl TrainConfig {
@@ -70,6 +71,7 @@ impl TrainConfig {
             loss_curve: None,
             progress: true,
             prefetch: 2,
+            adaptive_micro_batch: false,
         }
     }
 
@@ -196,6 +198,21 @@ impl TrainConfig {
     /// prepares ahead (default 2).
     pub fn prefetch(mut self, micro_batches: usize) -> TrainConfig {
         self.prefetch = micro_batches;
+        self
+    }
+
+    /// Find the micro-batch that fits in memory on the first step, as the Python toma
+    /// does for a batch, with the effective batch fixed (default `false`): each rank
+    /// tries one micro-batch of `batch_size / accumulate` samples (its forward and
+    /// backward, gradients not synchronised) and halves it on an out-of-memory error
+    /// (CUDA, cuDNN, cuBLAS or the CPU allocator) until it fits; the ranks then take the
+    /// smallest any found, and every step accumulates `ceil(batch_size / micro)`
+    /// micro-batches of it. The size is written in each checkpoint and restored on
+    /// resume without a search, so a resumed run sums its gradients in the order of the
+    /// run it continues, bit for bit. Not with [`Steps::prefetched`](crate::Steps::prefetched)
+    /// (its loader prepares micro-batches before the size is known).
+    pub fn adaptive_micro_batch(mut self, adaptive: bool) -> TrainConfig {
+        self.adaptive_micro_batch = adaptive;
         self
     }
 

@@ -10,6 +10,8 @@ mod curve;
 mod error;
 #[cfg(feature = "dist")]
 mod eval;
+#[cfg(feature = "dist")]
+mod micro;
 #[cfg(feature = "tch")]
 mod precision;
 #[cfg(feature = "dist")]

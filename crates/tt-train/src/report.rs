@@ -42,6 +42,10 @@ pub struct FitReport {
     /// The loss scale at the end ([`Precision::Fp16`](crate::Precision::Fp16); `None`
     /// otherwise).
     pub loss_scale: Option<f64>,
+    /// The micro-batch's samples the adaptive search found or the checkpoint restored
+    /// ([`TrainConfig::adaptive_micro_batch`](crate::TrainConfig::adaptive_micro_batch);
+    /// `None` otherwise).
+    pub micro_batch: Option<usize>,
 }
 
 impl FitReport {

@@ -11,7 +11,7 @@ use tt_optim::Optimizer;
 use tt_sampler::{DistributedSampler, Reshard};
 
 use crate::sinks::{Console, JsonLines, LossCurve, RunStart, Sinks, TensorBoard};
-use crate::state::{resume_parts, saved, Values, BEST, SCALER};
+use crate::state::{resume_parts, saved, Values, BEST, MICRO, SCALER};
 use crate::{EpochBatches, GradScaler, Logger, Precision, TrainError, Trainer};
 
 /// The running loss: summed over the ranks and steps since the last log line, kept on
@@ -70,6 +70,9 @@ pub(crate) struct Run<'a> {
     /// Fp16's loss scale and good steps since it last changed.
     pub(crate) scaler: Option<GradScaler>,
     pub(crate) skipped: u64,
+    /// The micro-batch's samples, when the adaptive search found it (or the checkpoint
+    /// had it): each step then has `ceil(batch / micro)` micro-batches.
+    pub(crate) micro: Option<usize>,
     /// Rank 0's loggers (none elsewhere).
     pub(crate) sinks: Sinks<'a>,
 }
@@ -83,6 +86,9 @@ impl Trainer {
         }
         if let Some(scaler) = run.scaler {
             values.insert(SCALER.into(), serde_json::json!(scaler.state()));
+        }
+        if let Some(micro) = run.micro {
+            values.insert(MICRO.into(), serde_json::json!(micro));
         }
         values
     }
@@ -174,6 +180,11 @@ impl Trainer {
             best_dir,
             scaler,
             skipped: 0,
+            micro: cfg
+                .adaptive_micro_batch
+                .then(|| saved::<usize>(&values, MICRO))
+                .flatten()
+                .filter(|&m| m > 0),
             sinks,
         })
     }

@@ -21,6 +21,9 @@ pub(crate) const BEST: &str = "tt_train.best_eval";
 /// The fp16 [`GradScaler`](crate::GradScaler)'s state in a checkpoint's values.
 pub(crate) const SCALER: &str = "tt_train.grad_scaler";
 
+/// The micro-batch the adaptive search found (`TrainConfig::adaptive_micro_batch`).
+pub(crate) const MICRO: &str = "tt_train.micro_batch";
+
 /// The trainer's value `key` in a checkpoint's values, if there and readable.
 pub(crate) fn saved<T: serde::de::DeserializeOwned>(values: &Values, key: &str) -> Option<T> {
     values

@@ -171,6 +171,14 @@ impl Trainer {
         if let Some(eval) = &eval {
             eval.validate()?;
         }
+        if self.config.adaptive_micro_batch && matches!(feed, Feed::Prefetched { .. }) {
+            return Err(TrainError::Config(
+                "adaptive_micro_batch with Steps::prefetched: the loader prepares \
+                 micro-batches before their size is known; use Steps::new, or a fixed \
+                 accumulate(k)"
+                    .into(),
+            ));
+        }
         let mut user = std::mem::take(&mut self.loggers);
         let report = (|| {
             let run = self.start(vs, opt, eval.is_some(), &mut user)?;
@@ -197,6 +205,10 @@ impl Trainer {
         let mut epoch = 0;
         while let Some(batch) = run.batches.next_batch()? {
             epoch = batch.epoch;
+            if self.config.adaptive_micro_batch && run.micro.is_none() {
+                let found = crate::micro::search(self, &mut run, opt, &batch, step)?;
+                run.micro = Some(found);
+            }
             let lr = opt.lr();
             let loss = self.step(&mut run, opt, &batch.indices, batch.epoch, step)?;
             run.sinks.step(run.steps);
@@ -273,10 +285,15 @@ impl Trainer {
         }
         opt.zero_grad();
         let mut value: Option<Tensor> = None;
-        let accumulate = self.config.accumulate;
-        for ctx in Trainer::micro_contexts(accumulate, self.device, indices, epoch, steps) {
+        let parts = run
+            .micro
+            .map_or(self.config.accumulate, |m| indices.len().div_ceil(m));
+        for ctx in Trainer::micro_contexts(parts, self.device, indices, epoch, steps) {
             let share = ctx.indices.len() as f64 / indices.len() as f64;
-            let detached = self.micro_step(run, &ctx, share, step).map_err(failed)?;
+            let sync = ctx.micro_batch + 1 == ctx.micro_batches;
+            let detached = self
+                .micro_step(run, &ctx, share, sync, step)
+                .map_err(failed)?;
             value = Some(match value.take() {
                 Some(v) => v + detached,
                 None => detached,
@@ -306,12 +323,14 @@ impl Trainer {
 
     /// One micro-batch: the user's loss (under autocast), weighted by its `share` of the
     /// batch, scaled for fp16, and its backward (gradients synchronised across the ranks
-    /// only after the step's last micro-batch). Returns the weighted loss, detached.
-    fn micro_step(
+    /// when `sync`: after the step's last micro-batch). Returns the weighted loss,
+    /// detached.
+    pub(crate) fn micro_step(
         &self,
         run: &mut Run<'_>,
         ctx: &StepContext<'_>,
         share: f64,
+        sync: bool,
         step: &mut dyn FnMut(&StepContext<'_>) -> Result<Tensor, BoxError>,
     ) -> Result<Tensor, BoxError> {
         let loss = match self.config.precision.autocast_kind() {
@@ -340,10 +359,10 @@ impl Trainer {
             Some(scaler) => scaler.scale_loss(&loss)?,
             None => loss,
         };
-        if ctx.micro_batch + 1 < ctx.micro_batches {
-            run.ddp.no_sync(|| run.ddp.backward(&loss))?;
-        } else {
+        if sync {
             run.ddp.backward(&loss)?;
+        } else {
+            run.ddp.no_sync(|| run.ddp.backward(&loss))?;
         }
         Ok(detached)
     }
@@ -467,6 +486,7 @@ impl Trainer {
             best: run.best,
             skipped_steps: run.skipped,
             loss_scale: run.scaler.map(|s| s.scale()),
+            micro_batch: run.micro,
         };
         run.sinks.finish(&report);
         Ok(report)

@@ -25,6 +25,8 @@ fn main() {
             agree_process()
         } else if role == "signals" {
             signals_process()
+        } else if role == "rlimit" {
+            rlimit_process()
         } else {
             train_process()
         };
@@ -65,6 +67,18 @@ fn main() {
         (
             "a_hand_written_loop_of_the_building_blocks_ends_as_fit_bit_for_bit",
             building_blocks,
+        ),
+        (
+            "the_adaptive_micro_batch_halves_on_out_of_memory_and_resumes_with_it",
+            adaptive_micro_batch,
+        ),
+        (
+            "two_ranks_agree_on_the_smallest_adaptive_micro_batch",
+            adaptive_two_ranks,
+        ),
+        (
+            "under_a_real_memory_limit_the_micro_batch_found_trains_as_a_fixed_one",
+            adaptive_under_a_memory_limit,
         ),
         (
             "two_ranks_accumulating_equal_one_process_on_the_whole_batch",
@@ -164,6 +178,20 @@ fn train_process() -> TestResult {
         cfg = cfg.accumulate(k.parse().map_err(|e| format!("TT_ACCUM: {e}"))?);
     }
     let evaluating = var("TT_EVAL").is_some();
+    // "LIMIT0,LIMIT1": rank r's step runs out of memory above LIMITr samples.
+    let oom_above: Option<usize> = match var("TT_OOM_ABOVE") {
+        Some(limits) => {
+            cfg = cfg.adaptive_micro_batch(true);
+            let rank: usize = var("RANK").and_then(|r| r.parse().ok()).unwrap_or(0);
+            let limit = limits
+                .split(',')
+                .nth(rank)
+                .ok_or("TT_OOM_ABOVE: no limit for this rank")?;
+            Some(limit.parse().map_err(|e| format!("TT_OOM_ABOVE: {e}"))?)
+        }
+        None => None,
+    };
+    let micro_seen = std::cell::RefCell::new(std::collections::BTreeSet::new());
     let mut trainer = Trainer::from_env(cfg).map_err(|e| e.to_string())?;
     let rank = trainer.group().rank();
     // Different seeds per rank: the trainer's DDP broadcast must align them.
@@ -197,6 +225,16 @@ fn train_process() -> TestResult {
         if let (Some(p), 0) = (&progress, rank) {
             let _ = std::fs::write(p, ctx.step.to_string());
         }
+        if let Some(limit) = oom_above {
+            if ctx.indices.len() > limit {
+                return Err(tch::TchError::Torch(
+                    "CUDA out of memory. Tried to allocate 20.00 MiB (a stand-in)".into(),
+                ));
+            }
+            if ctx.step > 0 {
+                micro_seen.borrow_mut().insert(ctx.micro_batches);
+            }
+        }
         let (x, y) = sample(ctx.indices, ctx.device);
         net.forward(&x).f_mse_loss(&y, tch::Reduction::Mean)
     };
@@ -213,6 +251,9 @@ fn train_process() -> TestResult {
         .map_err(|e| e.to_string())?;
     if rank == 0 && evaluating {
         println!("\n@@evals {}@@", serde_json::json!(report.evals));
+    }
+    if oom_above.is_some() {
+        println!("\n@@micro {:?}@@", micro_seen.borrow());
     }
     println!(
         "\n@@outcome {:?} steps {} resumed {:?}@@",
@@ -584,6 +625,232 @@ fn building_blocks() -> TestResult {
     if diff != 0.0 || moved == 0.0 {
         return Err(format!(
             "the hand-written loop differs from fit by {diff} (and moved {moved} from the start)"
+        ));
+    }
+    Ok(())
+}
+
+/// A step that runs out of memory (a stand-in for CUDA's message) above 3 samples:
+/// the batch of 8 is tried whole, then 4, then trains in micro-batches of 2, exactly as
+/// a fixed `accumulate(4)`; a crash at step 6 resumed from the checkpoint at 4 takes
+/// the size from the checkpoint (nothing tried above it again) and ends as the
+/// uninterrupted run, bit for bit; with `Steps::prefetched` it is refused.
+fn adaptive_micro_batch() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    /// The parameters, each call's (step, samples, micro-batches), the resumed step,
+    /// the reported micro-batch.
+    type Fitted = (
+        Vec<(String, Tensor)>,
+        Vec<(u64, usize, usize)>,
+        Option<u64>,
+        Option<usize>,
+    );
+    let fit = |cfg: TrainConfig, crash_at: Option<u64>| -> Result<Fitted, String> {
+        tch::manual_seed(3);
+        let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg.handle_signals(false))?;
+        let mut seen = Vec::new();
+        let work = Steps::new(|ctx| {
+            seen.push((ctx.step, ctx.indices.len(), ctx.micro_batches));
+            if ctx.indices.len() > 3 {
+                let oom = "CUDA out of memory. Tried to allocate 20.00 MiB (a stand-in)";
+                return Err(tch::TchError::Torch(oom.into()));
+            }
+            if Some(ctx.step) == crash_at {
+                return Err(tch::TchError::Torch("crash".into()));
+            }
+            dropout_loss(&net, ctx.indices)
+        });
+        let (resumed, micro) = match (trainer.fit(&mut vs, &mut opt, work), crash_at) {
+            (Ok(report), None) => (report.resumed_from, report.micro_batch),
+            (Err(TrainError::Step { step, .. }), Some(at)) if step == at => (None, None),
+            (other, _) => return Err(format!("fit: {other:?}")),
+        };
+        Ok((params_of(&vs), seen, resumed, micro))
+    };
+    let cfg = || TrainConfig::new(64, 8, 1).seed(5);
+    let (fixed, _, _, none) = fit(cfg().accumulate(4), None)?;
+    let whole = dir.path().join("whole");
+    let (adaptive, seen, _, micro) = fit(
+        cfg().adaptive_micro_batch(true).checkpoints(&whole, 4),
+        None,
+    )?;
+    if (none, micro) != (None, Some(2)) {
+        return Err(format!(
+            "reported micro-batches {none:?} (fixed), {micro:?} (adaptive)"
+        ));
+    }
+    let tried: Vec<usize> = seen.iter().filter(|s| s.0 == 0).map(|s| s.1).collect();
+    if tried[..3] != [8, 4, 2] || seen.iter().any(|s| s.0 > 0 && (s.1 != 2 || s.2 != 4)) {
+        return Err(format!(
+            "tried {tried:?}; the steps saw (step, samples, parts) {seen:?}"
+        ));
+    }
+    let diff = max_diff(&fixed, &adaptive)?;
+    if diff > 1e-6 {
+        return Err(format!(
+            "the adaptive run differs from accumulate(4) by {diff}"
+        ));
+    }
+    let ckpt = dir.path().join("crash");
+    let with_ckpt = || cfg().adaptive_micro_batch(true).checkpoints(&ckpt, 4);
+    fit(with_ckpt(), Some(6))?;
+    let (resumed, seen, from, micro) = fit(with_ckpt(), None)?;
+    if from != Some(4) || micro != Some(2) || seen.iter().any(|s| s.1 != 2) {
+        return Err(format!("resumed from {from:?}, the steps saw {seen:?}"));
+    }
+    let diff = max_diff(&adaptive, &resumed)?;
+    if diff != 0.0 {
+        return Err(format!(
+            "the resumed run differs from the uninterrupted one by {diff}"
+        ));
+    }
+    let (mut trainer, mut vs, _, mut opt) =
+        one_cpu_process(cfg().adaptive_micro_batch(true).handle_signals(false))?;
+    let load = |ctx: &tt_train::StepContext<'_>| Ok::<_, std::io::Error>(ctx.indices.len());
+    let work = Steps::prefetched(load, |_, _| Ok(Tensor::from(0.0)));
+    match trainer.fit(&mut vs, &mut opt, work) {
+        Err(TrainError::Config(m)) if m.contains("adaptive_micro_batch") => Ok(()),
+        other => Err(format!("adaptive with a loader: {other:?}")),
+    }
+}
+
+/// Rank 0 fits 2 samples, rank 1 only 1: both train in micro-batches of 1 from the
+/// first step on, and end as one process on the whole batch (1e-5).
+fn adaptive_two_ranks() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let p = port();
+    let out = dir.path().join("two");
+    let extra = [
+        ("TT_OOM_ABOVE", Path::new("2,1")),
+        ("TT_OUT", out.as_path()),
+    ];
+    let outs = finish((0..2).map(|r| spawn(r, 2, p, 4, &extra)).collect())?;
+    for (rank, stdout) in outs.iter().enumerate() {
+        if !stdout.contains("@@micro {4}@@") {
+            return Err(format!(
+                "rank {rank} trained in other micro-batches:\n{stdout}"
+            ));
+        }
+    }
+    let two = Tensor::read_safetensors(format!("{}.rank0.safetensors", out.display()))
+        .map_err(|e| e.to_string())?;
+    let one = run(0, 8, &[], &dir.path().join("one"))?;
+    let diff = max_diff(&two, &one)?;
+    if diff > 1e-5 {
+        return Err(format!(
+            "two adaptive ranks and one process differ by {diff}"
+        ));
+    }
+    Ok(())
+}
+
+/// Samples per step of the memory-limit test, and the hidden width that makes a whole
+/// batch need about 128 MiB (its activations and their gradients, float32).
+const LIMITED_BATCH: usize = 2048;
+const HIDDEN: i64 = 4096;
+
+/// The memory-limit test's training process: with `TT_ROOM_MIB` set, the step starts
+/// at the whole batch under an address-space limit of that much above what the
+/// process maps, and the adaptive micro-batch finds what fits (real out-of-memory
+/// errors from libtorch's CPU allocator); with `TT_ACCUM`, a fixed accumulation and no
+/// limit. Prints `@@micro N@@` (the micro-batches per step) and saves the parameters.
+fn rlimit_process() -> TestResult {
+    // Every allocation counted by the limit (one malloc arena, a fixed mmap threshold),
+    // as the demo does; before any thread exists.
+    // SAFETY: mallopt only sets malloc's parameters; no other thread allocates yet.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 << 10);
+    }
+    tch::set_num_threads(1);
+    let out = var("TT_OUT").ok_or("TT_OUT unset")?;
+    let mut cfg = TrainConfig::new(2 * LIMITED_BATCH as u64, LIMITED_BATCH, 1)
+        .seed(5)
+        .handle_signals(false)
+        .progress(false);
+    let room: Option<u64> = var("TT_ROOM_MIB").and_then(|v| v.parse().ok());
+    match (room, var("TT_ACCUM")) {
+        (Some(_), _) => cfg = cfg.adaptive_micro_batch(true),
+        (None, Some(k)) => cfg = cfg.accumulate(k.parse().map_err(|e| format!("TT_ACCUM: {e}"))?),
+        (None, None) => return Err("set TT_ROOM_MIB or TT_ACCUM".into()),
+    }
+    let mut trainer = Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), tch::Device::Cpu)
+        .map_err(|e| e.to_string())?;
+    tch::manual_seed(3);
+    let mut vs = nn::VarStore::new(tch::Device::Cpu);
+    let (l1, l2) = (
+        nn::linear(vs.root() / "l1", 8, HIDDEN, Default::default()),
+        nn::linear(vs.root() / "l2", HIDDEN, 1, Default::default()),
+    );
+    let mut opt = Optimizer::sgd(&vs, SgdConfig::default()).map_err(|e| e.to_string())?;
+    // Every operation through its `f_` form: an allocation refused is an error to
+    // retry smaller, not a panic.
+    let loss = |indices: &[u64]| -> Result<Tensor, tch::TchError> {
+        let (x, y) = sample(indices, tch::Device::Cpu);
+        let h = x.f_linear(&l1.ws, l1.bs.as_ref())?.f_relu()?;
+        h.f_linear(&l2.ws, l2.bs.as_ref())?
+            .f_mse_loss(&y, tch::Reduction::Mean)
+    };
+    // One small step before the limit, so that libtorch's own buffers exist.
+    loss(&[0, 1])
+        .and_then(|l| l.f_backward())
+        .map_err(|e| e.to_string())?;
+    opt.zero_grad();
+    if let Some(room) = room {
+        let base = tt_adaptive::address_space_in_use().ok_or("no VmSize")?;
+        tt_adaptive::set_cpu_memory_limit(Some(base + (room << 20))).map_err(|e| e.to_string())?;
+    }
+    let mut parts = 0;
+    let work = Steps::new(|ctx| {
+        parts = ctx.micro_batches;
+        loss(ctx.indices)
+    });
+    let report = trainer.fit(&mut vs, &mut opt, work);
+    tt_adaptive::set_cpu_memory_limit(None).map_err(|e| e.to_string())?;
+    let report = report.map_err(|e| e.to_string())?;
+    if report.steps != 2 {
+        return Err(format!("{} steps", report.steps));
+    }
+    vs.save(format!("{out}.safetensors"))
+        .map_err(|e| e.to_string())?;
+    println!("\n@@micro {parts}@@");
+    Ok(())
+}
+
+/// Under an address-space limit of 48 MiB above what the process maps, a whole batch
+/// of 2048 (about 128 MiB of activations) does not fit: the trainer halves the
+/// micro-batch on libtorch's real out-of-memory errors until one fits, and ends with
+/// the parameters of a run accumulating as many fixed micro-batches (1e-6).
+fn adaptive_under_a_memory_limit() -> TestResult {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let child = |vars: &[(&str, String)], out: &Path| -> Result<String, String> {
+        let mut cmd = command("rlimit", 0, 0, 0, LIMITED_BATCH, &[("TT_OUT", out)]);
+        cmd.envs(vars.iter().map(|(k, v)| (k, v)));
+        let outs = finish(vec![piped(cmd)])?;
+        let line = outs[0].lines().find(|l| l.starts_with("@@micro "));
+        Ok(line
+            .ok_or_else(|| format!("no micro line: {}", outs[0]))?
+            .to_owned())
+    };
+    let limited = dir.path().join("limited");
+    let said = child(&[("TT_ROOM_MIB", "48".into())], &limited)?;
+    let parts: usize = said
+        .trim_start_matches("@@micro ")
+        .trim_end_matches("@@")
+        .parse()
+        .map_err(|e| format!("{said}: {e}"))?;
+    if parts < 2 {
+        return Err(format!("the whole batch fit under the limit ({said})"));
+    }
+    let fixed = dir.path().join("fixed");
+    child(&[("TT_ACCUM", parts.to_string())], &fixed)?;
+    let read = |p: &Path| {
+        Tensor::read_safetensors(format!("{}.safetensors", p.display())).map_err(|e| e.to_string())
+    };
+    let diff = max_diff(&read(&limited)?, &read(&fixed)?)?;
+    if diff > 1e-6 {
+        return Err(format!(
+            "{parts} micro-batches found under the limit and fixed differ by {diff}"
         ));
     }
     Ok(())

@@ -1,0 +1,62 @@
+//! The adaptive micro-batch of [`TrainConfig::adaptive_micro_batch`](crate::TrainConfig::adaptive_micro_batch):
+//! searched on the first step, agreed over the ranks.
+
+use tch::Tensor;
+use tt_adaptive::{Adaptive, AdaptiveError, Cache, Policy};
+use tt_optim::Optimizer;
+
+use crate::run::Run;
+use crate::work::{BoxError, StepContext};
+use crate::{Batch, TrainError, Trainer};
+
+/// The largest micro-batch, from `batch_size / accumulate` down by halves, whose
+/// forward and backward fit on this rank, then the smallest over the ranks. Each try
+/// runs the step function on the batch's first samples with the gradients kept local
+/// (no collective: the ranks may try different sizes) and leaves no gradient behind.
+pub(crate) fn search(
+    trainer: &Trainer,
+    run: &mut Run<'_>,
+    opt: &mut Optimizer,
+    batch: &Batch,
+    step: &mut dyn FnMut(&StepContext<'_>) -> Result<Tensor, BoxError>,
+) -> Result<usize, TrainError> {
+    let indices = &batch.indices;
+    let start = indices.len().div_ceil(trainer.config.accumulate).max(1);
+    let mut tried = Vec::new();
+    let adaptive = Adaptive::new().policy(Policy::Halve).cache(Cache::None);
+    let found = adaptive.batch(start, |m| -> Result<usize, String> {
+        tried.push(m);
+        let ctx = StepContext {
+            indices: &indices[..m.min(indices.len())],
+            device: trainer.device,
+            epoch: batch.epoch,
+            step: run.steps,
+            micro_batch: 0,
+            micro_batches: indices.len().div_ceil(m),
+        };
+        opt.zero_grad();
+        let tried = trainer.micro_step(run, &ctx, 1.0, false, step);
+        opt.zero_grad();
+        tried.map(|_| m).map_err(|e| e.to_string())
+    });
+    let failed = |cause: String| TrainError::Step {
+        step: run.steps,
+        cause: format!("searching the micro-batch: {cause}").into(),
+    };
+    let mine = match found {
+        Ok(m) => m,
+        Err(AdaptiveError::Failed(e)) => return Err(failed(e)),
+        Err(e) => return Err(failed(e.to_string())),
+    };
+    let agreed = trainer.pg.min_over_ranks(mine as u64)?;
+    let agreed = usize::try_from(agreed).unwrap_or(mine).max(1);
+    if trainer.pg.is_main() {
+        tracing::info!(
+            micro_batch = agreed,
+            per_step = indices.len().div_ceil(agreed),
+            tried = ?tried,
+            "micro-batch found"
+        );
+    }
+    Ok(agreed)
+}
