@@ -118,7 +118,7 @@ const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-optim (default features)", 9),
     ("test -p tt-optim --no-default-features", 2),
     ("test -p tt-reserve (no features)", 6),
-    ("test -p tt-train (default features)", 52),
+    ("test -p tt-train (default features)", 53),
     ("test -p tt-train --no-default-features", 6),
     ("test -p torchtools-cli (default features)", 88),
     ("test -p torchtools-cli --no-default-features", 88),

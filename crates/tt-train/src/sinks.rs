@@ -38,6 +38,9 @@ pub struct LogRecord {
     pub grad_norm: Option<f64>,
     /// Samples of all ranks per second since the last record.
     pub samples_per_s: f64,
+    /// The micro-batch's samples, when the trainer found it
+    /// ([`TrainConfig::adaptive_micro_batch`](crate::TrainConfig::adaptive_micro_batch)).
+    pub micro_batch: Option<usize>,
 }
 
 /// The result of one evaluation.
@@ -94,6 +97,14 @@ pub trait Logger {
     /// An evaluation's result.
     fn on_eval(&mut self, record: &EvalRecord) -> Result<(), BoxError> {
         let _ = record;
+        Ok(())
+    }
+
+    /// Checkpoint `step` is durable at `path` (periodic checkpoints are written in the
+    /// background: each is reported when the trainer next waits for it, at the next
+    /// checkpoint or the end).
+    fn on_checkpoint(&mut self, step: u64, path: &Path) -> Result<(), BoxError> {
+        let _ = (step, path);
         Ok(())
     }
 
@@ -154,6 +165,10 @@ impl<'a> Sinks<'a> {
 
     pub(crate) fn eval(&mut self, record: &EvalRecord) {
         self.each("after an evaluation", |l| l.on_eval(record));
+    }
+
+    pub(crate) fn checkpoint(&mut self, step: u64, path: &Path) {
+        self.each("after a checkpoint", |l| l.on_checkpoint(step, path));
     }
 
     pub(crate) fn finish(&mut self, report: &FitReport) {

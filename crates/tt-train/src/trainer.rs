@@ -422,6 +422,7 @@ impl Trainer {
             lr,
             grad_norm,
             samples_per_s,
+            micro_batch: run.micro,
         });
     }
 
@@ -435,6 +436,10 @@ impl Trainer {
         opt: &Optimizer,
     ) -> Result<(), TrainError> {
         if let (Some(dir), true) = (&run.dir, self.pg.is_main()) {
+            // The previous one first: durable now, reported as such.
+            if let (Some(path), Some((step, _))) = (dir.wait()?, &run.background) {
+                run.sinks.checkpoint(*step, &path);
+            }
             let values = self.values(run);
             save_parts_async(dir, run.steps, vs, opt, &run.batches, &values)?;
             run.background = Some((run.steps, values));
@@ -451,14 +456,24 @@ impl Trainer {
     ) -> Result<(), TrainError> {
         if let (Some(dir), true) = (&run.dir, self.pg.is_main()) {
             let values = self.values(run);
-            run.last_ckpt = match run.background.take() {
-                // The run ended at the background checkpoint's step, nothing changed
-                // since: it is the final checkpoint once durable (not written twice).
-                Some((step, saved)) if step == run.steps && saved == values => match dir.wait()? {
-                    Some(path) => Some(path),
-                    None => save_parts(dir, run.steps, vs, opt, &run.batches, &values)?,
-                },
-                _ => save_parts(dir, run.steps, vs, opt, &run.batches, &values)?,
+            // The background checkpoint, durable once waited for; when the run ended at
+            // its step with nothing changed since, it is the final one (not written twice).
+            let done = match (dir.wait()?, run.background.take()) {
+                (Some(path), Some((step, saved))) => {
+                    run.sinks.checkpoint(step, &path);
+                    (step == run.steps && saved == values).then_some(path)
+                }
+                _ => None,
+            };
+            run.last_ckpt = match done {
+                Some(path) => Some(path),
+                None => {
+                    let path = save_parts(dir, run.steps, vs, opt, &run.batches, &values)?;
+                    if let Some(path) = &path {
+                        run.sinks.checkpoint(run.steps, path);
+                    }
+                    path
+                }
             };
         }
         Ok(())

@@ -126,6 +126,10 @@ fn main() {
             "a_run_ending_at_a_periodic_checkpoint_writes_it_once",
             final_checkpoint_once,
         ),
+        (
+            "loggers_hear_of_each_checkpoint_once_it_is_durable",
+            checkpoints_reported,
+        ),
     ];
     tt_testkit::run_tests(tests);
 }
@@ -1993,6 +1997,44 @@ fn final_checkpoint_once() -> TestResult {
     Ok(())
 }
 
+/// Every 5 steps of 16: the background checkpoints 5, 10 and 15 and the final 16 are
+/// reported to a logger once each, in order, each file there when reported; every 4:
+/// 4, 8, 12 and 16 (the last periodic one is the final one, reported once).
+fn checkpoints_reported() -> TestResult {
+    for (every, want) in [(5, [5, 10, 15, 16]), (4, [4, 8, 12, 16])] {
+        let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let cfg = TrainConfig::new(64, 4, 1)
+            .checkpoints(tmp.path(), every)
+            .keep_last(5)
+            .handle_signals(false);
+        let (mut trainer, mut vs, net, mut opt) = one_cpu_process(cfg)?;
+        let seen = Recorder::default();
+        trainer.add_logger(seen.clone());
+        let work = Steps::new(|ctx| {
+            let (x, y) = sample(ctx.indices, ctx.device);
+            net.forward(&x).f_mse_loss(&y, tch::Reduction::Mean)
+        });
+        trainer
+            .fit(&mut vs, &mut opt, work)
+            .map_err(|e| e.to_string())?;
+        let lines = seen.0.lock().map_err(|e| e.to_string())?.clone();
+        let got: Vec<&String> = lines
+            .iter()
+            .filter(|l| l.starts_with("checkpoint"))
+            .collect();
+        let want: Vec<String> = want
+            .iter()
+            .map(|s| format!("checkpoint {s} there"))
+            .collect();
+        if got != want.iter().collect::<Vec<_>>() {
+            return Err(format!(
+                "every {every}: the logger heard {got:?}, want {want:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A logger of the user's own: every call as a line ("step N" lines for the last step).
 #[derive(Clone, Default)]
 struct Recorder(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
@@ -2029,6 +2071,12 @@ impl tt_train::Logger for Recorder {
 
     fn on_finish(&mut self, report: &tt_train::FitReport) -> Result<(), tt_train::BoxError> {
         self.push(format!("finish {}", report.steps));
+        Ok(())
+    }
+
+    fn on_checkpoint(&mut self, step: u64, path: &Path) -> Result<(), tt_train::BoxError> {
+        let there = if path.exists() { "there" } else { "missing" };
+        self.push(format!("checkpoint {step} {there}"));
         Ok(())
     }
 }
