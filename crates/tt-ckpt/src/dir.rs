@@ -251,6 +251,23 @@ impl CheckpointDir {
         }
     }
 
+    /// The pending [`save_async`](Self::save_async)'s path once it has finished (or its
+    /// error), without waiting: `None` while it is still writing, or when none is
+    /// pending. A training loop calls it each step to say "saved" as soon as a
+    /// background checkpoint is durable.
+    pub fn poll(&self) -> Result<Option<PathBuf>> {
+        let mut pending = self.lock_pending()?;
+        if !pending.as_ref().is_some_and(JoinHandle::is_finished) {
+            return Ok(None);
+        }
+        match pending.take() {
+            None => Ok(None),
+            Some(h) => h
+                .join()
+                .unwrap_or_else(|_| Err(Error::SaveThread("the save thread panicked".into()))),
+        }
+    }
+
     fn join_pending(&self) -> Result<()> {
         self.wait()
             .map(drop)

@@ -455,6 +455,29 @@ fn async_saves_finish_in_order_and_report_their_errors() {
 }
 
 #[test]
+fn poll_reports_a_background_save_once_it_is_durable_without_waiting() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = CheckpointDir::open(root.path()).unwrap();
+    assert_eq!(dir.poll().unwrap(), None, "nothing pending");
+    dir.save_async(ckpt(3)).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let path = loop {
+        if let Some(path) = dir.poll().unwrap() {
+            break path;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the save never finished"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    assert!(path.ends_with("ckpt-00000003.safetensors") && path.exists());
+    assert_eq!(dir.load_latest().unwrap().unwrap().checkpoint.step(), 3);
+    assert_eq!(dir.poll().unwrap(), None, "reported once");
+    assert_eq!(dir.wait().unwrap(), None, "nothing left to wait for");
+}
+
+#[test]
 fn dropping_the_directory_finishes_a_pending_save() {
     let root = tempfile::tempdir().unwrap();
     {

@@ -43,6 +43,7 @@ pub struct TrainConfig {
     pub(crate) progress: bool,
     pub(crate) prefetch: usize,
     pub(crate) adaptive_micro_batch: bool,
+    pub(crate) console: bool,
 }
 
 impl TrainConfig {
@@ -72,6 +73,7 @@ impl TrainConfig {
             progress: true,
             prefetch: 2,
             adaptive_micro_batch: false,
+            console: true,
         }
     }
 
@@ -191,6 +193,14 @@ impl TrainConfig {
     /// (never in logs or pipes).
     pub fn progress(mut self, show: bool) -> TrainConfig {
         self.progress = show;
+        self
+    }
+
+    /// The [`Console`](crate::Console) logger on rank 0 (default `true`): a `tracing`
+    /// line at each log step and evaluation, and the progress bar. `false` for a program
+    /// that says what it wants through a [`Logger`](crate::Logger) of its own.
+    pub fn console(mut self, on: bool) -> TrainConfig {
+        self.console = on;
         self
     }
 

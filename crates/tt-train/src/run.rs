@@ -11,7 +11,9 @@ use tt_optim::Optimizer;
 use tt_sampler::{DistributedSampler, Reshard};
 
 use crate::sinks::{Console, JsonLines, LossCurve, RunStart, Sinks, TensorBoard};
-use crate::state::{resume_parts, saved, Values, BEST, MICRO, SCALER};
+use crate::state::{
+    resume_parts, save_parts, save_parts_async, saved, Values, BEST, MICRO, SCALER,
+};
 use crate::{EpochBatches, GradScaler, Logger, Precision, TrainError, Trainer};
 
 /// The running loss: summed over the ranks and steps since the last log line, kept on
@@ -44,6 +46,13 @@ impl LossWindow {
     }
 }
 
+/// A checkpoint written in the background (see [`Run::background`]).
+pub(crate) struct Background {
+    pub(crate) step: u64,
+    pub(crate) values: Values,
+    pub(crate) durable: Option<PathBuf>,
+}
+
 /// What one [`Trainer::fit`] carries between steps.
 pub(crate) struct Run<'a> {
     pub(crate) batches: EpochBatches,
@@ -54,9 +63,10 @@ pub(crate) struct Run<'a> {
     pub(crate) losses: Vec<(u64, f64)>,
     pub(crate) window: LossWindow,
     pub(crate) last_ckpt: Option<PathBuf>,
-    /// The step and values of the checkpoint last started in the background: when the
-    /// run ends there, that checkpoint is the final one (waited for, not written again).
-    pub(crate) background: Option<(u64, Values)>,
+    /// The checkpoint last started in the background: its step, its values and, once
+    /// durable (and reported to the loggers), its path. When the run ends at its step,
+    /// it is the final checkpoint (waited for, not written again).
+    pub(crate) background: Option<Background>,
     /// The last step's gradient norm before clipping (on the device).
     pub(crate) grad_norm: Option<Tensor>,
     /// The trainable variables (for clipping).
@@ -97,7 +107,10 @@ impl Trainer {
     pub(crate) fn own_loggers(&self) -> Result<Vec<Box<dyn Logger + Send>>, TrainError> {
         let cfg = &self.config;
         let io = |what: String| move |cause| TrainError::Io { what, cause };
-        let mut own: Vec<Box<dyn Logger + Send>> = vec![Box::new(Console::new(cfg.progress))];
+        let mut own: Vec<Box<dyn Logger + Send>> = Vec::new();
+        if cfg.console {
+            own.push(Box::new(Console::new(cfg.progress)));
+        }
         if let Some(path) = &cfg.metrics_file {
             let what = format!("opening the metrics file {}", path.display());
             own.push(Box::new(JsonLines::append(path).map_err(io(what))?));
@@ -187,5 +200,78 @@ impl Trainer {
                 .filter(|&m| m > 0),
             sinks,
         })
+    }
+
+    /// A periodic checkpoint, written while training goes on (rank 0; CUDA state is
+    /// copied on the stream without stopping the loop): the next save, the final one
+    /// included, finishes it first.
+    pub(crate) fn checkpoint_in_background(
+        &self,
+        run: &mut Run<'_>,
+        vs: &VarStore,
+        opt: &Optimizer,
+    ) -> Result<(), TrainError> {
+        if !self.pg.is_main() {
+            return Ok(());
+        }
+        self.settle(run, true)?;
+        if let Some(dir) = &run.dir {
+            let values = self.values(run);
+            save_parts_async(dir, run.steps, vs, opt, &run.batches, &values)?;
+            run.background = Some(Background {
+                step: run.steps,
+                values,
+                durable: None,
+            });
+        }
+        Ok(())
+    }
+
+    /// The background checkpoint, once durable (waited for with `wait`, else only if
+    /// done), reported to the loggers once and its path kept.
+    pub(crate) fn settle(&self, run: &mut Run<'_>, wait: bool) -> Result<(), TrainError> {
+        let (Some(dir), Some(bg)) = (&run.dir, &mut run.background) else {
+            return Ok(());
+        };
+        if bg.durable.is_none() {
+            bg.durable = if wait { dir.wait()? } else { dir.poll()? };
+            if let Some(path) = &bg.durable {
+                run.sinks.checkpoint(bg.step, path);
+            }
+        }
+        Ok(())
+    }
+
+    /// Rank 0 writes; the others build nothing.
+    pub(crate) fn checkpoint(
+        &self,
+        run: &mut Run<'_>,
+        vs: &VarStore,
+        opt: &Optimizer,
+    ) -> Result<(), TrainError> {
+        if !self.pg.is_main() {
+            return Ok(());
+        }
+        self.settle(run, true)?;
+        if let Some(dir) = &run.dir {
+            let values = self.values(run);
+            // The run ended at the background checkpoint's step with nothing changed
+            // since: it is the final checkpoint (not written twice).
+            let done = run.background.take().and_then(|bg| {
+                let same = bg.step == run.steps && bg.values == values;
+                bg.durable.filter(|_| same)
+            });
+            run.last_ckpt = match done {
+                Some(path) => Some(path),
+                None => {
+                    let path = save_parts(dir, run.steps, vs, opt, &run.batches, &values)?;
+                    if let Some(path) = &path {
+                        run.sinks.checkpoint(run.steps, path);
+                    }
+                    path
+                }
+            };
+        }
+        Ok(())
     }
 }

@@ -12,7 +12,6 @@ use tt_optim::Optimizer;
 
 use crate::run::Run;
 use crate::sinks::LogRecord;
-use crate::state::{save_parts, save_parts_async};
 use crate::work::{BoxError, Eval, Feed, StepContext};
 use crate::{FitOutcome, FitReport};
 use crate::{Logger, Steps, TrainConfig, TrainError};
@@ -222,6 +221,8 @@ impl Trainer {
             }
             if self.config.checkpoint_every > 0 && run.steps % self.config.checkpoint_every == 0 {
                 self.checkpoint_in_background(&mut run, vs, opt)?;
+            } else if self.pg.is_main() {
+                self.settle(&mut run, false)?;
             }
         }
         if let Some(mean) = run.window.take_mean() {
@@ -424,59 +425,6 @@ impl Trainer {
             samples_per_s,
             micro_batch: run.micro,
         });
-    }
-
-    /// A periodic checkpoint, written while training goes on (rank 0; CUDA state is
-    /// copied on the stream without stopping the loop): the next save, the final one
-    /// included, finishes it first.
-    fn checkpoint_in_background(
-        &self,
-        run: &mut Run<'_>,
-        vs: &VarStore,
-        opt: &Optimizer,
-    ) -> Result<(), TrainError> {
-        if let (Some(dir), true) = (&run.dir, self.pg.is_main()) {
-            // The previous one first: durable now, reported as such.
-            if let (Some(path), Some((step, _))) = (dir.wait()?, &run.background) {
-                run.sinks.checkpoint(*step, &path);
-            }
-            let values = self.values(run);
-            save_parts_async(dir, run.steps, vs, opt, &run.batches, &values)?;
-            run.background = Some((run.steps, values));
-        }
-        Ok(())
-    }
-
-    /// Rank 0 writes; the others build nothing.
-    fn checkpoint(
-        &self,
-        run: &mut Run<'_>,
-        vs: &VarStore,
-        opt: &Optimizer,
-    ) -> Result<(), TrainError> {
-        if let (Some(dir), true) = (&run.dir, self.pg.is_main()) {
-            let values = self.values(run);
-            // The background checkpoint, durable once waited for; when the run ended at
-            // its step with nothing changed since, it is the final one (not written twice).
-            let done = match (dir.wait()?, run.background.take()) {
-                (Some(path), Some((step, saved))) => {
-                    run.sinks.checkpoint(step, &path);
-                    (step == run.steps && saved == values).then_some(path)
-                }
-                _ => None,
-            };
-            run.last_ckpt = match done {
-                Some(path) => Some(path),
-                None => {
-                    let path = save_parts(dir, run.steps, vs, opt, &run.batches, &values)?;
-                    if let Some(path) = &path {
-                        run.sinks.checkpoint(run.steps, path);
-                    }
-                    path
-                }
-            };
-        }
-        Ok(())
     }
 
     /// The last checkpoint, the barrier, the report (to the loggers too).
