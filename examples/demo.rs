@@ -6,7 +6,7 @@
 //!    (a GPU lock and memory fence on a GPU; nothing to reserve on a CPU-only machine),
 //!    shown as `torchtools locks` shows it.
 //! 3. Training: a classifier on generated data (or MNIST's IDX files with `--idx DIR`)
-//!    with tt-optim's Adam, an out-of-memory-adaptive micro-batch with gradient
+//!    through the trainer with tt-optim's Adam, its out-of-memory-adaptive micro-batch with gradient
 //!    accumulation (so the sampler's batches stay fixed; on the CPU under a memory limit
 //!    small enough that the adaptation shows), a resource tracker around the run, and a
 //!    checkpoint every few steps.
@@ -33,20 +33,17 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use torchtools::adaptive::{
-    address_space_in_use, set_cpu_memory_limit, Adaptive, AdaptiveError, Cache, Policy,
-};
+use torchtools::adaptive::{address_space_in_use, set_cpu_memory_limit};
 use torchtools::ckpt::CheckpointDir;
 use torchtools::device::Bytes;
 use torchtools::dist::{launch, LaunchConfig};
 use torchtools::optim::{AdamConfig, Optimizer, SgdConfig};
 use torchtools::probe::{BoxError, ProbeContext, ProbeOptions, Step};
 use torchtools::reserve::Reservation;
-use torchtools::sampler::DistributedSampler;
 use torchtools::tch::nn;
 use torchtools::tch::{Device, Kind, Reduction, TchError, Tensor};
 use torchtools::tracker::{RamUnit, Target, TimeUnit, Tracker, TrackerConfig};
-use torchtools::train::{EpochBatches, Steps, TrainConfig, TrainState, Trainer};
+use torchtools::train::{FitReport, LogRecord, RunStart, Steps, TrainConfig, Trainer};
 use torchtools::{run_training_with_reservation, RunOptions};
 
 type Result<T, E = Box<dyn Error>> = std::result::Result<T, E>;
@@ -108,7 +105,7 @@ impl Args {
     /// Samples, epochs, checkpoint interval.
     fn size(&self) -> (u64, u64, u64) {
         if self.quick {
-            (8192, 2, 3)
+            (8192, 3, 3)
         } else {
             (16384, 3, 3)
         }
@@ -320,25 +317,35 @@ fn checksum(vs: &nn::VarStore) -> Result<u64> {
 // ---------------------------------------------------------------------------------------
 // Part 3: the training process (run three times: killed, resumed, uninterrupted).
 
-/// One training run in its own process: prints `micro-batch N`, `saved step N`,
-/// `loss STEP VALUE` and at the end `checksum HEX`.
+/// One training run in its own process, through the trainer: prints `micro-batch N`,
+/// `saved step N` (once the checkpoint is durable), `loss STEP VALUE` and at the end
+/// `checksum HEX`.
 fn train_child(args: &Args, name: &str) -> Result<()> {
     torchtools::use_allowed_threads();
     let device = torchtools::device::select()?;
     let (_, epochs, every) = args.size();
     let (x, y) = dataset(args, device)?;
     let samples = x.size()[0] as u64;
-    let vs = nn::VarStore::new(device);
-    let model = Model::new(&vs);
-    let optimizer = adam(&vs)?;
-    let sampler = DistributedSampler::new(samples, 1, 0)?.with_seed(7);
-    let batches = EpochBatches::new(sampler, BATCH, epochs)?;
-    let mut state = TrainState::new(vs, optimizer, batches);
-    let dir = CheckpointDir::open(args.out.join(format!("checkpoints-{name}")))?.keep_last(3);
-    let resumed = state.resume(&dir)?;
-    if let Some(step) = resumed {
-        println!("resumed from the checkpoint of step {step}");
+    let dir = args.out.join(format!("checkpoints-{name}"));
+    let resuming = !CheckpointDir::open(&dir)?.list()?.is_empty();
+    // The micro-batch that fits is the trainer's to find, from the whole batch (or from
+    // the one asked for), on the first step; a resumed run takes the checkpoint's, so
+    // that it sums its gradients in the same order as the run it continues.
+    let mut config = TrainConfig::new(samples, BATCH, epochs)
+        .seed(7)
+        .checkpoints(&dir, every)
+        .keep_last(3)
+        .log_every(1)
+        .console(false)
+        .adaptive_micro_batch(true);
+    if let Some(m) = args.micro {
+        config = config.accumulate(BATCH.div_ceil(m));
     }
+    let mut trainer =
+        Trainer::with_group(config, torchtools::dist::ProcessGroup::single(), device)?;
+    let mut vs = nn::VarStore::new(device);
+    let model = Model::new(&vs);
+    let mut opt = adam(&vs)?;
     let tracker = Tracker::start(TrackerConfig {
         target: Target::Current,
         interval: Duration::from_millis(100),
@@ -348,26 +355,12 @@ fn train_child(args: &Args, name: &str) -> Result<()> {
         time_unit: TimeUnit::Seconds,
         ..TrackerConfig::default()
     })?;
-    // The micro-batch: the checkpoint's (a resumed run sums its gradients in the same
-    // order as the run it continues), or the one asked for, or the whole batch.
-    let saved = state.values.get("micro_batch").and_then(|v| v.as_u64());
-    let known = saved.map(|m| m as usize).or(args.micro);
-    let mut micro = known.unwrap_or(BATCH);
-    if let Some(m) = known {
-        let whose = if saved.is_some() {
-            "the checkpoint's"
-        } else {
-            "the interrupted run's"
-        };
-        println!("micro-batch {m} ({whose}): no search");
-    }
     // Room for about half a batch's activations, not for a whole batch's, while the
     // micro-batch is searched (measured with the accounting of
     // `exact_memory_accounting`: a micro-batch of 2048 needs 48-56 MiB, 1024 needs
     // 28-32 MiB, 512 16-24 MiB, so the whole batch is refused by 16 MiB or more); 64 MiB
     // more once it is known, so that the allocator's later growth (checkpoint buffers, a
-    // fragmented heap) does not halve it mid-run: a fixed micro-batch is what makes a
-    // resumed run sum its gradients in the same order as the run it continues.
+    // fragmented heap) does not fail a later step.
     const SEARCH_ROOM: u64 = 32 << 20;
     const KNOWN_ROOM: u64 = SEARCH_ROOM + (64 << 20);
     let mut relax = None;
@@ -375,86 +368,33 @@ fn train_child(args: &Args, name: &str) -> Result<()> {
         // One small step first, so that libtorch's threads exist before the limit.
         let warm = model.loss_sum(&x.narrow(0, 0, 8), &y.narrow(0, 0, 8))?;
         warm.f_backward()?;
-        state.optimizer.zero_grad();
+        opt.zero_grad();
         let base = address_space_in_use().ok_or("no VmSize in /proc/self/status")?;
-        let room = if known.is_some() {
-            KNOWN_ROOM
-        } else {
-            SEARCH_ROOM
-        };
+        let known = resuming || args.micro.is_some();
+        let room = if known { KNOWN_ROOM } else { SEARCH_ROOM };
         set_cpu_memory_limit(Some(base + room))?;
         println!(
             "memory limit: {} MiB above what the process maps (RLIMIT_AS)",
             room >> 20
         );
-        if known.is_none() {
-            relax = Some(base + KNOWN_ROOM);
-        }
+        relax = (!known).then_some(base + KNOWN_ROOM);
     }
-    let adaptive = Adaptive::new().policy(Policy::Halve).cache(Cache::None);
-    let total = state.batches.epochs() * samples.div_ceil(BATCH as u64);
-    let bar = ProgressBar::new(total).with_position(state.step);
-    bar.set_style(
-        ProgressStyle::with_template("  training [{bar:30}] step {pos}/{len} {msg}")?
-            .progress_chars("=> "),
-    );
-    while let Some(batch) = state.batches.next_batch()? {
-        let idx: Vec<i64> = batch.indices.iter().map(|&i| i as i64).collect();
-        let idx = Tensor::from_slice(&idx).to_device(device);
-        let (bx, by) = (x.index_select(0, &idx), y.index_select(0, &idx));
-        let n = idx.size()[0];
-        let mut tried = Vec::new();
-        // One optimizer step over the whole batch, in micro-batches of `m`; an
-        // out-of-memory anywhere retries the whole step with half the micro-batch.
-        let result = adaptive.batch(micro, |m| -> Result<(usize, f64), TchError> {
-            tried.push(m);
-            state.optimizer.zero_grad();
-            let mut sum = 0.0;
-            for start in (0..n).step_by(m) {
-                let len = (m as i64).min(n - start);
-                let loss = model.loss_sum(&bx.narrow(0, start, len), &by.narrow(0, start, len))?;
-                let scaled = loss.f_div_scalar(n as f64)?;
-                scaled.f_backward()?;
-                sum += scaled.f_double_value(&[])?;
-            }
-            Ok((m, sum))
-        });
-        let (used, loss) = match result {
-            Ok(v) => v,
-            Err(AdaptiveError::Failed(e)) => return Err(e.into()),
-            Err(e) => return Err(e.to_string().into()),
-        };
-        if tried.len() > 1 {
-            println!(
-                "micro-batch {used} (tried {tried:?}: out of memory above); {} accumulated per step",
-                BATCH.div_ceil(used)
-            );
-        }
-        micro = used;
-        if let Some(limit) = relax.take() {
-            set_cpu_memory_limit(Some(limit))?;
-        }
-        state
-            .values
-            .insert("micro_batch".into(), (micro as u64).into());
-        state.optimizer.step()?;
-        state.step += 1;
-        println!("loss {} {loss}", state.step);
-        bar.set_message(format!("loss {loss:.4}, micro-batch {micro}"));
-        bar.inc(1);
-        if state.step % every == 0 {
-            state.save(&dir)?;
-            bar.suspend(|| println!("saved step {}", state.step));
-        }
-        std::io::stdout().flush()?;
-    }
-    bar.finish_and_clear();
+    trainer.add_logger(Lines::new(resuming, relax));
+    // A micro-batch's mean loss, every operation fallible: an out-of-memory comes back
+    // as an error for the trainer to retry with a smaller micro-batch.
+    let work = Steps::new(|ctx| -> Result<Tensor, TchError> {
+        let idx: Vec<i64> = ctx.indices.iter().map(|&i| i as i64).collect();
+        let idx = Tensor::from_slice(&idx).f_to_device(device)?;
+        let (bx, by) = (x.f_index_select(0, &idx)?, y.f_index_select(0, &idx)?);
+        model
+            .loss_sum(&bx, &by)?
+            .f_div_scalar(ctx.indices.len() as f64)
+    });
+    let report = trainer.fit(&mut vs, &mut opt, work);
     if device == Device::Cpu {
         set_cpu_memory_limit(None)?;
     }
-    if state.step % every != 0 {
-        state.save(&dir)?;
-    }
+    let report = report?;
     let usage = tracker.stop()?;
     std::fs::write(
         args.out.join(format!("tracker-{name}.txt")),
@@ -462,10 +402,90 @@ fn train_child(args: &Args, name: &str) -> Result<()> {
     )?;
     println!(
         "checksum {:016x} after {} steps",
-        checksum(&state.vs)?,
-        state.step
+        checksum(&vs)?,
+        report.steps
     );
     Ok(())
+}
+
+/// The training child's lines for the parent, its progress bar, and the memory limit
+/// raised once the micro-batch is known: a logger of the trainer.
+struct Lines {
+    resuming: bool,
+    relax: Option<u64>,
+    said_micro: bool,
+    bar: Option<ProgressBar>,
+}
+
+impl Lines {
+    fn new(resuming: bool, relax: Option<u64>) -> Lines {
+        Lines {
+            resuming,
+            relax,
+            said_micro: false,
+            bar: None,
+        }
+    }
+}
+
+impl torchtools::train::Logger for Lines {
+    fn on_start(&mut self, start: &RunStart) -> Result<(), BoxError> {
+        if start.step > 0 {
+            println!("resumed from the checkpoint of step {}", start.step);
+        }
+        let bar = ProgressBar::new(start.total_steps).with_position(start.step);
+        bar.set_style(
+            ProgressStyle::with_template("  training [{bar:30}] step {pos}/{len} {msg}")?
+                .progress_chars("=> "),
+        );
+        self.bar = Some(bar);
+        Ok(())
+    }
+
+    fn on_step(&mut self, _step: u64) {
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+        }
+    }
+
+    fn on_log(&mut self, r: &LogRecord) -> Result<(), BoxError> {
+        if let (Some(m), false) = (r.micro_batch, self.said_micro) {
+            let whose = if self.resuming {
+                "the checkpoint's"
+            } else {
+                "found by the trainer on the first step"
+            };
+            let per_step = BATCH.div_ceil(m);
+            println!("micro-batch {m} ({whose}); {per_step} accumulated per step");
+            self.said_micro = true;
+        }
+        if let Some(limit) = self.relax.take() {
+            set_cpu_memory_limit(Some(limit))?;
+        }
+        println!("loss {} {}", r.step, r.loss);
+        if let Some(bar) = &self.bar {
+            let micro = r.micro_batch.map(|m| format!(", micro-batch {m}"));
+            bar.set_message(format!("loss {:.4}{}", r.loss, micro.unwrap_or_default()));
+        }
+        std::io::stdout().flush()?;
+        Ok(())
+    }
+
+    fn on_checkpoint(&mut self, step: u64, _path: &Path) -> Result<(), BoxError> {
+        match &self.bar {
+            Some(bar) => bar.suspend(|| println!("saved step {step}")),
+            None => println!("saved step {step}"),
+        }
+        std::io::stdout().flush()?;
+        Ok(())
+    }
+
+    fn on_finish(&mut self, _report: &FitReport) -> Result<(), BoxError> {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        Ok(())
+    }
 }
 
 /// What a training child said.

@@ -68,8 +68,11 @@ fn the_demo_runs_its_six_parts_and_their_checks_from_any_directory() {
         stdout.contains("SIGKILL sent right after the checkpoint of step 6"),
         "{stdout}"
     );
+    // Checkpoints are written in the background: the run killed once step 6's is
+    // durable resumes from it, or from step 9's if that one landed before the signal.
     assert!(
-        stdout.contains("resumed from the checkpoint of step 6"),
+        stdout.contains("resumed from the checkpoint of step 6")
+            || stdout.contains("resumed from the checkpoint of step 9"),
         "{stdout}"
     );
     assert!(
@@ -81,8 +84,14 @@ fn the_demo_runs_its_six_parts_and_their_checks_from_any_directory() {
         "{stdout}"
     );
     if !stdout.contains("on cuda") {
-        // On the CPU the memory limit makes the adaptation visible.
-        assert!(stdout.contains("out of memory above"), "{stdout}");
+        // On the CPU the memory limit makes the adaptation visible: the trainer's
+        // micro-batch is smaller than the batch of 2048.
+        let micro = stdout
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("micro-batch "))
+            .filter(|rest| rest.contains("found by the trainer"))
+            .and_then(|rest| rest.split_whitespace().next()?.parse::<usize>().ok());
+        assert!(micro.is_some_and(|m| m < 2048), "{stdout}");
     }
     let svg = std::fs::read_to_string(out_dir.path().join("demo.svg")).unwrap();
     assert!(
