@@ -75,7 +75,7 @@ pub(crate) const GPU_CRATES: [(&str, u32); 12] = [
     ("tt-probe", 3),
     ("tt-ckpt", 2),
     ("tt-optim", 1),
-    ("tt-train", 2),
+    ("tt-train", 3),
     ("torchtools-cli", 8),
     ("torchtools", 2),
 ];

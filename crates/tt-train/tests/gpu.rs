@@ -1,7 +1,7 @@
 //! GPU tests of the trainer (`cargo xtask test-gpu`; they fail without CUDA): fp16 loss
 //! scaling on CUDA, where float16's range really overflows, and a run with Adam's
 //! moments on the GPU crashed, resumed from its checkpoint and ending bit for bit where
-//! an uninterrupted run ends.
+//! an uninterrupted run ends; the adaptive micro-batch on CUDA's own out-of-memory error.
 #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use tch::nn::{self, Module};
@@ -172,5 +172,74 @@ fn adam_state_on_cuda_is_checkpointed_and_resumed_bit_for_bit() {
         assert_eq!(name, other);
         assert_eq!(a.device(), Device::Cuda(0));
         assert!(a.equal(b), "{name} differs after the resume");
+    }
+}
+
+/// The memory test's model: 8 features, a hidden layer this wide, one output.
+const WIDE: i64 = 8192;
+/// The memory test's batch: its activations (two float tensors of `BIG x WIDE`, 512
+/// MiB each, and their gradients) need about 2 GiB at the peak.
+const BIG: usize = 16384;
+
+/// Two steps of [`BIG`] through the wide model with everything but `free` bytes of the
+/// GPU taken by a filler tensor; `adaptive` finds the micro-batch, else `accumulate`
+/// micro-batches. Returns the parameters and the micro-batches per step.
+fn wide_on_cuda(free: u64, accumulate: Option<usize>) -> (Vec<(String, Tensor)>, usize) {
+    let dev = Device::Cuda(0);
+    let mut cfg = TrainConfig::new(2 * BIG as u64, BIG, 1)
+        .seed(3)
+        .handle_signals(false)
+        .progress(false);
+    cfg = match accumulate {
+        Some(k) => cfg.accumulate(k),
+        None => cfg.adaptive_micro_batch(true),
+    };
+    let mut trainer = Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), dev).unwrap();
+    tch::manual_seed(0);
+    let mut vs = nn::VarStore::new(dev);
+    let l1 = nn::linear(vs.root() / "l1", 8, WIDE, Default::default());
+    let l2 = nn::linear(vs.root() / "l2", WIDE, 1, Default::default());
+    let mut opt = Optimizer::sgd(&vs, SgdConfig::default()).unwrap();
+    let info = tt_sys::mem_get_info(0).unwrap();
+    let filler = Tensor::empty([info.free.saturating_sub(free) as i64], (Kind::Uint8, dev));
+    let mut parts = 0;
+    let work = Steps::new(|ctx| -> Result<Tensor, tch::TchError> {
+        parts = ctx.micro_batches;
+        let idx: Vec<f32> = ctx.indices.iter().map(|&i| i as f32).collect();
+        let i = Tensor::from_slice(&idx).f_to_device(dev)?.f_unsqueeze(1)?;
+        let x = (&i * (Tensor::arange(8, (Kind::Float, dev)) + 1.0) * 1e-4).f_sin()?;
+        let h = x.f_linear(&l1.ws, l1.bs.as_ref())?.f_relu()?;
+        h.f_linear(&l2.ws, l2.bs.as_ref())?
+            .f_mse_loss(&(&i * 1e-4).f_cos()?, tch::Reduction::Mean)
+    });
+    let report = trainer.fit(&mut vs, &mut opt, work).unwrap();
+    drop(filler);
+    assert_eq!(report.steps, 2);
+    let params = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| (n, t.to_device(Device::Cpu)))
+        .collect();
+    (params, parts)
+}
+
+/// With 1 GiB of the GPU left, a batch needing about 2 GiB runs out of CUDA memory
+/// (CUDA's own error, classified by tt-adaptive): the trainer halves the micro-batch
+/// until it fits and ends with the parameters of a run accumulating as many fixed
+/// micro-batches.
+#[test]
+fn the_adaptive_micro_batch_halves_on_a_real_cuda_out_of_memory() {
+    tt_sys::require_cuda();
+    const GIB: u64 = 1 << 30;
+    let (found, parts) = wide_on_cuda(GIB, None);
+    assert!(
+        parts >= 2,
+        "the whole batch fit in 1 GiB ({parts} micro-batches)"
+    );
+    let (fixed, same) = wide_on_cuda(GIB, Some(parts));
+    assert_eq!(same, parts);
+    for ((name, a), (_, b)) in found.iter().zip(&fixed) {
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(diff <= 1e-6, "{name} differs by {diff}");
     }
 }
