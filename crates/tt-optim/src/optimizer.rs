@@ -70,13 +70,48 @@ fn torch(param: &str) -> impl Fn(tch::TchError) -> Error + '_ {
 impl Optimizer {
     /// An optimizer over the trainable variables of `vs` (sorted by name).
     pub fn new(vs: &VarStore, algorithm: Algorithm, schedule: Schedule) -> Result<Self> {
+        Self::with_params(vs, |_| true, algorithm, schedule)
+    }
+
+    /// An optimizer over the trainable variables of `vs` whose names `keep` accepts: a
+    /// parameter group, as torch's optimizers take a subset of a model's parameters
+    /// (`nn.VarStore` names are paths such as `"head.weight"`). With one optimizer per
+    /// group, each group has its own algorithm and rate; an empty group is an error.
+    ///
+    /// ```
+    /// use tch::nn;
+    /// use tt_optim::{Algorithm, Optimizer, Schedule, SgdConfig};
+    ///
+    /// let vs = nn::VarStore::new(tch::Device::Cpu);
+    /// let _body = nn::linear(vs.root() / "body", 8, 8, Default::default());
+    /// let _head = nn::linear(vs.root() / "head", 8, 1, Default::default());
+    /// let slow = SgdConfig { lr: 1e-3, ..Default::default() };
+    /// let body = Optimizer::with_params(&vs, |n| n.starts_with("body."), Algorithm::Sgd(slow), Schedule::Constant)?;
+    /// let head = Optimizer::with_params(&vs, |n| n.starts_with("head."), Algorithm::Sgd(SgdConfig::default()), Schedule::Constant)?;
+    /// assert_eq!((body.params().len(), head.params().len()), (2, 2));
+    /// # Ok::<(), tt_optim::Error>(())
+    /// ```
+    pub fn with_params(
+        vs: &VarStore,
+        keep: impl Fn(&str) -> bool,
+        algorithm: Algorithm,
+        schedule: Schedule,
+    ) -> Result<Self> {
         algorithm.validate()?;
         let mut params: Vec<(String, Tensor)> = vs
             .variables()
             .into_iter()
-            .filter(|(_, t)| t.requires_grad())
+            .filter(|(n, t)| t.requires_grad() && keep(n))
             .collect();
         params.sort_by(|a, b| a.0.cmp(&b.0));
+        if params.is_empty() && !vs.variables().is_empty() {
+            let mut names: Vec<String> = vs.variables().into_keys().collect();
+            names.sort();
+            return Err(Error::InvalidConfig(format!(
+                "no trainable variable of the VarStore is in this group (its variables: \
+                 {names:?}): check the group's names"
+            )));
+        }
         let state = params.iter().map(|_| ParamState::default()).collect();
         Ok(Optimizer {
             algorithm,
@@ -100,6 +135,11 @@ impl Optimizer {
     /// `torch.optim.AdamW` with `config`, constant learning rate.
     pub fn adamw(vs: &VarStore, config: AdamConfig) -> Result<Self> {
         Self::new(vs, Algorithm::AdamW(config), Schedule::Constant)
+    }
+
+    /// The parameters this optimizer updates, by name (sorted).
+    pub fn params(&self) -> Vec<&str> {
+        self.params.iter().map(|(n, _)| n.as_str()).collect()
     }
 
     /// Optimizer steps taken.

@@ -17,7 +17,7 @@ pub(crate) fn evaluate(
     trainer: &Trainer,
     run: &mut Run<'_>,
     vs: &VarStore,
-    opt: &Optimizer,
+    opt: &[Optimizer],
     epoch: u64,
     eval: &mut Eval<'_>,
 ) -> Result<(), TrainError> {

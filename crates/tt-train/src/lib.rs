@@ -53,5 +53,5 @@ pub use {
     config::TrainConfig,
     report::{FitOutcome, FitReport},
     sinks::{Console, EvalRecord, JsonLines, LogRecord, Logger, LossCurve, RunStart, TensorBoard},
-    work::{BoxError, Direction, Eval, StepContext, Steps},
+    work::{BoxError, Direction, Eval, Optimizers, StepContext, Steps},
 };

@@ -16,7 +16,7 @@ use crate::{Batch, TrainError, Trainer};
 pub(crate) fn search(
     trainer: &Trainer,
     run: &mut Run<'_>,
-    opt: &mut Optimizer,
+    opt: &mut [Optimizer],
     batch: &Batch,
     step: &mut dyn FnMut(&StepContext<'_>) -> Result<Tensor, BoxError>,
 ) -> Result<usize, TrainError> {
@@ -34,9 +34,9 @@ pub(crate) fn search(
             micro_batch: 0,
             micro_batches: indices.len().div_ceil(m),
         };
-        opt.zero_grad();
+        opt.iter_mut().for_each(Optimizer::zero_grad);
         let tried = trainer.micro_step(run, &ctx, 1.0, false, step);
-        opt.zero_grad();
+        opt.iter_mut().for_each(Optimizer::zero_grad);
         tried.map(|_| m).map_err(|e| e.to_string())
     });
     let failed = |cause: String| TrainError::Step {

@@ -23,7 +23,7 @@ struct Loaded {
 pub(crate) fn fit(
     trainer: &Trainer,
     vs: &mut VarStore,
-    opt: &mut Optimizer,
+    opt: &mut [Optimizer],
     run: Run<'_>,
     mut load: LoadFn<'_>,
     mut step: PreparedStepFn<'_>,

@@ -129,7 +129,7 @@ impl Trainer {
     pub(crate) fn start<'a>(
         &'a self,
         vs: &mut VarStore,
-        opt: &mut Optimizer,
+        opt: &mut [Optimizer],
         evaluates: bool,
         user: &'a mut Vec<Box<dyn Logger + Send>>,
     ) -> Result<Run<'a>, TrainError> {
@@ -209,7 +209,7 @@ impl Trainer {
         &self,
         run: &mut Run<'_>,
         vs: &VarStore,
-        opt: &Optimizer,
+        opt: &[Optimizer],
     ) -> Result<(), TrainError> {
         if !self.pg.is_main() {
             return Ok(());
@@ -247,7 +247,7 @@ impl Trainer {
         &self,
         run: &mut Run<'_>,
         vs: &VarStore,
-        opt: &Optimizer,
+        opt: &[Optimizer],
     ) -> Result<(), TrainError> {
         if !self.pg.is_main() {
             return Ok(());

@@ -9,8 +9,17 @@ use tt_sampler::{Reshard, SamplerState};
 
 use crate::{EpochBatches, TrainError};
 
-/// The optimizer's entries in a checkpoint.
+/// The optimizer's entries in a checkpoint (the first optimizer's; the others' are
+/// `optim.1`, `optim.2`, ...).
 const OPTIM: &str = "optim";
+
+/// The entries of the `i`-th optimizer of a step.
+fn optim_key(i: usize) -> String {
+    match i {
+        0 => OPTIM.to_owned(),
+        i => format!("{OPTIM}.{i}"),
+    }
+}
 /// The sampler's entry in a checkpoint.
 const SAMPLER: &str = "sampler";
 /// The entry of [`TrainState::values`] in a checkpoint.
@@ -131,7 +140,7 @@ impl TrainState {
         let resumed = resume_parts(
             dir,
             &mut self.vs,
-            &mut self.optimizer,
+            std::slice::from_mut(&mut self.optimizer),
             &mut self.batches,
             self.reshard,
             Some(&mut self.values),
@@ -150,7 +159,7 @@ impl TrainState {
             dir,
             self.step,
             &self.vs,
-            &self.optimizer,
+            std::slice::from_ref(&self.optimizer),
             &self.batches,
             &self.values,
         )
@@ -162,14 +171,16 @@ fn parts_checkpoint(
     dir: &CheckpointDir,
     step: u64,
     vs: &VarStore,
-    optimizer: &Optimizer,
+    optimizers: &[Optimizer],
     batches: &EpochBatches,
     values: &Values,
 ) -> Result<tt_ckpt::Checkpoint<'static>, TrainError> {
     let state = batches.state();
     let mut ckpt = dir.checkpoint(step).with_epoch(state.epoch);
     ckpt.add_var_store(vs)?;
-    optimizer.save_into(&mut ckpt, OPTIM)?;
+    for (i, optimizer) in optimizers.iter().enumerate() {
+        optimizer.save_into(&mut ckpt, &optim_key(i))?;
+    }
     ckpt.set_value(SAMPLER, &state)?;
     if !values.is_empty() {
         ckpt.set_value(VALUES, values)?;
@@ -182,11 +193,11 @@ pub(crate) fn save_parts(
     dir: &CheckpointDir,
     step: u64,
     vs: &VarStore,
-    optimizer: &Optimizer,
+    optimizers: &[Optimizer],
     batches: &EpochBatches,
     values: &Values,
 ) -> Result<Option<PathBuf>, TrainError> {
-    let ckpt = parts_checkpoint(dir, step, vs, optimizer, batches, values)?;
+    let ckpt = parts_checkpoint(dir, step, vs, optimizers, batches, values)?;
     Ok(dir.save(&ckpt)?)
 }
 
@@ -197,11 +208,11 @@ pub(crate) fn save_parts_async(
     dir: &CheckpointDir,
     step: u64,
     vs: &VarStore,
-    optimizer: &Optimizer,
+    optimizers: &[Optimizer],
     batches: &EpochBatches,
     values: &Values,
 ) -> Result<(), TrainError> {
-    let ckpt = parts_checkpoint(dir, step, vs, optimizer, batches, values)?;
+    let ckpt = parts_checkpoint(dir, step, vs, optimizers, batches, values)?;
     Ok(dir.save_async(ckpt)?)
 }
 
@@ -209,7 +220,7 @@ pub(crate) fn save_parts_async(
 pub(crate) fn resume_parts(
     dir: &CheckpointDir,
     vs: &mut VarStore,
-    optimizer: &mut Optimizer,
+    optimizers: &mut [Optimizer],
     batches: &mut EpochBatches,
     reshard: Reshard,
     values: Option<&mut Values>,
@@ -231,7 +242,9 @@ pub(crate) fn resume_parts(
         });
     }
     ckpt.load_var_store(vs)?;
-    optimizer.load_from(&ckpt, OPTIM)?;
+    for (i, optimizer) in optimizers.iter_mut().enumerate() {
+        optimizer.load_from(&ckpt, &optim_key(i))?;
+    }
     batches.load_state(&state, reshard)?;
     if let Some(values) = values {
         *values = if ckpt.meta().values.contains_key(VALUES) {

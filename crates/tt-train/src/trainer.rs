@@ -12,7 +12,7 @@ use tt_optim::Optimizer;
 
 use crate::run::Run;
 use crate::sinks::LogRecord;
-use crate::work::{BoxError, Eval, Feed, StepContext};
+use crate::work::{BoxError, Eval, Feed, Optimizers, StepContext};
 use crate::{FitOutcome, FitReport};
 use crate::{Logger, Steps, TrainConfig, TrainError};
 
@@ -157,15 +157,19 @@ impl Trainer {
         }
     }
 
-    /// Trains `vs` with `opt` on the `work` ([`Steps`]: the step function, its loader
-    /// if the batches are prepared ahead, the evaluation if any). See [`Trainer`] for
-    /// what happens around it.
-    pub fn fit(
+    /// Trains `vs` with its optimizers (`&mut opt`, or one per parameter group: see
+    /// [`Optimizers`]) on the `work` ([`Steps`]: the step function, its loader if the
+    /// batches are prepared ahead, the evaluation if any). See [`Trainer`] for what
+    /// happens around it.
+    pub fn fit<'o>(
         &mut self,
         vs: &mut VarStore,
-        opt: &mut Optimizer,
+        optimizers: impl Into<Optimizers<'o>>,
         work: Steps<'_>,
     ) -> Result<FitReport, TrainError> {
+        let optimizers = optimizers.into();
+        optimizers.validate()?;
+        let opt = optimizers.0;
         let Steps { feed, mut eval } = work;
         if let Some(eval) = &eval {
             eval.validate()?;
@@ -196,7 +200,7 @@ impl Trainer {
     pub(crate) fn fit_run(
         &self,
         vs: &mut VarStore,
-        opt: &mut Optimizer,
+        opt: &mut [Optimizer],
         mut run: Run<'_>,
         step: &mut dyn FnMut(&StepContext<'_>) -> Result<Tensor, BoxError>,
         mut eval: Option<&mut Eval<'_>>,
@@ -208,7 +212,8 @@ impl Trainer {
                 let found = crate::micro::search(self, &mut run, opt, &batch, step)?;
                 run.micro = Some(found);
             }
-            let lr = opt.lr();
+            // The first optimizer's rate is the one logged.
+            let lr = opt.first().map_or(0.0, Optimizer::lr);
             let loss = self.step(&mut run, opt, &batch.indices, batch.epoch, step)?;
             run.sinks.step(run.steps);
             if self.agree(&mut run, loss, batch.epoch, lr)? {
@@ -270,7 +275,7 @@ impl Trainer {
     fn step(
         &self,
         run: &mut Run<'_>,
-        opt: &mut Optimizer,
+        opt: &mut [Optimizer],
         indices: &[u64],
         epoch: u64,
         step: &mut dyn FnMut(&StepContext<'_>) -> Result<Tensor, BoxError>,
@@ -284,7 +289,7 @@ impl Trainer {
                 steps,
             ));
         }
-        opt.zero_grad();
+        opt.iter_mut().for_each(Optimizer::zero_grad);
         let mut value: Option<Tensor> = None;
         let parts = run
             .micro
@@ -311,7 +316,9 @@ impl Trainer {
         // torch.amp.GradScaler: a step with gradients that are not all finite is
         // skipped and the scale backed off.
         if run.scaler.as_mut().is_none_or(|s| s.update(finite)) {
-            opt.step()?;
+            for o in opt.iter_mut() {
+                o.step()?;
+            }
         } else {
             run.skipped += 1;
             let scale = run.scaler.map_or(1.0, |s| s.scale());
@@ -432,7 +439,7 @@ impl Trainer {
         &self,
         mut run: Run<'_>,
         vs: &VarStore,
-        opt: &Optimizer,
+        opt: &[Optimizer],
         outcome: FitOutcome,
         epoch: u64,
     ) -> Result<FitReport, TrainError> {

@@ -5,6 +5,7 @@ use std::any::Any;
 use std::ops::Range;
 
 use tch::{Device, Tensor};
+use tt_optim::Optimizer;
 
 /// An error from a step, loader or evaluation function, of any type.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -286,6 +287,67 @@ impl<'f> Eval<'f> {
                  and a non-empty range of held-out indices",
                 self.every, self.batch_size, self.held_out
             )));
+        }
+        Ok(())
+    }
+}
+
+/// The optimizers one [`Trainer::fit`](crate::Trainer::fit) steps after each step: one
+/// (`&mut opt`), or one per parameter group (`&mut [body, head]`, a `&mut Vec`), built
+/// with [`Optimizer::with_params`](tt_optim::Optimizer::with_params). The groups must
+/// not overlap (checked before the first step); each optimizer's state goes into the
+/// checkpoints and is resumed; the first one's learning rate is the one logged.
+pub struct Optimizers<'o>(pub(crate) &'o mut [Optimizer]);
+
+impl std::fmt::Debug for Optimizers<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let groups: Vec<Vec<&str>> = self.0.iter().map(Optimizer::params).collect();
+        f.debug_tuple("Optimizers").field(&groups).finish()
+    }
+}
+
+impl<'o> From<&'o mut Optimizer> for Optimizers<'o> {
+    fn from(opt: &'o mut Optimizer) -> Self {
+        Optimizers(std::slice::from_mut(opt))
+    }
+}
+
+impl<'o> From<&'o mut [Optimizer]> for Optimizers<'o> {
+    fn from(opts: &'o mut [Optimizer]) -> Self {
+        Optimizers(opts)
+    }
+}
+
+impl<'o, const N: usize> From<&'o mut [Optimizer; N]> for Optimizers<'o> {
+    fn from(opts: &'o mut [Optimizer; N]) -> Self {
+        Optimizers(opts)
+    }
+}
+
+impl<'o> From<&'o mut Vec<Optimizer>> for Optimizers<'o> {
+    fn from(opts: &'o mut Vec<Optimizer>) -> Self {
+        Optimizers(opts)
+    }
+}
+
+impl Optimizers<'_> {
+    /// No parameter in two optimizers, and at least one optimizer.
+    pub(crate) fn validate(&self) -> Result<(), crate::TrainError> {
+        if self.0.is_empty() {
+            return Err(crate::TrainError::Config(
+                "no optimizer: give one, or one per parameter group".into(),
+            ));
+        }
+        let mut seen = std::collections::HashMap::new();
+        for (i, opt) in self.0.iter().enumerate() {
+            for name in opt.params() {
+                if let Some(j) = seen.insert(name.to_owned(), i) {
+                    return Err(crate::TrainError::Config(format!(
+                        "the parameter {name:?} is in optimizers {j} and {i}: give each \
+                         parameter group to one optimizer (Optimizer::with_params)"
+                    )));
+                }
+            }
         }
         Ok(())
     }

@@ -69,6 +69,10 @@ fn main() {
             building_blocks,
         ),
         (
+            "two_optimizers_on_two_parameter_groups_step_together_and_resume",
+            two_optimizers,
+        ),
+        (
             "the_adaptive_micro_batch_halves_on_out_of_memory_and_resumes_with_it",
             adaptive_micro_batch,
         ),
@@ -632,6 +636,142 @@ fn building_blocks() -> TestResult {
         ));
     }
     Ok(())
+}
+
+/// A body (8 -> 16) and a head (16 -> 1), each its own parameter group and optimizer
+/// (SGD at 0.01 and Adam at 0.05): `fit` steps both after each step and ends as a loop
+/// written by hand stepping both (bit for bit), unlike one optimizer over everything; a
+/// crash at step 6 resumed from the checkpoint at 4 (both optimizers' state) ends as the
+/// uninterrupted run, bit for bit; overlapping groups are refused before any step.
+fn two_optimizers() -> TestResult {
+    use tt_optim::{AdamConfig, Algorithm, Schedule};
+    let groups = |vs: &nn::VarStore| -> Result<Vec<Optimizer>, String> {
+        let sgd = Algorithm::Sgd(SgdConfig {
+            lr: 0.01,
+            ..Default::default()
+        });
+        let adam = Algorithm::Adam(AdamConfig {
+            lr: 0.05,
+            ..AdamConfig::adam()
+        });
+        let body = Optimizer::with_params(vs, |n| n.starts_with("body."), sgd, Schedule::Constant);
+        let head = Optimizer::with_params(vs, |n| n.starts_with("head."), adam, Schedule::Constant);
+        Ok(vec![
+            body.map_err(|e| e.to_string())?,
+            head.map_err(|e| e.to_string())?,
+        ])
+    };
+    let model = |vs: &nn::VarStore| {
+        tch::manual_seed(3);
+        let body = nn::linear(vs.root() / "body", 8, 16, Default::default());
+        let head = nn::linear(vs.root() / "head", 16, 1, Default::default());
+        move |indices: &[u64]| -> Result<Tensor, tch::TchError> {
+            let (x, y) = sample(indices, tch::Device::Cpu);
+            head.forward(&body.forward(&x).tanh())
+                .f_mse_loss(&y, tch::Reduction::Mean)
+        }
+    };
+    let fit = |ckpt: Option<&Path>,
+               crash_at: Option<u64>,
+               one: bool|
+     -> Result<Vec<(String, Tensor)>, String> {
+        let mut cfg = TrainConfig::new(64, 4, 1).seed(5).handle_signals(false);
+        if let Some(dir) = ckpt {
+            cfg = cfg.checkpoints(dir, 4);
+        }
+        let (mut trainer, _, _, _) = one_cpu_process(cfg)?;
+        let mut vs = nn::VarStore::new(tch::Device::Cpu);
+        let loss = model(&vs);
+        let work = Steps::new(|ctx| {
+            if Some(ctx.step) == crash_at {
+                return Err(tch::TchError::Torch("crash".into()));
+            }
+            loss(ctx.indices)
+        });
+        let result = if one {
+            let mut all = Optimizer::sgd(
+                &vs,
+                SgdConfig {
+                    lr: 0.01,
+                    ..Default::default()
+                },
+            )
+            .map_err(|e| e.to_string())?;
+            trainer.fit(&mut vs, &mut all, work)
+        } else {
+            let mut opts = groups(&vs)?;
+            trainer.fit(&mut vs, &mut opts, work)
+        };
+        match (result, crash_at) {
+            (Ok(_), None) => Ok(params_of(&vs)),
+            (Err(TrainError::Step { step, .. }), Some(at)) if step == at => Ok(Vec::new()),
+            (other, _) => Err(format!("fit: {other:?}")),
+        }
+    };
+    let by_fit = fit(None, None, false)?;
+    // By hand: the same batches and seeds, both optimizers stepped after each step.
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let loss = model(&vs);
+    let mut opts = groups(&vs)?;
+    let sampler = tt_sampler::DistributedSampler::new(64, 1, 0)
+        .map_err(|e| e.to_string())?
+        .with_seed(5);
+    let mut batches = tt_train::EpochBatches::new(sampler, 4, 1).map_err(|e| e.to_string())?;
+    let mut step = 0;
+    while let Some(batch) = batches.next_batch().map_err(|e| e.to_string())? {
+        tch::manual_seed(tt_train::step_seed(5, 0, step));
+        opts.iter_mut().for_each(Optimizer::zero_grad);
+        loss(&batch.indices)
+            .and_then(|l| l.f_backward())
+            .map_err(|e| e.to_string())?;
+        for o in &mut opts {
+            o.step().map_err(|e| e.to_string())?;
+        }
+        step += 1;
+    }
+    let by_hand = params_of(&vs);
+    let one = fit(None, None, true)?;
+    let (diff, other) = (max_diff(&by_fit, &by_hand)?, max_diff(&by_fit, &one)?);
+    if diff != 0.0 || other == 0.0 {
+        return Err(format!(
+            "two optimizers: {diff} from the loop by hand, {other} from one optimizer"
+        ));
+    }
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let (whole, crash) = (dir.path().join("whole"), dir.path().join("crash"));
+    let uninterrupted = fit(Some(&whole), None, false)?;
+    fit(Some(&crash), Some(6), false)?;
+    let resumed = fit(Some(&crash), None, false)?;
+    let diff = max_diff(&uninterrupted, &resumed)?;
+    if diff != 0.0 {
+        return Err(format!(
+            "resumed with two optimizers: {diff} from the uninterrupted run"
+        ));
+    }
+    // A group that names no variable is an error listing the variables.
+    let vs = nn::VarStore::new(tch::Device::Cpu);
+    let _loss = model(&vs);
+    let sgd = Algorithm::Sgd(SgdConfig::default());
+    match Optimizer::with_params(&vs, |n| n.starts_with("neck."), sgd, Schedule::Constant) {
+        Err(e) if e.to_string().contains("\"head.weight\"") => {}
+        other => {
+            return Err(format!(
+                "an empty group: {:?}",
+                other.map(|o| o.params().len())
+            ))
+        }
+    }
+    // A parameter in two groups is refused before any step.
+    let (mut trainer, _, _, _) = one_cpu_process(TrainConfig::new(64, 4, 1).handle_signals(false))?;
+    let mut vs = nn::VarStore::new(tch::Device::Cpu);
+    let loss = model(&vs);
+    let all =
+        |vs: &nn::VarStore| Optimizer::sgd(vs, SgdConfig::default()).map_err(|e| e.to_string());
+    let mut both = [all(&vs)?, all(&vs)?];
+    match trainer.fit(&mut vs, &mut both, Steps::new(|ctx| loss(ctx.indices))) {
+        Err(TrainError::Config(m)) if m.contains("in optimizers 0 and 1") => Ok(()),
+        other => Err(format!("overlapping groups: {other:?}")),
+    }
 }
 
 /// A step that runs out of memory (a stand-in for CUDA's message) above 3 samples:
