@@ -219,8 +219,8 @@ impl TrainConfig {
     /// smallest any found, and every step accumulates `ceil(batch_size / micro)`
     /// micro-batches of it. The size is written in each checkpoint and restored on
     /// resume without a search, so a resumed run sums its gradients in the order of the
-    /// run it continues, bit for bit. Not with [`Steps::prefetched`](crate::Steps::prefetched)
-    /// (its loader prepares micro-batches before the size is known).
+    /// run it continues, bit for bit. With [`Steps::prefetched`](crate::Steps::prefetched),
+    /// the tries' batches are loaded on the calling thread before the loader starts.
     pub fn adaptive_micro_batch(mut self, adaptive: bool) -> TrainConfig {
         self.adaptive_micro_batch = adaptive;
         self

@@ -24,21 +24,33 @@ pub(crate) fn fit(
     trainer: &Trainer,
     vs: &mut VarStore,
     opt: &mut [Optimizer],
-    run: Run<'_>,
+    mut run: Run<'_>,
     mut load: LoadFn<'_>,
     mut step: PreparedStepFn<'_>,
     eval: Option<&mut Eval<'_>>,
 ) -> Result<FitReport, TrainError> {
+    // The adaptive micro-batch is searched before the loader starts (on this thread,
+    // `load` building the tries' batches), so that the loader splits every batch as
+    // the steps will.
+    if trainer.config.adaptive_micro_batch && run.micro.is_none() {
+        if let Some(batch) = run.batches.clone().next_batch()? {
+            let mut trial = |ctx: &StepContext<'_>| step(ctx, load(ctx)?);
+            run.micro = Some(crate::micro::search(
+                trainer, &mut run, opt, &batch, &mut trial,
+            )?);
+        }
+    }
     let mut ahead = run.batches.clone();
     let first = run.steps;
     let (accumulate, device) = (trainer.config.accumulate, trainer.device);
+    let split = (accumulate, run.micro, device);
     std::thread::scope(|scope| {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Loaded>(trainer.config.prefetch);
         let loader = std::thread::Builder::new()
             .name("tt-train-loader".into())
             .spawn_scoped(scope, move || {
                 let _guard = tch::no_grad_guard();
-                load_ahead(&mut ahead, first, (accumulate, device), &mut load, &tx);
+                load_ahead(&mut ahead, first, split, &mut load, &tx);
             })
             .map_err(|cause| TrainError::Io {
                 what: "starting the batch-loader thread".into(),
@@ -78,7 +90,7 @@ pub(crate) fn fit(
 fn load_ahead(
     ahead: &mut crate::EpochBatches,
     first: u64,
-    (accumulate, device): (usize, tch::Device),
+    (accumulate, micro, device): (usize, Option<usize>, tch::Device),
     load: &mut LoadFn<'_>,
     tx: &std::sync::mpsc::SyncSender<Loaded>,
 ) {
@@ -96,8 +108,8 @@ fn load_ahead(
                 return;
             }
         };
-        let contexts =
-            Trainer::micro_contexts(accumulate, device, &batch.indices, batch.epoch, step);
+        let parts = micro.map_or(accumulate, |m| batch.indices.len().div_ceil(m));
+        let contexts = Trainer::micro_contexts(parts, device, &batch.indices, batch.epoch, step);
         for ctx in contexts {
             let data = load(&ctx);
             let indices = ctx.indices.to_vec();

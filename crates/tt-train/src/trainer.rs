@@ -174,14 +174,6 @@ impl Trainer {
         if let Some(eval) = &eval {
             eval.validate()?;
         }
-        if self.config.adaptive_micro_batch && matches!(feed, Feed::Prefetched { .. }) {
-            return Err(TrainError::Config(
-                "adaptive_micro_batch with Steps::prefetched: the loader prepares \
-                 micro-batches before their size is known; use Steps::new, or a fixed \
-                 accumulate(k)"
-                    .into(),
-            ));
-        }
         let mut user = std::mem::take(&mut self.loggers);
         let report = (|| {
             let run = self.start(vs, opt, eval.is_some(), &mut user)?;
