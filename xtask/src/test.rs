@@ -102,8 +102,8 @@ pub(crate) fn gpu_test_args<'a>(krate: &'a str, extra: &[&'a str]) -> Vec<&'a st
 const MIN_PASSED: [(&str, u64); 29] = [
     ("test -p tt-sys (default features)", 13),
     ("test -p tt-sys --no-default-features", 1),
-    ("test -p tt-device (default features)", 29),
-    ("test -p tt-device --no-default-features", 22),
+    ("test -p tt-device (default features)", 30),
+    ("test -p tt-device --no-default-features", 23),
     ("test -p tt-lock (no features)", 69),
     ("test -p tt-fence (no features)", 2),
     ("test -p tt-tracker (no features)", 76),

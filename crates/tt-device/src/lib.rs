@@ -28,6 +28,8 @@ pub use inventory::{
 };
 #[cfg(feature = "tch")]
 pub use libtorch::{availability, report, select, select_device};
-pub use process::{descends_from, parent_of};
+pub use process::{
+    descends_from, in_a_pid_namespace, own_pid_namespace, parent_of, INITIAL_PID_NAMESPACE,
+};
 pub use report::{Backend, DeviceReport, LibtorchInfo, View};
 pub use select::{select_with, Availability, CudaCandidate, Device, Selection};

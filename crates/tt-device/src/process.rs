@@ -18,6 +18,31 @@ pub fn descends_from(pid: u32, roots: &[u32]) -> bool {
     false
 }
 
+/// The inode of the machine's first PID namespace (the kernel's `PROC_PID_INIT_INO`),
+/// the one that sees every process.
+pub const INITIAL_PID_NAMESPACE: u64 = 0xEFFF_FFFC;
+
+/// This process's PID namespace: the inode in `/proc/self/ns/pid` (`pid:[4026531836]`);
+/// `None` where it cannot be read. Read once (views compare every record with it).
+pub fn own_pid_namespace() -> Option<u64> {
+    static OWN: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *OWN.get_or_init(|| {
+        let link = std::fs::read_link("/proc/self/ns/pid").ok()?;
+        link.to_str()?
+            .strip_prefix("pid:[")?
+            .strip_suffix(']')?
+            .parse()
+            .ok()
+    })
+}
+
+/// Whether this process runs in a PID namespace other than the machine's first (a
+/// container), where PIDs from the host (or NVML) may name other processes or none;
+/// `false` where the namespace cannot be read.
+pub fn in_a_pid_namespace() -> bool {
+    own_pid_namespace().is_some_and(|ns| ns != INITIAL_PID_NAMESPACE)
+}
+
 /// The parent of `pid`, from `/proc/PID/stat`.
 pub fn parent_of(pid: u32) -> Option<u32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -28,7 +53,7 @@ pub fn parent_of(pid: u32) -> Option<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{descends_from, parent_of};
+    use super::{descends_from, in_a_pid_namespace, own_pid_namespace, parent_of};
 
     #[test]
     fn ancestry_is_read_from_proc() {
@@ -39,5 +64,13 @@ mod tests {
         assert!(descends_from(me, &[parent]));
         assert!(!descends_from(parent, &[me]));
         assert!(!descends_from(u32::MAX, &[me]), "no such process");
+    }
+
+    #[test]
+    fn the_pid_namespace_is_the_inode_of_proc_self_ns_pid() {
+        use std::os::unix::fs::MetadataExt;
+        let inode = std::fs::metadata("/proc/self/ns/pid").unwrap().ino();
+        assert_eq!(own_pid_namespace(), Some(inode));
+        assert_eq!(in_a_pid_namespace(), inode != super::INITIAL_PID_NAMESPACE);
     }
 }

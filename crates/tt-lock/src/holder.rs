@@ -145,20 +145,8 @@ impl fmt::Display for Holder {
     }
 }
 
-/// This process's PID namespace: the inode in `/proc/self/ns/pid` (`pid:[4026531836]`);
-/// `None` where it cannot be read. Read once: every record's display compares with it
-/// (`top` redraws them every second).
-pub fn own_pid_namespace() -> Option<u64> {
-    static OWN: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
-    *OWN.get_or_init(|| {
-        let link = std::fs::read_link("/proc/self/ns/pid").ok()?;
-        link.to_str()?
-            .strip_prefix("pid:[")?
-            .strip_suffix(']')?
-            .parse()
-            .ok()
-    })
-}
+/// This process's PID namespace (tt-device's, the one place that reads it).
+pub use tt_device::own_pid_namespace;
 
 /// `" in another PID namespace (a container, or the host seen from one)"` when `ns` is known and not ours: a PID
 /// from there names another process here, or none.

@@ -188,10 +188,6 @@ impl FlockTable {
     }
 }
 
-/// The inode of the machine's first PID namespace (the kernel's `PROC_PID_INIT_INO`),
-/// the one that sees every process.
-const INITIAL_PID_NAMESPACE: u64 = 0xEFFF_FFFC;
-
 /// The kernel's table of `flock` locks, from `/proc/locks`; `None` where that cannot be
 /// trusted for this directory (unreadable, or overlayfs, whose locks are recorded on the
 /// underlying inode).
@@ -210,7 +206,7 @@ fn kernel_flocks(dir: &LockDir) -> Option<FlockTable> {
     Some(FlockTable {
         locked: parse_proc_locks(&text),
         whole,
-        sees_all: crate::holder::own_pid_namespace() == Some(INITIAL_PID_NAMESPACE),
+        sees_all: tt_device::own_pid_namespace() == Some(tt_device::INITIAL_PID_NAMESPACE),
     })
 }
 

@@ -167,31 +167,13 @@ impl Gpus {
     }
 }
 
-/// The inode of the machine's first PID namespace (the kernel's `PROC_PID_INIT_INO`).
-const INITIAL_PID_NAMESPACE: u64 = 0xEFFF_FFFC;
-
-/// Whether this process runs in a PID namespace of its own (a container), where a PID
-/// NVML lists may name a process of another namespace.
-fn in_a_pid_namespace() -> bool {
-    std::fs::read_link("/proc/self/ns/pid")
-        .ok()
-        .and_then(|l| {
-            l.to_str()?
-                .strip_prefix("pid:[")?
-                .strip_suffix(']')?
-                .parse::<u64>()
-                .ok()
-        })
-        .is_some_and(|ns| ns != INITIAL_PID_NAMESPACE)
-}
-
 /// The report's note when the tracked processes' GPU memory read 0 while NVML listed a
 /// process (`pid`) this namespace cannot see, inside a container: a driver that lists
 /// host PIDs there makes the memory impossible to attribute (NVIDIA's driver 580
 /// translates them into the container's namespace, and the figures are exact). `None`
 /// outside containers, or when memory was attributed.
 pub(crate) fn invisible_pid_note(pid: u32, attributed: u64) -> Option<String> {
-    (attributed == 0 && in_a_pid_namespace()).then(|| {
+    (attributed == 0 && tt_device::in_a_pid_namespace()).then(|| {
         format!(
             "the tracked processes' GPU RAM reads 0, and NVML listed a GPU process (pid \
              {pid}) that this PID namespace (a container) cannot see: if the command used \
