@@ -80,6 +80,17 @@ pub struct CheckpointDir {
 /// A background save: its path (None on a non-writer) or its error.
 type PendingSave = JoinHandle<Result<Option<PathBuf>>>;
 
+/// A background save's outcome (`None` when there was none); a panic of its thread is
+/// an error.
+fn join_save(handle: Option<PendingSave>) -> Result<Option<PathBuf>> {
+    match handle {
+        None => Ok(None),
+        Some(h) => h
+            .join()
+            .unwrap_or_else(|_| Err(Error::SaveThread("the save thread panicked".into()))),
+    }
+}
+
 /// What a save needs, shared with the background thread.
 #[derive(Debug, Clone)]
 struct Rules {
@@ -243,12 +254,7 @@ impl CheckpointDir {
     /// its error.
     pub fn wait(&self) -> Result<Option<PathBuf>> {
         let handle = self.lock_pending()?.take();
-        match handle {
-            None => Ok(None),
-            Some(h) => h
-                .join()
-                .unwrap_or_else(|_| Err(Error::SaveThread("the save thread panicked".into()))),
-        }
+        join_save(handle)
     }
 
     /// The pending [`save_async`](Self::save_async)'s path once it has finished (or its
@@ -257,15 +263,8 @@ impl CheckpointDir {
     /// background checkpoint is durable.
     pub fn poll(&self) -> Result<Option<PathBuf>> {
         let mut pending = self.lock_pending()?;
-        if !pending.as_ref().is_some_and(JoinHandle::is_finished) {
-            return Ok(None);
-        }
-        match pending.take() {
-            None => Ok(None),
-            Some(h) => h
-                .join()
-                .unwrap_or_else(|_| Err(Error::SaveThread("the save thread panicked".into()))),
-        }
+        let finished = pending.as_ref().is_some_and(JoinHandle::is_finished);
+        join_save(if finished { pending.take() } else { None })
     }
 
     fn join_pending(&self) -> Result<()> {
