@@ -9,11 +9,30 @@ use crate::run::Run;
 use crate::work::{BoxError, StepContext};
 use crate::{Batch, TrainError, Trainer};
 
+/// Searches the micro-batch on the run's first batch when the configuration asks for it
+/// and neither an earlier search nor the checkpoint gave one (a no-op otherwise): the
+/// one place both feeds of `fit` find it, before their first step.
+pub(crate) fn ensure(
+    trainer: &Trainer,
+    run: &mut Run<'_>,
+    opt: &mut [Optimizer],
+    step: &mut dyn FnMut(&StepContext<'_>) -> Result<Tensor, BoxError>,
+) -> Result<(), TrainError> {
+    if !trainer.config.adaptive_micro_batch || run.micro.is_some() {
+        return Ok(());
+    }
+    if let Some(batch) = run.batches.clone().next_batch()? {
+        run.micro = Some(search(trainer, run, opt, &batch, step)?);
+    }
+    Ok(())
+}
+
 /// The largest micro-batch, from `batch_size / accumulate` down by halves, whose
 /// forward and backward fit on this rank, then the smallest over the ranks. Each try
-/// runs the step function on the batch's first samples with the gradients kept local
-/// (no collective: the ranks may try different sizes) and leaves no gradient behind.
-pub(crate) fn search(
+/// runs the step function on the first (the largest) micro-batch a step of that size
+/// has, split as the steps split, with the gradients kept local (no collective: the
+/// ranks may try different sizes), and leaves no gradient behind.
+fn search(
     trainer: &Trainer,
     run: &mut Run<'_>,
     opt: &mut [Optimizer],
@@ -26,16 +45,15 @@ pub(crate) fn search(
     let adaptive = Adaptive::new().policy(Policy::Halve).cache(Cache::None);
     let found = adaptive.batch(start, |m| -> Result<usize, String> {
         tried.push(m);
-        let ctx = StepContext {
-            indices: &indices[..m.min(indices.len())],
-            device: trainer.device,
-            epoch: batch.epoch,
-            step: run.steps,
-            micro_batch: 0,
-            micro_batches: indices.len().div_ceil(m),
+        // The first of the micro-batches a step of size `m` would have.
+        let split = (trainer.config.accumulate, Some(m));
+        let contexts =
+            Trainer::micro_contexts(split, trainer.device, indices, batch.epoch, run.steps);
+        let Some(ctx) = contexts.first() else {
+            return Ok(m); // an empty batch: nothing to try
         };
         opt.iter_mut().for_each(Optimizer::zero_grad);
-        let tried = trainer.micro_step(run, &ctx, 1.0, false, step);
+        let tried = trainer.micro_step(run, ctx, 1.0, false, step);
         opt.iter_mut().for_each(Optimizer::zero_grad);
         tried.map(|_| m).map_err(|e| e.to_string())
     });

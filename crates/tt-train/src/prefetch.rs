@@ -32,25 +32,18 @@ pub(crate) fn fit(
     // The adaptive micro-batch is searched before the loader starts (on this thread,
     // `load` building the tries' batches), so that the loader splits every batch as
     // the steps will.
-    if trainer.config.adaptive_micro_batch && run.micro.is_none() {
-        if let Some(batch) = run.batches.clone().next_batch()? {
-            let mut trial = |ctx: &StepContext<'_>| step(ctx, load(ctx)?);
-            run.micro = Some(crate::micro::search(
-                trainer, &mut run, opt, &batch, &mut trial,
-            )?);
-        }
-    }
+    let mut trial = |ctx: &StepContext<'_>| step(ctx, load(ctx)?);
+    crate::micro::ensure(trainer, &mut run, opt, &mut trial)?;
     let mut ahead = run.batches.clone();
     let first = run.steps;
-    let (accumulate, device) = (trainer.config.accumulate, trainer.device);
-    let split = (accumulate, run.micro, device);
+    let (split, device) = ((trainer.config.accumulate, run.micro), trainer.device);
     std::thread::scope(|scope| {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Loaded>(trainer.config.prefetch);
         let loader = std::thread::Builder::new()
             .name("tt-train-loader".into())
             .spawn_scoped(scope, move || {
                 let _guard = tch::no_grad_guard();
-                load_ahead(&mut ahead, first, split, &mut load, &tx);
+                load_ahead(&mut ahead, first, (split, device), &mut load, &tx);
             })
             .map_err(|cause| TrainError::Io {
                 what: "starting the batch-loader thread".into(),
@@ -90,7 +83,7 @@ pub(crate) fn fit(
 fn load_ahead(
     ahead: &mut crate::EpochBatches,
     first: u64,
-    (accumulate, micro, device): (usize, Option<usize>, tch::Device),
+    (split, device): ((usize, Option<usize>), tch::Device),
     load: &mut LoadFn<'_>,
     tx: &std::sync::mpsc::SyncSender<Loaded>,
 ) {
@@ -108,8 +101,7 @@ fn load_ahead(
                 return;
             }
         };
-        let parts = micro.map_or(accumulate, |m| batch.indices.len().div_ceil(m));
-        let contexts = Trainer::micro_contexts(parts, device, &batch.indices, batch.epoch, step);
+        let contexts = Trainer::micro_contexts(split, device, &batch.indices, batch.epoch, step);
         for ctx in contexts {
             let data = load(&ctx);
             let indices = ctx.indices.to_vec();

@@ -176,9 +176,12 @@ impl Trainer {
         }
         let mut user = std::mem::take(&mut self.loggers);
         let report = (|| {
-            let run = self.start(vs, opt, eval.is_some(), &mut user)?;
+            let mut run = self.start(vs, opt, eval.is_some(), &mut user)?;
             match feed {
-                Feed::Direct(mut step) => self.fit_run(vs, opt, run, &mut *step, eval.as_mut()),
+                Feed::Direct(mut step) => {
+                    crate::micro::ensure(self, &mut run, opt, &mut *step)?;
+                    self.fit_run(vs, opt, run, &mut *step, eval.as_mut())
+                }
                 Feed::Prefetched { load, step } => {
                     crate::prefetch::fit(self, vs, opt, run, load, step, eval.as_mut())
                 }
@@ -200,10 +203,6 @@ impl Trainer {
         let mut epoch = 0;
         while let Some(batch) = run.batches.next_batch()? {
             epoch = batch.epoch;
-            if self.config.adaptive_micro_batch && run.micro.is_none() {
-                let found = crate::micro::search(self, &mut run, opt, &batch, step)?;
-                run.micro = Some(found);
-            }
             // The first optimizer's rate is the one logged.
             let lr = opt.first().map_or(0.0, Optimizer::lr);
             let loss = self.step(&mut run, opt, &batch.indices, batch.epoch, step)?;
@@ -235,16 +234,18 @@ impl Trainer {
         self.finish(run, vs, opt, FitOutcome::Finished, epochs)
     }
 
-    /// The contexts of one step's micro-batches (the step's `indices` split as
-    /// [`TrainConfig::accumulate`] says), the same for the step and the loader.
+    /// The contexts of one step's micro-batches, the same for the step and the loader:
+    /// the step's `indices` split into [`TrainConfig::accumulate`] parts, or, once the
+    /// adaptive micro-batch is known, into parts of at most `micro` samples.
     pub(crate) fn micro_contexts<'i>(
-        accumulate: usize,
+        (accumulate, micro): (usize, Option<usize>),
         device: Device,
         indices: &'i [u64],
         epoch: u64,
         step: u64,
     ) -> Vec<StepContext<'i>> {
-        let parts = crate::micro_batches(indices, accumulate);
+        let k = micro.map_or(accumulate, |m| indices.len().div_ceil(m));
+        let parts = crate::micro_batches(indices, k);
         let micro_batches = parts.len();
         parts
             .into_iter()
@@ -283,10 +284,8 @@ impl Trainer {
         }
         opt.iter_mut().for_each(Optimizer::zero_grad);
         let mut value: Option<Tensor> = None;
-        let parts = run
-            .micro
-            .map_or(self.config.accumulate, |m| indices.len().div_ceil(m));
-        for ctx in Trainer::micro_contexts(parts, self.device, indices, epoch, steps) {
+        let split = (self.config.accumulate, run.micro);
+        for ctx in Trainer::micro_contexts(split, self.device, indices, epoch, steps) {
             let share = ctx.indices.len() as f64 / indices.len() as f64;
             let sync = ctx.micro_batch + 1 == ctx.micro_batches;
             let detached = self
