@@ -24,6 +24,9 @@ pub struct LockDir {
     pub(crate) usage_log: std::sync::Arc<std::sync::OnceLock<Option<fs::File>>>,
     /// A handle on the directory kept open for listing it (see [`LockDir::names`]).
     listing: std::sync::Arc<std::sync::Mutex<Option<nix::dir::Dir>>>,
+    /// Whether the queue is known to be empty without listing the directory (see
+    /// [`crate::queue::QueueWatch`]).
+    pub(crate) queue_watch: std::sync::Arc<std::sync::Mutex<crate::queue::QueueWatch>>,
 }
 
 /// Where the lock directory's path came from, for error messages.
@@ -97,6 +100,7 @@ impl LockDir {
             origin,
             usage_log: Default::default(),
             listing: Default::default(),
+            queue_watch: Default::default(),
         };
         match fs::symlink_metadata(&dir.path) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => dir.create()?,
@@ -194,8 +198,9 @@ impl LockDir {
     }
 
     /// Opens (or creates, mode 0666 whatever the umask) one lock file, refusing
-    /// symbolic links and anything that is not a regular file. The descriptor is
-    /// close-on-exec.
+    /// symbolic links. The descriptor is close-on-exec. Its type is left to the caller,
+    /// who checks it on a `statx` of its own before writing anything (the lock's, made
+    /// after the `flock`, which one `statx` then serves whole): a FIFO is opened without blocking, a directory not at all.
     pub(crate) fn open_file(&self, name: &str) -> Result<File> {
         let path = self.path.join(name);
         loop {
@@ -233,14 +238,6 @@ impl LockDir {
                 }
                 Err(e) => return Err(self.open_error(&path, e)),
             };
-            let meta = file.metadata().map_err(|source| Error::Io {
-                op: "reading",
-                path: path.clone(),
-                cause: source,
-            })?;
-            if !meta.file_type().is_file() {
-                return Err(not_a_regular_file(path));
-            }
             return Ok(file);
         }
     }
@@ -273,7 +270,7 @@ impl LockDir {
 }
 
 /// A lock path that is a directory, a FIFO, a device or a socket.
-fn not_a_regular_file(path: PathBuf) -> Error {
+pub(crate) fn not_a_regular_file(path: PathBuf) -> Error {
     Error::Unsafe {
         path,
         reason: "the lock path is not a regular file; remove it (only torchtools should \
@@ -291,6 +288,7 @@ mod tests {
         LockDir {
             usage_log: Default::default(),
             listing: Default::default(),
+            queue_watch: Default::default(),
             path: path.to_owned(),
             origin: Origin::Given,
         }

@@ -37,14 +37,60 @@ pub(crate) fn probe_held(file: &File) -> bool {
     }
 }
 
-/// The length of `file` when it is still the file at `path` (same device and inode);
-/// `None` when the path names another file now, or nothing. (One `fstat` serves both
-/// the check and a record's rewrite that follows.)
-pub(crate) fn len_if_same_file(file: &File, path: &Path) -> Option<u64> {
-    match (file.metadata(), std::fs::symlink_metadata(path)) {
-        (Ok(a), Ok(b)) if a.dev() == b.dev() && a.ino() == b.ino() => Some(a.len()),
-        _ => None,
+/// The length of a lock file just locked when it is still linked in a directory;
+/// `None` once deleted (by a `/tmp` cleaner, say, after which the path names another
+/// file or nothing); an error when it is not a regular file. One `statx`, made after
+/// the `flock`, serves the three (and the record's rewrite that follows), instead of an
+/// `fstat` when opening and a `stat` of the path besides: lock files are only ever
+/// created in place and deleted, never renamed away.
+pub(crate) fn len_if_linked(file: &File, path: &Path) -> crate::Result<Option<u64>> {
+    let st = shape(file).map_err(|cause| crate::Error::Io {
+        op: "reading",
+        path: path.to_owned(),
+        cause,
+    })?;
+    if !st.regular {
+        return Err(crate::dir::not_a_regular_file(path.to_owned()));
     }
+    Ok((st.links > 0).then_some(st.len))
+}
+
+/// What [`shape`] tells of an open file.
+pub(crate) struct Shape {
+    pub(crate) regular: bool,
+    pub(crate) links: u32,
+    pub(crate) len: u64,
+}
+
+/// An open file's type, link count and length, from a `statx` that asks for nothing
+/// else. A full `fstat` asks for the change time too, which since Linux 6.13
+/// (multigrain timestamps) makes the file's next write stamp a fine-grained time, a
+/// journaled inode update on ext4, instead of the coarse one that most writes share:
+/// 0.85 µs of each lock's record write on the 2-core VM.
+pub(crate) fn shape(file: &File) -> std::io::Result<Shape> {
+    let mut st = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    let mask = libc::STATX_TYPE | libc::STATX_NLINK | libc::STATX_SIZE;
+    // SAFETY: the fd is open, the path is a valid empty C string (AT_EMPTY_PATH: the fd
+    // itself), and `st` is a writable statx buffer for the duration of the call.
+    let rc = unsafe {
+        libc::statx(
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            mask,
+            st.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: statx returned 0, so it filled the buffer (zeroed before besides).
+    let st = unsafe { st.assume_init() };
+    Ok(Shape {
+        regular: u32::from(st.stx_mode) & libc::S_IFMT == libc::S_IFREG,
+        links: st.stx_nlink,
+        len: st.stx_size,
+    })
 }
 
 /// Whether `file` is still the file at `path` (same device and inode).
@@ -116,12 +162,12 @@ pub(crate) fn create_locked(
 /// truncation is a journaled metadata change, several times the cost of the `fstat`
 /// that tells.
 pub(crate) fn write_record(file: &File, path: &Path, holder: &Holder) -> crate::Result<()> {
-    let before = file.metadata().map_err(|cause| crate::Error::Io {
+    let before = shape(file).map_err(|cause| crate::Error::Io {
         op: "reading the length of",
         path: path.to_owned(),
         cause,
     })?;
-    write_record_over(file, path, holder, before.len())
+    write_record_over(file, path, holder, before.len)
 }
 
 /// [`write_record`] over a record `before` bytes long.

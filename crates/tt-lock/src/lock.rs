@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tt_device::{Bytes, Inventory, NvmlStatus};
 
-use crate::file::{len_if_same_file, read_holder, same_file, write_record, write_record_over};
+use crate::file::{len_if_linked, read_holder, same_file, write_record, write_record_over};
 use crate::queue::{Ticket, Waiter, Wants, Watch};
 use crate::share::NotAdmitted;
 use crate::{Error, GpuKey, Holder, LockDir, Result};
@@ -308,7 +308,11 @@ impl LockDir {
         loop {
             let own = ticket.as_ref().map(Ticket::number);
             let queue = self.scan_queue(own)?;
-            let ours = held_by_this_process(self.path(), &slots);
+            let ours = if queue.is_empty() {
+                Vec::new()
+            } else {
+                held_by_this_process(self.path(), &slots)
+            };
             let earlier: Vec<&Waiter> = queue
                 .iter()
                 .filter(|w| own.is_none_or(|n| w.ticket < n))
@@ -323,10 +327,10 @@ impl LockDir {
                 .collect();
             let busy = match self.take(&mut slots, &wants, &earlier, &holder)? {
                 Taken::All(taken) => {
-                    let lens: Vec<Option<u64>> = taken
+                    let lens = taken
                         .iter()
-                        .map(|&i| len_if_same_file(&slots[i].file, &slots[i].path))
-                        .collect();
+                        .map(|&i| len_if_linked(&slots[i].file, &slots[i].path))
+                        .collect::<Result<Vec<Option<u64>>>>()?;
                     if lens.iter().any(Option::is_none) {
                         // A lock file was replaced while we waited (deleted by a /tmp
                         // cleaner and created anew): the locks are on orphans; again.
@@ -337,7 +341,7 @@ impl LockDir {
                         continue;
                     }
                     let lens: Vec<u64> = lens.into_iter().flatten().collect();
-                    granted.extend(self.grant(slots, &taken, &lens, &holder)?);
+                    granted.extend(self.grant(slots, &taken, &lens, holder)?);
                     drop(ticket); // leaves the queue only once the GPUs are held
                     return Ok(granted);
                 }
@@ -447,6 +451,7 @@ impl LockDir {
                 }
             };
             slots.push(Slot {
+                // Its type is checked once it is locked (`len_if_linked`).
                 file: self.open_file(&key.file_name())?,
                 key: key.clone(),
                 path,
@@ -476,10 +481,12 @@ impl LockDir {
         slots: Vec<Slot>,
         taken: &[usize],
         lens: &[u64],
-        holder: &Holder,
+        holder: Holder,
     ) -> Result<Vec<GpuLock>> {
         let mut slots: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
         let mut locks = Vec::with_capacity(taken.len());
+        // A copy of the holder for each GPU but the last, which takes it.
+        let mut holders = std::iter::repeat_n(holder, taken.len());
         for (&i, &len) in taken.iter().zip(lens) {
             let Some(slot) = slots.get_mut(i).and_then(Option::take) else {
                 continue;
@@ -490,7 +497,9 @@ impl LockDir {
                     gpu: slot.key.clone(),
                 })?,
             };
-            let mut holder = holder.clone();
+            let Some(mut holder) = holders.next() else {
+                break;
+            };
             holder.gpu = slot.key.cuda_visible_entry();
             let id = crate::usage::new_id(&holder);
             holder.usage = Some(id.clone());

@@ -60,6 +60,21 @@ pub enum UsageEvent {
     },
 }
 
+/// [`UsageEvent::Start`] as written: the same line, borrowing the holder's fields
+/// instead of copying them (the start record is written at every lock).
+#[derive(Serialize)]
+#[serde(tag = "event", rename = "start")]
+struct StartLine<'a> {
+    id: &'a str,
+    user: &'a str,
+    host: &'a str,
+    pid: u32,
+    gpu: &'a str,
+    bytes: Option<u64>,
+    time: f64,
+    command: &'a [String],
+}
+
 /// One reservation of one GPU, as the log tells it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Usage {
@@ -130,7 +145,7 @@ impl LockDir {
 
     /// Appends `event` to the log, in one write. A log that cannot be written is a
     /// warning, never a reason to refuse or keep a lock.
-    pub(crate) fn record(&self, event: &UsageEvent) {
+    pub(crate) fn record(&self, event: &impl Serialize) {
         let log = self
             .usage_log
             .get_or_init(|| match open_log(&self.usage_path()) {
@@ -154,15 +169,15 @@ impl LockDir {
 
     /// Records the start of `holder`'s use of its GPU.
     pub(crate) fn record_start(&self, holder: &Holder, id: &str) {
-        self.record(&UsageEvent::Start {
-            id: id.to_owned(),
-            user: holder.user.clone(),
-            host: holder.host.clone(),
+        self.record(&StartLine {
+            id,
+            user: &holder.user,
+            host: &holder.host,
             pid: holder.pid,
-            gpu: holder.gpu.clone(),
+            gpu: &holder.gpu,
             bytes: holder.reserved.map(|b| b.0),
             time: now_unix(),
-            command: holder.command.clone(),
+            command: &holder.command,
         });
     }
 
@@ -211,7 +226,7 @@ impl LockDir {
 
 /// `event` as one line, in one `write` (a record is far below what one write of an
 /// appending file takes whole).
-fn write_line(file: &File, event: &UsageEvent) -> std::io::Result<()> {
+fn write_line(file: &File, event: &impl Serialize) -> std::io::Result<()> {
     let mut line = serde_json::to_vec(event).map_err(std::io::Error::other)?;
     line.push(b'\n');
     let n = (&*file).write(&line)?;
@@ -327,6 +342,38 @@ fn read(path: &Path) -> Result<UsageLog> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_start_line_written_is_the_start_record_read() {
+        let command = vec!["python".to_owned(), "train.py".to_owned()];
+        let line = StartLine {
+            id: "h/0/7/GPU-1/5",
+            user: "ada",
+            host: "h",
+            pid: 7,
+            gpu: "GPU-1",
+            bytes: Some(1 << 30),
+            time: 100.5,
+            command: &command,
+        };
+        let read: UsageEvent = serde_json::from_slice(&serde_json::to_vec(&line).unwrap()).unwrap();
+        let record = UsageEvent::Start {
+            id: line.id.into(),
+            user: "ada".into(),
+            host: "h".into(),
+            pid: 7,
+            gpu: "GPU-1".into(),
+            bytes: Some(1 << 30),
+            time: 100.5,
+            command: command.clone(),
+        };
+        assert_eq!(read, record);
+        // Byte for byte the line the record itself writes.
+        assert_eq!(
+            serde_json::to_string(&line).unwrap(),
+            serde_json::to_string(&record).unwrap()
+        );
+    }
 
     #[test]
     fn records_read_back_and_a_damaged_line_is_skipped() {

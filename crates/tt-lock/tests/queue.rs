@@ -462,6 +462,31 @@ fn try_never_queues_and_the_queue_lists_who_waits_for_what() {
 }
 
 #[test]
+fn a_request_that_found_the_queue_empty_sees_a_request_that_came_since() {
+    // This process's directory found the queue empty at its last request, and knows
+    // without listing the directory again that it still is until a name is added; a
+    // request of another process that queues since must be seen all the same.
+    let mut scene = Scene::new();
+    let mine = LockDir::open(scene.dir.path()).unwrap();
+    for _ in 0..3 {
+        drop(mine.lock(&key(0), Wait::Try, Holder::current()).unwrap());
+    }
+    let holder = hold_in_child(&mut scene, 1);
+    let pair = scene.arrive("pair", "many", "0,1", 10);
+    // GPU 0 is free, but the pair waits for it: `try` is refused, naming the waiter.
+    match mine.lock(&key(0), Wait::Try, Holder::current()) {
+        Err(Error::WouldBlock { waiting: 1, .. }) => {}
+        other => panic!("expected WouldBlock behind pid {pair}, got {other:?}"),
+    }
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe { libc::kill(holder as i32, libc::SIGKILL) };
+    scene.until("the pair served", |s| s.granted().len() == 1);
+    scene.finish();
+    // Its ticket gone, the queue is empty again.
+    drop(mine.lock(&key(0), Wait::Try, Holder::current()).unwrap());
+}
+
+#[test]
 fn ticket_files_are_readable_by_all_and_never_followed() {
     let scene = Scene::new();
     let _zero = hold(&scene.dir, &[0]);
