@@ -25,8 +25,8 @@ pub struct LockDir {
     /// A handle on the directory kept open for listing it (see [`LockDir::names`]).
     listing: std::sync::Arc<std::sync::Mutex<Option<nix::dir::Dir>>>,
     /// Whether the queue is known to be empty without listing the directory (see
-    /// [`crate::queue::QueueWatch`]).
-    pub(crate) queue_watch: std::sync::Arc<std::sync::Mutex<crate::queue::QueueWatch>>,
+    /// [`crate::watch::QueueWatch`]).
+    pub(crate) queue_watch: std::sync::Arc<std::sync::Mutex<crate::watch::QueueWatch>>,
 }
 
 /// Where the lock directory's path came from, for error messages.
@@ -245,7 +245,7 @@ impl LockDir {
     fn open_error(&self, path: &Path, e: io::Error) -> Error {
         // A directory cannot even be opened for writing: the same refusal as a FIFO's.
         if e.raw_os_error() == Some(libc::EISDIR) {
-            return not_a_regular_file(path.to_owned());
+            return crate::file::not_a_regular_file(path.to_owned());
         }
         if e.raw_os_error() == Some(libc::ELOOP) {
             return Error::Unsafe {
@@ -266,16 +266,6 @@ impl LockDir {
             path: path.to_owned(),
             cause: e,
         }
-    }
-}
-
-/// A lock path that is a directory, a FIFO, a device or a socket.
-pub(crate) fn not_a_regular_file(path: PathBuf) -> Error {
-    Error::Unsafe {
-        path,
-        reason: "the lock path is not a regular file; remove it (only torchtools should \
-                 create files named gpu-*.lock there)"
-            .into(),
     }
 }
 

@@ -50,7 +50,7 @@ pub(crate) fn len_if_linked(file: &File, path: &Path) -> crate::Result<Option<u6
         cause,
     })?;
     if !st.regular {
-        return Err(crate::dir::not_a_regular_file(path.to_owned()));
+        return Err(not_a_regular_file(path.to_owned()));
     }
     Ok((st.links > 0).then_some(st.len))
 }
@@ -189,4 +189,14 @@ pub(crate) fn write_record_over(
         file.set_len(text.len() as u64).map_err(io_err)?;
     }
     Ok(())
+}
+
+/// A lock path that is a directory, a FIFO, a device or a socket.
+pub(crate) fn not_a_regular_file(path: std::path::PathBuf) -> crate::Error {
+    crate::Error::Unsafe {
+        path,
+        reason: "the lock path is not a regular file; remove it (only torchtools should \
+                 create files named gpu-*.lock there)"
+            .into(),
+    }
 }

@@ -11,6 +11,7 @@ mod lock;
 mod queue;
 mod share;
 mod usage;
+mod watch;
 
 pub use dir::{LockDir, DEFAULT_LOCK_DIR, LOCK_DIR_ENV};
 pub use error::{Error, Result};
