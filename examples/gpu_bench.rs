@@ -30,6 +30,7 @@
 //!
 //! `TORCHTOOLS_PYTHON` (default `python3`) is the PyTorch baseline's interpreter.
 
+#[allow(dead_code)] // the CPU bench's parts of it (benches/models.rs)
 #[path = "models/mod.rs"]
 mod models;
 

@@ -26,6 +26,25 @@ impl GptConfig {
         heads: 12,
         width: 768,
     };
+
+    /// About 4.2M parameters (4 blocks of 256, a 2048-token vocabulary, 128 positions),
+    /// for the CPU.
+    pub(crate) const CPU: GptConfig = GptConfig {
+        vocab: 2048,
+        context: 128,
+        layers: 4,
+        heads: 4,
+        width: 256,
+    };
+
+    /// The shape as [`PY_MODELS`] reads it from `TT_GPT_SHAPE`.
+    pub(crate) fn py_shape(&self) -> String {
+        let c = self;
+        format!(
+            "{},{},{},{},{}",
+            c.vocab, c.context, c.layers, c.heads, c.width
+        )
+    }
 }
 
 struct Block {
@@ -200,14 +219,19 @@ impl ResNet {
 
 /// The same models in PyTorch eager, and a training loop printing
 /// `SECONDS_PER_STEP PEAK_ALLOCATED_BYTES`: `python -c PY_MODELS gpt|resnet BATCH STEPS`.
-/// AdamW (lr 1e-4) and bf16 autocast, as the Rust side. `gpt-ckpt BATCH STEPS DIR`
+/// AdamW (lr 1e-4) and bf16 autocast, as the Rust side. `TT_MODELS_DEVICE=cpu` trains on
+/// the CPU in float32 (the peak printed is 0: no allocator statistics there), and
+/// `TT_GPT_SHAPE` gives the decoder's shape (`GptConfig::py_shape`; GPT-2 small's
+/// blocks when unset). `gpt-ckpt BATCH STEPS DIR`
 /// times checkpoints of the model and its optimizer instead (PyTorch's
 /// `torch.distributed.checkpoint.async_save` and an fsynced `torch.save`): `STATE_BYTES
 /// ASYNC_STALL ASYNC_DURABLE SAVE_STALL` in bytes and seconds, medians of three.
 pub(crate) const PY_MODELS: &str = r#"
-import sys, time, torch, torch.nn as nn, torch.nn.functional as F
+import os, sys, time, torch, torch.nn as nn, torch.nn.functional as F
 which, batch, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-dev = 'cuda'
+dev = os.environ.get('TT_MODELS_DEVICE', 'cuda')
+shape = [int(v) for v in os.environ.get('TT_GPT_SHAPE', '2048,512,12,12,768').split(',')]
+sync = torch.cuda.synchronize if dev == 'cuda' else (lambda: None)
 class Block(nn.Module):
     def __init__(s, d, h):
         super().__init__(); s.h = h
@@ -256,24 +280,26 @@ class ResNet(nn.Module):
         h = s.blocks(F.relu(s.bn(s.stem(images))))
         return F.cross_entropy(s.fc(torch.flatten(F.adaptive_avg_pool2d(h, 1), 1)).float(), labels)
 torch.manual_seed(0)
-model = (Gpt() if which.startswith('gpt') else ResNet()).to(dev).train()
+model = (Gpt(*shape) if which.startswith('gpt') else ResNet()).to(dev).train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 def data():
     if which.startswith('gpt'):
-        return (torch.randint(2048, (batch, 513), device=dev),)
+        return (torch.randint(shape[0], (batch, shape[1] + 1), device=dev),)
     return (torch.randn(batch, 3, 32, 32, device=dev), torch.randint(10, (batch,), device=dev))
 def step():
     args = data()
-    with torch.autocast('cuda', dtype=torch.bfloat16):
+    with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == 'cuda'):
         loss = model.loss(*args)
     loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 for _ in range(5): step()
 if not which.endswith('-ckpt'):
-    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    sync()
+    if dev == 'cuda': torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     for _ in range(steps): step()
-    torch.cuda.synchronize()
-    print((time.perf_counter() - t) / steps, torch.cuda.max_memory_allocated())
+    sync()
+    peak = torch.cuda.max_memory_allocated() if dev == 'cuda' else 0
+    print((time.perf_counter() - t) / steps, peak)
     sys.exit(0)
 import os, statistics, torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict

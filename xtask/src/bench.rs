@@ -17,8 +17,9 @@ use crate::setup::Libtorch;
 use crate::steps::{self, cargo};
 
 /// The crates' own benchmarks in the table: (crate, bench, the optional feature it
-/// needs). Each crate's README shows its rows.
-pub(crate) const BENCHES: [(&str, &str, Option<&str>); 7] = [
+/// needs). Each crate's README shows its rows (the root package's, `torchtools`, are in
+/// README.md's table alone).
+pub(crate) const BENCHES: [(&str, &str, Option<&str>); 9] = [
     ("tt-sampler", "sampler", None),
     ("tt-ckpt", "ckpt", None),
     ("tt-lock", "lock", None),
@@ -26,6 +27,9 @@ pub(crate) const BENCHES: [(&str, &str, Option<&str>); 7] = [
     ("tt-adaptive", "adaptive", None),
     ("tt-probe", "probe", None),
     ("tt-dist", "dist", Some("c10d")),
+    ("tt-train", "trainer", Some("dist")),
+    // The two real models of `examples/models` on the CPU (the root package's bench).
+    ("torchtools", "models", Some("dist")),
 ];
 
 /// Median wall time of `runs` runs of `cmd` (after one warm-up run).

@@ -1,0 +1,279 @@
+//! `cargo bench -p torchtools --bench models` (and `cargo xtask bench`): the two real
+//! models of `examples/models` trained on the CPU, where the GPU bundle's
+//! `run.sh --bench models` trains them on a GPU.
+//!
+//! - A GPT-style decoder of 4.2M parameters (4 blocks of 256, 128 positions, causal
+//!   scaled-dot-product attention) and ResNet-18's conv net with batch norm (11.2M
+//!   parameters, 32x32 images): a float32 training step with AdamW through
+//!   `Trainer::fit` against the same model in PyTorch eager (its own process, the same
+//!   libtorch, the same threads), fresh random data each step; medians of three
+//!   alternating rounds, after five warm-up steps each.
+//! - The whole toolkit around the decoder's training (`Trainer::fit` with batches
+//!   gathered on its loader thread, the resource tracker sampling every 100 ms, a
+//!   checkpoint every 20 steps written in the background, metrics to JSON Lines)
+//!   against a bare loop of the same batches and steps: on 2 cores, every thread of the
+//!   toolkit competes with the step's two compute threads.
+//!
+//! Prints `row|<what>|<ours>|<baseline name>|<baseline>|<unit>|<better>` lines, which
+//! `cargo xtask bench` gathers into its table, after a human-readable summary.
+//! `TORCHTOOLS_PYTHON` (default `python3`) is the PyTorch baseline's interpreter.
+
+#[allow(dead_code)] // the GPU bench's parts of it
+#[path = "../examples/models/mod.rs"]
+mod models;
+
+use std::cell::Cell;
+use std::error::Error;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use torchtools::optim::{AdamConfig, Optimizer};
+use torchtools::tch::nn;
+use torchtools::tch::{Device, Kind, TchError, Tensor};
+use torchtools::tracker::{Tracker, TrackerConfig};
+use torchtools::train::{Steps, TrainConfig, Trainer};
+
+type Result<T> = std::result::Result<T, Box<dyn Error>>;
+
+/// The steps before the timed ones, on both sides (as `PY_MODELS` warms up).
+const WARM_STEPS: u64 = 5;
+/// Alternating rounds of ours and the baseline.
+const ROUNDS: usize = 3;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn adamw(vs: &nn::VarStore) -> Result<Optimizer> {
+    Ok(Optimizer::adamw(
+        vs,
+        AdamConfig {
+            lr: 1e-4,
+            ..AdamConfig::adamw()
+        },
+    )?)
+}
+
+/// One model, built the same way every time.
+enum Model {
+    Gpt(models::Gpt),
+    ResNet(models::ResNet),
+}
+
+impl Model {
+    fn build(which: &str) -> Result<(nn::VarStore, Model, Optimizer)> {
+        torchtools::tch::manual_seed(0);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = match which {
+            "gpt" => Model::Gpt(models::Gpt::new(&vs.root(), &models::GptConfig::CPU)),
+            _ => Model::ResNet(models::ResNet::new(&vs.root(), 10)),
+        };
+        let opt = adamw(&vs)?;
+        Ok((vs, model, opt))
+    }
+
+    /// The loss on a fresh random batch of `b` samples (as `PY_MODELS` draws it).
+    fn random_loss(&self, b: i64) -> std::result::Result<Tensor, TchError> {
+        let cpu = Device::Cpu;
+        Ok(match self {
+            Model::Gpt(m) => {
+                let c = models::GptConfig::CPU;
+                m.loss(&Tensor::f_randint(
+                    c.vocab,
+                    [b, c.context + 1],
+                    (Kind::Int64, cpu),
+                )?)
+            }
+            Model::ResNet(m) => m.loss(
+                &Tensor::f_randn([b, 3, 32, 32], (Kind::Float, cpu))?,
+                &Tensor::f_randint(10, [b], (Kind::Int64, cpu))?,
+            ),
+        })
+    }
+}
+
+/// Seconds per step of `which` through `Trainer::fit`, after the warm-up.
+fn ours(which: &str, batch: usize, steps: u64) -> Result<f64> {
+    let (mut vs, model, mut opt) = Model::build(which)?;
+    let total = WARM_STEPS + steps;
+    let config = TrainConfig::new(batch as u64 * total, batch, 1)
+        .handle_signals(false)
+        .progress(false)
+        .console(false);
+    let mut trainer = Trainer::with_group(
+        config,
+        torchtools::dist::ProcessGroup::single(),
+        Device::Cpu,
+    )?;
+    let start = Cell::new(None);
+    trainer.fit(
+        &mut vs,
+        &mut opt,
+        Steps::new(|ctx| {
+            if ctx.step == WARM_STEPS {
+                start.set(Some(Instant::now()));
+            }
+            model.random_loss(ctx.indices.len() as i64)
+        }),
+    )?;
+    let start = start.get().ok_or("no step was timed")?;
+    Ok(start.elapsed().as_secs_f64() / steps as f64)
+}
+
+/// The same in PyTorch eager, in its own process: seconds per step.
+fn theirs(which: &str, batch: usize, steps: u64) -> Result<f64> {
+    let python = std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = Command::new(&python)
+        .args(["-c", models::PY_MODELS, which])
+        .args([batch.to_string(), steps.to_string()])
+        .env("TT_MODELS_DEVICE", "cpu")
+        .env("TT_GPT_SHAPE", models::GptConfig::CPU.py_shape())
+        .output()
+        .map_err(|e| format!("cannot run {python}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "the PyTorch {which} baseline failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let secs = text
+        .split_whitespace()
+        .next()
+        .ok_or("no time from PyTorch")?;
+    Ok(secs.parse()?)
+}
+
+/// `(ours, theirs)` seconds per step, medians of alternating rounds.
+fn model_step(which: &str, batch: usize, steps: u64) -> Result<(f64, f64)> {
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for round in 0..ROUNDS {
+        if round % 2 == 0 {
+            a.push(ours(which, batch, steps)?);
+            b.push(theirs(which, batch, steps)?);
+        } else {
+            b.push(theirs(which, batch, steps)?);
+            a.push(ours(which, batch, steps)?);
+        }
+    }
+    Ok((median(a), median(b)))
+}
+
+const KIT_STEPS: u64 = 60;
+const KIT_BATCH: usize = 4;
+
+/// The decoder's training with the whole toolkit (`full`), or a bare loop of the same
+/// batches: seconds per step.
+fn toolkit(tokens: &Tensor, full: bool) -> Result<f64> {
+    let samples = KIT_STEPS * KIT_BATCH as u64;
+    let gather = |tokens: &Tensor, indices: &[u64]| -> std::result::Result<Tensor, TchError> {
+        let idx: Vec<i64> = indices.iter().map(|&i| i as i64).collect();
+        tokens.f_index_select(0, &Tensor::from_slice(&idx))
+    };
+    let (mut vs, model, mut opt) = Model::build("gpt")?;
+    let Model::Gpt(gpt) = model else {
+        return Err("the decoder was asked for".into());
+    };
+    if !full {
+        let sampler = torchtools::sampler::DistributedSampler::new(samples, 1, 0)?.with_seed(0);
+        let mut batches = torchtools::train::EpochBatches::new(sampler, KIT_BATCH, 1)?;
+        let (start, mut steps) = (Instant::now(), 0);
+        while let Some(b) = batches.next_batch()? {
+            let loss = gpt.loss(&gather(tokens, &b.indices)?);
+            opt.backward_step(&loss)?;
+            steps += 1;
+        }
+        return Ok(start.elapsed().as_secs_f64() / steps as f64);
+    }
+    let root = tempfile::tempdir()?;
+    let config = TrainConfig::new(samples, KIT_BATCH, 1)
+        .checkpoints(root.path().join("ckpt"), 20)
+        .metrics(root.path().join("metrics.jsonl"))
+        .handle_signals(false)
+        .progress(false)
+        .console(false);
+    let mut trainer = Trainer::with_group(
+        config,
+        torchtools::dist::ProcessGroup::single(),
+        Device::Cpu,
+    )?;
+    let tracker = Tracker::start(TrackerConfig {
+        interval: Duration::from_millis(100),
+        ..TrackerConfig::default()
+    })?;
+    let loader_tokens = tokens.shallow_clone();
+    let start = Instant::now();
+    let work = Steps::prefetched(
+        move |ctx| gather(&loader_tokens, ctx.indices),
+        |_ctx, batch: Tensor| Ok::<_, TchError>(gpt.loss(&batch)),
+    );
+    let report = trainer.fit(&mut vs, &mut opt, work)?;
+    let per_step = start.elapsed().as_secs_f64() / report.steps as f64;
+    drop(tracker.stop()?);
+    Ok(per_step)
+}
+
+fn run() -> Result<()> {
+    let threads = torchtools::tch::get_num_threads();
+    let mut rows = Vec::new();
+    for (which, name, batch, steps) in [
+        ("gpt", "GPT-style decoder 4.2M (4x256), batch 8x128", 8, 10),
+        ("resnet", "ResNet-18 (32x32), batch 8", 8, 6),
+    ] {
+        let (a, b) = model_step(which, batch, steps)?;
+        println!(
+            "{name}: float32 step through fit {:.1} ms, PyTorch eager {:.1} ms ({threads} threads)",
+            a * 1e3,
+            b * 1e3
+        );
+        rows.push(format!(
+            "row|{name}: CPU step, fit (ms)|{:.1}|PyTorch eager, same model|{:.1}|ms|lower",
+            a * 1e3,
+            b * 1e3
+        ));
+    }
+    let c = models::GptConfig::CPU;
+    let samples = (KIT_STEPS * KIT_BATCH as u64) as i64;
+    let tokens = Tensor::f_randint(
+        c.vocab,
+        [samples, c.context + 1],
+        (Kind::Int64, Device::Cpu),
+    )?;
+    // A round of each to warm up, then alternating rounds.
+    toolkit(&tokens, true)?;
+    toolkit(&tokens, false)?;
+    let (mut kit, mut bare) = (Vec::new(), Vec::new());
+    for round in 0..ROUNDS {
+        if round % 2 == 0 {
+            bare.push(toolkit(&tokens, false)?);
+            kit.push(toolkit(&tokens, true)?);
+        } else {
+            kit.push(toolkit(&tokens, true)?);
+            bare.push(toolkit(&tokens, false)?);
+        }
+    }
+    let (kit, bare) = (median(kit), median(bare));
+    println!(
+        "decoder, batch {KIT_BATCH}x128: fit with tracker, loader, checkpoints, metrics {:.1} ms/step; bare loop {:.1} ms/step",
+        kit * 1e3,
+        bare * 1e3
+    );
+    rows.push(format!(
+        "row|GPT 4.2M: fit + tracker 100 ms + loader + checkpoint every 20 steps + metrics (ms/step)|{:.1}|a bare loop of the same steps|{:.1}|ms|lower",
+        kit * 1e3,
+        bare * 1e3
+    ));
+    for row in rows {
+        println!("{row}");
+    }
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("models bench: {e}");
+        std::process::exit(1);
+    }
+}
