@@ -6,13 +6,13 @@
 //!   scaled-dot-product attention) and ResNet-18's conv net with batch norm (11.2M
 //!   parameters, 32x32 images): a float32 training step with AdamW through
 //!   `Trainer::fit` against the same model in PyTorch eager (its own process, the same
-//!   libtorch, the same threads), fresh random data each step; medians of three
-//!   alternating rounds, after five warm-up steps each.
+//!   libtorch, the same threads), fresh random data each step, after five warm-up
+//!   steps each; the median of five pairs of runs (see `median_pair`).
 //! - The whole toolkit around the decoder's training (`Trainer::fit` with batches
 //!   gathered on its loader thread, the resource tracker sampling every 100 ms, a
-//!   checkpoint every 20 steps written in the background, metrics to JSON Lines)
-//!   against a bare loop of the same batches and steps: on 2 cores, every thread of the
-//!   toolkit competes with the step's two compute threads.
+//!   checkpoint every 100 steps written in the background, metrics to JSON Lines)
+//!   against a bare loop of the same batches and steps (the median of seven pairs): on
+//!   2 cores, every thread of the toolkit competes with the step's two compute threads.
 //!
 //! Prints `row|<what>|<ours>|<baseline name>|<baseline>|<unit>|<better>` lines, which
 //! `cargo xtask bench` gathers into its table, after a human-readable summary.
@@ -37,12 +37,36 @@ type Result<T> = std::result::Result<T, Box<dyn Error>>;
 
 /// The steps before the timed ones, on both sides (as `PY_MODELS` warms up).
 const WARM_STEPS: u64 = 5;
-/// Alternating rounds of ours and the baseline.
-const ROUNDS: usize = 3;
+/// Pairs of runs of ours and the baseline (see [`median_pair`]).
+const ROUNDS: usize = 5;
+/// The same for the toolkit's row, whose difference is a few percent.
+const KIT_ROUNDS: usize = 7;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+/// `rounds` pairs of runs, `ours` and `theirs` back to back (which goes first
+/// alternating): the pair whose ratio `theirs / ours` is the median. This VM's speed
+/// shifts by up to 20% for tens of seconds at a time (other tenants of the host), which
+/// a pair of runs a few seconds long mostly sits within; medians of each side's runs
+/// would compare runs from different phases.
+fn median_pair(
+    rounds: usize,
+    mut ours: impl FnMut() -> Result<f64>,
+    mut theirs: impl FnMut() -> Result<f64>,
+) -> Result<(f64, f64)> {
+    let mut pairs = Vec::with_capacity(rounds);
+    for round in 0..rounds {
+        let pair = if round % 2 == 0 {
+            let a = ours()?;
+            (a, theirs()?)
+        } else {
+            let b = theirs()?;
+            (ours()?, b)
+        };
+        pairs.push(pair);
+    }
+    pairs.sort_by(|x, y| (x.1 / x.0).total_cmp(&(y.1 / y.0)));
+    let ratios: Vec<String> = pairs.iter().map(|p| format!("{:.3}", p.1 / p.0)).collect();
+    println!("  the pairs' ratios, sorted: {}", ratios.join(" "));
+    Ok(pairs[pairs.len() / 2])
 }
 
 fn adamw(vs: &nn::VarStore) -> Result<Optimizer> {
@@ -146,23 +170,24 @@ fn theirs(which: &str, batch: usize, steps: u64) -> Result<f64> {
     Ok(secs.parse()?)
 }
 
-/// `(ours, theirs)` seconds per step, medians of alternating rounds.
+/// `(ours, theirs)` seconds per step: the median of [`ROUNDS`] pairs.
 fn model_step(which: &str, batch: usize, steps: u64) -> Result<(f64, f64)> {
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for round in 0..ROUNDS {
-        if round % 2 == 0 {
-            a.push(ours(which, batch, steps)?);
-            b.push(theirs(which, batch, steps)?);
-        } else {
-            b.push(theirs(which, batch, steps)?);
-            a.push(ours(which, batch, steps)?);
-        }
-    }
-    Ok((median(a), median(b)))
+    median_pair(
+        ROUNDS,
+        || ours(which, batch, steps),
+        || theirs(which, batch, steps),
+    )
 }
 
-const KIT_STEPS: u64 = 60;
-const KIT_BATCH: usize = 4;
+/// The models' rows: (model, name, batch, steps timed).
+const MODELS: [(&str, &str, usize, u64); 2] = [
+    ("gpt", "GPT-style decoder 4.2M (4x256), batch 8x128", 8, 10),
+    ("resnet", "ResNet-18 (32x32), batch 8", 8, 6),
+];
+
+/// Steps of the toolkit's runs: two checkpoints each, at 100 and at the end.
+const KIT_STEPS: u64 = 200;
+const KIT_BATCH: usize = 1;
 
 /// The decoder's training with the whole toolkit (`full`), or a bare loop of the same
 /// batches: seconds per step.
@@ -189,7 +214,7 @@ fn toolkit(tokens: &Tensor, full: bool) -> Result<f64> {
     }
     let root = tempfile::tempdir()?;
     let config = TrainConfig::new(samples, KIT_BATCH, 1)
-        .checkpoints(root.path().join("ckpt"), 20)
+        .checkpoints(root.path().join("ckpt"), 100)
         .metrics(root.path().join("metrics.jsonl"))
         .handle_signals(false)
         .progress(false)
@@ -218,10 +243,16 @@ fn toolkit(tokens: &Tensor, full: bool) -> Result<f64> {
 fn run() -> Result<()> {
     let threads = torchtools::tch::get_num_threads();
     let mut rows = Vec::new();
-    for (which, name, batch, steps) in [
-        ("gpt", "GPT-style decoder 4.2M (4x256), batch 8x128", 8, 10),
-        ("resnet", "ResNet-18 (32x32), batch 8", 8, 6),
-    ] {
+    // `-- toolkit` measures the toolkit's row alone, `-- models` the models' rows alone.
+    let only = std::env::args()
+        .skip(1)
+        .find(|a| a == "toolkit" || a == "models");
+    let models = if only.as_deref() == Some("toolkit") {
+        &[][..]
+    } else {
+        &MODELS[..]
+    };
+    for &(which, name, batch, steps) in models {
         let (a, b) = model_step(which, batch, steps)?;
         println!(
             "{name}: float32 step through fit {:.1} ms, PyTorch eager {:.1} ms ({threads} threads)",
@@ -234,6 +265,10 @@ fn run() -> Result<()> {
             b * 1e3
         ));
     }
+    if only.as_deref() == Some("models") {
+        rows.iter().for_each(|row| println!("{row}"));
+        return Ok(());
+    }
     let c = models::GptConfig::CPU;
     let samples = (KIT_STEPS * KIT_BATCH as u64) as i64;
     let tokens = Tensor::f_randint(
@@ -241,27 +276,21 @@ fn run() -> Result<()> {
         [samples, c.context + 1],
         (Kind::Int64, Device::Cpu),
     )?;
-    // A round of each to warm up, then alternating rounds.
+    // A run of each to warm up, then pairs.
     toolkit(&tokens, true)?;
     toolkit(&tokens, false)?;
-    let (mut kit, mut bare) = (Vec::new(), Vec::new());
-    for round in 0..ROUNDS {
-        if round % 2 == 0 {
-            bare.push(toolkit(&tokens, false)?);
-            kit.push(toolkit(&tokens, true)?);
-        } else {
-            kit.push(toolkit(&tokens, true)?);
-            bare.push(toolkit(&tokens, false)?);
-        }
-    }
-    let (kit, bare) = (median(kit), median(bare));
+    let (kit, bare) = median_pair(
+        KIT_ROUNDS,
+        || toolkit(&tokens, true),
+        || toolkit(&tokens, false),
+    )?;
     println!(
-        "decoder, batch {KIT_BATCH}x128: fit with tracker, loader, checkpoints, metrics {:.1} ms/step; bare loop {:.1} ms/step",
+        "decoder, batch {KIT_BATCH}x128, {KIT_STEPS} steps: fit with tracker, loader, checkpoints, metrics {:.1} ms/step; bare loop {:.1} ms/step",
         kit * 1e3,
         bare * 1e3
     );
     rows.push(format!(
-        "row|GPT 4.2M: fit + tracker 100 ms + loader + checkpoint every 20 steps + metrics (ms/step)|{:.1}|a bare loop of the same steps|{:.1}|ms|lower",
+        "row|GPT 4.2M, batch 1x128: fit + tracker 100 ms + loader + checkpoint every 100 steps + metrics (ms/step)|{:.1}|a bare loop of the same steps|{:.1}|ms|lower",
         kit * 1e3,
         bare * 1e3
     ));

@@ -234,7 +234,11 @@ mod tests {
         let readmes = crate_readmes();
         let measured = crate::bench::BENCHES.map(|(k, _, _)| k);
         // (The root package's rows are in README.md's table alone.)
-        for krate in measured.iter().chain(&["torchtools-cli"]).filter(|k| **k != "torchtools") {
+        for krate in measured
+            .iter()
+            .chain(&["torchtools-cli"])
+            .filter(|k| **k != "torchtools")
+        {
             let (_, text) = readmes.iter().find(|(n, _)| n == krate).unwrap();
             assert!(
                 bench_table(text).is_some(),
