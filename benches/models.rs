@@ -117,19 +117,19 @@ impl Model {
     }
 }
 
+/// One process's trainer on the CPU for `config`, without signal handlers, bar or
+/// console lines (a benchmark's output is its rows).
+fn quiet_trainer(config: TrainConfig) -> Result<Trainer> {
+    let config = config.handle_signals(false).progress(false).console(false);
+    let single = torchtools::dist::ProcessGroup::single();
+    Ok(Trainer::with_group(config, single, Device::Cpu)?)
+}
+
 /// Seconds per step of `which` through `Trainer::fit`, after the warm-up.
 fn ours(which: &str, batch: usize, steps: u64) -> Result<f64> {
     let (mut vs, model, mut opt) = Model::build(which)?;
     let total = WARM_STEPS + steps;
-    let config = TrainConfig::new(batch as u64 * total, batch, 1)
-        .handle_signals(false)
-        .progress(false)
-        .console(false);
-    let mut trainer = Trainer::with_group(
-        config,
-        torchtools::dist::ProcessGroup::single(),
-        Device::Cpu,
-    )?;
+    let mut trainer = quiet_trainer(TrainConfig::new(batch as u64 * total, batch, 1))?;
     let start = Cell::new(None);
     trainer.fit(
         &mut vs,
@@ -213,16 +213,10 @@ fn toolkit(tokens: &Tensor, full: bool) -> Result<f64> {
         return Ok(start.elapsed().as_secs_f64() / steps as f64);
     }
     let root = tempfile::tempdir()?;
-    let config = TrainConfig::new(samples, KIT_BATCH, 1)
-        .checkpoints(root.path().join("ckpt"), 100)
-        .metrics(root.path().join("metrics.jsonl"))
-        .handle_signals(false)
-        .progress(false)
-        .console(false);
-    let mut trainer = Trainer::with_group(
-        config,
-        torchtools::dist::ProcessGroup::single(),
-        Device::Cpu,
+    let mut trainer = quiet_trainer(
+        TrainConfig::new(samples, KIT_BATCH, 1)
+            .checkpoints(root.path().join("ckpt"), 100)
+            .metrics(root.path().join("metrics.jsonl")),
     )?;
     let tracker = Tracker::start(TrackerConfig {
         interval: Duration::from_millis(100),

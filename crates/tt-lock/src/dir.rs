@@ -200,7 +200,8 @@ impl LockDir {
     /// Opens (or creates, mode 0666 whatever the umask) one lock file, refusing
     /// symbolic links. The descriptor is close-on-exec. Its type is left to the caller,
     /// who checks it on a `statx` of its own before writing anything (the lock's, made
-    /// after the `flock`, which one `statx` then serves whole): a FIFO is opened without blocking, a directory not at all.
+    /// after the `flock`, which one `statx` then serves whole): a FIFO is opened
+    /// without blocking, a directory not at all.
     pub(crate) fn open_file(&self, name: &str) -> Result<File> {
         let path = self.path.join(name);
         loop {
