@@ -2,9 +2,8 @@
 //! against `dd conv=fsync` (of zeros, and of the same random bytes) and Python's
 //! `torch.save` + fsync + rename, into the same directory, in one run; verified loads
 //! from a cold page cache against `cat` and the disk's direct reads at queue depth 8
-//! (each of five loads against the direct reads of its run: the worst run, not only
-//! the median); and the training stall of
-//! `save_async`.
+//! (each of five loads against the mean of the direct reads just before and after it:
+//! the worst run, not only the median); and the training stall of `save_async`.
 //!
 //! Prints `row|<what>|<ours>|<baseline name>|<baseline>|<unit>|<better>` lines for
 //! the xtask table.
@@ -151,10 +150,15 @@ fn main() {
     let (mut load, mut cat, mut into_tensors) = (Vec::new(), Vec::new(), Vec::new());
     let mut direct = Vec::new();
     for run in 0..=LOAD_RUNS {
+        // The load between two direct reads of the file, back to back (an O_DIRECT read
+        // goes to the disk whatever the page cache holds): their mean is the disk's
+        // speed at that moment.
         evict(&newest);
+        let before = direct_reads(&newest);
         let t = Instant::now();
         let loaded = LoadedCheckpoint::read(&newest).expect("load");
         let load_time = t.elapsed();
+        let after = direct_reads(&newest);
         let t = Instant::now();
         for name in loaded.tensors().names() {
             drop(std::hint::black_box(
@@ -172,17 +176,15 @@ fn main() {
             .expect("cat");
         assert!(status.success());
         let cat_time = t.elapsed();
-        evict(&newest);
-        let direct_time = direct_reads(&newest);
         if run > 0 {
             load.push(load_time);
             cat.push(cat_time);
             into_tensors.push(tensors_time);
-            direct.push(Duration::from_secs_f64(direct_time));
+            direct.push(Duration::from_secs_f64((before + after) / 2.0));
         }
     }
-    // Each run's load against the disk's direct reads in the same run, moments apart:
-    // this VM's disk changes speed from run to run (its direct reads too), so the run
+    // Each run's load against the disk's direct reads just before and after it: this
+    // VM's disk changes speed from second to second (its direct reads too), so the run
     // furthest below the disk is reported, with that run's direct reads.
     let (worst_load, worst_direct) = load
         .iter()
@@ -193,6 +195,16 @@ fn main() {
                 .total_cmp(&(b.0.as_secs_f64() / b.1.as_secs_f64()))
         })
         .expect("runs");
+    let gbs = |d: Duration| GIB / d.as_secs_f64() / 1e9;
+    let runs: Vec<String> = load
+        .iter()
+        .zip(&direct)
+        .map(|(&l, &d)| format!("{:.2}/{:.2}", gbs(l), gbs(d)))
+        .collect();
+    println!(
+        "tt-ckpt: each cold load / the direct reads around it (GB/s): {}",
+        runs.join(", ")
+    );
     let (load, cat, into_tensors) = (median(load), median(cat), median(into_tensors));
 
     // save_async: what the training loop waits for (host copy + hand-off) per GiB,
@@ -213,7 +225,6 @@ fn main() {
     }
     let stall = median(stalls);
 
-    let gbs = |d: Duration| GIB / d.as_secs_f64() / 1e9;
     println!("tt-ckpt: durable 1 GiB save {:.2} s ({:.2} GB/s); dd conv=fsync of zeros {:.2} s ({:.2} GB/s), of the same random bytes {:.2} s ({:.2} GB/s); save_async stall {:.3} s/GiB",
         ours.as_secs_f64(), gbs(ours), dd.as_secs_f64(), gbs(dd), dd_random.as_secs_f64(), gbs(dd_random), stall.as_secs_f64());
     println!(

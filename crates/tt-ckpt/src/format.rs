@@ -244,30 +244,10 @@ impl TensorFile {
         let path = path.as_ref().to_path_buf();
         let file = std::fs::File::open(&path).map_err(io("open", &path))?;
         let len = file.metadata().map_err(io("stat", &path))?.len();
-        if len > 0 {
-            // The whole file asked of the disk at once (the kernel queues its reads
-            // without waiting), so that the mapping's faults find the pages arriving at
-            // the disk's speed: a cold 1 GiB load went from 1.3-2.8 GB/s, run to run,
-            // to 2.4-2.75 (the default readahead of 128 KiB keeps one or two requests in
-            // flight). Only a hint: ignored where not supported.
-            // SAFETY: a plain system call on a descriptor open for its duration.
-            let _ = unsafe {
-                libc::posix_fadvise(
-                    std::os::fd::AsRawFd::as_raw_fd(&file),
-                    0,
-                    len as libc::off_t,
-                    libc::POSIX_FADV_WILLNEED,
-                )
-            };
-            // SAFETY: the mapping is read-only and private to this TensorFile; the
-            // file is a checkpoint, which torchtools only ever replaces by a rename
-            // (the mapped inode is never written), as documented on the type.
-            // MAP_POPULATE: the kernel reads the whole file in once, with large
-            // sequential reads, instead of one page fault at a time while the
-            // checksums are verified.
-            if let Ok(map) = unsafe { memmap2::MmapOptions::new().populate().map(&file) } {
-                return Self::parse(path, Bytes::Mapped(map));
-            }
+        // Mapped, its pages read in by several requests at once (the disk's speed in
+        // every run, see `reader`); where that fails, read(2) says why.
+        if let Some(map) = crate::reader::map_populated(&file, len) {
+            return Self::parse(path, Bytes::Mapped(map));
         }
         let bytes = std::fs::read(&path).map_err(io("read", &path))?;
         Self::from_bytes(path, bytes)

@@ -6,6 +6,7 @@ mod checksum;
 mod dir;
 mod error;
 mod format;
+mod reader;
 #[cfg(feature = "tch")]
 mod tch_support;
 mod tensor;
