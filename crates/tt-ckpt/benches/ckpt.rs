@@ -148,7 +148,7 @@ fn main() {
     // `cat file > /dev/null`, alternating; and the load into tch tensors, warm.
     let newest = dir.list().expect("list").pop().expect("a checkpoint").path;
     let (mut load, mut cat, mut into_tensors) = (Vec::new(), Vec::new(), Vec::new());
-    let mut direct = Vec::new();
+    let (mut direct, mut spread) = (Vec::new(), Vec::new());
     for run in 0..=LOAD_RUNS {
         // The load between two direct reads of the file, back to back (an O_DIRECT read
         // goes to the disk whatever the page cache holds): their mean is the disk's
@@ -181,6 +181,7 @@ fn main() {
             cat.push(cat_time);
             into_tensors.push(tensors_time);
             direct.push(Duration::from_secs_f64((before + after) / 2.0));
+            spread.push(before.max(after) / before.min(after));
         }
     }
     // Each run's load against the disk's direct reads just before and after it: this
@@ -204,6 +205,13 @@ fn main() {
     println!(
         "tt-ckpt: each cold load / the direct reads around it (GB/s): {}",
         runs.join(", ")
+    );
+    // How much the disk itself moved within a run: the faster of its two direct reads
+    // against the slower.
+    let spread: Vec<String> = spread.iter().map(|s| format!("{s:.2}")).collect();
+    println!(
+        "tt-ckpt: the disk's own change within each run (faster / slower direct read): {}",
+        spread.join(", ")
     );
     let (load, cat, into_tensors) = (median(load), median(cat), median(into_tensors));
 

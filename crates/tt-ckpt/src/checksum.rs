@@ -38,17 +38,25 @@ type Named<'a> = (&'a str, &'a [u8]);
 pub(crate) fn checksums_parallel<'a>(
     tensors: impl Iterator<Item = (&'a str, &'a [u8])>,
 ) -> BTreeMap<String, String> {
+    checksums_gated(tensors, |_| true).unwrap_or_default()
+}
+
+/// Bytes hashed between two calls of the gate.
+const PIECE: usize = 8 << 20;
+
+/// Checksums of `tensors` on all cores, each read in pieces of up to 8 MiB in order of
+/// address, and each piece only once `ready(piece)` has said it may be read (a file's
+/// pages still arriving: `ready` waits for them). `None` as soon as `ready` says no.
+pub(crate) fn checksums_gated<'a>(
+    tensors: impl Iterator<Item = (&'a str, &'a [u8])>,
+    ready: impl Fn(&[u8]) -> bool + Sync,
+) -> Option<BTreeMap<String, String>> {
     let items: Vec<(&str, &[u8])> = tensors.collect();
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(items.len().max(1));
-    if threads <= 1 {
-        return items
-            .into_iter()
-            .map(|(n, b)| (n.to_owned(), checksum(b)))
-            .collect();
-    }
-    // Largest first, each to the least loaded thread.
+    // Largest first, each to the least loaded thread; then each thread's share in
+    // order of address, so that every thread follows pages arriving front to back.
     let mut sorted = items;
     sorted.sort_by_key(|(_, b)| std::cmp::Reverse(b.len()));
     let mut shares: Vec<(usize, Vec<Named<'_>>)> = vec![(0, Vec::new()); threads];
@@ -58,27 +66,41 @@ pub(crate) fn checksums_parallel<'a>(
             share.1.push(item);
         }
     }
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = shares
+    let ready = &ready;
+    let work = move |mut share: Vec<Named<'_>>| -> Option<Vec<(String, String)>> {
+        share.sort_by_key(|(_, b)| b.as_ptr() as usize);
+        share
             .into_iter()
-            .map(|(_, share)| {
-                let work = |share: Vec<Named<'_>>| {
-                    share
-                        .into_iter()
-                        .map(|(n, b)| (n.to_owned(), checksum(b)))
-                        .collect::<Vec<_>>()
-                };
-                // Where no thread can be had, this share is done here.
-                let here = share.clone();
-                spawn_scoped(scope, "tt-ckpt-sums", move || work(share)).map_err(|_| work(here))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| match h {
-                Ok(h) => h.join().unwrap_or_default(),
-                Err(done) => done,
+            .map(|(name, bytes)| {
+                let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+                for piece in bytes.chunks(PIECE) {
+                    if !ready(piece) {
+                        return None;
+                    }
+                    hasher.update(piece);
+                }
+                Some((name.to_owned(), format!("xxh3:{:016x}", hasher.digest())))
             })
             .collect()
+    };
+    let mut shares = shares.into_iter().map(|(_, share)| share);
+    let mine = shares.next().unwrap_or_default();
+    std::thread::scope(|scope| {
+        let others: Vec<_> = shares
+            .map(|share| {
+                // Where no thread can be had, this share is done here, after the first.
+                let here = share.clone();
+                spawn_scoped(scope, "tt-ckpt-sums", move || work(share)).map_err(|_| here)
+            })
+            .collect();
+        let mut sums = work(mine)?;
+        for other in others {
+            let done = match other {
+                Ok(handle) => handle.join().ok()?,
+                Err(here) => work(here),
+            };
+            sums.extend(done?);
+        }
+        Some(sums.into_iter().collect())
     })
 }

@@ -8,6 +8,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use crate::atomic::AtomicFile;
 use crate::error::io;
+use crate::reader::Front;
 use crate::tensor::TensorData;
 use crate::writer;
 use crate::{Error, Result};
@@ -241,16 +242,25 @@ impl TensorFile {
     /// Maps and parses `path` (read into memory where it cannot be mapped); a
     /// malformed file is [`Error::Corrupt`].
     pub fn read(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref().to_path_buf();
+        Self::read_hashing(path.as_ref(), false).map(|(file, _)| file)
+    }
+
+    /// [`read`](Self::read), and where `hash`, the tensors' checksums computed while
+    /// the file's pages arrive (`None` where they could not be: the file was read
+    /// another way, or its header is not one).
+    fn read_hashing(path: &Path, hash: bool) -> Result<(Self, Option<Sums>)> {
+        let path = path.to_path_buf();
         let file = std::fs::File::open(&path).map_err(io("open", &path))?;
         let len = file.metadata().map_err(io("stat", &path))?.len();
-        // Mapped, its pages read in by several requests at once (the disk's speed in
-        // every run, see `reader`); where that fails, read(2) says why.
-        if let Some(map) = crate::reader::map_populated(&file, len) {
-            return Self::parse(path, Bytes::Mapped(map));
+        // Mapped, its pages read in by several requests at once (the disk's speed, see
+        // `reader`); where that fails, read(2) says why.
+        let during =
+            |bytes: &[u8], front: &Front| hash.then(|| sums_while_reading(bytes, front)).flatten();
+        if let Some((map, sums)) = crate::reader::map_populated(&file, len, during) {
+            return Ok((Self::parse(path, Bytes::Mapped(map))?, sums));
         }
         let bytes = std::fs::read(&path).map_err(io("read", &path))?;
-        Self::from_bytes(path, bytes)
+        Ok((Self::from_bytes(path, bytes)?, None))
     }
 
     /// Parses a file's bytes (`path` names it in errors); never panics, whatever
@@ -321,6 +331,36 @@ impl TensorFile {
     }
 }
 
+/// Tensors' checksums, by name.
+type Sums = BTreeMap<String, String>;
+
+/// The checksums of a safetensors file's tensors, each piece hashed once `front` says
+/// it is in: the hashing follows the disk instead of waiting for the whole file. `None`
+/// where the header is not one or the reading failed (then the file is checked later,
+/// or not mapped at all).
+fn sums_while_reading(bytes: &[u8], front: &Front) -> Option<Sums> {
+    let start = bytes.as_ptr() as usize;
+    let len_bytes: [u8; 8] = bytes.get(..8)?.try_into().ok()?;
+    let header_end = usize::try_from(u64::from_le_bytes(len_bytes))
+        .ok()?
+        .checked_add(8)?;
+    if !front.wait(header_end) {
+        return None;
+    }
+    // Reads the header only (offsets are checked against the length, no data read).
+    let (header_len, header) = SafeTensors::read_metadata(bytes).ok()?;
+    let data = bytes.get(8 + header_len..)?;
+    let mut views = Vec::new();
+    for (name, info) in header.tensors() {
+        let (begin, end) = info.data_offsets;
+        views.push((name, data.get(begin..end)?));
+    }
+    crate::checksum::checksums_gated(
+        views.iter().map(|(name, bytes)| (name.as_str(), *bytes)),
+        |piece| front.wait(piece.as_ptr() as usize - start + piece.len()),
+    )
+}
+
 /// A checkpoint written by torchtools, read and verified.
 #[derive(Debug)]
 pub struct LoadedCheckpoint {
@@ -333,15 +373,18 @@ impl LoadedCheckpoint {
     /// every tensor's checksum matches (so a flipped byte anywhere in the data, or a
     /// truncated file, is an [`Error::Corrupt`]).
     pub fn read(path: impl AsRef<Path>) -> Result<Self> {
-        Self::verify(TensorFile::read(path)?)
+        let (file, sums) = TensorFile::read_hashing(path.as_ref(), true)?;
+        Self::verify(file, sums)
     }
 
     /// [`read`](Self::read) for bytes already in memory (`path` names them in errors).
     pub fn from_bytes(path: PathBuf, bytes: Vec<u8>) -> Result<Self> {
-        Self::verify(TensorFile::from_bytes(path, bytes)?)
+        Self::verify(TensorFile::from_bytes(path, bytes)?, None)
     }
 
-    fn verify(file: TensorFile) -> Result<Self> {
+    /// Checks `file` against its metadata's checksums; `sums` are its tensors' own,
+    /// where they were computed as it was read.
+    fn verify(file: TensorFile, sums: Option<Sums>) -> Result<Self> {
         let corrupt = |reason: String| Error::Corrupt {
             path: file.path.clone(),
             reason,
@@ -360,13 +403,18 @@ impl LoadedCheckpoint {
                 "tensors {names:?} but checksums for {expected:?}"
             )));
         }
-        let mut views = Vec::with_capacity(names.len());
-        for name in &names {
-            let view = file.tensor(name).map_err(|e| corrupt(e.to_string()))?;
-            views.push((name.as_str(), view.data()));
-        }
-        // On all cores: verifying is reading every byte, at the disk's or memory's speed.
-        let sums = crate::checksum::checksums_parallel(views.into_iter());
+        let sums = match sums {
+            Some(sums) => sums,
+            None => {
+                let mut views = Vec::with_capacity(names.len());
+                for name in &names {
+                    let view = file.tensor(name).map_err(|e| corrupt(e.to_string()))?;
+                    views.push((name.as_str(), view.data()));
+                }
+                // On all cores: verifying is reading every byte.
+                crate::checksum::checksums_parallel(views.into_iter())
+            }
+        };
         for (name, sum) in &meta.checksums {
             if sums.get(name) != Some(sum) {
                 return Err(corrupt(format!(
@@ -436,6 +484,33 @@ mod tests {
             short.to_string().contains("needs 24 bytes, got 20"),
             "{short}"
         );
+    }
+
+    #[test]
+    fn the_checksums_computed_while_the_file_arrives_are_the_stored_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckpt.safetensors");
+        let mut ckpt = Checkpoint::new(3);
+        let big: Vec<f32> = (0..(5 << 20)).map(|i| i as f32).collect();
+        ckpt.add_tensor("big", TensorData::from_f32(vec![5 << 20], &big).unwrap())
+            .unwrap();
+        ckpt.add_tensor("small", TensorData::from_f32(vec![3], &[1.0; 3]).unwrap())
+            .unwrap();
+        ckpt.write_to(&path).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let len = file.metadata().unwrap().len();
+        let (_, sums) = crate::reader::map_populated(&file, len, sums_while_reading).unwrap();
+        let stored = LoadedCheckpoint::read(&path)
+            .unwrap()
+            .meta()
+            .checksums
+            .clone();
+        assert_eq!(sums, Some(stored));
+        // Not a safetensors header: no checksums (the file is then refused by parsing).
+        std::fs::write(&path, [0xffu8; 64]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let (_, sums) = crate::reader::map_populated(&file, 64, sums_while_reading).unwrap();
+        assert_eq!(sums, None);
     }
 
     #[test]

@@ -445,7 +445,7 @@ fn dtype_name(d: safetensors::Dtype) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checksum::{checksums_parallel, REFUSE_THREADS};
+    use crate::checksum::{checksums_gated, checksums_parallel, REFUSE_THREADS};
     use safetensors::Dtype;
 
     #[test]
@@ -536,6 +536,28 @@ mod tests {
         );
         assert_eq!(ours[8 + our_len..], theirs[8 + their_len..], "same data");
         safetensors::SafeTensors::deserialize(&ours).unwrap();
+    }
+
+    #[test]
+    fn checksums_read_piece_by_piece_equal_whole_ones_and_stop_when_told() {
+        // Three pieces and a part, and a small tensor beside it.
+        let big: Vec<u8> = (0..(3 << 23) + 5).map(|i: usize| (i % 253) as u8).collect();
+        let small = [7u8; 100];
+        let items = [("big", &big[..]), ("small", &small[..])];
+        let pieces = std::sync::atomic::AtomicUsize::new(0);
+        let gated = checksums_gated(items.iter().copied(), |piece| {
+            pieces.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            !piece.is_empty()
+        });
+        let whole: BTreeMap<String, String> = items
+            .iter()
+            .map(|(n, bytes)| ((*n).to_owned(), checksum(bytes)))
+            .collect();
+        assert_eq!(gated, Some(whole));
+        assert_eq!(pieces.into_inner(), 5);
+        // A gate that says no: no checksums, and no wait.
+        let refused = checksums_gated(items.iter().copied(), |piece| piece.len() < 100);
+        assert_eq!(refused, None);
     }
 
     #[test]
