@@ -24,7 +24,6 @@ mod models;
 
 use std::cell::Cell;
 use std::error::Error;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use torchtools::optim::{AdamConfig, Optimizer};
@@ -147,22 +146,13 @@ fn ours(which: &str, batch: usize, steps: u64) -> Result<f64> {
 
 /// The same in PyTorch eager, in its own process: seconds per step.
 fn theirs(which: &str, batch: usize, steps: u64) -> Result<f64> {
-    let python = std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = Command::new(&python)
-        .args(["-c", models::PY_MODELS, which])
-        .args([batch.to_string(), steps.to_string()])
-        .env("TT_MODELS_DEVICE", "cpu")
-        .env("TT_GPT_SHAPE", models::GptConfig::CPU.py_shape())
-        .output()
-        .map_err(|e| format!("cannot run {python}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "the PyTorch {which} baseline failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-        .into());
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
+    let (b, n) = (batch.to_string(), steps.to_string());
+    let shape = models::GptConfig::CPU.py_shape();
+    let text = models::python_baseline(
+        which,
+        &["-c", models::PY_MODELS, which, &b, &n],
+        &[("TT_MODELS_DEVICE", "cpu"), ("TT_GPT_SHAPE", &shape)],
+    )?;
     let secs = text
         .split_whitespace()
         .next()

@@ -35,7 +35,6 @@
 mod models;
 
 use std::error::Error;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use torchtools::adaptive::{Adaptive, CudaMemory, Policy};
@@ -325,7 +324,7 @@ fn training_row() -> Result<Row> {
         times.push(start.elapsed().as_secs_f64() / STEPS as f64);
     }
     let ours = median(times);
-    let theirs: f64 = python_baseline("MLP", &["-c", PY_STEP, &STEPS.to_string()])?
+    let theirs: f64 = models::python_baseline("MLP", &["-c", PY_STEP, &STEPS.to_string()], &[])?
         .trim()
         .parse()?;
     Ok(Row {
@@ -485,29 +484,11 @@ fn ours(which: &str, batch: usize, steps: u64) -> Result<(f64, u64)> {
 /// The same in PyTorch eager, in its own process.
 fn theirs(which: &str, batch: usize, steps: u64) -> Result<(f64, u64)> {
     let (b, n) = (batch.to_string(), steps.to_string());
-    let text = python_baseline(which, &["-c", models::PY_MODELS, which, &b, &n])?;
+    let text = models::python_baseline(which, &["-c", models::PY_MODELS, which, &b, &n], &[])?;
     let mut words = text.split_whitespace();
     let secs: f64 = words.next().ok_or("no time from PyTorch")?.parse()?;
     let peak: u64 = words.next().ok_or("no peak from PyTorch")?.parse()?;
     Ok((secs, peak))
-}
-
-/// Runs the baseline Python (`TORCHTOOLS_PYTHON`, default `python3`) with `args`; its
-/// standard output, or an error naming `what` with Python's standard error.
-fn python_baseline(what: &str, args: &[&str]) -> Result<String> {
-    let python = std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = Command::new(&python)
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run {python}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "the PyTorch {what} baseline failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-        .into());
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// Per model: the step time and the peak memory, ours against PyTorch eager (medians of
@@ -588,7 +569,7 @@ fn optimizer_rows() -> Result<Vec<Row>> {
     }
     let zero = median(clears);
     let script = format!("{}\n{PY_OPT_STEP}", models::PY_MODELS);
-    let text = python_baseline("optimizer", &["-c", &script, "gpt", "4", "1"])?;
+    let text = models::python_baseline("optimizer", &["-c", &script, "gpt", "4", "1"], &[])?;
     let figures: Vec<f64> = text
         .lines()
         .last()
@@ -833,7 +814,7 @@ fn checkpoint_rows() -> Result<Vec<Row>> {
     let gib = bytes as f64 / GIB as f64;
     let theirs_dir = root.path().join("theirs");
     std::fs::create_dir_all(&theirs_dir)?;
-    let text = python_baseline(
+    let text = models::python_baseline(
         "checkpoint",
         &[
             "-c",
@@ -843,6 +824,7 @@ fn checkpoint_rows() -> Result<Vec<Row>> {
             "0",
             &theirs_dir.to_string_lossy(),
         ],
+        &[],
     )?;
     let v: Vec<f64> = text
         .split_whitespace()

@@ -329,3 +329,26 @@ state += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s
 med = statistics.median
 print(state, med(a_stall), med(a_durable), med(s_stall))
 "#;
+
+/// Runs the baseline Python (`TORCHTOOLS_PYTHON`, default `python3`) with `args` and
+/// the variables `envs`; its standard output, or an error naming `what` with Python's
+/// standard error.
+pub(crate) fn python_baseline(
+    what: &str,
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> Result<String, String> {
+    let python = std::env::var("TORCHTOOLS_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(&python)
+        .args(args)
+        .envs(envs.iter().copied())
+        .output()
+        .map_err(|e| format!("cannot run {python}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "the PyTorch {what} baseline failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
