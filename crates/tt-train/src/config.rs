@@ -33,6 +33,7 @@ pub struct TrainConfig {
     pub(crate) log_every: u64,
     pub(crate) allow_reshard: bool,
     pub(crate) handle_signals: bool,
+    pub(crate) keep_freed_memory: bool,
     pub(crate) accumulate: usize,
     pub(crate) clip_grad_norm: Option<f64>,
     pub(crate) seed_every_step: bool,
@@ -63,6 +64,7 @@ impl TrainConfig {
             log_every: 50,
             allow_reshard: false,
             handle_signals: true,
+            keep_freed_memory: true,
             accumulate: 1,
             clip_grad_norm: None,
             seed_every_step: true,
@@ -125,6 +127,17 @@ impl TrainConfig {
     /// still stops.
     pub fn handle_signals(mut self, handle: bool) -> TrainConfig {
         self.handle_signals = handle;
+        self
+    }
+
+    /// Keep the memory a step frees for the next step (default `true`, once per process:
+    /// see [`keep_freed_memory`](crate::keep_freed_memory); glibc's thresholds set in
+    /// the environment, an address-space limit and an
+    /// [`adaptive_micro_batch`](Self::adaptive_micro_batch) run leave the allocator
+    /// alone). `false` leaves the allocator as it is: set it where your program calls
+    /// `mallopt` itself.
+    pub fn keep_freed_memory(mut self, keep: bool) -> TrainConfig {
+        self.keep_freed_memory = keep;
         self
     }
 

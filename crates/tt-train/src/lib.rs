@@ -10,6 +10,7 @@ mod curve;
 mod error;
 #[cfg(feature = "dist")]
 mod eval;
+mod heap;
 #[cfg(feature = "dist")]
 mod micro;
 #[cfg(feature = "tch")]
@@ -37,6 +38,7 @@ pub use batches::{Batch, EpochBatches};
 pub use blocks::{clip_grad_norm, micro_batches, step_seed};
 pub use curve::loss_curve_svg;
 pub use error::TrainError;
+pub use heap::{keep_freed_memory, FreedMemory, MALLOC_VARIABLES};
 #[cfg(feature = "tch")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use precision::{GradScaler, Precision};

@@ -81,8 +81,10 @@ impl std::fmt::Debug for Trainer {
 
 impl Trainer {
     /// The group from the environment ([`ProcessGroup::from_env`]), the device from
-    /// tt-device (`TORCHTOOLS_DEVICE`, `LOCAL_RANK`), and the signal handlers (once per
-    /// process, unless [`TrainConfig::handle_signals`] is `false`).
+    /// tt-device (`TORCHTOOLS_DEVICE`, `LOCAL_RANK`), the signal handlers (once per
+    /// process, unless [`TrainConfig::handle_signals`] is `false`) and the allocator's
+    /// setting ([`keep_freed_memory`](crate::keep_freed_memory), unless
+    /// [`TrainConfig::keep_freed_memory`] is `false`).
     pub fn from_env(config: TrainConfig) -> Result<Trainer, TrainError> {
         config.validate()?;
         let device = tt_device::select()?;
@@ -102,6 +104,12 @@ impl Trainer {
         } else {
             Arc::new(AtomicBool::new(false))
         };
+        // A run that expects out-of-memory errors keeps glibc's defaults: memory kept on
+        // the heap cannot serve a large block, which the default would have mapped.
+        if config.keep_freed_memory && !config.adaptive_micro_batch {
+            let done = crate::keep_freed_memory();
+            tracing::debug!(?done, "a step's freed memory kept for the next step");
+        }
         Ok(Trainer {
             pg: Arc::new(pg),
             device,
