@@ -43,6 +43,9 @@ pub(crate) fn checksums_parallel<'a>(
 
 /// Bytes hashed between two calls of the gate.
 const PIECE: usize = 8 << 20;
+/// Threads hashing at most: eight hash faster than any disk delivers (xxh3 runs at
+/// several GB/s a core), and a machine of many cores is not woken whole for each piece.
+const MAX_THREADS: usize = 8;
 
 /// Checksums of `tensors` on all cores, each read in pieces of up to 8 MiB in order of
 /// address, and each piece only once `ready(piece)` has said it may be read (a file's
@@ -54,6 +57,7 @@ pub(crate) fn checksums_gated<'a>(
     let items: Vec<(&str, &[u8])> = tensors.collect();
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
+        .min(MAX_THREADS)
         .min(items.len().max(1));
     // Largest first, each to the least loaded thread; then each thread's share in
     // order of address, so that every thread follows pages arriving front to back.

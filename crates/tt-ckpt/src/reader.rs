@@ -69,8 +69,12 @@ impl Front {
         while state.done.get(next) == Some(&true) {
             next += 1;
         }
-        state.ready = (next * CHUNK).min(state.len);
-        self.changed.notify_all();
+        let ready = (next * CHUNK).min(state.len);
+        // Waiters wake only when the front moved (a chunk past a gap moves nothing).
+        if ready != state.ready {
+            state.ready = ready;
+            self.changed.notify_all();
+        }
     }
 
     fn fail(&self) {
