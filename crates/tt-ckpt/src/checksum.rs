@@ -5,7 +5,13 @@ use std::collections::BTreeMap;
 
 /// A checksum of a tensor's bytes, as stored in the metadata.
 pub(crate) fn checksum(bytes: &[u8]) -> String {
-    format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
+    stored(xxhash_rust::xxh3::xxh3_64(bytes))
+}
+
+/// An xxh3 digest as the metadata stores it: `xxh3:` and 16 hex digits (every
+/// checksum has the same width, which the writer's header reservation relies on).
+pub(crate) fn stored(digest: u64) -> String {
+    format!("xxh3:{digest:016x}")
 }
 
 /// `Builder::spawn_scoped`, which this crate's tests can make fail as a container's
@@ -83,7 +89,7 @@ pub(crate) fn checksums_gated<'a>(
                     }
                     hasher.update(piece);
                 }
-                Some((name.to_owned(), format!("xxh3:{:016x}", hasher.digest())))
+                Some((name.to_owned(), stored(hasher.digest())))
             })
             .collect()
     };

@@ -3,11 +3,11 @@
 //! A mapping's page faults read the file one readahead window at a time (128 KiB by
 //! default), one request in flight; `MAP_POPULATE` does the same from one thread, and
 //! `POSIX_FADV_WILLNEED` asks for no more than one window either (the kernel caps it).
-//! So a cold 1 GiB load ran at 0.4 to 0.5 times the disk's direct reads on the 2-core
+//! So a cold 1 GiB load ran at 0.35 to 0.6 times the disk's direct reads on the 2-core
 //! VM. Here the mapping is populated (`MADV_POPULATE_READ`) in 8 MiB chunks from eight
-//! threads, as `fio --bs=8M --iodepth=8` reads a disk: 1.0 to 1.3 times those direct
-//! reads in every run measured, and the pages stay in the page cache (reclaimable), not
-//! on the heap.
+//! threads, as `fio --bs=8M --iodepth=8` reads a disk: 1.02 to 1.56 times the direct
+//! reads just before and after each load, in one process; the pages stay in the page
+//! cache (reclaimable), not on the heap.
 
 use std::fs::File;
 use std::io;
@@ -101,10 +101,10 @@ impl Drop for FailUnlessDone<'_> {
 /// `file` (of `len` bytes) mapped read-only with every page read in, and what `during`
 /// returned: `during` runs on this thread while the pages arrive, and may read a byte
 /// once [`Front::wait`] has said it is in (on a kernel without `MADV_POPULATE_READ` it
-/// runs a second time, after one thread's `MAP_POPULATE`). `None` where the file cannot be mapped or
-/// read that way (a filesystem without mappings, a disk error, a file cut short since
-/// its size was read): the caller then reads it with `read(2)`, which reports what went
-/// wrong as an error instead of a `SIGBUS` on first touch.
+/// runs a second time, after one thread's `MAP_POPULATE`). `None` where the file cannot
+/// be mapped or read that way (a filesystem without mappings, a disk error, a file cut
+/// short since its size was read): the caller then reads it with `read(2)`, which
+/// reports what went wrong as an error instead of a `SIGBUS` on first touch.
 pub(crate) fn map_populated<T>(
     file: &File,
     len: u64,

@@ -27,7 +27,7 @@ const CHUNK: usize = 8 << 20;
 
 /// The placeholder checksum, of the same width as every real one.
 fn placeholder() -> String {
-    format!("xxh3:{:016x}", 0u64)
+    crate::checksum::stored(0)
 }
 
 /// Tensors in file order: safetensors' own (descending dtype alignment, then name),
