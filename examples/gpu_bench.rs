@@ -761,7 +761,8 @@ fn max_batch_rows() -> Result<Vec<Row>> {
 /// the cost to the training loop (the save call and the next step, against a step
 /// alone) and the time until the file is durable, per GiB of state; `save_async`
 /// against PyTorch's `async_save` (DCP) and an fsynced `torch.save` in its own
-/// process. Medians of three.
+/// process; then the last file loaded back onto the GPU, against `torch.load` of
+/// PyTorch's file and against a load through pageable memory. Medians of three.
 fn checkpoint_rows() -> Result<Vec<Row>> {
     use torchtools::ckpt::CheckpointDir;
     use torchtools::optim::Optimizer;
@@ -797,6 +798,7 @@ fn checkpoint_rows() -> Result<Vec<Row>> {
         .writer(true)
         .keep_last(2);
     let (mut stall, mut durable, mut bytes) = (Vec::new(), Vec::new(), 0u64);
+    let mut last = None;
     for i in 0..3 {
         let start = Instant::now();
         let took = timed(&mut || {
@@ -809,9 +811,50 @@ fn checkpoint_rows() -> Result<Vec<Row>> {
         let path = dir.wait()?.ok_or("no checkpoint written")?;
         durable.push(start.elapsed().as_secs_f64());
         stall.push((took - plain).max(0.0));
-        bytes = std::fs::metadata(path)?.len();
+        bytes = std::fs::metadata(&path)?.len();
+        last = Some(path);
     }
     let gib = bytes as f64 / GIB as f64;
+    // The last checkpoint loaded onto the GPU (warm in the page cache, as the Python
+    // side's file): verified and through pinned buffers, against each tensor through
+    // pageable host memory (a tch tensor of the bytes, then `to_device`).
+    let path = last.ok_or("no checkpoint written")?;
+    let load = |pinned: bool| -> Result<f64> {
+        torchtools::tch::Cuda::synchronize(0);
+        let start = Instant::now();
+        let loaded = torchtools::ckpt::LoadedCheckpoint::read(&path)?;
+        let tensors = match pinned {
+            true => loaded.tch_all(dev)?,
+            false => {
+                let file = loaded.tensors();
+                let mut all = Vec::new();
+                for name in file.names() {
+                    let view = file.tensor(&name)?;
+                    let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+                    let kind = torchtools::ckpt::kind_of(view.dtype())?;
+                    let t = Tensor::f_from_data_size(view.data(), &shape, kind)?;
+                    all.push((name, t.f_to_device(dev)?));
+                }
+                all
+            }
+        };
+        torchtools::tch::Cuda::synchronize(0);
+        let took = start.elapsed().as_secs_f64();
+        drop(tensors);
+        Ok(took)
+    };
+    let (mut pinned, mut pageable) = (Vec::new(), Vec::new());
+    load(true)?;
+    for round in 0..3 {
+        if round % 2 == 0 {
+            pinned.push(load(true)?);
+            pageable.push(load(false)?);
+        } else {
+            pageable.push(load(false)?);
+            pinned.push(load(true)?);
+        }
+    }
+    let (pinned, pageable) = (median(pinned), median(pageable));
     let theirs_dir = root.path().join("theirs");
     std::fs::create_dir_all(&theirs_dir)?;
     let text = models::python_baseline(
@@ -830,7 +873,7 @@ fn checkpoint_rows() -> Result<Vec<Row>> {
         .split_whitespace()
         .map(str::parse)
         .collect::<std::result::Result<_, _>>()?;
-    let [state, a_stall, a_durable, s_stall] = v[..] else {
+    let [state, a_stall, a_durable, s_stall, t_load] = v[..] else {
         return Err(format!("the checkpoint baseline printed {text:?}").into());
     };
     let their_gib = state / GIB as f64;
@@ -854,6 +897,18 @@ fn checkpoint_rows() -> Result<Vec<Row>> {
             ours: per(ours_durable),
             baseline: per(a_durable / their_gib),
             ratio: format!("{:.2}", (a_durable / their_gib) / ours_durable),
+        },
+        Row {
+            what: "  load onto cuda:0 (verified, pinned) vs torch.load(map_location=cuda)".into(),
+            ours: per(pinned / gib),
+            baseline: per(t_load / their_gib),
+            ratio: format!("{:.2}", (t_load / their_gib) / (pinned / gib)),
+        },
+        Row {
+            what: "  the same, vs each tensor through pageable memory (tch's to_device)".into(),
+            ours: per(pinned / gib),
+            baseline: per(pageable / gib),
+            ratio: format!("{:.2}", pageable / pinned),
         },
     ])
 }

@@ -224,8 +224,10 @@ impl ResNet {
 /// `TT_GPT_SHAPE` gives the decoder's shape (`GptConfig::py_shape`; GPT-2 small's
 /// blocks when unset). `gpt-ckpt BATCH STEPS DIR`
 /// times checkpoints of the model and its optimizer instead (PyTorch's
-/// `torch.distributed.checkpoint.async_save` and an fsynced `torch.save`): `STATE_BYTES
-/// ASYNC_STALL ASYNC_DURABLE SAVE_STALL` in bytes and seconds, medians of three.
+/// `torch.distributed.checkpoint.async_save` and an fsynced `torch.save`), and the load of
+/// the last `torch.save` file onto the GPU (`torch.load(map_location='cuda:0')`):
+/// `STATE_BYTES ASYNC_STALL ASYNC_DURABLE SAVE_STALL LOAD` in bytes and seconds, medians
+/// of three.
 pub(crate) const PY_MODELS: &str = r#"
 import os, sys, time, torch, torch.nn as nn, torch.nn.functional as F
 which, batch, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -326,8 +328,14 @@ for i in range(3):
     s_stall.append(took - plain)
 state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
 state += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+def load():
+    torch.cuda.synchronize(); t = time.perf_counter()
+    sd = torch.load(f'{out}/save2.pt', map_location='cuda:0', weights_only=True)
+    torch.cuda.synchronize(); took = time.perf_counter() - t
+    del sd; return took
+load()
 med = statistics.median
-print(state, med(a_stall), med(a_durable), med(s_stall))
+print(state, med(a_stall), med(a_durable), med(s_stall), med(load() for _ in range(3)))
 "#;
 
 /// Runs the baseline Python (`TORCHTOOLS_PYTHON`, default `python3`) with `args` and

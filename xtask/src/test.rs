@@ -66,14 +66,14 @@ const EXTRA_FEATURES: [(&str, &str); 4] = [
 /// one-GPU machine (tests that need more GPUs, or MIG, report themselves not run and
 /// do not count): a binary below its minimum, or missing, fails the run.
 pub(crate) const GPU_CRATES: [(&str, u32); 12] = [
-    ("tt-sys", 6),
+    ("tt-sys", 7),
     ("tt-dist", 4),
     ("tt-device", 5),
     ("tt-fence", 3),
     ("tt-tracker", 1),
     ("tt-adaptive", 5),
     ("tt-probe", 3),
-    ("tt-ckpt", 2),
+    ("tt-ckpt", 3),
     ("tt-optim", 1),
     ("tt-train", 3),
     ("torchtools-cli", 8),

@@ -161,15 +161,95 @@ impl Checkpoint<'_> {
     }
 }
 
+/// The pinned uploads of one load, one per CUDA device it writes to.
+#[derive(Default)]
+struct Uploads(Vec<(usize, tt_sys::DeviceUploads)>);
+
+impl Uploads {
+    /// Queues `bytes` into `dst` (contiguous, on a CUDA device).
+    fn copy_into(&mut self, dst: &Tensor, bytes: &[u8], name: &str) -> Result<()> {
+        let err = |e: tt_sys::Error| Error::Unreadable(format!("tensor {name:?}: {e}"));
+        let Device::Cuda(index) = dst.device() else {
+            return Err(Error::Unreadable(format!(
+                "tensor {name:?}: an upload to {:?}, not CUDA",
+                dst.device()
+            )));
+        };
+        let at = match self.0.iter().position(|(i, _)| *i == index) {
+            Some(at) => at,
+            None => {
+                let uploads = tt_sys::DeviceUploads::new(dst.device()).map_err(err)?;
+                self.0.push((index, uploads));
+                self.0.len() - 1
+            }
+        };
+        self.0[at].1.copy_into(dst, bytes).map_err(err)
+    }
+
+    /// Waits until every upload has landed.
+    fn finish(self) -> Result<()> {
+        for (_, uploads) in self.0 {
+            uploads
+                .finish()
+                .map_err(|e| Error::Unreadable(format!("loading onto the GPU: {e}")))?;
+        }
+        Ok(())
+    }
+}
+
 impl TensorFile {
-    /// Tensor `name` as a tch tensor on `device`, with its dtype.
+    /// Tensor `name` as a tch tensor on `device`, with its dtype. Onto a CUDA device
+    /// the bytes go through pinned buffers ([`tt_sys::DeviceUploads`]), not through
+    /// a pageable host tensor.
     pub fn tch(&self, name: &str, device: Device) -> Result<Tensor> {
+        let mut uploads = Uploads::default();
+        let t = self.tch_with(name, device, &mut uploads)?;
+        uploads.finish()?;
+        Ok(t)
+    }
+
+    /// Every tensor of the file on `device`, by name in sorted order: PyTorch's
+    /// `safetensors.torch.load_file(path, device=..)`, or `torch.load(path,
+    /// map_location=..)` of a state dict. Onto a CUDA device the bytes go through a
+    /// few pinned buffers whose transfers overlap the host's copies
+    /// ([`tt_sys::DeviceUploads`]); the tensors are ready when this returns.
+    ///
+    /// ```no_run
+    /// use tch::Device;
+    /// let file = tt_ckpt::TensorFile::read("model.safetensors")?;
+    /// for (name, t) in file.tch_all(Device::Cuda(0))? {
+    ///     println!("{name}: {:?}", t.size());
+    /// }
+    /// # Ok::<(), tt_ckpt::Error>(())
+    /// ```
+    pub fn tch_all(&self, device: Device) -> Result<Vec<(String, Tensor)>> {
+        let mut uploads = Uploads::default();
+        let tensors = self
+            .names()
+            .into_iter()
+            .map(|name| {
+                let t = self.tch_with(&name, device, &mut uploads)?;
+                Ok((name, t))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        uploads.finish()?;
+        Ok(tensors)
+    }
+
+    /// [`tch`](Self::tch), its upload queued in `uploads` for a CUDA device.
+    fn tch_with(&self, name: &str, device: Device, uploads: &mut Uploads) -> Result<Tensor> {
         let view = self.tensor(name)?;
         let kind = kind_of(view.dtype()).map_err(|e| match e {
             Error::Unreadable(why) => Error::Unreadable(format!("tensor {name:?}: {why}")),
             other => other,
         })?;
         let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        if let Device::Cuda(_) = device {
+            let t = Tensor::f_empty(&shape, (kind, device))
+                .map_err(read_err(format!("tensor {name:?} on {device:?}")))?;
+            uploads.copy_into(&t, view.data(), name)?;
+            return Ok(t);
+        }
         Tensor::f_from_data_size(view.data(), &shape, kind)
             .and_then(|t| t.f_to_device(device))
             .map_err(read_err(format!("tensor {name:?} to {device:?}")))
@@ -246,7 +326,8 @@ impl TensorFile {
                 ));
                 continue;
             }
-            plan.push((name, var));
+            let same_kind = kind == var.kind();
+            plan.push((name, var, same_kind));
         }
         let strict_failure =
             options.strict && !(report.missing.is_empty() && report.unexpected.is_empty());
@@ -259,12 +340,19 @@ impl TensorFile {
                 strict: options.strict,
             });
         }
-        for (name, mut var) in plan {
-            let saved = self.tch(&name, var.device())?;
-            tch::no_grad(|| var.f_copy_(&saved))
-                .map_err(read_err(format!("load variable {name:?}")))?;
+        let mut uploads = Uploads::default();
+        for (name, mut var, same_kind) in plan {
+            if same_kind && var.is_contiguous() && matches!(var.device(), Device::Cuda(_)) {
+                // Straight from the file's bytes into the variable's GPU memory.
+                uploads.copy_into(&var, self.tensor(&name)?.data(), &name)?;
+            } else {
+                let saved = self.tch_with(&name, var.device(), &mut uploads)?;
+                tch::no_grad(|| var.f_copy_(&saved))
+                    .map_err(read_err(format!("load variable {name:?}")))?;
+            }
             report.loaded.push(name);
         }
+        uploads.finish()?;
         Ok(report)
     }
 }
@@ -324,9 +412,16 @@ pub struct LoadReport {
 }
 
 impl LoadedCheckpoint {
-    /// Tensor `name` as a tch tensor on `device`, with its dtype.
+    /// Tensor `name` as a tch tensor on `device`, with its dtype
+    /// ([`TensorFile::tch`]).
     pub fn tch(&self, name: &str, device: Device) -> Result<Tensor> {
         self.tensors().tch(name, device)
+    }
+
+    /// Every tensor of the checkpoint on `device`, by name in sorted order
+    /// ([`TensorFile::tch_all`]: through pinned buffers onto a CUDA device).
+    pub fn tch_all(&self, device: Device) -> Result<Vec<(String, Tensor)>> {
+        self.tensors().tch_all(device)
     }
 
     /// Copies the saved values into every variable of `vs` (on its device). A

@@ -81,3 +81,79 @@ fn an_async_checkpoint_of_cuda_state_holds_the_values_it_was_taken_with() {
         );
     }
 }
+
+/// A checkpoint of CPU tensors loaded onto the GPU through the pinned buffers: every
+/// dtype and shape bit for bit (a tensor of more pieces than there are buffers, so the
+/// buffers are reused; a piece that is not whole; a scalar; an empty tensor), and into
+/// a VarStore on the GPU, whose variables stay trainable.
+#[test]
+fn a_checkpoint_loads_onto_the_gpu_through_pinned_buffers_bit_for_bit() {
+    tt_sys::require_cuda();
+    let root = tempfile::tempdir().unwrap();
+    let path = root.path().join("load.safetensors");
+    let chunk = tt_sys::DeviceUploads::CHUNK as i64;
+    let pieces = tt_sys::DeviceUploads::DEPTH as i64 + 3;
+    let cpu = (Kind::Float, Device::Cpu);
+    let big = pieces * chunk / 4 + 3;
+    // By name: the load returns them sorted, and the checks look them up.
+    let tensors: std::collections::BTreeMap<&str, Tensor> = [
+        ("bf", Tensor::randn([3, 5], cpu).to_kind(Kind::BFloat16)),
+        // Pieces beyond the buffers' number, the last one short (3 bytes).
+        ("big", Tensor::randn([big], cpu).view([-1, 1])),
+        (
+            "bytes",
+            Tensor::randint(256, [1001], (Kind::Uint8, Device::Cpu)),
+        ),
+        ("empty", Tensor::zeros([0, 3], cpu)),
+        (
+            "flags",
+            Tensor::randint(2, [7], (Kind::Int64, Device::Cpu)).to_kind(Kind::Bool),
+        ),
+        ("scalar", Tensor::from(2.5f64)),
+        ("steps", Tensor::arange(9, (Kind::Int64, Device::Cpu))),
+    ]
+    .into_iter()
+    .collect();
+    let mut c = Checkpoint::new(1);
+    for (name, t) in &tensors {
+        c.add_tch(name, t).unwrap();
+    }
+    c.write_to(&path).unwrap();
+    let loaded = LoadedCheckpoint::read(&path).unwrap();
+    let all = loaded.tch_all(Device::Cuda(0)).unwrap();
+    let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        ["bf", "big", "bytes", "empty", "flags", "scalar", "steps"]
+    );
+    for (name, gpu) in &all {
+        let want = &tensors[name.as_str()];
+        assert_eq!(
+            (gpu.device(), gpu.kind()),
+            (Device::Cuda(0), want.kind()),
+            "{name}"
+        );
+        assert_eq!(gpu.size(), want.size(), "{name}");
+        assert!(
+            gpu.to_device(Device::Cpu).equal(want),
+            "{name} differs after the load"
+        );
+    }
+    // Into a VarStore on the GPU: straight into the variables' memory, and "steps"
+    // (int64 in the file, f32 here) converted on the GPU.
+    let mut vs = tch::nn::VarStore::new(Device::Cuda(0));
+    let big_var = vs.root().zeros("big", &[big, 1]);
+    let steps = vs.root().zeros_no_train("steps", &[9]);
+    let report = tt_ckpt::TensorFile::read(&path)
+        .unwrap()
+        .load_var_store(
+            &mut vs,
+            tt_ckpt::LoadOptions::non_strict().convert_dtype(true),
+        )
+        .unwrap();
+    assert_eq!(report.loaded, ["big", "steps"]);
+    assert!(big_var.to_device(Device::Cpu).equal(&tensors["big"]));
+    assert!(big_var.requires_grad(), "the variable is still trainable");
+    let want = tensors["steps"].to_kind(Kind::Float);
+    assert!(steps.to_device(Device::Cpu).equal(&want));
+}

@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use tch::{nn, Device, Kind, Tensor};
-use tt_ckpt::{Checkpoint, CheckpointDir, Error};
+use tt_ckpt::{Checkpoint, CheckpointDir, Error, LoadedCheckpoint};
 
 fn model(vs: &nn::Path) -> nn::Sequential {
     nn::seq()
@@ -127,4 +127,36 @@ fn recycled_host_buffers_hold_exactly_the_new_data() {
     assert!(loaded.tch("y", Device::Cpu).unwrap().equal(&small));
     assert!(loaded.tch("z", Device::Cpu).unwrap().equal(&(big * 2.0)));
     assert_eq!(loaded.tensors().names(), ["y", "z"]);
+}
+
+/// `tch_all` gives every tensor of the file, by sorted name, with its dtype and shape:
+/// what `safetensors.torch.load_file` gives a PyTorch user.
+#[test]
+fn tch_all_gives_every_tensor_by_name_with_its_dtype_and_shape() {
+    let root = tempfile::tempdir().unwrap();
+    let path = root.path().join("all.safetensors");
+    let saved = [
+        ("b.scalar", Tensor::from(2.5f64)),
+        (
+            "a.weight",
+            Tensor::randn([3, 4], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16),
+        ),
+        ("c.empty", Tensor::zeros([0, 2], (Kind::Int64, Device::Cpu))),
+    ];
+    let mut c = Checkpoint::new(1);
+    for (name, t) in &saved {
+        c.add_tch(name, t).unwrap();
+    }
+    c.write_to(&path).unwrap();
+    let all = LoadedCheckpoint::read(&path)
+        .unwrap()
+        .tch_all(Device::Cpu)
+        .unwrap();
+    let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["a.weight", "b.scalar", "c.empty"]);
+    for (name, t) in &all {
+        let want = &saved.iter().find(|(n, _)| n == name).unwrap().1;
+        assert_eq!((t.kind(), t.size()), (want.kind(), want.size()), "{name}");
+        assert!(t.equal(want), "{name}");
+    }
 }

@@ -248,6 +248,35 @@ char* tt_copy_to_host_async(void* const* src, size_t n, int32_t device, void** o
   })
 }
 
+char* tt_empty_pinned(int64_t n, void** out) {
+  TT_PROTECT({
+    auto t = at::empty({n}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    *out = new at::Tensor(std::move(t));
+  })
+}
+
+char* tt_copy_to_device_async(void* dst, void* src, void** out_event) {
+  TT_PROTECT({
+    auto& d = *static_cast<at::Tensor*>(dst);
+    const auto& s = *static_cast<at::Tensor*>(src);
+    if (!d.is_cuda()) {
+      throw std::invalid_argument("tt_copy_to_device_async: the target is on " +
+                                  d.device().str() + ", not a CUDA device");
+    }
+    if (!s.is_pinned()) {
+      throw std::invalid_argument("tt_copy_to_device_async: the source is not pinned");
+    }
+    // A load into a variable that requires grad is not a step of training.
+    at::NoGradGuard no_grad;
+    // From pinned memory a non-blocking copy is a DMA queued on the stream; libtorch
+    // records it with the caching host allocator, which reuses the block only after.
+    d.copy_(s, /*non_blocking=*/true);
+    auto event = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+    event->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(d.device()));
+    *out_event = event.release();
+  })
+}
+
 char* tt_event_synchronize(void* event) {
   TT_PROTECT({ static_cast<c10::Event*>(event)->synchronize(); })
 }

@@ -73,9 +73,16 @@ char* tt_foreach_adam(void* const* params, void* const* grads, void* const* exp_
 // (owned by the caller, freed with tt_event_free) completes when every copy has.
 char* tt_copy_to_host_async(void* const* src, size_t n, int32_t device, void** out,
                             void** out_event);
-// Waits for an event of tt_copy_to_host_async.
+// A new uint8 tensor of `n` bytes in pinned host memory from libtorch's caching host
+// allocator (*out, owned by the caller as tch's C_tensor).
+char* tt_empty_pinned(int64_t n, void** out);
+// Queues dst.copy_(src, non_blocking=true) for a CUDA `dst` and a pinned host `src` on
+// dst's device's current stream; *out_event (owned by the caller, freed with
+// tt_event_free) completes when the copy has.
+char* tt_copy_to_device_async(void* dst, void* src, void** out_event);
+// Waits for an event of tt_copy_to_host_async or tt_copy_to_device_async.
 char* tt_event_synchronize(void* event);
-// Frees an event of tt_copy_to_host_async.
+// Frees an event of tt_copy_to_host_async or tt_copy_to_device_async.
 void tt_event_free(void* event);
 
 #ifdef __cplusplus

@@ -69,6 +69,12 @@ extern "C" {
         out: *mut *mut std::ffi::c_void,
         out_event: *mut *mut std::ffi::c_void,
     ) -> *mut c_char;
+    pub(crate) fn tt_empty_pinned(n: i64, out: *mut *mut std::ffi::c_void) -> *mut c_char;
+    pub(crate) fn tt_copy_to_device_async(
+        dst: *mut std::ffi::c_void,
+        src: *mut std::ffi::c_void,
+        out_event: *mut *mut std::ffi::c_void,
+    ) -> *mut c_char;
     pub(crate) fn tt_event_synchronize(event: *mut std::ffi::c_void) -> *mut c_char;
     pub(crate) fn tt_event_free(event: *mut std::ffi::c_void);
 }

@@ -31,7 +31,7 @@ pub use cuda::{
 #[cfg(feature = "tch")]
 pub use foreach::{foreach_adam, set_grads_none, AdamStep};
 #[cfg(feature = "tch")]
-pub use staging::HostCopies;
+pub use staging::{DeviceUploads, HostCopies};
 
 /// For GPU-only tests: returns CUDA's info, or panics saying why CUDA is unusable.
 ///

@@ -207,3 +207,36 @@ fn autocast_runs_cuda_matmuls_in_bf16_and_fp16_and_stops_outside() {
     let on_cuda = tt_sys::autocast(Device::Cpu, Kind::BFloat16, || a.matmul(&a)).unwrap();
     assert_eq!(on_cuda.kind(), Kind::Float);
 }
+
+/// Bytes uploaded through the pinned buffers are what a kernel queued next reads (the
+/// stream orders them; no wait in between), over more pieces than buffers; a target of
+/// the wrong size, on the host, or not contiguous is an error naming it.
+#[test]
+fn uploads_reach_the_next_kernel_and_bad_targets_are_refused() {
+    tt_sys::require_cuda();
+    let dev = Device::Cuda(0);
+    let n = (tt_sys::DeviceUploads::DEPTH + 2) * tt_sys::DeviceUploads::CHUNK / 4 + 5;
+    let values: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+    let mut up = tt_sys::DeviceUploads::new(dev).unwrap();
+    let dst = Tensor::empty([n as i64], (Kind::Float, dev));
+    up.copy_into(&dst, &bytes).unwrap();
+    drop(bytes);
+    // Queued after the uploads on the same stream: sees every value.
+    let sum = dst.sum(Kind::Double).double_value(&[]);
+    let want: f64 = values.iter().map(|&v| v as f64).sum();
+    assert_eq!(sum, want);
+    up.finish().unwrap();
+
+    let mut up = tt_sys::DeviceUploads::new(dev).unwrap();
+    let small = Tensor::empty([4], (Kind::Float, dev));
+    let err = up.copy_into(&small, &[0u8; 15]).unwrap_err().to_string();
+    assert!(err.contains("holds 16 bytes, the source has 15"), "{err}");
+    let host = Tensor::empty([4], (Kind::Float, Device::Cpu));
+    let err = up.copy_into(&host, &[0u8; 16]).unwrap_err().to_string();
+    assert!(err.contains("not on cuda:0"), "{err}");
+    let strided = Tensor::empty([4, 4], (Kind::Float, dev)).tr();
+    let err = up.copy_into(&strided, &[0u8; 64]).unwrap_err().to_string();
+    assert!(err.contains("not contiguous"), "{err}");
+    up.finish().unwrap();
+}
