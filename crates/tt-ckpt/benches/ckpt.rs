@@ -3,7 +3,9 @@
 //! `torch.save` + fsync + rename, into the same directory, in one run; verified loads
 //! from a cold page cache against `cat` and the disk's direct reads at queue depth 8
 //! (each of five loads against the mean of the direct reads just before and after it:
-//! the worst run, not only the median); and the training stall of `save_async`.
+//! the worst run, not only the median, beside a direct read judged the same way, which
+//! shows how far the disk alone moves that ratio); and the training stall of
+//! `save_async`.
 //!
 //! Prints `row|<what>|<ours>|<baseline name>|<baseline>|<unit>|<better>` lines for
 //! the xtask table.
@@ -148,7 +150,7 @@ fn main() {
     // `cat file > /dev/null`, alternating; and the load into tch tensors, warm.
     let newest = dir.list().expect("list").pop().expect("a checkpoint").path;
     let (mut load, mut cat, mut into_tensors) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut direct, mut spread) = (Vec::new(), Vec::new());
+    let (mut direct, mut spread, mut control) = (Vec::new(), Vec::new(), Vec::new());
     for run in 0..=LOAD_RUNS {
         // The load between two direct reads of the file, back to back (an O_DIRECT read
         // goes to the disk whatever the page cache holds): their mean is the disk's
@@ -159,6 +161,11 @@ fn main() {
         let loaded = LoadedCheckpoint::read(&newest).expect("load");
         let load_time = t.elapsed();
         let after = direct_reads(&newest);
+        // The control: one more direct read judged the same way, against the direct
+        // reads just before (`after`) and after it. How far below 1 it can land is how
+        // far the disk alone moves a load's ratio.
+        let alone = direct_reads(&newest);
+        let next = direct_reads(&newest);
         let t = Instant::now();
         for name in loaded.tensors().names() {
             drop(std::hint::black_box(
@@ -182,6 +189,7 @@ fn main() {
             into_tensors.push(tensors_time);
             direct.push(Duration::from_secs_f64((before + after) / 2.0));
             spread.push(before.max(after) / before.min(after));
+            control.push((after + next) / 2.0 / alone);
         }
     }
     // Each run's load against the disk's direct reads just before and after it: this
@@ -213,6 +221,13 @@ fn main() {
         "tt-ckpt: the disk's own change within each run (faster / slower direct read): {}",
         spread.join(", ")
     );
+    let worst_control = control.iter().copied().fold(f64::INFINITY, f64::min);
+    let controls: Vec<String> = control.iter().map(|c| format!("{c:.2}")).collect();
+    println!(
+        "tt-ckpt: the control, a direct read / the direct reads around it: {}",
+        controls.join(", ")
+    );
+    let worst_ratio = worst_direct.as_secs_f64() / worst_load.as_secs_f64();
     let (load, cat, into_tensors) = (median(load), median(cat), median(into_tensors));
 
     // save_async: what the training loop waits for (host copy + hand-off) per GiB,
@@ -262,6 +277,9 @@ fn main() {
         "row|verified load, 1 GiB, cold cache, the run of {LOAD_RUNS} furthest below the disk (GB/s)|{:.2}|O_DIRECT 8 MiB reads at queue depth 8 (fio's way), that run|{:.2}|GB/s|higher",
         gbs(worst_load),
         gbs(worst_direct)
+    );
+    println!(
+        "row|cold load against the direct reads around it, the lowest of {LOAD_RUNS} runs (x)|{worst_ratio:.2}|a direct read against the direct reads around it, the lowest of {LOAD_RUNS} (the disk against itself)|{worst_control:.2}|x|higher"
     );
     let py = std::env::var("TORCHTOOLS_PYTHON").ok().and_then(|py| {
         let out = Command::new(py)
