@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::{Checkpoint, Dtype, Error, LoadedCheckpoint, Result, TensorData, TensorFile};
+use crate::{
+    Checkpoint, Dtype, Error, LoadedCheckpoint, Result, TensorData, TensorFile, TensorView,
+};
 
 fn torch_err(what: String) -> impl FnOnce(tch::TchError) -> Error {
     move |e| Error::Tensors(format!("{what}: {e}"))
@@ -197,6 +199,27 @@ impl Uploads {
     }
 }
 
+/// The file's tensor `view` (named `name`, of tch kind `kind`) as a new tensor on
+/// `device`; onto a CUDA device its upload is queued in `uploads`.
+fn on_device(
+    view: &TensorView<'_>,
+    kind: Kind,
+    name: &str,
+    device: Device,
+    uploads: &mut Uploads,
+) -> Result<Tensor> {
+    let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+    if let Device::Cuda(_) = device {
+        let t = Tensor::f_empty(&shape, (kind, device))
+            .map_err(read_err(format!("tensor {name:?} on {device:?}")))?;
+        uploads.copy_into(&t, view.data(), name)?;
+        return Ok(t);
+    }
+    Tensor::f_from_data_size(view.data(), &shape, kind)
+        .and_then(|t| t.f_to_device(device))
+        .map_err(read_err(format!("tensor {name:?} to {device:?}")))
+}
+
 impl TensorFile {
     /// Tensor `name` as a tch tensor on `device`, with its dtype. Onto a CUDA device
     /// the bytes go through pinned buffers ([`tt_sys::DeviceUploads`]), not through
@@ -243,16 +266,7 @@ impl TensorFile {
             Error::Unreadable(why) => Error::Unreadable(format!("tensor {name:?}: {why}")),
             other => other,
         })?;
-        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-        if let Device::Cuda(_) = device {
-            let t = Tensor::f_empty(&shape, (kind, device))
-                .map_err(read_err(format!("tensor {name:?} on {device:?}")))?;
-            uploads.copy_into(&t, view.data(), name)?;
-            return Ok(t);
-        }
-        Tensor::f_from_data_size(view.data(), &shape, kind)
-            .and_then(|t| t.f_to_device(device))
-            .map_err(read_err(format!("tensor {name:?} to {device:?}")))
+        on_device(&view, kind, name, device, uploads)
     }
 
     /// Loads this file's tensors into the variables of `vs` by name, with torch's
@@ -326,8 +340,7 @@ impl TensorFile {
                 ));
                 continue;
             }
-            let same_kind = kind == var.kind();
-            plan.push((name, var, same_kind));
+            plan.push((name, var, view, kind));
         }
         let strict_failure =
             options.strict && !(report.missing.is_empty() && report.unexpected.is_empty());
@@ -341,12 +354,13 @@ impl TensorFile {
             });
         }
         let mut uploads = Uploads::default();
-        for (name, mut var, same_kind) in plan {
-            if same_kind && var.is_contiguous() && matches!(var.device(), Device::Cuda(_)) {
+        for (name, mut var, view, kind) in plan {
+            if kind == var.kind() && var.is_contiguous() && matches!(var.device(), Device::Cuda(_))
+            {
                 // Straight from the file's bytes into the variable's GPU memory.
-                uploads.copy_into(&var, self.tensor(&name)?.data(), &name)?;
+                uploads.copy_into(&var, view.data(), &name)?;
             } else {
-                let saved = self.tch_with(&name, var.device(), &mut uploads)?;
+                let saved = on_device(&view, kind, &name, var.device(), &mut uploads)?;
                 tch::no_grad(|| var.f_copy_(&saved))
                     .map_err(read_err(format!("load variable {name:?}")))?;
             }
