@@ -11,7 +11,7 @@
 //! - The whole toolkit around the decoder's training (`Trainer::fit` with batches
 //!   gathered on its loader thread, the resource tracker sampling every 100 ms, a
 //!   checkpoint every 100 steps written in the background, metrics to JSON Lines)
-//!   against a bare loop of the same batches and steps (the median of seven pairs): on
+//!   against a bare loop of the same batches and steps (the median of eleven pairs): on
 //!   2 cores, every thread of the toolkit competes with the step's two compute threads.
 //!
 //! Prints `row|<what>|<ours>|<baseline name>|<baseline>|<unit>|<better>` lines, which
@@ -39,7 +39,7 @@ const WARM_STEPS: u64 = 5;
 /// Pairs of runs of ours and the baseline (see [`median_pair`]).
 const ROUNDS: usize = 5;
 /// The same for the toolkit's row, whose difference is a few percent.
-const KIT_ROUNDS: usize = 7;
+const KIT_ROUNDS: usize = 11;
 
 /// `rounds` pairs of runs, `ours` and `theirs` back to back (which goes first
 /// alternating): the pair whose ratio `theirs / ours` is the median. This VM's speed

@@ -2,10 +2,10 @@
 //! against `dd conv=fsync` (of zeros, and of the same random bytes) and Python's
 //! `torch.save` + fsync + rename, into the same directory, in one run; verified loads
 //! from a cold page cache against `cat` and the disk's direct reads at queue depth 8
-//! (each of five loads against the mean of the direct reads just before and after it:
-//! the worst run, not only the median, beside a direct read judged the same way, which
-//! shows how far the disk alone moves that ratio); and the training stall of
-//! `save_async`.
+//! (five runs, each of three loads taking turns with four direct reads, the median of
+//! each side: the worst run, not only the median, beside direct reads judged the same
+//! way in the loads' places, which shows how far the disk alone moves that ratio); and
+//! the training stall of `save_async`.
 //!
 //! Prints `row|<what>|<ours>|<baseline name>|<baseline>|<unit>|<better>` lines for
 //! the xtask table.
@@ -31,6 +31,8 @@ const GIB: f64 = (1u64 << 30) as f64;
 const RUNS: usize = 3;
 /// Cold loads measured: the slowest of them is reported, not only the median.
 const LOAD_RUNS: usize = 5;
+/// Cold loads in each run, each between two direct reads.
+const TURNS: usize = 3;
 
 /// The disk's direct-read speed, as `fio --direct=1 --bs=8M --iodepth=8` measures it:
 /// 8 threads reading the file's 8 MiB chunks with `O_DIRECT` (no page cache), each
@@ -67,6 +69,11 @@ fn direct_reads(path: &Path) -> f64 {
         }
     });
     t.elapsed().as_secs_f64()
+}
+
+fn median_f(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -147,25 +154,42 @@ fn main() {
     let _ = std::fs::remove_file(&dd_path);
 
     // Verified load from a cold page cache (map, read and check every byte) against
-    // `cat file > /dev/null`, alternating; and the load into tch tensors, warm.
+    // the disk's direct reads and `cat file > /dev/null`; and the load into tch
+    // tensors, warm.
     let newest = dir.list().expect("list").pop().expect("a checkpoint").path;
-    let (mut load, mut cat, mut into_tensors) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut direct, mut spread, mut control) = (Vec::new(), Vec::new(), Vec::new());
-    for run in 0..=LOAD_RUNS {
-        // The load between two direct reads of the file, back to back (an O_DIRECT read
-        // goes to the disk whatever the page cache holds): their mean is the disk's
-        // speed at that moment.
+    // A cold load's seconds; the pages it read leave the cache with it, so that every
+    // direct read below starts from the same empty cache.
+    let cold_load = || {
         evict(&newest);
-        let before = direct_reads(&newest);
         let t = Instant::now();
         let loaded = LoadedCheckpoint::read(&newest).expect("load");
-        let load_time = t.elapsed();
-        let after = direct_reads(&newest);
-        // The control: one more direct read judged the same way, against the direct
-        // reads just before (`after`) and after it. How far below 1 it can land is how
-        // far the disk alone moves a load's ratio.
-        let alone = direct_reads(&newest);
-        let next = direct_reads(&newest);
+        let secs = t.elapsed().as_secs_f64();
+        drop(loaded);
+        evict(&newest);
+        secs
+    };
+    let (mut load, mut cat, mut into_tensors) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut direct, mut ratio, mut control) = (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..=LOAD_RUNS {
+        // Loads and direct reads taking turns, D L D L D L D (an O_DIRECT read goes to
+        // the disk whatever the page cache holds): this VM's disk changes speed from
+        // one read to the next, by up to 1.5x, so a run compares the median of its
+        // loads with the median of the direct reads around them.
+        let mut loads = Vec::with_capacity(TURNS);
+        let mut reads = vec![direct_reads(&newest)];
+        for _ in 0..TURNS {
+            loads.push(cold_load());
+            reads.push(direct_reads(&newest));
+        }
+        // The control: the same sequence with direct reads in the loads' places, judged
+        // the same way. How far below 1 it lands is how far the disk alone moves a run.
+        let mut odd = Vec::with_capacity(TURNS);
+        let mut even = vec![direct_reads(&newest)];
+        for _ in 0..TURNS {
+            odd.push(direct_reads(&newest));
+            even.push(direct_reads(&newest));
+        }
+        let loaded = LoadedCheckpoint::read(&newest).expect("load");
         let t = Instant::now();
         for name in loaded.tensors().names() {
             drop(std::hint::black_box(
@@ -184,26 +208,20 @@ fn main() {
         assert!(status.success());
         let cat_time = t.elapsed();
         if run > 0 {
-            load.push(load_time);
+            let (l, d) = (median_f(loads), median_f(reads));
+            load.push(Duration::from_secs_f64(l));
+            direct.push(Duration::from_secs_f64(d));
+            ratio.push(d / l);
+            control.push(median_f(even) / median_f(odd));
             cat.push(cat_time);
             into_tensors.push(tensors_time);
-            direct.push(Duration::from_secs_f64((before + after) / 2.0));
-            spread.push(before.max(after) / before.min(after));
-            control.push((after + next) / 2.0 / alone);
         }
     }
-    // Each run's load against the disk's direct reads just before and after it: this
-    // VM's disk changes speed from second to second (its direct reads too), so the run
-    // furthest below the disk is reported, with that run's direct reads.
-    let (worst_load, worst_direct) = load
-        .iter()
-        .zip(&direct)
-        .map(|(&l, &d)| (l, d))
-        .max_by(|a, b| {
-            (a.0.as_secs_f64() / a.1.as_secs_f64())
-                .total_cmp(&(b.0.as_secs_f64() / b.1.as_secs_f64()))
-        })
+    // The run furthest below the disk is reported, with that run's direct reads.
+    let worst = (0..ratio.len())
+        .min_by(|&a, &b| ratio[a].total_cmp(&ratio[b]))
         .expect("runs");
+    let (worst_load, worst_direct, worst_ratio) = (load[worst], direct[worst], ratio[worst]);
     let gbs = |d: Duration| GIB / d.as_secs_f64() / 1e9;
     let runs: Vec<String> = load
         .iter()
@@ -211,23 +229,20 @@ fn main() {
         .map(|(&l, &d)| format!("{:.2}/{:.2}", gbs(l), gbs(d)))
         .collect();
     println!(
-        "tt-ckpt: each cold load / the direct reads around it (GB/s): {}",
+        "tt-ckpt: each run's cold loads / its direct reads, medians (GB/s): {}",
         runs.join(", ")
     );
-    // How much the disk itself moved within a run: the faster of its two direct reads
-    // against the slower.
-    let spread: Vec<String> = spread.iter().map(|s| format!("{s:.2}")).collect();
+    let ratios: Vec<String> = ratio.iter().map(|r| format!("{r:.2}")).collect();
     println!(
-        "tt-ckpt: the disk's own change within each run (faster / slower direct read): {}",
-        spread.join(", ")
+        "tt-ckpt: each run's loads against its direct reads: {}",
+        ratios.join(", ")
     );
     let worst_control = control.iter().copied().fold(f64::INFINITY, f64::min);
     let controls: Vec<String> = control.iter().map(|c| format!("{c:.2}")).collect();
     println!(
-        "tt-ckpt: the control, a direct read / the direct reads around it: {}",
+        "tt-ckpt: the control, direct reads in the loads' places: {}",
         controls.join(", ")
     );
-    let worst_ratio = worst_direct.as_secs_f64() / worst_load.as_secs_f64();
     let (load, cat, into_tensors) = (median(load), median(cat), median(into_tensors));
 
     // save_async: what the training loop waits for (host copy + hand-off) per GiB,
@@ -274,12 +289,12 @@ fn main() {
         gbs(cat)
     );
     println!(
-        "row|verified load, 1 GiB, cold cache, the run of {LOAD_RUNS} furthest below the disk (GB/s)|{:.2}|O_DIRECT 8 MiB reads at queue depth 8 (fio's way), that run|{:.2}|GB/s|higher",
+        "row|verified load, 1 GiB, cold cache, the run of {LOAD_RUNS} furthest below the disk, median of its {TURNS} loads (GB/s)|{:.2}|O_DIRECT 8 MiB reads at queue depth 8 (fio's way) taking turns with them, median|{:.2}|GB/s|higher",
         gbs(worst_load),
         gbs(worst_direct)
     );
     println!(
-        "row|cold load against the direct reads around it, the lowest of {LOAD_RUNS} runs (x)|{worst_ratio:.2}|a direct read against the direct reads around it, the lowest of {LOAD_RUNS} (the disk against itself)|{worst_control:.2}|x|higher"
+        "row|cold loads against the direct reads taking turns with them, the lowest of {LOAD_RUNS} runs (x)|{worst_ratio:.2}|direct reads in the loads' places, judged the same way, the lowest of {LOAD_RUNS} (the disk against itself)|{worst_control:.2}|x|higher"
     );
     let py = std::env::var("TORCHTOOLS_PYTHON").ok().and_then(|py| {
         let out = Command::new(py)
