@@ -256,8 +256,10 @@ impl TensorFile {
         // `reader`); where that fails, read(2) says why.
         let during =
             |bytes: &[u8], front: &Front| hash.then(|| sums_while_reading(bytes, front)).flatten();
-        if let Some((map, sums)) = crate::reader::map_populated(&file, len, during) {
-            return Ok((Self::parse(path, Bytes::Mapped(map))?, sums));
+        if let Some((map, read)) = crate::reader::map_populated(&file, len, during) {
+            // The header the hashing parsed is the file's: it is not parsed again.
+            let (header, sums) = read.unzip();
+            return Ok((Self::parse(path, Bytes::Mapped(map), header)?, sums));
         }
         let bytes = std::fs::read(&path).map_err(io("read", &path))?;
         Ok((Self::from_bytes(path, bytes)?, None))
@@ -266,25 +268,30 @@ impl TensorFile {
     /// Parses a file's bytes (`path` names it in errors); never panics, whatever
     /// the bytes (the header parser is fuzzed).
     pub fn from_bytes(path: PathBuf, bytes: Vec<u8>) -> Result<Self> {
-        Self::parse(path, Bytes::Owned(bytes))
+        Self::parse(path, Bytes::Owned(bytes), None)
     }
 
-    fn parse(path: PathBuf, bytes: Bytes) -> Result<Self> {
+    /// `bytes` as a file, with its header where it was parsed already.
+    fn parse(path: PathBuf, bytes: Bytes, parsed: Option<Header>) -> Result<Self> {
         let corrupt = |reason: String| Error::Corrupt {
             path: path.clone(),
             reason,
         };
-        let (header_len, header) =
-            SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(format!("header: {e}")))?;
+        // `read_metadata` validates the whole layout: the offsets cover the data
+        // section exactly, and the file ends where the data does. The parsed header is
+        // kept, so looking a tensor up never parses it again.
+        let (header_len, header) = match parsed {
+            Some(parsed) => parsed,
+            None => {
+                SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(format!("header: {e}")))?
+            }
+        };
         let metadata = header
             .metadata()
             .clone()
             .unwrap_or_default()
             .into_iter()
             .collect();
-        // Validates the layout once (offsets cover the data section exactly); the
-        // parsed header is kept, so looking a tensor up never parses it again.
-        SafeTensors::deserialize(&bytes).map_err(|e| corrupt(format!("layout: {e}")))?;
         Ok(TensorFile {
             path,
             data_start: 8 + header_len,
@@ -334,11 +341,14 @@ impl TensorFile {
 /// Tensors' checksums, by name.
 type Sums = BTreeMap<String, String>;
 
-/// The checksums of a safetensors file's tensors, each piece hashed once `front` says
-/// it is in: the hashing follows the disk instead of waiting for the whole file. `None`
-/// where the header is not one or the reading failed (then the file is checked later,
-/// or not mapped at all).
-fn sums_while_reading(bytes: &[u8], front: &Front) -> Option<Sums> {
+/// A parsed safetensors header: its length in bytes, and what it says.
+type Header = (usize, safetensors::tensor::Metadata);
+
+/// The header of a safetensors file and its tensors' checksums, each piece hashed once
+/// `front` says it is in: the hashing follows the disk instead of waiting for the whole
+/// file. `None` where the header is not one or the reading failed (then the file is
+/// parsed and checked later, or not mapped at all).
+fn sums_while_reading(bytes: &[u8], front: &Front) -> Option<(Header, Sums)> {
     let start = bytes.as_ptr() as usize;
     let len_bytes: [u8; 8] = bytes.get(..8)?.try_into().ok()?;
     let header_end = usize::try_from(u64::from_le_bytes(len_bytes))
@@ -355,10 +365,11 @@ fn sums_while_reading(bytes: &[u8], front: &Front) -> Option<Sums> {
         let (begin, end) = info.data_offsets;
         views.push((name, data.get(begin..end)?));
     }
-    crate::checksum::checksums_gated(
+    let sums = crate::checksum::checksums_gated(
         views.iter().map(|(name, bytes)| (name.as_str(), *bytes)),
         |piece| front.wait(piece.as_ptr() as usize - start + piece.len()),
-    )
+    )?;
+    Some(((header_len, header), sums))
 }
 
 /// A checkpoint written by torchtools, read and verified.
@@ -499,18 +510,28 @@ mod tests {
         ckpt.write_to(&path).unwrap();
         let file = std::fs::File::open(&path).unwrap();
         let len = file.metadata().unwrap().len();
-        let (_, sums) = crate::reader::map_populated(&file, len, sums_while_reading).unwrap();
+        let (_, read) = crate::reader::map_populated(&file, len, sums_while_reading).unwrap();
+        let ((header_len, header), sums) = read.unwrap();
         let stored = LoadedCheckpoint::read(&path)
             .unwrap()
             .meta()
             .checksums
             .clone();
-        assert_eq!(sums, Some(stored));
+        assert_eq!(sums, stored);
+        // The header it parsed on the way, which the file keeps, is the file's.
+        let bytes = std::fs::read(&path).unwrap();
+        let (len_again, again) = SafeTensors::read_metadata(&bytes).unwrap();
+        assert_eq!(header_len, len_again);
+        for name in ["big", "small"] {
+            let (ours, theirs) = (header.info(name).unwrap(), again.info(name).unwrap());
+            assert_eq!(ours.data_offsets, theirs.data_offsets);
+            assert_eq!(ours.shape, theirs.shape);
+        }
         // Not a safetensors header: no checksums (the file is then refused by parsing).
         std::fs::write(&path, [0xffu8; 64]).unwrap();
         let file = std::fs::File::open(&path).unwrap();
-        let (_, sums) = crate::reader::map_populated(&file, 64, sums_while_reading).unwrap();
-        assert_eq!(sums, None);
+        let (_, read) = crate::reader::map_populated(&file, 64, sums_while_reading).unwrap();
+        assert!(read.is_none());
     }
 
     #[test]
