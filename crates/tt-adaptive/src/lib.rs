@@ -13,8 +13,8 @@ pub use adaptive::{
 };
 pub use classify::{classify_message, OomClassify, OomKind};
 pub use memory::{
-    address_space_in_use, available_cpu_memory, cuda_loaded, set_cpu_memory_limit, CpuMemory,
-    LimitError, MemoryProbe,
+    address_space_in_use, address_space_limit, available_cpu_memory, cuda_loaded,
+    set_cpu_memory_limit, CpuMemory, LimitError, MemoryProbe,
 };
 #[cfg(feature = "tch")]
 pub use memory::{CudaMemory, DeviceMemory};

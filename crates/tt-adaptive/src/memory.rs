@@ -186,20 +186,30 @@ pub fn available_cpu_memory() -> io::Result<u64> {
         })
         .map(|kb| kb * 1024)
         .ok_or_else(|| io::Error::other("no MemAvailable in /proc/meminfo"))?;
+    if let Ok(Some(limit)) = address_space_limit() {
+        let room = limit.saturating_sub(address_space_in_use().unwrap_or(0));
+        return Ok(available.min(room));
+    }
+    Ok(available)
+}
+
+/// This process's soft address-space limit in bytes (`ulimit -v`, `RLIMIT_AS`: what
+/// [`set_cpu_memory_limit`] sets); `None` where there is none.
+///
+/// ```
+/// // Unlimited in most shells; the limit otherwise.
+/// let _limit: Option<u64> = tt_adaptive::address_space_limit().unwrap();
+/// ```
+pub fn address_space_limit() -> io::Result<Option<u64>> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit fills a valid rlimit.
-    let limited = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } == 0
-        && lim.rlim_cur != libc::RLIM_INFINITY;
-    if limited {
-        let room = lim
-            .rlim_cur
-            .saturating_sub(address_space_in_use().unwrap_or(0));
-        return Ok(available.min(room));
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } != 0 {
+        return Err(io::Error::last_os_error());
     }
-    Ok(available)
+    Ok((lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur))
 }
 
 /// After a CUDA-side OOM, hand libtorch's cached blocks back to the driver, so that the

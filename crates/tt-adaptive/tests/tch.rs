@@ -85,6 +85,11 @@ fn child_real_cpu_oom() {
         .unwrap()
         * 1024;
     set_cpu_memory_limit(Some(vm + (1 << 30))).unwrap();
+    // The limit as the trainer's allocator setting reads it.
+    assert_eq!(
+        tt_adaptive::address_space_limit().unwrap(),
+        Some(vm + (1 << 30))
+    );
     let a = Adaptive::new().policy(Policy::Halve);
     let rows = a
         .batch(1 << 20, |n| {

@@ -64,7 +64,7 @@ pub fn keep_freed_memory() -> FreedMemory {
         if let Some(name) = chosen_by(|name| std::env::var(name).ok()) {
             return FreedMemory::Left(format!("{name} is set"));
         }
-        if address_space_limited() {
+        if matches!(tt_adaptive::address_space_limit(), Ok(Some(_))) {
             return FreedMemory::Left("the process has an address-space limit (RLIMIT_AS)".into());
         }
         set_thresholds()
@@ -87,17 +87,6 @@ fn chosen_by(var: impl Fn(&str) -> Option<String>) -> Option<String> {
                 .is_some_and(|rest| names.contains(&rest))
         })
         .map(|t| format!("GLIBC_TUNABLES ({t})"))
-}
-
-/// Whether this process's address space is limited (`ulimit -v`).
-fn address_space_limited() -> bool {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit fills the struct it is given.
-    let rc = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) };
-    rc == 0 && limit.rlim_cur != libc::RLIM_INFINITY
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]

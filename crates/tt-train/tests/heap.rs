@@ -65,3 +65,42 @@ fn a_step_s_freed_memory_is_kept_for_the_next_one() {
         "{kept} page faults in 9 steps with the memory kept ({by_default} without)"
     );
 }
+
+/// Child of the test below: under an address-space limit, glibc's thresholds are left
+/// alone (memory kept on the heap would count against the limit for good).
+#[test]
+fn child_under_an_address_space_limit() {
+    if std::env::var_os("TT_HEAP_CHILD").is_none() {
+        return;
+    }
+    let vm = tt_adaptive::address_space_in_use().unwrap();
+    tt_adaptive::set_cpu_memory_limit(Some(vm + (8 << 30))).unwrap();
+    match keep_freed_memory() {
+        FreedMemory::Left(why) => println!("\n@@left: {why}@@"),
+        other => println!("\n@@changed: {other:?}@@"),
+    }
+}
+
+#[test]
+fn under_an_address_space_limit_glibc_s_thresholds_are_left_alone() {
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap());
+    child
+        .args([
+            "--exact",
+            "child_under_an_address_space_limit",
+            "--nocapture",
+        ])
+        .env("TT_HEAP_CHILD", "1")
+        // The environment's own choice would be named instead of the limit.
+        .env_remove("GLIBC_TUNABLES");
+    for name in tt_train::MALLOC_VARIABLES {
+        child.env_remove(name);
+    }
+    let out = child.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("@@left: the process has an address-space limit (RLIMIT_AS)@@"),
+        "{stdout}"
+    );
+}
