@@ -19,6 +19,12 @@ pub const MIN_INTERVAL: Duration = Duration::from_millis(10);
 /// `smaps_rollup` (private / shared RSS) is read at most this often per process.
 const ROLLUP_EVERY: Duration = Duration::from_secs(1);
 
+/// A process's `smaps_rollup` read that took the tracker `cost` of CPU stands for at
+/// least `cost` times this: the reads of one process take at most 0.2% of a core. The
+/// kernel walks every mapping for it: 8 ms for a Python process with torch imported,
+/// whose shared RSS is then read every 4 s instead of every second.
+const ROLLUP_COST_FACTOR: u32 = 500;
+
 /// System RAM and CPU (`/proc/meminfo`, `/proc/stat`) are read at most this often.
 const SYSTEM_EVERY: Duration = Duration::from_millis(100);
 
@@ -558,7 +564,9 @@ struct Sampler {
     history: TickHistory,
     system: Option<SystemReads>,
     stopping: bool,
-    rollups: HashMap<u32, (Instant, u64, Rollup)>,
+    /// Per process: when its `smaps_rollup` was read, its RSS then, what it said, and
+    /// the CPU the read took.
+    rollups: HashMap<u32, (Instant, u64, Rollup, Duration)>,
     files: HashMap<u32, procfs::ProcFiles>,
     last_full_walk: Option<Instant>,
     /// Highest VmHWM seen per pid, and whether it counts from the start of tracking.
@@ -693,10 +701,26 @@ impl Sampler {
 }
 
 /// Whether a process's `smaps_rollup` read `age` ago, when its RSS was `rss_moved` bytes
-/// away from now's, still stands: for [`ROLLUP_EVERY`] whatever happens, then for up to
+/// away from now's, at a CPU `cost`, still stands: for [`ROLLUP_EVERY`] (or
+/// [`ROLLUP_COST_FACTOR`] times its cost, if longer) whatever happens, then for up to
 /// ten times that while the RSS stays within 1 MiB of it.
-fn rollup_still_stands(age: Duration, rss_moved: u64) -> bool {
-    age < ROLLUP_EVERY || (rss_moved < 1 << 20 && age < ROLLUP_EVERY * 10)
+fn rollup_still_stands(age: Duration, rss_moved: u64, cost: Duration) -> bool {
+    let every = ROLLUP_EVERY.max(cost.saturating_mul(ROLLUP_COST_FACTOR));
+    age < every || (rss_moved < 1 << 20 && age < every.saturating_mul(10))
+}
+
+/// The CPU time this thread has used.
+fn thread_cpu() -> Duration {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the timespec it is given; this clock always exists
+    // on Linux.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }
 
 /// Which figure the tracked command's peak RSS is: its kernel high-water mark, the
@@ -982,14 +1006,16 @@ impl Sampler {
     /// second, and only when its RSS moved by 1 MiB since (or every 10 s regardless).
     fn shared_rss(&mut self, pid: u32, now: Instant, rss: u64) -> u64 {
         let rollup = match self.rollups.get(&pid) {
-            Some((at, last_rss, r))
-                if rollup_still_stands(now.duration_since(*at), rss.abs_diff(*last_rss)) =>
+            Some((at, last_rss, r, cost))
+                if rollup_still_stands(now.duration_since(*at), rss.abs_diff(*last_rss), *cost) =>
             {
                 *r
             }
             _ => {
+                let before = thread_cpu();
                 let r = procfs::smaps_rollup(pid, &mut self.buf).unwrap_or_default();
-                self.rollups.insert(pid, (now, rss, r));
+                let cost = thread_cpu().saturating_sub(before);
+                self.rollups.insert(pid, (now, rss, r, cost));
                 r
             }
         };
@@ -1221,8 +1247,8 @@ impl Sampler {
 #[cfg(test)]
 mod running_tests {
     use super::{
-        next_tick, rollup_still_stands, system_cpu_percent, system_due, Decimated, Running,
-        SeriesPoint, TickHistory, ROLLUP_EVERY, SERIES_POINTS, SYSTEM_EVERY,
+        next_tick, rollup_still_stands, system_cpu_percent, system_due, thread_cpu, Decimated,
+        Running, SeriesPoint, TickHistory, ROLLUP_EVERY, SERIES_POINTS, SYSTEM_EVERY,
     };
     use std::collections::HashMap;
     use std::time::{Duration, Instant};
@@ -1254,17 +1280,50 @@ mod running_tests {
     fn a_shared_memory_reading_stands_a_second_then_while_the_rss_holds_for_ten() {
         let mib = 1u64 << 20;
         let ms = Duration::from_millis;
+        let cheap = Duration::from_micros(100);
         // Within the first second: whatever the RSS did.
-        assert!(rollup_still_stands(ms(0), 100 * mib));
-        assert!(rollup_still_stands(ROLLUP_EVERY - ms(1), mib));
+        assert!(rollup_still_stands(ms(0), 100 * mib, cheap));
+        assert!(rollup_still_stands(ROLLUP_EVERY - ms(1), mib, cheap));
         // From one second on: only while the RSS stayed within 1 MiB.
-        assert!(!rollup_still_stands(ROLLUP_EVERY, mib));
-        assert!(rollup_still_stands(ROLLUP_EVERY, mib - 1));
-        assert!(rollup_still_stands(ROLLUP_EVERY, 0));
-        assert!(!rollup_still_stands(ROLLUP_EVERY * 5, 2 * mib));
+        assert!(!rollup_still_stands(ROLLUP_EVERY, mib, cheap));
+        assert!(rollup_still_stands(ROLLUP_EVERY, mib - 1, cheap));
+        assert!(rollup_still_stands(ROLLUP_EVERY, 0, cheap));
+        assert!(!rollup_still_stands(ROLLUP_EVERY * 5, 2 * mib, cheap));
         // And never past ten seconds.
-        assert!(rollup_still_stands(ROLLUP_EVERY * 10 - ms(1), 0));
-        assert!(!rollup_still_stands(ROLLUP_EVERY * 10, 0));
+        assert!(rollup_still_stands(ROLLUP_EVERY * 10 - ms(1), 0, cheap));
+        assert!(!rollup_still_stands(ROLLUP_EVERY * 10, 0, cheap));
+    }
+
+    #[test]
+    fn a_costly_shared_memory_reading_stands_longer() {
+        let mib = 1u64 << 20;
+        let ms = Duration::from_millis;
+        // 8 ms of CPU (a Python process with torch imported): 4 s whatever the RSS did, and
+        // up to 40 s while it holds; 0.2% of a core.
+        let costly = ms(8);
+        assert!(rollup_still_stands(ms(3999), 100 * mib, costly));
+        assert!(!rollup_still_stands(ms(4000), mib, costly));
+        assert!(rollup_still_stands(ms(39_999), 0, costly));
+        assert!(!rollup_still_stands(ms(40_000), 0, costly));
+        // The reads' share of a core stays within 0.2%.
+        let share = costly.as_secs_f64() / ms(4000).as_secs_f64();
+        assert!(share <= 0.002, "{share}");
+    }
+
+    #[test]
+    fn this_thread_s_cpu_time_counts_its_work_only() {
+        let before = thread_cpu();
+        std::thread::sleep(Duration::from_millis(50));
+        let asleep = thread_cpu() - before;
+        let before = thread_cpu();
+        let t = std::time::Instant::now();
+        let mut x = 0u64;
+        while t.elapsed() < Duration::from_millis(50) {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        let busy = thread_cpu() - before;
+        assert!(asleep < Duration::from_millis(20), "{asleep:?} asleep");
+        assert!(busy > asleep, "{busy:?} busy, {asleep:?} asleep");
     }
 
     #[test]
