@@ -5,9 +5,10 @@
 //! `POSIX_FADV_WILLNEED` asks for no more than one window either (the kernel caps it).
 //! So a cold 1 GiB load ran at 0.35 to 0.6 times the disk's direct reads on the 2-core
 //! VM. Here the mapping is populated (`MADV_POPULATE_READ`) in 8 MiB chunks from eight
-//! threads, as `fio --bs=8M --iodepth=8` reads a disk: 1.02 to 1.56 times the direct
-//! reads just before and after each load, in one process; the pages stay in the page
-//! cache (reclaimable), not on the heap.
+//! threads, as `fio --bs=8M --iodepth=8` reads a disk: 1.16 to 1.57 times the direct
+//! reads taking turns with the loads, every read from an empty page cache (`cargo
+//! xtask bench`, ten rounds in two runs); the pages stay in the page cache
+//! (reclaimable), not on the heap.
 
 use std::fs::File;
 use std::io;
