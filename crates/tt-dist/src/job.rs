@@ -143,13 +143,6 @@ fn read_lines<T: for<'de> Deserialize<'de> + Send + 'static, K: Copy + Send + 's
         })
 }
 
-/// A free TCP port on every interface, for the ranks' store of one attempt.
-fn free_port_anywhere() -> std::io::Result<u16> {
-    TcpListener::bind(("0.0.0.0", 0))?
-        .local_addr()
-        .map(|a| a.port())
-}
-
 /// The coordinator: node 0's launcher runs it on a thread, serving every node's
 /// launcher (its own included) at the job's port.
 pub(crate) struct Coordinator {
@@ -333,7 +326,7 @@ impl Job {
         let mut attempt = 0;
         let mut after = None;
         loop {
-            let port = match free_port_anywhere() {
+            let port = match crate::launch::pick_port("0.0.0.0") {
                 Ok(p) => p,
                 Err(e) => {
                     return self.finish(&JobEnd {
