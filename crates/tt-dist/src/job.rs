@@ -326,7 +326,7 @@ impl Job {
         let mut attempt = 0;
         let mut after = None;
         loop {
-            let port = match crate::launch::pick_port("0.0.0.0") {
+            let port = match crate::port::pick_port("0.0.0.0") {
                 Ok(p) => p,
                 Err(e) => {
                     return self.finish(&JobEnd {

@@ -10,6 +10,7 @@ mod group;
 mod iface;
 mod job;
 mod launch;
+mod port;
 mod status;
 
 #[cfg(feature = "c10d")]
@@ -20,5 +21,6 @@ pub use group::{BackendKind, GroupOptions, ProcessGroup, ReduceOp, Work};
 pub use env::{first_host, DistEnv, Place, Source, DEFAULT_PORT, DEFAULT_TIMEOUT};
 pub use error::{Error, Result};
 pub use iface::{socket_interface_for, SocketInterface, SOCKET_IFNAME_VARS};
-pub use launch::{free_port, launch, LaunchConfig, LaunchOutcome, MAX_NPROC_PER_NODE};
+pub use launch::{launch, LaunchConfig, LaunchOutcome, MAX_NPROC_PER_NODE};
+pub use port::free_port;
 pub use status::EXIT_PREEMPTED;
