@@ -141,14 +141,7 @@ pub fn cuda_loaded() -> bool {
 /// allocation, set `mallopt(M_ARENA_MAX, 1)` and a fixed `M_MMAP_THRESHOLD` before any
 /// thread starts (the crate README shows how).
 pub fn set_cpu_memory_limit(bytes: Option<u64>) -> Result<(), LimitError> {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit fills a valid rlimit.
-    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } != 0 {
-        return Err(LimitError::Os(io::Error::last_os_error()));
-    }
+    let mut lim = address_space_rlimit().map_err(LimitError::Os)?;
     match bytes {
         Some(limit) => {
             if cuda_loaded() {
@@ -201,6 +194,12 @@ pub fn available_cpu_memory() -> io::Result<u64> {
 /// let _limit: Option<u64> = tt_adaptive::address_space_limit().unwrap();
 /// ```
 pub fn address_space_limit() -> io::Result<Option<u64>> {
+    let lim = address_space_rlimit()?;
+    Ok((lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur))
+}
+
+/// The soft and hard `RLIMIT_AS`, as the kernel holds them.
+fn address_space_rlimit() -> io::Result<libc::rlimit> {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -209,7 +208,7 @@ pub fn address_space_limit() -> io::Result<Option<u64>> {
     if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut lim) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok((lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur))
+    Ok(lim)
 }
 
 /// After a CUDA-side OOM, hand libtorch's cached blocks back to the driver, so that the

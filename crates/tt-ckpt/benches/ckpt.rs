@@ -71,13 +71,9 @@ fn direct_reads(path: &Path) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
-fn median_f(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
+/// The middle value (of seconds or durations; a NaN sorts as equal).
+fn median<T: PartialOrd + Copy>(mut v: Vec<T>) -> T {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
     v[v.len() / 2]
 }
 
@@ -208,11 +204,11 @@ fn main() {
         assert!(status.success());
         let cat_time = t.elapsed();
         if run > 0 {
-            let (l, d) = (median_f(loads), median_f(reads));
+            let (l, d) = (median(loads), median(reads));
             load.push(Duration::from_secs_f64(l));
             direct.push(Duration::from_secs_f64(d));
             ratio.push(d / l);
-            control.push(median_f(even) / median_f(odd));
+            control.push(median(even) / median(odd));
             cat.push(cat_time);
             into_tensors.push(tensors_time);
         }
