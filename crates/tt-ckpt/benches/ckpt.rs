@@ -5,7 +5,8 @@
 //! (five runs, each of three loads taking turns with four direct reads, the median of
 //! each side: the worst run, not only the median, beside direct reads judged the same
 //! way in the loads' places, which shows how far the disk alone moves that ratio); and
-//! the training stall of `save_async`.
+//! the training stall of `save_async`, with its host buffers recycled and, in a
+//! directory's first save, new (against libtorch's own copy into new memory).
 //!
 //! Prints `row|<what>|<ours>|<baseline name>|<baseline>|<unit>|<better>` lines for
 //! the xtask table.
@@ -259,6 +260,42 @@ fn main() {
     }
     let stall = median(stalls);
 
+    // The first save_async of a directory, whose host buffers are new (their pages
+    // first touched by the copy), against libtorch's own copy of the same tensors
+    // into new memory (`torch.empty_like` + `copy_`: what staging a state dict on the
+    // host costs PyTorch), taking turns.
+    let (mut first, mut staged) = (Vec::new(), Vec::new());
+    for run in 0..=RUNS {
+        let path = root.path().join(format!("first-{run}"));
+        let fresh = CheckpointDir::open(&path).expect("open");
+        let t = Instant::now();
+        let mut c = fresh.checkpoint(1);
+        for (i, tensor) in tensors.iter().enumerate() {
+            c.add_tch(&format!("t{i}"), tensor).expect("host copy");
+        }
+        fresh.save_async(c).expect("save_async");
+        let ours_time = t.elapsed();
+        fresh.wait().expect("the background save");
+        drop(fresh);
+        std::fs::remove_dir_all(&path).expect("remove the first save");
+        let t = Instant::now();
+        let copies: Vec<Tensor> = tensors
+            .iter()
+            .map(|x| {
+                let mut copy = x.empty_like();
+                copy.copy_(x);
+                copy
+            })
+            .collect();
+        let torch_time = t.elapsed();
+        drop(copies);
+        if run > 0 {
+            first.push(ours_time);
+            staged.push(torch_time);
+        }
+    }
+    let (first, staged) = (median(first), median(staged));
+
     println!("tt-ckpt: durable 1 GiB save {:.2} s ({:.2} GB/s); dd conv=fsync of zeros {:.2} s ({:.2} GB/s), of the same random bytes {:.2} s ({:.2} GB/s); save_async stall {:.3} s/GiB",
         ours.as_secs_f64(), gbs(ours), dd.as_secs_f64(), gbs(dd), dd_random.as_secs_f64(), gbs(dd_random), stall.as_secs_f64());
     println!(
@@ -314,5 +351,10 @@ fn main() {
     println!(
         "row|save_async training stall per GiB (s)|{:.3}|goal|0.25|s|lower",
         stall.as_secs_f64()
+    );
+    println!(
+        "row|save_async training stall per GiB, a directory's first save: new host buffers (s)|{:.3}|libtorch's empty_like + copy_ of the same tensors|{:.3}|s|lower",
+        first.as_secs_f64(),
+        staged.as_secs_f64()
     );
 }
