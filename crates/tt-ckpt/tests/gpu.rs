@@ -20,6 +20,23 @@ fn cuda_tensors_are_saved_and_loaded_onto_the_device_asked_for() {
     assert_eq!(loaded.tch("g", Device::Cpu).unwrap().device(), Device::Cpu);
 }
 
+/// `TensorData::from_tch` of a CUDA tensor, strided and in bf16: its bytes copied to
+/// host memory by libtorch, the same bytes as those of its CPU copy.
+#[test]
+fn a_cuda_tensor_becomes_host_bytes_identical_to_its_cpu_copy() {
+    tt_sys::require_cuda();
+    let on_gpu = Tensor::randn([64, 96], (Kind::BFloat16, Device::Cuda(0))).transpose(0, 1);
+    let data = tt_ckpt::TensorData::from_tch(&on_gpu).unwrap();
+    let on_cpu = on_gpu.to_device(Device::Cpu).contiguous();
+    let mut expected = vec![0u8; 64 * 96 * 2];
+    on_cpu.copy_data_u8(&mut expected, 64 * 96);
+    assert_eq!(
+        (data.dtype(), data.shape()),
+        (tt_ckpt::Dtype::BF16, &[96usize, 64][..])
+    );
+    assert!(data.bytes() == expected.as_slice(), "the bytes differ");
+}
+
 /// `save_async` of CUDA state while training goes on: the checkpoint holds the values of
 /// the moment it was taken (the in-place updates queued right after it run after its
 /// copies), byte for byte what a checkpoint of CPU copies of the same values holds.
