@@ -103,13 +103,14 @@ fn main() {
     let tensors: Vec<Tensor> = (0..4)
         .map(|_| Tensor::rand([64 << 20], (Kind::Float, Device::Cpu)))
         .collect();
-    let build = |step: u64| {
-        let mut c = Checkpoint::new(step);
+    // Every tensor into `c` (the host copy a save starts with).
+    let fill = |mut c: Checkpoint<'static>| {
         for (i, t) in tensors.iter().enumerate() {
             c.add_tch(&format!("t{i}"), t).expect("host copy");
         }
         c
     };
+    let build = |step: u64| fill(Checkpoint::new(step));
 
     let dd_path = root.path().join("ckpt/dd.bin");
     // The same random bytes as the tensors, for dd to copy: a virtual disk may store
@@ -247,10 +248,7 @@ fn main() {
     let mut stalls = Vec::new();
     for step in 0..=RUNS as u64 {
         let t = Instant::now();
-        let mut c = dir.checkpoint(100 + step);
-        for (i, tensor) in tensors.iter().enumerate() {
-            c.add_tch(&format!("t{i}"), tensor).expect("host copy");
-        }
+        let c = fill(dir.checkpoint(100 + step));
         dir.save_async(c).expect("save_async");
         let stall = t.elapsed();
         dir.wait().expect("the background save");
@@ -269,10 +267,7 @@ fn main() {
         let path = root.path().join(format!("first-{run}"));
         let fresh = CheckpointDir::open(&path).expect("open");
         let t = Instant::now();
-        let mut c = fresh.checkpoint(1);
-        for (i, tensor) in tensors.iter().enumerate() {
-            c.add_tch(&format!("t{i}"), tensor).expect("host copy");
-        }
+        let c = fill(fresh.checkpoint(1));
         fresh.save_async(c).expect("save_async");
         let ours_time = t.elapsed();
         fresh.wait().expect("the background save");
