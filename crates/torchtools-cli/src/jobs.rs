@@ -6,8 +6,11 @@
 //! A detached job is `torchtools job-run ID -- ARGS`: a small keeper, leader of the
 //! job's session, that runs `torchtools ARGS` with the output in the log, ignores the
 //! signals meant for the job, and writes how it ended into the job's record. Records
-//! live in the lock directory's `jobs/` (every user's jobs are visible with `--all`),
-//! logs in the user's own state directory.
+//! live in the lock directory as `job-ID.json`, each written by its job's user (mode
+//! 0644: every user's jobs are visible with `--all`, and only their owner can change
+//! them); a record whose user is not its file's owner is ignored and said, and one
+//! that cannot be read is listed as damaged. Logs are in the user's own state
+//! directory.
 
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
@@ -38,7 +41,7 @@ pub(crate) struct DetachArgs {
     pub(crate) log_dir: Option<PathBuf>,
 }
 
-/// A job's record: `jobs/ID.json` in the lock directory.
+/// A job's record: `job-ID.json` in the lock directory.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub(crate) struct Job {
     pub(crate) id: String,
@@ -88,24 +91,24 @@ fn signal(pid: u32, signal: nix::sys::signal::Signal) {
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);
 }
 
-/// The shared directory of job records, `jobs/` in the lock directory (`TORCHTOOLS_LOCK_DIR`;
-/// mode 01777, as the lock directory itself).
+/// The directory of job records: the lock directory itself (`TORCHTOOLS_LOCK_DIR`),
+/// sticky, where only a record's owner (and the directory's owner, root on a server
+/// set up well) can change or remove it. Not a subdirectory: whoever created that
+/// could remove every user's records in it.
 fn records_dir() -> Result<PathBuf> {
     records_dir_in(&LockDir::from_env()?)
 }
 
 /// [`records_dir`] of a lock directory already open.
 fn records_dir_in(locks: &LockDir) -> Result<PathBuf> {
-    let dir = locks.path().join("jobs");
-    if !dir.exists() {
-        fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let _ = fs::set_permissions(&dir, fs::Permissions::from_mode(0o1777));
-    }
-    Ok(dir)
+    Ok(locks.path().to_owned())
 }
 
+/// What job records are named: `job-ID.json`.
+const RECORD_PREFIX: &str = "job-";
+
 fn record_path(dir: &Path, id: &str) -> PathBuf {
-    dir.join(format!("{id}.json"))
+    dir.join(format!("{RECORD_PREFIX}{id}.json"))
 }
 
 /// Writes `job` atomically (a temporary file renamed over the record), readable by all.
@@ -120,6 +123,8 @@ fn save(dir: &Path, job: &Job) -> Result<()> {
         .custom_flags(libc::O_NOFOLLOW)
         .open(&temp)
         .with_context(|| format!("writing {}", temp.display()))?;
+    // Readable by every user whatever the umask (`jobs --all`).
+    file.set_permissions(fs::Permissions::from_mode(0o644))?;
     file.write_all(&serde_json::to_vec_pretty(job)?)?;
     file.sync_all()?;
     fs::rename(&temp, &path).with_context(|| format!("placing {}", path.display()))?;
@@ -127,7 +132,59 @@ fn save(dir: &Path, job: &Job) -> Result<()> {
 }
 
 fn load(path: &Path) -> Option<Job> {
-    serde_json::from_slice(&fs::read(path).ok()?).ok()
+    match read_record(path) {
+        Record::Job(job) => Some(*job),
+        _ => None,
+    }
+}
+
+/// What a job record file holds, as a reader finds it.
+enum Record {
+    /// A job, written by its own user.
+    Job(Box<Job>),
+    /// A record naming another user than its file's owner: not believed.
+    Ignored(tt_lock::Ignored),
+    /// Not a job record (not JSON, cut short): listed as damaged, not dropped.
+    Damaged(String),
+    /// Gone, a symbolic link, or not a regular file: no record.
+    None,
+}
+
+/// Reads a job record: never through a symbolic link, and believed only when the user
+/// and uid it names are its file's owner.
+fn read_record(path: &Path) -> Record {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(file) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    else {
+        return Record::None;
+    };
+    let Ok(meta) = file.metadata() else {
+        return Record::None;
+    };
+    if !meta.file_type().is_file() {
+        return Record::None;
+    }
+    let mut text = Vec::new();
+    if let Err(e) = std::io::Read::read_to_end(&mut &file, &mut text) {
+        return Record::Damaged(format!("{}: {e}", path.display()));
+    }
+    let job: Job = match serde_json::from_slice(&text) {
+        Ok(job) => job,
+        Err(e) => return Record::Damaged(format!("{}: {e}", path.display())),
+    };
+    let owner = meta.uid();
+    if job.uid != owner || job.user != tt_lock::name_of_uid(owner) {
+        return Record::Ignored(tt_lock::Ignored {
+            path: path.to_owned(),
+            owner_uid: owner,
+            owner: tt_lock::user_name_of(owner),
+            claims: job.user,
+        });
+    }
+    Record::Job(Box::new(job))
 }
 
 /// The user's default log directory: `$XDG_STATE_HOME/torchtools/logs`, else
@@ -346,14 +403,41 @@ fn alive(job: &Job) -> bool {
 
 /// Every job's record in `records`, oldest first.
 fn all_jobs(records: &Path) -> Result<Vec<Job>> {
-    let mut jobs: Vec<Job> = fs::read_dir(records)
+    Ok(scan(records)?.jobs)
+}
+
+/// The job records of a directory as `jobs` shows them.
+#[derive(Default)]
+struct Scan {
+    /// Believed records, oldest first.
+    jobs: Vec<Job>,
+    /// Records not believed.
+    ignored: Vec<tt_lock::Ignored>,
+    /// Records that cannot be read, with why.
+    damaged: Vec<String>,
+}
+
+fn scan(records: &Path) -> Result<Scan> {
+    let mut scan = Scan::default();
+    for entry in fs::read_dir(records)
         .with_context(|| format!("reading {}", records.display()))?
         .flatten()
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".json"))
-        .filter_map(|e| load(&e.path()))
-        .collect();
-    jobs.sort_by(|a, b| a.started_unix.total_cmp(&b.started_unix));
-    Ok(jobs)
+    {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !(name.starts_with(RECORD_PREFIX) && name.ends_with(".json")) {
+            continue;
+        }
+        match read_record(&entry.path()) {
+            Record::Job(job) => scan.jobs.push(*job),
+            Record::Ignored(why) => scan.ignored.push(why),
+            Record::Damaged(why) => scan.damaged.push(why),
+            Record::None => {}
+        }
+    }
+    scan.jobs
+        .sort_by(|a, b| a.started_unix.total_cmp(&b.started_unix));
+    Ok(scan)
 }
 
 /// The job `id` names: exactly, or by a unique prefix; `last`: the user's latest.
@@ -411,10 +495,18 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
         .unwrap_or_default();
     let held = locks.list().unwrap_or_default();
     let mine = uid();
-    let jobs: Vec<Job> = all_jobs(&records_dir_in(&locks)?)?
+    let scan = scan(&records_dir_in(&locks)?)?;
+    let jobs: Vec<Job> = scan
+        .jobs
         .into_iter()
         .filter(|j| all || j.uid == mine)
         .collect();
+    if !json {
+        crate::ignored::say(&scan.ignored);
+        for why in &scan.damaged {
+            println!("damaged job record (not a job torchtools wrote): {why}");
+        }
+    }
     if json {
         #[derive(Serialize)]
         struct Row<'a> {

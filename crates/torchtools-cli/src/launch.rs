@@ -355,6 +355,7 @@ impl LaunchArgs {
             forward: None,
             run_id: self.rdzv_id.clone(),
             env: Vec::new(),
+            inherit_fds: Vec::new(),
         })
     }
 }
@@ -389,6 +390,11 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<ExitCode> {
                     reservation.cuda_visible_devices().into(),
                 ));
             }
+            // Every rank inherits the GPUs' locks (as `reserve`'s command does): they
+            // stay held while any rank runs, even if this launcher is killed.
+            let (value, fds) = tt_lock::inheritance(reservation.locks());
+            cfg.env.push((tt_lock::HELD_LOCKS_ENV.into(), value.into()));
+            cfg.inherit_fds = fds;
             Some(reservation)
         }
     };

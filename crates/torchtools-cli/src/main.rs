@@ -12,6 +12,7 @@ use tt_lock::GpuSpec;
 
 mod args;
 mod child;
+mod ignored;
 mod jobs;
 mod launch;
 mod probe;

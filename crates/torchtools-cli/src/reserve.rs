@@ -146,6 +146,7 @@ pub(crate) fn locks(json: bool) -> Result<ExitCode> {
     let dir = LockDir::from_env()?;
     let inventory = Inventory::query();
     let states = dir.status(&inventory)?;
+    let ignored = dir.ignored()?;
     if json {
         println!(
             "{}",
@@ -153,6 +154,7 @@ pub(crate) fn locks(json: bool) -> Result<ExitCode> {
                 "lock_dir": dir.path(),
                 "nvml": inventory.nvml,
                 "locks": states,
+                "ignored": ignored,
             }))?
         );
         return Ok(ExitCode::SUCCESS);
@@ -167,6 +169,7 @@ pub(crate) fn locks(json: bool) -> Result<ExitCode> {
     for state in &states {
         println!("  {state}");
     }
+    crate::ignored::say(&ignored);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -190,11 +193,13 @@ pub(crate) fn queue(json: bool) -> Result<ExitCode> {
             serde_json::to_string_pretty(&serde_json::json!({
                 "lock_dir": dir.path(),
                 "waiters": list,
+                "ignored": dir.ignored()?,
             }))?
         );
         return Ok(ExitCode::SUCCESS);
     }
     print!("{}", queue_text(&dir, &waiters, &inventory, now));
+    crate::ignored::say(&dir.ignored()?);
     Ok(ExitCode::SUCCESS)
 }
 

@@ -39,6 +39,9 @@ pub(crate) struct Snapshot {
     gpus: Vec<GpuView>,
     /// The requests waiting, first served first.
     queue: Vec<Waiter>,
+    /// Records in the lock directory not believed: each names another user than its
+    /// file's owner.
+    ignored: Vec<tt_lock::Ignored>,
 }
 
 /// One GPU: NVML's view of it and its lock.
@@ -164,6 +167,7 @@ impl Snapshot {
             nvml: inventory.nvml,
             gpus: views,
             queue,
+            ignored: dir.ignored()?,
         })
     }
 }
@@ -354,7 +358,14 @@ fn heights(snapshot: &Snapshot, view: &View) -> [u16; 4] {
 
 /// The line under the title: the driver, or why there is no GPU data.
 fn note_text(snapshot: &Snapshot) -> String {
-    match &snapshot.nvml {
+    let ignored = match snapshot.ignored.len() {
+        0 => String::new(),
+        n => format!(
+            "; {n} record(s) ignored, written by another user than they name \
+             (`torchtools locks` lists them)"
+        ),
+    };
+    let note = match &snapshot.nvml {
         NvmlStatus::Available { driver_version } => format!(
             "NVIDIA driver {driver_version}; {} GPU(s); {} request(s) waiting",
             snapshot.gpus.iter().filter(|g| g.index.is_some()).count(),
@@ -364,7 +375,8 @@ fn note_text(snapshot: &Snapshot) -> String {
             "NVML unavailable ({reason}): no GPU memory, use or processes to show; locks \
              and the queue are below"
         ),
-    }
+    };
+    note + &ignored
 }
 
 /// How many lines `text` takes wrapped at `width` (at most 4).

@@ -73,6 +73,12 @@ pub(crate) fn usage(since: Option<Duration>, by: By, json: bool) -> Result<ExitC
     for why in &log.skipped {
         eprintln!("torchtools usage: warning: skipped a damaged record: {why}");
     }
+    if !log.skipped.is_empty() {
+        eprintln!(
+            "torchtools usage: {} damaged line(s) skipped; every other record is counted",
+            log.skipped.len()
+        );
+    }
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
@@ -86,9 +92,14 @@ pub(crate) fn usage(since: Option<Duration>, by: By, json: bool) -> Result<ExitC
             by: &'a str,
             rows: &'a [Row],
             skipped: &'a [String],
+            ignored: &'a [tt_lock::Ignored],
         }
         let out = Out {
-            log: dir.path().join(tt_lock::USAGE_FILE).display().to_string(),
+            log: dir
+                .path()
+                .join(format!("{}*.jsonl", tt_lock::USAGE_PREFIX))
+                .display()
+                .to_string(),
             since_unix: since.map(|_| from),
             by: match by {
                 By::User => "user",
@@ -96,11 +107,13 @@ pub(crate) fn usage(since: Option<Duration>, by: By, json: bool) -> Result<ExitC
             },
             rows: &rows,
             skipped: &log.skipped,
+            ignored: &log.ignored,
         };
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(ExitCode::SUCCESS);
     }
     print!("{}", text(&rows, by));
+    crate::ignored::say(&log.ignored);
     Ok(ExitCode::SUCCESS)
 }
 

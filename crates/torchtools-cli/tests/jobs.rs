@@ -276,7 +276,7 @@ fn jobs_show_waiting_running_and_lost() {
     assert_ne!(job(dir, &id)["status"], serde_json::Value::Null);
 
     // A job whose record says another boot: the machine rebooted under it.
-    let record = dir.join("locks/jobs").join(format!("{id}.json"));
+    let record = dir.join("locks").join(format!("job-{id}.json"));
     let mut j: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&record).unwrap()).unwrap();
     j["status"] = serde_json::Value::Null;
@@ -498,4 +498,65 @@ fn a_job_seen_from_another_pid_namespace_is_not_lost() {
     let log = ok(container(&["logs", &id, "-f"]));
     assert!(log.contains("end"), "followed to its end: {log}");
     assert_eq!(job(dir, &id)["status"], 0);
+}
+
+/// Job records trust their file's owner: a record another user wrote claiming root is
+/// not listed but said, a record that is not one is listed as damaged, and a `jobs`
+/// symbolic link planted in the lock directory is never followed.
+#[test]
+fn forged_and_damaged_job_records_are_said_and_a_planted_symlink_is_not_followed() {
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
+    let dir = tmp.path();
+    let mine = detach(
+        dir,
+        &[
+            "reserve",
+            "--detach",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "true",
+        ],
+    );
+    until("the job ended", || job(dir, &mine)["status"] == 0);
+    let locks = dir.join("locks");
+    std::os::unix::fs::symlink("/etc", locks.join("jobs")).unwrap();
+    // nobody copies root's record under a new id, and writes a damaged one.
+    let mine_record = std::fs::read_to_string(locks.join(format!("job-{mine}.json"))).unwrap();
+    let forged = mine_record.replace(&mine, "forged1");
+    let script = format!(
+        "printf '%s' \"$1\" > {0}/job-forged1.json && printf '{{\"id\":' > {0}/job-cut.json",
+        locks.display()
+    );
+    let out = Command::new("runuser")
+        .args(["-u", "nobody", "--", "sh", "-c", &script, "sh", &forged])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let listed = ok(tt(dir).args(["jobs", "--all"]).output().unwrap());
+    assert!(listed.contains(&mine), "{listed}");
+    assert!(
+        listed.contains("1 record ignored:")
+            && listed.contains("job-forged1.json: written by uid 65534 (nobody), claims root"),
+        "{listed}"
+    );
+    assert!(
+        listed.contains("damaged job record") && listed.contains("job-cut.json"),
+        "{listed}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&ok(tt(dir)
+        .args(["jobs", "--json", "--all"])
+        .output()
+        .unwrap()))
+    .unwrap();
+    assert_eq!(json.as_array().map(Vec::len), Some(1), "{json}");
+    // The forged id is no job to stop.
+    let out = tt(dir).args(["stop", "forged1"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(std::fs::symlink_metadata(locks.join("jobs"))
+        .unwrap()
+        .is_symlink());
 }

@@ -830,3 +830,81 @@ fn stopping_a_rank_stops_what_it_started() {
         .any(|c| c == b"sleep\x0061.25\x00");
     assert!(!left, "the rank's sleep is still running");
 }
+
+/// `launch --gpu`: the ranks inherit the group's GPU locks (as `reserve`'s command
+/// does), so a `kill -9` of the launcher leaves the GPU held while a rank runs; another
+/// request waits until the last rank has ended.
+#[test]
+fn a_launch_killed_with_sigkill_keeps_its_gpu_while_a_rank_runs() {
+    let locks = tempfile::tempdir().unwrap();
+    let go = locks.path().join("go");
+    let script = format!(
+        "echo ready; while [ ! -e {} ]; do sleep 0.05; done",
+        go.display()
+    );
+    let torchtools = |args: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_torchtools"));
+        c.args(args)
+            .env("TORCHTOOLS_LOCK_DIR", locks.path())
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .env_remove("TORCHTOOLS_HELD_LOCKS");
+        c
+    };
+    let mut launcher = torchtools(&[
+        "launch",
+        "--gpu",
+        "0",
+        "--no-fence",
+        "--nproc-per-node",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ])
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::null())
+    .spawn()
+    .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(launcher.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "[rank0]: ready");
+    launcher.kill().unwrap(); // SIGKILL: the launcher alone, its rank runs on
+    launcher.wait().unwrap();
+    let held = || {
+        let out = torchtools(&["locks"]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).contains("held by pid")
+    };
+    assert!(held(), "the rank still runs: GPU 0 must stay held");
+    let other = torchtools(&[
+        "reserve",
+        "--gpu",
+        "0",
+        "--no-fence",
+        "--timeout",
+        "1s",
+        "--",
+        "true",
+    ])
+    .output()
+    .unwrap();
+    assert_eq!(other.status.code(), Some(75), "{other:?}");
+    // The rank ends: the GPU is free, and the next request gets it.
+    std::fs::write(&go, "").unwrap();
+    let patience = Instant::now();
+    while held() {
+        assert!(
+            patience.elapsed() < Duration::from_secs(120),
+            "GPU 0 still held 120 s after its rank was told to end"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let next = torchtools(&["reserve", "--gpu", "0", "--no-fence", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(next.status.success(), "{next:?}");
+}

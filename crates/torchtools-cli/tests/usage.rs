@@ -30,8 +30,8 @@ fn now() -> f64 {
 
 /// Reservations of known lengths on GPUs 0 and 1, one ending with status 3, and one
 /// killed with `kill -9` (the command and `torchtools` together) while it holds GPU 2:
-/// the hours are theirs, the exit status is recorded, and the killed one is closed by
-/// the next reader, marked lost, ending between its death and that read.
+/// the hours are theirs, the exit status is recorded, and the killed one is shown lost
+/// by every reader, ending between its death and that read, without a word written.
 #[test]
 fn reservations_are_counted_and_a_killed_holder_is_closed_by_the_next_reader() {
     let tmp = tempfile::tempdir().unwrap();
@@ -94,26 +94,25 @@ fn reservations_are_counted_and_a_killed_holder_is_closed_by_the_next_reader() {
     assert_eq!(row("2")["lost"], 1, "{after}");
     let lost_hours = row("2")["gpu_hours"].as_f64().unwrap();
     assert!(lost_hours * 3600.0 >= 0.3, "{after}");
-    // It ended no later than the read that closed it.
-    let log = std::fs::read_to_string(dir.join(tt_lock::USAGE_FILE)).unwrap();
-    let lost_end = log
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find(|r| r["event"] == "end" && r["lost"] == true)
-        .unwrap_or_else(|| panic!("no lost record in {log}"));
-    let end = lost_end["time"].as_f64().unwrap();
+    // Lost, computed at the read and ended no later than it: nothing is written into
+    // anyone's log for it, so a second read finds it lost again, once.
+    let log_path = || {
+        // SAFETY: geteuid has no preconditions.
+        tt_lock::LockDir::open(dir)
+            .unwrap()
+            .usage_log_path(unsafe { libc::geteuid() })
+    };
+    let read = || tt_lock::LockDir::open(dir).unwrap().usage().unwrap();
+    let lost: Vec<_> = read().records.into_iter().filter(|r| r.lost).collect();
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    let end = lost[0].end.unwrap();
     assert!(
         end >= killed_at - 1.0 && end <= now(),
         "{end} vs killed at {killed_at}, read at {before_read}"
     );
-    // A second read closes nothing again.
-    usage(dir, &[]);
-    let ends = std::fs::read_to_string(dir.join(tt_lock::USAGE_FILE))
-        .unwrap()
-        .lines()
-        .filter(|l| l.contains("\"lost\":true"))
-        .count();
-    assert_eq!(ends, 1);
+    assert_eq!(read().records.iter().filter(|r| r.lost).count(), 1);
+    let log = std::fs::read_to_string(log_path()).unwrap();
+    assert!(!log.contains("\"lost\":true"), "{log}");
 
     // The finished ones: their sleeps, plus at most a second of starting and ending.
     let finished: f64 = ["0", "1"]
@@ -131,16 +130,23 @@ fn reservations_are_counted_and_a_killed_holder_is_closed_by_the_next_reader() {
     );
     assert!(log.contains("\"status\":3"), "{log}");
 
-    // A damaged record (a full disk cut it short): skipped, said, never an error.
+    // A damaged record (a full disk cut it short): skipped, said, never an error; it
+    // costs that line only, not the next reservation's record.
     std::fs::OpenOptions::new()
         .append(true)
-        .open(dir.join(tt_lock::USAGE_FILE))
+        .open(log_path())
         .and_then(|mut f| std::io::Write::write_all(&mut f, b"{\"event\":\"sta"))
         .unwrap();
+    let before = read().records.len();
+    let out = reserve("3", "exit 0");
+    assert!(out.status.success(), "{out:?}");
+    let after_damage = read();
+    assert_eq!(after_damage.records.len(), before + 1, "{after_damage:?}");
+    assert_eq!(after_damage.skipped.len(), 1, "{after_damage:?}");
     let out = torchtools(dir).args(["usage"]).output().unwrap();
     assert!(out.status.success(), "{out:?}");
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("skipped a damaged record"),
+        String::from_utf8_lossy(&out.stderr).contains("1 damaged line(s) skipped"),
         "{out:?}"
     );
     assert!(

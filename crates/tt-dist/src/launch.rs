@@ -46,6 +46,10 @@ pub struct LaunchConfig {
     /// More variables for every rank (after torchrun's), e.g. `CUDA_VISIBLE_DEVICES` of
     /// the GPUs reserved for the group.
     pub env: Vec<(OsString, OsString)>,
+    /// Descriptors every rank inherits (they stay open across its `exec`): the GPU
+    /// locks of the group's reservation, so that the GPUs stay held while any rank
+    /// runs, even when the launcher is killed (`tt_lock::inheritance` gives them).
+    pub inherit_fds: Vec<std::os::fd::RawFd>,
 }
 
 impl LaunchConfig {
@@ -64,6 +68,7 @@ impl LaunchConfig {
             forward: None,
             run_id: None,
             env: Vec::new(),
+            inherit_fds: Vec::new(),
         }
     }
 }
@@ -83,6 +88,25 @@ pub struct LaunchOutcome {
     /// What the failed rank wrote to its `TORCHELASTIC_ERROR_FILE` (PyTorch's
     /// `@record` writes the exception there): the exception and where it was raised.
     pub error: Option<String>,
+}
+
+/// Lets `cmd` inherit `fds`: their close-on-exec flag is cleared in the child.
+fn inherit(cmd: &mut Command, fds: Vec<std::os::fd::RawFd>) {
+    if fds.is_empty() {
+        return;
+    }
+    // SAFETY: the closure runs in the forked child before exec and only calls fcntl,
+    // which is async-signal-safe; it allocates nothing.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(cmd, move || {
+            for &fd in &fds {
+                if libc::fcntl(fd, libc::F_SETFD, 0) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Copies a rank's output line by line, prefixed with `[rankN]: `.
@@ -268,6 +292,7 @@ fn start_ranks(
             cmd.env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
         }
         cmd.envs(env.iter().map(|(k, v)| (k, v)));
+        inherit(&mut cmd, cfg.inherit_fds.clone());
         if cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
             cmd.env("OMP_NUM_THREADS", "1");
         }

@@ -21,7 +21,7 @@ pub struct LockDir {
     origin: Origin,
     /// The usage log, opened for appending at its first record and kept (each record is
     /// then one `write`).
-    pub(crate) usage_log: std::sync::Arc<std::sync::OnceLock<Option<fs::File>>>,
+    pub(crate) usage_log: std::sync::Arc<std::sync::OnceLock<Option<crate::usage::OwnLog>>>,
     /// A handle on the directory kept open for listing it (see [`LockDir::names`]).
     listing: std::sync::Arc<std::sync::Mutex<Option<nix::dir::Dir>>>,
     /// Whether the queue is known to be empty without listing the directory (see
@@ -197,21 +197,21 @@ impl LockDir {
         }
     }
 
-    /// Opens (or creates, mode 0666 whatever the umask) one lock file, refusing
-    /// symbolic links. The descriptor is close-on-exec. Its type is left to the caller,
-    /// who checks it on a `statx` of its own before writing anything (the lock's, made
-    /// after the `flock`, which one `statx` then serves whole): a FIFO is opened
-    /// without blocking, a directory not at all.
+    /// Opens (or creates, mode 0644 whatever the umask) one lock file, for reading
+    /// only, refusing symbolic links: a lock is taken on any descriptor, and nothing in
+    /// a lock file is read, so another user's writes to it (or its creator's) change
+    /// nothing. The descriptor is close-on-exec. Its type is left to the caller, who
+    /// checks it on a `statx` of its own (the lock's, made after the `flock`): a FIFO
+    /// is opened without blocking, a directory not at all.
     pub(crate) fn open_file(&self, name: &str) -> Result<File> {
         let path = self.path.join(name);
         loop {
             // Open an existing file first, without O_CREAT: with fs.protected_regular
             // (systemd's default), O_CREAT on another user's file in a sticky directory
-            // is refused even though the file itself is writable.
+            // is refused even though the file itself is readable.
             let existing = OpenOptions::new()
                 .read(true)
-                .write(true)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
                 .open(&path);
             let file = match existing {
                 Ok(file) => file,
@@ -220,14 +220,14 @@ impl LockDir {
                         .read(true)
                         .write(true)
                         .create_new(true)
-                        .mode(0o666)
-                        .custom_flags(libc::O_NOFOLLOW)
+                        .mode(0o644)
+                        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
                         .open(&path)
                     {
                         Ok(file) => {
-                            file.set_permissions(Permissions::from_mode(0o666))
+                            file.set_permissions(Permissions::from_mode(0o644))
                                 .map_err(|source| Error::Io {
-                                    op: "making the lock file mode 0666",
+                                    op: "making the lock file readable by every user (0644)",
                                     path: path.clone(),
                                     cause: source,
                                 })?;
@@ -256,9 +256,13 @@ impl LockDir {
             };
         }
         if e.kind() == io::ErrorKind::PermissionDenied {
+            let owner = fs::symlink_metadata(path).map_or_else(
+                |_| "its owner".to_owned(),
+                |m| format!("its owner ({})", crate::owner::name_of_uid(m.uid())),
+            );
             return self.error(format!(
-                "{} cannot be opened for writing ({e}); lock files must be mode 0666 so that \
-                 every user can lock them: ask its owner to `chmod 666` it",
+                "{} cannot be opened ({e}); lock files must be readable by every user so \
+                 that every user can lock them: ask {owner} or root to `chmod 644` it",
                 path.display()
             ));
         }

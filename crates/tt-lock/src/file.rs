@@ -37,13 +37,12 @@ pub(crate) fn probe_held(file: &File) -> bool {
     }
 }
 
-/// The length of a lock file just locked when it is still linked in a directory;
-/// `None` once deleted (by a `/tmp` cleaner, say, after which the path names another
-/// file or nothing); an error when it is not a regular file. One `statx`, made after
-/// the `flock`, serves the three (and the record's rewrite that follows), instead of an
-/// `fstat` when opening and a `stat` of the path besides: lock files are only ever
-/// created in place and deleted, never renamed away.
-pub(crate) fn len_if_linked(file: &File, path: &Path) -> crate::Result<Option<u64>> {
+/// Whether a lock file just locked is still linked in a directory: not once deleted
+/// (by a `/tmp` cleaner, say, after which the path names another file or nothing); an
+/// error when it is not a regular file. One `statx`, made after the `flock`, serves
+/// both, instead of an `fstat` when opening and a `stat` of the path besides: lock
+/// files are only ever created in place and deleted, never renamed away.
+pub(crate) fn is_linked(file: &File, path: &Path) -> crate::Result<bool> {
     let st = shape(file).map_err(|cause| crate::Error::Io {
         op: "reading",
         path: path.to_owned(),
@@ -52,7 +51,7 @@ pub(crate) fn len_if_linked(file: &File, path: &Path) -> crate::Result<Option<u6
     if !st.regular {
         return Err(not_a_regular_file(path.to_owned()));
     }
-    Ok((st.links > 0).then_some(st.len))
+    Ok(st.links > 0)
 }
 
 /// What [`shape`] tells of an open file.
@@ -118,37 +117,51 @@ pub(crate) fn read_record<T: serde::de::DeserializeOwned>(file: &File) -> Option
 /// Creates `path` holding `text`, locked (`flock`, exclusive) by the returned file for
 /// as long as it stays open: written and locked under the name `temp`, which the
 /// directory's readers ignore, then renamed into place, so that nobody ever sees it
-/// unlocked or half written. Mode 0644: every user reads it, only its owner removes
-/// it. `what` names it in errors ("the queue ticket").
+/// unlocked or half written. Mode 0644, set on the open file after creating it (a
+/// umask of 077 would otherwise make it 0600, and other users could not read the
+/// record: a queue they cannot see, a budget they do not count). Only its owner can
+/// change or remove it in the sticky directory. `what` names it in errors ("the queue
+/// ticket").
 pub(crate) fn create_locked(
     temp: &Path,
     path: &Path,
     text: &[u8],
     what: &'static str,
 ) -> crate::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let io_err = |op: &'static str, path: &Path| {
         let path = path.to_owned();
         move |cause| crate::Error::Io { op, path, cause }
     };
-    let _ = std::fs::remove_file(temp); // a leftover of an earlier process with this pid
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o644)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(temp)
-        .map_err(io_err(what, temp))?;
-    // SAFETY: the fd is open for the duration of the call.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let e = std::io::Error::last_os_error();
-        let _ = std::fs::remove_file(temp);
-        return Err(io_err("locking", temp)(e));
+    let create = || {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(temp)
+    };
+    let file = match create() {
+        // A leftover of an earlier process with this pid: ours to remove.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let _ = std::fs::remove_file(temp);
+            create()
+        }
+        other => other,
     }
+    .map_err(io_err(what, temp))?;
     let placed = file
-        .write_all_at(text, 0)
-        .map_err(io_err("writing", temp))
+        .set_permissions(std::fs::Permissions::from_mode(0o644))
+        .map_err(io_err("making readable by every user", temp))
+        .and_then(|()| {
+            // SAFETY: the fd is open for the duration of the call.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                return Err(io_err("locking", temp)(std::io::Error::last_os_error()));
+            }
+            Ok(())
+        })
+        .and_then(|()| file.write_all_at(text, 0).map_err(io_err("writing", temp)))
         .and_then(|()| std::fs::rename(temp, path).map_err(io_err("placing", path)));
     if let Err(e) = placed {
         let _ = std::fs::remove_file(temp);
@@ -158,35 +171,24 @@ pub(crate) fn create_locked(
 }
 
 /// Writes the record in place (then trims what a longer earlier record left), so a
-/// reader never sees an empty file between two holders. The trim only when needed: a
-/// truncation is a journaled metadata change, several times the cost of the `fstat`
-/// that tells.
+/// reader never sees an empty record. The trim only when needed: a truncation is a
+/// journaled metadata change, several times the cost of the `statx` that tells.
 pub(crate) fn write_record(file: &File, path: &Path, holder: &Holder) -> crate::Result<()> {
-    let before = shape(file).map_err(|cause| crate::Error::Io {
-        op: "reading the length of",
-        path: path.to_owned(),
-        cause,
-    })?;
-    write_record_over(file, path, holder, before.len)
-}
-
-/// [`write_record`] over a record `before` bytes long.
-pub(crate) fn write_record_over(
-    file: &File,
-    path: &Path,
-    holder: &Holder,
-    before: u64,
-) -> crate::Result<()> {
+    let io_err = |op| {
+        move |cause| crate::Error::Io {
+            op,
+            path: path.to_owned(),
+            cause,
+        }
+    };
+    let before = shape(file).map_err(io_err("reading the length of"))?;
     let mut text = serde_json::to_vec(holder).unwrap_or_default();
     text.push(b'\n');
-    let io_err = |source| crate::Error::Io {
-        op: "writing the holder record to",
-        path: path.to_owned(),
-        cause: source,
-    };
-    file.write_all_at(&text, 0).map_err(io_err)?;
-    if before > text.len() as u64 {
-        file.set_len(text.len() as u64).map_err(io_err)?;
+    file.write_all_at(&text, 0)
+        .map_err(io_err("writing the holder record to"))?;
+    if before.len > text.len() as u64 {
+        file.set_len(text.len() as u64)
+            .map_err(io_err("writing the holder record to"))?;
     }
     Ok(())
 }

@@ -182,11 +182,10 @@ pub fn utc(unix: u64) -> String {
     )
 }
 
+/// This process's user as records name it: the name of its effective uid, which is
+/// what readers check a record against (the owner of its file), never `$USER`.
 fn user_name() -> String {
-    let uid = nix::unistd::geteuid().as_raw();
-    user_name_of(uid)
-        .or_else(|| std::env::var("USER").ok())
-        .unwrap_or_else(|| format!("uid {uid}"))
+    crate::owner::name_of_uid(crate::owner::euid())
 }
 
 /// The user name of `uid` from the password database (`getpwuid_r`), as holder records

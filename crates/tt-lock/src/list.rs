@@ -1,4 +1,4 @@
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::ffi::CString;
 use std::fs::File;
 use std::os::unix::ffi::OsStrExt;
@@ -8,8 +8,9 @@ use std::path::PathBuf;
 use serde::Serialize;
 use tt_device::{Inventory, NvmlStatus};
 
-use crate::file::{open_to_read, probe_held, read_holder};
-use crate::{GpuKey, Holder, LockDir, Result, Waiter};
+use crate::file::{open_to_read, probe_held};
+use crate::record::{held_prefix, live, Found};
+use crate::{GpuKey, Holder, Ignored, LockDir, Result, Waiter};
 
 /// One GPU's lock as [`LockDir::list`] and [`LockDir::status`] see it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -24,7 +25,8 @@ pub struct LockState {
     pub path: PathBuf,
     /// Whether the kernel says the lock is held now.
     pub held: bool,
-    /// The holder's record, when held (a dead holder's record is not shown).
+    /// The holder's record, when held and its record is believed (a dead holder's
+    /// record is not shown, nor one that names another user than its file's owner).
     pub holder: Option<Holder>,
     /// How many requests in the queue wait for this GPU (`auto` ones included).
     pub waiting: usize,
@@ -32,6 +34,9 @@ pub struct LockState {
     /// first, each with its budget in [`Holder::share`]; empty when none. `held` is
     /// false then: nobody holds it exclusively.
     pub shares: Vec<Holder>,
+    /// Records of this GPU's holders or sharers that were not believed: each names
+    /// another user than its file's owner.
+    pub ignored: Vec<Ignored>,
 }
 
 impl LockState {
@@ -87,6 +92,7 @@ impl LockDir {
         let entries = std::fs::read_dir(self.path())
             .map_err(|e| self.error(format!("cannot list it: {e}")))?;
         let kernel = kernel_flocks(self);
+        let names = self.names()?;
         let mut states = Vec::new();
         for entry in entries.flatten() {
             let name = entry.file_name();
@@ -101,15 +107,22 @@ impl LockDir {
                 Some(table) => table.says_held(&file, &meta),
                 None => probe_held(&file),
             };
+            let (holder, ignored) = if held {
+                let (found, ignored) = live(self.path(), names.iter().cloned(), &held_prefix(&gpu));
+                (pick_holder(found, kernel.as_ref(), &meta), ignored)
+            } else {
+                (None, Vec::new())
+            };
             states.push(LockState {
                 gpu,
                 nvml_index: None,
                 name: None,
                 path,
                 held,
-                holder: if held { read_holder(&file) } else { None },
+                holder,
                 waiting: 0,
                 shares: Vec::new(),
+                ignored,
             });
         }
         states.sort_by(|a, b| a.gpu.cmp(&b.gpu));
@@ -117,10 +130,32 @@ impl LockDir {
         for state in &mut states {
             state.waiting = waiting_for(&queue, &state.gpu);
             if !state.held {
-                state.shares = self.sharers(&state.gpu)?;
+                let (shares, ignored) = self.sharers_checked(&state.gpu)?;
+                state.shares = shares;
+                state.ignored.extend(ignored);
             }
         }
         Ok(states)
+    }
+
+    /// The believed record of whoever holds `key`'s GPU exclusively now, if any.
+    pub(crate) fn holder_of(&self, key: &GpuKey) -> Option<Holder> {
+        let (found, _) = live(self.path(), self.names().ok()?, &held_prefix(key));
+        let (_, meta) = open_to_read(&self.path().join(key.file_name()))?;
+        pick_holder(found, kernel_flocks(self).as_ref(), &meta)
+    }
+
+    /// Every record in the directory that a reader did not believe, because it names
+    /// another user than its file's owner: holders', sharers' and queue tickets' (the
+    /// usage log's are in [`crate::UsageLog::ignored`]). Views show them ("1 record
+    /// ignored: written by uid 65534, claims root").
+    pub fn ignored(&self) -> Result<Vec<Ignored>> {
+        let names = self.names()?;
+        let (_, mut ignored) = live(self.path(), names.iter().cloned(), "held-");
+        ignored.extend(live(self.path(), names, "share-").1);
+        ignored.extend(self.scan_queue_checked(None)?.1);
+        ignored.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(ignored)
     }
 
     /// Every GPU of the machine (NVML) with its lock, plus any other lock files (such as
@@ -142,6 +177,7 @@ impl LockDir {
                         holder: None,
                         waiting: 0,
                         shares: Vec::new(),
+                        ignored: Vec::new(),
                     },
                 };
                 state.nvml_index = Some(gpu.nvml_index);
@@ -151,6 +187,24 @@ impl LockDir {
         }
         out.extend(files);
         Ok(out)
+    }
+}
+
+/// Which of the live holder records of a GPU is its holder's: the one locked by the
+/// process that holds the GPU's lock, where the kernel's table tells (a record put
+/// there by someone who does not hold the lock is not it); the oldest otherwise.
+fn pick_holder(
+    found: Vec<Found>,
+    table: Option<&FlockTable>,
+    lock: &std::fs::Metadata,
+) -> Option<Holder> {
+    let lock_id = (libc::major(lock.dev()), libc::minor(lock.dev()), lock.ino());
+    match table.and_then(|t| t.pids.get(&lock_id).map(|pid| (t, *pid))) {
+        Some((table, pid)) => found
+            .into_iter()
+            .find(|f| table.pids.get(&f.file_id) == Some(&pid))
+            .map(|f| f.holder),
+        None => found.into_iter().next().map(|f| f.holder),
     }
 }
 
@@ -164,8 +218,9 @@ fn waiting_for(queue: &[Waiter], gpu: &GpuKey) -> usize {
 
 /// The kernel's table of `flock` locks, as one read of `/proc/locks` gave it.
 struct FlockTable {
-    /// (major, minor, inode) of every file with a `flock` lock.
-    locked: HashSet<(u32, u32, u64)>,
+    /// (major, minor, inode) of every file with an exclusive `flock` lock, and the pid
+    /// of the process that took it (as this PID namespace numbers it).
+    pids: HashMap<(u32, u32, u64), u32>,
     /// Whether the table came whole from one `read`: the kernel renders `/proc/locks`
     /// one page per `read` call and lets locks come and go between calls, so a table
     /// read in several calls can skip a lock that was held all along (seen: a lock
@@ -184,7 +239,7 @@ impl FlockTable {
     /// container, a lock held from the host or another container is never in the table.
     fn says_held(&self, file: &File, meta: &std::fs::Metadata) -> bool {
         let id = (libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino());
-        self.locked.contains(&id) || (!(self.whole && self.sees_all) && probe_held(file))
+        self.pids.contains_key(&id) || (!(self.whole && self.sees_all) && probe_held(file))
     }
 }
 
@@ -204,7 +259,7 @@ fn kernel_flocks(dir: &LockDir) -> Option<FlockTable> {
     }
     let (text, whole) = read_in_one_call("/proc/locks")?;
     Some(FlockTable {
-        locked: parse_proc_locks(&text),
+        pids: parse_proc_locks(&text),
         whole,
         sees_all: tt_device::own_pid_namespace() == Some(tt_device::INITIAL_PID_NAMESPACE),
     })
@@ -238,11 +293,11 @@ fn read_in_one_call(path: &str) -> Option<(String, bool)> {
 }
 
 /// Parses `/proc/locks` lines such as `1: FLOCK  ADVISORY  WRITE 6661 fe:00:10010682 0 EOF`
-/// (device numbers in hex): the files locked exclusively. Waiters (`1: -> FLOCK ...`)
-/// hold nothing and are skipped; shared locks (`READ`: jobs sharing a GPU, a view's
-/// probe) are not an exclusive holder.
-fn parse_proc_locks(text: &str) -> HashSet<(u32, u32, u64)> {
-    let mut set = HashSet::new();
+/// (device numbers in hex): the files locked exclusively, with the pid that locked each.
+/// Waiters (`1: -> FLOCK ...`) hold nothing and are skipped; shared locks (`READ`: jobs
+/// sharing a GPU, a view's probe) are not an exclusive holder.
+fn parse_proc_locks(text: &str) -> HashMap<(u32, u32, u64), u32> {
+    let mut set = HashMap::new();
     for line in text.lines() {
         let mut fields = line.split_whitespace().skip(1);
         if fields.next() != Some("FLOCK") {
@@ -251,7 +306,10 @@ fn parse_proc_locks(text: &str) -> HashSet<(u32, u32, u64)> {
         if fields.nth(1) != Some("WRITE") {
             continue;
         }
-        let Some(id) = fields.nth(1) else { continue };
+        let Some(pid) = fields.next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Some(id) = fields.next() else { continue };
         let mut parts = id.split(':');
         let (Some(major), Some(minor), Some(ino)) = (parts.next(), parts.next(), parts.next())
         else {
@@ -262,7 +320,7 @@ fn parse_proc_locks(text: &str) -> HashSet<(u32, u32, u64)> {
             u32::from_str_radix(minor, 16),
             ino.parse(),
         ) {
-            set.insert((major, minor, ino));
+            set.insert((major, minor, ino), pid);
         }
     }
     set
@@ -289,6 +347,7 @@ mod tests {
             holder: None,
             waiting: 0,
             shares: Vec::new(),
+            ignored: Vec::new(),
         };
         assert_eq!(state.to_string(), format!("3  NVIDIA H100  {uuid}: free"));
         state.held = true;
@@ -320,8 +379,8 @@ mod tests {
                     5: FLOCK  ADVISORY  READ  13 103:02:43 0 EOF\n";
         let set = parse_proc_locks(text);
         assert_eq!(set.len(), 2, "{set:?}");
-        assert!(set.contains(&(0xfe, 0, 10_010_682)));
-        assert!(set.contains(&(0x103, 2, 42)));
+        assert_eq!(set.get(&(0xfe, 0, 10_010_682)), Some(&6661));
+        assert_eq!(set.get(&(0x103, 2, 42)), Some(&12));
     }
 
     fn lock_dir() -> (tempfile::TempDir, LockDir) {
@@ -352,7 +411,11 @@ mod tests {
         let (file, meta) = open_to_read(lock.path()).unwrap();
         let id = (libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino());
         let table = |listed: bool, whole: bool| FlockTable {
-            locked: if listed { [id].into() } else { HashSet::new() },
+            pids: if listed {
+                [(id, 1)].into()
+            } else {
+                HashMap::new()
+            },
             whole,
             sees_all: true,
         };
@@ -416,12 +479,12 @@ mod tests {
         let meta = std::fs::metadata(lock.path()).unwrap();
         let id = (libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino());
         match kernel_flocks(&dir) {
-            Some(table) => assert!(table.locked.contains(&id), "{id:?} in {:?}", table.locked),
+            Some(table) => assert!(table.pids.contains_key(&id), "{id:?} in {:?}", table.pids),
             None => assert!(on_overlayfs(dir.path()), "/proc/locks is readable here"),
         }
         drop(lock);
         if let Some(table) = kernel_flocks(&dir) {
-            assert!(!table.locked.contains(&id), "released");
+            assert!(!table.pids.contains_key(&id), "released");
         }
     }
 

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use tt_device::{Bytes, Inventory, NvmlStatus};
 
-use crate::file::{len_if_linked, read_holder, same_file, write_record, write_record_over};
+use crate::file::{is_linked, same_file};
 use crate::queue::{Ticket, Waiter, Wants, Watch};
+use crate::record::{held_prefix, OwnRecord};
 use crate::share::NotAdmitted;
 use crate::{Error, GpuKey, Holder, LockDir, Result};
 
@@ -47,8 +48,10 @@ pub struct GpuLock {
     dir: Option<LockDir>,
     /// The job's exit status, for the usage record.
     status: Option<i32>,
-    /// A shared lock's ledger record (removed after the unlock in `Drop`).
-    share: Option<crate::share::ShareRecord>,
+    /// The holder's record (a sharer's is its ledger record), which says who holds
+    /// the GPU: removed after the unlock in `Drop`. An inherited lock's is its
+    /// parent's, kept when this one is dropped.
+    record: Option<OwnRecord>,
     // Declared last: dropped after the unlock in `Drop`.
     _registered: Option<Registered>,
 }
@@ -90,7 +93,7 @@ impl GpuLock {
         &self.path
     }
 
-    /// The record written into the lock file.
+    /// The holder's record, as every user reads it (`torchtools locks`).
     pub fn holder(&self) -> &Holder {
         &self.holder
     }
@@ -113,9 +116,8 @@ impl GpuLock {
         holder.gpu = self.holder.gpu.clone();
         holder.usage = self.holder.usage.clone();
         holder.share = self.holder.share;
-        match &self.share {
-            Some(record) => record.write(&holder)?,
-            None => write_record(&self.file, &self.path, &holder)?,
+        if let Some(record) = &self.record {
+            record.write(&holder)?;
         }
         self.holder = holder;
         Ok(())
@@ -149,12 +151,19 @@ impl Drop for GpuLock {
             });
         }
         if !self.inherited {
+            // The record first counts for nothing (unlocked), then the GPU is let go,
+            // then the record is removed, which wakes the waiters: they find the GPU
+            // free, and no reader takes this holder for the next one's.
+            if let Some(record) = &self.record {
+                record.unlock();
+            }
             // Explicit unlock: a child forked without exec may still hold a copy of the
             // descriptor, and must not keep the GPU locked after we let go. (The
             // inherited case must not unlock: the lock belongs to the parent.)
             // SAFETY: the fd is open for as long as self.file lives.
             unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
         }
+        drop(self.record.take());
     }
 }
 
@@ -163,17 +172,7 @@ impl Drop for GpuLock {
 /// either this process or the command lives; a `kill -9` of this process alone does not
 /// free a GPU the command still uses.
 pub fn share_with(command: &mut Command, locks: &[GpuLock]) {
-    // A shared lock's ledger record too: the budget stays counted while the command
-    // lives, even if this process dies first.
-    let fds: Vec<RawFd> = locks
-        .iter()
-        .flat_map(|l| std::iter::once(l.as_raw_fd()).chain(l.share.as_ref().map(|r| r.as_raw_fd())))
-        .collect();
-    let value = locks
-        .iter()
-        .map(|l| format!("{}={}", l.key.file_name(), l.file.as_raw_fd()))
-        .collect::<Vec<_>>()
-        .join(",");
+    let (value, fds) = inheritance(locks);
     command.env(HELD_LOCKS_ENV, value);
     // SAFETY: the closure runs in the forked child before exec and only calls fcntl,
     // which is async-signal-safe; it allocates nothing.
@@ -187,6 +186,34 @@ pub fn share_with(command: &mut Command, locks: &[GpuLock]) {
             Ok(())
         });
     }
+}
+
+/// What a child needs to inherit `locks`, for a spawner that is not a
+/// [`Command`] of one's own (a launcher of several processes): the value of
+/// [`HELD_LOCKS_ENV`], and the descriptors to keep open across its `exec` (each lock's
+/// and its holder record's, so that the record stays live, and a sharer's budget
+/// counted, while the child lives).
+pub fn inheritance(locks: &[GpuLock]) -> (String, Vec<RawFd>) {
+    let fds = locks
+        .iter()
+        .flat_map(|l| {
+            std::iter::once(l.as_raw_fd()).chain(l.record.as_ref().map(|r| r.as_raw_fd()))
+        })
+        .collect();
+    let value = locks
+        .iter()
+        .map(|l| match &l.record {
+            Some(r) => format!(
+                "{}={}+{}",
+                l.key.file_name(),
+                l.file.as_raw_fd(),
+                r.as_raw_fd()
+            ),
+            None => format!("{}={}", l.key.file_name(), l.file.as_raw_fd()),
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    (value, fds)
 }
 
 impl LockDir {
@@ -296,8 +323,11 @@ impl LockDir {
     }
 
     /// Every form of request goes through here: inherited locks first, then the queue.
-    fn acquire(&self, wants: Wants, wait: Wait, holder: Holder) -> Result<Vec<GpuLock>> {
+    fn acquire(&self, wants: Wants, wait: Wait, mut holder: Holder) -> Result<Vec<GpuLock>> {
         let start = Instant::now();
+        // Records name the user who writes them, whatever the caller put there: a
+        // reader believes a record only when it names its file's owner.
+        holder.user = crate::owner::name_of_uid(crate::owner::euid());
         let (mut granted, wants) = self.take_inherited(wants, &holder)?;
         let Some(wants) = wants else {
             return Ok(granted);
@@ -327,11 +357,11 @@ impl LockDir {
                 .collect();
             let busy = match self.take(&mut slots, &wants, &earlier, &holder)? {
                 Taken::All(taken) => {
-                    let lens = taken
+                    let linked = taken
                         .iter()
-                        .map(|&i| len_if_linked(&slots[i].file, &slots[i].path))
-                        .collect::<Result<Vec<Option<u64>>>>()?;
-                    if lens.iter().any(Option::is_none) {
+                        .map(|&i| is_linked(&slots[i].file, &slots[i].path))
+                        .collect::<Result<Vec<bool>>>()?;
+                    if !linked.iter().all(|&l| l) {
                         // A lock file was replaced while we waited (deleted by a /tmp
                         // cleaner and created anew): the locks are on orphans; again.
                         release(&mut slots, &taken);
@@ -340,8 +370,7 @@ impl LockDir {
                         }
                         continue;
                     }
-                    let lens: Vec<u64> = lens.into_iter().flatten().collect();
-                    granted.extend(self.grant(slots, &taken, &lens, holder)?);
+                    granted.extend(self.grant(slots, &taken, holder)?);
                     drop(ticket); // leaves the queue only once the GPUs are held
                     return Ok(granted);
                 }
@@ -474,20 +503,13 @@ impl LockDir {
         Ok(slots)
     }
 
-    /// Turns the slots taken into locks: records the holder in each.
-    /// `lens`: each taken lock file's length, read after it was locked.
-    fn grant(
-        &self,
-        slots: Vec<Slot>,
-        taken: &[usize],
-        lens: &[u64],
-        holder: Holder,
-    ) -> Result<Vec<GpuLock>> {
+    /// Turns the slots taken into locks: writes the holder's record of each.
+    fn grant(&self, slots: Vec<Slot>, taken: &[usize], holder: Holder) -> Result<Vec<GpuLock>> {
         let mut slots: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
         let mut locks = Vec::with_capacity(taken.len());
         // A copy of the holder for each GPU but the last, which takes it.
         let mut holders = std::iter::repeat_n(holder, taken.len());
-        for (&i, &len) in taken.iter().zip(lens) {
+        for &i in taken {
             let Some(slot) = slots.get_mut(i).and_then(Option::take) else {
                 continue;
             };
@@ -503,10 +525,13 @@ impl LockDir {
             holder.gpu = slot.key.cuda_visible_entry();
             let id = crate::usage::new_id(&holder);
             holder.usage = Some(id.clone());
-            match &slot.share {
-                Some(record) => record.write(&holder)?,
-                None => write_record_over(&slot.file, &slot.path, &holder, len)?,
-            }
+            let record = match slot.share {
+                Some(record) => {
+                    record.write(&holder)?;
+                    record
+                }
+                None => OwnRecord::create(self.path(), &held_prefix(&slot.key), &holder)?,
+            };
             self.record_start(&holder, &id);
             locks.push(GpuLock {
                 file: slot.file,
@@ -516,7 +541,7 @@ impl LockDir {
                 inherited: false,
                 dir: Some(self.clone()),
                 status: None,
-                share: slot.share,
+                record: Some(record),
                 _registered: Some(registered),
             });
         }
@@ -524,7 +549,7 @@ impl LockDir {
     }
 
     /// The lock inherited from a parent through [`HELD_LOCKS_ENV`], if it is this GPU's
-    /// and its descriptor really is that lock file.
+    /// and its descriptor really is that lock file (`<lock file>=<fd>+<record fd>`).
     fn inherited(&self, key: &GpuKey, path: &Path, holder: &Holder) -> Result<Option<GpuLock>> {
         let Some(value) = std::env::var_os(HELD_LOCKS_ENV) else {
             return Ok(None);
@@ -534,25 +559,29 @@ impl LockDir {
             .split(',')
             .filter_map(|pair| pair.split_once('='))
             .collect();
-        let Some(fd) = held
-            .get(key.file_name().as_str())
-            .and_then(|f| f.parse::<RawFd>().ok())
-        else {
+        let Some(fds) = held.get(key.file_name().as_str()) else {
             return Ok(None);
         };
-        // SAFETY: dup of any integer is safe; it fails with EBADF if fd is not open.
-        let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-        if copy < 0 {
-            tracing::warn!("{HELD_LOCKS_ENV} names fd {fd} for {key}, but it is not open");
+        let (lock_fd, record_fd) = match fds.split_once('+') {
+            Some((lock, record)) => (lock, Some(record)),
+            None => (*fds, None),
+        };
+        let Some(file) = lock_fd.parse::<RawFd>().ok().and_then(dup_fd) else {
+            tracing::warn!("{HELD_LOCKS_ENV} names fd {lock_fd} for {key}, but it is not open");
             return Ok(None);
-        }
-        // SAFETY: `copy` is a fresh descriptor that nothing else owns.
-        let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(copy) };
+        };
         if !same_file(&file, path) {
-            tracing::warn!("{HELD_LOCKS_ENV} names fd {fd} for {key}, but it is another file");
+            tracing::warn!("{HELD_LOCKS_ENV} names fd {lock_fd} for {key}, but it is another file");
             return Ok(None);
         }
-        let holder = read_holder(&file).unwrap_or_else(|| holder.clone());
+        let record = record_fd
+            .and_then(|fd| fd.parse::<RawFd>().ok())
+            .and_then(dup_fd)
+            .map(|f| OwnRecord::inherited(f, path));
+        let holder = record
+            .as_ref()
+            .and_then(OwnRecord::read)
+            .unwrap_or_else(|| holder.clone());
         Ok(Some(GpuLock {
             file,
             key: key.clone(),
@@ -561,10 +590,18 @@ impl LockDir {
             inherited: true,
             dir: None,
             status: None,
-            share: None,
+            record,
             _registered: None,
         }))
     }
+}
+
+/// A close-on-exec copy of descriptor `fd`; `None` when it is not open.
+fn dup_fd(fd: RawFd) -> Option<File> {
+    // SAFETY: dup of any integer is safe; it fails with EBADF if fd is not open.
+    let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    // SAFETY: `copy` is a fresh descriptor that nothing else owns.
+    (copy >= 0).then(|| unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(copy) })
 }
 
 /// One GPU a request may take: its lock file, open for the whole wait.
@@ -576,7 +613,7 @@ struct Slot {
     /// for `auto` ones.
     registered: Option<Registered>,
     /// The ledger record of a shared request admitted by the current attempt.
-    share: Option<crate::share::ShareRecord>,
+    share: Option<OwnRecord>,
 }
 
 /// Why a request cannot be granted now.
@@ -627,7 +664,7 @@ impl LockDir {
                 NotAdmitted::Exclusive(h) => h,
                 NotAdmitted::Full { sharers } => sharers.into_iter().next().or_else(|| {
                     crate::file::probe_held(&slot.file)
-                        .then(|| read_holder(&slot.file))
+                        .then(|| self.holder_of(&slot.key))
                         .flatten()
                 }),
             };
@@ -666,7 +703,7 @@ fn take_exclusive(
         }
         if first_busy.is_none() {
             let holder = match (crate::file::probe_held(&slot.file), waiting) {
-                (true, _) => read_holder(&slot.file),
+                (true, _) => dir.holder_of(&slot.key),
                 // Not held exclusively, yet not free: shared (the oldest sharer shown).
                 (false, 0) => dir.sharers(&slot.key)?.into_iter().next(),
                 // Free, but earlier requests wait for it.

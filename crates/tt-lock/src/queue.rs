@@ -239,19 +239,30 @@ impl DirLock {
 
 impl LockDir {
     /// The requests waiting for GPUs in this directory, first served first. A request
-    /// whose process died (however: `kill -9`, the OOM killer) is not listed.
+    /// whose process died (however: `kill -9`, the OOM killer) is not listed, nor a
+    /// ticket that names another user than its file's owner ([`LockDir::ignored`]).
     pub fn queue(&self) -> Result<Vec<Waiter>> {
         self.scan_queue(None)
     }
 
     /// Live tickets in order; `own` is this process's ticket, listed without re-reading.
     pub(crate) fn scan_queue(&self, own: Option<u64>) -> Result<Vec<Waiter>> {
+        Ok(self.scan_queue_checked(own)?.0)
+    }
+
+    /// [`LockDir::scan_queue`], and the tickets ignored because they name another user
+    /// than their file's owner (they are no request: nobody waits behind them).
+    pub(crate) fn scan_queue_checked(
+        &self,
+        own: Option<u64>,
+    ) -> Result<(Vec<Waiter>, Vec<crate::Ignored>)> {
         // Held through the listing: another thread's listing must not read away an
         // event that this one's verdict depends on.
         let mut watch = self.queue_watch.lock().unwrap_or_else(|e| e.into_inner());
         if own.is_none() && watch.still_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), Vec::new()));
         }
+        let mut ignored = Vec::new();
         let armed = watch.arm(self.path());
         let mut waiters = Vec::new();
         for name in self.names()? {
@@ -269,18 +280,23 @@ impl LockDir {
                 self.remove_dead(&file, &path, meta.uid());
                 continue;
             }
-            if let Some(mut waiter) = crate::file::read_record::<Waiter>(&file) {
-                waiter.ticket = ticket;
-                waiters.push(waiter);
+            let Some(mut waiter) = crate::file::read_record::<Waiter>(&file) else {
+                continue;
+            };
+            if let Err(why) = crate::owner::check(&path, meta.uid(), &waiter.user) {
+                ignored.push(why);
+                continue;
             }
+            waiter.ticket = ticket;
+            waiters.push(waiter);
         }
         waiters.sort_by_key(|w| w.ticket);
         for (i, w) in waiters.iter_mut().enumerate() {
             w.position = i + 1;
         }
         // Empty only without a ticket of our own (which is live, though not listed).
-        watch.empty = armed && own.is_none() && waiters.is_empty();
-        Ok(waiters)
+        watch.empty = armed && own.is_none() && waiters.is_empty() && ignored.is_empty();
+        Ok((waiters, ignored))
     }
 
     /// Removes a dead request's ticket when this user may (its own; the sticky

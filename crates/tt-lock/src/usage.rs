@@ -1,27 +1,34 @@
 //! Who used which GPU for how long: every lock taken appends a record when it is
-//! granted and one when it is released to the lock directory's `usage.jsonl`, which
-//! every user can read and append to. A holder that died without releasing (`kill -9`,
-//! a crash, a reboot) is closed when the log is next read: its lock is free (or held by
-//! another), so it ended at the latest when the GPU's next holder took it, else when it
-//! was found out.
+//! granted and one when it is released to its user's own log in the lock directory,
+//! `usage-<uid>.jsonl`: created by that user, mode 0644 whatever the umask, so that
+//! every user reads it and nobody else can change or erase it (the sticky directory).
+//! A log whose owner is not the uid in its name, and a record that names another user
+//! than its log's owner, are ignored and reported. Reading merges every user's log.
 //!
-//! Each record is one line written by one `write` on a file opened for appending, so
-//! records of several processes never interleave; a damaged line (a disk that filled up
-//! in the middle of one) is skipped with a warning, never an error.
+//! Nothing is ever written into another user's log: a holder that died without
+//! releasing (`kill -9`, a crash, a reboot) is shown as lost when the logs are read
+//! (its record is open, and no live holder or sharer record carries its id), ended at
+//! the latest when the GPU's next holder took it, else at that read.
+//!
+//! Each record is one line written by one `write` on a file opened for appending; a
+//! damaged line (a disk that filled up in the middle of one) costs that line only: the
+//! next record written starts on a line of its own, and the reader counts the damaged
+//! line and goes on.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions, Permissions};
 use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Holder, LockDir, Result};
+use crate::{Holder, Ignored, LockDir, Result};
 
-/// The log's file name in the lock directory.
-pub const USAGE_FILE: &str = "usage.jsonl";
+/// Every user's usage log in the lock directory is `usage-<uid>.jsonl`.
+pub const USAGE_PREFIX: &str = "usage-";
 
 /// One line of the log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -109,13 +116,25 @@ impl Usage {
     }
 }
 
-/// The log, read whole.
+/// Every user's log, read whole and merged.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct UsageLog {
     /// Every reservation, in the order they started.
     pub records: Vec<Usage>,
-    /// Lines that could not be read (with their line numbers), skipped.
+    /// Lines that could not be read (with their file and line numbers), skipped.
     pub skipped: Vec<String>,
+    /// Logs and records not believed: a log owned by another uid than its name says,
+    /// or a record naming another user than its log's owner.
+    pub ignored: Vec<Ignored>,
+}
+
+/// This process's log, open for appending (see [`LockDir::record`]).
+#[derive(Debug)]
+pub(crate) struct OwnLog {
+    file: File,
+    /// The log does not end with a newline (a record cut short, by this process or
+    /// an earlier one): the next record starts with one, so that it is read whole.
+    cut: AtomicBool,
 }
 
 pub(crate) fn now_unix() -> f64 {
@@ -139,21 +158,27 @@ pub(crate) fn new_id(holder: &Holder) -> String {
 }
 
 impl LockDir {
-    fn usage_path(&self) -> std::path::PathBuf {
-        self.path().join(USAGE_FILE)
+    /// The usage log of the user `uid`: `usage-<uid>.jsonl` in the directory.
+    pub fn usage_log_path(&self, uid: u32) -> std::path::PathBuf {
+        self.path().join(format!("{USAGE_PREFIX}{uid}.jsonl"))
     }
 
-    /// Appends `event` to the log, in one write. A log that cannot be written is a
-    /// warning, never a reason to refuse or keep a lock.
+    /// This user's log.
+    fn own_log_path(&self) -> std::path::PathBuf {
+        self.usage_log_path(crate::owner::euid())
+    }
+
+    /// Appends `event` to this user's log, in one write. A log that cannot be written
+    /// is a warning, never a reason to refuse or keep a lock.
     pub(crate) fn record(&self, event: &impl Serialize) {
         let log = self
             .usage_log
-            .get_or_init(|| match open_log(&self.usage_path()) {
+            .get_or_init(|| match open_log(&self.own_log_path()) {
                 Ok(f) => Some(f),
                 Err(e) => {
                     tracing::warn!(
                         "cannot open the GPU usage log {}: {e}",
-                        self.usage_path().display()
+                        self.own_log_path().display()
                     );
                     None
                 }
@@ -162,7 +187,7 @@ impl LockDir {
         if let Err(e) = write_line(log, event) {
             tracing::warn!(
                 "cannot record GPU usage in {}: {e}",
-                self.usage_path().display()
+                self.own_log_path().display()
             );
         }
     }
@@ -181,24 +206,29 @@ impl LockDir {
         });
     }
 
-    /// The usage log: every reservation of a GPU in this directory. Holders that died
-    /// holding their GPU are closed first (see the module's documentation), once: the
-    /// end record is appended to the log.
+    /// Every user's usage log, merged: every reservation of a GPU in this directory.
+    /// A reservation is running while a live holder or sharer record carries its id;
+    /// one with no end and no such record belonged to a holder that died holding its
+    /// GPU, and is shown lost (see the module's documentation). Nothing is written.
     pub fn usage(&self) -> Result<UsageLog> {
-        let mut log = read(&self.usage_path())?;
-        let now = now_unix();
-        let states = self.list()?;
-        let mut closed = Vec::new();
-        for i in 0..log.records.len() {
-            let r = &log.records[i];
-            if r.end.is_some() {
+        let mut log = UsageLog::default();
+        for name in self.names()? {
+            let Some(uid) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix(USAGE_PREFIX))
+                .and_then(|n| n.strip_suffix(".jsonl"))
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
                 continue;
-            }
-            // Held by the process that started it: still running.
-            let alive = states.iter().any(|s| {
-                s.held && s.holder.as_ref().and_then(|h| h.usage.as_deref()) == Some(r.id.as_str())
-            });
-            if alive {
+            };
+            read(&self.path().join(&name), uid, &mut log)?;
+        }
+        log.records.sort_by(|a, b| a.start.total_cmp(&b.start));
+        let live = self.live_usage_ids()?;
+        let now = now_unix();
+        let mut lost = Vec::new();
+        for (i, r) in log.records.iter().enumerate() {
+            if r.end.is_some() || live.contains(&r.id) {
                 continue;
             }
             // Ended at the latest when the next holder of the GPU took it.
@@ -206,37 +236,48 @@ impl LockDir {
                 .iter()
                 .find(|n| n.gpu == r.gpu)
                 .map(|n| n.start);
-            let end = next.unwrap_or(now).min(now).max(r.start);
-            closed.push((i, end));
+            lost.push((i, next.unwrap_or(now).min(now).max(r.start)));
         }
-        for (i, end) in closed {
-            let r = &mut log.records[i];
-            r.end = Some(end);
-            r.lost = true;
-            self.record(&UsageEvent::End {
-                id: r.id.clone(),
-                time: end,
-                status: None,
-                lost: true,
-            });
+        for (i, end) in lost {
+            log.records[i].end = Some(end);
+            log.records[i].lost = true;
         }
         Ok(log)
+    }
+
+    /// The usage ids of the live, believed holder and sharer records.
+    fn live_usage_ids(&self) -> Result<HashSet<String>> {
+        let names = self.names()?;
+        let (held, _) = crate::record::live(self.path(), names.iter().cloned(), "held-");
+        let (shared, _) = crate::record::live(self.path(), names, "share-");
+        Ok(held
+            .into_iter()
+            .chain(shared)
+            .filter_map(|f| f.holder.usage)
+            .collect())
     }
 }
 
 /// `event` as one line, in one `write` (a record is far below what one write of an
-/// appending file takes whole).
-fn write_line(file: &File, event: &impl Serialize) -> std::io::Result<()> {
-    let mut line = serde_json::to_vec(event).map_err(std::io::Error::other)?;
+/// appending file takes whole), after a newline when the log was left cut short.
+fn write_line(log: &OwnLog, event: &impl Serialize) -> std::io::Result<()> {
+    let mut line = Vec::with_capacity(256);
+    if log.cut.load(Ordering::Relaxed) {
+        line.push(b'\n');
+    }
+    serde_json::to_writer(&mut line, event).map_err(std::io::Error::other)?;
     line.push(b'\n');
-    let n = (&*file).write(&line)?;
-    if n != line.len() {
-        return Err(std::io::Error::other(format!(
+    let written = (&log.file).write(&line);
+    let whole = matches!(written, Ok(n) if n == line.len());
+    log.cut.store(!whole, Ordering::Relaxed);
+    match written {
+        Ok(n) if n != line.len() => Err(std::io::Error::other(format!(
             "wrote {n} of the record's {} bytes",
             line.len()
-        )));
+        ))),
+        Ok(_) => Ok(()),
+        Err(e) => Err(e),
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -244,44 +285,70 @@ fn append(path: &Path, event: &UsageEvent) -> std::io::Result<()> {
     write_line(&open_log(path)?, event)
 }
 
-/// The log, opened for appending; created readable and appendable by every user (as
-/// the lock files are), whatever the umask.
-fn open_log(path: &Path) -> std::io::Result<File> {
+/// This user's log, opened for appending; created mode 0644 whatever the umask.
+/// Refused when it is not a regular file of this user's (another user who made a file
+/// of that name first cannot make us write into their file, or have us believe it).
+fn open_log(path: &Path) -> std::io::Result<OwnLog> {
     let open = |create: bool| {
         OpenOptions::new()
+            .read(true) // to see whether the last record was cut short
             .append(true)
-            .create(create)
-            .mode(0o666)
-            .custom_flags(libc::O_NOFOLLOW)
+            .create_new(create)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
             .open(path)
     };
     // Without O_CREAT first: fs.protected_regular refuses O_CREAT on another user's
     // file in a sticky directory.
-    match open(false) {
-        Ok(f) => Ok(f),
+    let file = match open(false) {
+        Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let f = open(true)?;
-            let _ = f.set_permissions(Permissions::from_mode(0o666));
-            Ok(f)
+            f.set_permissions(Permissions::from_mode(0o644))?;
+            f
         }
-        Err(e) => Err(e),
+        Err(e) => return Err(e),
+    };
+    let meta = file.metadata()?;
+    if !meta.file_type().is_file() || meta.uid() != crate::owner::euid() {
+        return Err(std::io::Error::other(format!(
+            "it is {} owned by uid {} ({}), not this user's own log: its owner or root \
+             must remove it",
+            if meta.file_type().is_file() {
+                "a file"
+            } else {
+                "not a regular file"
+            },
+            meta.uid(),
+            crate::owner::name_of_uid(meta.uid())
+        )));
     }
+    let mut last = [0u8; 1];
+    let cut = meta.len() > 0 && file.read_at(&mut last, meta.len() - 1).is_ok() && last[0] != b'\n';
+    Ok(OwnLog {
+        file,
+        cut: AtomicBool::new(cut),
+    })
 }
 
-/// Reads the log: starts matched with their ends, damaged lines skipped (and said).
-fn read(path: &Path) -> Result<UsageLog> {
-    let text = match std::fs::read(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(UsageLog::default()),
-        Err(e) => {
-            return Err(crate::Error::Io {
-                op: "reading the usage log",
-                path: path.to_owned(),
-                cause: e,
-            })
-        }
+/// Reads the log of `uid` at `path` into `log`: starts matched with their ends (in
+/// this log only: nobody closes another user's reservation), damaged lines skipped
+/// and counted, a log or record not its owner's ignored.
+fn read(path: &Path, uid: u32, log: &mut UsageLog) -> Result<()> {
+    let Some((file, meta)) = crate::file::open_to_read(path) else {
+        return Ok(()); // gone since, a symbolic link, or not a file: not a log
     };
-    let mut log = UsageLog::default();
+    let owner = crate::owner::name_of_uid(uid);
+    if let Err(why) = crate::owner::check(path, meta.uid(), &owner) {
+        log.ignored.push(why);
+        return Ok(());
+    }
+    let mut text = Vec::new();
+    std::io::Read::read_to_end(&mut &file, &mut text).map_err(|e| crate::Error::Io {
+        op: "reading the usage log",
+        path: path.to_owned(),
+        cause: e,
+    })?;
     let mut by_id: HashMap<String, usize> = HashMap::new();
     for (n, line) in text.split(|b| *b == b'\n').enumerate() {
         if line.iter().all(u8::is_ascii_whitespace) {
@@ -298,6 +365,10 @@ fn read(path: &Path) -> Result<UsageLog> {
                 time,
                 command,
             }) => {
+                if let Err(why) = crate::owner::check(path, meta.uid(), &user) {
+                    log.ignored.push(why);
+                    continue;
+                }
                 by_id.insert(id.clone(), log.records.len());
                 log.records.push(Usage {
                     id,
@@ -319,8 +390,6 @@ fn read(path: &Path) -> Result<UsageLog> {
                 status,
                 lost,
             }) => {
-                // The first end of a record counts (a second reader may close a lost
-                // holder too).
                 if let Some(r) = by_id.get(&id).map(|i| &mut log.records[*i]) {
                     if r.end.is_none() {
                         r.end = Some(time);
@@ -336,7 +405,7 @@ fn read(path: &Path) -> Result<UsageLog> {
             }
         }
     }
-    Ok(log)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -378,10 +447,11 @@ mod tests {
     #[test]
     fn records_read_back_and_a_damaged_line_is_skipped() {
         let tmp = tempfile::tempdir().unwrap();
-        let path = tmp.path().join(USAGE_FILE);
+        let uid = crate::owner::euid();
+        let path = tmp.path().join(format!("{USAGE_PREFIX}{uid}.jsonl"));
         let start = |id: &str, gpu: &str, time: f64| UsageEvent::Start {
             id: id.into(),
-            user: "ada".into(),
+            user: crate::owner::name_of_uid(uid),
             host: "h".into(),
             pid: 1,
             gpu: gpu.into(),
@@ -408,8 +478,12 @@ mod tests {
             .unwrap()
             .write_all(b"{\"event\":\"end\",\"id\":\"b\",\"ti")
             .unwrap();
-        let log = read(&path).unwrap();
-        assert_eq!(log.records.len(), 2);
+        // A record written after it starts on a line of its own.
+        append(&path, &start("c", "GPU-3", 170.0)).unwrap();
+        let mut log = UsageLog::default();
+        read(&path, uid, &mut log).unwrap();
+        assert_eq!(log.records.len(), 3, "{log:?}");
+        assert_eq!(log.records[2].id, "c");
         assert_eq!(log.records[0].end, Some(160.0));
         assert_eq!(log.records[0].status, Some(0));
         assert_eq!(log.records[0].seconds(1000.0), 60.0);

@@ -31,13 +31,19 @@ impl QueueWatch {
         let Some(inotify) = self.inotify.as_ref().filter(|_| empty) else {
             return false;
         };
-        match inotify.read_events() {
-            Err(nix::errno::Errno::EAGAIN) => {
-                self.empty = true;
-                true
+        loop {
+            match inotify.read_events() {
+                Err(nix::errno::Errno::EAGAIN) => {
+                    self.empty = true;
+                    return true;
+                }
+                // Names added that cannot be tickets (a holder's record, placed at every
+                // lock, or a temporary name) leave the queue as it was.
+                Ok(events) if events.iter().all(not_a_ticket) => {}
+                // A ticket may have been placed (or the watch overflowed or ended):
+                // list the directory.
+                _ => return false,
             }
-            // A name was added (or the watch ended): list the directory.
-            _ => false,
         }
     }
 
@@ -73,6 +79,16 @@ impl QueueWatch {
             }
         }
     }
+}
+
+/// Whether an event is a name added that is surely no queue ticket (`wait-*`).
+fn not_a_ticket(event: &nix::sys::inotify::InotifyEvent) -> bool {
+    let plain = AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO;
+    plain.contains(event.mask)
+        && event
+            .name
+            .as_ref()
+            .is_some_and(|n| !n.as_encoded_bytes().starts_with(b"wait-"))
 }
 
 /// A watch of the names added to `dir` (created or moved in), when `dir` is on a local

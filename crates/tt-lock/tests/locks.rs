@@ -326,9 +326,9 @@ fn list_shows_holders_and_a_dead_holders_record_as_free() {
     assert_eq!(record.gpu, "2");
     assert!(!record.command.is_empty());
 
-    child.kill().unwrap(); // SIGKILL: no cleanup ran, the record stays in the file
+    child.kill().unwrap(); // SIGKILL: no cleanup ran, the record file stays
     child.wait().unwrap();
-    let text = std::fs::read_to_string(dir.path().join("gpu-2.lock")).unwrap();
+    let text = std::fs::read_to_string(holder_record(dir.path(), "gpu-2")).unwrap();
     assert!(text.contains(&format!("\"pid\":{}", child.id())), "{text}");
     let after = dir.list().unwrap();
     assert!(!after[0].held, "the kernel released it: {after:?}");
@@ -437,7 +437,7 @@ fn unsafe_directories_are_refused() {
 }
 
 #[test]
-fn a_new_directory_is_sticky_and_writable_by_all_and_files_are_0666() {
+fn a_new_directory_is_sticky_and_writable_by_all_and_files_are_0644_whatever_the_umask() {
     let tmp = tempfile::tempdir().unwrap();
     // SAFETY: umask has no preconditions; a restrictive umask must not matter.
     let old = unsafe { libc::umask(0o077) };
@@ -450,7 +450,12 @@ fn a_new_directory_is_sticky_and_writable_by_all_and_files_are_0666() {
     let (dir, lock) = result.unwrap();
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
     assert_eq!(mode(dir.path()), 0o1777);
-    assert_eq!(mode(lock.path()), 0o666);
+    // Every user reads the lock file (which is all a lock needs), the holder's record
+    // and the usage log; only their owner writes them.
+    assert_eq!(mode(lock.path()), 0o644);
+    assert_eq!(mode(&holder_record(dir.path(), "gpu-0")), 0o644);
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(mode(&dir.usage_log_path(unsafe { libc::geteuid() })), 0o644);
 }
 
 /// Runs the `open` role on `dir` as an unprivileged user when this is root (root
@@ -508,21 +513,22 @@ fn a_directory_this_user_cannot_write_is_a_clear_error() {
     assert!(out.contains("cannot create files in it"), "{out}");
     assert!(out.contains("TORCHTOOLS_LOCK_DIR"), "{out}");
 
-    // And a lock file someone left without write permission for others.
+    // And a lock file someone left unreadable by others.
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
     std::fs::write(dir.join("gpu-0.lock"), "").unwrap();
     std::fs::set_permissions(
         dir.join("gpu-0.lock"),
-        std::fs::Permissions::from_mode(0o644),
+        std::fs::Permissions::from_mode(0o600),
     )
     .unwrap();
     let out = open_as_unprivileged(&dir);
-    assert!(out.contains("chmod 666"), "{out}");
+    assert!(out.contains("chmod 644"), "{out}");
 
-    // A correctly shared directory works for that user.
+    // A correctly shared directory works for that user: a lock needs no more than
+    // reading the file.
     std::fs::set_permissions(
         dir.join("gpu-0.lock"),
-        std::fs::Permissions::from_mode(0o666),
+        std::fs::Permissions::from_mode(0o644),
     )
     .unwrap();
     assert!(open_as_unprivileged(&dir).contains("@@OK@@"));
@@ -1031,20 +1037,39 @@ fn try_on_a_free_gpu_that_a_queued_request_waits_for_names_no_holder() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("@@granted 2@@"));
 }
 
-/// A holder's record shorter than the last one's leaves nothing of it behind: the file
-/// is one JSON line, as any reader of the whole file expects.
+/// A holder's record rewritten shorter leaves nothing of the longer one behind: the
+/// file is one JSON line, as any reader of the whole file expects.
 #[test]
 fn a_shorter_record_replaces_a_longer_one_whole() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = LockDir::open(tmp.path()).unwrap();
     let key = GpuKey::Index(0);
     let long = Holder::current().running(vec!["x".repeat(500)]);
-    drop(dir.lock(&key, Wait::Try, long).unwrap());
-    let short = Holder::current().running(vec!["y".to_owned()]);
-    let lock = dir.lock(&key, Wait::Try, short).unwrap();
-    let text = std::fs::read_to_string(lock.path()).unwrap();
+    let mut lock = dir.lock(&key, Wait::Try, long).unwrap();
+    lock.set_holder(Holder::current().running(vec!["y".to_owned()]))
+        .unwrap();
+    let text = std::fs::read_to_string(holder_record(dir.path(), "gpu-0")).unwrap();
     assert_eq!(text.lines().count(), 1, "{text}");
     let record: Holder = serde_json::from_str(text.trim_end()).unwrap();
     assert_eq!(record.command, ["y"]);
     assert!(!text.contains("xxx"), "{text}");
+    // Nothing is written into the lock file itself.
+    assert_eq!(std::fs::read_to_string(lock.path()).unwrap(), "");
+}
+
+/// The one holder record of the GPU whose lock file is `<stem>.lock` in `dir`.
+fn holder_record(dir: &Path, stem: &str) -> std::path::PathBuf {
+    let prefix = format!("held-{stem}.");
+    let found: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".json"))
+        })
+        .collect();
+    assert_eq!(found.len(), 1, "{found:?}");
+    found[0].clone()
 }

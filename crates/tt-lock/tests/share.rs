@@ -10,7 +10,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use tt_device::Bytes;
-use tt_lock::{Error, GpuKey, Holder, LockDir, UsageEvent, Wait, USAGE_FILE};
+use tt_lock::{Error, GpuKey, Holder, LockDir, UsageEvent, Wait};
 
 mod common;
 use common::{now_ns, Stage, PATIENCE};
@@ -212,7 +212,9 @@ impl Scene {
 
     /// The pids in the order the usage log recorded their grants.
     fn grant_order(&self) -> Vec<u32> {
-        std::fs::read_to_string(self.dir.path().join(USAGE_FILE))
+        // SAFETY: geteuid has no preconditions.
+        let uid = unsafe { libc::geteuid() };
+        std::fs::read_to_string(self.dir.usage_log_path(uid))
             .unwrap_or_default()
             .lines()
             .filter_map(|l| match serde_json::from_str::<UsageEvent>(l).ok()? {

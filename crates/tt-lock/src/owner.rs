@@ -1,0 +1,107 @@
+//! Whose a record is: the owner of its file (`st_uid`), never what the record says of
+//! itself. Every record in a lock directory (holder, share, queue ticket, usage log) is
+//! written by its own process into a file of its own; a reader believes a record only
+//! when the user it names is the file's owner. (A leaf: every reader uses it.)
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use serde::Serialize;
+
+/// A record that a reader did not believe: the user it names is not its file's owner
+/// (another user wrote it, claiming to be someone else). Views list these ("1 record
+/// ignored: ..."), so that a forgery is seen, not silently dropped.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Ignored {
+    /// The record's file.
+    pub path: PathBuf,
+    /// The uid that owns the file: who really wrote it.
+    pub owner_uid: u32,
+    /// That uid's user name here, when the password database has one.
+    pub owner: Option<String>,
+    /// The user the record claims.
+    pub claims: String,
+}
+
+impl fmt::Display for Ignored {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: written by uid {}",
+            self.path.display(),
+            self.owner_uid
+        )?;
+        if let Some(name) = &self.owner {
+            write!(f, " ({name})")?;
+        }
+        write!(f, ", claims {}", self.claims)
+    }
+}
+
+/// Uid to user name, cached: readers check every record they read, and the password
+/// database may be a file read whole at each lookup.
+static NAMES: Mutex<Option<HashMap<u32, Option<String>>>> = Mutex::new(None);
+
+/// The user name of `uid` as records spell it: the password database's name, or
+/// `uid N` where it has none. [`crate::Holder::current`] writes the same.
+pub fn name_of_uid(uid: u32) -> String {
+    known_name(uid).unwrap_or_else(|| format!("uid {uid}"))
+}
+
+fn known_name(uid: u32) -> Option<String> {
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    names
+        .get_or_insert_with(HashMap::new)
+        .entry(uid)
+        .or_insert_with(|| crate::holder::user_name_of(uid))
+        .clone()
+}
+
+/// Whether a record claiming `claims`, in a file owned by `owner_uid`, is believed:
+/// `Err` says why not.
+pub(crate) fn check(
+    path: &std::path::Path,
+    owner_uid: u32,
+    claims: &str,
+) -> std::result::Result<(), Ignored> {
+    if claims == name_of_uid(owner_uid) {
+        return Ok(());
+    }
+    Err(Ignored {
+        path: path.to_owned(),
+        owner_uid,
+        owner: known_name(owner_uid),
+        claims: claims.to_owned(),
+    })
+}
+
+/// This process's effective uid.
+pub(crate) fn euid() -> u32 {
+    nix::unistd::geteuid().as_raw()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn a_record_is_believed_only_when_it_names_its_files_owner() {
+        let path = Path::new("/tmp/torchtools-locks/held/x.json");
+        assert_eq!(check(path, 0, "root"), Ok(()));
+        let forged = check(path, 65_534, "root").unwrap_err();
+        assert_eq!(forged.owner_uid, 65_534);
+        assert_eq!(forged.claims, "root");
+        let text = forged.to_string();
+        assert!(
+            text.starts_with("/tmp/torchtools-locks/held/x.json: written by uid 65534")
+                && text.ends_with(", claims root"),
+            "{text}"
+        );
+        // A uid without a name is spelled `uid N`, as Holder::current writes it.
+        assert_eq!(check(path, 4_000_000_123, "uid 4000000123"), Ok(()));
+        assert!(check(path, 4_000_000_123, "root").is_err());
+    }
+}

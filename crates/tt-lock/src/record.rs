@@ -1,0 +1,189 @@
+//! The records of who holds a GPU and who shares one: each in a file of its own,
+//! created by the process it describes (mode 0644 whatever the umask, so every user
+//! reads it and only its owner can change or remove it), `flock`ed by that process for
+//! as long as the record is true. A record whose lock is free belongs to a process
+//! that let go or died and counts for nothing; a record whose claimed user is not its
+//! file's owner is ignored and reported ([`crate::Ignored`]).
+//!
+//! They live beside the lock files in the sticky lock directory, named after the GPU's
+//! lock file: `held-gpu-0.<...>.json` for an exclusive holder, `share-gpu-0.<...>.json`
+//! for a sharer. No subdirectory: its creator could remove every record in it, as only
+//! the lock directory's owner (root, on a well-set-up server) can here.
+
+use std::ffi::OsString;
+use std::fs::{self, File};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::file::{open_to_read, probe_held, read_holder, same_file};
+use crate::{GpuKey, Holder, Ignored, Result};
+
+/// `gpu-0.` for `gpu-0.lock`: what every record of that GPU's is named after.
+fn stem(key: &GpuKey) -> String {
+    let name = key.file_name();
+    format!("{}.", name.strip_suffix(".lock").unwrap_or(&name))
+}
+
+/// The prefix of every exclusive holder record of `key`'s GPU.
+pub(crate) fn held_prefix(key: &GpuKey) -> String {
+    format!("held-{}", stem(key))
+}
+
+/// The prefix of every ledger record of `key`'s GPU.
+pub(crate) fn share_prefix(key: &GpuKey) -> String {
+    format!("share-{}", stem(key))
+}
+
+/// This process's record: unlocked and removed when dropped (the kernel unlocks it
+/// when the process dies, and the record then counts for nothing).
+#[derive(Debug)]
+pub(crate) struct OwnRecord {
+    file: File,
+    path: PathBuf,
+    /// Whether this process made it (and so removes it); not when inherited.
+    made_here: bool,
+}
+
+impl OwnRecord {
+    /// Writes and locks `holder`'s record in `dir` under a name the readers ignore,
+    /// then renames it to `<prefix><since>-<ns>-<pid>-<n>.json`: a record is never seen
+    /// unlocked or half written.
+    pub(crate) fn create(dir: &Path, prefix: &str, holder: &Holder) -> Result<OwnRecord> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id();
+        let temp = dir.join(format!(".record-{pid}-{n}.tmp"));
+        let ns = crate::holder::own_pid_namespace().unwrap_or(0);
+        let path = dir.join(format!("{prefix}{}-{ns}-{pid}-{n}.json", holder.since_unix));
+        let mut text = serde_json::to_vec(holder).unwrap_or_default();
+        text.push(b'\n');
+        let file = crate::file::create_locked(&temp, &path, &text, "creating the holder record")?;
+        Ok(OwnRecord {
+            file,
+            path,
+            made_here: true,
+        })
+    }
+
+    /// A parent's record, inherited with its lock (`path`: the lock's, for errors).
+    pub(crate) fn inherited(file: File, path: &Path) -> OwnRecord {
+        OwnRecord {
+            file,
+            path: path.to_owned(),
+            made_here: false,
+        }
+    }
+
+    /// The holder it says.
+    pub(crate) fn read(&self) -> Option<Holder> {
+        read_holder(&self.file)
+    }
+
+    /// Makes it count for nothing (it stays until dropped).
+    pub(crate) fn unlock(&self) {
+        if self.made_here {
+            // SAFETY: the fd is open for as long as self.file lives.
+            unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+        }
+    }
+
+    /// Rewrites the record in place (the holder changed: its usage id, the command's
+    /// pid, its fence): a reader meanwhile never finds it empty.
+    pub(crate) fn write(&self, holder: &Holder) -> Result<()> {
+        crate::file::write_record(&self.file, &self.path, holder)
+    }
+
+    /// The record's descriptor, for a child that inherits it with the lock.
+    pub(crate) fn as_raw_fd(&self) -> i32 {
+        self.file.as_raw_fd()
+    }
+}
+
+impl Drop for OwnRecord {
+    fn drop(&mut self) {
+        if !self.made_here {
+            return;
+        }
+        // Unlocked first: from now on it counts for nothing, also where a child holds
+        // a copy of the descriptor. Then removed, which wakes the waiters (their watch
+        // sees the name go).
+        self.unlock();
+        if same_file(&self.file, &self.path) {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// A live record found by [`live`].
+#[derive(Debug, Clone)]
+pub(crate) struct Found {
+    pub(crate) holder: Holder,
+    /// The record file's (major, minor, inode), to match it with the kernel's lock
+    /// table.
+    pub(crate) file_id: (u32, u32, u64),
+}
+
+/// The live records among `names` in `dir` that start with `prefix`, believed ones
+/// oldest first, and those ignored for naming another user than their file's owner.
+/// Dead records of this user are removed on the way (another user's stay: the sticky
+/// directory keeps them, and they count for nothing).
+pub(crate) fn live(
+    dir: &Path,
+    names: impl IntoIterator<Item = OsString>,
+    prefix: &str,
+) -> (Vec<Found>, Vec<Ignored>) {
+    let mut found = Vec::new();
+    let mut ignored = Vec::new();
+    for name in names {
+        let Some(name) = name.to_str() else { continue };
+        if !(name.starts_with(prefix) && name.ends_with(".json")) {
+            continue;
+        }
+        let path = dir.join(name);
+        let Some((file, meta)) = open_to_read(&path) else {
+            continue;
+        };
+        if !probe_held(&file) {
+            if meta.uid() == crate::owner::euid() {
+                let _ = fs::remove_file(&path);
+            }
+            continue;
+        }
+        let Some(holder) = read_holder(&file) else {
+            continue;
+        };
+        match crate::owner::check(&path, meta.uid(), &holder.user) {
+            Ok(()) => found.push(Found {
+                holder,
+                file_id: (libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino()),
+            }),
+            Err(why) => ignored.push(why),
+        }
+    }
+    found.sort_by_key(|f| (f.holder.since_unix, f.holder.pid));
+    (found, ignored)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_are_named_after_the_gpu_and_never_taken_for_lock_files() {
+        let key = GpuKey::of_uuid("GPU-8a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9");
+        assert_eq!(
+            share_prefix(&key),
+            "share-gpu-GPU-8a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9."
+        );
+        assert_eq!(
+            GpuKey::from_file_name(&format!("{}1-h-2-0.json", share_prefix(&key))),
+            None
+        );
+        assert_eq!(share_prefix(&GpuKey::Index(3)), "share-gpu-3.");
+        assert_eq!(held_prefix(&GpuKey::Index(3)), "held-gpu-3.");
+        // GPU 1's records are not GPU 10's.
+        assert!(!"held-gpu-10.5-0-1-0.json".starts_with(&held_prefix(&GpuKey::Index(1))));
+    }
+}

@@ -1,0 +1,405 @@
+//! A machine of many users: a second Unix user (`nobody`, run by this test as root)
+//! cannot erase, rewrite or replace another user's holder record, share record, queue
+//! ticket or usage log; records it writes claiming another user are ignored by every
+//! reader and reported; under `umask 077` every user still reads every record, so a
+//! share that does not fit beside another user's is refused and another user's waiting
+//! ticket is seen. Runs under `umask 022` and `umask 077`.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tt_device::Bytes;
+use tt_lock::{Error, GpuKey, Holder, LockDir, Wait};
+
+const ROLE: &str = "TT_TRUST_TEST_ROLE";
+const DIR: &str = "TT_TRUST_TEST_DIR";
+const GIB: u64 = 1 << 30;
+const CAPACITY: Bytes = Bytes(80 * GIB);
+const NOBODY: u32 = 65_534;
+
+/// The umask is the process's: the tests of this binary take turns.
+static UMASK: Mutex<()> = Mutex::new(());
+
+/// The child side, run as `nobody`.
+#[test]
+#[ignore = "a child process's entry point, run by the trust tests"]
+fn child() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    // SAFETY: prctl(PR_SET_PDEATHSIG) has no memory-safety preconditions.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    let dir = PathBuf::from(std::env::var(DIR).unwrap());
+    match role.as_str() {
+        "share" => {
+            let locks = LockDir::open(&dir).unwrap();
+            let r = locks.lock_shared(
+                &GpuKey::Index(1),
+                Bytes(50 * GIB),
+                CAPACITY,
+                Wait::Try,
+                Holder::current(),
+            );
+            match r {
+                Ok(_) => println!("@@granted@@"),
+                Err(e) => println!("@@refused: {e}@@"),
+            }
+        }
+        "wait" => {
+            let locks = LockDir::open(&dir).unwrap();
+            let lock = locks.lock(
+                &GpuKey::Index(0),
+                Wait::Timeout(Duration::from_secs(120)),
+                Holder::current(),
+            );
+            println!("@@{}@@", if lock.is_ok() { "granted" } else { "timeout" });
+        }
+        "vandal" => vandalize(&dir),
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// What a second user tries on the first user's records, then the records it forges
+/// in files of its own, claiming root; held until its standard input closes.
+fn vandalize(dir: &Path) {
+    let named = |prefix: &str| -> PathBuf {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.file_name().unwrap().to_string_lossy().starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix}* in {}", dir.display()))
+    };
+    let say = |what: &str, r: std::io::Result<()>| {
+        println!("@@{what}: {}@@", if r.is_err() { "denied" } else { "DONE" });
+    };
+    let write = |path: &Path| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(b"x"))
+    };
+    let truncate = |path: &Path| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(path)
+            .map(drop)
+    };
+    let held = named("held-gpu-0.");
+    let share = named("share-gpu-1.");
+    let usage = dir.join("usage-0.jsonl");
+    say("write the lock file", write(&dir.join("gpu-0.lock")));
+    for (name, path) in [("holder", &held), ("share", &share), ("usage", &usage)] {
+        say(&format!("truncate the {name} record"), truncate(path));
+        say(&format!("write the {name} record"), write(path));
+        say(
+            &format!("remove the {name} record"),
+            std::fs::remove_file(path),
+        );
+        let link = dir.join(format!("link-{name}"));
+        std::os::unix::fs::symlink("/etc/passwd", &link).unwrap();
+        say(
+            &format!("replace the {name} record with a symlink"),
+            std::fs::rename(&link, path),
+        );
+        let _ = std::fs::remove_file(&link);
+    }
+    // Forgeries: records of its own, claiming root, locked as live records are.
+    let mut claim = Holder::current();
+    claim.user = "root".into();
+    claim.gpu = "0".into();
+    let mut forged = Vec::new();
+    let mut place = |name: &str, text: String| {
+        let path = dir.join(name);
+        std::fs::write(&path, text + "\n").unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: the fd is open for the call.
+        assert_eq!(
+            unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) },
+            0
+        );
+        forged.push(file);
+    };
+    place(
+        "held-gpu-0.1-0-1-0.json",
+        serde_json::to_string(&claim).unwrap(),
+    );
+    let mut sharing = claim.clone();
+    sharing.share = Some(Bytes(30 * GIB));
+    place(
+        "share-gpu-1.1-0-1-0.json",
+        serde_json::to_string(&sharing).unwrap(),
+    );
+    place(
+        "wait-00000000000000000099.json",
+        serde_json::json!({
+            "ticket": 99, "pid": 1, "user": "root", "host": "h", "since_unix": 1,
+            "wants": {"kind": "gpus", "gpus": [{"index": 0}]}
+        })
+        .to_string(),
+    );
+    // A usage log of its own holding a reservation claiming root, and an end for
+    // root's running reservation (its id read from root's log).
+    let root_id = std::fs::read_to_string(&usage)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["event"] == "start")
+        .map(|v| v["id"].as_str().unwrap().to_owned())
+        .unwrap();
+    let start = serde_json::json!({"event": "start", "id": "forged", "user": "root",
+        "host": "h", "pid": 1, "gpu": "0", "bytes": null, "time": 1.0, "command": []});
+    let end = serde_json::json!({"event": "end", "id": root_id, "time": 2.0,
+        "status": 9, "lost": true});
+    std::fs::write(
+        dir.join(format!("usage-{NOBODY}.jsonl")),
+        format!("{start}\n{end}\n"),
+    )
+    .unwrap();
+    println!("@@forged@@");
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+    drop(forged);
+}
+
+/// Whether this test can run a second user: as root, yes; otherwise skipped where
+/// `TORCHTOOLS_TEST_NO_MOUNT` says why, else a failure.
+fn second_user_possible() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    match std::env::var(tt_testkit::NO_MOUNT_ENV) {
+        Ok(why) if !why.trim().is_empty() => {
+            eprintln!("SKIPPED: a second user needs root: {why}");
+            false
+        }
+        _ => panic!(
+            "a second user needs root: run as root, or set {}=<why> to skip knowingly",
+            tt_testkit::NO_MOUNT_ENV
+        ),
+    }
+}
+
+/// A lock directory two users share, in a 0755 parent (as /tmp is reachable).
+struct Shared {
+    _tmp: tempfile::TempDir,
+    _bin: tempfile::TempDir,
+    program: PathBuf,
+    path: PathBuf,
+    dir: LockDir,
+}
+
+impl Shared {
+    fn new() -> Shared {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = tmp.path().join("locks");
+        let dir = LockDir::open(&path).unwrap();
+        // nobody may not reach target/: a copy of this test binary in a 0755 dir.
+        let bin = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let program = bin.path().join("tt-lock-trust");
+        std::fs::copy(std::env::current_exe().unwrap(), &program).unwrap();
+        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+        Shared {
+            _tmp: tmp,
+            _bin: bin,
+            program,
+            path,
+            dir,
+        }
+    }
+
+    /// `role` as nobody under `umask`, its output piped.
+    fn as_nobody(&self, role: &str, umask: u32) -> Child {
+        let mut cmd = Command::new(&self.program);
+        cmd.args(["--exact", "child", "--include-ignored", "--nocapture"])
+            .args(["--test-threads=1"])
+            .env(ROLE, role)
+            .env(DIR, &self.path)
+            .current_dir("/")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .uid(NOBODY)
+            .gid(NOBODY);
+        // SAFETY: umask is async-signal-safe and allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::umask(umask);
+                Ok(())
+            });
+        }
+        cmd.spawn().unwrap()
+    }
+}
+
+/// Reads the child's `@@...@@` lines up to (and with) the one that starts with `until`.
+fn lines_until(child: &mut Child, until: &str) -> Vec<String> {
+    let out = child.stdout.as_mut().unwrap();
+    let mut reader = BufReader::new(out);
+    let mut lines = Vec::new();
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap() == 0 {
+            panic!("the child ended before {until:?}: {lines:?}");
+        }
+        // (The first may follow the test harness's "test child ... " on its line.)
+        let Some(said) = line
+            .trim()
+            .split_once("@@")
+            .and_then(|(_, l)| l.strip_suffix("@@"))
+        else {
+            continue;
+        };
+        lines.push(said.to_owned());
+        if said.starts_with(until) {
+            return lines;
+        }
+    }
+}
+
+fn with_umask<T>(mask: u32, f: impl FnOnce() -> T) -> T {
+    // SAFETY: umask has no preconditions.
+    let old = unsafe { libc::umask(mask) };
+    let out = f();
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    out
+}
+
+#[test]
+fn another_user_can_neither_erase_nor_forge_records_and_forgeries_are_reported() {
+    if !second_user_possible() {
+        return;
+    }
+    let _turn = UMASK.lock().unwrap_or_else(|e| e.into_inner());
+    for mask in [0o022, 0o077] {
+        let shared = Shared::new();
+        let dir = &shared.dir;
+        let (mut alone, shared_lock) = with_umask(mask, || {
+            let alone = dir
+                .lock(&GpuKey::Index(0), Wait::Try, Holder::current())
+                .unwrap();
+            let share = dir
+                .lock_shared(
+                    &GpuKey::Index(1),
+                    Bytes(50 * GIB),
+                    CAPACITY,
+                    Wait::Try,
+                    Holder::current(),
+                )
+                .unwrap();
+            (alone, share)
+        });
+        let mut vandal = shared.as_nobody("vandal", mask);
+        let said = lines_until(&mut vandal, "forged");
+        let done: Vec<_> = said.iter().filter(|l| l.ends_with("DONE")).collect();
+        assert!(done.is_empty(), "umask {mask:o}: {done:?} in {said:?}");
+        assert_eq!(said.len(), 14, "umask {mask:o}: {said:?}");
+
+        // The views name the real holder and sharer, and only them.
+        let states = dir.list().unwrap();
+        let gpu0 = states.iter().find(|s| s.gpu == GpuKey::Index(0)).unwrap();
+        let holder = gpu0.holder.as_ref().unwrap();
+        assert_eq!(
+            (holder.pid, holder.user.as_str()),
+            (std::process::id(), "root")
+        );
+        let gpu1 = states.iter().find(|s| s.gpu == GpuKey::Index(1)).unwrap();
+        assert_eq!(gpu1.shares.len(), 1, "{gpu1:?}");
+        assert_eq!(gpu1.shared_bytes(), Bytes(50 * GIB));
+        assert!(
+            dir.queue().unwrap().is_empty(),
+            "the forged ticket is no request"
+        );
+        // Every forgery is reported, naming who wrote it and whom it claims.
+        let ignored = dir.ignored().unwrap();
+        assert_eq!(ignored.len(), 3, "{ignored:?}");
+        for i in &ignored {
+            assert_eq!((i.owner_uid, i.claims.as_str()), (NOBODY, "root"), "{i}");
+            assert!(i
+                .to_string()
+                .contains("written by uid 65534 (nobody), claims root"));
+        }
+        // The usage of both reservations: running (the share too), not closed by the
+        // forged end; the forged reservation ignored and reported.
+        let usage = dir.usage().unwrap();
+        assert_eq!(usage.records.len(), 2, "{usage:?}");
+        assert!(
+            usage.records.iter().all(|r| r.end.is_none() && !r.lost),
+            "{usage:?}"
+        );
+        assert_eq!(usage.ignored.len(), 1, "{usage:?}");
+        assert_eq!(usage.ignored[0].claims, "root");
+
+        alone.set_exit_status(3);
+        drop((alone, shared_lock));
+        let usage = dir.usage().unwrap();
+        assert!(
+            usage.records.iter().all(|r| r.end.is_some() && !r.lost),
+            "{usage:?}"
+        );
+        assert!(
+            usage.records.iter().any(|r| r.status == Some(3)),
+            "{usage:?}"
+        );
+        drop(vandal.stdin.take());
+        vandal.wait().unwrap();
+    }
+}
+
+#[test]
+fn under_umask_077_a_share_beside_another_users_is_counted_and_a_ticket_is_seen() {
+    if !second_user_possible() {
+        return;
+    }
+    let _turn = UMASK.lock().unwrap_or_else(|e| e.into_inner());
+    let shared = Shared::new();
+    let dir = &shared.dir;
+    let (share, alone) = with_umask(0o077, || {
+        (
+            dir.lock_shared(
+                &GpuKey::Index(1),
+                Bytes(50 * GIB),
+                CAPACITY,
+                Wait::Try,
+                Holder::current(),
+            )
+            .unwrap(),
+            dir.lock(&GpuKey::Index(0), Wait::Try, Holder::current())
+                .unwrap(),
+        )
+    });
+    // 50 GiB more do not fit beside root's 50 GiB on 80: refused, not overbooked.
+    let mut sharer = shared.as_nobody("share", 0o077);
+    let said = lines_until(&mut sharer, "");
+    assert!(said[0].starts_with("refused"), "{said:?}");
+    sharer.wait().unwrap();
+    // nobody's request for GPU 0 waits in the queue, which root sees...
+    let mut waiter = shared.as_nobody("wait", 0o077);
+    let patience = std::time::Instant::now();
+    let queue = loop {
+        let q = dir.queue().unwrap();
+        if !q.is_empty() {
+            break q;
+        }
+        assert!(
+            patience.elapsed() < Duration::from_secs(120),
+            "never queued"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(queue[0].user, "nobody", "{queue:?}");
+    // ...and is served when root lets go.
+    drop(alone);
+    assert_eq!(lines_until(&mut waiter, ""), ["granted"]);
+    waiter.wait().unwrap();
+    drop(share);
+}
