@@ -329,20 +329,26 @@ const PY_SHARE_JOB: &str = "import torch, sys, os\n\
     \x20   print('oom', flush=True)\n\
     sys.stdin.read()\n";
 
-/// Issue 33: two jobs of 20 GiB share the H100 at once while a job asking for 60 GiB
-/// waits (20 + 20 + 60 > 80) and is served when they leave; a Python process outside
-/// any reservation cannot allocate the memory no sharer budgeted (the fence); a
-/// sharer's PyTorch cannot grow past its budget; `locks` shows the two sharers.
+/// Issue 33: two jobs of a quarter of the card each (20 GiB of an H100's 80) share it
+/// at once while a job asking for three quarters waits (1/4 + 1/4 + 3/4 > 1) and is
+/// served when they leave; a Python process outside any reservation cannot allocate
+/// the memory no sharer budgeted (the fence); a sharer's PyTorch cannot grow past its
+/// budget; `locks` shows the two sharers. Every size is a fraction of the card it runs
+/// on, so the test means the same on an 80 GiB H100 and a 141 GiB H200.
 #[test]
 fn two_20_gib_sharers_run_together_while_a_60_gib_share_waits() {
     require_gpu();
+    let total = tt_device::Inventory::query().gpus[0].total.0;
+    // `part` of the card: as bytes for --bytes, as GiB for the job's allocation.
+    let bytes = |part: f64| format!("{}", (total as f64 * part) as u64);
+    let gib = |part: f64| format!("{}", total as f64 * part / (1u64 << 30) as f64);
     let python = tt_testkit::python_path();
     let tmp = tempfile::tempdir().unwrap();
     let locks = tmp.path();
-    let share = |gib: &str, alloc: &str| {
+    let share = |budget: &str, alloc: &str| {
         let mut child = torchtools()
             .env("TORCHTOOLS_LOCK_DIR", locks)
-            .args(["reserve", "--gpu", "0", "--share", "--bytes", gib, "--"])
+            .args(["reserve", "--gpu", "0", "--share", "--bytes", budget, "--"])
             .args([python.as_str(), "-c", PY_SHARE_JOB, alloc])
             .env_remove("PYTHONUNBUFFERED")
             .stdin(Stdio::piped())
@@ -357,9 +363,9 @@ fn two_20_gib_sharers_run_together_while_a_60_gib_share_waits() {
         .unwrap();
         (child, first)
     };
-    let (a, a_says) = share("20GiB", "18");
-    let (b, b_says) = share("20GiB", "18");
-    assert!(a_says.starts_with("ready 0.2"), "{a_says}");
+    let (a, a_says) = share(&bytes(0.25), &gib(0.225));
+    let (b, b_says) = share(&bytes(0.25), &gib(0.225));
+    assert!(a_says.starts_with("ready 0.25"), "{a_says}");
     assert!(b_says.starts_with("ready"), "{b_says}");
     // Both hold 18 GiB now, side by side.
     let listed = torchtools()
@@ -368,10 +374,11 @@ fn two_20_gib_sharers_run_together_while_a_60_gib_share_waits() {
         .output()
         .unwrap();
     let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
-    assert!(listed.contains("shared by 2 job(s), 40.00 GiB"), "{listed}");
-    // Outside any reservation, 8 GiB of the 40 GiB no sharer budgeted: fenced.
+    assert!(listed.contains("shared by 2 job(s)"), "{listed}");
+    // Outside any reservation, a tenth of the card, of the half no sharer budgeted:
+    // fenced.
     let outsider = Command::new(&python)
-        .args(["-c", PY_SHARE_JOB, "8"])
+        .args(["-c", PY_SHARE_JOB, &gib(0.1)])
         .env_remove("CUDA_VISIBLE_DEVICES")
         .stdin(Stdio::null())
         .output()
@@ -380,18 +387,18 @@ fn two_20_gib_sharers_run_together_while_a_60_gib_share_waits() {
     assert_eq!(
         says.trim(),
         "oom",
-        "an outsider allocated 8 GiB beside two sharers"
+        "an outsider allocated a tenth of the card beside two sharers"
     );
-    // A sharer's allocator is capped at its budget: 10 GiB fit in the ledger, 14 GiB
-    // of tensors do not fit in the budget.
-    let (mut c, c_says) = share("10GiB", "14");
-    assert_eq!(c_says.trim(), "oom", "a 10 GiB share allocated 14 GiB");
+    // A sharer's allocator is capped at its budget: an eighth of the card fits in the
+    // ledger, 7/40 of it in tensors do not fit in the budget.
+    let (mut c, c_says) = share(&bytes(0.125), &gib(0.175));
+    assert_eq!(c_says.trim(), "oom", "a share of 1/8 allocated 7/40 of the card");
     drop(c.stdin.take());
     assert!(c.wait().unwrap().success());
-    // 60 GiB does not fit beside 40: it waits, and gives up at its timeout.
+    // Three quarters do not fit beside a half: it waits, and gives up at its timeout.
     let waited = torchtools()
         .env("TORCHTOOLS_LOCK_DIR", locks)
-        .args(["reserve", "--gpu", "0", "--share", "--bytes", "60GiB"])
+        .args(["reserve", "--gpu", "0", "--share", "--bytes", &bytes(0.75)])
         .args(["--timeout", "3s", "--", "true"])
         .output()
         .unwrap();
@@ -405,7 +412,7 @@ fn two_20_gib_sharers_run_together_while_a_60_gib_share_waits() {
         drop(job.stdin.take());
         assert!(job.wait().unwrap().success());
     }
-    let (mut d, d_says) = share("60GiB", "50");
+    let (mut d, d_says) = share(&bytes(0.75), &gib(0.625));
     assert!(d_says.starts_with("ready"), "{d_says}");
     drop(d.stdin.take());
     assert!(d.wait().unwrap().success());
