@@ -392,7 +392,11 @@ fn two_20_gib_sharers_run_together_while_a_60_gib_share_waits() {
     // A sharer's allocator is capped at its budget: an eighth of the card fits in the
     // ledger, 7/40 of it in tensors do not fit in the budget.
     let (mut c, c_says) = share(&bytes(0.125), &gib(0.175));
-    assert_eq!(c_says.trim(), "oom", "a share of 1/8 allocated 7/40 of the card");
+    assert_eq!(
+        c_says.trim(),
+        "oom",
+        "a share of 1/8 allocated 7/40 of the card"
+    );
     drop(c.stdin.take());
     assert!(c.wait().unwrap().success());
     // Three quarters do not fit beside a half: it waits, and gives up at its timeout.

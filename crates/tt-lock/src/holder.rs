@@ -42,7 +42,7 @@ pub struct Holder {
     /// looking at one) says so instead of showing a PID of its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pid_ns: Option<u64>,
-    /// The id of this holding's record in the usage log (`usage.jsonl`), set by the
+    /// The id of this holding's record in its user's usage log (`usage-UID.jsonl`), set by the
     /// lock: how a reader of the log tells a holder still holding from one that died.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<String>,
