@@ -384,6 +384,16 @@ fn torchrun_options_without_an_equivalent_are_refused_by_name() {
     }
 }
 
+/// `torchtools ARGS` with `locks` as its lock directory, inheriting no GPU or lock.
+fn torchtools_in(locks: &std::path::Path, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_torchtools"));
+    c.args(args)
+        .env("TORCHTOOLS_LOCK_DIR", locks)
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env_remove("TORCHTOOLS_HELD_LOCKS");
+    c
+}
+
 /// `launch --gpu`: the group's GPUs are reserved through the queue before any rank
 /// starts, every rank sees them (and uses cuda:LOCAL_RANK), `locks` names the launch's
 /// command, another request waits for them, and they are free once the group ends.
@@ -395,14 +405,7 @@ fn launch_reserves_its_gpus_for_the_group() {
         "echo $CUDA_VISIBLE_DEVICES $LOCAL_RANK; while [ ! -e {} ]; do sleep 0.05; done",
         go.display()
     );
-    let torchtools = |args: &[&str]| {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_torchtools"));
-        c.args(args)
-            .env("TORCHTOOLS_LOCK_DIR", locks.path())
-            .env_remove("CUDA_VISIBLE_DEVICES")
-            .env_remove("TORCHTOOLS_HELD_LOCKS");
-        c
-    };
+    let torchtools = |args: &[&str]| torchtools_in(locks.path(), args);
     let locks_text =
         || String::from_utf8_lossy(&torchtools(&["locks"]).output().unwrap().stdout).into_owned();
     let mut group = torchtools(&[
@@ -842,14 +845,7 @@ fn a_launch_killed_with_sigkill_keeps_its_gpu_while_a_rank_runs() {
         "echo ready; while [ ! -e {} ]; do sleep 0.05; done",
         go.display()
     );
-    let torchtools = |args: &[&str]| {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_torchtools"));
-        c.args(args)
-            .env("TORCHTOOLS_LOCK_DIR", locks.path())
-            .env_remove("CUDA_VISIBLE_DEVICES")
-            .env_remove("TORCHTOOLS_HELD_LOCKS");
-        c
-    };
+    let torchtools = |args: &[&str]| torchtools_in(locks.path(), args);
     let mut launcher = torchtools(&[
         "launch",
         "--gpu",
