@@ -57,6 +57,7 @@ pub(crate) fn is_linked(file: &File, path: &Path) -> crate::Result<bool> {
 /// What [`shape`] tells of an open file.
 pub(crate) struct Shape {
     pub(crate) regular: bool,
+    pub(crate) uid: u32,
     pub(crate) links: u32,
     pub(crate) len: u64,
 }
@@ -68,7 +69,7 @@ pub(crate) struct Shape {
 /// 0.85 µs of each lock's record write on the 2-core VM.
 pub(crate) fn shape(file: &File) -> std::io::Result<Shape> {
     let mut st = std::mem::MaybeUninit::<libc::statx>::zeroed();
-    let mask = libc::STATX_TYPE | libc::STATX_NLINK | libc::STATX_SIZE;
+    let mask = libc::STATX_TYPE | libc::STATX_NLINK | libc::STATX_SIZE | libc::STATX_UID;
     // SAFETY: the fd is open, the path is a valid empty C string (AT_EMPTY_PATH: the fd
     // itself), and `st` is a writable statx buffer for the duration of the call.
     let rc = unsafe {
@@ -87,6 +88,7 @@ pub(crate) fn shape(file: &File) -> std::io::Result<Shape> {
     let st = unsafe { st.assume_init() };
     Ok(Shape {
         regular: u32::from(st.stx_mode) & libc::S_IFMT == libc::S_IFREG,
+        uid: st.stx_uid,
         links: st.stx_nlink,
         len: st.stx_size,
     })
@@ -174,21 +176,31 @@ pub(crate) fn create_locked(
 /// reader never sees an empty record. The trim only when needed: a truncation is a
 /// journaled metadata change, several times the cost of the `statx` that tells.
 pub(crate) fn write_record(file: &File, path: &Path, holder: &Holder) -> crate::Result<()> {
-    let io_err = |op| {
-        move |cause| crate::Error::Io {
-            op,
-            path: path.to_owned(),
-            cause,
-        }
+    let before = shape(file).map_err(|cause| crate::Error::Io {
+        op: "reading the length of",
+        path: path.to_owned(),
+        cause,
+    })?;
+    write_record_over(file, path, holder, before.len)
+}
+
+/// [`write_record`] over a record `before` bytes long.
+pub(crate) fn write_record_over(
+    file: &File,
+    path: &Path,
+    holder: &Holder,
+    before: u64,
+) -> crate::Result<()> {
+    let io_err = |cause| crate::Error::Io {
+        op: "writing the holder record to",
+        path: path.to_owned(),
+        cause,
     };
-    let before = shape(file).map_err(io_err("reading the length of"))?;
     let mut text = serde_json::to_vec(holder).unwrap_or_default();
     text.push(b'\n');
-    file.write_all_at(&text, 0)
-        .map_err(io_err("writing the holder record to"))?;
-    if before.len > text.len() as u64 {
-        file.set_len(text.len() as u64)
-            .map_err(io_err("writing the holder record to"))?;
+    file.write_all_at(&text, 0).map_err(io_err)?;
+    if before > text.len() as u64 {
+        file.set_len(text.len() as u64).map_err(io_err)?;
     }
     Ok(())
 }

@@ -12,7 +12,7 @@ use tt_device::{Bytes, Inventory, NvmlStatus};
 
 use crate::file::{is_linked, same_file};
 use crate::queue::{Ticket, Waiter, Wants, Watch};
-use crate::record::{held_prefix, OwnRecord};
+use crate::record::OwnRecord;
 use crate::share::NotAdmitted;
 use crate::{Error, GpuKey, Holder, LockDir, Result};
 
@@ -530,7 +530,7 @@ impl LockDir {
                     record.write(&holder)?;
                     record
                 }
-                None => OwnRecord::create(self.path(), &held_prefix(&slot.key), &holder)?,
+                None => OwnRecord::holding(self.path(), &slot.key, &holder)?,
             };
             self.record_start(&holder, &id);
             locks.push(GpuLock {

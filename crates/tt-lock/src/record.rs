@@ -42,8 +42,11 @@ pub(crate) fn share_prefix(key: &GpuKey) -> String {
 pub(crate) struct OwnRecord {
     file: File,
     path: PathBuf,
-    /// Whether this process made it (and so removes it); not when inherited.
+    /// Whether this process made it (and so unlocks it); not when inherited.
     made_here: bool,
+    /// A holder's record kept between holdings (see [`OwnRecord::holding`]): unlocked
+    /// when dropped, not removed.
+    kept: bool,
 }
 
 impl OwnRecord {
@@ -64,7 +67,70 @@ impl OwnRecord {
             file,
             path,
             made_here: true,
+            kept: false,
         })
+    }
+
+    /// An exclusive holder's record: the file this user keeps for this GPU,
+    /// `held-gpu-<GPU>.user-<UID>.json`, locked and rewritten in place, so that an
+    /// uncontended lock changes no directory (a file created, renamed and removed at
+    /// every lock cost it 7x, 4 -> 30 µs). Only one process holds a GPU at a time, so
+    /// the file is free whenever its GPU was; where it is not this user's own (another
+    /// user made a file of that name) or is locked, a record of its own is made
+    /// instead ([`OwnRecord::create`]).
+    pub(crate) fn holding(dir: &Path, key: &GpuKey, holder: &Holder) -> Result<OwnRecord> {
+        let path = dir.join(format!(
+            "{}user-{}.json",
+            held_prefix(key),
+            crate::owner::euid()
+        ));
+        match Self::keep(&path, holder) {
+            Some(record) => record,
+            None => Self::create(dir, &held_prefix(key), holder),
+        }
+    }
+
+    /// [`OwnRecord::holding`]'s kept file, when it is this user's and free: `None`
+    /// otherwise.
+    fn keep(path: &Path, holder: &Holder) -> Option<Result<OwnRecord>> {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let open = |create: bool| {
+            fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(create)
+                .mode(0o644)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+                .open(path)
+        };
+        let file = match open(false) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let file = open(true).ok()?;
+                file.set_permissions(fs::Permissions::from_mode(0o644))
+                    .ok()?;
+                file
+            }
+            Err(_) => return None,
+        };
+        let shape = crate::file::shape(&file).ok()?;
+        if !shape.regular || shape.uid != crate::owner::euid() {
+            return None;
+        }
+        // SAFETY: the fd is open for the duration of the call.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return None;
+        }
+        let record = OwnRecord {
+            file,
+            path: path.to_owned(),
+            made_here: true,
+            kept: true,
+        };
+        Some(
+            crate::file::write_record_over(&record.file, &record.path, holder, shape.len)
+                .map(|()| record),
+        )
     }
 
     /// A parent's record, inherited with its lock (`path`: the lock's, for errors).
@@ -73,6 +139,7 @@ impl OwnRecord {
             file,
             path: path.to_owned(),
             made_here: false,
+            kept: false,
         }
     }
 
@@ -107,10 +174,10 @@ impl Drop for OwnRecord {
             return;
         }
         // Unlocked first: from now on it counts for nothing, also where a child holds
-        // a copy of the descriptor. Then removed, which wakes the waiters (their watch
-        // sees the name go).
+        // a copy of the descriptor. Then removed (a kept one only closed), which wakes
+        // the waiters: their watch sees the name go, or the file closed after writing.
         self.unlock();
-        if same_file(&self.file, &self.path) {
+        if !self.kept && same_file(&self.file, &self.path) {
             let _ = fs::remove_file(&self.path);
         }
     }
@@ -146,7 +213,9 @@ pub(crate) fn live(
             continue;
         };
         if !probe_held(&file) {
-            if meta.uid() == crate::owner::euid() {
+            // A dead record of this user's goes, but not a kept one: its holder may be
+            // taking it again right now.
+            if meta.uid() == crate::owner::euid() && !name.contains(".user-") {
                 let _ = fs::remove_file(&path);
             }
             continue;

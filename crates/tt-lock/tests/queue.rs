@@ -347,13 +347,14 @@ fn a_waiter_killed_in_the_middle_leaves_the_queue_by_itself() {
     scene.until("a and c served", |s| s.granted().len() == 2);
     assert_eq!(scene.names_granted(), ["a", "c"]);
     scene.finish();
-    // The dead ticket was this user's: removed, nothing left but the lock files (and
-    // the usage log).
+    // The dead ticket was this user's: removed, nothing left but the lock files, the
+    // holder record this user keeps for the GPU, and the usage log.
     let left: Vec<String> = std::fs::read_dir(scene.dir.path())
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| !n.ends_with(".lock") && !n.starts_with(tt_lock::USAGE_PREFIX))
+        .filter(|n| !(n.starts_with("held-") && n.contains(".user-")))
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }

@@ -61,6 +61,19 @@ fn child() {
             println!("@@{}@@", if lock.is_ok() { "granted" } else { "timeout" });
         }
         "vandal" => vandalize(&dir),
+        // The name root keeps its GPU 5 record under, taken first, claiming root.
+        "squat" => {
+            let mut claim = Holder::current();
+            claim.user = "root".into();
+            let path = dir.join("held-gpu-5.user-0.json");
+            std::fs::write(&path, serde_json::to_string(&claim).unwrap() + "\n").unwrap();
+            let file = std::fs::File::open(&path).unwrap();
+            // SAFETY: the fd is open for the call.
+            let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) };
+            assert_eq!(rc, 0);
+            println!("@@squatted@@");
+            let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -402,4 +415,34 @@ fn under_umask_077_a_share_beside_another_users_is_counted_and_a_ticket_is_seen(
     assert_eq!(lines_until(&mut waiter, ""), ["granted"]);
     waiter.wait().unwrap();
     drop(share);
+}
+
+/// Another user who takes first the name under which root keeps its holder record for
+/// a GPU (and locks it, as a live record is) changes nothing: root's lock writes a
+/// record of its own, the views name root's process, and the squatted file is reported.
+#[test]
+fn a_record_name_taken_first_by_another_user_is_neither_used_nor_believed() {
+    if !second_user_possible() {
+        return;
+    }
+    let _turn = UMASK.lock().unwrap_or_else(|e| e.into_inner());
+    let shared = Shared::new();
+    let mut squatter = shared.as_nobody("squat", 0o022);
+    assert_eq!(lines_until(&mut squatter, "squatted"), ["squatted"]);
+    let lock = shared
+        .dir
+        .lock(&GpuKey::Index(5), Wait::Try, Holder::current())
+        .unwrap();
+    let states = shared.dir.list().unwrap();
+    let holder = states[0].holder.as_ref().unwrap();
+    assert_eq!(holder.pid, std::process::id(), "{states:?}");
+    let ignored = shared.dir.ignored().unwrap();
+    assert_eq!(ignored.len(), 1, "{ignored:?}");
+    assert!(
+        ignored[0].path.ends_with("held-gpu-5.user-0.json"),
+        "{ignored:?}"
+    );
+    drop(lock);
+    drop(squatter.stdin.take());
+    squatter.wait().unwrap();
 }
