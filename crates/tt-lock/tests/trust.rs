@@ -15,7 +15,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use tt_device::Bytes;
-use tt_lock::{Error, GpuKey, Holder, LockDir, Wait};
+use tt_lock::{GpuKey, Holder, LockDir, Wait};
 
 const ROLE: &str = "TT_TRUST_TEST_ROLE";
 const DIR: &str = "TT_TRUST_TEST_DIR";
@@ -134,10 +134,8 @@ fn vandalize(dir: &Path) {
         std::fs::write(&path, text + "\n").unwrap();
         let file = std::fs::File::open(&path).unwrap();
         // SAFETY: the fd is open for the call.
-        assert_eq!(
-            unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) },
-            0
-        );
+        let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) };
+        assert_eq!(rc, 0);
         forged.push(file);
     };
     place(
