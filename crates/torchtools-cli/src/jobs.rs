@@ -199,38 +199,47 @@ fn default_log_dir() -> Result<PathBuf> {
     Ok(PathBuf::from(home).join(".local/state/torchtools/logs"))
 }
 
-/// `argv` without `--detach` and `--log-dir DIR` (before a `--`): the command the job
-/// runs.
-pub(crate) fn without_detach(argv: &[OsString]) -> Vec<OsString> {
+/// `argv` without torchtools' own `--detach` and `--log-dir DIR`: the command the job
+/// runs. `command` is how many of `argv`'s last words are the user's command (clap's
+/// parsed command, which is `argv`'s tail word for word): nothing of it is touched, so
+/// a script's own `--detach` or `--log-dir` reaches it, also where `launch` takes the
+/// script without a `--` (torchrun's form).
+pub(crate) fn without_detach(argv: &[OsString], command: usize) -> Vec<OsString> {
+    let head = argv.len().saturating_sub(command);
     let mut out = Vec::with_capacity(argv.len());
     let mut i = 0;
-    let mut after_dashes = false;
-    while i < argv.len() {
+    while i < head {
         let a = &argv[i];
-        if !after_dashes {
-            if a == "--" {
-                after_dashes = true;
-            } else if a == "--detach" {
-                i += 1;
-                continue;
-            } else if a == "--log-dir" {
-                i += 2;
-                continue;
-            } else if a.to_string_lossy().starts_with("--log-dir=") {
-                i += 1;
-                continue;
-            }
+        if a == "--" {
+            break;
+        } else if a == "--detach" {
+            i += 1;
+            continue;
+        } else if a == "--log-dir" {
+            i += 2;
+            continue;
+        } else if a.to_string_lossy().starts_with("--log-dir=") {
+            i += 1;
+            continue;
         }
         out.push(a.clone());
         i += 1;
     }
+    out.extend_from_slice(&argv[i.min(argv.len())..]);
     out
 }
 
-/// Starts the command line `argv` (this process's own arguments) as a detached job.
-pub(crate) fn detach(args: &DetachArgs, argv: &[OsString]) -> Result<ExitCode> {
+/// Starts the command line `argv` (this process's own arguments) as a detached job;
+/// its last `command` words are the user's command (see [`without_detach`]).
+pub(crate) fn detach(args: &DetachArgs, argv: &[OsString], command: usize) -> Result<ExitCode> {
     let log_dir = match &args.log_dir {
-        Some(d) => d.clone(),
+        // Absolute in the job's record: `logs` may be run from another directory.
+        Some(d) => std::path::absolute(d).map_err(|e| {
+            Exit(
+                2,
+                format!("--log-dir {}: cannot resolve it: {e}", d.display()),
+            )
+        })?,
         None => default_log_dir()?,
     };
     fs::create_dir_all(&log_dir).map_err(|e| {
@@ -258,7 +267,7 @@ pub(crate) fn detach(args: &DetachArgs, argv: &[OsString]) -> Result<ExitCode> {
             )
         })?;
     let err = out.try_clone()?;
-    let command = without_detach(&argv[1..]);
+    let command = without_detach(argv.get(1..).unwrap_or_default(), command);
     let exe = std::env::current_exe().context("finding this program")?;
     let mut keeper = Command::new(&exe);
     keeper
@@ -689,7 +698,8 @@ mod tests {
 
     #[test]
     fn the_job_runs_the_command_line_without_detach() {
-        let argv: Vec<OsString> = [
+        let words = |w: &[&str]| w.iter().map(OsString::from).collect::<Vec<_>>();
+        let argv = words(&[
             "reserve",
             "--detach",
             "--log-dir",
@@ -699,19 +709,42 @@ mod tests {
             "--",
             "sh",
             "--detach",
-        ]
-        .map(OsString::from)
-        .to_vec();
+        ]);
         assert_eq!(
-            without_detach(&argv),
-            ["reserve", "--gpu", "0", "--", "sh", "--detach"].map(OsString::from)
+            without_detach(&argv, 2),
+            words(&["reserve", "--gpu", "0", "--", "sh", "--detach"])
         );
-        let argv: Vec<OsString> = ["launch", "--log-dir=/x", "--detach", "train.py"]
-            .map(OsString::from)
-            .to_vec();
+        let argv = words(&["launch", "--log-dir=/x", "--detach", "train.py"]);
+        assert_eq!(without_detach(&argv, 1), words(&["launch", "train.py"]));
+        // torchrun's form: the script's own options after it are the script's, whatever
+        // their names (the bug: `--log-dir out --detach` were taken for ours).
+        let argv = words(&[
+            "launch",
+            "--detach",
+            "--nproc-per-node",
+            "1",
+            "argv.py",
+            "--log-dir",
+            "out",
+            "--detach",
+            "x",
+            "--",
+            "--log-dir=y",
+        ]);
         assert_eq!(
-            without_detach(&argv),
-            ["launch", "train.py"].map(OsString::from)
+            without_detach(&argv, 7),
+            words(&[
+                "launch",
+                "--nproc-per-node",
+                "1",
+                "argv.py",
+                "--log-dir",
+                "out",
+                "--detach",
+                "x",
+                "--",
+                "--log-dir=y",
+            ])
         );
     }
 }

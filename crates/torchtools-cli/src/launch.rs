@@ -230,6 +230,12 @@ impl LaunchArgs {
         })
     }
 
+    /// How many of the command line's last words are the user's command (the program
+    /// or script and its arguments).
+    pub(crate) fn command_len(&self) -> usize {
+        self.command.len()
+    }
+
     /// The program and its arguments, as torchrun would run them; a script that is not
     /// there is refused before any rank starts (127, as a command not found).
     fn program(&self) -> std::result::Result<Vec<OsString>, Exit> {

@@ -537,7 +537,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             command,
         } => {
             if detach.detach {
-                return jobs::detach(&detach, &std::env::args_os().collect::<Vec<_>>());
+                return jobs::detach(
+                    &detach,
+                    &std::env::args_os().collect::<Vec<_>>(),
+                    command.len(),
+                );
             }
             reserve::reserve(reservation.request(bytes, command))
         }
@@ -555,7 +559,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => top::top(once, json, compact),
         Command::Launch(args) => {
             if let Some(detach) = args.detached() {
-                return jobs::detach(&detach, &std::env::args_os().collect::<Vec<_>>());
+                let argv: Vec<OsString> = std::env::args_os().collect();
+                return jobs::detach(&detach, &argv, args.command_len());
             }
             launch::launch(*args)
         }
@@ -583,7 +588,11 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             command,
         } => {
             if detach.detach {
-                return jobs::detach(&detach, &std::env::args_os().collect::<Vec<_>>());
+                return jobs::detach(
+                    &detach,
+                    &std::env::args_os().collect::<Vec<_>>(),
+                    command.len(),
+                );
             }
             let bytes = match bytes {
                 Some(b) => b,

@@ -560,3 +560,58 @@ fn forged_and_damaged_job_records_are_said_and_a_planted_symlink_is_not_followed
         .unwrap()
         .is_symlink());
 }
+
+/// A script's own `--detach`, `--log-dir`, `--` and `=` forms reach it unchanged,
+/// detached or not: `launch` takes the program without a `--` (torchrun's form), and
+/// only the options before it are torchtools'.
+#[test]
+fn a_detached_launch_passes_the_programs_own_options_unchanged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let own = [
+        "--log-dir",
+        "out",
+        "--detach",
+        "x",
+        "--",
+        "--log-dir=y",
+        "--detach=z",
+    ];
+    let launch = |detach: bool| {
+        let mut args = vec!["launch"];
+        if detach {
+            args.extend(["--detach", "--log-dir", "logs"]);
+        }
+        args.extend([
+            "--nproc-per-node",
+            "1",
+            "sh",
+            "-c",
+            "echo args: \"$*\"",
+            "sh",
+        ]);
+        args.extend(own);
+        args.into_iter().map(str::to_owned).collect::<Vec<_>>()
+    };
+    let expected = format!("[rank0]: args: {}", own.join(" "));
+    let attached = ok(tt(dir)
+        .current_dir(dir)
+        .args(launch(false))
+        .output()
+        .unwrap());
+    assert!(attached.contains(&expected), "{attached}");
+    let id = ok(tt(dir)
+        .current_dir(dir)
+        .args(launch(true))
+        .output()
+        .unwrap())
+    .trim()
+    .to_owned();
+    until("the detached launch ended", || {
+        job(dir, &id)["status"] != serde_json::Value::Null
+    });
+    assert_eq!(job(dir, &id)["status"], 0);
+    let log = ok(tt(dir).args(["logs", &id]).output().unwrap());
+    assert!(log.contains(&expected), "{log}");
+    assert!(dir.join("logs").join(format!("{id}.log")).is_file());
+}
