@@ -86,13 +86,16 @@ fn python_child(script: &str) -> std::process::Child {
         .unwrap()
 }
 
-/// The child side: spike, report its own high-water mark, wait for stdin to close.
+/// The child side: on a line from stdin, spike, report its own high-water mark, wait
+/// for stdin to close.
 #[test]
 #[ignore = "a child process's entry point, run by the descendant-spike test"]
 fn child() {
     if std::env::var(ROLE).as_deref() != Ok("spike") {
         return;
     }
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go).unwrap();
     spike(std::env::var("MIB").unwrap().parse().unwrap());
     println!("\n@@hwm={}@@", vm_hwm());
     std::io::stdout().flush().unwrap();
@@ -116,10 +119,23 @@ fn within(reported: f64, truth: u64, tolerance: f64) -> bool {
     (reported - truth as f64).abs() <= truth as f64 * tolerance
 }
 
+/// The tracker of a process sees its children's exact peaks (their own high-water
+/// marks, as they exit). Run in a test process of its own: the tests beside it in this
+/// binary start children of this process too, and the tracker rightly counts them as
+/// descendants (a Python of 58 MB once: "descendants 329580544 vs the child's own VmHWM
+/// 271695872", 1 fresh-clone run in 7).
 #[test]
 fn a_50ms_spike_in_a_descendant_is_exact_at_a_1s_interval() {
+    if std::env::var(ROLE).as_deref() != Ok("alone") {
+        let out = tt_testkit::rerun("a_50ms_spike_in_a_descendant_is_exact_at_a_1s_interval")
+            .env(ROLE, "alone")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        tt_testkit::assert_ran_one(&out);
+        return;
+    }
     tt_testkit::hang::within(HANG, "the descendant spike test", || {
-        let _turn = THIS_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
         let started = std::time::Instant::now();
         let tracker = Tracker::start(config(Duration::from_secs(1))).unwrap();
         let mut child = tt_testkit::rerun("child")
@@ -129,6 +145,8 @@ fn a_50ms_spike_in_a_descendant_is_exact_at_a_1s_interval() {
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"go\n").unwrap();
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         let truth: u64 = loop {
@@ -142,7 +160,7 @@ fn a_50ms_spike_in_a_descendant_is_exact_at_a_1s_interval() {
         // sample after its report (two more: the first may have begun before it), then
         // exits. Waiting on the tracker's own count holds on a busy machine.
         wait_for_samples(&tracker, tracker.samples() + 2);
-        drop(child.stdin.take());
+        drop(stdin);
         child.wait().unwrap();
         let usage = tracker.stop().unwrap();
         let r = &usage.max_ram;
