@@ -21,7 +21,7 @@ pub struct LockDir {
     origin: Origin,
     /// The usage log, opened for appending at its first record and kept (each record is
     /// then one `write`).
-    pub(crate) usage_log: std::sync::Arc<std::sync::OnceLock<Option<crate::usage::OwnLog>>>,
+    pub(crate) usage_log: std::sync::Arc<std::sync::OnceLock<Option<crate::file::OwnLog>>>,
     /// A handle on the directory kept open for listing it (see [`LockDir::names`]).
     listing: std::sync::Arc<std::sync::Mutex<Option<nix::dir::Dir>>>,
     /// Whether the queue is known to be empty without listing the directory (see

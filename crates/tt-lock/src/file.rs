@@ -10,6 +10,15 @@ use std::path::Path;
 
 use crate::Holder;
 
+/// This user's usage log, open for appending (see `usage.rs`).
+#[derive(Debug)]
+pub(crate) struct OwnLog {
+    pub(crate) file: File,
+    /// The log does not end with a newline (a record cut short, by this process or
+    /// an earlier one): the next record starts with one, so that it is read whole.
+    pub(crate) cut: std::sync::atomic::AtomicBool,
+}
+
 /// Opens a file of the lock directory to read it: never through a symbolic link, never
 /// blocking on a FIFO, and only a regular file; `None` otherwise (or when it vanished).
 pub(crate) fn open_to_read(path: &Path) -> Option<(File, std::fs::Metadata)> {

@@ -1,4 +1,3 @@
-use std::ffi::CStr;
 use std::fmt;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -188,34 +187,6 @@ fn user_name() -> String {
     crate::owner::name_of_uid(crate::owner::euid())
 }
 
-/// The user name of `uid` from the password database (`getpwuid_r`), as holder records
-/// and `torchtools top` show users; `None` when the database has no entry.
-pub fn user_name_of(uid: u32) -> Option<String> {
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: an all-zero passwd is a valid value for getpwuid_r to overwrite.
-    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut result: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: every pointer is valid for the call; buf outlives the use of pwd's strings.
-    let rc = unsafe {
-        libc::getpwuid_r(
-            uid,
-            &mut pwd,
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            &mut result,
-        )
-    };
-    if rc != 0 || result.is_null() || pwd.pw_name.is_null() {
-        return None;
-    }
-    // SAFETY: getpwuid_r succeeded, so pw_name is a NUL-terminated string inside buf.
-    Some(
-        unsafe { CStr::from_ptr(pwd.pw_name) }
-            .to_string_lossy()
-            .into_owned(),
-    )
-}
-
 fn host_name() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: buf is writable for its length. (A name cut at its end may lack the NUL:
@@ -255,6 +226,7 @@ mod tests {
 #[cfg(test)]
 mod display_tests {
     use super::*;
+    use crate::owner::user_name_of;
 
     #[test]
     fn utc_dates_are_the_calendars() {

@@ -4,6 +4,7 @@
 //! when the user it names is the file's owner. (A leaf: every reader uses it.)
 
 use std::collections::HashMap;
+use std::ffi::CStr;
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -55,8 +56,36 @@ fn known_name(uid: u32) -> Option<String> {
     names
         .get_or_insert_with(HashMap::new)
         .entry(uid)
-        .or_insert_with(|| crate::holder::user_name_of(uid))
+        .or_insert_with(|| user_name_of(uid))
         .clone()
+}
+
+/// The user name of `uid` from the password database (`getpwuid_r`), as holder records
+/// and `torchtools top` show users; `None` when the database has no entry.
+pub fn user_name_of(uid: u32) -> Option<String> {
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: an all-zero passwd is a valid value for getpwuid_r to overwrite.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut result: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call; buf outlives the use of pwd's strings.
+    let rc = unsafe {
+        libc::getpwuid_r(
+            uid,
+            &mut pwd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut result,
+        )
+    };
+    if rc != 0 || result.is_null() || pwd.pw_name.is_null() {
+        return None;
+    }
+    // SAFETY: getpwuid_r succeeded, so pw_name is a NUL-terminated string inside buf.
+    Some(
+        unsafe { CStr::from_ptr(pwd.pw_name) }
+            .to_string_lossy()
+            .into_owned(),
+    )
 }
 
 /// Whether a record claiming `claims`, in a file owned by `owner_uid`, is believed:

@@ -16,7 +16,7 @@
 //! line and goes on.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::{File, OpenOptions, Permissions};
+use std::fs::{OpenOptions, Permissions};
 use std::io::Write;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
@@ -128,14 +128,7 @@ pub struct UsageLog {
     pub ignored: Vec<Ignored>,
 }
 
-/// This process's log, open for appending (see [`LockDir::record`]).
-#[derive(Debug)]
-pub(crate) struct OwnLog {
-    file: File,
-    /// The log does not end with a newline (a record cut short, by this process or
-    /// an earlier one): the next record starts with one, so that it is read whole.
-    cut: AtomicBool,
-}
+use crate::file::OwnLog;
 
 pub(crate) fn now_unix() -> f64 {
     SystemTime::now()
