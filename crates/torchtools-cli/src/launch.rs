@@ -275,24 +275,22 @@ impl LaunchArgs {
     }
 
     fn ranks(&self) -> std::result::Result<usize, Exit> {
-        let gpus = || -> usize {
-            let visible = match std::env::var("CUDA_VISIBLE_DEVICES") {
-                Ok(v) => tt_device::CudaVisibleDevices::parse(&v)
-                    .unwrap_or(tt_device::CudaVisibleDevices::List(Vec::new())),
-                Err(_) => tt_device::CudaVisibleDevices::Unset,
-            };
-            tt_device::Inventory::query().visible(&visible).len()
+        // A bad value is an error here as in the reservation, never "no GPU".
+        let gpus = || -> std::result::Result<usize, Exit> {
+            let visible =
+                tt_device::CudaVisibleDevices::from_env().map_err(|e| Exit(2, e.to_string()))?;
+            Ok(tt_device::Inventory::query().visible(&visible).len())
         };
         let cpus = || tt_device::CpuBudget::query().online.max(1);
         Ok(match self.nproc_per_node {
             Nproc::Count(n) => n,
             Nproc::Cpu => cpus(),
-            Nproc::Auto => match gpus() {
+            Nproc::Auto => match gpus()? {
                 0 => cpus(),
                 n => n,
             },
             Nproc::Gpu => {
-                match gpus() {
+                match gpus()? {
                     0 => return Err(Exit(
                         2,
                         "--nproc-per-node gpu: no GPU is visible (NVML, CUDA_VISIBLE_DEVICES); \

@@ -165,6 +165,31 @@ fn too_many_ranks_are_refused_before_any_starts() {
     assert!(!marker.exists(), "a rank started");
 }
 
+/// A `CUDA_VISIBLE_DEVICES` that CUDA would misread is the same error for `launch` as
+/// for `reserve` (it used to count as "no GPU": `auto` then ran CPU ranks), and nothing
+/// starts.
+#[test]
+fn a_bad_cuda_visible_devices_is_refused_by_launch_before_any_rank_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("started");
+    for nproc in ["auto", "gpu"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_torchtools"))
+            .args(["launch", "--nproc-per-node", nproc, "--", "touch"])
+            .arg(&marker)
+            .env("CUDA_VISIBLE_DEVICES", "0,x")
+            .env_remove("TORCHTOOLS_HELD_LOCKS")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{nproc}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("CUDA_VISIBLE_DEVICES=\"0,x\" has the entry \"x\""),
+            "{nproc}: {err}"
+        );
+        assert!(!marker.exists(), "a rank started");
+    }
+}
+
 /// A command that cannot start exits as in a shell and the other commands: 127 when it
 /// is not found (a script too), 126 when it is not executable; a `.py` script runs with
 /// Python, as under torchrun.

@@ -95,6 +95,17 @@ pub enum CudaVisibleDevices {
 }
 
 impl CudaVisibleDevices {
+    /// This process's `CUDA_VISIBLE_DEVICES`, parsed ([`CudaVisibleDevices::parse`]):
+    /// the one reading of it that every part (the reservation, the launcher, the device
+    /// choice) shares, so that a bad value is the same error everywhere, never a GPU
+    /// silently hidden.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var_os("CUDA_VISIBLE_DEVICES") {
+            None => Ok(CudaVisibleDevices::Unset),
+            Some(v) => CudaVisibleDevices::parse(&v.to_string_lossy()),
+        }
+    }
+
     /// Parses a value of `CUDA_VISIBLE_DEVICES`. Entries CUDA would silently stop
     /// at (anything but an integer or a `GPU-`/`MIG-` UUID) are errors.
     pub fn parse(value: &str) -> Result<Self> {
