@@ -19,7 +19,7 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -70,11 +70,7 @@ pub(crate) struct Job {
     pub(crate) status: Option<i32>,
 }
 
-fn now_unix() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
+use tt_device::now_unix;
 
 fn boot_id() -> String {
     fs::read_to_string("/proc/sys/kernel/random/boot_id")
@@ -352,10 +348,7 @@ pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
         }
     };
     use std::os::unix::process::ExitStatusExt;
-    let code = status
-        .code()
-        .or_else(|| status.signal().map(|s| 128 + s))
-        .unwrap_or(1);
+    let code = tt_device::shell_status(status.code(), status.signal());
     job.ended_unix = Some(now_unix());
     job.status = Some(code);
     save(&records, &job)?;

@@ -12,7 +12,7 @@ use tt_reserve::ReserveOptions;
 use crate::child::{self, Exit};
 
 /// Exit status when the GPUs stay locked past `--timeout` (sysexits' EX_TEMPFAIL).
-pub(crate) const EXIT_LOCKED: u8 = 75;
+pub(crate) const EXIT_LOCKED: u8 = tt_device::EX_TEMPFAIL as u8;
 /// What `reserve` was asked for.
 pub(crate) struct Request {
     pub(crate) gpus: Vec<GpuSpec>,
@@ -203,10 +203,10 @@ pub(crate) fn queue(json: bool) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Whole seconds since the Unix epoch ([`tt_device::now_unix`]), as the queue's
+/// records count them.
 pub(crate) fn now_unix() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    tt_device::now_unix() as u64
 }
 
 /// The queue as a table, one line per request.

@@ -74,3 +74,38 @@ mod tests {
         assert_eq!(in_a_pid_namespace(), inode != super::INITIAL_PID_NAMESPACE);
     }
 }
+
+/// Seconds since the Unix epoch, now (0 on a clock set before 1970): the one clock the
+/// usage records, jobs and reports share.
+pub fn now_unix() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// The status a shell gives a process that ended with exit `code` or by `signal`: the
+/// code, 128 + the signal's number, else 1. The one rule behind every exit status the
+/// command passes on (a launch's, a job's, a tracked command's).
+pub fn shell_status(code: Option<i32>, signal: Option<i32>) -> i32 {
+    match (code, signal) {
+        (Some(c), _) => c,
+        (None, Some(s)) => 128 + s,
+        (None, None) => 1,
+    }
+}
+
+/// Sysexits' `EX_TEMPFAIL` (75), "try again later": the status of a job that stopped
+/// to come back (a preempted rank after its checkpoint) and of a request that gave up
+/// waiting for its GPUs (`--timeout`).
+pub const EX_TEMPFAIL: i32 = 75;
+
+#[cfg(test)]
+mod status_tests {
+    #[test]
+    fn the_status_is_the_code_else_128_plus_the_signal_else_1() {
+        assert_eq!(super::shell_status(Some(3), None), 3);
+        assert_eq!(super::shell_status(None, Some(9)), 137);
+        assert_eq!(super::shell_status(None, None), 1);
+        assert!(super::now_unix() > 1.7e9);
+    }
+}

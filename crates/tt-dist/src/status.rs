@@ -7,7 +7,7 @@ use std::process::ExitStatus;
 /// scheduler) after writing its checkpoint: sysexits' `EX_TEMPFAIL` (75), "try again".
 /// The launcher neither counts it as a failure (no other rank is killed, no restart)
 /// nor hides it: it becomes the launch's status, so a scheduler can requeue the job.
-pub const EXIT_PREEMPTED: i32 = 75;
+pub const EXIT_PREEMPTED: i32 = tt_device::EX_TEMPFAIL;
 
 /// How a preempted rank is said.
 pub(crate) const PREEMPTED: &str = "was preempted (checkpoint written)";
@@ -15,10 +15,11 @@ pub(crate) const PREEMPTED: &str = "was preempted (checkpoint written)";
 /// A rank's end as the launch's exit status (128 + the signal when killed) and in words.
 pub(crate) fn describe(status: ExitStatus) -> (i32, String) {
     use std::os::unix::process::ExitStatusExt;
+    let code = tt_device::shell_status(status.code(), status.signal());
     match (status.code(), status.signal()) {
-        (Some(c), _) => (c, format!("exited with status {c}")),
-        (None, Some(s)) => (128 + s, format!("was {}", signal_words(s))),
-        _ => (1, "ended abnormally".into()),
+        (Some(c), _) => (code, format!("exited with status {c}")),
+        (None, Some(s)) => (code, format!("was {}", signal_words(s))),
+        _ => (code, "ended abnormally".into()),
     }
 }
 

@@ -145,7 +145,7 @@ impl Drop for GpuLock {
         if let (Some(dir), Some(id)) = (&self.dir, &self.holder.usage) {
             dir.record(&crate::usage::UsageEvent::End {
                 id: id.clone(),
-                time: crate::usage::now_unix(),
+                time: tt_device::now_unix(),
                 status: self.status,
                 lost: false,
             });

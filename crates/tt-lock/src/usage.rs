@@ -130,11 +130,7 @@ pub struct UsageLog {
 
 use crate::file::OwnLog;
 
-pub(crate) fn now_unix() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
+use tt_device::now_unix;
 
 /// A new record's id: host, PID namespace, pid, GPU and the nanosecond it started.
 pub(crate) fn new_id(holder: &Holder) -> String {

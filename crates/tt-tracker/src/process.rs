@@ -179,11 +179,7 @@ impl Reaped {
 
     /// The status a shell would give: the exit code, 128 + the signal, else 1.
     pub fn exit_code(&self) -> i32 {
-        match (self.code(), self.signal()) {
-            (Some(c), _) => c,
-            (None, Some(s)) => 128 + s,
-            _ => 1,
-        }
+        tt_device::shell_status(self.code(), self.signal())
     }
 }
 

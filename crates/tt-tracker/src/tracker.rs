@@ -2,7 +2,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crate::gpu::Gpus;
 use crate::procfs::{self, Rollup};
@@ -191,11 +191,7 @@ pub struct Block {
     name: String,
 }
 
-fn now_unix() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
+use tt_device::now_unix;
 
 fn push_event(shared: &Shared, name: &str, position: u8) {
     let mut c = shared.control.lock().unwrap_or_else(|e| e.into_inner());
