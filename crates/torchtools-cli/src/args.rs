@@ -10,6 +10,11 @@ pub(crate) fn size(text: &str) -> Result<Bytes, String> {
     text.parse::<Bytes>().map_err(|e| e.to_string())
 }
 
+/// A GPU as users name it: an index, a UUID (or a prefix of one), `cuda:N`, `auto`.
+pub(crate) fn gpu_spec(text: &str) -> Result<tt_lock::GpuSpec, String> {
+    text.parse().map_err(|e: tt_lock::Error| e.to_string())
+}
+
 /// `10m`, `30s`, `1h`, `500ms`, `1.5h`, `2d`, or plain seconds (`90`): tt-device's
 /// parser, the one every option and variable that takes a time uses.
 pub(crate) fn duration(text: &str) -> Result<Duration, String> {

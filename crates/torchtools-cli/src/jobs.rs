@@ -685,6 +685,45 @@ fn session_members(sid: u32) -> Vec<u32> {
         .collect()
 }
 
+/// `jobs`' options.
+#[derive(clap::Args)]
+pub(crate) struct JobsArgs {
+    /// Everyone's jobs, not only yours.
+    #[arg(long)]
+    pub(crate) all: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// `logs`' options.
+#[derive(clap::Args)]
+pub(crate) struct LogsArgs {
+    /// The job.
+    pub(crate) job: String,
+    /// Follow the log while the job runs; end when it ends.
+    #[arg(short, long)]
+    pub(crate) follow: bool,
+}
+
+/// `stop`'s options.
+#[derive(clap::Args)]
+pub(crate) struct StopArgs {
+    /// The job.
+    pub(crate) job: String,
+    /// How long it has to end after SIGTERM.
+    #[arg(long, value_parser = crate::args::duration, default_value = "10s")]
+    pub(crate) grace: std::time::Duration,
+}
+
+/// The keeper's arguments (`job-run ID -- ARGS`).
+#[derive(clap::Args)]
+pub(crate) struct JobRunArgs {
+    pub(crate) id: String,
+    #[arg(last = true)]
+    pub(crate) command: Vec<std::ffi::OsString>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -121,7 +121,7 @@ pub(crate) struct LaunchArgs {
     /// nothing): an index, a UUID, or auto (the free GPUs with the most free memory).
     /// Each rank sees them all in CUDA_VISIBLE_DEVICES and uses cuda:LOCAL_RANK; they
     /// are released when the group ends.
-    #[arg(long, value_delimiter = ',', value_parser = crate::gpu_spec)]
+    #[arg(long, value_delimiter = ',', value_parser = crate::args::gpu_spec)]
     gpu: Option<Vec<tt_lock::GpuSpec>>,
     /// How many GPUs --gpu auto takes (default: one per rank of this node).
     #[arg(long, requires = "gpu", value_parser = clap::value_parser!(u32).range(1..))]

@@ -119,7 +119,7 @@ pub(crate) fn max_batch(
     timeout: Duration,
     steps: u64,
     json: bool,
-    args: &crate::MaxBatchArgs,
+    args: &MaxBatchArgs,
     command: Vec<OsString>,
 ) -> Result<ExitCode> {
     let inventory = Inventory::query();
@@ -196,4 +196,62 @@ pub(crate) fn max_batch(
         println!("max batch: {}", found.batch);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `probe --max-batch` and its options.
+#[derive(clap::Args)]
+pub(crate) struct MaxBatchArgs {
+    /// Predict the largest batch that fits instead: probe the command at up to three
+    /// batch sizes (TORCHTOOLS_PROBE_BATCH), fit memory as a line in the batch, and
+    /// solve it for --capacity, leaving a reservation's headroom (3% + 32 MiB).
+    #[arg(long)]
+    pub(crate) max_batch: bool,
+    /// The first probe's batch (the second runs at twice it).
+    #[arg(long, default_value_t = 2, requires = "max_batch", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) batch_start: u64,
+    /// Never predict more than this batch (e.g. the dataset's size).
+    #[arg(long, requires = "max_batch", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) batch_limit: Option<u64>,
+    /// The memory the run may use (default: the probed GPU's free memory now; without
+    /// a GPU, the system's available memory).
+    #[arg(long, requires = "max_batch", value_parser = crate::args::size)]
+    pub(crate) capacity: Option<tt_device::Bytes>,
+}
+
+/// `probe`'s options.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Run it on this GPU only (index as nvidia-smi shows it, or UUID).
+    #[arg(long, value_parser = crate::args::gpu_spec)]
+    pub(crate) gpu: Option<tt_lock::GpuSpec>,
+    /// Stop it after this long (its peak so far is reported): 30s, 5m.
+    #[arg(long, value_parser = crate::args::duration, default_value = "60s")]
+    pub(crate) timeout: std::time::Duration,
+    /// Steps the command is asked to run (TORCHTOOLS_PROBE_STEPS).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) steps: u64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) max_batch: crate::probe::MaxBatchArgs,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub(crate) command: Vec<std::ffi::OsString>,
+}
+
+/// `torchtools probe` (or `probe --max-batch`).
+pub(crate) fn run(args: Args) -> Result<ExitCode> {
+    if args.max_batch.max_batch {
+        max_batch(
+            args.gpu,
+            args.timeout,
+            args.steps,
+            args.json,
+            &args.max_batch,
+            args.command,
+        )
+    } else {
+        probe(args.gpu, args.timeout, args.steps, args.json, args.command)
+    }
 }

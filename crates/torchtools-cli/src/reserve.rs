@@ -1,12 +1,12 @@
-//! `torchtools reserve` and `torchtools locks`.
+//! `torchtools reserve`, and the reservation `run` and `launch --gpu` take.
 
 use std::ffi::OsString;
 use std::process::{Command, ExitCode};
 use std::time::Duration;
 
 use anyhow::Result;
-use tt_device::{Bytes, Inventory};
-use tt_lock::{GpuKey, GpuSpec, Holder, LockDir};
+use tt_device::Bytes;
+use tt_lock::{GpuSpec, Holder};
 use tt_reserve::ReserveOptions;
 
 use crate::child::{self, Exit};
@@ -142,166 +142,85 @@ pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
     Ok(reservation)
 }
 
-pub(crate) fn locks(json: bool) -> Result<ExitCode> {
-    let dir = LockDir::from_env()?;
-    let inventory = Inventory::query();
-    let states = dir.status(&inventory)?;
-    let ignored = dir.ignored()?;
-    if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::json!({
-                "lock_dir": dir.path(),
-                "nvml": inventory.nvml,
-                "locks": states,
-                "ignored": ignored,
-            }))?
-        );
-        return Ok(ExitCode::SUCCESS);
-    }
-    println!("GPU locks in {}", dir.path().display());
-    if let tt_device::NvmlStatus::Unavailable { reason } = &inventory.nvml {
-        println!("  NVML unavailable ({reason}): locks are keyed by the index given (gpu-N.lock)");
-    }
-    if states.is_empty() {
-        println!("  no GPU and no lock file");
-    }
-    for state in &states {
-        println!("  {state}");
-    }
-    crate::ignored::say(&ignored);
-    Ok(ExitCode::SUCCESS)
-}
-
-/// `torchtools queue`: the requests waiting, first served first.
-pub(crate) fn queue(json: bool) -> Result<ExitCode> {
-    let dir = LockDir::from_env()?;
-    let inventory = Inventory::query();
-    let waiters = dir.queue()?;
-    let now = now_unix();
-    if json {
-        let mut list = Vec::with_capacity(waiters.len());
-        for w in &waiters {
-            let mut value = serde_json::to_value(w)?;
-            if let Some(map) = value.as_object_mut() {
-                map.insert("waiting_s".into(), now.saturating_sub(w.since_unix).into());
-            }
-            list.push(value);
-        }
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::json!({
-                "lock_dir": dir.path(),
-                "waiters": list,
-                "ignored": dir.ignored()?,
-            }))?
-        );
-        return Ok(ExitCode::SUCCESS);
-    }
-    print!("{}", queue_text(&dir, &waiters, &inventory, now));
-    crate::ignored::say(&dir.ignored()?);
-    Ok(ExitCode::SUCCESS)
-}
-
-/// Whole seconds since the Unix epoch ([`tt_device::now_unix`]), as the queue's
-/// records count them.
-pub(crate) fn now_unix() -> u64 {
-    tt_device::now_unix() as u64
-}
-
-/// The queue as a table, one line per request.
-pub(crate) fn queue_text(
-    dir: &LockDir,
-    waiters: &[tt_lock::Waiter],
-    inventory: &Inventory,
-    now: u64,
-) -> String {
-    let mut out = format!(
-        "GPU requests waiting in {} (served first come, first served): {}\n",
-        dir.path().display(),
-        waiters.len()
-    );
-    if waiters.is_empty() {
-        return out;
-    }
-    let rows: Vec<[String; 7]> = waiters
-        .iter()
-        .map(|w| {
-            [
-                w.position.to_string(),
-                w.user.clone(),
-                w.pid.to_string(),
-                age(now.saturating_sub(w.since_unix)),
-                wants_text(&w.wants, |key| {
-                    inventory
-                        .gpus
-                        .iter()
-                        .find(|g| GpuKey::of_uuid(&g.uuid) == *key)
-                        .map(|g| g.nvml_index)
-                }),
-                w.reserved.map_or("-".into(), |b| b.to_string()),
-                w.command.join(" "),
-            ]
-        })
-        .collect();
-    let header = ["#", "user", "pid", "waiting", "wants", "bytes", "command"];
-    let mut widths = header.map(str::len);
-    for row in &rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    let line = |cells: [&str; 7]| {
-        let mut text = String::from(" ");
-        for (i, cell) in cells.iter().enumerate() {
-            if i + 1 == cells.len() {
-                text.push(' ');
-                text.push_str(cell);
-            } else {
-                text.push_str(&format!(" {cell:<w$}", w = widths[i]));
-            }
-        }
-        text.trim_end().to_owned() + "\n"
-    };
-    out.push_str(&line(header));
-    for row in &rows {
-        out.push_str(&line(row.each_ref().map(String::as_str)));
-    }
-    out
-}
-
-/// A wait as `45s`, `3m05s`, `2h07m`.
-pub(crate) fn age(secs: u64) -> String {
-    match secs {
-        0..60 => format!("{secs}s"),
-        60..3600 => format!("{}m{:02}s", secs / 60, secs % 60),
-        _ => format!("{}h{:02}m", secs / 3600, secs / 60 % 60),
-    }
-}
-
-/// What a request waits for, each GPU named as users name it: NVML's index when
-/// `nvml_index` knows it, else its key.
-pub(crate) fn wants_text(
-    wants: &tt_lock::Wants,
-    nvml_index: impl Fn(&GpuKey) -> Option<u32>,
-) -> String {
-    let label = |key: &GpuKey| match (key, nvml_index(key)) {
-        (_, Some(i)) | (&GpuKey::Index(i), None) => format!("GPU {i}"),
-        (GpuKey::Uuid(u), None) => u.clone(),
-    };
-    match wants {
-        tt_lock::Wants::Gpus { gpus } => gpus.iter().map(label).collect::<Vec<_>>().join(" + "),
-        tt_lock::Wants::Auto { count, among } => {
-            format!("auto: {count} of {} GPU(s)", among.len())
-        }
-        tt_lock::Wants::Share { gpu, capacity, .. } => {
-            format!("a share of {} ({capacity})", label(gpu))
-        }
-    }
-}
-
 /// `--margin`'s default: tt-fence's `DEFAULT_SAFETY_MARGIN` (a test checks they agree).
 pub(crate) const DEFAULT_MARGIN: &str = "50MiB";
+
+/// How `reserve` and `run` reserve: everything but the bytes and the command.
+#[derive(clap::Args)]
+pub(crate) struct ReserveArgs {
+    /// The GPU(s): an index as nvidia-smi shows it, a UUID (GPU-..., a prefix is
+    /// enough), or auto (the free GPU(s) with the most free memory). Repeat or
+    /// separate with commas for several.
+    #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = crate::args::gpu_spec)]
+    pub(crate) gpu: Vec<tt_lock::GpuSpec>,
+    /// How many GPUs --gpu auto takes.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) count: Option<u32>,
+    /// Extra memory left free on top of the bytes.
+    #[arg(long, value_parser = crate::args::size, default_value = crate::reserve::DEFAULT_MARGIN)]
+    pub(crate) margin: tt_device::Bytes,
+    /// Take the lock alone, without a memory fence (works without a GPU).
+    #[arg(long)]
+    pub(crate) no_fence: bool,
+    /// Share one GPU with other jobs by memory budget instead of taking it alone:
+    /// --bytes is this job's budget, granted (in the same queue) when it fits beside the
+    /// other sharers' budgets within the GPU's memory; a job that asks for the GPU
+    /// alone waits for every sharer to leave. The memory no sharer budgeted is fenced
+    /// (--no-fence: not); PyTorch's allocator in the command is capped at the budget
+    /// (PYTORCH_CUDA_ALLOC_CONF).
+    #[arg(long)]
+    pub(crate) share: bool,
+    /// With --share: leave PYTORCH_CUDA_ALLOC_CONF alone (for a PyTorch too old to know
+    /// its per_process_memory_fraction option, which it refuses); the command reads its
+    /// share from TORCHTOOLS_SHARE_FRACTION instead.
+    #[arg(long, requires = "share")]
+    pub(crate) no_cap: bool,
+    /// Give up (exit 75) when the GPUs are still locked after this long: 30s, 10m,
+    /// 1h. Default: wait as long as it takes.
+    #[arg(long, value_parser = crate::args::duration)]
+    pub(crate) timeout: Option<std::time::Duration>,
+}
+
+impl ReserveArgs {
+    pub(crate) fn request(
+        self,
+        bytes: Option<tt_device::Bytes>,
+        command: Vec<std::ffi::OsString>,
+    ) -> Request {
+        Request {
+            gpus: self.gpu,
+            count: self.count.map(|c| c as usize),
+            bytes,
+            margin: self.margin,
+            fence: !self.no_fence,
+            share: self.share,
+            cap: !self.no_cap,
+            timeout: self.timeout,
+            command,
+        }
+    }
+}
+
+/// `reserve`'s options: the bytes, the reservation, `--detach`, the command.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Memory the command needs on each GPU: the fence leaves this much (plus
+    /// --margin) free. Sizes: 6GiB, 512MiB, 6G, 1.5GB, bytes.
+    #[arg(long, value_parser = crate::args::size)]
+    pub(crate) bytes: Option<tt_device::Bytes>,
+    #[command(flatten)]
+    pub(crate) reservation: crate::reserve::ReserveArgs,
+    #[command(flatten)]
+    pub(crate) detach: crate::jobs::DetachArgs,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub(crate) command: Vec<std::ffi::OsString>,
+}
+
+/// `torchtools reserve` (attached; `--detach` is decided before).
+pub(crate) fn run(args: Args) -> Result<ExitCode> {
+    reserve(args.reservation.request(args.bytes, args.command))
+}
 
 #[cfg(test)]
 mod tests {

@@ -21,7 +21,7 @@ use serde::Serialize;
 use tt_device::{descends_from, Bytes, GpuBackend, NvmlBackend, NvmlStatus};
 use tt_lock::{utc, GpuKey, Holder, LockDir, Waiter};
 
-use crate::reserve::{age, now_unix, wants_text};
+use crate::queue::{age, now_unix, wants_text};
 
 /// How often the view refreshes.
 const REFRESH: Duration = Duration::from_secs(1);
@@ -715,6 +715,24 @@ fn render_processes(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buff
         .header(Row::new(header).style(Style::default().add_modifier(Modifier::BOLD)))
         .block(block(title))
         .render(area, buf);
+}
+
+/// `top`'s options.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Print one frame as text and exit (for scripts; width from COLUMNS).
+    #[arg(long, conflicts_with = "json")]
+    pub(crate) once: bool,
+    /// Print one snapshot as JSON and exit.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Start in the compact view.
+    #[arg(long)]
+    pub(crate) compact: bool,
+}
+
+pub(crate) fn run(args: Args) -> Result<ExitCode> {
+    top(args.once, args.json, args.compact)
 }
 
 #[cfg(test)]

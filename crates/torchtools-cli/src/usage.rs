@@ -159,6 +159,24 @@ fn text(rows: &[Row], by: By) -> String {
     out
 }
 
+/// `usage`'s options.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Only reservations that ended in this last while (or still run): 7d, 24h, 30m.
+    #[arg(long, value_parser = crate::args::duration)]
+    pub(crate) since: Option<std::time::Duration>,
+    /// Group by user (default) or by GPU.
+    #[arg(long, value_enum, default_value_t = crate::usage::By::User)]
+    pub(crate) by: crate::usage::By,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+pub(crate) fn run(args: Args) -> Result<ExitCode> {
+    usage(args.since, args.by, args.json)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,25 @@
+//! `torchtools devices`: the GPUs NVML sees, and which device the variables select.
+
+use std::process::ExitCode;
+
+/// `devices`' options.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+pub(crate) fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let report = tt_device::DeviceReport::nvml_view();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("{report}");
+    }
+    if let Some(error) = &report.error {
+        eprintln!("torchtools: error: {error}");
+        return Ok(ExitCode::from(crate::EXIT_BAD_ENV));
+    }
+    Ok(ExitCode::SUCCESS)
+}
