@@ -36,13 +36,7 @@ pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
     let mut reservation = take(&req)?;
     let mut cmd = Command::new(&req.command[0]);
     cmd.args(&req.command[1..]);
-    reservation.prepare(&mut cmd);
-    if req.share && !req.cap {
-        match std::env::var_os("PYTORCH_CUDA_ALLOC_CONF") {
-            Some(own) => cmd.env("PYTORCH_CUDA_ALLOC_CONF", own),
-            None => cmd.env_remove("PYTORCH_CUDA_ALLOC_CONF"),
-        };
-    }
+    reservation.prepare_with(&mut cmd, req.cap);
     let running = child::spawn(&mut cmd, &command_text[0])?;
     if let Err(e) = reservation.record_command_pid(running.pid()) {
         tracing::warn!("cannot record the command's pid: {e}");

@@ -557,16 +557,26 @@ impl Reservation {
     /// (an option of recent PyTorch: checked with 2.11), and says the fraction in
     /// [`SHARE_FRACTION_ENV`].
     pub fn prepare(&self, command: &mut Command) {
+        self.prepare_with(command, true);
+    }
+
+    /// [`Reservation::prepare`], with `cap_allocator` false leaving
+    /// `PYTORCH_CUDA_ALLOC_CONF` as it is (for a PyTorch too old to know
+    /// `per_process_memory_fraction`, which it refuses): the command then reads its
+    /// share from [`SHARE_FRACTION_ENV`] (`torchtools reserve --share --no-cap`).
+    pub fn prepare_with(&self, command: &mut Command, cap_allocator: bool) {
         if !self.gpus.is_empty() {
             command.env("CUDA_VISIBLE_DEVICES", self.cuda_visible_devices());
         }
         if let Some(fraction) = self.share_fraction {
             command.env(SHARE_FRACTION_ENV, format!("{fraction:.6}"));
-            let current = std::env::var("PYTORCH_CUDA_ALLOC_CONF").ok();
-            command.env(
-                "PYTORCH_CUDA_ALLOC_CONF",
-                alloc_conf_with_fraction(current.as_deref(), fraction),
-            );
+            if cap_allocator {
+                let current = std::env::var("PYTORCH_CUDA_ALLOC_CONF").ok();
+                command.env(
+                    "PYTORCH_CUDA_ALLOC_CONF",
+                    alloc_conf_with_fraction(current.as_deref(), fraction),
+                );
+            }
         }
         tt_lock::share_with(command, &self.locks);
     }
