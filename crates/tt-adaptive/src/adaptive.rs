@@ -78,9 +78,9 @@ pub enum AdaptiveError<E> {
     NoFit {
         /// The minimum size.
         min: usize,
-        /// The last OOM error (absent when it was a caught panic).
+        /// The last OOM error (absent when it was a caught panic); the message says it.
         last_error: Option<E>,
-        /// Its message.
+        /// What kind of out-of-memory it was, or the caught panic's message.
         message: String,
     },
 }
@@ -89,18 +89,30 @@ impl<E: fmt::Display> fmt::Display for AdaptiveError<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AdaptiveError::Failed(e) => e.fmt(f),
-            AdaptiveError::NoFit { min, message, .. } => write!(
-                f,
-                "out of memory even at the minimum size {min}: {message}; free memory (smaller \
-                 model, other processes) or lower the minimum"
-            ),
+            AdaptiveError::NoFit {
+                min,
+                message,
+                last_error,
+            } => {
+                write!(f, "out of memory even at the minimum size {min}: ")?;
+                // The last error's own words (what it says is its cause: never also
+                // given as `source()`), else the caught panic's message.
+                match last_error {
+                    Some(e) => e.fmt(f)?,
+                    None => f.write_str(message)?,
+                }
+                f.write_str("; free memory (smaller model, other processes) or lower the minimum")
+            }
         }
     }
 }
 
-/// `Failed` is transparent (its source is the error's own source); `NoFit`'s source is
-/// the last out-of-memory error. Error types without `std::error::Error` (a `String`)
-/// still print and match; convert with `.map_err(|e| e.to_string())` to use `?`.
+/// The cause is said once, as everywhere in torchtools: in the message, never also in
+/// `source()`. `Failed` is transparent (its message and source are the error's own);
+/// `NoFit`'s message holds the last out-of-memory error's, and its source is what that
+/// error's own source was (so `{:#}` and error reporters print each cause once). Error
+/// types without `std::error::Error` (a `String`) still print and match; convert with
+/// `.map_err(|e| e.to_string())` to use `?`.
 impl<E: std::error::Error + 'static> std::error::Error for AdaptiveError<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
@@ -108,7 +120,7 @@ impl<E: std::error::Error + 'static> std::error::Error for AdaptiveError<E> {
             AdaptiveError::NoFit {
                 last_error: Some(e),
                 ..
-            } => Some(e),
+            } => e.source(),
             AdaptiveError::NoFit { .. } => None,
         }
     }
