@@ -39,6 +39,15 @@ pub(crate) struct DetachArgs {
     /// ~/.local/state/torchtools/logs).
     #[arg(long, value_name = "DIR", requires = "detach")]
     pub(crate) log_dir: Option<PathBuf>,
+    /// Start only after these jobs have ended, however they ended (ids, unique
+    /// prefixes or `last`; comma-separated or repeated). Meanwhile `jobs` says
+    /// "waiting for job ID", and the job takes its place in the GPU queue only then.
+    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
+    pub(crate) after: Vec<String>,
+    /// Start only after these jobs have ended, and only if every one succeeded (exit
+    /// 0); otherwise the job ends as "cancelled: job ID failed" without running.
+    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
+    pub(crate) after_ok: Vec<String>,
 }
 
 /// A job's record: `job-ID.json` in the lock directory.
@@ -68,6 +77,18 @@ pub(crate) struct Job {
     /// The exit status (128 + a signal's number when killed).
     #[serde(default)]
     pub(crate) status: Option<i32>,
+    /// The jobs it starts after, however they end (`--after`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) after: Vec<String>,
+    /// The jobs it starts after, only if they all succeed (`--after-ok`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) after_ok: Vec<String>,
+    /// While it waits for one of those: that job's id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) waiting_for: Option<String>,
+    /// Why it ended without running ("job ID failed"), when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) cancelled: Option<String>,
 }
 
 use tt_device::now_unix;
@@ -195,8 +216,8 @@ fn default_log_dir() -> Result<PathBuf> {
     Ok(PathBuf::from(home).join(".local/state/torchtools/logs"))
 }
 
-/// `argv` without torchtools' own `--detach` and `--log-dir DIR`: the command the job
-/// runs. `command` is how many of `argv`'s last words are the user's command (clap's
+/// `argv` without torchtools' own `--detach`, `--log-dir DIR`, `--after JOBS` and
+/// `--after-ok JOBS`: the command the job runs. `command` is how many of `argv`'s last words are the user's command (clap's
 /// parsed command, which is `argv`'s tail word for word): nothing of it is touched, so
 /// a script's own `--detach` or `--log-dir` reaches it, also where `launch` takes the
 /// script without a `--` (torchrun's form).
@@ -211,10 +232,16 @@ pub(crate) fn without_detach(argv: &[OsString], command: usize) -> Vec<OsString>
         } else if a == "--detach" {
             i += 1;
             continue;
-        } else if a == "--log-dir" {
+        } else if ["--log-dir", "--after", "--after-ok"]
+            .iter()
+            .any(|o| a == *o)
+        {
             i += 2;
             continue;
-        } else if a.to_string_lossy().starts_with("--log-dir=") {
+        } else if ["--log-dir=", "--after=", "--after-ok="]
+            .iter()
+            .any(|o| a.to_string_lossy().starts_with(o))
+        {
             i += 1;
             continue;
         }
@@ -245,6 +272,14 @@ pub(crate) fn detach(args: &DetachArgs, argv: &[OsString], command: usize) -> Re
         )
     })?;
     let records = records_dir()?;
+    // Every job waited for must exist (another user's may be waited for too: records
+    // are readable by all), before anything starts.
+    let resolve = |ids: &[String]| -> Result<Vec<String>> {
+        ids.iter()
+            .map(|id| find(&records, id).map(|j| j.id))
+            .collect()
+    };
+    let (after, after_ok) = (resolve(&args.after)?, resolve(&args.after_ok)?);
     let started = now_unix();
     let id = format!("{}-{}", started as u64, std::process::id());
     let log = log_dir.join(format!("{id}.log"));
@@ -300,6 +335,10 @@ pub(crate) fn detach(args: &DetachArgs, argv: &[OsString], command: usize) -> Re
         pid: None,
         ended_unix: None,
         status: None,
+        waiting_for: after.iter().chain(&after_ok).next().cloned(),
+        after,
+        after_ok,
+        cancelled: None,
     };
     save(&records, &job)?;
     println!("{id}");
@@ -332,6 +371,14 @@ pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
+    if let Some(failed) = wait_for_dependencies(&records, &mut job)? {
+        job.cancelled = Some(format!("job {failed} failed"));
+        job.waiting_for = None;
+        job.ended_unix = Some(now_unix());
+        save(&records, &job)?;
+        eprintln!("torchtools: job {id} cancelled without running: job {failed} failed");
+        return Ok(ExitCode::from(1));
+    }
     let exe = std::env::current_exe().context("finding this program")?;
     let mut child = Command::new(exe)
         .args(command)
@@ -355,8 +402,53 @@ pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
 }
 
+/// How often a job waiting for others looks at their records.
+const DEPENDENCY_POLL: Duration = Duration::from_millis(200);
+
+/// Waits until every job `job` starts after has ended (saying which one it waits for in
+/// its record); `Some(id)`: an `--after-ok` job that did not succeed (failed, cancelled,
+/// lost), so `job` must not run.
+fn wait_for_dependencies(records: &Path, job: &mut Job) -> Result<Option<String>> {
+    let all: Vec<String> = job.after.iter().chain(&job.after_ok).cloned().collect();
+    loop {
+        let pending = all
+            .iter()
+            .find(|id| load(&record_path(records, id)).is_some_and(|dep| !ended(&dep)));
+        match pending {
+            Some(id) => {
+                if job.waiting_for.as_ref() != Some(id) {
+                    job.waiting_for = Some(id.clone());
+                    save(records, job)?;
+                }
+                std::thread::sleep(DEPENDENCY_POLL);
+            }
+            None => break,
+        }
+    }
+    job.waiting_for = None;
+    save(records, job)?;
+    // A record gone (removed by its owner) counts as a job that did not succeed.
+    Ok(job
+        .after_ok
+        .iter()
+        .find(|id| load(&record_path(records, id)).is_none_or(|dep| outcome(&dep) != 0))
+        .cloned())
+}
+
+/// How an ended job ended, as one status: its exit status; 1 when it was cancelled or
+/// lost (its keeper killed, the machine rebooted).
+fn outcome(job: &Job) -> i32 {
+    match (job.status, &job.cancelled) {
+        (Some(code), _) => code,
+        _ => 1,
+    }
+}
+
 /// A job's state, as `jobs` says it.
 fn state(job: &Job, waiting_pids: &[u32]) -> String {
+    if let Some(why) = &job.cancelled {
+        return format!("cancelled: {why}");
+    }
     if let Some(code) = job.status {
         return match code {
             0 => "finished".into(),
@@ -374,6 +466,9 @@ fn state(job: &Job, waiting_pids: &[u32]) -> String {
     if !alive(job) {
         return "lost (its keeper was killed)".into();
     }
+    if let Some(other) = &job.waiting_for {
+        return format!("waiting for job {other}");
+    }
     match job.pid {
         Some(pid) if waiting_pids.contains(&pid) => "waiting".into(),
         Some(_) => "running".into(),
@@ -390,7 +485,10 @@ fn elsewhere(job: &Job) -> bool {
 /// Whether `job` has ended: its status is recorded, or (in its own PID namespace) its
 /// keeper is gone. From another namespace only the record can say.
 fn ended(job: &Job) -> bool {
-    job.status.is_some() || (!elsewhere(job) && !alive(job))
+    job.status.is_some()
+        || job.cancelled.is_some()
+        || job.boot_id != boot_id()
+        || (!elsewhere(job) && !alive(job))
 }
 
 /// Whether `job`'s keeper still runs: its pid is a `job-run` of this id (a pid alone
@@ -685,15 +783,75 @@ fn session_members(sid: u32) -> Vec<u32> {
         .collect()
 }
 
-/// `jobs`' options.
+/// `jobs`' options, or `jobs wait`.
 #[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub(crate) struct JobsArgs {
+    #[command(subcommand)]
+    pub(crate) wait: Option<JobsCommand>,
     /// Everyone's jobs, not only yours.
     #[arg(long)]
     pub(crate) all: bool,
     /// Print JSON instead of text.
     #[arg(long)]
     pub(crate) json: bool,
+}
+
+/// `jobs wait`.
+#[derive(clap::Subcommand)]
+pub(crate) enum JobsCommand {
+    /// Wait until these jobs have ended; exit with the worst status among them (a
+    /// cancelled or lost job counts as 1).
+    Wait {
+        /// The jobs (ids, unique prefixes, or `last`).
+        #[arg(required_unless_present = "all_mine", conflicts_with = "all_mine")]
+        jobs: Vec<String>,
+        /// Every job of yours that has not ended yet.
+        #[arg(long)]
+        all_mine: bool,
+    },
+}
+
+/// `torchtools jobs` and `jobs wait`.
+pub(crate) fn run(args: JobsArgs) -> Result<ExitCode> {
+    match args.wait {
+        Some(JobsCommand::Wait { jobs, all_mine }) => wait(&jobs, all_mine),
+        None => self::jobs(args.json, args.all),
+    }
+}
+
+/// `torchtools jobs wait`: returns when every job named has ended, with the worst
+/// status (the largest), each job's end said on its line.
+fn wait(ids: &[String], all_mine: bool) -> Result<ExitCode> {
+    let records = records_dir()?;
+    let ids: Vec<String> = if all_mine {
+        all_jobs(&records)?
+            .into_iter()
+            .filter(|j| j.uid == uid() && !ended(j))
+            .map(|j| j.id)
+            .collect()
+    } else {
+        ids.iter()
+            .map(|id| find(&records, id).map(|j| j.id))
+            .collect::<Result<_>>()?
+    };
+    let mut worst = 0;
+    for id in &ids {
+        let job = loop {
+            match load(&record_path(&records, id)) {
+                Some(job) if ended(&job) => break Some(job),
+                Some(_) => std::thread::sleep(DEPENDENCY_POLL),
+                None => break None,
+            }
+        };
+        let (code, said) = match &job {
+            Some(job) => (outcome(job), state(job, &[])),
+            None => (1, "its record is gone".to_owned()),
+        };
+        println!("{id}  {said}");
+        worst = worst.max(code);
+    }
+    Ok(ExitCode::from(u8::try_from(worst).unwrap_or(1)))
 }
 
 /// `logs`' options.
@@ -748,6 +906,22 @@ mod tests {
         );
         let argv = words(&["launch", "--log-dir=/x", "--detach", "train.py"]);
         assert_eq!(without_detach(&argv, 1), words(&["launch", "train.py"]));
+        // The dependencies are the detached job's, not the command's it runs.
+        let argv = words(&[
+            "reserve",
+            "--detach",
+            "--after",
+            "1-2,3-4",
+            "--after-ok=5-6",
+            "--gpu",
+            "0",
+            "--",
+            "sh",
+        ]);
+        assert_eq!(
+            without_detach(&argv, 1),
+            words(&["reserve", "--gpu", "0", "--", "sh"])
+        );
         // torchrun's form: the script's own options after it are the script's, whatever
         // their names (the bug: `--log-dir out --detach` were taken for ours).
         let argv = words(&[

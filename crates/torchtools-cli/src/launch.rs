@@ -71,6 +71,13 @@ pub(crate) struct LaunchArgs {
     /// `torchtools jobs`, `logs`, `stop`).
     #[arg(long)]
     detach: bool,
+    /// With --detach: start only after these jobs have ended (see `reserve --after`).
+    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
+    after: Vec<String>,
+    /// With --detach: start only after these jobs have ended, and only if all succeeded
+    /// (see `reserve --after-ok`).
+    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
+    after_ok: Vec<String>,
     /// Processes on this node: a number, `gpu` (one per visible GPU), `cpu` (one per
     /// CPU) or `auto` (GPUs if there are any, else CPUs).
     #[arg(long = "nproc-per-node", visible_alias = "nproc_per_node", default_value = "1", value_parser = nproc)]
@@ -227,6 +234,8 @@ impl LaunchArgs {
                 .log_dir
                 .as_ref()
                 .map(std::path::PathBuf::from),
+            after: self.after.clone(),
+            after_ok: self.after_ok.clone(),
         })
     }
 

@@ -224,7 +224,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run(args) => run::run(args),
         Command::Launch(args) => launch::launch(*args),
         Command::Locks(args) => locks::run(args),
-        Command::Jobs(args) => jobs::jobs(args.json, args.all),
+        Command::Jobs(args) => jobs::run(args),
         Command::Logs(args) => jobs::logs(&args.job, args.follow),
         Command::Stop(args) => jobs::stop(&args.job, args.grace),
         Command::JobRun(args) => jobs::keep(&args.id, &args.command),

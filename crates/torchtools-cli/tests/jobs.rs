@@ -615,3 +615,85 @@ fn a_detached_launch_passes_the_programs_own_options_unchanged() {
     assert!(log.contains(&expected), "{log}");
     assert!(dir.join("logs").join(format!("{id}.log")).is_file());
 }
+
+/// `--after` and `--after-ok` with real detached jobs: a chain of three runs in order
+/// (each waits as "waiting for job ID" until the one before has ended), `--after-ok`
+/// behind a failure is cancelled without running, a job whose keeper is killed with
+/// `kill -9` counts as ended, and `jobs wait` returns the worst status.
+#[test]
+fn jobs_wait_for_jobs_and_jobs_wait_returns_the_worst_status() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let file = |name: &str| dir.join(name).display().to_string();
+    let job_on = |gpu: &str, after: &[&str], script: &str| {
+        let mut args = vec!["reserve", "--detach"];
+        args.extend(after);
+        args.extend(["--gpu", gpu, "--no-fence", "--", "sh", "-c", script]);
+        detach(dir, &args)
+    };
+    let wait = |args: &[&str]| tt(dir).args(["jobs", "wait"]).args(args).output().unwrap();
+    // A chain: a waits for a file, b after a, c after b; all on different GPUs, so
+    // only the dependencies order them.
+    let order = file("order");
+    let a = job_on(
+        "0",
+        &[],
+        &format!(
+            "while [ ! -e {} ]; do sleep 0.05; done; echo a >> {order}",
+            file("go")
+        ),
+    );
+    let b = job_on("1", &["--after", &a], &format!("echo b >> {order}"));
+    let c = job_on("2", &["--after", &b], &format!("echo c >> {order}"));
+    until("b and c wait for their jobs", || {
+        job(dir, &b)["state"] == format!("waiting for job {a}")
+            && job(dir, &c)["state"] == format!("waiting for job {b}")
+    });
+    std::fs::write(file("go"), "").unwrap();
+    let out = wait(&["--all-mine"]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert_eq!(std::fs::read_to_string(&order).unwrap(), "a\nb\nc\n");
+
+    // --after-ok behind a failure: cancelled, never run; the worst status is 3.
+    let d = job_on("0", &[], "exit 3");
+    let e = job_on(
+        "1",
+        &["--after-ok", &d],
+        &format!("touch {}", file("e-ran")),
+    );
+    let out = wait(&[&e]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(&format!("cancelled: job {d} failed")),
+        "{out:?}"
+    );
+    assert!(!dir.join("e-ran").exists(), "a cancelled job ran");
+    assert_eq!(wait(&[&d, &e]).status.code(), Some(3));
+
+    // A keeper killed with kill -9 (its whole session): its job counts as ended, and
+    // the job after it runs.
+    let f = job_on("2", &[], "sleep 600");
+    let g = job_on("0", &["--after", &f], &format!("touch {}", file("g-ran")));
+    until("f runs", || job(dir, &f)["state"] == "running");
+    let keeper = job(dir, &f)["keeper_pid"].as_i64().unwrap() as i32;
+    // SAFETY: kill(2) of the session (process group) our detached job leads.
+    unsafe { libc::kill(-keeper, libc::SIGKILL) };
+    assert_eq!(wait(&[&g]).status.code(), Some(0));
+    assert!(dir.join("g-ran").exists());
+
+    // A job that does not exist cannot be waited for: refused before anything starts.
+    let out = tt(dir)
+        .args([
+            "reserve",
+            "--detach",
+            "--after",
+            "no-such-job",
+            "--gpu",
+            "0",
+        ])
+        .args(["--no-fence", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no job \"no-such-job\""));
+}
