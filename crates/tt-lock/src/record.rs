@@ -74,10 +74,13 @@ impl OwnRecord {
     /// An exclusive holder's record: the file this user keeps for this GPU,
     /// `held-gpu-<GPU>.user-<UID>.json`, locked and rewritten in place, so that an
     /// uncontended lock changes no directory (a file created, renamed and removed at
-    /// every lock cost it 7x, 4 -> 30 µs). Only one process holds a GPU at a time, so
-    /// the file is free whenever its GPU was; where it is not this user's own (another
-    /// user made a file of that name) or is locked, a record of its own is made
-    /// instead ([`OwnRecord::create`]).
+    /// every lock made it five times slower than Python's bare `flock` in the lock
+    /// bench). Only one process holds a GPU at a time, so the file is free whenever its
+    /// GPU was; where it is not this user's own (another user made a file of that name)
+    /// or is locked, a record of its own is made instead ([`OwnRecord::create`]).
+    /// Between its `flock` and its write, a reader may still see this user's previous
+    /// holding of the GPU for a few microseconds (as a lock file's record could be seen
+    /// before).
     pub(crate) fn holding(dir: &Path, key: &GpuKey, holder: &Holder) -> Result<OwnRecord> {
         let path = dir.join(format!(
             "{}user-{}.json",
