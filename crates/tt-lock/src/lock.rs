@@ -217,7 +217,7 @@ pub fn inheritance(locks: &[GpuLock]) -> (String, Vec<RawFd>) {
 }
 
 impl LockDir {
-    /// Locks one GPU. `holder` is written into the lock file (its `gpu` is filled in).
+    /// Locks one GPU. `holder` is its holder record (its `gpu` and `user` are filled in).
     ///
     /// The request takes its place in the directory's first-come-first-served queue
     /// when it has to wait (see [`LockDir::queue`]): it is granted when the GPU is free

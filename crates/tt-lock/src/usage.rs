@@ -36,7 +36,7 @@ pub const USAGE_PREFIX: &str = "usage-";
 pub enum UsageEvent {
     /// A lock was granted.
     Start {
-        /// The record's id (also in the lock file's holder record while it is held).
+        /// The record's id (also in the holder's record while it is held).
         id: String,
         /// Who: the user...
         user: String,

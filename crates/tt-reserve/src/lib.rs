@@ -32,7 +32,7 @@ pub struct ReserveOptions {
     pub timeout: Option<Duration>,
     /// Raise a memory fence (default); `false` takes the lock alone.
     pub fence: bool,
-    /// The record left in the lock file (default: this process, with
+    /// The holder record every user sees (default: this process, with
     /// `training_reserved_bytes` as the reserved bytes).
     pub holder: Option<Holder>,
     /// Share one GPU with other jobs by memory budget instead of taking it alone:
