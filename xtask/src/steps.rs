@@ -63,29 +63,11 @@ impl Counts {
 }
 
 /// Outcome of one step of a matrix.
-#[derive(Default)]
 pub(crate) struct StepResult {
     pub(crate) name: String,
     pub(crate) ok: bool,
     pub(crate) time: Duration,
     pub(crate) counts: Option<Counts>,
-    /// Each test binary the step ran (`unittests src/lib.rs`, `tests/share.rs`,
-    /// `doc-tests`) and the tests it passed, in order.
-    pub(crate) binaries: Vec<(String, u64)>,
-    /// The `SKIPPED: ...` lines tests printed (a test that chose not to run here, and
-    /// said why): shown apart in the summary, never counted as run.
-    pub(crate) skipped: Vec<String>,
-}
-
-/// The test binary a line of `cargo test`'s output starts: `Running tests/share.rs
-/// (target/...)` gives `tests/share.rs`, `Doc-tests tt_lock` gives `doc-tests`.
-pub(crate) fn binary_of(line: &str) -> Option<String> {
-    let line = line.trim();
-    if let Some(rest) = line.strip_prefix("Running ") {
-        return Some(rest.split(" (").next().unwrap_or(rest).to_owned());
-    }
-    line.starts_with("Doc-tests ")
-        .then(|| "doc-tests".to_owned())
 }
 
 /// Runs `work` in this process as a step of a matrix: its error is printed and the
@@ -104,7 +86,7 @@ pub(crate) fn in_process(name: &str, work: impl FnOnce() -> Result<()>) -> StepR
         name: name.to_owned(),
         ok,
         time: start.elapsed(),
-        ..StepResult::default()
+        counts: None,
     }
 }
 
@@ -156,9 +138,6 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
     let start = Instant::now();
     let mut counts = Counts::default();
     let mut saw_tests = false;
-    let mut binary: Option<String> = None;
-    let mut binaries = Vec::new();
-    let mut skipped = Vec::new();
     let ok = match cmd.stdout(Stdio::piped()).spawn() {
         Ok(mut child) => {
             let _watchdog = watchdog(name, child.id(), STEP_LIMIT);
@@ -171,18 +150,9 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
                     let line = String::from_utf8_lossy(&raw);
                     let line = line.trim_end_matches(['\n', '\r']);
                     println!("{line}");
-                    if let Some(b) = binary_of(line) {
-                        binary = Some(b);
-                    }
-                    if let Some(at) = line.find("SKIPPED:") {
-                        skipped.push(line[at..].to_owned());
-                    }
                     if let Some(c) = Counts::parse_line(line) {
                         counts.add(c);
                         saw_tests = true;
-                        if let Some(b) = binary.take() {
-                            binaries.push((b, c.passed));
-                        }
                     }
                     raw.clear();
                 }
@@ -199,23 +169,14 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
         ok,
         time: start.elapsed(),
         counts: saw_tests.then_some(counts),
-        binaries,
-        skipped,
     }
 }
 
 /// [`run_counted`] for a step that must run tests: one that passed fewer than
 /// `minimum` (a filter that matches nothing, a target left out by its features, tests
 /// lost) fails instead of reading ok. `u64::MAX`: the step has no expected figure yet,
-/// which fails too, saying so. Each of `binaries` (a test binary and its own minimum)
-/// must have run and passed at least that many: a test file that vanished, or stopped
-/// being selected, fails the step even when the others make up the step's count.
-pub(crate) fn run_tests_counted(
-    name: &str,
-    cmd: Command,
-    minimum: u64,
-    binaries: &[(&str, u64)],
-) -> StepResult {
+/// which fails too, saying so.
+pub(crate) fn run_tests_counted(name: &str, cmd: Command, minimum: u64) -> StepResult {
     let mut result = run_counted(name, cmd);
     let passed = result.counts.map_or(0, |c| c.passed);
     if result.ok && (passed == 0 || passed < minimum) {
@@ -226,30 +187,7 @@ pub(crate) fn run_tests_counted(
         }
         result.ok = false;
     }
-    if result.ok {
-        for why in short_binaries(&result.binaries, binaries) {
-            eprintln!("{name}: {why}");
-            result.ok = false;
-        }
-    }
     result
-}
-
-/// The binaries of `expected` that `ran` lacks or that passed fewer than their
-/// minimum, each said.
-pub(crate) fn short_binaries(ran: &[(String, u64)], expected: &[(&str, u64)]) -> Vec<String> {
-    expected
-        .iter()
-        .filter_map(|&(binary, minimum)| {
-            match ran.iter().find(|(b, _)| b == binary).map(|(_, n)| *n) {
-                None => Some(format!("the test binary {binary} did not run")),
-                Some(n) if n < minimum => Some(format!(
-                    "{binary} passed {n} tests, expected at least {minimum}"
-                )),
-                Some(_) => None,
-            }
-        })
-        .collect()
 }
 
 /// Prints the table of a matrix and the closing `N passed, N failed` line.
@@ -277,16 +215,6 @@ pub(crate) fn summarize(title: &str, results: &[StepResult]) -> Counts {
             total.add(c);
         }
     }
-    let skipped: Vec<&String> = results.iter().flat_map(|r| &r.skipped).collect();
-    if !skipped.is_empty() {
-        println!(
-            "\ntests that did not run here, by their own choice ({}):",
-            skipped.len()
-        );
-        for line in &skipped {
-            println!("  {line}");
-        }
-    }
     let failed_steps = results.iter().filter(|r| !r.ok).count() as u64;
     println!(
         "{title}: {} passed, {} failed, {} skipped",
@@ -299,37 +227,7 @@ pub(crate) fn summarize(title: &str, results: &[StepResult]) -> Counts {
 
 #[cfg(test)]
 mod tests {
-    use super::{binary_of, short_binaries, watchdog, Counts};
-
-    #[test]
-    fn each_binary_is_named_from_cargos_lines_and_held_to_its_minimum() {
-        assert_eq!(
-            binary_of("     Running tests/share.rs (target/debug/deps/share-ee15eb3e)").as_deref(),
-            Some("tests/share.rs")
-        );
-        assert_eq!(
-            binary_of("     Running unittests src/lib.rs (target/debug/deps/tt_lock-1)").as_deref(),
-            Some("unittests src/lib.rs")
-        );
-        assert_eq!(
-            binary_of("   Doc-tests tt_lock").as_deref(),
-            Some("doc-tests")
-        );
-        assert_eq!(binary_of("test result: ok. 3 passed"), None);
-        let ran = vec![
-            ("tests/locks.rs".to_owned(), 25),
-            ("tests/trust.rs".to_owned(), 2),
-        ];
-        assert!(short_binaries(&ran, &[("tests/locks.rs", 25), ("tests/trust.rs", 2)]).is_empty());
-        // A file that vanished, or lost tests, fails however many the others passed.
-        assert_eq!(
-            short_binaries(&ran, &[("tests/share.rs", 3), ("tests/trust.rs", 3)]),
-            [
-                "the test binary tests/share.rs did not run",
-                "tests/trust.rs passed 2 tests, expected at least 3"
-            ]
-        );
-    }
+    use super::{watchdog, Counts};
     use std::time::{Duration, Instant};
 
     #[test]
