@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 
 mod common;
@@ -29,6 +30,7 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
     let mut held = torchtools(&dir)
         .args(["reserve", "--gpu", "0", "--no-fence", "--"])
         .args(["sh", "-c", "umask 077; echo ready; exec sleep 600"])
+        .process_group(0)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -52,6 +54,7 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
     );
     let mut forger = as_nobody("sh")
         .args(["-c", &forge])
+        .process_group(0)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -113,8 +116,11 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
     assert_eq!(out.status.code(), Some(75), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains(&format!("pid {root_pid} (root@")), "{err}");
+    // Each group whole (torchtools and its command; runuser and the forger's shell,
+    // flocks and sleep): nothing of the test outlives it.
     for mut child in [held, forger] {
-        let _ = child.kill();
+        // SAFETY: kill(2) of a process group this test started.
+        unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
         let _ = child.wait();
     }
 }
