@@ -192,16 +192,19 @@ fn read_record(path: &Path) -> Record {
         Ok(job) => job,
         Err(e) => return Record::Damaged(format!("{}: {e}", path.display())),
     };
+    // The user it names must own the file (tt-lock's rule), and so must its uid.
     let owner = meta.uid();
-    if job.uid != owner || job.user != tt_lock::name_of_uid(owner) {
-        return Record::Ignored(tt_lock::Ignored {
-            path: path.to_owned(),
-            owner_uid: owner,
-            owner: tt_lock::user_name_of(owner),
-            claims: job.user,
-        });
+    let believed = tt_lock::check_owner(path, owner, &job.user).and_then(|()| {
+        match job.uid == owner {
+            true => Ok(()),
+            // Never a user name: refused, saying the uid it claims.
+            false => tt_lock::check_owner(path, owner, &format!("uid {}", job.uid)),
+        }
+    });
+    match believed {
+        Ok(()) => Record::Job(Box::new(job)),
+        Err(why) => Record::Ignored(why),
     }
-    Record::Job(Box::new(job))
 }
 
 /// The user's default log directory: `$XDG_STATE_HOME/torchtools/logs`, else

@@ -21,6 +21,6 @@ pub use gpu::{GpuKey, GpuSpec};
 pub use holder::{own_pid_namespace, utc, Holder};
 pub use list::LockState;
 pub use lock::{inheritance, share_with, GpuLock, Wait, HELD_LOCKS_ENV};
-pub use owner::{name_of_uid, user_name_of, Ignored};
+pub use owner::{check as check_owner, name_of_uid, user_name_of, Ignored};
 pub use queue::{Waiter, Wants};
 pub use usage::{Usage, UsageEvent, UsageLog, USAGE_PREFIX};

@@ -88,9 +88,10 @@ pub fn user_name_of(uid: u32) -> Option<String> {
     )
 }
 
-/// Whether a record claiming `claims`, in a file owned by `owner_uid`, is believed:
-/// `Err` says why not.
-pub(crate) fn check(
+/// Whether a record claiming the user `claims`, in a file owned by `owner_uid`, is
+/// believed: `Err` says why not. The one rule every reader of a lock directory's
+/// records applies (the command's job records too).
+pub fn check(
     path: &std::path::Path,
     owner_uid: u32,
     claims: &str,
