@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 use tt_lock::LockDir;
 
 use crate::child::Exit;
+use crate::hook::{Guardian, Hook};
 
 /// `--detach` and `--log-dir`, on `reserve`, `run` and `launch`.
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -219,8 +220,9 @@ fn default_log_dir() -> Result<PathBuf> {
     Ok(PathBuf::from(home).join(".local/state/torchtools/logs"))
 }
 
-/// `argv` without torchtools' own `--detach`, `--log-dir DIR`, `--after JOBS` and
-/// `--after-ok JOBS`: the command the job runs. `command` is how many of `argv`'s last words are the user's command (clap's
+/// `argv` without torchtools' own `--detach`, `--log-dir DIR`, `--after JOBS`,
+/// `--after-ok JOBS` and the hook's options (the keeper runs the hook): the command the
+/// job runs. `command` is how many of `argv`'s last words are the user's command (clap's
 /// parsed command, which is `argv`'s tail word for word): nothing of it is touched, so
 /// a script's own `--detach` or `--log-dir` reaches it, also where `launch` takes the
 /// script without a `--` (torchrun's form).
@@ -232,18 +234,30 @@ pub(crate) fn without_detach(argv: &[OsString], command: usize) -> Vec<OsString>
         let a = &argv[i];
         if a == "--" {
             break;
-        } else if a == "--detach" {
+        } else if a == "--detach" || a == "--no-on-end" {
             i += 1;
             continue;
-        } else if ["--log-dir", "--after", "--after-ok"]
-            .iter()
-            .any(|o| a == *o)
+        } else if [
+            "--log-dir",
+            "--after",
+            "--after-ok",
+            "--on-end",
+            "--on-end-timeout",
+        ]
+        .iter()
+        .any(|o| a == *o)
         {
             i += 2;
             continue;
-        } else if ["--log-dir=", "--after=", "--after-ok="]
-            .iter()
-            .any(|o| a.to_string_lossy().starts_with(o))
+        } else if [
+            "--log-dir=",
+            "--after=",
+            "--after-ok=",
+            "--on-end=",
+            "--on-end-timeout=",
+        ]
+        .iter()
+        .any(|o| a.to_string_lossy().starts_with(o))
         {
             i += 1;
             continue;
@@ -257,7 +271,13 @@ pub(crate) fn without_detach(argv: &[OsString], command: usize) -> Vec<OsString>
 
 /// Starts the command line `argv` (this process's own arguments) as a detached job;
 /// its last `command` words are the user's command (see [`without_detach`]).
-pub(crate) fn detach(args: &DetachArgs, argv: &[OsString], command: usize) -> Result<ExitCode> {
+/// `hook` goes to the keeper in its environment, never into the record others read.
+pub(crate) fn detach(
+    args: &DetachArgs,
+    argv: &[OsString],
+    command: usize,
+    hook: Option<&Hook>,
+) -> Result<ExitCode> {
     let log_dir = match &args.log_dir {
         // Absolute in the job's record: `logs` may be run from another directory.
         Some(d) => std::path::absolute(d).map_err(|e| {
@@ -312,6 +332,7 @@ pub(crate) fn detach(args: &DetachArgs, argv: &[OsString], command: usize) -> Re
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err);
+    Hook::pass(hook, &mut keeper);
     // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
     unsafe {
         keeper.pre_exec(|| {
@@ -357,6 +378,8 @@ pub(crate) fn detach(args: &DetachArgs, argv: &[OsString], command: usize) -> Re
 /// documentation).
 pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    // Taken before any thread starts, and kept from the job's own environment.
+    let hook = Hook::take_passed();
     // The job's signals are for the job: the keeper stays to write how it ended.
     let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGTERM])
         .context("installing the keeper's signal handlers")?;
@@ -374,21 +397,43 @@ pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
+    // The hook's guardian, from the start: it runs the hook even if this keeper is
+    // killed (the job is then lost).
+    let mut guardian = match &hook {
+        Some(hook) => Some(Guardian::start(
+            hook,
+            id,
+            job.command.clone(),
+            Some(job.log.clone()),
+            job.started_unix,
+        )?),
+        None => None,
+    };
     if let Some(failed) = wait_for_dependencies(&records, &mut job)? {
-        job.cancelled = Some(format!("job {failed} failed"));
+        let why = format!("job {failed} failed");
+        job.cancelled = Some(why.clone());
         job.waiting_for = None;
         job.ended_unix = Some(now_unix());
         save(&records, &job)?;
-        eprintln!("torchtools: job {id} cancelled without running: job {failed} failed");
+        eprintln!("torchtools: job {id} cancelled without running: {why}");
+        if let Some(g) = guardian {
+            g.cancelled(&why);
+        }
         return Ok(ExitCode::from(1));
     }
     let exe = std::env::current_exe().context("finding this program")?;
     let mut child = Command::new(exe)
         .args(command)
         .stdin(Stdio::null())
+        // The job and its command know which job they are.
+        .env(crate::hook::JOB_ID_ENV, id)
+        .env(crate::hook::JOB_LOG_ENV, &job.log)
         .spawn()
         .context("starting the job")?;
     job.pid = Some(child.id());
+    if let Some(g) = guardian.as_mut() {
+        g.pid(child.id());
+    }
     save(&records, &job)?;
     let status = loop {
         match child.wait() {
@@ -402,6 +447,9 @@ pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
     job.ended_unix = Some(now_unix());
     job.status = Some(code);
     save(&records, &job)?;
+    if let Some(g) = guardian {
+        g.ended(code);
+    }
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
 }
 
@@ -447,18 +495,24 @@ fn outcome(job: &Job) -> i32 {
     }
 }
 
+/// An ended job's state, from its exit status: "finished", "failed (3)", "killed by
+/// signal 9", "preempted (75)" (`jobs` and the `--on-end` hook's TORCHTOOLS_JOB_STATE).
+pub(crate) fn status_text(code: i32) -> String {
+    match code {
+        0 => "finished".into(),
+        75 => "preempted (75)".into(),
+        c if c > 128 => format!("killed by signal {}", c - 128),
+        c => format!("failed ({c})"),
+    }
+}
+
 /// A job's state, as `jobs` says it.
 fn state(job: &Job, waiting_pids: &[u32]) -> String {
     if let Some(why) = &job.cancelled {
         return format!("cancelled: {why}");
     }
     if let Some(code) = job.status {
-        return match code {
-            0 => "finished".into(),
-            75 => "preempted (75)".into(),
-            c if c > 128 => format!("killed by signal {}", c - 128),
-            c => format!("failed ({c})"),
-        };
+        return status_text(code);
     }
     if job.boot_id != boot_id() {
         return "lost (the machine rebooted)".into();

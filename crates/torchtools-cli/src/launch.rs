@@ -2,7 +2,6 @@
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
@@ -78,6 +77,8 @@ pub(crate) struct LaunchArgs {
     /// (see `reserve --after-ok`).
     #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
     after_ok: Vec<String>,
+    #[command(flatten)]
+    pub(crate) hook: crate::hook::HookArgs,
     /// Processes on this node: a number, `gpu` (one per visible GPU), `cpu` (one per
     /// CPU) or `auto` (GPUs if there are any, else CPUs).
     #[arg(long = "nproc-per-node", visible_alias = "nproc_per_node", default_value = "1", value_parser = nproc)]
@@ -373,7 +374,8 @@ impl LaunchArgs {
     }
 }
 
-pub(crate) fn launch(args: LaunchArgs) -> Result<ExitCode> {
+/// Returns the group's exit status: 0, or the failed rank's.
+pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
     let mut cfg = args.config()?;
     // The group's GPUs, reserved before any rank starts, held until the group ends.
     let mut reservation = match &args.gpu {
@@ -442,7 +444,7 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<ExitCode> {
     drop(reservation);
     let outcome = outcome?;
     match outcome.failed {
-        None => Ok(ExitCode::SUCCESS),
+        None => Ok(0),
         Some((rank, how)) => {
             eprintln!(
                 "torchtools launch: rank {rank} {how}{}{}; the other ranks were stopped",
@@ -456,9 +458,7 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<ExitCode> {
                     String::new()
                 }
             );
-            Ok(ExitCode::from(
-                u8::try_from(outcome.code).unwrap_or(1).max(1),
-            ))
+            Ok(u8::try_from(outcome.code).unwrap_or(1).max(1))
         }
     }
 }

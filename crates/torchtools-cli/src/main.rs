@@ -13,6 +13,7 @@ use clap::{Parser, Subcommand};
 mod args;
 mod child;
 mod devices;
+mod hook;
 mod ignored;
 mod jobs;
 mod launch;
@@ -112,6 +113,9 @@ enum Command {
     /// (Internal) the keeper of a detached job.
     #[command(hide = true)]
     JobRun(jobs::JobRunArgs),
+    /// (Internal) the guardian that runs a job's `--on-end` hook.
+    #[command(hide = true)]
+    JobHook(hook::GuardianArgs),
     /// Who used the GPUs, and how much: GPU-hours and reserved GiB-hours per user (or
     /// per GPU) from the lock directory's usage log, which every reservation writes
     /// (`reserve`, `run`, `launch --gpu`, the API). A holder that died holding its GPU
@@ -190,10 +194,31 @@ impl Command {
     /// are the user's command, for the commands that run one: decided once, from the
     /// parsed arguments, before any command runs.
     fn detached(&self) -> Option<(jobs::DetachArgs, usize)> {
+        let detach = match self {
+            Command::Reserve(a) if a.detach.detach => a.detach.clone(),
+            Command::Run(a) if a.detach.detach => a.detach.clone(),
+            Command::Launch(a) => a.detached()?,
+            _ => return None,
+        };
+        Some((detach, self.command_len()))
+    }
+
+    /// How many of the command line's last words are the user's command.
+    fn command_len(&self) -> usize {
         match self {
-            Command::Reserve(a) if a.detach.detach => Some((a.detach.clone(), a.command.len())),
-            Command::Run(a) if a.detach.detach => Some((a.detach.clone(), a.command.len())),
-            Command::Launch(a) => a.detached().map(|d| (d, a.command_len())),
+            Command::Reserve(a) => a.command.len(),
+            Command::Run(a) => a.command.len(),
+            Command::Launch(a) => a.command_len(),
+            _ => 0,
+        }
+    }
+
+    /// The `--on-end` options of the commands that run one.
+    fn hook(&self) -> Option<&hook::HookArgs> {
+        match self {
+            Command::Reserve(a) => Some(&a.hook),
+            Command::Run(a) => Some(&a.hook),
+            Command::Launch(a) => Some(&a.hook),
             _ => None,
         }
     }
@@ -212,24 +237,66 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     if cli.command.only_prints() {
         quiet_on_closed_pipe();
     }
+    // The hook (an option, or the config's default), checked before any work.
+    let hook = match cli.command.hook() {
+        Some(args) => args.resolve()?,
+        None => None,
+    };
     if let Some((detach, command)) = cli.command.detached() {
         let argv: Vec<OsString> = std::env::args_os().collect();
-        return jobs::detach(&detach, &argv, command);
+        return jobs::detach(&detach, &argv, command, hook.as_ref());
     }
+    // The command line as the hook shows it: without the hook's own options.
+    let argv: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let line = jobs::without_detach(&argv, cli.command.command_len());
+    let hook = hook.map(|h| (h, line));
     match cli.command {
         Command::Devices(args) => devices::run(args),
-        Command::Reserve(args) => reserve::run(args),
+        Command::Reserve(args) => attached(hook, || reserve::run(args)),
         Command::Track(args) => track::run(*args),
         Command::Probe(args) => probe::run(args),
-        Command::Run(args) => run::run(args),
-        Command::Launch(args) => launch::launch(*args),
+        Command::Run(args) => attached(hook, || run::run(args)),
+        Command::Launch(args) => attached(hook, || launch::launch(*args)),
         Command::Locks(args) => locks::run(args),
         Command::Jobs(args) => jobs::run(args),
         Command::Logs(args) => jobs::logs(&args.job, args.follow),
         Command::Stop(args) => jobs::stop(&args.job, args.grace),
         Command::JobRun(args) => jobs::keep(&args.id, &args.command),
+        Command::JobHook(args) => hook::guard(&args),
         Command::Usage(args) => usage::run(args),
         Command::Queue(args) => queue::run(args),
         Command::Top(args) => top::run(args),
     }
+}
+
+/// Runs a command that runs the user's (`reserve`, `run`, `launch`) in this process,
+/// with its `--on-end` hook: the hook's guardian starts first, and runs the hook with
+/// the exit status this process ends with (after saying its error), or as lost if
+/// this process is killed first.
+fn attached(
+    hook: Option<(hook::Hook, Vec<OsString>)>,
+    job: impl FnOnce() -> anyhow::Result<u8>,
+) -> anyhow::Result<ExitCode> {
+    let Some((hook, line)) = hook else {
+        return job().map(ExitCode::from);
+    };
+    let command = std::iter::once("torchtools".to_owned())
+        .chain(line.iter().map(|a| a.to_string_lossy().into_owned()))
+        .collect();
+    let mut guardian = hook::Guardian::start(&hook, "", command, None, tt_device::now_unix())?;
+    guardian.pid(std::process::id());
+    let result = job();
+    let code = match &result {
+        Ok(code) => *code,
+        Err(e) => {
+            // Said before the hook runs, as it happened; then not again.
+            eprintln!("torchtools: error: {e:#}");
+            match e.downcast_ref::<child::Exit>() {
+                Some(child::Exit(code, _)) => *code,
+                None => 1,
+            }
+        }
+    };
+    guardian.ended(i32::from(code));
+    Ok(ExitCode::from(code))
 }

@@ -1,7 +1,7 @@
 //! `torchtools reserve`, and the reservation `run` and `launch --gpu` take.
 
 use std::ffi::OsString;
-use std::process::{Command, ExitCode};
+use std::process::Command;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -27,7 +27,8 @@ pub(crate) struct Request {
     pub(crate) command: Vec<OsString>,
 }
 
-pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
+/// Returns the command's exit status (128 + N when killed by signal N).
+pub(crate) fn reserve(req: Request) -> Result<u8> {
     let command_text: Vec<String> = req
         .command
         .iter()
@@ -45,7 +46,7 @@ pub(crate) fn reserve(req: Request) -> Result<ExitCode> {
     reservation.set_exit_status(i32::from(ended.code));
     // The reservation (fences, then locks) lives exactly as long as the command.
     drop(reservation);
-    Ok(ExitCode::from(ended.code))
+    Ok(ended.code)
 }
 
 /// Takes the reservation `req` asks for (waiting in the queue), saying what it took;
@@ -206,13 +207,15 @@ pub(crate) struct Args {
     pub(crate) reservation: crate::reserve::ReserveArgs,
     #[command(flatten)]
     pub(crate) detach: crate::jobs::DetachArgs,
+    #[command(flatten)]
+    pub(crate) hook: crate::hook::HookArgs,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub(crate) command: Vec<std::ffi::OsString>,
 }
 
 /// `torchtools reserve` (attached; `--detach` is decided before).
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
+pub(crate) fn run(args: Args) -> Result<u8> {
     reserve(args.reservation.request(args.bytes, args.command))
 }
 

@@ -1,7 +1,5 @@
 //! `torchtools run`: probe (or take --bytes), reserve, run.
 
-use std::process::ExitCode;
-
 use anyhow::Result;
 
 /// `run`'s options.
@@ -23,13 +21,15 @@ pub(crate) struct Args {
     pub(crate) reservation: crate::reserve::ReserveArgs,
     #[command(flatten)]
     pub(crate) detach: crate::jobs::DetachArgs,
+    #[command(flatten)]
+    pub(crate) hook: crate::hook::HookArgs,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub(crate) command: Vec<std::ffi::OsString>,
 }
 
 /// `torchtools run` (attached; `--detach` is decided before).
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
+pub(crate) fn run(args: Args) -> Result<u8> {
     let bytes = match args.bytes {
         Some(b) => b,
         None => crate::probe::estimate_for_run(

@@ -1,0 +1,557 @@
+//! `--on-end CMD`: a command run once when a job ends, however it ends (exit, signal,
+//! `stop`, cancelled, or lost when torchtools or a detached job's keeper is killed), with
+//! the job's facts in `TORCHTOOLS_JOB_*` variables and the end of its log on standard
+//! input; a user's default in `$XDG_CONFIG_HOME/torchtools/config.toml`.
+//!
+//! The hook is run by a guardian (`torchtools job-hook`), a process in a session of its
+//! own started when the job starts, so that neither the terminal's signals nor `stop`'s
+//! SIGKILL of the job's session reach it. The job's torchtools (attached) or keeper
+//! (detached) tells it what happens on a pipe, one JSON line per event; the guardian
+//! runs the hook when the pipe closes: with the job's status when one was said, as
+//! "lost" when its writer died without saying one. One guardian, one end of the pipe:
+//! the hook runs exactly once. Its secret (a webhook's URL) is never in a file or a
+//! command line others can read: it travels in the guardian's environment.
+
+use std::fs::File;
+use std::io::{BufRead, Read, Seek, SeekFrom, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::child::Exit;
+
+/// The hook of a detached job, from its starter to its keeper and from an owner to its
+/// guardian: in the environment, readable by the user alone (`/proc/PID/environ`).
+const HOOK_ENV: &str = "TORCHTOOLS_JOB_ON_END";
+/// Its time limit, in seconds, beside it.
+const TIMEOUT_ENV: &str = "TORCHTOOLS_JOB_ON_END_TIMEOUT";
+/// A detached job's id, in the environment of its torchtools and command.
+pub(crate) const JOB_ID_ENV: &str = "TORCHTOOLS_JOB_ID";
+/// A detached job's log, beside its id.
+pub(crate) const JOB_LOG_ENV: &str = "TORCHTOOLS_JOB_LOG";
+/// A hook's time limit when neither `--on-end-timeout` nor the config gives one.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How many of the log's last lines the hook reads on standard input (at most 64 KiB).
+const TAIL_LINES: usize = 50;
+const TAIL_BYTES: u64 = 64 * 1024;
+
+/// `--on-end`, `--no-on-end` and `--on-end-timeout`, on `reserve`, `run` and `launch`.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub(crate) struct HookArgs {
+    /// Run CMD (with `sh -c`) once when the job ends, however it ends: exit, signal,
+    /// `stop`, cancelled, or lost (torchtools or the job's keeper killed). It gets
+    /// TORCHTOOLS_JOB_ID, _COMMAND, _USER, _HOST, _GPUS, _STATUS, _STATE, _STARTED,
+    /// _ENDED, _SECONDS and _LOG, and the log's last 50 lines on standard input
+    /// (detached jobs). A hook that fails or overruns is a warning; the job's status
+    /// never changes. Default: `[on_end] command` of
+    /// $XDG_CONFIG_HOME/torchtools/config.toml.
+    #[arg(long, value_name = "CMD")]
+    pub(crate) on_end: Option<String>,
+    /// Run no hook for this job, not even the config's default.
+    #[arg(long, conflicts_with = "on_end")]
+    pub(crate) no_on_end: bool,
+    /// How long the hook may run before it is killed (default: the config's
+    /// `[on_end] timeout`, else 60s).
+    #[arg(long, value_name = "TIME", value_parser = crate::args::duration)]
+    pub(crate) on_end_timeout: Option<Duration>,
+}
+
+/// A hook to run when a job ends.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Hook {
+    /// Run with `sh -c`.
+    pub(crate) command: String,
+    /// Killed (its whole process group) after this long.
+    pub(crate) timeout: Duration,
+}
+
+/// `config.toml`: the user's defaults.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Config {
+    on_end: Option<OnEndConfig>,
+}
+
+/// `[on_end]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OnEndConfig {
+    command: String,
+    timeout: Option<String>,
+}
+
+/// The user's config file: `$XDG_CONFIG_HOME/torchtools/config.toml`, else
+/// `~/.config/torchtools/config.toml`; `None` without either variable.
+fn config_path() -> Option<PathBuf> {
+    let base = match std::env::var_os("XDG_CONFIG_HOME").filter(|v| !v.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(std::env::var_os("HOME").filter(|v| !v.is_empty())?).join(".config"),
+    };
+    Some(base.join("torchtools/config.toml"))
+}
+
+/// The user's default hook, from their config file (none when there is no file); an
+/// error that names the file and what is wrong in it.
+fn config_hook(path: &Path) -> Result<Option<Hook>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Exit(2, format!("cannot read {}: {e}", path.display())).into()),
+    };
+    let bad = |why: String| {
+        Exit(
+            2,
+            format!(
+                "{}: {why}; it takes `[on_end]` with `command = \"...\"` and an optional \
+                 `timeout = \"60s\"` (or move the file away)",
+                path.display()
+            ),
+        )
+    };
+    let config: Config = toml::from_str(&text).map_err(|e| bad(e.message().to_owned()))?;
+    let Some(on_end) = config.on_end else {
+        return Ok(None);
+    };
+    if on_end.command.trim().is_empty() {
+        return Err(bad("[on_end] command is empty".into()).into());
+    }
+    let timeout = match &on_end.timeout {
+        None => DEFAULT_TIMEOUT,
+        Some(t) => crate::args::duration(t).map_err(|e| bad(format!("[on_end] timeout: {e}")))?,
+    };
+    Ok(Some(Hook {
+        command: on_end.command,
+        timeout,
+    }))
+}
+
+impl HookArgs {
+    /// The hook this job runs: `--on-end`, else the config's (not inside a detached
+    /// job, whose keeper runs the job's hook), else none. The config is read and
+    /// checked here, before any work.
+    pub(crate) fn resolve(&self) -> Result<Option<Hook>> {
+        if self.no_on_end {
+            return Ok(None);
+        }
+        let configured = match (&self.on_end, std::env::var_os(JOB_ID_ENV)) {
+            (None, None) => match config_path() {
+                Some(path) => config_hook(&path)?,
+                None => None,
+            },
+            _ => None,
+        };
+        Ok(match (&self.on_end, configured) {
+            (Some(command), _) => Some(Hook {
+                command: command.clone(),
+                timeout: self.on_end_timeout.unwrap_or(DEFAULT_TIMEOUT),
+            }),
+            (None, Some(mut hook)) => {
+                hook.timeout = self.on_end_timeout.unwrap_or(hook.timeout);
+                Some(hook)
+            }
+            (None, None) => None,
+        })
+    }
+}
+
+impl Hook {
+    /// Hands the hook to a process started by `cmd` (a keeper, a guardian), or makes
+    /// sure none is inherited.
+    pub(crate) fn pass(hook: Option<&Hook>, cmd: &mut Command) {
+        match hook {
+            Some(h) => cmd
+                .env(HOOK_ENV, &h.command)
+                .env(TIMEOUT_ENV, h.timeout.as_secs_f64().to_string()),
+            None => cmd.env_remove(HOOK_ENV).env_remove(TIMEOUT_ENV),
+        };
+    }
+
+    /// The hook handed to this process by [`Hook::pass`], taken out of its environment
+    /// (so that what it starts does not inherit it).
+    pub(crate) fn take_passed() -> Option<Hook> {
+        let command = std::env::var(HOOK_ENV).ok()?;
+        let timeout = std::env::var(TIMEOUT_ENV)
+            .ok()
+            .and_then(|t| t.parse::<f64>().ok())
+            .and_then(|t| Duration::try_from_secs_f64(t).ok())
+            .unwrap_or(DEFAULT_TIMEOUT);
+        // SAFETY: called at the start of a keeper or guardian, before it starts any
+        // thread that could read the environment.
+        unsafe {
+            std::env::remove_var(HOOK_ENV);
+            std::env::remove_var(TIMEOUT_ENV);
+        }
+        Some(Hook { command, timeout })
+    }
+}
+
+/// What a job's owner tells its guardian, one JSON line each.
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "event", rename_all = "snake_case")]
+enum Event {
+    /// The job: its id (empty when attached), command line, log, start.
+    Job {
+        id: String,
+        command: Vec<String>,
+        log: Option<PathBuf>,
+        started: f64,
+    },
+    /// The process that reserves the job's GPUs (its torchtools).
+    Pid { pid: u32 },
+    /// It ended with this status (128 + N when killed by signal N).
+    Ended { status: i32 },
+    /// It ended without running.
+    Cancelled { why: String },
+}
+
+/// A running guardian, and the pipe to it.
+pub(crate) struct Guardian {
+    child: Child,
+    pipe: Option<File>,
+    timeout: Duration,
+}
+
+impl Guardian {
+    /// Starts the guardian of the job `id` (empty: an attached job) that runs `hook`
+    /// when the job ends.
+    pub(crate) fn start(
+        hook: &Hook,
+        id: &str,
+        command: Vec<String>,
+        log: Option<PathBuf>,
+        started: f64,
+    ) -> Result<Guardian> {
+        // Close-on-exec: the job's command never holds the pipe open.
+        let (reader, writer) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).context("making the hook's pipe")?;
+        let exe = std::env::current_exe().context("finding this program")?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("job-hook")
+            .arg(if id.is_empty() { "attached" } else { id })
+            .stdin(reader)
+            .stdout(Stdio::null());
+        Hook::pass(Some(hook), &mut cmd);
+        // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                nix::unistd::setsid()
+                    .map(drop)
+                    .map_err(std::io::Error::from)
+            });
+        }
+        let child = cmd
+            .spawn()
+            .context("starting the --on-end hook's guardian")?;
+        let mut guardian = Guardian {
+            child,
+            pipe: Some(File::from(writer)),
+            timeout: hook.timeout,
+        };
+        guardian.say(&Event::Job {
+            id: id.to_owned(),
+            command,
+            log,
+            started,
+        });
+        Ok(guardian)
+    }
+
+    fn say(&mut self, event: &Event) {
+        let Some(pipe) = self.pipe.as_mut() else {
+            return;
+        };
+        let line = serde_json::to_string(event).unwrap_or_default() + "\n";
+        if let Err(e) = pipe.write_all(line.as_bytes()) {
+            tracing::warn!("cannot reach the --on-end hook's guardian: {e}");
+        }
+    }
+
+    /// The process whose reservations are the job's GPUs.
+    pub(crate) fn pid(&mut self, pid: u32) {
+        self.say(&Event::Pid { pid });
+    }
+
+    /// The job ended with `status`: the hook runs now; returns when it has ended (or
+    /// overran its time limit).
+    pub(crate) fn ended(mut self, status: i32) {
+        self.say(&Event::Ended { status });
+        self.finish();
+    }
+
+    /// The job ended without running.
+    pub(crate) fn cancelled(mut self, why: &str) {
+        self.say(&Event::Cancelled {
+            why: why.to_owned(),
+        });
+        self.finish();
+    }
+
+    /// Closes the pipe and waits for the guardian, a little longer than the hook may
+    /// run; a guardian that takes longer is left to finish on its own.
+    fn finish(&mut self) {
+        drop(self.pipe.take());
+        let deadline = Instant::now() + self.timeout + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            match self.child.try_wait() {
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                _ => return,
+            }
+        }
+    }
+}
+
+/// `job-hook ID`'s arguments: the guardian (internal).
+#[derive(clap::Args)]
+pub(crate) struct GuardianArgs {
+    /// The job's id (`attached` for an attached job): for `ps`.
+    pub(crate) id: String,
+}
+
+/// The guardian: reads the owner's events until the pipe closes, then runs the hook.
+pub(crate) fn guard(_args: &GuardianArgs) -> Result<std::process::ExitCode> {
+    let Some(hook) = Hook::take_passed() else {
+        return Err(Exit(2, "job-hook is internal: use --on-end".into()).into());
+    };
+    let mut job = None;
+    let mut pid = None;
+    let mut end = None;
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        match serde_json::from_str::<Event>(&line) {
+            Ok(e @ Event::Job { .. }) => job = Some(e),
+            Ok(Event::Pid { pid: p }) => pid = Some(p),
+            Ok(e @ (Event::Ended { .. } | Event::Cancelled { .. })) => end = Some(e),
+            Err(_) => {}
+        }
+    }
+    let ended = tt_device::now_unix();
+    let Some(Event::Job {
+        id,
+        command,
+        log,
+        started,
+    }) = job
+    else {
+        return Ok(std::process::ExitCode::FAILURE);
+    };
+    let (status, state) = match end {
+        Some(Event::Ended { status }) => (status.to_string(), crate::jobs::status_text(status)),
+        Some(Event::Cancelled { why }) => (String::new(), format!("cancelled: {why}")),
+        _ if id.is_empty() => (String::new(), "lost (torchtools was killed)".into()),
+        _ => (String::new(), "lost (its keeper was killed)".into()),
+    };
+    let me = tt_lock::Holder::current();
+    let gpus = pid.map_or_else(String::new, |pid| gpus_of(pid, &me.host, started));
+    let vars: Vec<(&str, String)> = vec![
+        (JOB_ID_ENV, id),
+        ("TORCHTOOLS_JOB_COMMAND", shell_words(&command)),
+        ("TORCHTOOLS_JOB_USER", me.user),
+        ("TORCHTOOLS_JOB_HOST", me.host),
+        ("TORCHTOOLS_JOB_GPUS", gpus),
+        ("TORCHTOOLS_JOB_STATUS", status),
+        ("TORCHTOOLS_JOB_STATE", state),
+        ("TORCHTOOLS_JOB_STARTED", format!("{}", started as u64)),
+        ("TORCHTOOLS_JOB_ENDED", format!("{}", ended as u64)),
+        (
+            "TORCHTOOLS_JOB_SECONDS",
+            format!("{:.0}", (ended - started).max(0.0)),
+        ),
+        (
+            JOB_LOG_ENV,
+            log.as_ref()
+                .map_or(String::new(), |l| l.display().to_string()),
+        ),
+    ];
+    let tail = log.as_deref().map(tail).unwrap_or_default();
+    run_hook(&hook, &vars, tail);
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The GPUs process `pid` of this host reserved since `started`, as its
+/// CUDA_VISIBLE_DEVICES named them: from the usage records, where every reservation is.
+fn gpus_of(pid: u32, host: &str, started: f64) -> String {
+    let Ok(log) = tt_lock::LockDir::from_env().and_then(|d| d.usage()) else {
+        return String::new();
+    };
+    let mut gpus: Vec<String> = Vec::new();
+    for r in log.records {
+        if r.pid == pid && r.host == host && r.start >= started - 1.0 && !gpus.contains(&r.gpu) {
+            gpus.push(r.gpu);
+        }
+    }
+    gpus.join(",")
+}
+
+/// The last lines of `log` (at most [`TAIL_LINES`] and [`TAIL_BYTES`]).
+fn tail(log: &Path) -> Vec<u8> {
+    let Ok(mut file) = File::open(log) else {
+        return Vec::new();
+    };
+    let len = file.metadata().map_or(0, |m| m.len());
+    let from = len.saturating_sub(TAIL_BYTES);
+    let mut text = Vec::new();
+    if file.seek(SeekFrom::Start(from)).is_err() || file.read_to_end(&mut text).is_err() {
+        return Vec::new();
+    }
+    // Whole lines only: a cut first line is dropped.
+    if from > 0 {
+        let cut = text.iter().position(|b| *b == b'\n').map_or(0, |i| i + 1);
+        text.drain(..cut);
+    }
+    let lines = text.iter().filter(|b| **b == b'\n').count()
+        + usize::from(!text.is_empty() && !text.ends_with(b"\n"));
+    let mut skip = lines.saturating_sub(TAIL_LINES);
+    let mut start = 0;
+    while skip > 0 {
+        match text[start..].iter().position(|b| *b == b'\n') {
+            Some(i) => start += i + 1,
+            None => break,
+        }
+        skip -= 1;
+    }
+    text.split_off(start)
+}
+
+/// Runs the hook with the variables `vars` and `stdin` on its standard input,
+/// its output on our standard error (the job's log, or the terminal), in a process
+/// group of its own that is killed whole past the time limit. A failure is a warning.
+fn run_hook(hook: &Hook, vars: &[(&str, String)], stdin: Vec<u8>) {
+    let warn = |what: String| {
+        let _ = writeln!(
+            std::io::stderr(),
+            "torchtools: warning: the --on-end hook {what}; the job's status is unchanged"
+        );
+    };
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(&hook.command)
+        .stdin(Stdio::piped())
+        .process_group(0);
+    // Its standard output goes where our standard error goes: never into the job's
+    // own output.
+    {
+        use std::os::fd::AsFd;
+        match std::io::stderr().as_fd().try_clone_to_owned() {
+            Ok(err) => cmd.stdout(err),
+            Err(_) => cmd.stdout(Stdio::null()),
+        };
+    }
+    for (name, value) in vars {
+        cmd.env(name, value);
+    }
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => return warn(format!("could not start (sh: {e})")),
+    };
+    if let Some(mut input) = child.stdin.take() {
+        // A hook that does not read its input must not block us.
+        std::thread::spawn(move || {
+            let _ = input.write_all(&stdin);
+        });
+    }
+    let deadline = Instant::now() + hook.timeout;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                use std::os::unix::process::ExitStatusExt;
+                if !status.success() {
+                    let code = tt_device::shell_status(status.code(), status.signal());
+                    warn(format!("`{}` failed (exit {code})", hook.command));
+                }
+                return;
+            }
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            _ => break,
+        }
+    }
+    // Over its time: the hook and everything it started.
+    let _ = nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let _ = child.wait();
+    warn(format!(
+        "`{}` still ran after {:?}: killed (--on-end-timeout)",
+        hook.command, hook.timeout
+    ));
+}
+
+/// A command line as a shell would read it back: words quoted where they need it.
+pub(crate) fn shell_words(words: &[String]) -> String {
+    let safe = |w: &str| {
+        !w.is_empty()
+            && w.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_@%+=:,./-".contains(&b))
+    };
+    words
+        .iter()
+        .map(|w| match safe(w) {
+            true => w.clone(),
+            false => format!("'{}'", w.replace('\'', r"'\''")),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_are_quoted_as_a_shell_reads_them() {
+        let words = ["sh", "-c", "echo it's", "--lr=3e-4", ""].map(String::from);
+        assert_eq!(shell_words(&words), r"sh -c 'echo it'\''s' --lr=3e-4 ''");
+    }
+
+    #[test]
+    fn the_tail_is_the_last_lines() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let log = tmp.path().join("log");
+        let text: String = (0..80).map(|i| format!("line {i}\n")).collect();
+        std::fs::write(&log, text).unwrap_or_else(|e| panic!("{e}"));
+        let got = String::from_utf8(tail(&log)).unwrap_or_default();
+        assert!(
+            got.starts_with("line 30\n") && got.ends_with("line 79\n"),
+            "{got}"
+        );
+        std::fs::write(&log, "one\ntwo").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(tail(&log), b"one\ntwo");
+    }
+
+    #[test]
+    fn the_config_gives_a_default_hook_and_names_itself_when_wrong() {
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = tmp.path().join("config.toml");
+        assert_eq!(config_hook(&path).ok(), Some(None));
+        std::fs::write(
+            &path,
+            "[on_end]\ncommand = \"echo done\"\ntimeout = \"5s\"\n",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            config_hook(&path).ok(),
+            Some(Some(Hook {
+                command: "echo done".into(),
+                timeout: Duration::from_secs(5)
+            }))
+        );
+        for bad in [
+            "[on_end]\ncomand = \"x\"\n",
+            "[on_end]\ncommand = \"x\"\ntimeout = \"soon\"\n",
+            "[on_end]\ncommand = \"\"\n",
+            "on_end = 3\n",
+        ] {
+            std::fs::write(&path, bad).unwrap_or_else(|e| panic!("{e}"));
+            let e = config_hook(&path).err().map(|e| e.to_string());
+            assert!(
+                e.as_deref()
+                    .is_some_and(|e| e.contains("config.toml") && e.contains("[on_end]")),
+                "{bad:?}: {e:?}"
+            );
+        }
+    }
+}
