@@ -10,6 +10,25 @@ pub(crate) fn size(text: &str) -> Result<Bytes, String> {
     text.parse::<Bytes>().map_err(|e| e.to_string())
 }
 
+/// `--bytes`: a size, or `auto` (probe the command first and reserve what it used).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Budget {
+    /// Probe the command (`run --probe`'s contract), reserve its peak and the margin.
+    Auto,
+    /// This many bytes.
+    Size(Bytes),
+}
+
+/// `--bytes`' values: [`size`]'s, or `auto`.
+pub(crate) fn budget(text: &str) -> Result<Budget, String> {
+    if text == "auto" {
+        return Ok(Budget::Auto);
+    }
+    size(text)
+        .map(Budget::Size)
+        .map_err(|e| format!("{e}; or auto, to probe the command first and reserve what it used"))
+}
+
 /// A GPU as users name it: an index, a UUID (or a prefix of one), `cuda:N`, `auto`.
 pub(crate) fn gpu_spec(text: &str) -> Result<tt_lock::GpuSpec, String> {
     text.parse().map_err(|e: tt_lock::Error| e.to_string())
@@ -39,5 +58,8 @@ mod tests {
         assert_eq!(size("1.5GB"), Ok(Bytes(1_500_000_000)));
         assert_eq!(size("512MiB"), Ok(Bytes::mib(512)));
         assert!(size("6XB").is_err_and(|e| e.contains("is not a size")));
+        assert_eq!(budget("auto"), Ok(Budget::Auto));
+        assert_eq!(budget("2GiB"), Ok(Budget::Size(Bytes::gib(2))));
+        assert!(budget("lots").is_err_and(|e| e.contains("is not a size") && e.contains("auto")));
     }
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
 use signal_hook::iterator::Signals;
 use tt_dist::{launch as launch_group, LaunchConfig};
@@ -134,9 +134,13 @@ pub(crate) struct LaunchArgs {
     /// How many GPUs --gpu auto takes (default: one per rank of this node).
     #[arg(long, requires = "gpu", value_parser = clap::value_parser!(u32).range(1..))]
     count: Option<u32>,
-    /// Memory each rank needs on its GPU: the fence leaves this much free.
-    #[arg(long, requires = "gpu", value_parser = crate::args::size)]
-    bytes: Option<tt_device::Bytes>,
+    /// Memory each rank needs on its GPU: the fence leaves this much free; auto: probe
+    /// one rank first (a launch of one process, with TORCHTOOLS_PROBE=1, as `run
+    /// --probe` does) and reserve what it used on each GPU.
+    #[arg(long, requires = "gpu", value_parser = crate::args::budget)]
+    bytes: Option<crate::args::Budget>,
+    #[command(flatten)]
+    probing: crate::probe::ProbeArgs,
     /// Extra memory left free on top of --bytes.
     #[arg(long, requires = "gpu", value_parser = crate::args::size, default_value = crate::reserve::DEFAULT_MARGIN)]
     margin: tt_device::Bytes,
@@ -382,13 +386,27 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
         None => None,
         Some(gpus) => {
             let auto = gpus.contains(&tt_lock::GpuSpec::Auto);
+            // --bytes auto: one rank probed, through this launcher with one process,
+            // so that it sees the variables it will run with.
+            let probed: Vec<OsString> = match args.bytes {
+                Some(crate::args::Budget::Auto) => {
+                    let exe = std::env::current_exe().context("finding this program")?;
+                    [exe.into(), "launch".into(), "--nproc-per-node".into()]
+                        .into_iter()
+                        .chain(["1".into(), "--".into(), cfg.program.clone()])
+                        .chain(cfg.args.iter().cloned())
+                        .collect()
+                }
+                _ => Vec::new(),
+            };
+            let bytes = crate::reserve::budget(args.bytes, gpus, &args.probing, &probed)?;
             let request = crate::reserve::Request {
                 gpus: gpus.clone(),
                 count: args
                     .count
                     .map(|c| c as usize)
                     .or(auto.then_some(cfg.nproc_per_node)),
-                bytes: args.bytes,
+                bytes,
                 margin: args.margin,
                 fence: !args.no_fence,
                 share: false,

@@ -81,11 +81,24 @@ pub(crate) fn probe(
     Ok(ExitCode::SUCCESS)
 }
 
-/// `run --probe`: the bytes to reserve for the command.
+/// How `run --probe` and `--bytes auto` probe: steps and a time limit.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct ProbeArgs {
+    /// Steps of the probe run (--probe, --bytes auto).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) probe_steps: u64,
+    /// Time limit of the probe run (--probe, --bytes auto).
+    #[arg(long, value_parser = crate::args::duration, default_value = "60s")]
+    pub(crate) probe_timeout: Duration,
+}
+
+/// `run --probe` and `--bytes auto` (`asked`: which of them, for the messages): the
+/// bytes to reserve for the command, from a probe run of it; refused (never guessed)
+/// when it does not answer the probe.
 pub(crate) fn estimate_for_run(
     gpus: &[GpuSpec],
-    timeout: Duration,
-    steps: u64,
+    probe: &ProbeArgs,
+    asked: &str,
     command: &[OsString],
 ) -> Result<Bytes> {
     let inventory = Inventory::query();
@@ -95,7 +108,7 @@ pub(crate) fn estimate_for_run(
         Some(spec) => visible(spec, &inventory)?,
         None => None,
     };
-    let report = run_probe(uuid, timeout, steps, None, command)?;
+    let report = run_probe(uuid, probe.probe_timeout, probe.probe_steps, None, command)?;
     if report.ended_by_timeout {
         // Its peak so far may be far from the real run's: nothing is reserved from it.
         return Err(Exit(
@@ -103,13 +116,13 @@ pub(crate) fn estimate_for_run(
             format!(
                 "{report}.\nA script answers the probe by running TORCHTOOLS_PROBE_STEPS \
                  steps when TORCHTOOLS_PROBE=1 and exiting (without saving or logging): see \
-                 the README's Python section; or give --bytes instead of --probe"
+                 the README's Python section; or give --bytes SIZE instead of {asked}"
             ),
         )
         .into());
     }
     let estimate = report.estimate(&EstimatePolicy::default());
-    eprintln!("torchtools: {report}; reserving {estimate}");
+    eprintln!("torchtools: {report}; reserving {estimate} ({asked})");
     Ok(estimate)
 }
 

@@ -55,8 +55,9 @@ pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
     if req.share && req.bytes.is_none() {
         return Err(Exit(
             2,
-            "--share needs the job's budget: give --bytes (e.g. --share --bytes 20GiB); \
-             sharers are admitted while their budgets fit in the GPU's memory"
+            "--share needs the job's budget: give --bytes (e.g. --share --bytes 20GiB, or \
+             --bytes auto to measure it with a probe run); sharers are admitted while their \
+             budgets fit in the GPU's memory"
                 .into(),
         )
         .into());
@@ -65,7 +66,8 @@ pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
         return Err(Exit(
             2,
             "a fence leaves free only what --bytes says the command needs: give --bytes \
-             (e.g. --bytes 6GiB), or --no-fence to take the lock alone"
+             (e.g. --bytes 6GiB, or --bytes auto to measure it with a probe run), or \
+             --no-fence to take the lock alone"
                 .into(),
         )
         .into());
@@ -200,9 +202,13 @@ impl ReserveArgs {
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// Memory the command needs on each GPU: the fence leaves this much (plus
-    /// --margin) free. Sizes: 6GiB, 512MiB, 6G, 1.5GB, bytes.
-    #[arg(long, value_parser = crate::args::size)]
-    pub(crate) bytes: Option<tt_device::Bytes>,
+    /// --margin) free. Sizes: 6GiB, 512MiB, 6G, 1.5GB, bytes; or auto: probe the
+    /// command first (it runs --probe-steps steps with TORCHTOOLS_PROBE=1, as `run
+    /// --probe` does) and reserve what it used.
+    #[arg(long, value_parser = crate::args::budget)]
+    pub(crate) bytes: Option<crate::args::Budget>,
+    #[command(flatten)]
+    pub(crate) probing: crate::probe::ProbeArgs,
     #[command(flatten)]
     pub(crate) reservation: crate::reserve::ReserveArgs,
     #[command(flatten)]
@@ -216,7 +222,33 @@ pub(crate) struct Args {
 
 /// `torchtools reserve` (attached; `--detach` is decided before).
 pub(crate) fn run(args: Args) -> Result<u8> {
-    reserve(args.reservation.request(args.bytes, args.command))
+    let bytes = budget(
+        args.bytes,
+        &args.reservation.gpu,
+        &args.probing,
+        &args.command,
+    )?;
+    reserve(args.reservation.request(bytes, args.command))
+}
+
+/// The bytes `--bytes` asks for: its size, or (`auto`) what a probe of `command` on
+/// the first of `gpus` measured.
+pub(crate) fn budget(
+    bytes: Option<crate::args::Budget>,
+    gpus: &[GpuSpec],
+    probing: &crate::probe::ProbeArgs,
+    command: &[OsString],
+) -> Result<Option<Bytes>> {
+    Ok(match bytes {
+        None => None,
+        Some(crate::args::Budget::Size(b)) => Some(b),
+        Some(crate::args::Budget::Auto) => Some(crate::probe::estimate_for_run(
+            gpus,
+            probing,
+            "--bytes auto",
+            command,
+        )?),
+    })
 }
 
 #[cfg(test)]

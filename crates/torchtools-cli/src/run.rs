@@ -5,18 +5,14 @@ use anyhow::Result;
 /// `run`'s options.
 #[derive(clap::Args)]
 pub(crate) struct Args {
-    /// Memory the command needs, instead of probing it.
-    #[arg(long, value_parser = crate::args::size)]
-    pub(crate) bytes: Option<tt_device::Bytes>,
+    /// Memory the command needs, instead of probing it (`auto`: probe it, as --probe).
+    #[arg(long, value_parser = crate::args::budget)]
+    pub(crate) bytes: Option<crate::args::Budget>,
     /// Probe the command first and reserve the estimate.
     #[arg(long)]
     pub(crate) probe: bool,
-    /// Steps of the probe run.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
-    pub(crate) probe_steps: u64,
-    /// Time limit of the probe run.
-    #[arg(long, value_parser = crate::args::duration, default_value = "60s")]
-    pub(crate) probe_timeout: std::time::Duration,
+    #[command(flatten)]
+    pub(crate) probing: crate::probe::ProbeArgs,
     #[command(flatten)]
     pub(crate) reservation: crate::reserve::ReserveArgs,
     #[command(flatten)]
@@ -31,11 +27,17 @@ pub(crate) struct Args {
 /// `torchtools run` (attached; `--detach` is decided before).
 pub(crate) fn run(args: Args) -> Result<u8> {
     let bytes = match args.bytes {
-        Some(b) => b,
+        Some(crate::args::Budget::Size(b)) => b,
+        Some(crate::args::Budget::Auto) => crate::probe::estimate_for_run(
+            &args.reservation.gpu,
+            &args.probing,
+            "--bytes auto",
+            &args.command,
+        )?,
         None => crate::probe::estimate_for_run(
             &args.reservation.gpu,
-            args.probe_timeout,
-            args.probe_steps,
+            &args.probing,
+            "--probe",
             &args.command,
         )?,
     };

@@ -254,3 +254,113 @@ fn a_command_that_does_not_answer_the_probe_is_named_and_not_run_for_real() {
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("does not answer the probe"));
 }
+
+/// `--bytes auto` on `reserve` (alone and `--share`) and `launch`: the command is
+/// probed first (one rank of a launch, with torchrun's variables), what was measured
+/// is said and reserved; a command that does not answer the probe is refused and never
+/// runs for real.
+#[test]
+fn bytes_auto_probes_then_reserves_what_was_measured() {
+    let tmp = tempfile::tempdir().unwrap();
+    let log = tmp.path().join("log");
+    let py = python();
+    // 300 MB held in probe mode and for real: the reservation must cover it.
+    let script = format!(
+        "import os; b = bytearray(300_000_000); \
+         open({:?}, 'a').write(f\"probe={{os.environ.get('TORCHTOOLS_PROBE', '')}} \
+         rank={{os.environ.get('RANK', '')}}/{{os.environ.get('WORLD_SIZE', '')}}\\n\")",
+        log.display().to_string()
+    );
+    let out = torchtools(
+        &[
+            "reserve",
+            "--bytes",
+            "auto",
+            "--probe-steps",
+            "2",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            &py,
+            "-c",
+            &script,
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        std::fs::read_to_string(&log).unwrap(),
+        "probe=1 rank=/\nprobe= rank=/\n"
+    );
+    let err = stderr(&out);
+    assert!(
+        err.contains("(--bytes auto)") && err.contains("peak"),
+        "{err}"
+    );
+    // The reservation carries the measured bytes: its usage record says them.
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let record = std::fs::read_to_string(tmp.path().join(format!("usage-{uid}.jsonl"))).unwrap();
+    let start: serde_json::Value = serde_json::from_str(record.lines().next().unwrap()).unwrap();
+    let reserved = start["bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no reserved bytes in {record}"));
+    assert!(reserved >= 300_000_000, "{reserved} < the 300 MB it used");
+
+    // A launch probes one rank, as rank 0 of 1. On this machine the fence it then asks
+    // for cannot be raised without NVML; the probe ran and was said before.
+    std::fs::remove_file(&log).unwrap();
+    let out = torchtools(
+        &[
+            "launch",
+            "--gpu",
+            "0",
+            "--bytes",
+            "auto",
+            "--nproc-per-node",
+            "2",
+            "--",
+            &py,
+            "-c",
+            &script,
+        ],
+        tmp.path(),
+    );
+    let err = stderr(&out);
+    assert!(err.contains("(--bytes auto)"), "{err}");
+    assert!(
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .starts_with("probe=1 rank=0/1\n"),
+        "{err}"
+    );
+
+    // A command that does not answer the probe: refused, never run for real.
+    let mark = tmp.path().join("runs");
+    let sleeper = format!("echo run >> {}; sleep 60", mark.display());
+    let out = torchtools(
+        &[
+            "reserve",
+            "--share",
+            "--bytes",
+            "auto",
+            "--probe-timeout",
+            "1s",
+            "--gpu",
+            "0",
+            "--",
+            "sh",
+            "-c",
+            &sleeper,
+        ],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("instead of --bytes auto"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(std::fs::read_to_string(&mark).unwrap().lines().count(), 1);
+}
