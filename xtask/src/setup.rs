@@ -150,12 +150,13 @@ fn apt_install(package: &str) -> bool {
     install()
 }
 
-/// tmux, which the test of `torchtools top`'s live view drives (a real terminal):
-/// installed when missing and possible, otherwise named (that test then fails saying so).
-fn ensure_tmux() {
+/// A Debian package some tests run for real (`program --version` answers when it is
+/// there): installed when missing and possible, otherwise named (those tests then fail
+/// saying so).
+fn ensure_package(program: &str, version_arg: &str, package: &str, why: &str) {
     let present = || {
-        Command::new("tmux")
-            .arg("-V")
+        Command::new(program)
+            .arg(version_arg)
             .output()
             .is_ok_and(|o| o.status.success())
     };
@@ -163,21 +164,29 @@ fn ensure_tmux() {
         return;
     }
     if can_apt_install() {
-        eprintln!("setup: installing Debian's tmux (the terminal `torchtools top`'s test drives)");
-        if apt_install("tmux") && present() {
+        eprintln!("setup: installing Debian's {package} ({why})");
+        if apt_install(package) && present() {
             return;
         }
     }
-    eprintln!(
-        "setup: warning: tmux is missing; `torchtools top`'s live-view test needs it: \
-         `sudo apt-get install -y tmux`"
-    );
+    eprintln!("setup: warning: {program} is missing; {why}: `sudo apt-get install -y {package}`");
 }
 
 pub(crate) fn setup() -> Result<Libtorch> {
     let start = Instant::now();
     ensure_gloo()?;
-    ensure_tmux();
+    ensure_package(
+        "tmux",
+        "-V",
+        "tmux",
+        "the terminal `torchtools top`'s live-view test drives",
+    );
+    ensure_package(
+        "promtool",
+        "--version",
+        "prometheus",
+        "the Prometheus server and promtool that `torchtools metrics`' test scrapes and checks with",
+    );
     // Cargo's [env] sets LIBTORCH to our link for processes it runs, this one included;
     // any other value was set by the user.
     if let Ok(v) = std::env::var("LIBTORCH_USE_PYTORCH") {

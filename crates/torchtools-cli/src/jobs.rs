@@ -644,6 +644,37 @@ fn held_by(job: &Job, locks: &[tt_lock::LockState]) -> (Vec<String>, Option<u64>
     (gpus, bytes)
 }
 
+/// A job that has not ended, as `metrics` counts it.
+pub(crate) struct LiveJob {
+    pub(crate) id: String,
+    pub(crate) user: String,
+    /// Waiting for jobs (`--after`) or in the GPU queue; else running.
+    pub(crate) waiting: bool,
+    /// The GPUs it holds, and the bytes reserved on each.
+    pub(crate) gpus: Vec<String>,
+    pub(crate) bytes: Option<u64>,
+}
+
+/// Every user's jobs that have not ended: the locks and the queue are `locks`'.
+pub(crate) fn live_jobs(locks: &LockDir) -> Result<Vec<LiveJob>> {
+    let waiting: Vec<u32> = locks.queue()?.iter().map(|w| w.pid).collect();
+    let held = locks.list()?;
+    Ok(all_jobs(&records_dir_in(locks)?)?
+        .into_iter()
+        .filter(|job| !ended(job))
+        .map(|job| {
+            let (gpus, bytes) = held_by(&job, &held);
+            LiveJob {
+                waiting: state(&job, &waiting).starts_with("waiting"),
+                id: job.id,
+                user: job.user,
+                gpus,
+                bytes,
+            }
+        })
+        .collect())
+}
+
 pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
     let locks = LockDir::from_env()?;
     let waiting: Vec<u32> = locks

@@ -18,6 +18,7 @@ mod ignored;
 mod jobs;
 mod launch;
 mod locks;
+mod metrics;
 mod probe;
 mod queue;
 mod reserve;
@@ -121,6 +122,15 @@ enum Command {
     /// (`reserve`, `run`, `launch --gpu`, the API). A holder that died holding its GPU
     /// is counted until the GPU's next holder took it (or until now), marked lost.
     Usage(usage::Args),
+    /// The GPUs, reservations, queue, users and jobs as OpenMetrics text for Prometheus:
+    /// printed once, served at http://ADDR/metrics (--listen ADDR), or written for
+    /// node_exporter's textfile collector (--textfile DIR).
+    ///
+    /// Per GPU: memory used and total, use, fenced bytes, who reserved how much (holder
+    /// or sharers), waiters and the oldest wait; per user: GPU-seconds and reserved
+    /// byte-seconds (the usage records), queued requests, running and waiting jobs; per
+    /// running job: its GPUs and budget. Labels: gpu, uuid, user, job_id.
+    Metrics(metrics::Args),
     /// Show the requests waiting for GPUs, in the order they will be served (first
     /// come, first served): user, pid, how long, GPUs asked, bytes, command.
     Queue(queue::Args),
@@ -228,6 +238,7 @@ impl Command {
         match self {
             Command::Devices(_) | Command::Locks(_) | Command::Queue(_) | Command::Usage(_) => true,
             Command::Top(a) => a.once || a.json,
+            Command::Metrics(a) => a.listen.is_none() && a.textfile.is_none(),
             _ => false,
         }
     }
@@ -265,6 +276,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::JobHook(args) => hook::guard(&args),
         Command::Usage(args) => usage::run(args),
         Command::Queue(args) => queue::run(args),
+        Command::Metrics(args) => metrics::run(args),
         Command::Top(args) => top::run(args),
     }
 }

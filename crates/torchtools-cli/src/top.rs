@@ -30,38 +30,38 @@ const REFRESH: Duration = Duration::from_secs(1);
 #[derive(Debug, Serialize)]
 pub(crate) struct Snapshot {
     /// The lock directory.
-    lock_dir: PathBuf,
+    pub(crate) lock_dir: PathBuf,
     /// When it was taken, in seconds since the Unix epoch.
-    time_unix: u64,
+    pub(crate) time_unix: u64,
     /// Whether NVML could be read, and why not.
-    nvml: NvmlStatus,
+    pub(crate) nvml: NvmlStatus,
     /// NVML's GPUs in its order, then lock files of GPUs NVML does not list.
-    gpus: Vec<GpuView>,
+    pub(crate) gpus: Vec<GpuView>,
     /// The requests waiting, first served first.
-    queue: Vec<Waiter>,
+    pub(crate) queue: Vec<Waiter>,
     /// Records in the lock directory not believed: each names another user than its
     /// file's owner.
-    ignored: Vec<tt_lock::Ignored>,
+    pub(crate) ignored: Vec<tt_lock::Ignored>,
 }
 
 /// One GPU: NVML's view of it and its lock.
 #[derive(Debug, Serialize)]
-struct GpuView {
-    key: GpuKey,
+pub(crate) struct GpuView {
+    pub(crate) key: GpuKey,
     /// NVML's index, when NVML lists it.
-    index: Option<u32>,
-    name: Option<String>,
-    total: Option<Bytes>,
-    used: Option<Bytes>,
-    free: Option<Bytes>,
+    pub(crate) index: Option<u32>,
+    pub(crate) name: Option<String>,
+    pub(crate) total: Option<Bytes>,
+    pub(crate) used: Option<Bytes>,
+    pub(crate) free: Option<Bytes>,
     /// Percent of time a kernel ran over the driver's last sample period.
-    utilization: Option<u32>,
+    pub(crate) utilization: Option<u32>,
     /// The lock's holder, when held.
-    holder: Option<Holder>,
+    pub(crate) holder: Option<Holder>,
     /// The jobs sharing it by memory budget (`reserve --share`), oldest first.
-    shares: Vec<Holder>,
+    pub(crate) shares: Vec<Holder>,
     /// Queue positions of the requests waiting for this GPU.
-    waiting: Vec<usize>,
+    pub(crate) waiting: Vec<usize>,
     processes: Vec<ProcessView>,
 }
 

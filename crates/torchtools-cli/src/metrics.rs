@@ -1,0 +1,474 @@
+//! `torchtools metrics`: the machine's GPUs, reservations, queue, users and jobs as
+//! OpenMetrics text, for Prometheus: printed once, served at `/metrics` (`--listen`),
+//! or written for node_exporter's textfile collector (`--textfile`). Read from the same
+//! places as `top`, `usage` and `jobs` (the lock directory, NVML), with no daemon: each
+//! scrape reads them afresh. Labels are bounded: `gpu`, `uuid`, `user`, `job_id` (not
+//! `job`, which Prometheus gives every series it scrapes) and a `state` of two values;
+//! never a command line or a pid.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
+use tt_lock::{GpuKey, LockDir};
+
+use crate::child::Exit;
+use crate::top::{Gpus, Snapshot};
+
+/// OpenMetrics' content type, which Prometheus asks for first.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// Prometheus's text format, for clients that do not ask for OpenMetrics.
+const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// The file `--textfile DIR` writes (node_exporter reads `*.prom`).
+const TEXTFILE: &str = "torchtools.prom";
+
+/// `metrics`' options.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Serve the metrics at http://ADDR/metrics (e.g. 127.0.0.1:9835; 0.0.0.0:9835 for
+    /// every interface), each scrape read afresh, until stopped.
+    #[arg(long, value_name = "ADDR", conflicts_with = "textfile")]
+    pub(crate) listen: Option<SocketAddr>,
+    /// Write DIR/torchtools.prom for node_exporter's textfile collector
+    /// (--collector.textfile.directory), atomically, every --interval, until stopped.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) textfile: Option<PathBuf>,
+    /// How often --textfile rewrites its file.
+    #[arg(long, value_name = "TIME", value_parser = crate::args::duration, default_value = "15s", requires = "textfile")]
+    pub(crate) interval: Duration,
+}
+
+/// `torchtools metrics`.
+pub(crate) fn run(args: Args) -> Result<ExitCode> {
+    let dir = LockDir::from_env()?;
+    let gpus = Gpus::open();
+    match (args.listen, &args.textfile) {
+        (Some(addr), _) => serve(&dir, &gpus, addr),
+        (None, Some(out)) => textfile(&dir, &gpus, out, args.interval),
+        (None, None) => {
+            print!("{}", render(&dir, &gpus)?);
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// Serves `/metrics` at `addr`, one request at a time, until killed.
+fn serve(dir: &LockDir, gpus: &Gpus, addr: SocketAddr) -> Result<ExitCode> {
+    let server = tiny_http::Server::http(addr).map_err(|e| {
+        Exit(
+            2,
+            format!("--listen {addr}: cannot listen there: {e} (another port, or another address)"),
+        )
+    })?;
+    // The address bound (port 0 asks for a free one).
+    let bound = match server.server_addr() {
+        tiny_http::ListenAddr::IP(a) => a.to_string(),
+        #[allow(unreachable_patterns)]
+        other => format!("{other:?}"),
+    };
+    eprintln!("torchtools: serving metrics at http://{bound}/metrics");
+    let header = |name: &str, value: &str| {
+        tiny_http::Header::from_bytes(name.as_bytes(), value.as_bytes())
+            .unwrap_or_else(|()| unreachable!("a constant header is valid"))
+    };
+    for request in server.incoming_requests() {
+        let path = request.url().split('?').next().unwrap_or_default();
+        let response = match path {
+            "/metrics" => match render(dir, gpus) {
+                // OpenMetrics to those who ask for it (Prometheus does), else the text
+                // format every scraper reads.
+                Ok(text) if accepts_openmetrics(&request) => tiny_http::Response::from_string(text)
+                    .with_header(header("Content-Type", OPENMETRICS)),
+                Ok(text) => tiny_http::Response::from_string(text_format(&text))
+                    .with_header(header("Content-Type", TEXT_FORMAT)),
+                Err(e) => {
+                    tiny_http::Response::from_string(format!("{e:#}\n")).with_status_code(500)
+                }
+            },
+            _ => tiny_http::Response::from_string("torchtools: the metrics are at /metrics\n")
+                .with_status_code(404),
+        };
+        if let Err(e) = request.respond(response) {
+            tracing::debug!("a scrape's connection failed: {e}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Writes `dir/torchtools.prom` every `interval`, each time whole (a temporary file
+/// renamed over it), until killed.
+fn textfile(dir: &LockDir, gpus: &Gpus, out: &Path, interval: Duration) -> Result<ExitCode> {
+    if !out.is_dir() {
+        return Err(Exit(
+            2,
+            format!(
+                "--textfile {}: not a directory: give node_exporter's \
+                 --collector.textfile.directory",
+                out.display()
+            ),
+        )
+        .into());
+    }
+    let path = out.join(TEXTFILE);
+    // A name node_exporter does not read (`*.prom` only) while it is written.
+    let temp = out.join(format!(".{TEXTFILE}.{}", std::process::id()));
+    loop {
+        // node_exporter reads Prometheus's text format.
+        let text = text_format(&render(dir, gpus)?);
+        let mut file = std::fs::File::create(&temp).map_err(|e| {
+            Exit(
+                2,
+                format!("--textfile {}: cannot write there: {e}", out.display()),
+            )
+        })?;
+        // Readable by node_exporter's user whatever the umask.
+        use std::os::unix::fs::PermissionsExt;
+        file.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+        file.write_all(text.as_bytes())?;
+        file.sync_all()?;
+        std::fs::rename(&temp, &path).with_context(|| format!("placing {}", path.display()))?;
+        std::thread::sleep(interval);
+    }
+}
+
+/// Whether a scrape asks for OpenMetrics (its `Accept` header names it).
+fn accepts_openmetrics(request: &tiny_http::Request) -> bool {
+    request.headers().iter().any(|h| {
+        h.field.equiv("Accept") && h.value.as_str().contains("application/openmetrics-text")
+    })
+}
+
+/// The encoder's OpenMetrics text in Prometheus's text format (0.0.4), which
+/// node_exporter's textfile collector and older scrapers read: the same samples; a
+/// counter's family is named as its `_total` samples are; no `# UNIT` or `# EOF`.
+fn text_format(openmetrics: &str) -> String {
+    let counters: Vec<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|tag| {
+            let rest = line.strip_prefix(tag)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(&name)
+                .then(|| format!("{tag}{name}_total {tail}"))
+        });
+        out.push_str(renamed.as_deref().unwrap_or(line));
+        out.push('\n');
+    }
+    out
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabels {
+    gpu: String,
+    uuid: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuUserLabels {
+    gpu: String,
+    uuid: String,
+    user: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UserLabels {
+    user: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UserStateLabels {
+    user: String,
+    state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct JobLabels {
+    /// Not `job`: Prometheus sets `job` on every series it scrapes (the scrape job's
+    /// name) and would rename ours `exported_job`.
+    job_id: String,
+    user: String,
+    gpu: String,
+}
+
+type GaugeF = Gauge<f64, AtomicU64>;
+type CounterF = Counter<f64, AtomicU64>;
+
+/// A family of gauges registered in `registry`.
+fn gauges<L>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    unit: Option<Unit>,
+) -> Family<L, GaugeF>
+where
+    L: Clone + std::hash::Hash + Eq + EncodeLabelSet + std::fmt::Debug + Send + Sync + 'static,
+{
+    let family = Family::<L, GaugeF>::default();
+    match unit {
+        Some(unit) => registry.register_with_unit(name, help, unit, family.clone()),
+        None => registry.register(name, help, family.clone()),
+    }
+    family
+}
+
+/// The labels of a GPU: NVML's index when it lists it (else the lock's index), and its
+/// UUID (empty for a GPU known by index only).
+fn gpu_labels(key: &GpuKey, index: Option<u32>) -> GpuLabels {
+    match key {
+        GpuKey::Uuid(uuid) => GpuLabels {
+            gpu: index.map_or_else(|| uuid.clone(), |i| i.to_string()),
+            uuid: uuid.clone(),
+        },
+        GpuKey::Index(i) => GpuLabels {
+            gpu: i.to_string(),
+            uuid: String::new(),
+        },
+    }
+}
+
+/// Every metric, read now, as OpenMetrics text.
+pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
+    let snapshot = Snapshot::take(dir, gpus)?;
+    let usage = dir.usage()?;
+    let jobs = crate::jobs::live_jobs(dir)?;
+    let now = tt_device::now_unix();
+    let mut registry = Registry::with_prefix("torchtools");
+
+    let total = gauges::<GpuLabels>(
+        &mut registry,
+        "gpu_memory_total",
+        "The GPU's memory (NVML)",
+        Some(Unit::Bytes),
+    );
+    let used = gauges::<GpuLabels>(
+        &mut registry,
+        "gpu_memory_used",
+        "The GPU's memory in use (NVML)",
+        Some(Unit::Bytes),
+    );
+    let utilization = gauges::<GpuLabels>(
+        &mut registry,
+        "gpu_utilization",
+        "The share of time a kernel ran over the driver's last sample period (NVML)",
+        Some(Unit::Ratios),
+    );
+    let fenced = gauges::<GpuLabels>(
+        &mut registry,
+        "gpu_fenced",
+        "GPU memory held by torchtools' fences, so that no one else takes it",
+        Some(Unit::Bytes),
+    );
+    let held = gauges::<GpuLabels>(
+        &mut registry,
+        "gpu_locked",
+        "1 while a job holds the GPU alone",
+        None,
+    );
+    let reserved = gauges::<GpuUserLabels>(
+        &mut registry,
+        "gpu_reserved",
+        "Bytes reserved on the GPU per user: the holder's, or the sharers' budgets (--share)",
+        Some(Unit::Bytes),
+    );
+    let reservations = gauges::<GpuUserLabels>(
+        &mut registry,
+        "gpu_reservations",
+        "Reservations of the GPU per user: 1 for the holder, one per sharing job",
+        None,
+    );
+    let waiters = gauges::<GpuLabels>(
+        &mut registry,
+        "gpu_waiters",
+        "Requests waiting in the queue for the GPU",
+        None,
+    );
+    let oldest = gauges::<GpuLabels>(
+        &mut registry,
+        "gpu_oldest_wait",
+        "How long the oldest request for the GPU has waited",
+        Some(Unit::Seconds),
+    );
+    for g in &snapshot.gpus {
+        let labels = gpu_labels(&g.key, g.index);
+        if let Some(b) = g.total {
+            total.get_or_create(&labels).set(b.0 as f64);
+        }
+        if let Some(b) = g.used {
+            used.get_or_create(&labels).set(b.0 as f64);
+        }
+        if let Some(u) = g.utilization {
+            utilization.get_or_create(&labels).set(f64::from(u) / 100.0);
+        }
+        let fences: u64 = g
+            .holder
+            .iter()
+            .chain(&g.shares)
+            .filter_map(|h| h.fenced)
+            .map(|b| b.0)
+            .sum();
+        fenced.get_or_create(&labels).set(fences as f64);
+        held.get_or_create(&labels)
+            .set(f64::from(u8::from(g.holder.is_some())));
+        for (h, bytes) in g
+            .holder
+            .iter()
+            .map(|h| (h, h.reserved))
+            .chain(g.shares.iter().map(|h| (h, h.share)))
+        {
+            let user = GpuUserLabels {
+                gpu: labels.gpu.clone(),
+                uuid: labels.uuid.clone(),
+                user: h.user.clone(),
+            };
+            reserved
+                .get_or_create(&user)
+                .inc_by(bytes.map_or(0.0, |b| b.0 as f64));
+            reservations.get_or_create(&user).inc();
+        }
+        waiters.get_or_create(&labels).set(g.waiting.len() as f64);
+        let since = snapshot
+            .queue
+            .iter()
+            .filter(|w| g.waiting.contains(&w.position))
+            .map(|w| w.since_unix)
+            .min();
+        oldest
+            .get_or_create(&labels)
+            .set(since.map_or(0.0, |s| snapshot.time_unix.saturating_sub(s) as f64));
+    }
+
+    let queued = gauges::<UserLabels>(
+        &mut registry,
+        "queue_waiters",
+        "Requests waiting in the GPU queue, per user",
+        None,
+    );
+    let queued_oldest = gauges::<UserLabels>(
+        &mut registry,
+        "queue_oldest_wait",
+        "How long each user's oldest request in the GPU queue has waited",
+        Some(Unit::Seconds),
+    );
+    for w in &snapshot.queue {
+        let user = UserLabels {
+            user: w.user.clone(),
+        };
+        queued.get_or_create(&user).inc();
+        let waited = snapshot.time_unix.saturating_sub(w.since_unix) as f64;
+        let oldest = queued_oldest.get_or_create(&user);
+        if waited > oldest.get() {
+            oldest.set(waited);
+        }
+    }
+
+    let gpu_seconds = Family::<UserLabels, CounterF>::default();
+    registry.register_with_unit(
+        "user_gpu",
+        "GPU time held per user, one GPU for one second being one (the usage records; a \
+         holder that died holding its GPU counts until the next holder took it)",
+        Unit::Seconds,
+        gpu_seconds.clone(),
+    );
+    let byte_seconds = Family::<UserLabels, CounterF>::default();
+    registry.register_with_unit(
+        "user_reserved",
+        "Reserved bytes held per user, integrated over time (byte-seconds)",
+        Unit::Other("byte_seconds".into()),
+        byte_seconds.clone(),
+    );
+    for row in crate::usage::rows(&usage.records, crate::usage::By::User, 0.0, now) {
+        let user = UserLabels { user: row.name };
+        gpu_seconds
+            .get_or_create(&user)
+            .inc_by(row.gpu_hours * 3600.0);
+        byte_seconds
+            .get_or_create(&user)
+            .inc_by(row.reserved_gib_hours * 3600.0 * (1u64 << 30) as f64);
+    }
+
+    let user_jobs = gauges::<UserStateLabels>(
+        &mut registry,
+        "user_jobs",
+        "Detached jobs per user that have not ended: running, or waiting (for jobs or GPUs)",
+        None,
+    );
+    let job_reserved = gauges::<JobLabels>(
+        &mut registry,
+        "job_reserved",
+        "Each running detached job's GPUs, with the bytes reserved on each (0: the lock alone)",
+        Some(Unit::Bytes),
+    );
+    for job in &jobs {
+        let state = if job.waiting { "waiting" } else { "running" };
+        user_jobs
+            .get_or_create(&UserStateLabels {
+                user: job.user.clone(),
+                state: state.into(),
+            })
+            .inc();
+        for gpu in &job.gpus {
+            job_reserved
+                .get_or_create(&JobLabels {
+                    job_id: job.id.clone(),
+                    user: job.user.clone(),
+                    gpu: gpu.clone(),
+                })
+                .set(job.bytes.unwrap_or(0) as f64);
+        }
+    }
+
+    let ignored = gauges::<UserLabels>(
+        &mut registry,
+        "records_ignored",
+        "Records in the lock directory not believed (they name another user than their \
+         file's owner), per owner",
+        None,
+    );
+    for why in snapshot.ignored.iter().chain(&usage.ignored) {
+        ignored
+            .get_or_create(&UserLabels {
+                user: why
+                    .owner
+                    .clone()
+                    .unwrap_or_else(|| format!("uid {}", why.owner_uid)),
+            })
+            .inc();
+    }
+
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry)
+        .context("encoding the metrics")?;
+    Ok(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_text_format_names_counters_by_their_samples() {
+        let om = "# HELP t_up Up.\n# TYPE t_up gauge\nt_up 1.0\n# HELP t_gpu Time.\n\
+                  # TYPE t_gpu counter\n# UNIT t_gpu seconds\nt_gpu_total{user=\"a\"} 2.0\n# EOF\n";
+        assert_eq!(
+            text_format(om),
+            "# HELP t_up Up.\n# TYPE t_up gauge\nt_up 1.0\n# HELP t_gpu_total Time.\n\
+             # TYPE t_gpu_total counter\nt_gpu_total{user=\"a\"} 2.0\n"
+        );
+    }
+}
