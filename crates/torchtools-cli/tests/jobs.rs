@@ -350,6 +350,25 @@ fn another_users_jobs_are_listed_but_not_stopped() {
         "{out:?}"
     );
     assert_eq!(job(dir, &mine)["state"], "running");
+    // Another user's job may be waited for (as the README says: records are readable
+    // by all): root's job after nobody's waits until it has ended.
+    let after = detach(
+        dir,
+        &[
+            "reserve",
+            "--detach",
+            "--after",
+            &theirs,
+            "--gpu",
+            "2",
+            "--no-fence",
+            "--",
+            "true",
+        ],
+    );
+    common::until("it waits for nobody's job", || {
+        job(dir, &after)["state"] == format!("waiting for job {theirs}")
+    });
     // ...root can stop both.
     for id in [&mine, &theirs] {
         assert!(tt(dir)
@@ -360,6 +379,9 @@ fn another_users_jobs_are_listed_but_not_stopped() {
             .success());
         assert_ne!(job(dir, id)["status"], serde_json::Value::Null, "{id}");
     }
+    // nobody's job ended (stopped): the job after it ran.
+    let out = tt(dir).args(["jobs", "wait", &after]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
 }
 
 /// The hang-up: a detached two-rank `launch` of a PyTorch DDP script, started
