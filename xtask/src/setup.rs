@@ -25,7 +25,8 @@ pub(crate) const TORCH_VERSION: &str = "2.11.0";
 /// benchmark's baseline; it brings pandas and SQLAlchemy, ~60 MB.)
 /// (`tensorboard`: the trainer's tests read its event files with TensorBoard's own
 /// reader; ~30 MB with grpcio and protobuf.)
-const REQUIREMENTS: [&str; 7] = [
+/// (`pytest`: the Python package's tests run with it.)
+const REQUIREMENTS: [&str; 8] = [
     "torch==2.11.0",
     "safetensors==0.7.0",
     "packaging>=23",
@@ -33,6 +34,7 @@ const REQUIREMENTS: [&str; 7] = [
     "cuda-toolkit[cccl,nvcc]==13.0.2",
     GPU_TRACKER,
     "tensorboard==2.21.0",
+    "pytest==8.4.2",
 ];
 /// The gpu_tracker release our tracker is compared with.
 pub(crate) const GPU_TRACKER: &str = "gpu-tracker==5.0.1";

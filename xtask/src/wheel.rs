@@ -1,6 +1,8 @@
-//! `cargo xtask wheel`: the `torchtools` command as a Python wheel (maturin, `bindings =
-//! "bin"`), so that Python users get it with `pip install torchtools-cli`; and the
-//! matrix step that installs such a wheel into a fresh venv and runs it from there.
+//! `cargo xtask wheel`: the Python wheel `torchtools-cli` (maturin): the `torchtools`
+//! command (and `gpu-tracker`) in its scripts, and the Python package `torchtools`
+//! (`crates/torchtools-py`: the Python torchtools' and cycling_utils' APIs), so that
+//! one `pip install` gives both; and the matrix step that installs such a wheel into a
+//! fresh venv, runs the command from there and the package's pytest suite.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -39,11 +41,31 @@ fn maturin() -> Result<PathBuf> {
     Ok(bin)
 }
 
-/// Builds the wheel with cargo's `profile` into `out`; returns its path.
+/// Builds the wheel with cargo's `profile` into `out`; returns its path: the command
+/// first (cargo), put where the extension's pyproject takes the wheel's scripts from
+/// (`target/wheel-data/scripts`), then the extension and the package (maturin).
 fn build(profile: &str, out: &Path) -> Result<PathBuf> {
     let maturin = maturin()?;
     let _ = std::fs::remove_dir_all(out);
-    let manifest = crate::root().join("crates/torchtools-cli/Cargo.toml");
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "-q", "-p", "torchtools-cli", "--profile", profile])
+        .current_dir(crate::root())
+        .status()
+        .context("starting cargo")?;
+    if !status.success() {
+        bail!("cargo build -p torchtools-cli failed ({status})");
+    }
+    let built = crate::root()
+        .join("target")
+        .join(if profile == "dev" { "debug" } else { profile });
+    let scripts = crate::root().join("target/wheel-data/scripts");
+    let _ = std::fs::remove_dir_all(&scripts);
+    std::fs::create_dir_all(&scripts)?;
+    for program in ["torchtools", "gpu-tracker"] {
+        std::fs::copy(built.join(program), scripts.join(program))
+            .with_context(|| format!("copying {} into the wheel's scripts", program))?;
+    }
+    let manifest = crate::root().join("crates/torchtools-py/Cargo.toml");
     // `linux`: a wheel for this machine's glibc. A wheel for PyPI is built the same way
     // in a manylinux container (`--compatibility manylinux_2_28`).
     let status = Command::new(&maturin)
@@ -83,7 +105,8 @@ pub(crate) fn run(dev: bool) -> Result<()> {
     Ok(())
 }
 
-const STEP: &str = "wheel: pip install into a fresh venv, run torchtools from it";
+const STEP: &str =
+    "wheel: pip install into a fresh venv, run torchtools from it, pytest the Python package";
 
 /// The matrix step: a (debug) wheel installed into a new venv; `torchtools track` and
 /// `torchtools reserve` run from that venv's PATH on a Python command.
@@ -199,6 +222,49 @@ fn install_and_run_in(wheel: &Path, tmp: &Path) -> Result<()> {
         .any(|l| l.starts_with("on ") && l.len() > 3)
     {
         bail!("torchtools reserve did not hand the GPU to the Python command");
+    }
+    pytest(&venv)
+}
+
+/// The Python package's tests (`crates/torchtools-py/tests`), run by pytest in the
+/// wheel's venv, which sees the reference venv's torch (and pytest) through a `.pth`
+/// file: the package as installed, with the torch users have.
+fn pytest(venv: &Path) -> Result<()> {
+    let reference = std::env::var("TORCHTOOLS_PYTHON")
+        .context("TORCHTOOLS_PYTHON is not set: run through cargo (`cargo xtask test`)")?;
+    let out = Command::new(&reference)
+        .args([
+            "-c",
+            "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))",
+        ])
+        .output()
+        .with_context(|| format!("running {reference}"))?;
+    if !out.status.success() {
+        bail!("{reference} cannot import torch: run `cargo xtask setup`");
+    }
+    let site_packages = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let ours = Command::new(venv.join("bin/python"))
+        .args([
+            "-c",
+            "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        ])
+        .output()?;
+    let ours = PathBuf::from(String::from_utf8_lossy(&ours.stdout).trim());
+    std::fs::write(
+        ours.join("torchtools-reference-torch.pth"),
+        format!("{site_packages}\n"),
+    )?;
+    let status = Command::new(venv.join("bin/python"))
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .arg(crate::root().join("crates/torchtools-py/tests"))
+        // What users' machines do: Python's output is buffered unless they say not.
+        .env_remove("PYTHONUNBUFFERED")
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .current_dir(crate::root())
+        .status()
+        .context("starting pytest")?;
+    if !status.success() {
+        bail!("the Python package's tests failed ({status}): see pytest's report above");
     }
     Ok(())
 }

@@ -29,16 +29,31 @@ fn parent_of(path: &Path) -> PathBuf {
     }
 }
 
-/// A file being written next to its target, published by [`AtomicFile::commit`].
-/// Dropped without commit (an error, a panic), the temp file is removed and the
-/// target is untouched.
-pub(crate) struct AtomicFile {
+/// A file being written next to its target, published by [`AtomicFile::commit`]:
+/// [`atomic_write`] for writers that need the file itself (a path another library
+/// writes to, such as Python's `torch.save`). Dropped without commit (an error, a
+/// panic), the temp file is removed and the target is untouched.
+///
+/// ```
+/// use std::io::Write;
+/// let dir = tempfile::tempdir()?;
+/// let target = dir.path().join("model.pt");
+/// let mut file = tt_ckpt::AtomicFile::new(&target)?;
+/// std::fs::write(file.path(), b"weights")?; // written by name, as another library would
+/// file.commit()?;
+/// assert_eq!(std::fs::read(&target)?, b"weights");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct AtomicFile {
     temp: tempfile::NamedTempFile,
     target: PathBuf,
 }
 
 impl AtomicFile {
-    pub(crate) fn new(target: &Path) -> Result<Self> {
+    /// A temp file beside `target` (`.tt-tmp-<host>-<pid>-...`), with the mode of the
+    /// file it will replace (else 0644).
+    pub fn new(target: &Path) -> Result<Self> {
         let dir = parent_of(target);
         let prefix = format!("{TEMP_PREFIX}{}-{}-", hostname(), std::process::id());
         // tempfile makes files 0600; a checkpoint keeps the mode of the file it
@@ -57,16 +72,18 @@ impl AtomicFile {
         })
     }
 
-    pub(crate) fn path(&self) -> &Path {
+    /// The temp file's path.
+    pub fn path(&self) -> &Path {
         self.temp.path()
     }
 
-    pub(crate) fn file(&mut self) -> &mut File {
+    /// The temp file, open for writing.
+    pub fn file(&mut self) -> &mut File {
         self.temp.as_file_mut()
     }
 
     /// fsync the data, rename over the target, fsync the directory.
-    pub(crate) fn commit(self) -> Result<()> {
+    pub fn commit(self) -> Result<()> {
         self.temp
             .as_file()
             .sync_all()

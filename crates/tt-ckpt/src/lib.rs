@@ -12,7 +12,7 @@ mod tch_support;
 mod tensor;
 mod writer;
 
-pub use atomic::{atomic_write, clean_stale_temps};
+pub use atomic::{atomic_write, clean_stale_temps, AtomicFile};
 pub use dir::{CheckpointDir, CheckpointEntry, Loaded};
 pub use error::{Error, Result};
 pub use format::{Checkpoint, LoadedCheckpoint, Meta, TensorFile, METADATA_KEY};

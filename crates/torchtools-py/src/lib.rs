@@ -1,0 +1,26 @@
+//! `torchtools._native`: the Rust side of the Python package `torchtools` (its Python
+//! side is in `python/torchtools`). Thin: each function hands Python's arguments to a
+//! torchtools crate and its errors back as Python exceptions carrying our messages.
+//! No libtorch is linked; where tensors are involved, the user's torch does the work
+//! in Python (`torch.save` into the file this module makes atomic).
+
+use pyo3::prelude::*;
+
+mod ckpt;
+mod device;
+mod errors;
+mod reserve;
+mod sampler;
+
+/// The module `torchtools._native`.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(m)?;
+    m.add_function(wrap_pyfunction!(device::select_device, m)?)?;
+    m.add_function(wrap_pyfunction!(device::parse_duration, m)?)?;
+    m.add_class::<reserve::Reservation>()?;
+    m.add_class::<ckpt::AtomicWriter>()?;
+    m.add_class::<sampler::Sampler>()?;
+    Ok(())
+}

@@ -1,0 +1,115 @@
+"""cycling_utils' API: the sampler's order is torch's DistributedSampler's, resumed
+mid-epoch exactly; atomic_torch_save writes what torch.load reads, and a kill -9 in
+the middle of a save leaves the previous file whole."""
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from torchtools import BadRequestError
+from torchtools.cycling_utils import InterruptableDistributedSampler, atomic_torch_save
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 64, 1001])
+def test_the_order_is_torchs_for_every_rank_seed_and_epoch(length):
+    data = list(range(length))
+    for replicas, shuffle, drop_last, seed in itertools.product(
+        [1, 2, 3, 8], [True, False], [True, False], [0, 42]
+    ):
+        for rank in range(replicas):
+            ours = InterruptableDistributedSampler(data, replicas, rank, shuffle, seed, drop_last)
+            theirs = DistributedSampler(data, replicas, rank, shuffle, seed, drop_last)
+            for epoch in (0, 1, 7):
+                ours.set_epoch(epoch)
+                theirs.set_epoch(epoch)
+                assert list(ours) == list(theirs), (replicas, rank, shuffle, drop_last, seed, epoch)
+                assert len(ours) == len(theirs)
+
+
+def test_a_resumed_epoch_goes_on_where_it_stopped():
+    data = list(range(997))
+    theirs = DistributedSampler(data, 4, 3, seed=9)
+    theirs.set_epoch(5)
+    expected = list(theirs)
+    for done in (0, 1, 100, len(expected) - 1, len(expected)):
+        before = InterruptableDistributedSampler(data, 4, 3, seed=9)
+        before.set_epoch(5)
+        before.advance(done)
+        state = before.state_dict()
+        assert (state["epoch"], state["progress"]) == (5, done)
+        after = InterruptableDistributedSampler(data, 4, 3, seed=9)
+        after.load_state_dict(state)
+        assert list(after) == expected[done:]
+        assert len(after) == len(expected) - done
+    # cycling_utils' own state ({epoch, progress}) resumes too.
+    after = InterruptableDistributedSampler(data, 4, 3, seed=9)
+    after.load_state_dict({"epoch": 5, "progress": 10})
+    assert list(after) == expected[10:]
+
+
+def test_a_state_of_another_dataset_or_world_is_refused():
+    state = InterruptableDistributedSampler(list(range(100)), 2, 0).state_dict()
+    with pytest.raises(BadRequestError):
+        InterruptableDistributedSampler(list(range(50)), 2, 0).load_state_dict(state)
+    with pytest.raises(BadRequestError):
+        InterruptableDistributedSampler(list(range(100)), 4, 0).load_state_dict(state)
+    # ...unless resharding is asked for: the epoch goes on over the new ranks.
+    InterruptableDistributedSampler(list(range(100)), 4, 0).load_state_dict(state, reshard=True)
+
+
+def test_it_drives_a_dataloader():
+    sampler = InterruptableDistributedSampler(list(range(10)), 1, 0, shuffle=False)
+    sampler.advance(4)
+    batches = [b.tolist() for b in DataLoader(list(range(10)), batch_size=3, sampler=sampler)]
+    assert batches == [[4, 5, 6], [7, 8, 9]]
+
+
+def test_atomic_torch_save_is_read_by_torch_load(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    state = {"model": torch.nn.Linear(3, 2).state_dict(), "step": 7}
+    atomic_torch_save(state, path)
+    loaded = torch.load(path)
+    assert loaded["step"] == 7
+    assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+    # A file object is refused by its own error, and nothing is left behind.
+    with pytest.raises(TypeError):
+        atomic_torch_save(state, open(tmp_path / "f", "wb"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "f"]
+
+
+def test_kill_9_during_a_save_leaves_the_previous_file_whole(tmp_path, clean_env):
+    path = tmp_path / "latest.pt"
+    saver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import torch
+                from torchtools.cycling_utils import atomic_torch_save
+                big = torch.zeros(64 * 1024 * 1024 // 4)
+                for n in range(1, 10_000):
+                    big[0] = n
+                    atomic_torch_save({{"n": n, "big": big}}, {str(path)!r})
+                    print("saved", n, flush=True)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=clean_env,
+    )
+    # Killed after its second save has begun (the first is on disk).
+    assert saver.stdout.readline() == "saved 1\n"
+    saver.send_signal(signal.SIGKILL)
+    saver.wait(timeout=120)
+    loaded = torch.load(path)
+    assert loaded["n"] >= 1 and loaded["big"][0].item() == loaded["n"]
+    assert loaded["big"].numel() == 64 * 1024 * 1024 // 4
