@@ -255,6 +255,9 @@ pub(crate) fn cpu_matrix() -> Result<()> {
             "xtask",
             "--exclude",
             "tt-testkit",
+            // The Python extension ships in the wheel, never on crates.io.
+            "--exclude",
+            "torchtools-py",
             "--no-default-features",
             "--allow-dirty",
         ]),
