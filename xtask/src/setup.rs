@@ -25,8 +25,9 @@ pub(crate) const TORCH_VERSION: &str = "2.11.0";
 /// benchmark's baseline; it brings pandas and SQLAlchemy, ~60 MB.)
 /// (`tensorboard`: the trainer's tests read its event files with TensorBoard's own
 /// reader; ~30 MB with grpcio and protobuf.)
-/// (`pytest`: the Python package's tests run with it.)
-const REQUIREMENTS: [&str; 8] = [
+/// (`pytest`: the Python package's tests run with it; `toma`: its toma API is compared
+/// with toma itself.)
+const REQUIREMENTS: [&str; 9] = [
     "torch==2.11.0",
     "safetensors==0.7.0",
     "packaging>=23",
@@ -35,6 +36,7 @@ const REQUIREMENTS: [&str; 8] = [
     GPU_TRACKER,
     "tensorboard==2.21.0",
     "pytest==8.4.2",
+    "toma==1.1.0",
 ];
 /// The gpu_tracker release our tracker is compared with.
 pub(crate) const GPU_TRACKER: &str = "gpu-tracker==5.0.1";

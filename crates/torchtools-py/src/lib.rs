@@ -6,6 +6,7 @@
 
 use pyo3::prelude::*;
 
+mod adaptive;
 mod ckpt;
 mod device;
 mod errors;
@@ -20,6 +21,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device::select_device, m)?)?;
     m.add_function(wrap_pyfunction!(device::parse_duration, m)?)?;
     m.add_class::<reserve::Reservation>()?;
+    m.add_class::<adaptive::Adaptive>()?;
     m.add_class::<ckpt::AtomicWriter>()?;
     m.add_class::<sampler::Sampler>()?;
     Ok(())

@@ -1,6 +1,6 @@
 """Type stubs of torchtools' Rust extension (``torchtools._native``)."""
 
-from typing import List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 __version__: str
 
@@ -73,3 +73,11 @@ class Sampler:
         offset: int,
         reshard: bool,
     ) -> None: ...
+
+class Adaptive:
+    def __init__(self, policy: str = "search", remember: bool = True) -> None: ...
+    def batch(self, key: str, initial: int, attempt: Callable[[int], Tuple[bool, Any]]) -> Any: ...
+    def range(
+        self, key: str, start: int, end: int, initial_step: int, attempt: Callable[[int, int], Tuple[bool, Any]]
+    ) -> None: ...
+    def stats(self) -> List[Tuple[str, int, int, int, int]]: ...

@@ -1,0 +1,139 @@
+"""toma's API beside toma 1.1.0 itself (installed from PyPI in the test venv): the same
+script with only its import line changed gives the same results; out-of-memory errors
+are injected (torch.OutOfMemoryError above a capacity) and counted."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+# One script, run with each import line: a batch size sweep, a range and a chunked
+# fill over 1000 items, each called 4 times; out of memory above 100 items at once.
+SCRIPT = """
+{import_line}
+import json, sys, torch
+
+# The cache keyed by call stack alone: free CPU memory moves between calls on a busy
+# machine, which makes toma's own count of out-of-memory errors vary from run to run.
+sys.modules[toma.__module__].StacktraceMemoryBatchsizeCache.TRACK_RAM = False
+
+CAPACITY = 100
+ooms = {{"batch": 0, "range": 0, "chunked": 0}}
+sizes = {{"batch": [], "range": [], "chunked": []}}
+
+def check(kind, n):
+    if n > CAPACITY:
+        ooms[kind] += 1
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    sizes[kind].append(n)
+
+data = torch.arange(1000, dtype=torch.float64)
+
+@toma.batch(initial_batchsize=512{policy})
+def total(batchsize, data):
+    check("batch", batchsize)
+    return sum(float(data[i:i + batchsize].sum()) for i in range(0, len(data), batchsize))
+
+@toma.range(initial_step=512{policy})
+def squares(start, end, out):
+    check("range", end - start)
+    out[start:end] = data[start:end] ** 2
+
+@toma.chunked(initial_step=512{policy})
+def doubled(chunk, start, end):
+    check("chunked", end - start)
+    chunk.copy_(data[start:end] * 2)
+
+results = []
+for _ in range(4):
+    out = torch.zeros(1000, dtype=torch.float64)
+    squares(0, 1000, out)
+    filled = torch.zeros(1000, dtype=torch.float64)
+    doubled(filled)
+    results.append([total(data), float(out.sum()), float(filled.sum())])
+print(json.dumps({{"results": results, "ooms": ooms, "largest": {{k: max(v) for k, v in sizes.items()}}}}))
+"""
+
+
+def run(import_line, clean_env, policy=""):
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(import_line=import_line, policy=policy)],
+        capture_output=True,
+        text=True,
+        env=clean_env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_the_same_script_gives_the_same_results_as_toma(clean_env):
+    theirs = run("from toma import toma", clean_env)
+    # toma's rule kept exactly: the same results, sizes and out-of-memory errors.
+    halving = run("from torchtools.toma import toma", clean_env, policy=', policy="halve"')
+    assert halving == theirs
+    # The default searches back up: the same results, the largest size that fits,
+    # at the cost of the out-of-memory errors of the search (2 here, 64 -> 96 -> 112
+    # -> 104 -> 100; at most log2(512) = 9 per kind).
+    ours = run("from torchtools.toma import toma", clean_env)
+    assert ours["results"] == theirs["results"]
+    for kind in ("batch", "range", "chunked"):
+        assert theirs["largest"][kind] == 64, theirs
+        assert ours["largest"][kind] == 100, ours
+        assert ours["ooms"][kind] <= theirs["ooms"][kind] + 9, (kind, ours, theirs)
+
+
+def test_other_errors_pass_through_and_size_one_raises_the_oom():
+    from torchtools.toma import explicit, toma, NoBatchsizeCache
+
+    @toma.batch(initial_batchsize=8)
+    def broken(batchsize):
+        raise ValueError("not memory")
+
+    with pytest.raises(ValueError, match="not memory"):
+        broken()
+
+    tried = []
+
+    def never_fits(batchsize):
+        tried.append(batchsize)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        explicit.batch(never_fits, 8, toma_cache_type=NoBatchsizeCache)
+    assert tried == [8, 4, 2, 1]
+
+
+def test_each_call_site_remembers_its_own_size():
+    from torchtools.toma import toma
+
+    calls = []
+
+    @toma.batch(initial_batchsize=64, policy="halve")
+    def run(batchsize, capacity):
+        calls.append(batchsize)
+        if batchsize > capacity:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        return batchsize
+
+    assert [run(10) for _ in range(3)] == [8, 8, 8]  # one line: 64, 32, 16 ran out once
+    assert run(1000) == 64  # another line: its own entry, from 64
+    assert calls == [64, 32, 16, 8, 8, 8, 64]
+
+
+def test_chunked_fills_every_index_once():
+    from torchtools.toma import toma
+
+    seen = torch.zeros(300, dtype=torch.int64)
+
+    @toma.chunked(initial_step=128)
+    def fill(chunk, start, end):
+        if end - start > 50:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        chunk += 1
+
+    fill(seen)
+    assert torch.equal(seen, torch.ones(300, dtype=torch.int64))
