@@ -12,6 +12,7 @@ mod device;
 mod errors;
 mod reserve;
 mod sampler;
+mod tracker;
 
 /// The module `torchtools._native`.
 #[pymodule]
@@ -24,5 +25,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<adaptive::Adaptive>()?;
     m.add_class::<ckpt::AtomicWriter>()?;
     m.add_class::<sampler::Sampler>()?;
+    m.add_class::<tracker::Tracker>()?;
     Ok(())
 }
