@@ -24,6 +24,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reserve::Reservation>()?;
     m.add_class::<adaptive::Adaptive>()?;
     m.add_class::<ckpt::AtomicWriter>()?;
+    m.add_class::<ckpt::PendingSave>()?;
+    m.add_function(wrap_pyfunction!(ckpt::save_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(ckpt::save_checkpoint_async, m)?)?;
+    m.add_function(wrap_pyfunction!(ckpt::load_checkpoint, m)?)?;
     m.add_class::<sampler::Sampler>()?;
     m.add_class::<tracker::Tracker>()?;
     Ok(())
