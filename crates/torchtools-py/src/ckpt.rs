@@ -211,7 +211,7 @@ pub(crate) fn load_checkpoint(
 ) -> PyResult<(
     u64,
     String,
-    Vec<(String, String, Vec<usize>, Py<pyo3::types::PyBytes>)>,
+    Vec<(String, String, Vec<usize>, Py<pyo3::types::PyByteArray>)>,
 )> {
     let loaded = py
         .detach(|| tt_ckpt::LoadedCheckpoint::read(&path))
@@ -224,7 +224,8 @@ pub(crate) fn load_checkpoint(
             name,
             dtype_name(view.dtype())?.to_owned(),
             view.shape().to_vec(),
-            pyo3::types::PyBytes::new(py, view.data()).unbind(),
+            // One copy, into a buffer torch takes as it is (`torch.frombuffer`).
+            pyo3::types::PyByteArray::new(py, view.data()).unbind(),
         ));
     }
     Ok((loaded.step(), values.to_string(), tensors))

@@ -77,6 +77,6 @@ def load_state_dict(
         if len(data) == 0:
             tensor = torch.empty(shape, dtype=kind)
         else:
-            tensor = torch.frombuffer(bytearray(data), dtype=kind).reshape(shape)
+            tensor = torch.frombuffer(data, dtype=kind).reshape(shape)
         state[name] = tensor.to(device)
     return state, {"step": step, "values": json.loads(values)}
