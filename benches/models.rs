@@ -13,6 +13,8 @@
 //!   checkpoint every 100 steps written in the background, metrics to JSON Lines)
 //!   against a bare loop of the same batches and steps (the median of eleven pairs): on
 //!   2 cores, every thread of the toolkit competes with the step's two compute threads.
+//!   Then each part alone on top of `fit` and its loader (the tracker, the checkpoints,
+//!   the metrics), five pairs each: where the cost goes.
 //!
 //! Prints `row|<what>|<ours>|<baseline name>|<baseline>|<unit>|<better>` lines, which
 //! `cargo xtask bench` gathers into its table, after a human-readable summary.
@@ -42,30 +44,22 @@ const ROUNDS: usize = 5;
 const KIT_ROUNDS: usize = 11;
 
 /// `rounds` pairs of runs, `ours` and `theirs` back to back (which goes first
-/// alternating): the pair whose ratio `theirs / ours` is the median. This VM's speed
-/// shifts by up to 20% for tens of seconds at a time (other tenants of the host), which
-/// a pair of runs a few seconds long mostly sits within; medians of each side's runs
-/// would compare runs from different phases.
+/// alternating; tt-testkit's protocol): the median pair, with every pair's ratio said.
+/// This VM's speed shifts by up to 20% for tens of seconds at a time (other tenants of
+/// the host), which a pair of runs a few seconds long mostly sits within; medians of
+/// each side's runs would compare runs from different phases.
 fn median_pair(
     rounds: usize,
-    mut ours: impl FnMut() -> Result<f64>,
-    mut theirs: impl FnMut() -> Result<f64>,
+    ours: impl FnMut() -> Result<f64>,
+    theirs: impl FnMut() -> Result<f64>,
 ) -> Result<(f64, f64)> {
-    let mut pairs = Vec::with_capacity(rounds);
-    for round in 0..rounds {
-        let pair = if round % 2 == 0 {
-            let a = ours()?;
-            (a, theirs()?)
-        } else {
-            let b = theirs()?;
-            (ours()?, b)
-        };
-        pairs.push(pair);
-    }
-    pairs.sort_by(|x, y| (x.1 / x.0).total_cmp(&(y.1 / y.0)));
-    let ratios: Vec<String> = pairs.iter().map(|p| format!("{:.3}", p.1 / p.0)).collect();
-    println!("  the pairs' ratios, sorted: {}", ratios.join(" "));
-    Ok(pairs[pairs.len() / 2])
+    let pairs = tt_testkit::bench::paired(rounds, ours, theirs)?;
+    let ratios: Vec<String> = pairs.ratios().iter().map(|r| format!("{r:.3}")).collect();
+    println!(
+        "  the pairs' ratios, sorted: {} ({pairs})",
+        ratios.join(" ")
+    );
+    Ok(pairs.median())
 }
 
 fn adamw(vs: &nn::VarStore) -> Result<Optimizer> {
@@ -179,9 +173,56 @@ const MODELS: [(&str, &str, usize, u64); 2] = [
 const KIT_STEPS: u64 = 200;
 const KIT_BATCH: usize = 1;
 
-/// The decoder's training with the whole toolkit (`full`), or a bare loop of the same
-/// batches: seconds per step.
-fn toolkit(tokens: &Tensor, full: bool) -> Result<f64> {
+/// What runs around `fit`'s step (its loader thread always: the component rows add
+/// one part each on top of it, the full row all of them).
+#[derive(Debug, Clone, Copy)]
+struct Kit {
+    tracker: bool,
+    checkpoints: bool,
+    metrics: bool,
+}
+
+impl Kit {
+    const FULL: Kit = Kit {
+        tracker: true,
+        checkpoints: true,
+        metrics: true,
+    };
+    const LOADER: Kit = Kit {
+        tracker: false,
+        checkpoints: false,
+        metrics: false,
+    };
+    /// One part each on top of the loader, for the component rows.
+    const PARTS: [(&'static str, Kit); 4] = [
+        ("fit with its loader alone", Kit::LOADER),
+        (
+            "fit + the tracker every 100 ms",
+            Kit {
+                tracker: true,
+                ..Kit::LOADER
+            },
+        ),
+        (
+            "fit + a checkpoint every 100 steps",
+            Kit {
+                checkpoints: true,
+                ..Kit::LOADER
+            },
+        ),
+        (
+            "fit + metrics to JSON Lines",
+            Kit {
+                metrics: true,
+                ..Kit::LOADER
+            },
+        ),
+    ];
+}
+
+/// The decoder's training through `fit` with `kit` around it, or (`None`) a bare loop
+/// of the same batches: seconds per step.
+fn toolkit(tokens: &Tensor, kit: Option<Kit>) -> Result<f64> {
     let samples = KIT_STEPS * KIT_BATCH as u64;
     let gather = |tokens: &Tensor, indices: &[u64]| -> std::result::Result<Tensor, TchError> {
         let idx: Vec<i64> = indices.iter().map(|&i| i as i64).collect();
@@ -191,7 +232,7 @@ fn toolkit(tokens: &Tensor, full: bool) -> Result<f64> {
     let Model::Gpt(gpt) = model else {
         return Err("the decoder was asked for".into());
     };
-    if !full {
+    let Some(kit) = kit else {
         let sampler = torchtools::sampler::DistributedSampler::new(samples, 1, 0)?.with_seed(0);
         let mut batches = torchtools::train::EpochBatches::new(sampler, KIT_BATCH, 1)?;
         let (start, mut steps) = (Instant::now(), 0);
@@ -201,17 +242,23 @@ fn toolkit(tokens: &Tensor, full: bool) -> Result<f64> {
             steps += 1;
         }
         return Ok(start.elapsed().as_secs_f64() / steps as f64);
-    }
+    };
     let root = tempfile::tempdir()?;
-    let mut trainer = quiet_trainer(
-        TrainConfig::new(samples, KIT_BATCH, 1)
-            .checkpoints(root.path().join("ckpt"), 100)
-            .metrics(root.path().join("metrics.jsonl")),
-    )?;
-    let tracker = Tracker::start(TrackerConfig {
-        interval: Duration::from_millis(100),
-        ..TrackerConfig::default()
-    })?;
+    let mut config = TrainConfig::new(samples, KIT_BATCH, 1);
+    if kit.checkpoints {
+        config = config.checkpoints(root.path().join("ckpt"), 100);
+    }
+    if kit.metrics {
+        config = config.metrics(root.path().join("metrics.jsonl"));
+    }
+    let mut trainer = quiet_trainer(config)?;
+    let tracker = match kit.tracker {
+        true => Some(Tracker::start(TrackerConfig {
+            interval: Duration::from_millis(100),
+            ..TrackerConfig::default()
+        })?),
+        false => None,
+    };
     let loader_tokens = tokens.shallow_clone();
     let start = Instant::now();
     let work = Steps::prefetched(
@@ -220,14 +267,17 @@ fn toolkit(tokens: &Tensor, full: bool) -> Result<f64> {
     );
     let report = trainer.fit(&mut vs, &mut opt, work)?;
     let per_step = start.elapsed().as_secs_f64() / report.steps as f64;
-    drop(tracker.stop()?);
+    if let Some(tracker) = tracker {
+        drop(tracker.stop()?);
+    }
     Ok(per_step)
 }
 
 fn run() -> Result<()> {
     let threads = torchtools::tch::get_num_threads();
     let mut rows = Vec::new();
-    // `-- toolkit` measures the toolkit's row alone, `-- models` the models' rows alone.
+    // `-- toolkit` measures the toolkit's rows alone (the whole toolkit, then each part
+    // of it on top of `fit`'s loader), `-- models` the models' rows alone.
     let only = std::env::args()
         .skip(1)
         .find(|a| a == "toolkit" || a == "models");
@@ -261,12 +311,12 @@ fn run() -> Result<()> {
         (Kind::Int64, Device::Cpu),
     )?;
     // A run of each to warm up, then pairs.
-    toolkit(&tokens, true)?;
-    toolkit(&tokens, false)?;
+    toolkit(&tokens, Some(Kit::FULL))?;
+    toolkit(&tokens, None)?;
     let (kit, bare) = median_pair(
         KIT_ROUNDS,
-        || toolkit(&tokens, true),
-        || toolkit(&tokens, false),
+        || toolkit(&tokens, Some(Kit::FULL)),
+        || toolkit(&tokens, None),
     )?;
     println!(
         "decoder, batch {KIT_BATCH}x128, {KIT_STEPS} steps: fit with tracker, loader, checkpoints, metrics {:.1} ms/step; bare loop {:.1} ms/step",
@@ -278,6 +328,21 @@ fn run() -> Result<()> {
         kit * 1e3,
         bare * 1e3
     ));
+    // Where the cost goes: each part alone on top of the loader, against the bare loop.
+    {
+        for (what, part) in Kit::PARTS {
+            let (ours, bare) = median_pair(
+                ROUNDS,
+                || toolkit(&tokens, Some(part)),
+                || toolkit(&tokens, None),
+            )?;
+            rows.push(format!(
+                "row|GPT 4.2M, batch 1x128: {what} (ms/step)|{:.1}|a bare loop of the same steps|{:.1}|ms|lower",
+                ours * 1e3,
+                bare * 1e3
+            ));
+        }
+    }
     for row in rows {
         println!("{row}");
     }

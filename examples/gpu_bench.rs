@@ -59,10 +59,12 @@ fn main() {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use tt_testkit::bench::median;
+
+/// Pairs of runs for each ratio of the models' and the toolkit's rows (ours and the
+/// baseline back to back, the order alternating): the median pair is the row, the
+/// spread of all pairs is beside it.
+const PAIRS: usize = 5;
 
 struct Row {
     what: String,
@@ -491,30 +493,35 @@ fn theirs(which: &str, batch: usize, steps: u64) -> Result<(f64, u64)> {
     Ok((secs, peak))
 }
 
-/// Per model: the step time and the peak memory, ours against PyTorch eager (medians of
-/// three alternating rounds).
+/// Per model: the step time and the peak memory, ours against PyTorch eager: pairs of
+/// runs in alternating order (tt-testkit's protocol), the median pair's ratio with the
+/// spread of all [`PAIRS`].
 fn model_rows() -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for (which, name, batch, steps) in [
         ("gpt", "GPT 85M (12x768), batch 16x512", 16, 30),
         ("resnet", "ResNet-18 (32x32), batch 256", 256, 50),
     ] {
-        let (mut t_ours, mut t_theirs, mut m_ours, mut m_theirs) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..3 {
-            let (t, m) = ours(which, batch, steps)?;
-            t_ours.push(t);
-            m_ours.push(m as f64);
-            let (t, m) = theirs(which, batch, steps)?;
-            t_theirs.push(t);
-            m_theirs.push(m as f64);
-        }
-        let (a, b) = (median(t_ours), median(t_theirs));
+        let (mut m_ours, mut m_theirs) = (Vec::new(), Vec::new());
+        let times = tt_testkit::bench::paired(
+            PAIRS,
+            || -> Result<f64> {
+                let (t, m) = ours(which, batch, steps)?;
+                m_ours.push(m as f64);
+                Ok(t)
+            },
+            || -> Result<f64> {
+                let (t, m) = theirs(which, batch, steps)?;
+                m_theirs.push(m as f64);
+                Ok(t)
+            },
+        )?;
+        let (a, b) = times.median();
         rows.push(Row {
             what: format!("{name}: bf16 step, fit vs PyTorch eager"),
             ours: format!("{:.2} ms", a * 1e3),
             baseline: format!("{:.2} ms", b * 1e3),
-            ratio: format!("{:.3}", b / a),
+            ratio: times.to_string(),
         });
         let (a, b) = (median(m_ours), median(m_theirs));
         rows.push(Row {
@@ -914,19 +921,22 @@ fn checkpoint_rows() -> Result<Vec<Row>> {
 }
 
 /// The GPT (batch 16x512, bf16, AdamW) for 300 steps from a token dataset in host
-/// memory: through `Trainer::fit` with prefetched batches and the whole toolkit on (the tracker
-/// every 100 ms, the loader thread, a checkpoint every 100 steps written in the
-/// background, metrics to JSON Lines) against a bare loop that gathers the same
-/// batches and steps the same model. Seconds per step, medians of three rounds after
-/// a warm-up round of each (CUDA's caching allocator, cuBLAS and the pinned buffers of
-/// the checkpoints warm for both), the order alternating from round to round. The
-/// batch (66 KB) goes to the GPU from pageable memory: `pin_memory` through tch warns
-/// on every call that its device argument is deprecated.
+/// memory: through `Trainer::fit` with prefetched batches and the whole toolkit on (the
+/// tracker every 100 ms, the loader thread, a checkpoint every 100 steps written in the
+/// background, metrics to JSON Lines) against a bare loop that gathers the same batches
+/// and steps the same model; then each part alone on top of `fit` and its loader (where
+/// the cost goes). Seconds per step; each row the median of [`PAIRS`] alternating pairs
+/// against the bare loop, after a warm-up run of each (CUDA's caching allocator, cuBLAS
+/// and the pinned buffers of the checkpoints warm for both), the pairs' spread beside
+/// it. The batch (66 KB) goes to the GPU from pageable memory: `pin_memory` through tch
+/// warns on every call that its device argument is deprecated.
 fn toolkit_rows() -> Result<Vec<Row>> {
     use torchtools::optim::Optimizer;
     use torchtools::train::{Precision, Steps, TrainConfig, Trainer};
     const STEPS: u64 = 300;
     const BATCH: usize = 16;
+    /// What runs around the step: (tracker, checkpoints, metrics), `fit`'s loader always.
+    type Kit = (bool, bool, bool);
     let dev = Device::Cuda(0);
     let samples = STEPS as i64 * BATCH as i64;
     let tokens = Tensor::randint(2048, [samples, 513], (Kind::Int64, Device::Cpu));
@@ -943,21 +953,21 @@ fn toolkit_rows() -> Result<Vec<Row>> {
         let opt = adamw_as_the_baseline(&vs)?;
         Ok((vs, gpt, opt))
     };
-    // The whole toolkit (`full`), or `fit` with its loader alone: where the overhead is.
-    let kit_run = |full: bool| -> Result<f64> {
+    let kit_run = |(tracked, checkpoints, metrics): Kit| -> Result<f64> {
         let root = tempfile::tempdir()?;
         let (mut vs, gpt, mut opt) = build()?;
         let mut config = TrainConfig::new(samples as u64, BATCH, 1).precision(Precision::Bf16);
-        if full {
-            config = config
-                .checkpoints(root.path().join("ckpt"), 100)
-                .metrics(root.path().join("metrics.jsonl"));
+        if checkpoints {
+            config = config.checkpoints(root.path().join("ckpt"), 100);
+        }
+        if metrics {
+            config = config.metrics(root.path().join("metrics.jsonl"));
         }
         config = config.handle_signals(false);
         config = config.progress(false);
         let mut trainer =
             Trainer::with_group(config, torchtools::dist::ProcessGroup::single(), dev)?;
-        let tracker = match full {
+        let tracker = match tracked {
             true => Some(Tracker::start(TrackerConfig {
                 interval: Duration::from_millis(100),
                 ..TrackerConfig::default()
@@ -996,34 +1006,28 @@ fn toolkit_rows() -> Result<Vec<Row>> {
         torchtools::tch::Cuda::synchronize(0);
         Ok(start.elapsed().as_secs_f64() / steps as f64)
     };
-    kit_run(true)?;
+    kit_run((true, true, true))?;
     bare_run()?;
-    let (mut t_kit, mut t_fit, mut t_bare) = (Vec::new(), Vec::new(), Vec::new());
-    for round in 0..3 {
-        if round % 2 == 0 {
-            t_bare.push(bare_run()?);
-            t_fit.push(kit_run(false)?);
-            t_kit.push(kit_run(true)?);
-        } else {
-            t_kit.push(kit_run(true)?);
-            t_fit.push(kit_run(false)?);
-            t_bare.push(bare_run()?);
-        }
-    }
-    let (kit, fit, bare) = (median(t_kit), median(t_fit), median(t_bare));
     let ms = |s: f64| format!("{:.2} ms", s * 1e3);
-    Ok(vec![
-        Row {
-            what: "GPT: fit with tracker, loader, checkpoints, metrics vs a bare loop".into(),
-            ours: ms(kit),
+    let mut rows = Vec::new();
+    for (what, kit) in [
+        (
+            "GPT: fit with tracker, loader, checkpoints, metrics vs a bare loop",
+            (true, true, true),
+        ),
+        ("  fit with its loader alone", (false, false, false)),
+        ("  fit + the tracker every 100 ms", (true, false, false)),
+        ("  fit + a checkpoint every 100 steps", (false, true, false)),
+        ("  fit + metrics to JSON Lines", (false, false, true)),
+    ] {
+        let pairs = tt_testkit::bench::paired(PAIRS, || kit_run(kit), bare_run)?;
+        let (ours, bare) = pairs.median();
+        rows.push(Row {
+            what: what.into(),
+            ours: ms(ours),
             baseline: ms(bare),
-            ratio: format!("{:.3}", bare / kit),
-        },
-        Row {
-            what: "  the same, fit with its loader alone (no tracker, checkpoints, metrics)".into(),
-            ours: ms(fit),
-            baseline: ms(bare),
-            ratio: format!("{:.3}", bare / fit),
-        },
-    ])
+            ratio: pairs.to_string(),
+        });
+    }
+    Ok(rows)
 }

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![allow(clippy::unwrap_used, clippy::panic)] // a panic is how a test reports
 
+pub mod bench;
 pub mod hang;
 pub mod netns;
 
