@@ -11,10 +11,7 @@ use std::time::{Duration, Instant};
 use tch::{Device, Kind, TchError, Tensor};
 use tt_adaptive::{Adaptive, Policy};
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use tt_testkit::bench::median;
 
 /// Median seconds per call of `f` over `n` calls, in `rounds` rounds.
 fn per_call(rounds: usize, n: usize, mut f: impl FnMut()) -> f64 {

@@ -73,10 +73,7 @@ fn direct_reads(path: &Path) -> f64 {
 }
 
 /// The middle value (of seconds or durations; a NaN sorts as equal).
-fn median<T: PartialOrd + Copy>(mut v: Vec<T>) -> T {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
-    v[v.len() / 2]
-}
+use tt_testkit::bench::median;
 
 const PYTHON: &str = r#"
 import os, sys, time, torch

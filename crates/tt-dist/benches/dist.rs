@@ -234,10 +234,7 @@ fn two_ranks(program: &str, args: &[&str], role: Option<Run>) -> (f64, f64) {
     result.expect("rank 0 printed its result")
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use tt_testkit::bench::median;
 
 fn main() {
     if std::env::var_os("TT_BENCH_ROLE").is_some() {

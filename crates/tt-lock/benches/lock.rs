@@ -24,10 +24,7 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use tt_testkit::bench::median;
 
 /// The waiter process: for each line `block` or `timeout` on stdin, lock (blocking or
 /// timed), print the monotonic time it got the lock, release.

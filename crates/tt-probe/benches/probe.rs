@@ -18,10 +18,7 @@ fn work(ctx: &ProbeContext) -> Result<Step, BoxError> {
     }))
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use tt_testkit::bench::median;
 
 fn main() {
     tt_probe::entry(&[("work", work)]);

@@ -14,10 +14,7 @@ const LEN: u64 = 10_000_000;
 const REPLICAS: u64 = 4;
 const RUNS: usize = 5;
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
+use tt_testkit::bench::median;
 
 /// One whole epoch of rank 0: the permutation plus yielding every index.
 fn epoch_time(epoch: u64) -> (Duration, u64) {

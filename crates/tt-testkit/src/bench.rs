@@ -86,10 +86,15 @@ impl fmt::Display for Pairs {
     }
 }
 
-/// The median of `values` (the upper one of an even count); NaN for none.
-pub fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+/// The median of `values` (the upper one of an even count): seconds, durations,
+/// counts. Every benchmark's median is this one.
+///
+/// # Panics
+/// With no values: a benchmark that measured nothing.
+pub fn median<T: PartialOrd + Copy>(mut values: Vec<T>) -> T {
+    assert!(!values.is_empty(), "the median of no measurements");
+    values.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    values[values.len() / 2]
 }
 
 #[cfg(test)]
@@ -145,6 +150,8 @@ mod tests {
         );
         assert_eq!(result, Err("no GPU"));
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
-        assert!(median(Vec::new()).is_nan());
+        assert_eq!(median(vec![4, 1, 3, 2]), 3);
+        let d = std::time::Duration::from_millis;
+        assert_eq!(median(vec![d(5), d(1), d(9)]), d(5));
     }
 }

@@ -80,10 +80,7 @@ fn their_cost(py: &Path, pid: u32, sleep_time: f64, secs: f64) -> Option<f64> {
     String::from_utf8_lossy(&out.stdout).trim().parse().ok()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use tt_testkit::bench::median;
 
 fn wall_ms(mut make: impl FnMut() -> Command, runs: usize) -> Option<f64> {
     let mut times = Vec::new();

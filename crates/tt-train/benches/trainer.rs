@@ -18,10 +18,7 @@ use tt_train::{EpochBatches, Steps, TrainConfig, Trainer};
 const SAMPLES: i64 = 64 * 1200;
 const BATCH: usize = 64;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use tt_testkit::bench::median;
 
 /// The model and its optimizer, the same initialisation every time.
 fn build() -> (nn::VarStore, impl Module, Optimizer) {
