@@ -7,25 +7,10 @@
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 mod common;
-use common::{torchtools, until};
-
-/// `torchtools` with `dir/locks` as its lock directory, `dir/state` for logs and
-/// `dir/config` as the user's config directory.
-fn tt(dir: &Path) -> Command {
-    let mut c = torchtools(&dir.join("locks"));
-    c.env("XDG_STATE_HOME", dir.join("state"))
-        .env("XDG_CONFIG_HOME", dir.join("config"))
-        .env_remove("TORCHTOOLS_JOB_ID");
-    c
-}
-
-fn ok(out: Output) -> String {
-    assert!(out.status.success(), "{out:?}");
-    String::from_utf8(out.stdout).unwrap()
-}
+use common::{detach, ok, tt, until};
 
 /// A hook that appends, to `dir/hooks/<name>`, its `TORCHTOOLS_JOB_*` variables, a
 /// `--- stdin` line and what it read (one block per run); `name` is the job's id, or
@@ -93,10 +78,6 @@ fn after_hook(dir: &Path, name: &str) -> Vec<(BTreeMap<String, String>, String)>
         !guardian_runs(name)
     });
     runs(dir, name)
-}
-
-fn detach(dir: &Path, args: &[&str]) -> String {
-    ok(tt(dir).args(args).output().unwrap()).trim().to_owned()
 }
 
 fn log_of(dir: &Path, id: &str) -> PathBuf {

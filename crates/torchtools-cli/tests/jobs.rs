@@ -4,28 +4,10 @@
 
 use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
 mod common;
-use common::{torchtools, until};
-
-/// `torchtools` with `dir/locks` as its lock directory and `dir/state` as the user's
-/// state directory (where logs go).
-fn tt(dir: &Path) -> Command {
-    let mut c = torchtools(&dir.join("locks"));
-    c.env("XDG_STATE_HOME", dir.join("state"));
-    c
-}
-
-fn ok(out: Output) -> String {
-    assert!(out.status.success(), "{out:?}");
-    String::from_utf8(out.stdout).unwrap()
-}
-
-/// Starts a detached job, returns its id (the one line it prints).
-fn detach(dir: &Path, args: &[&str]) -> String {
-    ok(tt(dir).args(args).output().unwrap()).trim().to_owned()
-}
+use common::{detach, ok, tt, until};
 
 fn job(dir: &Path, id: &str) -> serde_json::Value {
     let all: serde_json::Value = serde_json::from_str(&ok(tt(dir)

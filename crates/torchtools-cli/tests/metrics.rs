@@ -8,23 +8,11 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 mod common;
-use common::{torchtools, until};
-
-fn tt(dir: &Path) -> Command {
-    let mut c = torchtools(&dir.join("locks"));
-    c.env("XDG_STATE_HOME", dir.join("state"))
-        .env("XDG_CONFIG_HOME", dir.join("config"));
-    c
-}
-
-fn ok(out: Output) -> String {
-    assert!(out.status.success(), "{out:?}");
-    String::from_utf8(out.stdout).unwrap()
-}
+use common::{ok, tt, until};
 
 /// Kills a child when the test ends, however it ends.
 struct Killed(Child);

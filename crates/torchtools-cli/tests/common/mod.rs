@@ -21,6 +21,32 @@ pub(crate) fn torchtools(dir: &Path) -> Command {
     cmd
 }
 
+/// `torchtools` for jobs: `dir/locks` its lock directory, `dir/state` the user's state
+/// directory (where logs go), `dir/config` the user's config directory (no default hook
+/// from the machine's user), not inside a job.
+pub(crate) fn tt(dir: &Path) -> Command {
+    let mut c = torchtools(&dir.join("locks"));
+    c.env("XDG_STATE_HOME", dir.join("state"))
+        .env("XDG_CONFIG_HOME", dir.join("config"))
+        .env_remove("TORCHTOOLS_JOB_ID");
+    c
+}
+
+/// A command's standard output, once it succeeded (its whole output said otherwise).
+pub(crate) fn ok(out: std::process::Output) -> String {
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Starts a detached job with [`tt`]: its id (the one line it prints).
+pub(crate) fn detach(dir: &Path, args: &[&str]) -> String {
+    let out = tt(dir)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    ok(out).trim().to_owned()
+}
+
 /// The key `--gpu 0` takes on this machine (its UUID with NVML, else index 0).
 pub(crate) fn key0() -> GpuKey {
     GpuSpec::Nvml(0)
