@@ -52,16 +52,7 @@ pub(crate) fn reserve(req: Request) -> Result<u8> {
 /// Takes the reservation `req` asks for (waiting in the queue), saying what it took;
 /// the errors exit as `reserve` documents (75 still locked, 2 a bad request).
 pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
-    if req.share && req.bytes.is_none() {
-        return Err(Exit(
-            2,
-            "--share needs the job's budget: give --bytes (e.g. --share --bytes 20GiB, or \
-             --bytes auto to measure it with a probe run); sharers are admitted while their \
-             budgets fit in the GPU's memory"
-                .into(),
-        )
-        .into());
-    }
+    // (--share without --bytes: tt-reserve's own check says what to give.)
     if req.fence && !req.share && req.bytes.is_none() {
         return Err(Exit(
             2,
@@ -97,7 +88,13 @@ pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
             if e.is_busy() {
                 Exit(EXIT_LOCKED, e.to_string()).into()
             } else if e.is_bad_request() {
-                Exit(2, format!("{e} (see --gpu and --count)")).into()
+                // The options to look at, unless the message names them already.
+                let said = e.to_string();
+                let hint = match said.contains("--") {
+                    true => "",
+                    false => " (see --gpu and --count)",
+                };
+                Exit(2, format!("{said}{hint}")).into()
             } else {
                 anyhow::Error::from(e)
             }

@@ -157,7 +157,7 @@ fn bad_arguments_exit_2_with_the_reason() {
         (&["reserve", "--gpu", "0", "--no-fence"][..], "<CMD>"),
         (
             &["reserve", "--gpu", "0", "--share", "--", "true"][..],
-            "--share needs the job's budget",
+            "a shared reservation needs its budget",
         ),
         (
             &[

@@ -275,7 +275,11 @@ pub fn reserve_on(
     }
     if options.share && options.training_reserved_bytes.0 == 0 {
         return Err(Error::Options(
-            "a shared reservation needs its budget: give the bytes the job needs (--bytes)".into(),
+            "a shared reservation needs its budget, the bytes the job needs: --share --bytes \
+             20GiB, or --bytes auto to measure it with a probe run (the API: \
+             training_reserved_bytes); sharers are admitted while their budgets fit in the \
+             GPU's memory"
+                .into(),
         ));
     }
     let inventory = machine.inventory();
