@@ -226,6 +226,9 @@ fn install_and_run_in(wheel: &Path, tmp: &Path) -> Result<()> {
     pytest(&venv)
 }
 
+/// How long the Python package's tests may take (they take about 2 minutes).
+const PYTEST_LIMIT: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
 /// The Python package's tests (`crates/torchtools-py/tests`), run by pytest in the
 /// wheel's venv, which sees the reference venv's torch (and pytest) through a `.pth`
 /// file: the package as installed, with the torch users have.
@@ -254,15 +257,31 @@ fn pytest(venv: &Path) -> Result<()> {
         ours.join("torchtools-reference-torch.pth"),
         format!("{site_packages}\n"),
     )?;
-    let status = Command::new(venv.join("bin/python"))
+    let mut pytest = Command::new(venv.join("bin/python"))
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
         .arg(crate::root().join("crates/torchtools-py/tests"))
         // What users' machines do: Python's output is buffered unless they say not.
         .env_remove("PYTHONUNBUFFERED")
         .env_remove("CUDA_VISIBLE_DEVICES")
         .current_dir(crate::root())
-        .status()
+        .spawn()
         .context("starting pytest")?;
+    // A hung test fails the step instead of holding CI until its own limit.
+    let deadline = std::time::Instant::now() + PYTEST_LIMIT;
+    let status = loop {
+        if let Some(status) = pytest.try_wait()? {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = pytest.kill();
+            let _ = pytest.wait();
+            bail!(
+                "the Python package's tests still ran after {PYTEST_LIMIT:?}: killed (a test \
+                 hangs; pytest's progress above shows which file)"
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
     if !status.success() {
         bail!("the Python package's tests failed ({status}): see pytest's report above");
     }

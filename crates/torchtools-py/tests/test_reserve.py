@@ -76,8 +76,11 @@ def test_another_process_waits_its_turn_and_ctrl_c_gives_up(lock_dir, command, c
             reserve_gpu_for_training(gpu=0, fence=False).acquire()
         waiter = python(
             """
-            import sys
+            import signal
             from torchtools import reserve_gpu_for_training
+            # Ctrl-C as at a terminal, whatever this test was started under (a shell
+            # starts background jobs with SIGINT ignored, and Python keeps that).
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             print("waiting", flush=True)
             try:
                 with reserve_gpu_for_training(gpu=0, fence=False):
@@ -93,8 +96,8 @@ def test_another_process_waits_its_turn_and_ctrl_c_gives_up(lock_dir, command, c
             assert time.monotonic() < deadline, "the child never queued"
             time.sleep(0.05)
         waiter.send_signal(signal.SIGINT)
-        assert waiter.stdout.readline() == "interrupted\n", waiter.stderr.read()
-        assert waiter.wait(timeout=120) == 0
+        out, err = waiter.communicate(timeout=120)
+        assert out == "interrupted\n" and waiter.returncode == 0, err
     # Its turn never came; nothing of it stays held or queued.
     assert locks(command) == {}
     assert waiters(command) == []
@@ -113,8 +116,8 @@ def test_the_waiter_gets_the_gpu_when_it_is_released(lock_dir, command, clean_en
     )
     assert waiter.stdout.readline() == "waiting\n"
     r.release()
-    assert waiter.stdout.readline() == "got ['0']\n", waiter.stderr.read()
-    assert waiter.wait(timeout=120) == 0
+    out, err = waiter.communicate(timeout=120)
+    assert out == "got ['0']\n" and waiter.returncode == 0, err
 
 
 def test_a_fence_without_nvml_falls_back_to_the_lock_with_a_warning(lock_dir, command):
