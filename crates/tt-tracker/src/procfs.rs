@@ -73,10 +73,16 @@ impl ProcFiles {
     /// `None` once the process has exited.
     pub(crate) fn read(&self, buf: &mut String, hwm: bool) -> Option<(Stat, Status)> {
         let stat = pread(&self.stat, buf).then(|| parse_stat(buf)).flatten()?;
-        let rss = pread(&self.statm, buf)
-            .then(|| buf.split_ascii_whitespace().nth(1)?.parse::<u64>().ok())
-            .flatten()?
-            * page_size();
+        let (size, rss) = pread(&self.statm, buf)
+            .then(|| parse_statm(buf))
+            .flatten()?;
+        if size == 0 {
+            // Exiting: the kernel releases a process's memory before it becomes a
+            // zombie, and in between `statm` reads all zeros while `stat` still says
+            // it runs. No live user process has an empty address space.
+            return None;
+        }
+        let rss = rss * page_size();
         let hwm = if hwm {
             pread(&self.status, buf)
                 .then(|| parse_status(buf))
@@ -150,6 +156,14 @@ pub(crate) fn parse_stat(text: &str) -> Option<Stat> {
         threads,
         exited: matches!(fields.first(), Some(&"Z") | Some(&"X")),
     })
+}
+
+/// From `/proc/PID/statm`: the address space's size and the resident set, in pages.
+pub(crate) fn parse_statm(text: &str) -> Option<(u64, u64)> {
+    let mut fields = text.split_ascii_whitespace();
+    let size = fields.next()?.parse().ok()?;
+    let rss = fields.next()?.parse().ok()?;
+    Some((size, rss))
 }
 
 /// From `/proc/PID/status`: resident memory now and its high-water mark, in bytes.
@@ -492,6 +506,13 @@ mod tests {
             })
         );
         assert_eq!(parse_status("Name:\tzombie\nState:\tZ\n"), None);
+        // statm: size and resident pages; an exiting process's reads all zeros.
+        assert_eq!(
+            parse_statm("5360 1020 830 200 0 400 0\n"),
+            Some((5360, 1020))
+        );
+        assert_eq!(parse_statm("0 0 0 0 0 0 0\n"), Some((0, 0)));
+        assert_eq!(parse_statm(""), None);
         let rollup = "Rss: 10 kB\nShared_Clean: 4 kB\nShared_Dirty: 1 kB\nPrivate_Clean: 2 kB\nPrivate_Dirty: 3 kB\n";
         assert_eq!(
             parse_rollup(rollup),
