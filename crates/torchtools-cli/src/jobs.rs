@@ -655,9 +655,10 @@ pub(crate) struct LiveJob {
     pub(crate) bytes: Option<u64>,
 }
 
-/// Every user's jobs that have not ended: the locks and the queue are `locks`'.
-pub(crate) fn live_jobs(locks: &LockDir) -> Result<Vec<LiveJob>> {
-    let waiting: Vec<u32> = locks.queue()?.iter().map(|w| w.pid).collect();
+/// Every user's jobs that have not ended, given the requests waiting in `locks`' queue
+/// (read once by the caller).
+pub(crate) fn live_jobs(locks: &LockDir, queue: &[tt_lock::Waiter]) -> Result<Vec<LiveJob>> {
+    let waiting: Vec<u32> = queue.iter().map(|w| w.pid).collect();
     let held = locks.list()?;
     Ok(all_jobs(&records_dir_in(locks)?)?
         .into_iter()

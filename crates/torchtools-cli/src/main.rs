@@ -180,13 +180,16 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,
-        Err(e) => {
-            eprintln!("torchtools: error: {e:#}");
-            match e.downcast_ref::<child::Exit>() {
-                Some(child::Exit(code, _)) => ExitCode::from(*code),
-                None => ExitCode::FAILURE,
-            }
-        }
+        Err(e) => ExitCode::from(failed(&e)),
+    }
+}
+
+/// Says a command's error and gives its exit status: its own (`child::Exit`), else 1.
+fn failed(e: &anyhow::Error) -> u8 {
+    eprintln!("torchtools: error: {e:#}");
+    match e.downcast_ref::<child::Exit>() {
+        Some(child::Exit(code, _)) => *code,
+        None => 1,
     }
 }
 
@@ -300,14 +303,8 @@ fn attached(
     let result = job();
     let code = match &result {
         Ok(code) => *code,
-        Err(e) => {
-            // Said before the hook runs, as it happened; then not again.
-            eprintln!("torchtools: error: {e:#}");
-            match e.downcast_ref::<child::Exit>() {
-                Some(child::Exit(code, _)) => *code,
-                None => 1,
-            }
-        }
+        // Said before the hook runs, as it happened; then not again.
+        Err(e) => failed(e),
     };
     guardian.ended(i32::from(code));
     Ok(ExitCode::from(code))

@@ -246,7 +246,7 @@ fn gpu_labels(key: &GpuKey, index: Option<u32>) -> GpuLabels {
 pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
     let snapshot = Snapshot::take(dir, gpus)?;
     let usage = dir.usage()?;
-    let jobs = crate::jobs::live_jobs(dir)?;
+    let jobs = crate::jobs::live_jobs(dir, &snapshot.queue)?;
     let now = tt_device::now_unix();
     let mut registry = Registry::with_prefix("torchtools");
 
