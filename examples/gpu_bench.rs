@@ -13,7 +13,7 @@
 //! - two real models (a GPT-style decoder of about 85M parameters and a ResNet-18-style
 //!   conv net with batch norm), a bf16 training step with AdamW through `Trainer::fit`
 //!   against the same model in PyTorch eager (its step time and its peak of allocated
-//!   GPU memory), alternating, three rounds each;
+//!   GPU memory), 5 alternating pairs;
 //! - the largest batch of each model that fits beside a fence leaving 16 GiB: predicted
 //!   by tt-probe from three probes, against a binary search by real runs;
 //! - a checkpoint of the GPT's CUDA state (parameters and AdamW's moments) taken while
@@ -22,7 +22,9 @@
 //!   fsynced `torch.save` of the same state;
 //! - the whole toolkit around the GPT's training (`Trainer::fit` with prefetched batches,
 //!   tracker sampling every 100 ms, batches gathered on the loader thread, a checkpoint
-//!   every 100 steps, metrics to JSON Lines) against a bare loop of the same steps.
+//!   every 100 steps, metrics to JSON Lines) against a bare loop of the same steps, per
+//!   step while training and for the whole run with its final durable checkpoint
+//!   (`toolkit`), and each part alone with a timeline of every run (`toolkit-parts`).
 //!
 //! ```sh
 //! cargo run --example gpu_bench            # on a machine with a GPU and PyTorch 2.11
@@ -89,7 +91,7 @@ fn run() -> Result<()> {
     }
     // `gpu_bench [GROUP..]`: only those groups of rows; none: all of them.
     type Group = fn() -> Result<Vec<Row>>;
-    let groups: [(&str, Group); 10] = [
+    let groups: [(&str, Group); 11] = [
         ("fence", fence_rows),
         ("adaptive", adaptive_rows),
         ("tracker", || Ok(vec![tracker_row()?])),
@@ -99,36 +101,46 @@ fn run() -> Result<()> {
         ("optimizer", optimizer_rows),
         ("maxbatch", max_batch_rows),
         ("checkpoint", checkpoint_rows),
-        ("toolkit", toolkit_rows),
+        ("toolkit", || toolkit_rows(false)),
+        ("toolkit-parts", || toolkit_rows(true)),
     ];
     let asked: Vec<String> = std::env::args().skip(1).collect();
     if let Some(bad) = asked.iter().find(|a| !groups.iter().any(|(g, _)| g == a)) {
         let names: Vec<&str> = groups.iter().map(|(g, _)| *g).collect();
         return Err(format!("no group of rows {bad:?}: use any of {}", names.join(", ")).into());
     }
-    let mut rows = Vec::new();
-    for (name, group) in groups {
-        if asked.is_empty() || asked.iter().any(|a| a == name) {
-            rows.extend(group()?);
-        }
-    }
-
     let name = torchtools::device::Inventory::query()
         .gpus
         .first()
         .map_or_else(|| "a GPU".to_owned(), |g| g.name.clone());
+    let mut rows = Vec::new();
+    for (group_name, group) in groups {
+        if asked.is_empty() || asked.iter().any(|a| a == group_name) {
+            let these = group()?;
+            // Each group's rows as soon as they are measured (a run stopped at a time
+            // limit keeps them), then the whole table at the end.
+            for r in &these {
+                println!("row: {}", format_row(r));
+            }
+            rows.extend(these);
+        }
+    }
     println!("\ntorchtools GPU benchmarks on {name}");
     println!(
         "{:<52} {:>14} {:>14} {:>8}",
         "what", "torchtools", "baseline", "ratio"
     );
     for r in rows {
-        println!(
-            "{:<52} {:>14} {:>14} {:>8}",
-            r.what, r.ours, r.baseline, r.ratio
-        );
+        println!("{}", format_row(&r));
     }
     Ok(())
+}
+
+fn format_row(r: &Row) -> String {
+    format!(
+        "{:<52} {:>14} {:>14} {:>8}",
+        r.what, r.ours, r.baseline, r.ratio
+    )
 }
 
 /// Raise a fence leaving 4 GiB free, lower it; 5 times, medians per GiB.
@@ -920,17 +932,91 @@ fn checkpoint_rows() -> Result<Vec<Row>> {
     ])
 }
 
+/// When each step of a `fit` ended (its `on_step`), as the host saw it: a step's kernels
+/// are queued ahead of the GPU by at most about one step (CUDA's launch queue fills
+/// first), so the gaps between these instants are the steps' times on the GPU to within
+/// a step. The last step waits for the GPU, as the bare loop's end does.
+struct StepClock {
+    times: std::sync::Arc<std::sync::Mutex<Vec<Instant>>>,
+    last: u64,
+}
+
+impl torchtools::train::Logger for StepClock {
+    fn on_step(&mut self, step: u64) {
+        if step == self.last {
+            torchtools::tch::Cuda::synchronize(0);
+        }
+        if let Ok(mut times) = self.times.lock() {
+            times.push(Instant::now());
+        }
+    }
+
+    fn on_log(
+        &mut self,
+        _: &torchtools::train::LogRecord,
+    ) -> std::result::Result<(), torchtools::train::BoxError> {
+        Ok(())
+    }
+}
+
+/// One toolkit run's clock: seconds per step while training (the start to the last
+/// step's end), the seconds `fit` took after its last step (the final checkpoint made
+/// durable, the loggers closed), and each step's gap.
+struct KitRun {
+    per_step: f64,
+    end: f64,
+    gaps: Vec<f64>,
+}
+
+impl KitRun {
+    /// One line of the timeline: where the steps' time went.
+    fn timeline(&self, what: &str) -> String {
+        let ms = |s: f64| s * 1e3;
+        let mut sorted = self.gaps.clone();
+        sorted.sort_by(f64::total_cmp);
+        let at = |q: f64| sorted[((sorted.len() - 1) as f64 * q) as usize];
+        let med = at(0.5);
+        // The time above the median step: after the checkpoints (steps 101, 201: the
+        // first step after each start of one) and elsewhere.
+        let excess = |steps: &mut dyn Iterator<Item = usize>| -> f64 {
+            steps
+                .filter_map(|i| self.gaps.get(i))
+                .map(|g| (g - med).max(0.0))
+                .sum()
+        };
+        let after_ckpt = excess(&mut [100, 101, 200, 201].into_iter());
+        let all = excess(&mut (1..self.gaps.len()));
+        format!(
+            "{what}: {:.2} ms/step; gaps median {:.2}, p90 {:.2}, p99 {:.2}, max {:.2} ms; \
+             above the median: {:.1} ms in all, {:.1} ms at steps 101-102/201-202; \
+             end of fit {:.1} ms",
+            ms(self.per_step),
+            ms(med),
+            ms(at(0.9)),
+            ms(at(0.99)),
+            ms(sorted[sorted.len() - 1]),
+            ms(all),
+            ms(after_ckpt),
+            ms(self.end)
+        )
+    }
+}
+
 /// The GPT (batch 16x512, bf16, AdamW) for 300 steps from a token dataset in host
 /// memory: through `Trainer::fit` with prefetched batches and the whole toolkit on (the
 /// tracker every 100 ms, the loader thread, a checkpoint every 100 steps written in the
 /// background, metrics to JSON Lines) against a bare loop that gathers the same batches
 /// and steps the same model; then each part alone on top of `fit` and its loader (where
-/// the cost goes). Seconds per step; each row the median of [`PAIRS`] alternating pairs
-/// against the bare loop, after a warm-up run of each (CUDA's caching allocator, cuBLAS
-/// and the pinned buffers of the checkpoints warm for both), the pairs' spread beside
-/// it. The batch (66 KB) goes to the GPU from pageable memory: `pin_memory` through tch
-/// warns on every call that its device argument is deprecated.
-fn toolkit_rows() -> Result<Vec<Row>> {
+/// the cost goes). Each round runs the bare loop and every variant, in an order that
+/// reverses from round to round; each variant's ratio is the median of its [`PAIRS`]
+/// pairs with the round's bare loop, the spread beside it. Per step while training:
+/// from the start to the end of the last step; what `fit` does after it (the final
+/// checkpoint made durable, once per run whatever its length) is a row of its own, and
+/// the whole run's ratio with it. A warm-up run of each first (CUDA's caching
+/// allocator, cuBLAS and the checkpoints' pinned buffers warm for both). The batch (66
+/// KB) goes to the GPU from pageable memory: `pin_memory` through tch warns on every
+/// call that its device argument is deprecated.
+fn toolkit_rows(parts: bool) -> Result<Vec<Row>> {
     use torchtools::optim::Optimizer;
     use torchtools::train::{Precision, Steps, TrainConfig, Trainer};
     const STEPS: u64 = 300;
@@ -953,7 +1039,7 @@ fn toolkit_rows() -> Result<Vec<Row>> {
         let opt = adamw_as_the_baseline(&vs)?;
         Ok((vs, gpt, opt))
     };
-    let kit_run = |(tracked, checkpoints, metrics): Kit| -> Result<f64> {
+    let kit_run = |(tracked, checkpoints, metrics): Kit| -> Result<KitRun> {
         let root = tempfile::tempdir()?;
         let (mut vs, gpt, mut opt) = build()?;
         let mut config = TrainConfig::new(samples as u64, BATCH, 1).precision(Precision::Bf16);
@@ -967,6 +1053,11 @@ fn toolkit_rows() -> Result<Vec<Row>> {
         config = config.progress(false);
         let mut trainer =
             Trainer::with_group(config, torchtools::dist::ProcessGroup::single(), dev)?;
+        let times = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        trainer.add_logger(StepClock {
+            times: times.clone(),
+            last: STEPS,
+        });
         let tracker = match tracked {
             true => Some(Tracker::start(TrackerConfig {
                 interval: Duration::from_millis(100),
@@ -983,11 +1074,27 @@ fn toolkit_rows() -> Result<Vec<Row>> {
         );
         let report = trainer.fit(&mut vs, &mut opt, work)?;
         torchtools::tch::Cuda::synchronize(0);
-        let per_step = start.elapsed().as_secs_f64() / report.steps as f64;
+        let end = Instant::now();
         if let Some(tracker) = tracker {
             drop(tracker.stop()?);
         }
-        Ok(per_step)
+        let times = times.lock().map_err(|_| "the step clock's lock")?.clone();
+        let last = *times.last().ok_or("no step ended")?;
+        if report.steps != STEPS || times.len() as u64 != STEPS {
+            return Err(format!(
+                "{} steps ran, {} clocked, not {STEPS}",
+                report.steps,
+                times.len()
+            )
+            .into());
+        }
+        let mut gaps = vec![(times[0] - start).as_secs_f64()];
+        gaps.extend(times.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()));
+        Ok(KitRun {
+            per_step: (last - start).as_secs_f64() / STEPS as f64,
+            end: (end - last).as_secs_f64(),
+            gaps,
+        })
     };
     let bare_run = || -> Result<f64> {
         let (_vs, gpt, mut opt) = build()?;
@@ -1006,21 +1113,62 @@ fn toolkit_rows() -> Result<Vec<Row>> {
         torchtools::tch::Cuda::synchronize(0);
         Ok(start.elapsed().as_secs_f64() / steps as f64)
     };
+    let variants: [(&str, Kit); 5] = [
+        ("all", (true, true, true)),
+        ("loader", (false, false, false)),
+        ("tracker", (true, false, false)),
+        ("checkpoints", (false, true, false)),
+        ("metrics", (false, false, true)),
+    ];
+    let variants = &variants[..if parts { variants.len() } else { 1 }];
     kit_run((true, true, true))?;
     bare_run()?;
+    // Per variant: its runs, and the bare loop of the same round beside each.
+    let mut runs: Vec<Vec<(KitRun, f64)>> = variants.iter().map(|_| Vec::new()).collect();
+    for round in 0..PAIRS {
+        let mut order: Vec<Option<usize>> = std::iter::once(None)
+            .chain((0..variants.len()).map(Some))
+            .collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        let mut bare = f64::NAN;
+        let mut these = Vec::new();
+        for which in order {
+            match which {
+                None => bare = bare_run()?,
+                Some(v) => these.push((v, kit_run(variants[v].1)?)),
+            }
+        }
+        for (v, run) in these {
+            println!(
+                "{}",
+                run.timeline(&format!(
+                    "toolkit round {round} {:<11} (bare {:.2} ms/step)",
+                    variants[v].0,
+                    bare * 1e3
+                ))
+            );
+            runs[v].push((run, bare));
+        }
+    }
     let ms = |s: f64| format!("{:.2} ms", s * 1e3);
+    let pairs_of = |v: usize, whole: bool| {
+        tt_testkit::bench::Pairs::from_pairs(
+            runs[v]
+                .iter()
+                .map(|(r, bare)| {
+                    let ours = match whole {
+                        true => r.per_step + r.end / STEPS as f64,
+                        false => r.per_step,
+                    };
+                    (ours, *bare)
+                })
+                .collect(),
+        )
+    };
     let mut rows = Vec::new();
-    for (what, kit) in [
-        (
-            "GPT: fit with tracker, loader, checkpoints, metrics vs a bare loop",
-            (true, true, true),
-        ),
-        ("  fit with its loader alone", (false, false, false)),
-        ("  fit + the tracker every 100 ms", (true, false, false)),
-        ("  fit + a checkpoint every 100 steps", (false, true, false)),
-        ("  fit + metrics to JSON Lines", (false, false, true)),
-    ] {
-        let pairs = tt_testkit::bench::paired(PAIRS, || kit_run(kit), bare_run)?;
+    let mut push = |what: &str, pairs: tt_testkit::bench::Pairs| {
         let (ours, bare) = pairs.median();
         rows.push(Row {
             what: what.into(),
@@ -1028,6 +1176,30 @@ fn toolkit_rows() -> Result<Vec<Row>> {
             baseline: ms(bare),
             ratio: pairs.to_string(),
         });
+    };
+    push(
+        "GPT: fit + tracker, loader, checkpoints, metrics vs a bare loop, per step",
+        pairs_of(0, false),
+    );
+    push(
+        "  the whole 300-step run, the final checkpoint durable",
+        pairs_of(0, true),
+    );
+    let parts_rows = [
+        (1, "  fit with its loader alone"),
+        (2, "  fit + the tracker every 100 ms"),
+        (3, "  fit + a checkpoint every 100 steps"),
+        (4, "  fit + metrics to JSON Lines"),
+    ];
+    for (v, what) in parts_rows.into_iter().filter(|(v, _)| *v < variants.len()) {
+        push(what, pairs_of(v, false));
     }
+    let ends: Vec<f64> = runs[0].iter().map(|(r, _)| r.end).collect();
+    rows.push(Row {
+        what: "  after the last step: the final checkpoint (0.99 GiB) durable".into(),
+        ours: ms(median(ends)),
+        baseline: "-".into(),
+        ratio: "-".into(),
+    });
     Ok(rows)
 }

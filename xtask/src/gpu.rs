@@ -165,6 +165,11 @@ pub(crate) const PROGRAMS: &[Program] = &[
         command: "env TORCHTOOLS_TRAIN_EPOCHS=1 TORCHTOOLS_TRAIN_PRECISION=fp16 \"$here/bin/torchtools\" launch --nproc-per-node 1 -- \"$here/bin/train\"",
     },
     Program {
+        name: "Python package (pytest)",
+        expect: &["^[0-9]+ passed in "],
+        command: "\"$here/py/test.sh\" \"$work/py\"",
+    },
+    Program {
         name: "torchtools devices",
         expect: &["cuda:0 +nvml 0 +GPU-"],
         command: "\"$here/bin/torchtools\" devices",
@@ -233,36 +238,137 @@ pub(crate) fn bundle(dir: &Path) -> Result<()> {
             "demo",
             "--example",
             "train",
+            "--features",
+            "dist",
+        ]),
+    )?;
+    for example in ["demo", "train"] {
+        strip_into(
+            &crate::root().join("target/debug/examples").join(example),
+            &bin.join(example),
+        )?;
+    }
+    // The benchmarks as users build a training program: optimised (a debug build's
+    // hashing of a checkpoint alone took seconds).
+    crate::steps::run(
+        "build the GPU benchmarks (release)",
+        cargo(&[
+            "build",
+            "--release",
             "--example",
             "gpu_bench",
             "--features",
             "dist",
         ]),
     )?;
-    for example in ["demo", "train", "gpu_bench"] {
-        strip_into(
-            &crate::root().join("target/debug/examples").join(example),
-            &bin.join(example),
-        )?;
-    }
+    strip_into(
+        &crate::root().join("target/release/examples/gpu_bench"),
+        &bin.join("gpu_bench"),
+    )?;
+    python_rows(&dir.join("py"))?;
     let run_sh = dir.join("run.sh");
     fs::write(&run_sh, render_run_sh())?;
     fs::set_permissions(&run_sh, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
-    let mut size = 0;
-    for entry in fs::read_dir(&bin)?.flatten() {
-        size += entry.metadata()?.len();
+    // What travels: the bundle packed (its binaries shrink about 3 times).
+    let name = dir
+        .file_name()
+        .context("the bundle's directory has no name")?;
+    let packed = dir.with_extension("tar.gz");
+    let status = Command::new("tar")
+        .arg("czf")
+        .arg(&packed)
+        .arg("-C")
+        .arg(dir.parent().unwrap_or(Path::new(".")))
+        .arg(name)
+        .status()
+        .context("cannot run tar")?;
+    if !status.success() {
+        bail!("tar could not pack {} ({status})", dir.display());
     }
-    size += fs::metadata(&run_sh)?.len();
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let size = fs::metadata(&packed)?.len();
     println!(
-        "bundle: {} ({:.1} MiB): run `{}/run.sh` on a GPU machine",
+        "bundle: {} ({:.1} MiB; packed {:.1} MiB in {}): run `{}/run.sh` on a GPU machine",
         dir.display(),
-        size as f64 / (1u64 << 20) as f64,
+        mib(du(dir)?),
+        mib(size),
+        packed.display(),
         dir.display()
     );
     if size > BUNDLE_LIMIT {
-        bail!("the bundle is {size} bytes, over the 64 MiB that travels to the GPU machine");
+        bail!("the packed bundle is {size} bytes, over the 64 MiB that travels to the GPU machine");
     }
     Ok(())
+}
+
+/// The Python package's GPU rows in `py/`: the release wheel, the tests of
+/// `crates/torchtools-py/tests_gpu`, toma 1.1.0's package from the setup venv (the
+/// toma row's reference; the GPU machine has no network) and `test.sh`, which runs them.
+fn python_rows(py: &Path) -> Result<()> {
+    let _ = fs::remove_dir_all(py);
+    let tests = py.join("tests");
+    fs::create_dir_all(&tests).with_context(|| format!("cannot create {}", tests.display()))?;
+    let wheel = crate::wheel::build("release", &crate::root().join("target/wheels"))?;
+    let name = wheel
+        .file_name()
+        .context("the wheel's path has no file name")?;
+    fs::copy(&wheel, py.join(name))?;
+    let source = crate::root().join("crates/torchtools-py/tests_gpu");
+    for entry in fs::read_dir(&source)?.flatten() {
+        if entry.path().extension().is_some_and(|e| e == "py") {
+            fs::copy(entry.path(), tests.join(entry.file_name()))?;
+        }
+    }
+    let crate::setup::Libtorch::Cached { venv } = crate::setup::setup()? else {
+        bail!("the GPU bundle takes toma 1.1.0 from `cargo xtask setup`'s venv, and this setup made none");
+    };
+    let out = Command::new(venv.join("bin/python"))
+        .args([
+            "-c",
+            "import os, toma; print(os.path.dirname(toma.__file__))",
+        ])
+        .output()
+        .context("running the setup venv's python")?;
+    if !out.status.success() {
+        bail!("the setup venv has no toma: run `cargo xtask setup`");
+    }
+    let toma = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    copy_tree(&toma, &py.join("site/toma"))?;
+    let script = py.join("test.sh");
+    fs::write(&script, PY_TEST_SH)?;
+    fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    Ok(())
+}
+
+/// The Python rows' runner (see `python_rows`).
+const PY_TEST_SH: &str = include_str!("py-test.sh");
+
+/// `src` copied into `dst`, Python's caches left out.
+fn copy_tree(src: &Path, dst: &Path) -> Result<()> {
+    fs::create_dir_all(dst)?;
+    for entry in fs::read_dir(src)?.flatten() {
+        let (from, to) = (entry.path(), dst.join(entry.file_name()));
+        if entry.file_type()?.is_dir() {
+            if entry.file_name() != "__pycache__" {
+                copy_tree(&from, &to)?;
+            }
+        } else {
+            fs::copy(&from, &to).with_context(|| format!("cannot copy {}", from.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Bytes of the files under `dir`.
+fn du(dir: &Path) -> Result<u64> {
+    let mut size = 0;
+    for entry in fs::read_dir(dir)?.flatten() {
+        size += match entry.file_type()?.is_dir() {
+            true => du(&entry.path())?,
+            false => entry.metadata()?.len(),
+        };
+    }
+    Ok(size)
 }
 
 #[cfg(test)]
@@ -289,6 +395,7 @@ precision bf16: forward in BFloat16
 [rank0]: loss scale 65536, 0 steps skipped (gradients not finite)
 [rank0]: best held-out loss 0.00388 at step 128
 [rank0]: finished: 128 steps
+3 passed in 32.29s
   GPUs         cuda:0  nvml 0  GPU-b56fe413-9f6c-3fc6-b146-5045d37d753a  NVIDIA H200  140.40 GiB total
 ";
 
@@ -329,6 +436,8 @@ precision bf16: forward in BFloat16
         for program in ["demo", "train", "torchtools"] {
             script(&bin.join(program), &cat);
         }
+        fs::create_dir(dir.path().join("py")).unwrap();
+        script(&dir.path().join("py/test.sh"), &cat);
         let out = Command::new("bash")
             .arg(dir.path().join("run.sh"))
             .env("PYTHON", dir.path().join("python"))

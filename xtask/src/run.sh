@@ -3,7 +3,7 @@
 # an NVIDIA GPU and PyTorch 2.11 installed (no Rust): libtorch is found through Python's
 # torch (set PYTHON to choose the interpreter). `run.sh --bench [GROUP..]` runs the GPU
 # benchmarks instead (all, or the groups named: fence, adaptive, tracker, training,
-# trainer, models, optimizer, maxbatch, checkpoint, toolkit).
+# trainer, models, optimizer, maxbatch, checkpoint, toolkit, toolkit-parts).
 #
 # Every test binary of the expected list below must be here and pass at least its
 # minimum of tests; a test that cannot run on this machine (two GPUs on a one-GPU

@@ -44,7 +44,7 @@ fn maturin() -> Result<PathBuf> {
 /// Builds the wheel with cargo's `profile` into `out`; returns its path: the command
 /// first (cargo), put where the extension's pyproject takes the wheel's scripts from
 /// (`target/wheel-data/scripts`), then the extension and the package (maturin).
-fn build(profile: &str, out: &Path) -> Result<PathBuf> {
+pub(crate) fn build(profile: &str, out: &Path) -> Result<PathBuf> {
     let maturin = maturin()?;
     let _ = std::fs::remove_dir_all(out);
     let status = Command::new(env!("CARGO"))
