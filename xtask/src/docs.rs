@@ -356,38 +356,124 @@ mod tests {
         );
     }
 
-    /// The modules of one crate that each module names, through `crate::module::` or
-    /// through the items `lib.rs` re-exports from a module (`crate::{Item}`).
+    /// The paths a use tree names, its groups expanded: `a::{b, c::{d as e}}` gives
+    /// `a::b` and `a::c::d` (an alias keeps its item's name), with the text after it.
+    fn use_tree(text: &str) -> Vec<String> {
+        fn tree(s: &str, prefix: &str, out: &mut Vec<String>) -> usize {
+            let mut i = 0;
+            let bytes = s.as_bytes();
+            let mut path = String::from(prefix);
+            while i < bytes.len() {
+                let c = bytes[i] as char;
+                // A group only right after `::` (or at the tree's start): `Alpha {`
+                // is an expression, and any other character ends the path.
+                let at_group = path.trim_end().ends_with("::") || path.trim().is_empty();
+                if c == '{' && at_group {
+                    i += 1;
+                    loop {
+                        i += tree(&s[i..], &path, out);
+                        match s[i..].chars().next() {
+                            Some(',') => i += 1,
+                            Some('}') => {
+                                i += 1;
+                                break;
+                            }
+                            _ => return i,
+                        }
+                    }
+                    return i;
+                }
+                if !(c.is_ascii_alphanumeric() || c == '_' || c == ':' || c.is_whitespace()) {
+                    break;
+                }
+                // Spaces before a name (`{Beta, Gamma}`) are not part of it.
+                if c.is_whitespace() && (path.len() == prefix.len() || path.ends_with("::")) {
+                    i += 1;
+                    continue;
+                }
+                path.push(c);
+                i += 1;
+            }
+            let path: String = path.split_whitespace().collect::<Vec<_>>().join(" ");
+            // `Gamma as G` names Gamma; a word after the path ends it.
+            let path = path.split(" as ").next().unwrap_or_default();
+            let path = path.split_whitespace().next().unwrap_or_default();
+            if !path.is_empty() && !path.ends_with("::") {
+                out.push(path.to_owned());
+            }
+            i
+        }
+        let mut out = Vec::new();
+        tree(text, "", &mut out);
+        out
+    }
+
+    /// `text` without comments and without `#[...]` attributes.
+    fn code(text: &str) -> String {
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect();
+        let mut text = lines.join("\n");
+        while let Some(at) = text.find("#[") {
+            let mut depth = 0;
+            let mut end = text.len();
+            for (i, c) in text[at + 1..].char_indices() {
+                match c {
+                    '[' => depth += 1,
+                    ']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            end = at + 1 + i + 1;
+                            break;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            text.replace_range(at..end, " ");
+        }
+        text
+    }
+
+    /// The modules of one crate that each module names, through `crate::module::`,
+    /// `super::` (a module of the crate's root), or the items `lib.rs` re-exports from
+    /// a module (`crate::{Item}`): re-exports behind attributes and in `pub use { .. }`
+    /// blocks too.
     fn module_graph(src: &Path) -> std::collections::BTreeMap<String, BTreeSet<String>> {
-        let lib = std::fs::read_to_string(src.join("lib.rs")).unwrap_or_default();
+        let lib = code(&std::fs::read_to_string(src.join("lib.rs")).unwrap_or_default());
         let mut modules = BTreeSet::new();
-        let mut item_of = std::collections::BTreeMap::new();
-        for line in lib.lines().map(str::trim) {
-            let line = line.trim_start_matches("pub ");
-            if let Some(m) = line.strip_prefix("mod ").and_then(|m| m.strip_suffix(';')) {
-                modules.insert(m.to_owned());
+        for stmt in lib.split(';').map(str::trim) {
+            let stmt = stmt
+                .trim_start_matches("pub(crate) ")
+                .trim_start_matches("pub ");
+            if let Some(m) = stmt.strip_prefix("mod ") {
+                if m.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                    modules.insert(m.to_owned());
+                }
             }
         }
-        // `pub use module::{A, B};`, possibly over several lines.
-        for stmt in lib.split(';') {
-            let stmt = stmt.trim();
-            let Some(rest) = stmt.strip_prefix("pub use ") else {
+        let mut item_of = std::collections::BTreeMap::new();
+        for stmt in lib.split(';').map(str::trim) {
+            let Some(tree) = stmt
+                .strip_prefix("pub use ")
+                .or_else(|| stmt.strip_prefix("pub(crate) use "))
+            else {
                 continue;
             };
-            let Some((module, items)) = rest.split_once("::") else {
-                continue;
-            };
-            if !modules.contains(module) {
-                continue;
-            }
-            for item in items.trim_matches(|c| c == '{' || c == '}').split(',') {
-                let item = item.trim().rsplit(" as ").next().unwrap_or_default().trim();
-                if !item.is_empty() {
+            for path in use_tree(tree) {
+                let path = path
+                    .trim_start_matches("self::")
+                    .trim_start_matches("crate::");
+                let mut parts = path.split("::");
+                let (Some(module), Some(item)) = (parts.next(), parts.last()) else {
+                    continue;
+                };
+                if modules.contains(module) {
                     item_of.insert(item.to_owned(), module.to_owned());
                 }
             }
         }
-        let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
         let mut graph = std::collections::BTreeMap::new();
         for module in &modules {
             let text = std::fs::read_to_string(src.join(format!("{module}.rs")))
@@ -398,30 +484,24 @@ mod tests {
                 .split("#[cfg(test)]\nmod tests")
                 .next()
                 .unwrap_or_default();
-            let text: String = text
-                .lines()
-                .filter(|l| !l.trim_start().starts_with("//"))
-                .collect::<Vec<_>>()
-                .join("\n");
+            let text = code(text);
             let mut uses = BTreeSet::new();
-            for (at, _) in text.match_indices("crate::") {
-                let rest = &text[at + "crate::".len()..];
-                let names: Vec<&str> = if let Some(group) = rest.strip_prefix('{') {
-                    group
-                        .split('}')
-                        .next()
-                        .unwrap_or_default()
-                        .split(',')
-                        .collect()
-                } else {
-                    vec![rest]
-                };
-                for name in names {
-                    let name: String = name.trim().chars().take_while(|c| word(*c)).collect();
-                    if modules.contains(&name) {
-                        uses.insert(name);
-                    } else if let Some(m) = item_of.get(&name) {
-                        uses.insert(m.clone());
+            for root in ["crate::", "super::"] {
+                for (at, _) in text.match_indices(root) {
+                    // `super::` inside a module's own child module is that module.
+                    if at > 0 && text[..at].ends_with("::") {
+                        continue;
+                    }
+                    for path in use_tree(&text[at + root.len()..]) {
+                        let name: String = path
+                            .chars()
+                            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                            .collect();
+                        if modules.contains(&name) {
+                            uses.insert(name);
+                        } else if let Some(m) = item_of.get(&name) {
+                            uses.insert(m.clone());
+                        }
                     }
                 }
             }
@@ -430,6 +510,76 @@ mod tests {
             graph.insert(module.clone(), uses);
         }
         graph
+    }
+
+    /// The circles of one crate's `src` (see `module_graph`), each as `a -> b -> a`.
+    fn circles_in(src: &Path) -> Vec<String> {
+        let graph = module_graph(src);
+        let mut circles = Vec::new();
+        for start in graph.keys() {
+            // Depth-first from `start`: does a path lead back to it?
+            let mut stack = vec![(start.clone(), vec![start.clone()])];
+            let mut seen = BTreeSet::new();
+            while let Some((at, path)) = stack.pop() {
+                for next in graph.get(&at).into_iter().flatten() {
+                    if next == start {
+                        circles.push(format!("{} -> {start}", path.join(" -> ")));
+                    } else if seen.insert(next.clone()) {
+                        let mut longer = path.clone();
+                        longer.push(next.clone());
+                        stack.push((next.clone(), longer));
+                    }
+                }
+            }
+        }
+        circles
+    }
+
+    /// The check sees a module named back however the naming is written: a re-export
+    /// behind `#[cfg]`, one in a `pub use { .. }` block, `super::`, a nested group
+    /// `crate::{a::{X}}`; and it sees no circle where a module names itself, a doc
+    /// comment names another, or a test module does.
+    #[test]
+    fn the_module_check_sees_circles_however_they_are_written() {
+        let tree = |lib: &str, files: &[(&str, &str)]| {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join("lib.rs"), lib).unwrap();
+            for (name, text) in files {
+                std::fs::write(dir.path().join(format!("{name}.rs")), text).unwrap();
+            }
+            dir
+        };
+        let lib = "mod a;\n#[cfg(feature = \"x\")]\nmod b;\n#[cfg(feature = \"x\")]\n#[cfg_attr(docsrs, doc(cfg(feature = \"x\")))]\npub use a::Alpha;\npub use {\n    b::{Beta, Gamma as G},\n};\n";
+        for (a, b) in [
+            // A cfg'd re-export named from b, b's module named from a.
+            ("use crate::b::Beta;", "fn f() -> crate::Alpha { todo!() }"),
+            // An item of the block re-export, through an alias's item name.
+            ("fn f() -> crate::Gamma { todo!() }", "use super::a;"),
+            // A nested group.
+            ("use crate::{b::{Beta}};", "use crate::{Alpha, a};"),
+        ] {
+            let dir = tree(lib, &[("a", a), ("b", b)]);
+            let circles = circles_in(dir.path());
+            assert!(
+                circles.contains(&"a -> b -> a".to_owned()),
+                "{a:?} / {b:?}: {circles:?}"
+            );
+        }
+        for (a, b) in [
+            ("use crate::b::Beta;", "/// [`crate::Alpha`]\nfn f() {}"),
+            (
+                "use crate::b::Beta;",
+                "fn f() {}\n#[cfg(test)]\nmod tests {\n    use crate::a;\n}",
+            ),
+            ("use crate::a::x;", "use crate::b;"),
+        ] {
+            let dir = tree(lib, &[("a", a), ("b", b)]);
+            assert_eq!(
+                circles_in(dir.path()),
+                Vec::<String>::new(),
+                "{a:?} / {b:?}"
+            );
+        }
     }
 
     /// A module that names another which names it back (directly or around a circle)
@@ -441,26 +591,8 @@ mod tests {
             .unwrap()
             .flatten()
         {
-            let graph = module_graph(&entry.path().join("src"));
-            for start in graph.keys() {
-                // Depth-first from `start`: does a path lead back to it?
-                let mut stack = vec![(start.clone(), vec![start.clone()])];
-                let mut seen = BTreeSet::new();
-                while let Some((at, path)) = stack.pop() {
-                    for next in graph.get(&at).into_iter().flatten() {
-                        if next == start {
-                            circles.push(format!(
-                                "{}: {} -> {start}",
-                                entry.file_name().to_string_lossy(),
-                                path.join(" -> ")
-                            ));
-                        } else if seen.insert(next.clone()) {
-                            let mut longer = path.clone();
-                            longer.push(next.clone());
-                            stack.push((next.clone(), longer));
-                        }
-                    }
-                }
+            for circle in circles_in(&entry.path().join("src")) {
+                circles.push(format!("{}: {circle}", entry.file_name().to_string_lossy()));
             }
         }
         assert!(circles.is_empty(), "modules in circles: {circles:#?}");

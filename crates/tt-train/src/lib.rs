@@ -10,6 +10,8 @@ mod curve;
 mod error;
 #[cfg(feature = "dist")]
 mod eval;
+#[cfg(feature = "dist")]
+mod fit;
 mod heap;
 #[cfg(feature = "dist")]
 mod micro;
@@ -26,6 +28,8 @@ mod signals;
 mod sinks;
 #[cfg(feature = "tch")]
 mod state;
+#[cfg(feature = "dist")]
+mod step;
 pub mod tensorboard;
 #[cfg(feature = "dist")]
 mod trainer;

@@ -6,25 +6,27 @@ use tt_adaptive::{Adaptive, AdaptiveError, Cache, Policy};
 use tt_optim::Optimizer;
 
 use crate::run::Run;
+use crate::step::micro_contexts;
 use crate::work::{BoxError, StepContext};
-use crate::{Batch, TrainError, Trainer};
+use crate::{Batch, TrainError};
 
-/// Searches the micro-batch on the run's first batch when the configuration asks for it
-/// and neither an earlier search nor the checkpoint gave one (a no-op otherwise): the
-/// one place both feeds of `fit` find it, before their first step.
-pub(crate) fn ensure(
-    trainer: &Trainer,
-    run: &mut Run<'_>,
-    opt: &mut [Optimizer],
-    step: &mut dyn FnMut(&StepContext<'_>) -> Result<Tensor, BoxError>,
-) -> Result<(), TrainError> {
-    if !trainer.config.adaptive_micro_batch || run.micro.is_some() {
-        return Ok(());
+impl Run<'_> {
+    /// Searches the micro-batch on the run's first batch when the configuration asks
+    /// for it and neither an earlier search nor the checkpoint gave one (a no-op
+    /// otherwise): the one place both feeds of `fit` find it, before their first step.
+    pub(crate) fn ensure_micro_batch(
+        &mut self,
+        opt: &mut [Optimizer],
+        step: &mut dyn FnMut(&StepContext<'_>) -> Result<Tensor, BoxError>,
+    ) -> Result<(), TrainError> {
+        if !self.config.adaptive_micro_batch || self.micro.is_some() {
+            return Ok(());
+        }
+        if let Some(batch) = self.batches.clone().next_batch()? {
+            self.micro = Some(search(self, opt, &batch, step)?);
+        }
+        Ok(())
     }
-    if let Some(batch) = run.batches.clone().next_batch()? {
-        run.micro = Some(search(trainer, run, opt, &batch, step)?);
-    }
-    Ok(())
 }
 
 /// The largest micro-batch, from `batch_size / accumulate` down by halves, whose
@@ -33,27 +35,25 @@ pub(crate) fn ensure(
 /// has, split as the steps split, with the gradients kept local (no collective: the
 /// ranks may try different sizes), and leaves no gradient behind.
 fn search(
-    trainer: &Trainer,
     run: &mut Run<'_>,
     opt: &mut [Optimizer],
     batch: &Batch,
     step: &mut dyn FnMut(&StepContext<'_>) -> Result<Tensor, BoxError>,
 ) -> Result<usize, TrainError> {
     let indices = &batch.indices;
-    let start = indices.len().div_ceil(trainer.config.accumulate).max(1);
+    let start = indices.len().div_ceil(run.config.accumulate).max(1);
     let mut tried = Vec::new();
     let adaptive = Adaptive::new().policy(Policy::Halve).cache(Cache::None);
     let found = adaptive.batch(start, |m| -> Result<usize, String> {
         tried.push(m);
         // The first of the micro-batches a step of size `m` would have.
-        let split = (trainer.config.accumulate, Some(m));
-        let contexts =
-            Trainer::micro_contexts(split, trainer.device, indices, batch.epoch, run.steps);
+        let split = (run.config.accumulate, Some(m));
+        let contexts = micro_contexts(split, run.device, indices, batch.epoch, run.steps);
         let Some(ctx) = contexts.first() else {
             return Ok(m); // an empty batch: nothing to try
         };
         opt.iter_mut().for_each(Optimizer::zero_grad);
-        let tried = trainer.micro_step(run, ctx, 1.0, false, step);
+        let tried = run.micro_step(ctx, 1.0, false, step);
         opt.iter_mut().for_each(Optimizer::zero_grad);
         tried.map(|_| m).map_err(|e| e.to_string())
     });
@@ -66,9 +66,9 @@ fn search(
         Err(AdaptiveError::Failed(e)) => return Err(failed(e)),
         Err(e) => return Err(failed(e.to_string())),
     };
-    let agreed = trainer.pg.min_over_ranks(mine as u64)?;
+    let agreed = run.pg.min_over_ranks(mine as u64)?;
     let agreed = usize::try_from(agreed).unwrap_or(mine).max(1);
-    if trainer.pg.is_main() {
+    if run.pg.is_main() {
         tracing::info!(
             micro_batch = agreed,
             per_step = indices.len().div_ceil(agreed),

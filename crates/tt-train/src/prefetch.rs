@@ -6,8 +6,9 @@ use tch::Tensor;
 use tt_optim::Optimizer;
 
 use crate::run::Run;
+use crate::step::micro_contexts;
 use crate::work::{BoxError, Eval, LoadFn, Prepared, PreparedStepFn, StepContext};
-use crate::{FitReport, TrainError, Trainer};
+use crate::{FitReport, TrainError};
 
 /// One micro-batch from the loader, with where it belongs.
 struct Loaded {
@@ -16,15 +17,14 @@ struct Loaded {
     data: Result<Prepared, BoxError>,
 }
 
-/// [`Trainer::fit_run`] with a loader thread beside it: the loader walks a copy of the
+/// The run's loop (`Run::train`) with a loader thread beside it: the loader walks a copy of the
 /// batches (the run's own position moves only with the steps done) and sends each
 /// micro-batch's data through a channel of [`TrainConfig::prefetch`](crate::TrainConfig::prefetch)
 /// places.
 pub(crate) fn fit(
-    trainer: &Trainer,
+    mut run: Run<'_>,
     vs: &mut VarStore,
     opt: &mut [Optimizer],
-    mut run: Run<'_>,
     mut load: LoadFn<'_>,
     mut step: PreparedStepFn<'_>,
     eval: Option<&mut Eval<'_>>,
@@ -33,12 +33,13 @@ pub(crate) fn fit(
     // `load` building the tries' batches), so that the loader splits every batch as
     // the steps will.
     let mut trial = |ctx: &StepContext<'_>| step(ctx, load(ctx)?);
-    crate::micro::ensure(trainer, &mut run, opt, &mut trial)?;
+    run.ensure_micro_batch(opt, &mut trial)?;
     let mut ahead = run.batches.clone();
     let first = run.steps;
-    let (split, device) = ((trainer.config.accumulate, run.micro), trainer.device);
+    let (split, device) = ((run.config.accumulate, run.micro), run.device);
+    let prefetch = run.config.prefetch;
     std::thread::scope(|scope| {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Loaded>(trainer.config.prefetch);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Loaded>(prefetch);
         let loader = std::thread::Builder::new()
             .name("tt-train-loader".into())
             .spawn_scoped(scope, move || {
@@ -65,7 +66,7 @@ pub(crate) fn fit(
             }
             step(ctx, loaded.data?)
         };
-        let report = trainer.fit_run(vs, opt, run, &mut take, eval);
+        let report = run.train(vs, opt, &mut take, eval);
         // The receiver goes with it: a loader blocked on a full channel wakes and stops.
         drop(take);
         match loader.join() {
@@ -101,7 +102,7 @@ fn load_ahead(
                 return;
             }
         };
-        let contexts = Trainer::micro_contexts(split, device, &batch.indices, batch.epoch, step);
+        let contexts = micro_contexts(split, device, &batch.indices, batch.epoch, step);
         for ctx in contexts {
             let data = load(&ctx);
             let indices = ctx.indices.to_vec();

@@ -1,12 +1,16 @@
 //! A started run of [`Trainer::fit`](crate::Trainer::fit): what it carries between
-//! steps, and how it starts (the sampler, the resume, DDP, the loggers).
+//! steps, and how it starts (the sampler, the resume, DDP, the loggers), and its
+//! checkpoints. The run is the context every part of the loop below `Trainer` works on
+//! (`step.rs`, `micro.rs`, `eval.rs`, `fit.rs`, `prefetch.rs`): it borrows what it reads
+//! of the trainer ([`Setup`]), so nothing below calls back up.
 
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 
 use tch::nn::VarStore;
-use tch::Tensor;
+use tch::{Device, Tensor};
 use tt_ckpt::CheckpointDir;
-use tt_dist::Ddp;
+use tt_dist::{Ddp, ProcessGroup};
 use tt_optim::Optimizer;
 use tt_sampler::{DistributedSampler, Reshard};
 
@@ -14,7 +18,17 @@ use crate::sinks::{Console, JsonLines, LossCurve, RunStart, Sinks, TensorBoard};
 use crate::state::{
     resume_parts, save_parts, save_parts_async, saved, Values, BEST, MICRO, SCALER,
 };
-use crate::{EpochBatches, GradScaler, Logger, Precision, TrainError, Trainer};
+use crate::{EpochBatches, GradScaler, Logger, Precision, TrainConfig, TrainError};
+
+/// What a run reads of its trainer: the configuration, the group, the device and the
+/// stop flag its signal handlers set.
+#[derive(Clone, Copy)]
+pub(crate) struct Setup<'a> {
+    pub(crate) config: &'a TrainConfig,
+    pub(crate) pg: &'a ProcessGroup,
+    pub(crate) device: Device,
+    pub(crate) stop: &'a AtomicBool,
+}
 
 /// The running loss: summed over the ranks and steps since the last log line, kept on
 /// the loss's device (reading it is a host sync on a GPU: done only at log steps).
@@ -53,8 +67,12 @@ pub(crate) struct Background {
     pub(crate) durable: Option<PathBuf>,
 }
 
-/// What one [`Trainer::fit`] carries between steps.
+/// What one [`Trainer::fit`](crate::Trainer::fit) carries between steps.
 pub(crate) struct Run<'a> {
+    pub(crate) config: &'a TrainConfig,
+    pub(crate) pg: &'a ProcessGroup,
+    pub(crate) device: Device,
+    pub(crate) stop: &'a AtomicBool,
     pub(crate) batches: EpochBatches,
     pub(crate) dir: Option<CheckpointDir>,
     pub(crate) ddp: Ddp<'a>,
@@ -87,25 +105,24 @@ pub(crate) struct Run<'a> {
     pub(crate) sinks: Sinks<'a>,
 }
 
-impl Trainer {
+impl<'a> Run<'a> {
     /// The trainer's own values in a checkpoint: the best evaluation, the scaler.
-    pub(crate) fn values(&self, run: &Run<'_>) -> Values {
+    pub(crate) fn values(&self) -> Values {
         let mut values = Values::new();
-        if let Some(best) = run.best {
+        if let Some(best) = self.best {
             values.insert(BEST.into(), serde_json::json!(best));
         }
-        if let Some(scaler) = run.scaler {
+        if let Some(scaler) = self.scaler {
             values.insert(SCALER.into(), serde_json::json!(scaler.state()));
         }
-        if let Some(micro) = run.micro {
+        if let Some(micro) = self.micro {
             values.insert(MICRO.into(), serde_json::json!(micro));
         }
         values
     }
 
     /// Rank 0's loggers as the configuration asks (their files opened before any step).
-    pub(crate) fn own_loggers(&self) -> Result<Vec<Box<dyn Logger + Send>>, TrainError> {
-        let cfg = &self.config;
+    fn own_loggers(cfg: &TrainConfig) -> Result<Vec<Box<dyn Logger + Send>>, TrainError> {
         let io = |what: String| move |cause| TrainError::Io { what, cause };
         let mut own: Vec<Box<dyn Logger + Send>> = Vec::new();
         if cfg.console {
@@ -126,14 +143,14 @@ impl Trainer {
     }
 
     /// The sampler, the checkpoint directory, the resume, the DDP wrapper, the loggers.
-    pub(crate) fn start<'a>(
-        &'a self,
+    pub(crate) fn start(
+        setup: Setup<'a>,
         vs: &mut VarStore,
         opt: &mut [Optimizer],
         evaluates: bool,
         user: &'a mut Vec<Box<dyn Logger + Send>>,
     ) -> Result<Run<'a>, TrainError> {
-        let (cfg, pg) = (&self.config, &self.pg);
+        let (cfg, pg) = (setup.config, setup.pg);
         let sampler =
             DistributedSampler::new(cfg.dataset_len, pg.world_size() as u64, pg.rank() as u64)?
                 .with_shuffle(cfg.shuffle)
@@ -166,7 +183,7 @@ impl Trainer {
             .then(|| saved(&values, SCALER).map_or_else(GradScaler::default, GradScaler::restored));
         let ddp = Ddp::new(pg, vs)?;
         let mut sinks = match pg.is_main() {
-            true => Sinks::new(self.own_loggers()?, user),
+            true => Sinks::new(Run::own_loggers(cfg)?, user),
             false => Sinks::default(),
         };
         let done = resumed_from.unwrap_or(0);
@@ -176,6 +193,10 @@ impl Trainer {
             world_size: pg.world_size(),
         });
         Ok(Run {
+            config: cfg,
+            pg,
+            device: setup.device,
+            stop: setup.stop,
             batches,
             dir,
             ddp,
@@ -206,20 +227,19 @@ impl Trainer {
     /// copied on the stream without stopping the loop): the next save, the final one
     /// included, finishes it first.
     pub(crate) fn checkpoint_in_background(
-        &self,
-        run: &mut Run<'_>,
+        &mut self,
         vs: &VarStore,
         opt: &[Optimizer],
     ) -> Result<(), TrainError> {
         if !self.pg.is_main() {
             return Ok(());
         }
-        self.settle(run, true)?;
-        if let Some(dir) = &run.dir {
-            let values = self.values(run);
-            save_parts_async(dir, run.steps, vs, opt, &run.batches, &values)?;
-            run.background = Some(Background {
-                step: run.steps,
+        self.settle(true)?;
+        if let Some(dir) = &self.dir {
+            let values = self.values();
+            save_parts_async(dir, self.steps, vs, opt, &self.batches, &values)?;
+            self.background = Some(Background {
+                step: self.steps,
                 values,
                 durable: None,
             });
@@ -229,14 +249,14 @@ impl Trainer {
 
     /// The background checkpoint, once durable (waited for with `wait`, else only if
     /// done), reported to the loggers once and its path kept.
-    pub(crate) fn settle(&self, run: &mut Run<'_>, wait: bool) -> Result<(), TrainError> {
-        let (Some(dir), Some(bg)) = (&run.dir, &mut run.background) else {
+    pub(crate) fn settle(&mut self, wait: bool) -> Result<(), TrainError> {
+        let (Some(dir), Some(bg)) = (&self.dir, &mut self.background) else {
             return Ok(());
         };
         if bg.durable.is_none() {
             bg.durable = if wait { dir.wait()? } else { dir.poll()? };
             if let Some(path) = &bg.durable {
-                run.sinks.checkpoint(bg.step, path);
+                self.sinks.checkpoint(bg.step, path);
             }
         }
         Ok(())
@@ -244,29 +264,29 @@ impl Trainer {
 
     /// Rank 0 writes; the others build nothing.
     pub(crate) fn checkpoint(
-        &self,
-        run: &mut Run<'_>,
+        &mut self,
         vs: &VarStore,
         opt: &[Optimizer],
     ) -> Result<(), TrainError> {
         if !self.pg.is_main() {
             return Ok(());
         }
-        self.settle(run, true)?;
-        if let Some(dir) = &run.dir {
-            let values = self.values(run);
+        self.settle(true)?;
+        if let Some(dir) = &self.dir {
+            let values = self.values();
             // The run ended at the background checkpoint's step with nothing changed
             // since: it is the final checkpoint (not written twice).
-            let done = run.background.take().and_then(|bg| {
-                let same = bg.step == run.steps && bg.values == values;
+            let steps = self.steps;
+            let done = self.background.take().and_then(|bg| {
+                let same = bg.step == steps && bg.values == values;
                 bg.durable.filter(|_| same)
             });
-            run.last_ckpt = match done {
+            self.last_ckpt = match done {
                 Some(path) => Some(path),
                 None => {
-                    let path = save_parts(dir, run.steps, vs, opt, &run.batches, &values)?;
+                    let path = save_parts(dir, self.steps, vs, opt, &self.batches, &values)?;
                     if let Some(path) = &path {
-                        run.sinks.checkpoint(run.steps, path);
+                        self.sinks.checkpoint(self.steps, path);
                     }
                     path
                 }
