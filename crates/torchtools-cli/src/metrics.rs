@@ -247,59 +247,70 @@ pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
     let snapshot = Snapshot::take(dir, gpus)?;
     let usage = dir.usage()?;
     let jobs = crate::jobs::live_jobs(dir, &snapshot.queue)?;
-    let now = tt_device::now_unix();
     let mut registry = Registry::with_prefix("torchtools");
+    gpu_series(&mut registry, &snapshot);
+    queue_series(&mut registry, &snapshot);
+    usage_series(&mut registry, &usage, tt_device::now_unix());
+    job_series(&mut registry, &jobs);
+    ignored_series(&mut registry, &snapshot, &usage);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry)
+        .context("encoding the metrics")?;
+    Ok(text)
+}
 
+/// Per GPU: its memory and use, the fences, the lock, the reservations per user, the queue.
+fn gpu_series(registry: &mut Registry, snapshot: &Snapshot) {
     let total = gauges::<GpuLabels>(
-        &mut registry,
+        registry,
         "gpu_memory_total",
         "The GPU's memory (NVML)",
         Some(Unit::Bytes),
     );
     let used = gauges::<GpuLabels>(
-        &mut registry,
+        registry,
         "gpu_memory_used",
         "The GPU's memory in use (NVML)",
         Some(Unit::Bytes),
     );
     let utilization = gauges::<GpuLabels>(
-        &mut registry,
+        registry,
         "gpu_utilization",
         "The share of time a kernel ran over the driver's last sample period (NVML)",
         Some(Unit::Ratios),
     );
     let fenced = gauges::<GpuLabels>(
-        &mut registry,
+        registry,
         "gpu_fenced",
         "GPU memory held by torchtools' fences, so that no one else takes it",
         Some(Unit::Bytes),
     );
     let held = gauges::<GpuLabels>(
-        &mut registry,
+        registry,
         "gpu_locked",
         "1 while a job holds the GPU alone",
         None,
     );
     let reserved = gauges::<GpuUserLabels>(
-        &mut registry,
+        registry,
         "gpu_reserved",
         "Bytes reserved on the GPU per user: the holder's, or the sharers' budgets (--share)",
         Some(Unit::Bytes),
     );
     let reservations = gauges::<GpuUserLabels>(
-        &mut registry,
+        registry,
         "gpu_reservations",
         "Reservations of the GPU per user: 1 for the holder, one per sharing job",
         None,
     );
     let waiters = gauges::<GpuLabels>(
-        &mut registry,
+        registry,
         "gpu_waiters",
         "Requests waiting in the queue for the GPU",
         None,
     );
     let oldest = gauges::<GpuLabels>(
-        &mut registry,
+        registry,
         "gpu_oldest_wait",
         "How long the oldest request for the GPU has waited",
         Some(Unit::Seconds),
@@ -352,15 +363,18 @@ pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
             .get_or_create(&labels)
             .set(since.map_or(0.0, |s| snapshot.time_unix.saturating_sub(s) as f64));
     }
+}
 
+/// Per user: the requests in the GPU queue and the oldest one's wait.
+fn queue_series(registry: &mut Registry, snapshot: &Snapshot) {
     let queued = gauges::<UserLabels>(
-        &mut registry,
+        registry,
         "queue_waiters",
         "Requests waiting in the GPU queue, per user",
         None,
     );
     let queued_oldest = gauges::<UserLabels>(
-        &mut registry,
+        registry,
         "queue_oldest_wait",
         "How long each user's oldest request in the GPU queue has waited",
         Some(Unit::Seconds),
@@ -376,7 +390,10 @@ pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
             oldest.set(waited);
         }
     }
+}
 
+/// Per user: GPU-seconds and reserved byte-seconds from the usage records, up to `now`.
+fn usage_series(registry: &mut Registry, usage: &tt_lock::UsageLog, now: f64) {
     let gpu_seconds = Family::<UserLabels, CounterF>::default();
     registry.register_with_unit(
         "user_gpu",
@@ -401,20 +418,23 @@ pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
             .get_or_create(&user)
             .inc_by(row.reserved_gib_hours * 3600.0 * (1u64 << 30) as f64);
     }
+}
 
+/// Per user, the detached jobs by state; per running job, its GPUs and bytes.
+fn job_series(registry: &mut Registry, jobs: &[crate::jobs::LiveJob]) {
     let user_jobs = gauges::<UserStateLabels>(
-        &mut registry,
+        registry,
         "user_jobs",
         "Detached jobs per user that have not ended: running, or waiting (for jobs or GPUs)",
         None,
     );
     let job_reserved = gauges::<JobLabels>(
-        &mut registry,
+        registry,
         "job_reserved",
         "Each running detached job's GPUs, with the bytes reserved on each (0: the lock alone)",
         Some(Unit::Bytes),
     );
-    for job in &jobs {
+    for job in jobs {
         let state = if job.waiting { "waiting" } else { "running" };
         user_jobs
             .get_or_create(&UserStateLabels {
@@ -432,9 +452,12 @@ pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
                 .set(job.bytes.unwrap_or(0) as f64);
         }
     }
+}
 
+/// Per owner, the records of the lock directory not believed.
+fn ignored_series(registry: &mut Registry, snapshot: &Snapshot, usage: &tt_lock::UsageLog) {
     let ignored = gauges::<UserLabels>(
-        &mut registry,
+        registry,
         "records_ignored",
         "Records in the lock directory not believed (they name another user than their \
          file's owner), per owner",
@@ -450,11 +473,6 @@ pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
             })
             .inc();
     }
-
-    let mut text = String::new();
-    prometheus_client::encoding::text::encode(&mut text, &registry)
-        .context("encoding the metrics")?;
-    Ok(text)
 }
 
 #[cfg(test)]
