@@ -68,6 +68,29 @@ pub(crate) struct StepResult {
     pub(crate) ok: bool,
     pub(crate) time: Duration,
     pub(crate) counts: Option<Counts>,
+    /// Per test binary (see [`binary_of`]), its counts, in the order they ran.
+    pub(crate) binaries: Vec<(String, Counts)>,
+}
+
+/// The test binary a line of cargo's output starts: `Running unittests src/lib.rs
+/// (target/debug/deps/tt_lock-0a1b)` is `tt_lock src/lib.rs`, `Running tests/share.rs
+/// (target/debug/deps/share-0a1b)` is `tests/share.rs`, `Doc-tests tt_lock` is
+/// `tt_lock doc-tests`.
+pub(crate) fn binary_of(line: &str) -> Option<String> {
+    let line = line.trim();
+    if let Some(krate) = line.strip_prefix("Doc-tests ") {
+        return Some(format!("{} doc-tests", krate.trim()));
+    }
+    let rest = line.strip_prefix("Running ")?;
+    let (what, exe) = rest.rsplit_once(" (")?;
+    match what.strip_prefix("unittests ") {
+        Some(src) => {
+            let stem = exe.trim_end_matches(')').rsplit('/').next()?;
+            let krate = stem.rsplit_once('-').map_or(stem, |(k, _)| k);
+            Some(format!("{krate} {src}"))
+        }
+        None => Some(what.to_owned()),
+    }
 }
 
 /// Runs `work` in this process as a step of a matrix: its error is printed and the
@@ -87,6 +110,7 @@ pub(crate) fn in_process(name: &str, work: impl FnOnce() -> Result<()>) -> StepR
         ok,
         time: start.elapsed(),
         counts: None,
+        binaries: Vec::new(),
     }
 }
 
@@ -132,35 +156,103 @@ fn kill_tree(pid: u32) {
     }
 }
 
-/// Runs `cmd` as a step, echoing stdout while counting test results in it.
+/// A pipe: its reading end, and its writing end for a child's stdout and stderr (both
+/// close-on-exec here; the child gets them as its descriptors 1 and 2).
+fn pipe() -> std::io::Result<(std::fs::File, std::os::fd::OwnedFd)> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two new descriptors into the array it is given.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors are new and owned by nothing else.
+    let ends = unsafe {
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+        )
+    };
+    Ok(ends)
+}
+
+/// After the step's process exits, how long its output may stay silent before the
+/// step stops reading: a process it left behind (a detached job's keeper) may hold
+/// the pipe open for as long as it lives.
+const DRAIN_IDLE: Duration = Duration::from_secs(5);
+
+/// Runs `cmd` as a step, echoing its output (stdout and stderr, in the order written:
+/// one pipe) while counting test results in it, per test binary too.
 pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
     eprintln!("\n==> {name}");
     let start = Instant::now();
     let mut counts = Counts::default();
     let mut saw_tests = false;
-    let ok = match cmd.stdout(Stdio::piped()).spawn() {
-        Ok(mut child) => {
+    let mut binaries: Vec<(String, Counts)> = Vec::new();
+    let spawned = pipe().and_then(|(reader, writer)| {
+        cmd.stdout(Stdio::from(writer.try_clone()?))
+            .stderr(Stdio::from(writer));
+        let child = cmd.spawn()?;
+        Ok((child, reader))
+    });
+    // The command holds the pipe's writing ends: without them, the read ends when the
+    // step's processes are gone.
+    drop(cmd);
+    let ok = match spawned {
+        Ok((mut child, out)) => {
             let _watchdog = watchdog(name, child.id(), STEP_LIMIT);
-            if let Some(out) = child.stdout.take() {
+            let (tx, lines) = std::sync::mpsc::channel::<String>();
+            std::thread::spawn(move || {
                 // Lossy: a test printing bytes that are not UTF-8 must not hide the
                 // counts of the lines after it.
                 let mut reader = BufReader::new(out);
                 let mut raw = Vec::new();
                 while reader.read_until(b'\n', &mut raw).is_ok_and(|n| n > 0) {
                     let line = String::from_utf8_lossy(&raw);
-                    let line = line.trim_end_matches(['\n', '\r']);
-                    println!("{line}");
-                    if let Some(c) = Counts::parse_line(line) {
-                        counts.add(c);
-                        saw_tests = true;
+                    if tx
+                        .send(line.trim_end_matches(['\n', '\r']).to_owned())
+                        .is_err()
+                    {
+                        return;
                     }
                     raw.clear();
                 }
+            });
+            let mut current = String::from("?");
+            let mut exited = None;
+            loop {
+                let wait = match exited {
+                    None => Duration::from_millis(200),
+                    Some(_) => DRAIN_IDLE,
+                };
+                match lines.recv_timeout(wait) {
+                    Ok(line) => {
+                        println!("{line}");
+                        if let Some(binary) = binary_of(&line) {
+                            current = binary;
+                        } else if let Some(c) = Counts::parse_line(&line) {
+                            counts.add(c);
+                            saw_tests = true;
+                            match binaries.iter_mut().find(|(b, _)| *b == current) {
+                                Some((_, sum)) => sum.add(c),
+                                None => binaries.push((current.clone(), c)),
+                            }
+                        }
+                    }
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) if exited.is_some() => break,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                }
+                if exited.is_none() {
+                    exited = child.try_wait().ok().flatten();
+                }
             }
-            child.wait().map(|s| s.success()).unwrap_or(false)
+            match exited {
+                Some(status) => status.success(),
+                None => child.wait().map(|s| s.success()).unwrap_or(false),
+            }
         }
         Err(e) => {
-            eprintln!("could not start {cmd:?}: {e}");
+            eprintln!("could not start the step's command: {e}");
             false
         }
     };
@@ -169,6 +261,7 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
         ok,
         time: start.elapsed(),
         counts: saw_tests.then_some(counts),
+        binaries,
     }
 }
 
@@ -213,6 +306,12 @@ pub(crate) fn summarize(title: &str, results: &[StepResult]) -> Counts {
         );
         if let Some(c) = r.counts {
             total.add(c);
+        }
+    }
+    // Each test binary's passed tests, for the minimums of `xtask/src/test.rs`.
+    for r in results {
+        for (binary, c) in &r.binaries {
+            println!("binary: {} | {binary} | {}", r.name, c.passed);
         }
     }
     let failed_steps = results.iter().filter(|r| !r.ok).count() as u64;
@@ -270,6 +369,56 @@ mod tests {
         );
         other.kill().unwrap();
         other.wait().unwrap();
+    }
+
+    #[test]
+    fn each_binary_is_named_by_cargos_line() {
+        use super::binary_of;
+        assert_eq!(
+            binary_of("     Running unittests src/lib.rs (target/debug/deps/tt_lock-0a1b2c3d)"),
+            Some("tt_lock src/lib.rs".into())
+        );
+        assert_eq!(
+            binary_of("     Running tests/share.rs (target/debug/deps/share-0a1b2c3d)"),
+            Some("tests/share.rs".into())
+        );
+        assert_eq!(
+            binary_of("   Doc-tests tt_lock"),
+            Some("tt_lock doc-tests".into())
+        );
+        assert_eq!(binary_of("test result: ok. 1 passed"), None);
+        assert_eq!(binary_of("Running the demo"), None);
+    }
+
+    /// Counts per binary from cargo's stderr lines and the binaries' stdout, through
+    /// one pipe; a process left holding the pipe does not hold the step.
+    #[test]
+    fn a_step_counts_per_binary_and_ends_though_a_child_holds_its_output() {
+        let script = "echo '     Running tests/a.rs (target/debug/deps/a-1)' >&2; \
+                      echo 'test result: ok. 3 passed; 0 failed; 1 ignored'; \
+                      echo '   Doc-tests k' >&2; \
+                      echo 'test result: ok. 2 passed; 0 failed; 0 ignored'; \
+                      (sleep 60 &) ; exit 0";
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", script]);
+        let start = Instant::now();
+        let r = super::run_counted("fake", cmd);
+        assert!(r.ok);
+        assert!(
+            start.elapsed() < Duration::from_secs(50),
+            "{:?}",
+            start.elapsed()
+        );
+        let got: Vec<(String, u64)> = r
+            .binaries
+            .iter()
+            .map(|(b, c)| (b.clone(), c.passed))
+            .collect();
+        assert_eq!(
+            got,
+            [("tests/a.rs".to_owned(), 3), ("k doc-tests".to_owned(), 2)]
+        );
+        assert_eq!(r.counts.map(|c| (c.passed, c.ignored)), Some((5, 1)));
     }
 
     #[test]

@@ -406,6 +406,7 @@ fn no_libtorch_in_cores() -> StepResult {
         ok,
         time: start.elapsed(),
         counts: None,
+        binaries: Vec::new(),
     }
 }
 

@@ -551,11 +551,8 @@ fn ended(job: &Job) -> bool {
 /// Whether `job`'s keeper still runs: its pid is a `job-run` of this id (a pid alone
 /// could be another process's by now).
 fn alive(job: &Job) -> bool {
-    fs::read(format!("/proc/{}/cmdline", job.keeper_pid)).is_ok_and(|cmdline| {
-        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-        args.windows(2)
-            .any(|w| w[0] == b"job-run" && w[1] == job.id.as_bytes())
-    })
+    tt_device::procfs::cmdline(job.keeper_pid)
+        .is_some_and(|args| args.windows(2).any(|w| w[0] == "job-run" && w[1] == job.id))
 }
 
 /// Every job's record in `records`, oldest first.
@@ -859,16 +856,7 @@ fn session_members(sid: u32) -> Vec<u32> {
     entries
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|s| {
-                    // After the command's name in parentheses: state, ppid, pgrp, session.
-                    let rest = &s[s.rfind(')')? + 2..];
-                    rest.split_whitespace().nth(3)?.parse::<u32>().ok()
-                })
-                == Some(sid)
-        })
+        .filter(|&pid| tt_device::procfs::stat(pid).is_some_and(|s| s.session == sid))
         .collect()
 }
 

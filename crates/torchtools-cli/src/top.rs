@@ -199,27 +199,14 @@ fn flag_over_share(
 }
 
 fn process_command(pid: u32) -> String {
-    match std::fs::read(format!("/proc/{pid}/cmdline")) {
-        Ok(raw) if !raw.is_empty() => raw
-            .split(|&b| b == 0)
-            .filter(|a| !a.is_empty())
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect::<Vec<_>>()
-            .join(" "),
+    match tt_device::procfs::cmdline(pid) {
+        Some(args) if !args.is_empty() => args.join(" "),
         _ => "?".to_owned(),
     }
 }
 
 fn process_user(pid: u32) -> String {
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
-        return "?".to_owned();
-    };
-    let uid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|u| u.parse::<u32>().ok());
-    match uid {
+    match tt_device::procfs::status(pid).and_then(|s| s.uid) {
         Some(uid) => tt_lock::user_name_of(uid).unwrap_or_else(|| uid.to_string()),
         None => "?".to_owned(),
     }

@@ -107,17 +107,7 @@ pub enum LimitError {
 /// what a limit set by [`set_cpu_memory_limit`] counts, so a limit is best given as this
 /// plus the room a computation may use.
 pub fn address_space_in_use() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmSize:"))?;
-    Some(
-        line[7..]
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse::<u64>()
-            .ok()?
-            * 1024,
-    )
+    tt_device::procfs::status(std::process::id())?.vm_size
 }
 
 /// Whether the CUDA driver (`libcuda.so`) is loaded in this process: only then can a
@@ -165,20 +155,9 @@ pub fn set_cpu_memory_limit(bytes: Option<u64>) -> Result<(), LimitError> {
 /// Memory this process can still use: the system's `MemAvailable`, capped by the room
 /// left under a soft `RLIMIT_AS` (limit − VmSize).
 pub fn available_cpu_memory() -> io::Result<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo")?;
-    let available = meminfo
-        .lines()
-        .find(|l| l.starts_with("MemAvailable:"))
-        .and_then(|l| {
-            l[13..]
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse::<u64>()
-                .ok()
-        })
-        .map(|kb| kb * 1024)
-        .ok_or_else(|| io::Error::other("no MemAvailable in /proc/meminfo"))?;
+    let available = tt_device::procfs::meminfo()
+        .ok_or_else(|| io::Error::other("cannot read MemAvailable in /proc/meminfo"))?
+        .available;
     if let Ok(Some(limit)) = address_space_limit() {
         let room = limit.saturating_sub(address_space_in_use().unwrap_or(0));
         return Ok(available.min(room));

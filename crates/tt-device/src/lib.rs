@@ -11,6 +11,7 @@ mod inventory;
 #[cfg(feature = "tch")]
 mod libtorch;
 mod process;
+pub mod procfs;
 mod report;
 mod select;
 

@@ -45,10 +45,7 @@ pub fn in_a_pid_namespace() -> bool {
 
 /// The parent of `pid`, from `/proc/PID/stat`.
 pub fn parent_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name may hold spaces and parentheses: the fields follow the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
+    crate::procfs::stat(pid).map(|s| s.ppid)
 }
 
 #[cfg(test)]

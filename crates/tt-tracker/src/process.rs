@@ -11,16 +11,14 @@ use crate::procfs;
 /// A process's resident memory now and its high-water mark (`VmRSS`, `VmHWM`), in
 /// bytes; `None` when it is gone or a zombie.
 pub fn memory(pid: u32) -> Option<(u64, u64)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    procfs::parse_status(&text).map(|s| (s.rss, s.hwm))
+    let s = tt_device::procfs::status(pid)?;
+    Some((s.rss?, s.hwm.unwrap_or(0)))
 }
 
 /// The system's memory that new work can use (`MemAvailable` of `/proc/meminfo`), in
 /// bytes; `None` where it cannot be read.
 pub fn available_memory() -> Option<u64> {
-    let mut buf = String::new();
-    let (total, used) = procfs::meminfo(&mut buf);
-    (total > 0).then(|| total - used)
+    tt_device::procfs::meminfo().map(|m| m.available)
 }
 
 /// Resets the high-water mark of `pid` to its current RSS (`clear_refs` 5, Linux 4.0+),

@@ -143,18 +143,13 @@ pub(crate) fn stat(pid: u32, buf: &mut String) -> Option<Stat> {
     parse_stat(buf)
 }
 
-/// Fields after the command name, which may itself hold spaces and parentheses.
+/// tt-device's parser of `/proc/PID/stat`, in the sampler's shape.
 pub(crate) fn parse_stat(text: &str) -> Option<Stat> {
-    let rest = &text[text.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
-    // rest[0] is field 3 (state): utime is field 14, stime 15, num_threads 20.
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    let threads: u64 = fields.get(17)?.parse().ok()?;
+    let s = tt_device::procfs::parse_stat(text)?;
     Some(Stat {
-        cpu_ticks: utime + stime,
-        threads,
-        exited: matches!(fields.first(), Some(&"Z") | Some(&"X")),
+        cpu_ticks: s.cpu_ticks,
+        threads: s.threads,
+        exited: s.exited(),
     })
 }
 
@@ -173,25 +168,17 @@ pub(crate) struct Status {
     pub(crate) hwm: u64,
 }
 
-/// `None` for a zombie (no memory lines).
+/// tt-device's parser of `/proc/PID/status`, in the sampler's shape; `None` for a
+/// zombie (no memory lines).
 pub(crate) fn parse_status(text: &str) -> Option<Status> {
-    let mut st = Status::default();
-    let mut seen = false;
-    for line in text.lines() {
-        if let Some(v) = line.strip_prefix("VmRSS:") {
-            st.rss = kb(v)?;
-            seen = true;
-        } else if let Some(v) = line.strip_prefix("VmHWM:") {
-            st.hwm = kb(v)?;
-        }
-    }
-    seen.then_some(st)
+    let s = tt_device::procfs::parse_status(text);
+    Some(Status {
+        rss: s.rss?,
+        hwm: s.hwm.unwrap_or(0),
+    })
 }
 
-fn kb(value: &str) -> Option<u64> {
-    let n: u64 = value.trim().trim_end_matches("kB").trim().parse().ok()?;
-    Some(n * 1024)
-}
+use tt_device::procfs::kib as kb;
 
 /// From `/proc/PID/smaps_rollup`: private and shared resident memory, in bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -293,20 +280,13 @@ fn walk_tree(root: u32, mut list: impl FnMut(u32, &mut Vec<u32>)) -> Vec<u32> {
     out
 }
 
-/// System memory: (capacity, used = total - available), in bytes.
+/// System memory: (capacity, used = total - available), in bytes (tt-device's parser).
 pub(crate) fn meminfo(buf: &mut String) -> (u64, u64) {
     if !read_into("/proc/meminfo", buf) {
         return (0, 0);
     }
-    let (mut total, mut available) = (0, 0);
-    for line in buf.lines() {
-        if let Some(v) = line.strip_prefix("MemTotal:") {
-            total = kb(v).unwrap_or(0);
-        } else if let Some(v) = line.strip_prefix("MemAvailable:") {
-            available = kb(v).unwrap_or(0);
-        }
-    }
-    (total, total.saturating_sub(available))
+    tt_device::procfs::parse_meminfo(buf)
+        .map_or((0, 0), |m| (m.total, m.total.saturating_sub(m.available)))
 }
 
 /// Per-core (busy, total) jiffies from `/proc/stat`.
