@@ -44,37 +44,118 @@ fn tail_of(bytes: &[u8]) -> String {
     String::from_utf8_lossy(&bytes[start..]).into_owned()
 }
 
+/// A pipe for the probe's report: its read end, and its write end, which `cmd`'s
+/// child inherits (its number in [`REPORT_FD_ENV`]).
+fn report_pipe(cmd: &mut Command) -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: fds is a valid array of two ints for pipe2 to fill.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 returned two fresh descriptors that nothing else owns.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let w_fd = w.as_raw_fd();
+    cmd.env(REPORT_FD_ENV, w_fd.to_string());
+    // SAFETY: runs in the forked child before exec; fcntl is async-signal-safe and
+    // the closure allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fcntl(w_fd, libc::F_SETFD, 0) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok((r, w))
+}
+
+/// Threads reading the probe's stderr (its tail kept, echoed if asked: sent as `0`)
+/// and its report pipe (sent as `1`); how many will send.
+fn read_outputs(
+    stderr: Option<std::process::ChildStderr>,
+    report: Option<OwnedFd>,
+    echo: bool,
+) -> (mpsc::Receiver<(u8, Vec<u8>)>, usize) {
+    let (tx, rx) = mpsc::channel::<(u8, Vec<u8>)>();
+    let mut readers = 1;
+    if let Some(mut err) = stderr {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let mut kept = Vec::new();
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                if echo {
+                    use std::io::Write;
+                    let _ = std::io::stderr().write_all(&buf[..n]);
+                }
+                kept.extend_from_slice(&buf[..n]);
+                if kept.len() > 2 * TAIL {
+                    kept.drain(..kept.len() - TAIL);
+                }
+            }
+            let _ = tx.send((0, kept));
+        });
+    }
+    if let Some(r) = report {
+        readers += 1;
+        std::thread::spawn(move || {
+            let mut file = std::fs::File::from(r);
+            let mut report = Vec::new();
+            let _ = file.read_to_end(&mut report);
+            let _ = tx.send((1, report));
+        });
+    }
+    (rx, readers)
+}
+
+/// The probe's stderr and report from [`read_outputs`]; leftovers of the probe that
+/// keep them open are killed (its process group `pid`) after a grace second.
+fn collect(
+    rx: &mpsc::Receiver<(u8, Vec<u8>)>,
+    mut readers: usize,
+    pid: u32,
+    mut killed_group: bool,
+) -> (Vec<u8>, Vec<u8>) {
+    let mut stderr = Vec::new();
+    let mut report = Vec::new();
+    while readers > 0 {
+        match rx.recv_timeout(Duration::from_secs(1)) {
+            Ok((0, bytes)) => {
+                stderr = bytes;
+                readers -= 1;
+            }
+            Ok((_, bytes)) => {
+                report = bytes;
+                readers -= 1;
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) if !killed_group => {
+                // SAFETY: kill(2) of the probe's process group.
+                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+                killed_group = true;
+            }
+            Err(_) => break,
+        }
+    }
+    (stderr, report)
+}
+
 pub(crate) fn run(mut cmd: Command, what: &str, opts: &Options) -> Result<Ended> {
     let spawn_err = |reason: String| ProbeError::Spawn {
         what: what.to_owned(),
         reason,
     };
-    let mut pipe_read: Option<OwnedFd> = None;
-    let mut pipe_write: Option<OwnedFd> = None;
-    if opts.report_pipe {
-        let mut fds = [0; 2];
-        // SAFETY: fds is a valid array of two ints for pipe2 to fill.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-            return Err(spawn_err(std::io::Error::last_os_error().to_string()));
+    let (pipe_read, mut pipe_write) = match opts.report_pipe {
+        true => {
+            let (r, w) = report_pipe(&mut cmd).map_err(|e| spawn_err(e.to_string()))?;
+            // The write end is open until the spawn; the parent's copy is closed right
+            // after it.
+            (Some(r), Some(w))
         }
-        // SAFETY: pipe2 returned two fresh descriptors that nothing else owns.
-        let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        let w_fd = w.as_raw_fd();
-        cmd.env(REPORT_FD_ENV, w_fd.to_string());
-        // SAFETY: runs in the forked child before exec; fcntl is async-signal-safe and
-        // the closure allocates nothing.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::fcntl(w_fd, libc::F_SETFD, 0) == -1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        pipe_read = Some(r);
-        // Open until the spawn; the parent's copy is closed right after it.
-        pipe_write = Some(w);
-    }
+        false => (None, None),
+    };
     cmd.stdin(Stdio::null())
         .stderr(Stdio::piped())
         .process_group(0);
@@ -97,41 +178,7 @@ pub(crate) fn run(mut cmd: Command, what: &str, opts: &Options) -> Result<Ended>
     })
     .ok();
 
-    let (tx, rx) = mpsc::channel::<(u8, Vec<u8>)>();
-    if let Some(mut err) = child.stderr.take() {
-        let tx = tx.clone();
-        let echo = opts.echo_stderr;
-        std::thread::spawn(move || {
-            let mut kept = Vec::new();
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = err.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                if echo {
-                    use std::io::Write;
-                    let _ = std::io::stderr().write_all(&buf[..n]);
-                }
-                kept.extend_from_slice(&buf[..n]);
-                if kept.len() > 2 * TAIL {
-                    kept.drain(..kept.len() - TAIL);
-                }
-            }
-            let _ = tx.send((0, kept));
-        });
-    }
-    let mut readers = 1;
-    if let Some(r) = pipe_read {
-        let tx = tx.clone();
-        readers += 1;
-        std::thread::spawn(move || {
-            let mut file = std::fs::File::from(r);
-            let mut report = Vec::new();
-            let _ = file.read_to_end(&mut report);
-            let _ = tx.send((1, report));
-        });
-    }
-    drop(tx);
+    let (rx, readers) = read_outputs(child.stderr.take(), pipe_read, opts.echo_stderr);
 
     // Wait (without reaping) until the child ends or the deadline passes; then reap.
     let wait_err = |e: std::io::Error| ProbeError::Spawn {
@@ -153,29 +200,7 @@ pub(crate) fn run(mut cmd: Command, what: &str, opts: &Options) -> Result<Ended>
         t.stop().ok()
     });
 
-    // Collect stderr and the report; leftovers of the probe that keep them open are
-    // killed after a grace second.
-    let mut stderr = Vec::new();
-    let mut report = Vec::new();
-    let mut killed_group = timed_out;
-    while readers > 0 {
-        match rx.recv_timeout(Duration::from_secs(1)) {
-            Ok((0, bytes)) => {
-                stderr = bytes;
-                readers -= 1;
-            }
-            Ok((_, bytes)) => {
-                report = bytes;
-                readers -= 1;
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) if !killed_group => {
-                // SAFETY: kill(2) of the probe's process group.
-                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
-                killed_group = true;
-            }
-            Err(_) => break,
-        }
-    }
+    let (stderr, report) = collect(&rx, readers, pid, timed_out);
     Ok(Ended {
         code,
         signal,

@@ -1077,7 +1077,18 @@ impl Sampler {
     }
 
     fn report(mut self, exit: Exit) -> Result<Finished> {
-        let exit_status = exit.status;
+        let methods = self.final_peaks(&exit);
+        if let Some(t) = self.timeline.take() {
+            t.finish()?;
+        }
+        let usage = self.usage(methods, exit.status);
+        Ok((usage, std::mem::take(&mut self.series.points)))
+    }
+
+    /// The peaks' last figures, from the kernel's high-water marks and the command's
+    /// end where they say more than the samples did; how each was measured (main,
+    /// descendants, combined).
+    fn final_peaks(&mut self, exit: &Exit) -> (String, String, String) {
         let interval = format!("sampled every {:?}", self.config.interval);
         // Main: its kernel high-water mark, when it counts from the start of tracking.
         let mut main_method = interval.clone();
@@ -1137,15 +1148,23 @@ impl Sampler {
             self.max_comb.total = floor;
             comb_method = format!("{interval}, raised to the main / descendants peak");
         }
+        (main_method, desc_method, comb_method)
+    }
+
+    /// The report: every figure in the configuration's units, with how the peaks were
+    /// measured.
+    fn usage(
+        &mut self,
+        (main_method, desc_method, comb_method): (String, String, String),
+        exit_status: Option<i32>,
+    ) -> ResourceUsage {
+        let interval = format!("sampled every {:?}", self.config.interval);
         let cgroup_peak = self.config.cgroup.as_ref().and_then(|dir| {
             ["memory.peak", "memory.max_usage_in_bytes"]
                 .iter()
                 .find_map(|f| std::fs::read_to_string(dir.join(f)).ok())
                 .and_then(|t| t.trim().parse::<u64>().ok())
         });
-        if let Some(t) = self.timeline.take() {
-            t.finish()?;
-        }
         let elapsed = self.start.elapsed().as_secs_f64();
         let ram = |b: u64| self.config.ram_unit.of(b as f64);
         let gram = |b: u64| self.config.gpu_ram_unit.of(b as f64);
@@ -1236,7 +1255,7 @@ impl Sampler {
                 },
             },
         };
-        Ok((usage, std::mem::take(&mut self.series.points)))
+        usage
     }
 }
 
