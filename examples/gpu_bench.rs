@@ -1002,6 +1002,106 @@ impl KitRun {
     }
 }
 
+/// The toolkit rows' steps, their batch and dataset (the GPT's tokens in host memory).
+const KIT_STEPS: u64 = 300;
+const KIT_BATCH: usize = 16;
+
+/// What runs around the step: (tracker, checkpoints, metrics), `fit`'s loader always.
+type Kit = (bool, bool, bool);
+
+/// The GPT, its AdamW and its VarStore on the GPU, from seed 0.
+fn kit_model() -> Result<(nn::VarStore, models::Gpt, torchtools::optim::Optimizer)> {
+    torchtools::tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cuda(0));
+    let gpt = models::Gpt::new(&vs.root(), &models::GptConfig::GPU);
+    let opt = adamw_as_the_baseline(&vs)?;
+    Ok((vs, gpt, opt))
+}
+
+/// The batch of `indices` gathered from `tokens` on the host, on the GPU.
+fn gather(tokens: &Tensor, indices: &[u64]) -> std::result::Result<Tensor, TchError> {
+    let idx: Vec<i64> = indices.iter().map(|&i| i as i64).collect();
+    tokens
+        .f_index_select(0, &Tensor::from_slice(&idx))?
+        .f_to_device(Device::Cuda(0))
+}
+
+/// One run through `fit` with `kit` around it, clocked step by step.
+fn kit_run(tokens: &Tensor, (tracked, checkpoints, metrics): Kit) -> Result<KitRun> {
+    use torchtools::train::{Precision, Steps, TrainConfig, Trainer};
+    let dev = Device::Cuda(0);
+    let samples = KIT_STEPS * KIT_BATCH as u64;
+    let root = tempfile::tempdir()?;
+    let (mut vs, gpt, mut opt) = kit_model()?;
+    let mut config = TrainConfig::new(samples, KIT_BATCH, 1).precision(Precision::Bf16);
+    if checkpoints {
+        config = config.checkpoints(root.path().join("ckpt"), 100);
+    }
+    if metrics {
+        config = config.metrics(root.path().join("metrics.jsonl"));
+    }
+    config = config.handle_signals(false);
+    config = config.progress(false);
+    let mut trainer = Trainer::with_group(config, torchtools::dist::ProcessGroup::single(), dev)?;
+    let times = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    trainer.add_logger(StepClock {
+        times: times.clone(),
+        last: KIT_STEPS,
+    });
+    let tracker = match tracked {
+        true => Some(Tracker::start(TrackerConfig {
+            interval: Duration::from_millis(100),
+            ..TrackerConfig::default()
+        })?),
+        false => None,
+    };
+    let loader_tokens = tokens.shallow_clone();
+    torchtools::tch::Cuda::synchronize(0);
+    let start = Instant::now();
+    let work = Steps::prefetched(
+        move |ctx| gather(&loader_tokens, ctx.indices),
+        |_ctx, batch: Tensor| Ok::<_, TchError>(gpt.loss(&batch)),
+    );
+    let report = trainer.fit(&mut vs, &mut opt, work)?;
+    torchtools::tch::Cuda::synchronize(0);
+    let end = Instant::now();
+    if let Some(tracker) = tracker {
+        drop(tracker.stop()?);
+    }
+    let times = times.lock().map_err(|_| "the step clock's lock")?.clone();
+    let last = *times.last().ok_or("no step ended")?;
+    if report.steps != KIT_STEPS || times.len() as u64 != KIT_STEPS {
+        let (ran, clocked) = (report.steps, times.len());
+        return Err(format!("{ran} steps ran, {clocked} clocked, not {KIT_STEPS}").into());
+    }
+    let mut gaps = vec![(times[0] - start).as_secs_f64()];
+    gaps.extend(times.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()));
+    Ok(KitRun {
+        per_step: (last - start).as_secs_f64() / KIT_STEPS as f64,
+        end: (end - last).as_secs_f64(),
+        gaps,
+    })
+}
+
+/// The same steps in a bare loop: seconds per step.
+fn bare_run(tokens: &Tensor) -> Result<f64> {
+    let (_vs, gpt, mut opt) = kit_model()?;
+    let samples = KIT_STEPS * KIT_BATCH as u64;
+    let sampler = torchtools::sampler::DistributedSampler::new(samples, 1, 0)?.with_seed(0);
+    let mut batches = torchtools::train::EpochBatches::new(sampler, KIT_BATCH, 1)?;
+    let mut steps = 0;
+    torchtools::tch::Cuda::synchronize(0);
+    let start = Instant::now();
+    while let Some(b) = batches.next_batch()? {
+        let batch = gather(tokens, &b.indices)?;
+        let loss = torchtools::sys::autocast(Device::Cuda(0), Kind::BFloat16, || gpt.loss(&batch))?;
+        opt.backward_step(&loss)?;
+        steps += 1;
+    }
+    torchtools::tch::Cuda::synchronize(0);
+    Ok(start.elapsed().as_secs_f64() / steps as f64)
+}
+
 /// The GPT (batch 16x512, bf16, AdamW) for 300 steps from a token dataset in host
 /// memory: through `Trainer::fit` with prefetched batches and the whole toolkit on (the
 /// tracker every 100 ms, the loader thread, a checkpoint every 100 steps written in the
@@ -1017,102 +1117,8 @@ impl KitRun {
 /// KB) goes to the GPU from pageable memory: `pin_memory` through tch warns on every
 /// call that its device argument is deprecated.
 fn toolkit_rows(parts: bool) -> Result<Vec<Row>> {
-    use torchtools::optim::Optimizer;
-    use torchtools::train::{Precision, Steps, TrainConfig, Trainer};
-    const STEPS: u64 = 300;
-    const BATCH: usize = 16;
-    /// What runs around the step: (tracker, checkpoints, metrics), `fit`'s loader always.
-    type Kit = (bool, bool, bool);
-    let dev = Device::Cuda(0);
-    let samples = STEPS as i64 * BATCH as i64;
+    let samples = KIT_STEPS as i64 * KIT_BATCH as i64;
     let tokens = Tensor::randint(2048, [samples, 513], (Kind::Int64, Device::Cpu));
-    let gather = |tokens: &Tensor, indices: &[u64]| -> std::result::Result<Tensor, TchError> {
-        let idx: Vec<i64> = indices.iter().map(|&i| i as i64).collect();
-        tokens
-            .f_index_select(0, &Tensor::from_slice(&idx))?
-            .f_to_device(dev)
-    };
-    let build = || -> Result<(nn::VarStore, models::Gpt, Optimizer)> {
-        torchtools::tch::manual_seed(0);
-        let vs = nn::VarStore::new(dev);
-        let gpt = models::Gpt::new(&vs.root(), &models::GptConfig::GPU);
-        let opt = adamw_as_the_baseline(&vs)?;
-        Ok((vs, gpt, opt))
-    };
-    let kit_run = |(tracked, checkpoints, metrics): Kit| -> Result<KitRun> {
-        let root = tempfile::tempdir()?;
-        let (mut vs, gpt, mut opt) = build()?;
-        let mut config = TrainConfig::new(samples as u64, BATCH, 1).precision(Precision::Bf16);
-        if checkpoints {
-            config = config.checkpoints(root.path().join("ckpt"), 100);
-        }
-        if metrics {
-            config = config.metrics(root.path().join("metrics.jsonl"));
-        }
-        config = config.handle_signals(false);
-        config = config.progress(false);
-        let mut trainer =
-            Trainer::with_group(config, torchtools::dist::ProcessGroup::single(), dev)?;
-        let times = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        trainer.add_logger(StepClock {
-            times: times.clone(),
-            last: STEPS,
-        });
-        let tracker = match tracked {
-            true => Some(Tracker::start(TrackerConfig {
-                interval: Duration::from_millis(100),
-                ..TrackerConfig::default()
-            })?),
-            false => None,
-        };
-        let loader_tokens = tokens.shallow_clone();
-        torchtools::tch::Cuda::synchronize(0);
-        let start = Instant::now();
-        let work = Steps::prefetched(
-            move |ctx| gather(&loader_tokens, ctx.indices),
-            |_ctx, batch: Tensor| Ok::<_, TchError>(gpt.loss(&batch)),
-        );
-        let report = trainer.fit(&mut vs, &mut opt, work)?;
-        torchtools::tch::Cuda::synchronize(0);
-        let end = Instant::now();
-        if let Some(tracker) = tracker {
-            drop(tracker.stop()?);
-        }
-        let times = times.lock().map_err(|_| "the step clock's lock")?.clone();
-        let last = *times.last().ok_or("no step ended")?;
-        if report.steps != STEPS || times.len() as u64 != STEPS {
-            return Err(format!(
-                "{} steps ran, {} clocked, not {STEPS}",
-                report.steps,
-                times.len()
-            )
-            .into());
-        }
-        let mut gaps = vec![(times[0] - start).as_secs_f64()];
-        gaps.extend(times.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()));
-        Ok(KitRun {
-            per_step: (last - start).as_secs_f64() / STEPS as f64,
-            end: (end - last).as_secs_f64(),
-            gaps,
-        })
-    };
-    let bare_run = || -> Result<f64> {
-        let (_vs, gpt, mut opt) = build()?;
-        let sampler =
-            torchtools::sampler::DistributedSampler::new(samples as u64, 1, 0)?.with_seed(0);
-        let mut batches = torchtools::train::EpochBatches::new(sampler, BATCH, 1)?;
-        let mut steps = 0;
-        torchtools::tch::Cuda::synchronize(0);
-        let start = Instant::now();
-        while let Some(b) = batches.next_batch()? {
-            let batch = gather(&tokens, &b.indices)?;
-            let loss = torchtools::sys::autocast(dev, Kind::BFloat16, || gpt.loss(&batch))?;
-            opt.backward_step(&loss)?;
-            steps += 1;
-        }
-        torchtools::tch::Cuda::synchronize(0);
-        Ok(start.elapsed().as_secs_f64() / steps as f64)
-    };
     let variants: [(&str, Kit); 5] = [
         ("all", (true, true, true)),
         ("loader", (false, false, false)),
@@ -1121,8 +1127,8 @@ fn toolkit_rows(parts: bool) -> Result<Vec<Row>> {
         ("metrics", (false, false, true)),
     ];
     let variants = &variants[..if parts { variants.len() } else { 1 }];
-    kit_run((true, true, true))?;
-    bare_run()?;
+    kit_run(&tokens, (true, true, true))?;
+    bare_run(&tokens)?;
     // Per variant: its runs, and the bare loop of the same round beside each.
     let mut runs: Vec<Vec<(KitRun, f64)>> = variants.iter().map(|_| Vec::new()).collect();
     for round in 0..PAIRS {
@@ -1136,22 +1142,25 @@ fn toolkit_rows(parts: bool) -> Result<Vec<Row>> {
         let mut these = Vec::new();
         for which in order {
             match which {
-                None => bare = bare_run()?,
-                Some(v) => these.push((v, kit_run(variants[v].1)?)),
+                None => bare = bare_run(&tokens)?,
+                Some(v) => these.push((v, kit_run(&tokens, variants[v].1)?)),
             }
         }
         for (v, run) in these {
-            println!(
-                "{}",
-                run.timeline(&format!(
-                    "toolkit round {round} {:<11} (bare {:.2} ms/step)",
-                    variants[v].0,
-                    bare * 1e3
-                ))
+            let what = format!(
+                "toolkit round {round} {:<11} (bare {:.2} ms/step)",
+                variants[v].0,
+                bare * 1e3
             );
+            println!("{}", run.timeline(&what));
             runs[v].push((run, bare));
         }
     }
+    Ok(toolkit_table(&runs))
+}
+
+/// The toolkit's rows from each variant's runs beside their rounds' bare loops.
+fn toolkit_table(runs: &[Vec<(KitRun, f64)>]) -> Vec<Row> {
     let ms = |s: f64| format!("{:.2} ms", s * 1e3);
     let pairs_of = |v: usize, whole: bool| {
         tt_testkit::bench::Pairs::from_pairs(
@@ -1159,7 +1168,7 @@ fn toolkit_rows(parts: bool) -> Result<Vec<Row>> {
                 .iter()
                 .map(|(r, bare)| {
                     let ours = match whole {
-                        true => r.per_step + r.end / STEPS as f64,
+                        true => r.per_step + r.end / KIT_STEPS as f64,
                         false => r.per_step,
                     };
                     (ours, *bare)
@@ -1191,7 +1200,7 @@ fn toolkit_rows(parts: bool) -> Result<Vec<Row>> {
         (3, "  fit + a checkpoint every 100 steps"),
         (4, "  fit + metrics to JSON Lines"),
     ];
-    for (v, what) in parts_rows.into_iter().filter(|(v, _)| *v < variants.len()) {
+    for (v, what) in parts_rows.into_iter().filter(|(v, _)| *v < runs.len()) {
         push(what, pairs_of(v, false));
     }
     let ends: Vec<f64> = runs[0].iter().map(|(r, _)| r.end).collect();
@@ -1201,5 +1210,5 @@ fn toolkit_rows(parts: bool) -> Result<Vec<Row>> {
         baseline: "-".into(),
         ratio: "-".into(),
     });
-    Ok(rows)
+    rows
 }
