@@ -438,8 +438,64 @@ fn block(title: String) -> Block<'static> {
     Block::default().borders(Borders::TOP).title(title)
 }
 
-fn render_gpus(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {
+/// One GPU's cells in the GPU table (the compact view's, or the full one's).
+fn gpu_cells(snapshot: &Snapshot, g: &GpuView, compact: bool) -> Vec<String> {
     let dash = || "-".to_owned();
+    let memory = match (g.used, g.total) {
+        (Some(u), Some(t)) => format!("{}/{} GiB", gib(u), gib(t)),
+        _ => dash(),
+    };
+    let fenced = g
+        .holder
+        .as_ref()
+        .and_then(|h| h.fenced)
+        .filter(|b| b.0 > 0)
+        .map_or_else(dash, |b| format!("{} GiB", gib(b)));
+    let holder = match (&g.holder, g.shares.as_slice()) {
+        (Some(h), _) => holder_cell(h, compact),
+        (None, []) => "free".to_owned(),
+        (None, shares) => format!("shared by {} job(s)", shares.len()),
+    };
+    let since = g.holder.as_ref().map_or_else(dash, |h| {
+        age(snapshot.time_unix.saturating_sub(h.since_unix))
+    });
+    let budgets: u64 = g.shares.iter().filter_map(|h| h.share).map(|b| b.0).sum();
+    let reserving = match (&g.holder, budgets) {
+        (None, b) if b > 0 => format!("{} GiB shared", gib(Bytes(b))),
+        _ => g
+            .holder
+            .as_ref()
+            .and_then(|h| h.reserved)
+            .map_or_else(dash, |b| format!("{} GiB", gib(b))),
+    };
+    if compact {
+        vec![
+            gpu_name(g),
+            memory,
+            g.utilization.map_or_else(dash, |u| format!("{u}%")),
+            g.waiting.len().to_string(),
+            holder,
+        ]
+    } else {
+        vec![
+            gpu_name(g),
+            g.name.clone().unwrap_or_else(|| match &g.key {
+                GpuKey::Index(_) => "by index (no NVML)".to_owned(),
+                GpuKey::Uuid(u) => u.clone(),
+            }),
+            memory,
+            g.free.map_or_else(dash, |b| format!("{} GiB", gib(b))),
+            fenced,
+            g.utilization.map_or_else(dash, |u| format!("{u}%")),
+            g.waiting.len().to_string(),
+            since,
+            reserving,
+            holder,
+        ]
+    }
+}
+
+fn render_gpus(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {
     // The longest GPU name whole ("NVIDIA H100 80GB HBM3"), within bounds.
     let name_width = snapshot
         .gpus
@@ -454,58 +510,7 @@ fn render_gpus(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {
         .iter()
         .enumerate()
         .map(|(i, g)| {
-            let memory = match (g.used, g.total) {
-                (Some(u), Some(t)) => format!("{}/{} GiB", gib(u), gib(t)),
-                _ => dash(),
-            };
-            let fenced = g
-                .holder
-                .as_ref()
-                .and_then(|h| h.fenced)
-                .filter(|b| b.0 > 0)
-                .map_or_else(dash, |b| format!("{} GiB", gib(b)));
-            let holder = match (&g.holder, g.shares.as_slice()) {
-                (Some(h), _) => holder_cell(h, view.compact),
-                (None, []) => "free".to_owned(),
-                (None, shares) => format!("shared by {} job(s)", shares.len()),
-            };
-            let since = g.holder.as_ref().map_or_else(dash, |h| {
-                age(snapshot.time_unix.saturating_sub(h.since_unix))
-            });
-            let budgets: u64 = g.shares.iter().filter_map(|h| h.share).map(|b| b.0).sum();
-            let reserving = match (&g.holder, budgets) {
-                (None, b) if b > 0 => format!("{} GiB shared", gib(Bytes(b))),
-                _ => g
-                    .holder
-                    .as_ref()
-                    .and_then(|h| h.reserved)
-                    .map_or_else(dash, |b| format!("{} GiB", gib(b))),
-            };
-            let cells = if view.compact {
-                vec![
-                    gpu_name(g),
-                    memory,
-                    g.utilization.map_or_else(dash, |u| format!("{u}%")),
-                    g.waiting.len().to_string(),
-                    holder,
-                ]
-            } else {
-                vec![
-                    gpu_name(g),
-                    g.name.clone().unwrap_or_else(|| match &g.key {
-                        GpuKey::Index(_) => "by index (no NVML)".to_owned(),
-                        GpuKey::Uuid(u) => u.clone(),
-                    }),
-                    memory,
-                    g.free.map_or_else(dash, |b| format!("{} GiB", gib(b))),
-                    fenced,
-                    g.utilization.map_or_else(dash, |u| format!("{u}%")),
-                    g.waiting.len().to_string(),
-                    since,
-                    reserving,
-                    holder,
-                ]
-            };
+            let cells = gpu_cells(snapshot, g, view.compact);
             let style = if i == view.selected {
                 Style::default().add_modifier(Modifier::REVERSED)
             } else {
