@@ -35,7 +35,7 @@ pub struct ReserveOptions {
     /// Share one GPU with other jobs by memory budget instead of taking it alone:
     /// `training_reserved_bytes` is the budget, granted when it fits beside the other
     /// sharers' within the GPU's memory (in the same first-come-first-served queue; see
-    /// [`LockDir::lock_shared`]). With `fence`, the memory no sharer budgeted (or
+    /// [`LockDir::lock_shared`](tt_lock::LockDir::lock_shared)). With `fence`, the memory no sharer budgeted (or
     /// budgeted and took) is fenced, by the oldest sharer's reservation, following the
     /// sharers as they come and go; the command it prepares gets PyTorch's allocator
     /// capped at the budget (`PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:F`).

@@ -22,7 +22,7 @@ pub struct ReservedGpu {
     pub fenced: Bytes,
 }
 
-/// The GPU a reservation waits for, passed to [`reserve_with`]'s observer.
+/// The GPU a reservation waits for, passed to [`reserve_with`](crate::reserve_with)'s observer.
 #[derive(Debug, Clone)]
 pub struct Waiting {
     /// The GPU someone else holds.

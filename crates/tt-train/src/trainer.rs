@@ -30,7 +30,7 @@ use crate::{Logger, Steps, TrainConfig, TrainError};
 /// - checkpoints on rank 0 only, then meets at a barrier;
 /// - on SIGTERM / SIGINT (a scheduler cycling jobs) finishes the step, agrees with
 ///   every rank to stop at the same one, checkpoints and returns
-///   [`FitOutcome::Preempted`]; a second signal exits at once (status 128 + signal).
+///   [`FitOutcome::Preempted`](crate::FitOutcome::Preempted); a second signal exits at once (status 128 + signal).
 ///   The handlers are installed once per process by [`Trainer::from_env`] and
 ///   [`Trainer::with_group`] unless [`TrainConfig::handle_signals`] is `false`.
 ///
