@@ -26,12 +26,11 @@ mod models;
 
 use std::cell::Cell;
 use std::error::Error;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use torchtools::optim::{AdamConfig, Optimizer};
 use torchtools::tch::nn;
 use torchtools::tch::{Device, Kind, TchError, Tensor};
-use torchtools::tracker::{Tracker, TrackerConfig};
 use torchtools::train::{Steps, TrainConfig, Trainer};
 
 type Result<T> = std::result::Result<T, Box<dyn Error>>;
@@ -252,13 +251,7 @@ fn toolkit(tokens: &Tensor, kit: Option<Kit>) -> Result<f64> {
         config = config.metrics(root.path().join("metrics.jsonl"));
     }
     let mut trainer = quiet_trainer(config)?;
-    let tracker = match kit.tracker {
-        true => Some(Tracker::start(TrackerConfig {
-            interval: Duration::from_millis(100),
-            ..TrackerConfig::default()
-        })?),
-        false => None,
-    };
+    let tracker = models::kit_tracker(kit.tracker)?;
     let loader_tokens = tokens.shallow_clone();
     let start = Instant::now();
     let work = Steps::prefetched(

@@ -1048,13 +1048,7 @@ fn kit_run(tokens: &Tensor, (tracked, checkpoints, metrics): Kit) -> Result<KitR
         times: times.clone(),
         last: KIT_STEPS,
     });
-    let tracker = match tracked {
-        true => Some(Tracker::start(TrackerConfig {
-            interval: Duration::from_millis(100),
-            ..TrackerConfig::default()
-        })?),
-        false => None,
-    };
+    let tracker = models::kit_tracker(tracked)?;
     let loader_tokens = tokens.shallow_clone();
     torchtools::tch::Cuda::synchronize(0);
     let start = Instant::now();

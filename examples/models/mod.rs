@@ -6,6 +6,19 @@
 
 use torchtools::tch::nn::{self, Module, ModuleT};
 use torchtools::tch::{Kind, Tensor};
+use torchtools::tracker::{Tracker, TrackerConfig};
+
+/// The toolkit rows' tracker, the CPU bench's and the GPU bench's alike: this process
+/// and its children sampled every 100 ms; none when `on` is false.
+pub(crate) fn kit_tracker(on: bool) -> torchtools::tracker::Result<Option<Tracker>> {
+    on.then(|| {
+        Tracker::start(TrackerConfig {
+            interval: std::time::Duration::from_millis(100),
+            ..TrackerConfig::default()
+        })
+    })
+    .transpose()
+}
 
 /// The decoder's shape.
 #[derive(Debug, Clone, Copy)]

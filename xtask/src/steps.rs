@@ -156,25 +156,6 @@ fn kill_tree(pid: u32) {
     }
 }
 
-/// A pipe: its reading end, and its writing end for a child's stdout and stderr (both
-/// close-on-exec here; the child gets them as its descriptors 1 and 2).
-fn pipe() -> std::io::Result<(std::fs::File, std::os::fd::OwnedFd)> {
-    use std::os::fd::FromRawFd;
-    let mut fds = [0; 2];
-    // SAFETY: pipe2 writes two new descriptors into the array it is given.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: both descriptors are new and owned by nothing else.
-    let ends = unsafe {
-        (
-            std::fs::File::from_raw_fd(fds[0]),
-            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
-        )
-    };
-    Ok(ends)
-}
-
 /// After the step's process exits, how long its output may stay silent before the
 /// step stops reading: a process it left behind (a detached job's keeper) may hold
 /// the pipe open for as long as it lives.
@@ -188,12 +169,15 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
     let mut counts = Counts::default();
     let mut saw_tests = false;
     let mut binaries: Vec<(String, Counts)> = Vec::new();
-    let spawned = pipe().and_then(|(reader, writer)| {
-        cmd.stdout(Stdio::from(writer.try_clone()?))
-            .stderr(Stdio::from(writer));
-        let child = cmd.spawn()?;
-        Ok((child, reader))
-    });
+    // Close-on-exec here; the child gets the writing end as its descriptors 1 and 2.
+    let spawned = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(std::io::Error::from)
+        .and_then(|(reader, writer)| {
+            cmd.stdout(Stdio::from(writer.try_clone()?))
+                .stderr(Stdio::from(writer));
+            let child = cmd.spawn()?;
+            Ok((child, std::fs::File::from(reader)))
+        });
     // The command holds the pipe's writing ends: without them, the read ends when the
     // step's processes are gone.
     drop(cmd);

@@ -6,6 +6,8 @@
 use std::fs;
 use std::io::Read;
 
+use tt_device::procfs::kib as kb;
+
 /// Clock ticks per second for `/proc/PID/stat` times.
 pub(crate) fn clock_ticks() -> f64 {
     // SAFETY: sysconf has no preconditions.
@@ -177,8 +179,6 @@ pub(crate) fn parse_status(text: &str) -> Option<Status> {
         hwm: s.hwm.unwrap_or(0),
     })
 }
-
-use tt_device::procfs::kib as kb;
 
 /// From `/proc/PID/smaps_rollup`: private and shared resident memory, in bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
