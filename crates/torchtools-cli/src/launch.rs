@@ -384,52 +384,7 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
     // The group's GPUs, reserved before any rank starts, held until the group ends.
     let mut reservation = match &args.gpu {
         None => None,
-        Some(gpus) => {
-            let auto = gpus.contains(&tt_lock::GpuSpec::Auto);
-            // --bytes auto: one rank probed, through this launcher with one process,
-            // so that it sees the variables it will run with.
-            let probed: Vec<OsString> = match args.bytes {
-                Some(crate::args::Budget::Auto) => {
-                    let exe = std::env::current_exe().context("finding this program")?;
-                    [exe.into(), "launch".into(), "--nproc-per-node".into()]
-                        .into_iter()
-                        .chain(["1".into(), "--".into(), cfg.program.clone()])
-                        .chain(cfg.args.iter().cloned())
-                        .collect()
-                }
-                _ => Vec::new(),
-            };
-            let bytes = crate::reserve::budget(args.bytes, gpus, &args.probing, &probed)?;
-            let request = crate::reserve::Request {
-                gpus: gpus.clone(),
-                count: args
-                    .count
-                    .map(|c| c as usize)
-                    .or(auto.then_some(cfg.nproc_per_node)),
-                bytes,
-                margin: args.margin,
-                fence: !args.no_fence,
-                share: false,
-                cap: false,
-                timeout: args.timeout,
-                command: std::iter::once(cfg.program.clone())
-                    .chain(cfg.args.iter().cloned())
-                    .collect(),
-            };
-            let reservation = crate::reserve::take(&request)?;
-            if !reservation.is_empty() {
-                cfg.env.push((
-                    "CUDA_VISIBLE_DEVICES".into(),
-                    reservation.cuda_visible_devices().into(),
-                ));
-            }
-            // Every rank inherits the GPUs' locks (as `reserve`'s command does): they
-            // stay held while any rank runs, even if this launcher is killed.
-            let (value, fds) = tt_lock::inheritance(reservation.locks());
-            cfg.env.push((tt_lock::HELD_LOCKS_ENV.into(), value.into()));
-            cfg.inherit_fds = fds;
-            Some(reservation)
-        }
+        Some(gpus) => Some(reserve_for(&args, gpus, &mut cfg)?),
     };
     // Every signal we get goes to every rank: each rank leads a process group of its
     // own (so that stopping it stops what it started), out of the terminal's reach, so
@@ -479,4 +434,57 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
             Ok(u8::try_from(outcome.code).unwrap_or(1).max(1))
         }
     }
+}
+
+/// The group's GPUs (`--gpu`), reserved before any rank starts, with the variables
+/// every rank inherits them through (`CUDA_VISIBLE_DEVICES`, the held locks).
+fn reserve_for(
+    args: &LaunchArgs,
+    gpus: &[tt_lock::GpuSpec],
+    cfg: &mut LaunchConfig,
+) -> Result<tt_reserve::Reservation> {
+    let auto = gpus.contains(&tt_lock::GpuSpec::Auto);
+    // --bytes auto: one rank probed, through this launcher with one process,
+    // so that it sees the variables it will run with.
+    let probed: Vec<OsString> = match args.bytes {
+        Some(crate::args::Budget::Auto) => {
+            let exe = std::env::current_exe().context("finding this program")?;
+            [exe.into(), "launch".into(), "--nproc-per-node".into()]
+                .into_iter()
+                .chain(["1".into(), "--".into(), cfg.program.clone()])
+                .chain(cfg.args.iter().cloned())
+                .collect()
+        }
+        _ => Vec::new(),
+    };
+    let bytes = crate::reserve::budget(args.bytes, gpus, &args.probing, &probed)?;
+    let request = crate::reserve::Request {
+        gpus: gpus.to_vec(),
+        count: args
+            .count
+            .map(|c| c as usize)
+            .or(auto.then_some(cfg.nproc_per_node)),
+        bytes,
+        margin: args.margin,
+        fence: !args.no_fence,
+        share: false,
+        cap: false,
+        timeout: args.timeout,
+        command: std::iter::once(cfg.program.clone())
+            .chain(cfg.args.iter().cloned())
+            .collect(),
+    };
+    let reservation = crate::reserve::take(&request)?;
+    if !reservation.is_empty() {
+        cfg.env.push((
+            "CUDA_VISIBLE_DEVICES".into(),
+            reservation.cuda_visible_devices().into(),
+        ));
+    }
+    // Every rank inherits the GPUs' locks (as `reserve`'s command does): they
+    // stay held while any rank runs, even if this launcher is killed.
+    let (value, fds) = tt_lock::inheritance(reservation.locks());
+    cfg.env.push((tt_lock::HELD_LOCKS_ENV.into(), value.into()));
+    cfg.inherit_fds = fds;
+    Ok(reservation)
 }

@@ -261,6 +261,12 @@ pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
 
 /// Per GPU: its memory and use, the fences, the lock, the reservations per user, the queue.
 fn gpu_series(registry: &mut Registry, snapshot: &Snapshot) {
+    gpu_memory_series(registry, snapshot);
+    gpu_reservation_series(registry, snapshot);
+}
+
+/// Per GPU, what NVML and the fences say: memory, use, fenced bytes, whether it is held.
+fn gpu_memory_series(registry: &mut Registry, snapshot: &Snapshot) {
     let total = gauges::<GpuLabels>(
         registry,
         "gpu_memory_total",
@@ -291,6 +297,32 @@ fn gpu_series(registry: &mut Registry, snapshot: &Snapshot) {
         "1 while a job holds the GPU alone",
         None,
     );
+    for g in &snapshot.gpus {
+        let labels = gpu_labels(&g.key, g.index);
+        if let Some(b) = g.total {
+            total.get_or_create(&labels).set(b.0 as f64);
+        }
+        if let Some(b) = g.used {
+            used.get_or_create(&labels).set(b.0 as f64);
+        }
+        if let Some(u) = g.utilization {
+            utilization.get_or_create(&labels).set(f64::from(u) / 100.0);
+        }
+        let fences: u64 = g
+            .holder
+            .iter()
+            .chain(&g.shares)
+            .filter_map(|h| h.fenced)
+            .map(|b| b.0)
+            .sum();
+        fenced.get_or_create(&labels).set(fences as f64);
+        held.get_or_create(&labels)
+            .set(f64::from(u8::from(g.holder.is_some())));
+    }
+}
+
+/// Per GPU, who reserved it (per user) and who waits for it.
+fn gpu_reservation_series(registry: &mut Registry, snapshot: &Snapshot) {
     let reserved = gauges::<GpuUserLabels>(
         registry,
         "gpu_reserved",
@@ -317,25 +349,6 @@ fn gpu_series(registry: &mut Registry, snapshot: &Snapshot) {
     );
     for g in &snapshot.gpus {
         let labels = gpu_labels(&g.key, g.index);
-        if let Some(b) = g.total {
-            total.get_or_create(&labels).set(b.0 as f64);
-        }
-        if let Some(b) = g.used {
-            used.get_or_create(&labels).set(b.0 as f64);
-        }
-        if let Some(u) = g.utilization {
-            utilization.get_or_create(&labels).set(f64::from(u) / 100.0);
-        }
-        let fences: u64 = g
-            .holder
-            .iter()
-            .chain(&g.shares)
-            .filter_map(|h| h.fenced)
-            .map(|b| b.0)
-            .sum();
-        fenced.get_or_create(&labels).set(fences as f64);
-        held.get_or_create(&labels)
-            .set(f64::from(u8::from(g.holder.is_some())));
         for (h, bytes) in g
             .holder
             .iter()

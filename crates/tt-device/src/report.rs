@@ -237,6 +237,31 @@ impl fmt::Display for DeviceReport {
                 writeln!(f, "  NVML         unavailable: {reason}")?
             }
         }
+        self.fmt_gpus(f)?;
+        let show = |v: &Option<String>| {
+            v.as_ref()
+                .map(|v| format!("{v:?}"))
+                .unwrap_or_else(|| "<unset>".into())
+        };
+        writeln!(
+            f,
+            "  environment  TORCHTOOLS_DEVICE={}  LOCAL_RANK={}  CUDA_VISIBLE_DEVICES={}",
+            show(&self.env.torchtools_device),
+            show(&self.env.local_rank),
+            show(&self.env.cuda_visible_devices)
+        )?;
+        self.fmt_threads(f)?;
+        match (&self.selected, &self.error) {
+            (Some(s), _) => write!(f, "  selected     {} ({})", s.device, s.reason),
+            (None, Some(e)) => write!(f, "  selected     none: {e}"),
+            (None, None) => write!(f, "  selected     none"),
+        }
+    }
+}
+
+impl DeviceReport {
+    /// The GPUs lines: each visible GPU, its MIG instances, the hidden ones.
+    fn fmt_gpus(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.gpus.is_empty() {
             writeln!(f, "  GPUs         none visible")?;
         }
@@ -275,18 +300,11 @@ impl fmt::Display for DeviceReport {
                 self.hidden_gpus
             )?;
         }
-        let show = |v: &Option<String>| {
-            v.as_ref()
-                .map(|v| format!("{v:?}"))
-                .unwrap_or_else(|| "<unset>".into())
-        };
-        writeln!(
-            f,
-            "  environment  TORCHTOOLS_DEVICE={}  LOCAL_RANK={}  CUDA_VISIBLE_DEVICES={}",
-            show(&self.env.torchtools_device),
-            show(&self.env.local_rank),
-            show(&self.env.cuda_visible_devices)
-        )?;
+        Ok(())
+    }
+
+    /// The threads line: the CPU budget, and what libtorch uses when it is loaded.
+    fn fmt_threads(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some(cpu) = &self.cpu {
             let now = self
                 .libtorch
@@ -305,10 +323,6 @@ impl fmt::Display for DeviceReport {
                 .unwrap_or_default();
             writeln!(f, "  threads      {cpu}{now}")?;
         }
-        match (&self.selected, &self.error) {
-            (Some(s), _) => write!(f, "  selected     {} ({})", s.device, s.reason),
-            (None, Some(e)) => write!(f, "  selected     none: {e}"),
-            (None, None) => write!(f, "  selected     none"),
-        }
+        Ok(())
     }
 }

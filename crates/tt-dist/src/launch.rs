@@ -230,6 +230,74 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
 /// The threads copying the ranks' output.
 type Readers = Vec<std::thread::JoinHandle<()>>;
 
+/// The command of `rank` (`local` on this node) in attempt `attempt`: torchrun's
+/// variables, the error file, the launcher's defaults (`OMP_NUM_THREADS`, unbuffered
+/// Python, NCCL's async error handling) where the user set none, `env` on top.
+fn rank_command(
+    cfg: &LaunchConfig,
+    port: u16,
+    attempt: u32,
+    env: &[(OsString, OsString)],
+    errors: &ErrorFiles,
+    rank: usize,
+    local: usize,
+) -> Result<Command> {
+    let world = cfg.nnodes * cfg.nproc_per_node;
+    let mut cmd = Command::new(&cfg.program);
+    cmd.args(&cfg.args)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_RANK", local.to_string())
+        .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
+        .env("GROUP_RANK", cfg.node_rank.to_string())
+        .env("GROUP_WORLD_SIZE", cfg.nnodes.to_string())
+        .env("ROLE_NAME", "default")
+        .env("ROLE_RANK", rank.to_string())
+        .env("ROLE_WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", &cfg.master_addr)
+        .env("MASTER_PORT", port.to_string())
+        .env("TORCHELASTIC_RESTART_COUNT", attempt.to_string())
+        .env("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string())
+        .env(
+            "TORCHELASTIC_RUN_ID",
+            cfg.run_id.as_deref().unwrap_or("none"),
+        )
+        .env("TORCHELASTIC_ERROR_FILE", errors.prepare(attempt, rank)?)
+        // The signals the launcher forwards to every rank.
+        .env(
+            "TORCHELASTIC_SIGNALS_TO_HANDLE",
+            "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        )
+        // Rank 0 serves the store (at MASTER_ADDR:MASTER_PORT): no launcher's.
+        .env("TORCHELASTIC_USE_AGENT_STORE", "False")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // Where the caller forwards signals, each rank leads a process group of its
+    // own, so that stopping it stops what it started too (a shell's children, a
+    // data loader's workers), whose open copies of the rank's output would
+    // otherwise keep the launcher waiting.
+    if cfg.forward.is_some() {
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    }
+    if std::env::var_os("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none() {
+        // As torchrun: a failed NCCL collective ends the rank, not hangs it.
+        cmd.env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
+    }
+    cmd.envs(env.iter().map(|(k, v)| (k, v)));
+    inherit(&mut cmd, cfg.inherit_fds.clone());
+    if cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
+        cmd.env("OMP_NUM_THREADS", "1");
+    }
+    // A rank writes into a pipe, where Python holds `print` back until its
+    // buffer fills or it exits; under torchrun it writes to the terminal and
+    // each line shows at once. Line by line here too, unless the user chose.
+    if std::env::var_os("PYTHONUNBUFFERED").is_none() {
+        cmd.env("PYTHONUNBUFFERED", "1");
+    }
+    Ok(cmd)
+}
+
 /// This node's ranks of attempt `attempt`, their store at `MASTER_ADDR:port`, each
 /// with a reader thread per output stream.
 fn start_ranks(
@@ -239,7 +307,6 @@ fn start_ranks(
     env: &[(OsString, OsString)],
     errors: &ErrorFiles,
 ) -> Result<(Vec<(usize, Child)>, Readers)> {
-    let world = cfg.nnodes * cfg.nproc_per_node;
     let mut ranks: Vec<(usize, Child)> = Vec::with_capacity(cfg.nproc_per_node);
     let mut readers = Vec::new();
     let stop_started = |ranks: &mut Vec<(usize, Child)>| {
@@ -250,58 +317,14 @@ fn start_ranks(
     };
     for local in 0..cfg.nproc_per_node {
         let rank = cfg.node_rank * cfg.nproc_per_node + local;
-        let mut cmd = Command::new(&cfg.program);
-        cmd.args(&cfg.args)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", local.to_string())
-            .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
-            .env("GROUP_RANK", cfg.node_rank.to_string())
-            .env("GROUP_WORLD_SIZE", cfg.nnodes.to_string())
-            .env("ROLE_NAME", "default")
-            .env("ROLE_RANK", rank.to_string())
-            .env("ROLE_WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", &cfg.master_addr)
-            .env("MASTER_PORT", port.to_string())
-            .env("TORCHELASTIC_RESTART_COUNT", attempt.to_string())
-            .env("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string())
-            .env(
-                "TORCHELASTIC_RUN_ID",
-                cfg.run_id.as_deref().unwrap_or("none"),
-            )
-            .env("TORCHELASTIC_ERROR_FILE", errors.prepare(attempt, rank)?)
-            // The signals the launcher forwards to every rank.
-            .env(
-                "TORCHELASTIC_SIGNALS_TO_HANDLE",
-                "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-            )
-            // Rank 0 serves the store (at MASTER_ADDR:MASTER_PORT): no launcher's.
-            .env("TORCHELASTIC_USE_AGENT_STORE", "False")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        // Where the caller forwards signals, each rank leads a process group of its
-        // own, so that stopping it stops what it started too (a shell's children, a
-        // data loader's workers), whose open copies of the rank's output would
-        // otherwise keep the launcher waiting.
-        if cfg.forward.is_some() {
-            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        }
-        if std::env::var_os("TORCH_NCCL_ASYNC_ERROR_HANDLING").is_none() {
-            // As torchrun: a failed NCCL collective ends the rank, not hangs it.
-            cmd.env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1");
-        }
-        cmd.envs(env.iter().map(|(k, v)| (k, v)));
-        inherit(&mut cmd, cfg.inherit_fds.clone());
-        if cfg.nproc_per_node > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
-            cmd.env("OMP_NUM_THREADS", "1");
-        }
-        // A rank writes into a pipe, where Python holds `print` back until its
-        // buffer fills or it exits; under torchrun it writes to the terminal and
-        // each line shows at once. Line by line here too, unless the user chose.
-        if std::env::var_os("PYTHONUNBUFFERED").is_none() {
-            cmd.env("PYTHONUNBUFFERED", "1");
-        }
+        let cmd = rank_command(cfg, port, attempt, env, errors, rank, local);
+        let mut cmd = match cmd {
+            Ok(c) => c,
+            Err(e) => {
+                stop_started(&mut ranks);
+                return Err(e);
+            }
+        };
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(source) => {
@@ -379,23 +402,7 @@ fn launch_nodes(
             Down::Finish { end } => {
                 // The coordinator has said its last word to every node.
                 drop(coordinator);
-                return match (end.code, end.rank) {
-                    (0, _) => Ok(LaunchOutcome {
-                        code: 0,
-                        failed: None,
-                        restarts: end.restarts,
-                        master_port: port,
-                        error: None,
-                    }),
-                    (code, Some(rank)) => Ok(LaunchOutcome {
-                        code,
-                        failed: Some((rank, end.how)),
-                        restarts: end.restarts,
-                        master_port: port,
-                        error: end.error,
-                    }),
-                    (_, None) => Err(Error::Job(end.how)),
-                };
+                return job_outcome(end, port);
             }
             Down::Refused { reason } => return Err(Error::Launch(reason)),
             Down::Stop { .. } | Down::Alive => continue,
@@ -440,6 +447,27 @@ fn launch_nodes(
         let stopped = ended.stopped && (ended.first.is_none() || !told);
         let end = node_end(ended.first, errors, attempt, stopped);
         link.send(&Up::Ended { attempt, end })?;
+    }
+}
+
+/// The job's outcome as node 0's launcher announced it (`end`), on rendezvous `port`.
+fn job_outcome(end: crate::job::JobEnd, port: u16) -> Result<LaunchOutcome> {
+    match (end.code, end.rank) {
+        (0, _) => Ok(LaunchOutcome {
+            code: 0,
+            failed: None,
+            restarts: end.restarts,
+            master_port: port,
+            error: None,
+        }),
+        (code, Some(rank)) => Ok(LaunchOutcome {
+            code,
+            failed: Some((rank, end.how)),
+            restarts: end.restarts,
+            master_port: port,
+            error: end.error,
+        }),
+        (_, None) => Err(Error::Job(end.how)),
     }
 }
 

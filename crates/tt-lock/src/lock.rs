@@ -338,23 +338,7 @@ impl LockDir {
         loop {
             let own = ticket.as_ref().map(Ticket::number);
             let queue = self.scan_queue(own)?;
-            let ours = if queue.is_empty() {
-                Vec::new()
-            } else {
-                held_by_this_process(self.path(), &slots)
-            };
-            let earlier: Vec<&Waiter> = queue
-                .iter()
-                .filter(|w| own.is_none_or(|n| w.ticket < n))
-                // A request waiting for a GPU this process holds cannot be served before
-                // we let go: waiting behind it would wait for ourselves.
-                .filter(|w| {
-                    !w.wants
-                        .gpus()
-                        .iter()
-                        .any(|k| ours.contains(&self.path().join(k.file_name())))
-                })
-                .collect();
+            let earlier = self.earlier(&queue, own, &slots);
             let busy = match self.take(&mut slots, &wants, &earlier, &holder)? {
                 Taken::All(taken) => {
                     let linked = taken
@@ -376,26 +360,7 @@ impl LockDir {
                 }
                 Taken::Busy(busy) => busy,
             };
-            let waited = start.elapsed();
-            let remaining = match wait {
-                Wait::Try => {
-                    return Err(Error::WouldBlock {
-                        gpu: busy.gpu,
-                        holder: busy.holder,
-                        waiting: busy.waiting,
-                    })
-                }
-                Wait::Timeout(limit) if waited >= limit => {
-                    return Err(Error::Timeout {
-                        gpu: busy.gpu,
-                        waited,
-                        holder: busy.holder,
-                        waiting: busy.waiting,
-                    })
-                }
-                Wait::Timeout(limit) => limit - waited,
-                Wait::Block => Duration::MAX,
-            };
+            let remaining = still_to_wait(wait, start.elapsed(), &busy)?;
             match &ticket {
                 Some(t) if t.is_in_place() => {}
                 lost => {
@@ -425,6 +390,32 @@ impl LockDir {
                 watch.wait(remaining);
             }
         }
+    }
+
+    /// The requests of `queue` served before this one (ticket `own`, none yet: all of
+    /// them), but for those waiting for a GPU this process holds: they cannot be served
+    /// before we let go, and waiting behind them would wait for ourselves.
+    fn earlier<'q>(
+        &self,
+        queue: &'q [Waiter],
+        own: Option<u64>,
+        slots: &[Slot],
+    ) -> Vec<&'q Waiter> {
+        let ours = if queue.is_empty() {
+            Vec::new()
+        } else {
+            held_by_this_process(self.path(), slots)
+        };
+        queue
+            .iter()
+            .filter(|w| own.is_none_or(|n| w.ticket < n))
+            .filter(|w| {
+                !w.wants
+                    .gpus()
+                    .iter()
+                    .any(|k| ours.contains(&self.path().join(k.file_name())))
+            })
+            .collect()
     }
 
     /// Takes the locks inherited from `torchtools reserve`; returns them and what is
@@ -614,6 +605,26 @@ struct Slot {
     registered: Option<Registered>,
     /// The ledger record of a shared request admitted by the current attempt.
     share: Option<OwnRecord>,
+}
+
+/// How much longer a request that found `busy` may wait, having waited `waited`: none
+/// for a try (the error), none left of a time limit (the error), or the rest.
+fn still_to_wait(wait: Wait, waited: Duration, busy: &Busy) -> Result<Duration> {
+    match wait {
+        Wait::Try => Err(Error::WouldBlock {
+            gpu: busy.gpu.clone(),
+            holder: busy.holder.clone(),
+            waiting: busy.waiting,
+        }),
+        Wait::Timeout(limit) if waited >= limit => Err(Error::Timeout {
+            gpu: busy.gpu.clone(),
+            waited,
+            holder: busy.holder.clone(),
+            waiting: busy.waiting,
+        }),
+        Wait::Timeout(limit) => Ok(limit - waited),
+        Wait::Block => Ok(Duration::MAX),
+    }
 }
 
 /// Why a request cannot be granted now.

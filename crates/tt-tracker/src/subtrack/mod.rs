@@ -622,46 +622,7 @@ pub fn compare(
     let sorted: Vec<Vec<&CodeBlockResults>> =
         sessions.iter().map(|s| sorted_blocks(&s.1)).collect();
     let blocks1 = &sorted[i1];
-    for ((name, _, path), blocks) in sessions.iter().zip(&sorted) {
-        if blocks.len() != blocks1.len() {
-            return Err(error(
-                path,
-                format!(
-                    "session {name:?} has {} code blocks but {:?} has {}: every session must \
-                     have the same code blocks",
-                    blocks.len(),
-                    first.0,
-                    blocks1.len()
-                ),
-            ));
-        }
-        for (b1, b) in blocks1.iter().zip(blocks) {
-            if b1.name == b.name {
-                continue;
-            }
-            let same_place = match (place_and_line(&b1.name), place_and_line(&b.name)) {
-                (Some((p1, _)), Some((p, _))) => p1 == p,
-                _ => false,
-            };
-            if !same_place {
-                return Err(error(
-                    path,
-                    format!(
-                        "code block {:?} of session {:?} does not match code block {:?} of \
-                         session {name:?}: name the blocks alike in every session",
-                        b1.name, first.0, b.name
-                    ),
-                ));
-            }
-            tracing::warn!(
-                "code block {:?} of session {:?} matched with {:?} of session {name:?}: they \
-                 differ only by line number; if they are different blocks, name them",
-                b1.name,
-                first.0,
-                b.name
-            );
-        }
-    }
+    same_blocks(sessions, &sorted, i1)?;
     let mut overall = OrderedMap::default();
     let mut per_block = OrderedMap::default();
     for measure in first.1.overall.keys() {
@@ -711,6 +672,58 @@ pub fn compare(
         code_block_resource_usage: per_block,
         code_block_compute_time: times,
     })
+}
+
+/// Every session has the blocks of session `i1` (the first by name), in the same
+/// order: named alike, or differing only by line number (then said in a warning).
+fn same_blocks(
+    sessions: &[(String, SubTrackingResults, PathBuf)],
+    sorted: &[Vec<&CodeBlockResults>],
+    i1: usize,
+) -> Result<()> {
+    let first = &sessions[i1];
+    let blocks1 = &sorted[i1];
+    for ((name, _, path), blocks) in sessions.iter().zip(sorted) {
+        if blocks.len() != blocks1.len() {
+            return Err(error(
+                path,
+                format!(
+                    "session {name:?} has {} code blocks but {:?} has {}: every session must \
+                     have the same code blocks",
+                    blocks.len(),
+                    first.0,
+                    blocks1.len()
+                ),
+            ));
+        }
+        for (b1, b) in blocks1.iter().zip(blocks) {
+            if b1.name == b.name {
+                continue;
+            }
+            let same_place = match (place_and_line(&b1.name), place_and_line(&b.name)) {
+                (Some((p1, _)), Some((p, _))) => p1 == p,
+                _ => false,
+            };
+            if !same_place {
+                return Err(error(
+                    path,
+                    format!(
+                        "code block {:?} of session {:?} does not match code block {:?} of \
+                         session {name:?}: name the blocks alike in every session",
+                        b1.name, first.0, b.name
+                    ),
+                ));
+            }
+            tracing::warn!(
+                "code block {:?} of session {:?} matched with {:?} of session {name:?}: they \
+                 differ only by line number; if they are different blocks, name them",
+                b1.name,
+                first.0,
+                b.name
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The names of the i-th block of every session, distinct, sorted, joined by " -> ".
