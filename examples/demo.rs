@@ -734,6 +734,18 @@ fn training(
     }
     println!("  check: the resumed run's parameters are bit for bit the uninterrupted run's (checksum {a})");
 
+    ddp(args, device, reservation, reserved)?;
+    summary(args, &reference)
+}
+
+/// Part 5: the same training on 2 DDP ranks (Gloo, both on `device`), which must end
+/// where one process does.
+fn ddp(
+    args: &Args,
+    device: &str,
+    reservation: &mut Reservation,
+    reserved: Option<Bytes>,
+) -> Result<()> {
     heading(5, "the same training on 2 DDP ranks");
     let exe = std::env::current_exe()?;
     let mut ddp_args: Vec<std::ffi::OsString> =
@@ -771,6 +783,12 @@ fn training(
     }
     println!("  check: 2 ranks on {device} x {} samples end where 1 process x {BATCH} does (largest difference {diff:.1e})", BATCH / 2);
 
+    Ok(())
+}
+
+/// Part 6: the uninterrupted run's losses, its tracker report, the checkpoints kept,
+/// the loss curve and memory timeline.
+fn summary(args: &Args, reference: &Heard) -> Result<()> {
     heading(6, "summary");
     let losses = &reference.losses;
     println!("loss per step (uninterrupted run; the interrupted one is the same):");

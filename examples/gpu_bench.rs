@@ -776,6 +776,72 @@ fn max_batch_rows() -> Result<Vec<Row>> {
     Ok(rows)
 }
 
+/// Seconds to load the checkpoint at `path` onto `dev` (medians of three, alternating):
+/// verified and through pinned buffers, and each tensor through pageable host memory
+/// (a tch tensor of the bytes, then `to_device`).
+fn load_times(path: &std::path::Path, dev: Device) -> Result<(f64, f64)> {
+    let load = |pinned: bool| -> Result<f64> {
+        torchtools::tch::Cuda::synchronize(0);
+        let start = Instant::now();
+        let loaded = torchtools::ckpt::LoadedCheckpoint::read(path)?;
+        let tensors = match pinned {
+            true => loaded.tch_all(dev)?,
+            false => {
+                let file = loaded.tensors();
+                let mut all = Vec::new();
+                for name in file.names() {
+                    let view = file.tensor(&name)?;
+                    let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+                    let kind = torchtools::ckpt::kind_of(view.dtype())?;
+                    let t = Tensor::f_from_data_size(view.data(), &shape, kind)?;
+                    all.push((name, t.f_to_device(dev)?));
+                }
+                all
+            }
+        };
+        torchtools::tch::Cuda::synchronize(0);
+        let took = start.elapsed().as_secs_f64();
+        drop(tensors);
+        Ok(took)
+    };
+    let (mut pinned, mut pageable) = (Vec::new(), Vec::new());
+    load(true)?;
+    for round in 0..3 {
+        if round % 2 == 0 {
+            pinned.push(load(true)?);
+            pageable.push(load(false)?);
+        } else {
+            pageable.push(load(false)?);
+            pinned.push(load(true)?);
+        }
+    }
+    Ok((median(pinned), median(pageable)))
+}
+
+/// PyTorch's side of the checkpoint rows, in `theirs_dir`: the state's bytes, DCP
+/// `async_save`'s stall and time until durable, `torch.save` + fsync's stall, and
+/// `torch.load`'s time onto the GPU (seconds).
+fn pytorch_checkpoint(theirs_dir: &std::path::Path) -> Result<[f64; 5]> {
+    std::fs::create_dir_all(theirs_dir)?;
+    let text = models::python_baseline(
+        "checkpoint",
+        &[
+            "-c",
+            models::PY_MODELS,
+            "gpt-ckpt",
+            "16",
+            "0",
+            &theirs_dir.to_string_lossy(),
+        ],
+        &[],
+    )?;
+    let v: Vec<f64> = text
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<std::result::Result<_, _>>()?;
+    <[f64; 5]>::try_from(v).map_err(|_| format!("the checkpoint baseline printed {text:?}").into())
+}
+
 /// The GPT (batch 16x512) and its AdamW state on the GPU, checkpointed while it trains:
 /// the cost to the training loop (the save call and the next step, against a step
 /// alone) and the time until the file is durable, per GiB of state; `save_async`
@@ -835,66 +901,11 @@ fn checkpoint_rows() -> Result<Vec<Row>> {
     }
     let gib = bytes as f64 / GIB as f64;
     // The last checkpoint loaded onto the GPU (warm in the page cache, as the Python
-    // side's file): verified and through pinned buffers, against each tensor through
-    // pageable host memory (a tch tensor of the bytes, then `to_device`).
+    // side's file).
     let path = last.ok_or("no checkpoint written")?;
-    let load = |pinned: bool| -> Result<f64> {
-        torchtools::tch::Cuda::synchronize(0);
-        let start = Instant::now();
-        let loaded = torchtools::ckpt::LoadedCheckpoint::read(&path)?;
-        let tensors = match pinned {
-            true => loaded.tch_all(dev)?,
-            false => {
-                let file = loaded.tensors();
-                let mut all = Vec::new();
-                for name in file.names() {
-                    let view = file.tensor(&name)?;
-                    let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-                    let kind = torchtools::ckpt::kind_of(view.dtype())?;
-                    let t = Tensor::f_from_data_size(view.data(), &shape, kind)?;
-                    all.push((name, t.f_to_device(dev)?));
-                }
-                all
-            }
-        };
-        torchtools::tch::Cuda::synchronize(0);
-        let took = start.elapsed().as_secs_f64();
-        drop(tensors);
-        Ok(took)
-    };
-    let (mut pinned, mut pageable) = (Vec::new(), Vec::new());
-    load(true)?;
-    for round in 0..3 {
-        if round % 2 == 0 {
-            pinned.push(load(true)?);
-            pageable.push(load(false)?);
-        } else {
-            pageable.push(load(false)?);
-            pinned.push(load(true)?);
-        }
-    }
-    let (pinned, pageable) = (median(pinned), median(pageable));
-    let theirs_dir = root.path().join("theirs");
-    std::fs::create_dir_all(&theirs_dir)?;
-    let text = models::python_baseline(
-        "checkpoint",
-        &[
-            "-c",
-            models::PY_MODELS,
-            "gpt-ckpt",
-            "16",
-            "0",
-            &theirs_dir.to_string_lossy(),
-        ],
-        &[],
-    )?;
-    let v: Vec<f64> = text
-        .split_whitespace()
-        .map(str::parse)
-        .collect::<std::result::Result<_, _>>()?;
-    let [state, a_stall, a_durable, s_stall, t_load] = v[..] else {
-        return Err(format!("the checkpoint baseline printed {text:?}").into());
-    };
+    let (pinned, pageable) = load_times(&path, dev)?;
+    let [state, a_stall, a_durable, s_stall, t_load] =
+        pytorch_checkpoint(&root.path().join("theirs"))?;
     let their_gib = state / GIB as f64;
     let (ours_stall, ours_durable) = (median(stall) / gib, median(durable) / gib);
     let per = |s: f64| format!("{:.1} ms/GiB", s * 1e3);

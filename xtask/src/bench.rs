@@ -135,12 +135,19 @@ pub(crate) fn run() -> Result<()> {
     for (krate, bench, feature) in BENCHES {
         rows.extend(crate_rows(krate, bench, feature)?);
     }
+    write_tables(&rows)
+}
+
+/// Prints the table, writes it as Markdown into `target/bench.md`, and into the
+/// READMEs: the whole table into the workspace's, each crate's rows into its own.
+fn write_tables(rows: &[Row]) -> Result<()> {
+    let root = crate::root();
     println!("\nbenchmark table (medians; ratio > 1 means torchtools is better)");
     println!(
         "{:<50} {:>10} {:<36} {:>10} {:>6} {:>7}",
         "what", "ours", "baseline", "baseline", "unit", "ratio"
     );
-    for r in &rows {
+    for r in rows {
         println!(
             "{:<50} {:>10.1} {:<36} {:>10.1} {:>6} {:>6.1}x",
             r.what,
@@ -152,7 +159,7 @@ pub(crate) fn run() -> Result<()> {
         );
     }
     let (machine, date) = (machine(), today());
-    let md = markdown(&rows, &machine, &date);
+    let md = markdown(rows, &machine, &date);
     let path = root.join("target/bench.md");
     std::fs::write(&path, &md).with_context(|| format!("cannot write {}", path.display()))?;
     println!("\nthe same as Markdown: {}", path.display());

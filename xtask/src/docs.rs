@@ -4,7 +4,7 @@
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
-    use std::path::Path;
+    use std::path::{Path, PathBuf};
 
     /// Variables the code reads between its own processes, never set by users: the
     /// probe's report pipe and the name of the probe a re-executed binary runs.
@@ -271,88 +271,221 @@ mod tests {
         }
     }
 
-    /// Every source file under `dir` (`.rs`, and the C++ under `csrc`), as a path from
-    /// `dir`.
-    fn sources(dir: &Path, base: &Path, out: &mut Vec<String>) {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                sources(&path, base, out);
-            } else if path
-                .extension()
-                .is_some_and(|e| e == "rs" || e == "cpp" || e == "h")
-            {
-                let rel = path.strip_prefix(base).unwrap_or(&path);
-                out.push(rel.display().to_string());
+    /// ARCHITECTURE.md's sections: (heading, text), `##` and `###` alike.
+    fn architecture() -> Vec<(String, String)> {
+        let text = std::fs::read_to_string(crate::root().join("ARCHITECTURE.md")).unwrap();
+        let mut sections: Vec<(String, String)> = Vec::new();
+        for line in text.lines() {
+            if let Some(head) = line.strip_prefix("### ").or(line.strip_prefix("## ")) {
+                sections.push((head.trim_matches('`').to_owned(), String::new()));
+            } else if let Some((_, body)) = sections.last_mut() {
+                body.push_str(line);
+                body.push('\n');
+            }
+        }
+        sections
+    }
+
+    /// The code spans of `text`.
+    fn spans(text: &str) -> Vec<&str> {
+        text.split('`').skip(1).step_by(2).collect()
+    }
+
+    /// Every package of the workspace and its directory: the crates under `crates/`,
+    /// the facade at the root, xtask.
+    fn packages() -> Vec<(String, PathBuf)> {
+        let root = crate::root();
+        let mut out = vec![
+            ("torchtools".to_owned(), root.clone()),
+            ("xtask".to_owned(), root.join("xtask")),
+        ];
+        for entry in std::fs::read_dir(root.join("crates")).unwrap().flatten() {
+            if entry.path().join("Cargo.toml").exists() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                out.push((name, entry.path()));
+            }
+        }
+        out
+    }
+
+    /// Every package has its section under "## Crates", saying what it is for and the
+    /// invariants it keeps: ARCHITECTURE.md is per crate, not per file.
+    #[test]
+    fn every_package_has_its_architecture_section() {
+        let sections = architecture();
+        for (name, _) in packages() {
+            let Some((_, body)) = sections.iter().find(|(h, _)| *h == name) else {
+                panic!("ARCHITECTURE.md has no section `### `{name}``");
+            };
+            for part in ["**For**:", "**Invariants**:"] {
+                assert!(body.contains(part), "ARCHITECTURE.md's {name}: no {part}");
             }
         }
     }
 
-    /// ARCHITECTURE.md's code map names every source file: under its package's bullet,
-    /// each file as a code span of its path from `src/` (or from the package for
-    /// `csrc/`, `examples/` and `xtask/`).
+    /// Every file ARCHITECTURE.md names (a code span ending in a source file's
+    /// extension) exists: in a crate's section, under its `src/`, its directory or the
+    /// root; elsewhere, anywhere in the workspace.
     #[test]
-    fn the_code_map_names_every_source_file() {
+    fn every_file_the_architecture_names_exists() {
         let root = crate::root();
-        let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
-        let start = text.find("## Code map").expect("a code map");
-        let map = &text[start..];
-        let map = &map[..map[3..].find("\n## ").map_or(map.len(), |e| e + 3)];
-        // Bullets: the first code span names the package or directory.
-        let mut bullets: Vec<(String, BTreeSet<String>)> = Vec::new();
-        for line in map.lines() {
-            if let Some(rest) = line.strip_prefix("- `") {
-                let head = rest.split('`').next().unwrap_or_default().to_owned();
-                bullets.push((head, BTreeSet::new()));
-            }
-            if let Some((_, spans)) = bullets.last_mut() {
-                for (i, span) in line.split('`').enumerate() {
-                    if i % 2 == 1 {
-                        // `shim.{h,cpp}` names both.
-                        if let Some((stem, rest)) = span.split_once(".{") {
-                            for ext in rest.trim_end_matches('}').split(',') {
-                                spans.insert(format!("{stem}.{ext}"));
-                            }
-                        }
-                        spans.insert(span.to_owned());
-                    }
-                }
-            }
-        }
-        let bullet = |head: &str| {
-            bullets
-                .iter()
-                .find(|(h, _)| h == head)
-                .map(|(_, s)| s)
-                .unwrap_or_else(|| panic!("ARCHITECTURE.md's code map has no bullet for `{head}`"))
-        };
+        let packages = packages();
+        let mut all = Vec::new();
+        walk(&root, &mut all);
         let mut missing = Vec::new();
-        let mut check = |head: &str, dir: &Path, prefix: &str| {
-            let spans = bullet(head);
-            let mut files = Vec::new();
-            sources(dir, dir, &mut files);
-            for file in files {
-                let named = format!("{prefix}{file}");
-                if file != "lib.rs" && file != "error.rs" && !spans.contains(&named) {
-                    missing.push(format!("{head}: {named}"));
+        for (head, body) in architecture() {
+            let dir = packages.iter().find(|(n, _)| *n == head).map(|(_, d)| d);
+            for span in spans(&body) {
+                let is_file = [".rs", ".py", ".pyi", ".sh", ".h", ".cpp"]
+                    .iter()
+                    .any(|e| span.ends_with(e));
+                if !is_file || span.contains(' ') {
+                    continue;
+                }
+                let found = match dir {
+                    Some(d) => [d.join("src").join(span), d.join(span), root.join(span)]
+                        .iter()
+                        .any(|p| p.exists()),
+                    None => all.iter().any(|p| p.ends_with(span)),
+                };
+                if !found {
+                    missing.push(format!("{head}: {span}"));
                 }
             }
-        };
-        for entry in std::fs::read_dir(root.join("crates")).unwrap().flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let head = format!("crates/{name}");
-            check(&head, &entry.path().join("src"), "");
-            check(&head, &entry.path().join("csrc"), "csrc/");
         }
-        check("torchtools", &root.join("src"), "src/");
-        check("examples/", &root.join("examples"), "");
-        check("xtask/", &root.join("xtask/src"), "");
         assert!(
             missing.is_empty(),
-            "source files missing from ARCHITECTURE.md's code map: {missing:#?}"
+            "ARCHITECTURE.md names files that do not exist: {missing:#?}"
+        );
+    }
+
+    /// Every file of the workspace outside `target/` and hidden folders.
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with('.') || name == "target" {
+                continue;
+            }
+            if path.is_dir() {
+                walk(&path, out);
+            } else {
+                out.push(path);
+            }
+        }
+    }
+
+    /// The names a check can have: Rust tests (`#[test] fn`, and the trials of
+    /// harness-free test files, `("name", function)`), Python tests (`def test_`), and
+    /// the checks of xtask (its functions).
+    fn known_checks() -> BTreeSet<String> {
+        let mut files = Vec::new();
+        walk(&crate::root(), &mut files);
+        let mut names = BTreeSet::new();
+        for file in files {
+            let ext = file
+                .extension()
+                .and_then(|e| e.to_str())
+                .unwrap_or_default();
+            let Ok(text) = std::fs::read_to_string(&file) else {
+                continue;
+            };
+            let in_xtask = file.starts_with(crate::root().join("xtask"));
+            match ext {
+                "rs" => {
+                    let words: Vec<&str> = text.split_whitespace().collect();
+                    for (i, w) in words.iter().enumerate() {
+                        if *w != "fn" {
+                            continue;
+                        }
+                        let name: String = words
+                            .get(i + 1)
+                            .unwrap_or(&"")
+                            .chars()
+                            .take_while(|c| c.is_alphanumeric() || *c == '_')
+                            .collect();
+                        let attrs = words[i.saturating_sub(8)..i].join(" ");
+                        if in_xtask || attrs.contains("#[test]") {
+                            names.insert(name);
+                        }
+                    }
+                    let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
+                    for piece in flat.replace("( \"", "(\"").split("(\"").skip(1) {
+                        if let Some((name, rest)) = piece.split_once('"') {
+                            if rest.trim_start().starts_with(',') && name.matches('_').count() >= 3
+                            {
+                                names.insert(name.to_owned());
+                            }
+                        }
+                    }
+                }
+                "py" => {
+                    for line in text.lines() {
+                        if let Some(rest) = line.trim_start().strip_prefix("def test_") {
+                            let name = rest.split('(').next().unwrap_or_default();
+                            names.insert(format!("test_{name}"));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        names
+    }
+
+    /// The invariants' bullets: those of each crate's "**Invariants**:" list and of
+    /// "## Workspace invariants", with their section.
+    fn invariants() -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for (head, body) in architecture() {
+            let list = if head == "Workspace invariants" {
+                Some(body.as_str())
+            } else {
+                body.split_once("**Invariants**:").map(|(_, l)| l)
+            };
+            let Some(list) = list else { continue };
+            let list = list.split("\n**").next().unwrap_or_default();
+            for bullet in list.split("\n- ").skip(1) {
+                out.push((head.clone(), bullet.to_owned()));
+            }
+        }
+        out
+    }
+
+    /// Each invariant names the test (or xtask check) that holds it, and every test
+    /// name it gives (a code span of four words or more joined by `_`) is a real one:
+    /// a renamed or removed test fails here, not silently in the document.
+    #[test]
+    fn every_invariant_names_a_test_that_exists() {
+        let known = known_checks();
+        let bullets = invariants();
+        assert!(
+            bullets.len() >= 40,
+            "only {} invariants read",
+            bullets.len()
+        );
+        let mut problems = Vec::new();
+        for (head, bullet) in bullets {
+            let names: Vec<&str> = spans(&bullet)
+                .into_iter()
+                .filter(|s| {
+                    s.chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                })
+                .collect();
+            if !names.iter().any(|n| known.contains(*n)) {
+                problems.push(format!("{head}: names no test: {}", bullet.trim()));
+            }
+            for n in names.iter().filter(|n| n.matches('_').count() >= 3) {
+                if !known.contains(*n) {
+                    problems.push(format!("{head}: no test or check is called `{n}`"));
+                }
+            }
+        }
+        assert!(
+            problems.is_empty(),
+            "ARCHITECTURE.md's invariants: {problems:#?}"
         );
     }
 

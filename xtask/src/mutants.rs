@@ -234,7 +234,12 @@ const EXCLUDED_MUTANTS: [(&str, &str); 36] = [
 /// The default shard: the first of 8.
 const DEFAULT_SHARD: &str = "0/8";
 
-pub(crate) fn run(args: &[&str]) -> Result<()> {
+/// A measured crate and the features its mutants are built with.
+type Target = (&'static str, &'static [&'static str]);
+
+/// `run`'s arguments: the shard (`None`: `--full`), `--again`, the crates (default:
+/// every one of [`TARGETS`]).
+fn parse(args: &[&str]) -> Result<(Option<String>, bool, Vec<Target>)> {
     let mut shard = Some(DEFAULT_SHARD.to_owned());
     let mut again = false;
     let mut crates = Vec::new();
@@ -266,6 +271,11 @@ pub(crate) fn run(args: &[&str]) -> Result<()> {
     if crates.is_empty() {
         crates = TARGETS.to_vec();
     }
+    Ok((shard, again, crates))
+}
+
+pub(crate) fn run(args: &[&str]) -> Result<()> {
+    let (shard, again, crates) = parse(args)?;
     install()?;
     let python = match crate::setup::setup()? {
         Libtorch::Cached { venv } => venv.join("bin/python"),

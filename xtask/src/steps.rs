@@ -31,6 +31,9 @@ pub(crate) struct Counts {
     pub(crate) passed: u64,
     pub(crate) failed: u64,
     pub(crate) ignored: u64,
+    /// Tests that returned at once after a `SKIPPED: ` line (`tt_testkit::skip_knowingly`):
+    /// libtest counts them as passed; here they are taken out of `passed`.
+    pub(crate) not_run: u64,
 }
 
 impl Counts {
@@ -38,6 +41,7 @@ impl Counts {
         self.passed += other.passed;
         self.failed += other.failed;
         self.ignored += other.ignored;
+        self.not_run += other.not_run;
     }
 
     /// Parses `test result: ok. 4 passed; 0 failed; 1 ignored; ...`.
@@ -70,6 +74,8 @@ pub(crate) struct StepResult {
     pub(crate) counts: Option<Counts>,
     /// Per test binary (see [`binary_of`]), its counts, in the order they ran.
     pub(crate) binaries: Vec<(String, Counts)>,
+    /// The `SKIPPED: ` lines, each with its test binary: tests that did not run here.
+    pub(crate) skipped: Vec<String>,
 }
 
 /// The test binary a line of cargo's output starts: `Running unittests src/lib.rs
@@ -111,6 +117,7 @@ pub(crate) fn in_process(name: &str, work: impl FnOnce() -> Result<()>) -> StepR
         time: start.elapsed(),
         counts: None,
         binaries: Vec::new(),
+        skipped: Vec::new(),
     }
 }
 
@@ -169,6 +176,7 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
     let mut counts = Counts::default();
     let mut saw_tests = false;
     let mut binaries: Vec<(String, Counts)> = Vec::new();
+    let mut skipped: Vec<String> = Vec::new();
     // Close-on-exec here; the child gets the writing end as its descriptors 1 and 2.
     let spawned = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
         .map_err(std::io::Error::from)
@@ -202,6 +210,7 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
                 }
             });
             let mut current = String::from("?");
+            let mut pending_skips = 0u64;
             let mut exited = None;
             loop {
                 let wait = match exited {
@@ -213,7 +222,15 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
                         println!("{line}");
                         if let Some(binary) = binary_of(&line) {
                             current = binary;
-                        } else if let Some(c) = Counts::parse_line(&line) {
+                            pending_skips = 0;
+                        } else if let Some(at) = line.find("SKIPPED: ") {
+                            skipped.push(format!("{current}: {}", &line[at + 9..]));
+                            pending_skips += 1;
+                        } else if let Some(mut c) = Counts::parse_line(&line) {
+                            // The binary's skipped tests passed for libtest: not here.
+                            c.not_run = pending_skips.min(c.passed);
+                            c.passed -= c.not_run;
+                            pending_skips = 0;
                             counts.add(c);
                             saw_tests = true;
                             match binaries.iter_mut().find(|(b, _)| *b == current) {
@@ -246,6 +263,7 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
         time: start.elapsed(),
         counts: saw_tests.then_some(counts),
         binaries,
+        skipped,
     }
 }
 
@@ -255,8 +273,10 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
 /// which fails too, saying so.
 pub(crate) fn run_tests_counted(name: &str, cmd: Command, minimum: u64) -> StepResult {
     let mut result = run_counted(name, cmd);
-    let passed = result.counts.map_or(0, |c| c.passed);
-    if result.ok && (passed == 0 || passed < minimum) {
+    // Tests skipped knowingly (listed apart) count against the minimum, which guards
+    // against tests that vanished; a step must still have run one.
+    let passed = result.counts.map_or(0, |c| c.passed + c.not_run);
+    if result.ok && (result.counts.map_or(0, |c| c.passed) == 0 || passed < minimum) {
         if minimum == u64::MAX {
             eprintln!("{name}: no expected minimum: add it to MIN_PASSED in xtask/src/test.rs");
         } else {
@@ -298,12 +318,21 @@ pub(crate) fn summarize(title: &str, results: &[StepResult]) -> Counts {
             println!("binary: {} | {binary} | {}", r.name, c.passed);
         }
     }
+    let skipped: Vec<&String> = results.iter().flat_map(|r| &r.skipped).collect();
+    if !skipped.is_empty() {
+        println!("not run here (counted apart, never as passed):");
+        for line in skipped {
+            println!("  {line}");
+        }
+    }
     let failed_steps = results.iter().filter(|r| !r.ok).count() as u64;
     println!(
-        "{title}: {} passed, {} failed, {} skipped",
+        "{title}: {} passed, {} failed, {} skipped ({} ignored, {} not run here)",
         total.passed,
         total.failed.max(failed_steps),
-        total.ignored
+        total.ignored + total.not_run,
+        total.ignored,
+        total.not_run
     );
     total
 }
@@ -403,6 +432,36 @@ mod tests {
             [("tests/a.rs".to_owned(), 3), ("k doc-tests".to_owned(), 2)]
         );
         assert_eq!(r.counts.map(|c| (c.passed, c.ignored)), Some((5, 1)));
+    }
+
+    #[test]
+    fn a_skipped_test_is_counted_apart_never_as_passed() {
+        let script = "echo '     Running tests/a.rs (target/debug/deps/a-1)' >&2; \
+                      echo 'SKIPPED: two_users: a second user needs root: no root' >&2; \
+                      echo 'test result: ok. 3 passed; 0 failed; 1 ignored'; \
+                      echo '     Running tests/b.rs (target/debug/deps/b-1)' >&2; \
+                      echo 'test result: ok. 2 passed; 0 failed; 0 ignored'";
+        let mut cmd = std::process::Command::new("sh");
+        cmd.args(["-c", script]);
+        let r = super::run_counted("fake", cmd);
+        let got: Vec<(String, u64, u64)> = r
+            .binaries
+            .iter()
+            .map(|(b, c)| (b.clone(), c.passed, c.not_run))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("tests/a.rs".to_owned(), 2, 1),
+                ("tests/b.rs".to_owned(), 2, 0)
+            ]
+        );
+        assert_eq!(
+            r.skipped,
+            ["tests/a.rs: two_users: a second user needs root: no root"]
+        );
+        let total = super::summarize("fake", &[r]);
+        assert_eq!((total.passed, total.ignored, total.not_run), (4, 1, 1));
     }
 
     #[test]

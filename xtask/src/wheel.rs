@@ -124,7 +124,9 @@ pub(crate) fn install_and_run() -> Result<()> {
     result
 }
 
-fn install_and_run_in(wheel: &Path, tmp: &Path) -> Result<()> {
+/// A fresh venv in `tmp` with the wheel installed, checked: both commands on its
+/// `bin`, the workspace's version; returns the venv.
+fn install(wheel: &Path, tmp: &Path) -> Result<PathBuf> {
     let venv = tmp.join("venv");
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let status = Command::new(&python)
@@ -156,6 +158,12 @@ fn install_and_run_in(wheel: &Path, tmp: &Path) -> Result<()> {
     if !shown.lines().any(|l| l == format!("Version: {version}")) {
         bail!("the wheel's version is not the workspace's {version}: {shown}");
     }
+    Ok(venv)
+}
+
+fn install_and_run_in(wheel: &Path, tmp: &Path) -> Result<()> {
+    let venv = install(wheel, tmp)?;
+    let bin = venv.join("bin");
     let path = format!(
         "{}:{}",
         bin.display(),

@@ -269,16 +269,10 @@ pub(crate) fn without_detach(argv: &[OsString], command: usize) -> Vec<OsString>
     out
 }
 
-/// Starts the command line `argv` (this process's own arguments) as a detached job;
-/// its last `command` words are the user's command (see [`without_detach`]).
-/// `hook` goes to the keeper in its environment, never into the record others read.
-pub(crate) fn detach(
-    args: &DetachArgs,
-    argv: &[OsString],
-    command: usize,
-    hook: Option<&Hook>,
-) -> Result<ExitCode> {
-    let log_dir = match &args.log_dir {
+/// The directory a detached job's log goes to (`--log-dir`, else the default),
+/// created, and absolute in the job's record: `logs` may be run from elsewhere.
+fn log_dir(given: Option<&Path>) -> Result<PathBuf> {
+    let log_dir = match given {
         // Absolute in the job's record: `logs` may be run from another directory.
         Some(d) => std::path::absolute(d).map_err(|e| {
             Exit(
@@ -294,6 +288,19 @@ pub(crate) fn detach(
             format!("--log-dir {}: cannot create it: {e}", log_dir.display()),
         )
     })?;
+    Ok(log_dir)
+}
+
+/// Starts the command line `argv` (this process's own arguments) as a detached job;
+/// its last `command` words are the user's command (see [`without_detach`]).
+/// `hook` goes to the keeper in its environment, never into the record others read.
+pub(crate) fn detach(
+    args: &DetachArgs,
+    argv: &[OsString],
+    command: usize,
+    hook: Option<&Hook>,
+) -> Result<ExitCode> {
+    let log_dir = log_dir(args.log_dir.as_deref())?;
     let records = records_dir()?;
     // Every job waited for must exist (another user's may be waited for too: records
     // are readable by all), before anything starts.

@@ -186,16 +186,14 @@ fn second_user_possible() -> bool {
     if unsafe { libc::geteuid() } == 0 {
         return true;
     }
-    match std::env::var(tt_testkit::NO_MOUNT_ENV) {
-        Ok(why) if !why.trim().is_empty() => {
-            eprintln!("SKIPPED: a second user needs root: {why}");
-            false
-        }
-        _ => panic!(
+    tt_testkit::skip_knowingly(
+        "a second user needs root",
+        &format!(
             "a second user needs root: run as root, or set {}=<why> to skip knowingly",
             tt_testkit::NO_MOUNT_ENV
         ),
-    }
+    );
+    false
 }
 
 /// A lock directory two users share, in a 0755 parent (as /tmp is reachable).

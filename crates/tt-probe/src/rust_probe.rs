@@ -163,23 +163,9 @@ fn unpanic<T>(
     }
 }
 
-fn run_in_child(name: &str, probes: &[(&str, ProbeFn)]) -> std::result::Result<(), (i32, String)> {
-    let fail = |e: &dyn std::fmt::Display| {
-        let text = e.to_string();
-        let code = if tt_adaptive::classify_message(&text).is_some() {
-            EXIT_OOM
-        } else {
-            EXIT_FAILED
-        };
-        (code, text)
-    };
-    let Some((_, f)) = probes.iter().find(|(n, _)| *n == name) else {
-        let known: Vec<&str> = probes.iter().map(|(n, _)| *n).collect();
-        return Err((
-            EXIT_FAILED,
-            format!("no probe of that name; known: {known:?}"),
-        ));
-    };
+/// What the parent told the probe's child through its environment: the steps to run,
+/// the report's descriptor, the batch size asked for.
+fn child_env() -> std::result::Result<(u64, i32, Option<u64>), (i32, String)> {
     let steps: u64 = std::env::var(PROBE_STEPS_ENV)
         .ok()
         .and_then(|s| s.parse().ok())
@@ -200,6 +186,27 @@ fn run_in_child(name: &str, probes: &[(&str, ProbeFn)]) -> std::result::Result<(
         })?),
         Err(_) => None,
     };
+    Ok((steps, fd, batch))
+}
+
+fn run_in_child(name: &str, probes: &[(&str, ProbeFn)]) -> std::result::Result<(), (i32, String)> {
+    let fail = |e: &dyn std::fmt::Display| {
+        let text = e.to_string();
+        let code = if tt_adaptive::classify_message(&text).is_some() {
+            EXIT_OOM
+        } else {
+            EXIT_FAILED
+        };
+        (code, text)
+    };
+    let Some((_, f)) = probes.iter().find(|(n, _)| *n == name) else {
+        let known: Vec<&str> = probes.iter().map(|(n, _)| *n).collect();
+        return Err((
+            EXIT_FAILED,
+            format!("no probe of that name; known: {known:?}"),
+        ));
+    };
+    let (steps, fd, batch) = child_env()?;
     let device = tt_device::select().map_err(|e| fail(&e))?;
     let cuda = match device {
         Device::Cuda(i) => Some(i),

@@ -189,6 +189,25 @@ pub fn not_run(why: &str) {
     println!("@@not-run {name}: {why}");
 }
 
+/// A test that cannot run on this machine (it `needs` root, a namespace, ...): where
+/// `TORCHTOOLS_TEST_NO_MOUNT=<why>` says why, prints `SKIPPED: TEST: NEEDS: WHY` and
+/// returns, for the test to return at once; otherwise fails the test with `failure`
+/// (which should say how to run it, or how to skip it knowingly). The line is written
+/// past libtest's capture, so that `cargo xtask test` sees it whether the test passes or
+/// not: it lists each one and counts it apart, never as passed.
+pub fn skip_knowingly(needs: &str, failure: &str) {
+    match std::env::var(NO_MOUNT_ENV) {
+        Ok(why) if !why.trim().is_empty() => {
+            let thread = std::thread::current();
+            let name = thread.name().unwrap_or("test");
+            let line = format!("SKIPPED: {name}: {needs}: {}\n", why.trim());
+            // One write: the line stays whole beside the other tests' output.
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        }
+        _ => panic!("{failure}"),
+    }
+}
+
 /// Runs the selected `tests` (see [`Selection`]) one after the other, printing libtest's
 /// lines (`test NAME ... ok`, `test result: ok. N passed; M failed`), and exits
 /// non-zero when one failed.
@@ -266,22 +285,57 @@ pub fn mount_or_skip(needs: &str, args: &[&str], at: &std::path::Path) -> Option
     if mounted {
         return Some(Mounted(at.to_path_buf()));
     }
-    match std::env::var(NO_MOUNT_ENV) {
-        Ok(why) if !why.trim().is_empty() => {
-            eprintln!("SKIPPED: {needs}: {why}");
-            None
-        }
-        _ => panic!(
+    skip_knowingly(
+        needs,
+        &format!(
             "{needs}, and `mount {}` failed (mounting needs root): run as root, or set \
              {NO_MOUNT_ENV}=<why> to skip this test knowingly",
             args.join(" ")
         ),
-    }
+    );
+    None
 }
 
 #[cfg(test)]
 mod tests {
     use super::Selection;
+
+    #[test]
+    #[ignore = "a child's entry point, run by the skip test"]
+    fn skipping_child() {
+        super::skip_knowingly(
+            "a thing this machine lacks",
+            "not skipped: the variable is unset",
+        );
+    }
+
+    /// The skip line shows through libtest's capture (a passing test's output is
+    /// captured), so that `cargo xtask test` sees and counts it; without the variable,
+    /// the test fails instead.
+    #[test]
+    fn a_knowing_skip_is_printed_past_the_capture_and_an_unknowing_one_fails() {
+        let child = |why: Option<&str>| {
+            let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+            cmd.args(["--exact", "tests::skipping_child", "--include-ignored"]);
+            match why {
+                Some(w) => cmd.env(super::NO_MOUNT_ENV, w),
+                None => cmd.env_remove(super::NO_MOUNT_ENV),
+            };
+            cmd.output().unwrap()
+        };
+        let out = child(Some("no root in this container"));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert!(
+            stderr.contains(
+                "SKIPPED: tests::skipping_child: a thing this machine lacks: no root in this container\n"
+            ),
+            "{stderr}"
+        );
+        let out = child(None);
+        assert!(!out.status.success());
+        assert!(String::from_utf8_lossy(&out.stdout).contains("not skipped: the variable is unset"));
+    }
 
     fn sel(args: &[&str]) -> Selection {
         Selection::parse(args.iter().map(|a| (*a).to_owned()))

@@ -41,17 +41,15 @@ impl TwoHosts {
         if ok {
             return Some(hosts);
         }
-        match std::env::var(crate::NO_MOUNT_ENV) {
-            Ok(why) if !why.trim().is_empty() => {
-                eprintln!("SKIPPED: two network namespaces (ip netns needs root): {why}");
-                None
-            }
-            _ => panic!(
+        crate::skip_knowingly(
+            "two network namespaces (ip netns needs root)",
+            &format!(
                 "cannot make two network namespaces (`ip netns add` needs root): run as root, \
                  or set {}=<why> to skip this test knowingly",
                 crate::NO_MOUNT_ENV
             ),
-        }
+        );
+        None
     }
 
     /// Host `i`'s address.

@@ -86,16 +86,12 @@ pub(crate) fn shared_dir_for_two_users() -> Option<tempfile::TempDir> {
     use std::os::unix::fs::PermissionsExt;
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        match std::env::var("TORCHTOOLS_TEST_NO_MOUNT") {
-            Ok(why) if !why.trim().is_empty() => {
-                eprintln!("SKIPPED: a second user needs root (runuser): {why}");
-                return None;
-            }
-            _ => panic!(
-                "a second user needs root (runuser): run as root, or set \
-                 TORCHTOOLS_TEST_NO_MOUNT=<why> to skip this test knowingly"
-            ),
-        }
+        tt_testkit::skip_knowingly(
+            "a second user needs root (runuser)",
+            "a second user needs root (runuser): run as root, or set \
+             TORCHTOOLS_TEST_NO_MOUNT=<why> to skip this test knowingly",
+        );
+        return None;
     }
     let tmp = tempfile::tempdir().unwrap();
     std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
@@ -111,17 +107,15 @@ pub(crate) fn in_container(dir: &Path) -> Option<Command> {
         .status()
         .is_ok_and(|s| s.success());
     if !works {
-        match std::env::var(tt_testkit::NO_MOUNT_ENV) {
-            Ok(why) if !why.trim().is_empty() => {
-                eprintln!("SKIPPED: a PID namespace (unshare --pid needs root): {why}");
-                return None;
-            }
-            _ => panic!(
+        tt_testkit::skip_knowingly(
+            "a PID namespace (unshare --pid needs root)",
+            &format!(
                 "`unshare --pid --fork --mount-proc` failed (it needs root): run as root, or \
                  set {}=<why> to skip this test knowingly",
                 tt_testkit::NO_MOUNT_ENV
             ),
-        }
+        );
+        return None;
     }
     // --kill-child: killing `unshare` kills the namespace's first process, and with it
     // every process of the namespace, as stopping a container does.
