@@ -53,7 +53,7 @@ pub fn classify_message(message: &str) -> Option<OomKind> {
 
 /// Decides whether an error is an out-of-memory, which the adaptive helpers retry
 /// smaller; any other error is returned at once. Implemented for `tch::TchError`
-/// (feature `tch`) and `String`; implement it for your own error types.
+/// (feature `tch`), `String` and boxed errors; implement it for your own error types.
 pub trait OomClassify {
     /// The kind of OOM this error is, or `None`.
     fn oom_kind(&self) -> Option<OomKind>;
@@ -62,6 +62,21 @@ pub trait OomClassify {
 impl OomClassify for String {
     fn oom_kind(&self) -> Option<OomKind> {
         classify_message(self)
+    }
+}
+
+/// A boxed error (a training step's, say) is an out-of-memory one when its message,
+/// or that of one of its causes, says so.
+impl OomClassify for Box<dyn std::error::Error + Send + Sync> {
+    fn oom_kind(&self) -> Option<OomKind> {
+        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(self.as_ref());
+        while let Some(e) = next {
+            if let Some(kind) = classify_message(&e.to_string()) {
+                return Some(kind);
+            }
+            next = e.source();
+        }
+        None
     }
 }
 
@@ -90,5 +105,29 @@ mod tests {
         for (message, kind) in cases {
             assert_eq!(classify_message(message), kind, "{message}");
         }
+    }
+
+    /// A training step's boxed error is an out-of-memory one when it, or one of its
+    /// causes, says so: a user's wrapper around libtorch's error is still retried.
+    #[test]
+    fn a_boxed_error_is_classified_through_its_causes() {
+        #[derive(Debug)]
+        struct Wrapper(std::io::Error);
+        impl std::fmt::Display for Wrapper {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("the forward pass failed")
+            }
+        }
+        impl std::error::Error for Wrapper {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let oom = std::io::Error::other("CUDA out of memory. Tried to allocate 2.00 GiB");
+        let boxed: Box<dyn std::error::Error + Send + Sync> = Box::new(Wrapper(oom));
+        assert_eq!(boxed.oom_kind(), Some(OomKind::Cuda));
+        let other = std::io::Error::other("shape mismatch");
+        let boxed: Box<dyn std::error::Error + Send + Sync> = Box::new(Wrapper(other));
+        assert_eq!(boxed.oom_kind(), None);
     }
 }

@@ -99,8 +99,11 @@ pub enum LimitError {
         used: u64,
     },
     /// setrlimit failed.
-    #[error("setrlimit(RLIMIT_AS): {0}")]
-    Os(io::Error),
+    #[error("setrlimit(RLIMIT_AS): {cause}")]
+    Os {
+        /// The OS error (in the message, not also the `source()`).
+        cause: io::Error,
+    },
 }
 
 /// The address space this process maps now (`VmSize` in `/proc/self/status`), in bytes:
@@ -131,7 +134,7 @@ pub fn cuda_loaded() -> bool {
 /// allocation, set `mallopt(M_ARENA_MAX, 1)` and a fixed `M_MMAP_THRESHOLD` before any
 /// thread starts (the crate README shows how).
 pub fn set_cpu_memory_limit(bytes: Option<u64>) -> Result<(), LimitError> {
-    let mut lim = address_space_rlimit().map_err(LimitError::Os)?;
+    let mut lim = address_space_rlimit().map_err(|cause| LimitError::Os { cause })?;
     match bytes {
         Some(limit) => {
             if cuda_loaded() {
@@ -147,7 +150,9 @@ pub fn set_cpu_memory_limit(bytes: Option<u64>) -> Result<(), LimitError> {
     }
     // SAFETY: setrlimit with a valid rlimit; the soft limit never exceeds the hard one.
     if unsafe { libc::setrlimit(libc::RLIMIT_AS, &lim) } != 0 {
-        return Err(LimitError::Os(io::Error::last_os_error()));
+        return Err(LimitError::Os {
+            cause: io::Error::last_os_error(),
+        });
     }
     Ok(())
 }

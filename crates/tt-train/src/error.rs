@@ -56,7 +56,41 @@ pub enum TrainError {
         /// Its error.
         cause: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The evaluation's metric function failed after step `step`, with its error (in
+    /// the message, not also the `source()`: downcast `cause` to reach it).
+    #[error("evaluation after step {step} failed: {cause}")]
+    Eval {
+        /// The steps finished before the evaluation.
+        step: u64,
+        /// The metric function's error.
+        cause: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The micro-batch search (`TrainConfig::adaptive_micro_batch`) failed before step
+    /// `step`: the step function's error that was no out-of-memory one, or, with
+    /// `no_fit`, the last out-of-memory error when even a micro-batch of 1 did not fit
+    /// (in the message, not also the `source()`: downcast `cause` to reach it).
+    #[error("searching the micro-batch before step {step}: {}{cause}", no_fit_words(.no_fit))]
+    MicroBatch {
+        /// The steps finished before the search.
+        step: u64,
+        /// Even a micro-batch of 1 ran out of memory.
+        no_fit: bool,
+        /// The step function's error.
+        cause: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// Installing the SIGTERM / SIGINT handlers failed.
-    #[error("cannot install the preemption signal handler: {0}")]
-    Signal(std::io::Error),
+    #[error("cannot install the preemption signal handler: {cause}")]
+    Signal {
+        /// The OS error (in the message, not also the `source()`).
+        cause: std::io::Error,
+    },
+}
+
+/// The words before a micro-batch search's cause when nothing fitted.
+fn no_fit_words(no_fit: &bool) -> &'static str {
+    if *no_fit {
+        "out of memory even at a micro-batch of 1: "
+    } else {
+        ""
+    }
 }

@@ -22,10 +22,7 @@ impl Run<'_> {
         eval: &mut Eval<'_>,
     ) -> Result<(), TrainError> {
         let (steps, pg) = (self.steps, self.pg);
-        let failed = |cause: BoxError| TrainError::Step {
-            step: steps,
-            cause: format!("evaluation: {cause}").into(),
-        };
+        let failed = |cause: BoxError| TrainError::Eval { step: steps, cause };
         let (world, rank) = (pg.world_size() as u64, pg.rank() as u64);
         let start = eval.held_out.start;
         let mine: Vec<u64> = eval

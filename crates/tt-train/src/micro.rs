@@ -44,7 +44,7 @@ fn search(
     let start = indices.len().div_ceil(run.config.accumulate).max(1);
     let mut tried = Vec::new();
     let adaptive = Adaptive::new().policy(Policy::Halve).cache(Cache::None);
-    let found = adaptive.batch(start, |m| -> Result<usize, String> {
+    let found = adaptive.batch(start, |m| -> Result<usize, BoxError> {
         tried.push(m);
         // The first of the micro-batches a step of size `m` would have.
         let split = (run.config.accumulate, Some(m));
@@ -55,16 +55,29 @@ fn search(
         opt.iter_mut().for_each(Optimizer::zero_grad);
         let tried = run.micro_step(ctx, 1.0, false, step);
         opt.iter_mut().for_each(Optimizer::zero_grad);
-        tried.map(|_| m).map_err(|e| e.to_string())
+        tried.map(|_| m)
     });
-    let failed = |cause: String| TrainError::Step {
-        step: run.steps,
-        cause: format!("searching the micro-batch: {cause}").into(),
-    };
+    let step = run.steps;
     let mine = match found {
         Ok(m) => m,
-        Err(AdaptiveError::Failed(e)) => return Err(failed(e)),
-        Err(e) => return Err(failed(e.to_string())),
+        Err(AdaptiveError::Failed(cause)) => {
+            return Err(TrainError::MicroBatch {
+                step,
+                no_fit: false,
+                cause,
+            })
+        }
+        Err(AdaptiveError::NoFit {
+            last_error,
+            message,
+            ..
+        }) => {
+            return Err(TrainError::MicroBatch {
+                step,
+                no_fit: true,
+                cause: last_error.unwrap_or_else(|| message.into()),
+            })
+        }
     };
     let agreed = run.pg.min_over_ranks(mine as u64)?;
     let agreed = usize::try_from(agreed).unwrap_or(mine).max(1);

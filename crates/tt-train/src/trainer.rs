@@ -98,7 +98,7 @@ impl Trainer {
     ) -> Result<Trainer, TrainError> {
         config.validate()?;
         let stop = if config.handle_signals {
-            crate::install_signal_handlers().map_err(TrainError::Signal)?
+            crate::install_signal_handlers().map_err(|cause| TrainError::Signal { cause })?
         } else {
             Arc::new(AtomicBool::new(false))
         };

@@ -94,7 +94,8 @@ impl std::fmt::Debug for Steps<'_> {
 impl<'f> Steps<'f> {
     /// `step` computes this rank's loss (a scalar tensor) for a micro-batch of sample
     /// indices; its error, of any type, ends the training with
-    /// [`TrainError::Step`](crate::TrainError::Step) and the error as the source.
+    /// [`TrainError::Step`](crate::TrainError::Step) with the error as its `cause`
+    /// (said in the message, not also as `source()`; downcast `cause` to reach it).
     pub fn new<F, E>(mut step: F) -> Steps<'f>
     where
         F: FnMut(&StepContext<'_>) -> Result<Tensor, E> + 'f,
@@ -258,7 +259,8 @@ impl<'f> Eval<'f> {
         )
     }
 
-    /// A metric in the given direction.
+    /// A metric in the given direction. Its error, of any type, ends the training with
+    /// [`TrainError::Eval`](crate::TrainError::Eval) and the error as its `cause`.
     pub fn new<G, E>(
         every: u64,
         held_out: Range<u64>,

@@ -47,7 +47,10 @@ fn main() {
         ),
         ("ranks_agree_on_the_smallest_adaptive_batch_size", agree),
         ("bad_configuration_is_a_clear_error", bad_config),
-        ("a_failed_step_keeps_its_error_as_the_source", step_error),
+        (
+            "a_failed_step_evaluation_or_search_keeps_the_users_error",
+            step_error,
+        ),
         (
             "a_loss_that_is_not_a_scalar_is_an_error_naming_its_shape",
             non_scalar_loss,
@@ -1053,7 +1056,74 @@ fn step_error() -> TestResult {
     if io.kind() != std::io::ErrorKind::NotFound || !e.to_string().contains("shard 3 is missing") {
         return Err(format!("{e}: {io:?}"));
     }
+    eval_and_search_errors()
+}
+
+/// `e` holds the user's `io::Error` as `cause`, said once.
+fn users_error(
+    e: &TrainError,
+    cause: &(dyn std::error::Error + Send + Sync + 'static),
+) -> TestResult {
+    match cause.downcast_ref::<std::io::Error>() {
+        Some(io)
+            if io.to_string() == "metric shard gone" || io.to_string() == "step shard gone" => {}
+        _ => {
+            return Err(format!(
+                "{e}: the cause is not the user's io::Error: {cause:?}"
+            ))
+        }
+    }
+    if std::error::Error::source(e).is_some() || !e.to_string().contains("shard gone") {
+        return Err(format!("{e}: said twice or not at all"));
+    }
     Ok(())
+}
+
+/// The evaluation's metric error and the micro-batch search's step error come back as
+/// the user's own errors too: in the message once, downcastable, no `source()`.
+fn eval_and_search_errors() -> TestResult {
+    let (mut trainer, mut vs, net, mut opt) =
+        one_cpu_process(TrainConfig::new(64, 4, 1).handle_signals(false))?;
+    let step = |ctx: &tt_train::StepContext<'_>| {
+        let (x, y) = sample(ctx.indices, ctx.device);
+        Ok::<_, std::io::Error>(net.forward(&x).mse_loss(&y, tch::Reduction::Mean))
+    };
+    let metric = |_: &tt_train::StepContext<'_>| -> Result<Tensor, std::io::Error> {
+        Err(std::io::Error::other("metric shard gone"))
+    };
+    let work = Steps::new(step).eval(Eval::lower_is_better(4, 64..72, 4, metric));
+    match trainer.fit(&mut vs, &mut opt, work) {
+        Err(e @ TrainError::Eval { step: 4, .. }) => {
+            let TrainError::Eval { cause, .. } = &e else {
+                unreachable!()
+            };
+            users_error(&e, cause.as_ref())?;
+        }
+        other => return Err(format!("want an evaluation error after step 4: {other:?}")),
+    }
+    let (mut trainer, mut vs, _, mut opt) = one_cpu_process(
+        TrainConfig::new(64, 4, 1)
+            .adaptive_micro_batch(true)
+            .handle_signals(false),
+    )?;
+    let failing = |_: &tt_train::StepContext<'_>| -> Result<Tensor, std::io::Error> {
+        Err(std::io::Error::other("step shard gone"))
+    };
+    match trainer.fit(&mut vs, &mut opt, Steps::new(failing)) {
+        Err(
+            e @ TrainError::MicroBatch {
+                step: 0,
+                no_fit: false,
+                ..
+            },
+        ) => {
+            let TrainError::MicroBatch { cause, .. } = &e else {
+                unreachable!()
+            };
+            users_error(&e, cause.as_ref())
+        }
+        other => Err(format!("want the micro-batch search's error: {other:?}")),
+    }
 }
 
 fn non_scalar_loss() -> TestResult {
