@@ -91,15 +91,9 @@ pub fn init_logging() {
 /// assert!(e.to_string().contains("TORCHTOOLS_LOG=\"[[[\""));
 /// ```
 pub fn try_init_logging() -> Result<(), LogFilterError> {
-    let filter = match std::env::var("TORCHTOOLS_LOG") {
-        Err(_) => tracing_subscriber::EnvFilter::new("info"),
-        Ok(value) => tracing_subscriber::EnvFilter::builder()
-            .parse(&value)
-            .map_err(|e| LogFilterError {
-                value,
-                cause: e.to_string(),
-            })?,
-    };
+    let filter = tt_device::log_filter("info", |v| {
+        tracing_subscriber::EnvFilter::builder().parse(v)
+    })?;
     install_logging(filter);
     Ok(())
 }
@@ -112,18 +106,7 @@ fn install_logging(filter: tracing_subscriber::EnvFilter) {
         .try_init();
 }
 
-/// `TORCHTOOLS_LOG` is not a log filter.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "TORCHTOOLS_LOG={value:?} is not a log filter ({cause}): give a level (error, warn, \
-     info, debug, trace) or RUST_LOG's directives (tt_lock=debug,warn), or unset it"
-)]
-pub struct LogFilterError {
-    /// The value given.
-    pub value: String,
-    /// What the filter parser said.
-    pub cause: String,
-}
+pub use tt_device::LogFilterError;
 
 /// Sets libtorch's intra-op threads to what this process may really use, and returns
 /// why ([`device::CpuBudget`]): `OMP_NUM_THREADS` when set, else the CPUs of its

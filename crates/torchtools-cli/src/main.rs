@@ -145,19 +145,10 @@ enum Command {
 }
 
 /// The log filter: `TORCHTOOLS_LOG` (`RUST_LOG` syntax), else warnings and errors.
-fn log_filter() -> Result<tracing_subscriber::EnvFilter, String> {
-    match std::env::var("TORCHTOOLS_LOG") {
-        Err(_) => Ok(tracing_subscriber::EnvFilter::new("warn")),
-        Ok(value) => tracing_subscriber::EnvFilter::builder()
-            .parse(&value)
-            .map_err(|e| {
-                format!(
-                    "TORCHTOOLS_LOG={value:?} is not a log filter ({e}): give a level (error, \
-                     warn, info, debug, trace) or RUST_LOG's directives (tt_lock=debug,warn), \
-                     or unset it"
-                )
-            }),
-    }
+fn log_filter() -> Result<tracing_subscriber::EnvFilter, tt_device::LogFilterError> {
+    tt_device::log_filter("warn", |v| {
+        tracing_subscriber::EnvFilter::builder().parse(v)
+    })
 }
 
 fn main() -> ExitCode {

@@ -11,6 +11,46 @@ pub const LOCAL_RANK: &str = "LOCAL_RANK";
 /// CUDA's own device filter: indices or UUIDs, comma-separated.
 pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 
+/// The log filter of torchtools' command and examples (`RUST_LOG`'s syntax).
+pub const TORCHTOOLS_LOG: &str = "TORCHTOOLS_LOG";
+
+/// `TORCHTOOLS_LOG` is not a log filter.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "TORCHTOOLS_LOG={value:?} is not a log filter ({cause}): give a level (error, warn, \
+     info, debug, trace) or RUST_LOG's directives (tt_lock=debug,warn), or unset it"
+)]
+pub struct LogFilterError {
+    /// The value given.
+    pub value: String,
+    /// What the filter parser said.
+    pub cause: String,
+}
+
+/// The log filter from `TORCHTOOLS_LOG`, else `default`, made by `parse` (the logging
+/// library's parser: `tracing_subscriber::EnvFilter::builder().parse`): the one reading
+/// of the variable, with the one message that names it and the fix.
+///
+/// ```
+/// let parse = |v: &str| if v.is_empty() { Err("empty") } else { Ok(v.to_owned()) };
+/// // SAFETY: no other thread reads the environment in this example.
+/// unsafe { std::env::remove_var("TORCHTOOLS_LOG") };
+/// assert_eq!(tt_device::log_filter("warn", parse).unwrap(), "warn");
+/// unsafe { std::env::set_var("TORCHTOOLS_LOG", "") };
+/// let e = tt_device::log_filter("warn", parse).unwrap_err();
+/// assert!(e.to_string().starts_with("TORCHTOOLS_LOG=\"\" is not a log filter (empty)"));
+/// ```
+pub fn log_filter<F, E: fmt::Display>(
+    default: &str,
+    parse: impl FnOnce(&str) -> std::result::Result<F, E>,
+) -> std::result::Result<F, LogFilterError> {
+    let value = std::env::var(TORCHTOOLS_LOG).unwrap_or_else(|_| default.to_owned());
+    parse(&value).map_err(|e| LogFilterError {
+        cause: e.to_string(),
+        value,
+    })
+}
+
 /// What `TORCHTOOLS_DEVICE` asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

@@ -20,8 +20,8 @@ pub use cpu::{omp_num_threads, CpuBudget};
 pub use cuda::{CudaDriver, CudaError};
 pub use duration::parse_duration;
 pub use env::{
-    CudaVisibleDevices, DeviceRequest, EnvConfig, RawEnv, VisibleEntry, CUDA_VISIBLE_DEVICES,
-    LOCAL_RANK, TORCHTOOLS_DEVICE,
+    log_filter, CudaVisibleDevices, DeviceRequest, EnvConfig, LogFilterError, RawEnv, VisibleEntry,
+    CUDA_VISIBLE_DEVICES, LOCAL_RANK, TORCHTOOLS_DEVICE, TORCHTOOLS_LOG,
 };
 pub use error::{Error, Result};
 pub use inventory::{
