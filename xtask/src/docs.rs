@@ -489,6 +489,81 @@ mod tests {
         );
     }
 
+    /// The functions of `text` (a Rust file, its `#[cfg(test)]` module cut off) longer
+    /// than `limit` lines, from their `fn` line to their closing brace, as `name (N)`.
+    /// Braces are counted as written (the format strings of this code base pair them).
+    fn long_functions(text: &str, limit: usize) -> Vec<String> {
+        let lines: Vec<&str> = text
+            .lines()
+            .take_while(|l| !l.starts_with("#[cfg(test)]"))
+            .collect();
+        let mut long = Vec::new();
+        for (i, line) in lines.iter().enumerate() {
+            let Some(at) = line.find("fn ") else { continue };
+            let before = line[..at].trim();
+            let is_item = before.is_empty()
+                || before.split_whitespace().all(|w| {
+                    w.starts_with("pub")
+                        || ["const", "async", "unsafe", "extern", "\"C\""].contains(&w)
+                });
+            if !is_item || line.trim_start().starts_with("//") {
+                continue;
+            }
+            let name: String = line[at + 3..]
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            let (mut depth, mut opened) = (0i64, false);
+            for (j, l) in lines[i..].iter().enumerate() {
+                if !opened && l.trim_end().ends_with(';') && !l.contains('{') {
+                    break; // a declaration without a body
+                }
+                depth += l.matches('{').count() as i64 - l.matches('}').count() as i64;
+                opened |= l.contains('{');
+                if opened && depth <= 0 {
+                    if j + 1 > limit {
+                        long.push(format!("{name} ({} lines)", j + 1));
+                    }
+                    break;
+                }
+            }
+        }
+        long
+    }
+
+    /// No function outside tests is 100 lines or longer: a long one is cut where a
+    /// reader would (the issue that set the rule found 192-line ones).
+    #[test]
+    fn no_function_outside_tests_reaches_100_lines() {
+        assert_eq!(
+            long_functions("fn a() {\n    x;\n}\n\nfn b() {\n    y;\n    z;\n}\n", 3),
+            ["b (4 lines)"]
+        );
+        let root = crate::root();
+        let mut files = Vec::new();
+        walk(&root, &mut files);
+        let mut long = Vec::new();
+        for file in files {
+            let rel = file
+                .strip_prefix(&root)
+                .unwrap_or(&file)
+                .to_string_lossy()
+                .into_owned();
+            let is_test =
+                rel.contains("/tests/") || rel.starts_with("tests/") || rel.contains("/benches/");
+            if !rel.ends_with(".rs") || is_test || rel.contains("/fuzz/") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).unwrap();
+            long.extend(
+                long_functions(&text, 99)
+                    .into_iter()
+                    .map(|f| format!("{rel}: {f}")),
+            );
+        }
+        assert!(long.is_empty(), "functions of 100 lines or more: {long:#?}");
+    }
+
     /// The paths a use tree names, its groups expanded: `a::{b, c::{d as e}}` gives
     /// `a::b` and `a::c::d` (an alias keeps its item's name), with the text after it.
     fn use_tree(text: &str) -> Vec<String> {
