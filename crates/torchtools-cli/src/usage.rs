@@ -79,9 +79,7 @@ pub(crate) fn usage(since: Option<Duration>, by: By, json: bool) -> Result<ExitC
             log.skipped.len()
         );
     }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64());
+    let now = tt_device::now_unix();
     let from = since.map_or(f64::MIN, |d| now - d.as_secs_f64());
     let rows = rows(&log.records, by, from, now);
     if json {

@@ -1,5 +1,4 @@
 use std::fmt;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use tt_device::Bytes;
@@ -58,9 +57,7 @@ impl Holder {
             pid: std::process::id(),
             user: user_name(),
             host: host_name(),
-            since_unix: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
+            since_unix: tt_device::now_unix() as u64,
             reserved: None,
             command: std::env::args_os()
                 .map(|a| a.to_string_lossy().into_owned())
@@ -301,8 +298,8 @@ mod display_tests {
         // The host: the kernel's host name.
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
         assert_eq!(h.host, host.trim());
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_secs();
         assert!(h.since_unix <= now && h.since_unix + 60 > now);

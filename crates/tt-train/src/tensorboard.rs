@@ -23,7 +23,6 @@
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Appends scalars to a new event file in a log directory, as `SummaryWriter` does.
 #[derive(Debug)]
@@ -47,7 +46,7 @@ impl EventWriter {
                 ),
             )
         })?;
-        let now = wall_time();
+        let now = tt_device::now_unix();
         let host = hostname();
         let name = format!(
             "events.out.tfevents.{}.{host}.{}.0",
@@ -93,7 +92,7 @@ impl EventWriter {
             put_bytes(&mut summary, 1, &v);
         }
         let mut event = Vec::new();
-        put_double(&mut event, 1, wall_time());
+        put_double(&mut event, 1, tt_device::now_unix());
         put_key(&mut event, 2, 0);
         put_varint(&mut event, step);
         put_bytes(&mut event, 5, &summary);
@@ -119,12 +118,6 @@ impl Drop for EventWriter {
     fn drop(&mut self) {
         let _ = self.file.flush();
     }
-}
-
-fn wall_time() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// The host name for the file name (`localhost` if unknown), with no path separator.
