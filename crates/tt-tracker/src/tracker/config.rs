@@ -40,7 +40,7 @@ pub struct TrackerConfig {
     pub timeline: Option<PathBuf>,
     /// Replace an existing timeline file.
     pub overwrite: bool,
-    /// Keep a decimated series of (time, RAM, GPU RAM, CPU%) for [`crate::plot`].
+    /// Keep a decimated series of (time, RAM, GPU RAM, CPU%) for `plot` (feature `plot`).
     pub keep_series: bool,
     /// A memory cgroup directory holding only the tracked tree (`torchtools track`
     /// makes one where it may): its peak is reported beside the RSS peaks.
