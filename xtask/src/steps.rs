@@ -223,8 +223,8 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
                         if let Some(binary) = binary_of(&line) {
                             current = binary;
                             pending_skips = 0;
-                        } else if let Some(at) = line.find("SKIPPED: ") {
-                            skipped.push(format!("{current}: {}", &line[at + 9..]));
+                        } else if let Some((_, what)) = line.split_once("SKIPPED: ") {
+                            skipped.push(format!("{current}: {what}"));
                             pending_skips += 1;
                         } else if let Some(mut c) = Counts::parse_line(&line) {
                             // The binary's skipped tests passed for libtest: not here.

@@ -1,7 +1,8 @@
-//! How to track: the target process and the tracker's settings.
+//! How to track: the target process and the tracker's settings (and, inside, the
+//! facts of the machine fixed with them at the start).
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::{RamUnit, TimeUnit};
 
@@ -63,4 +64,17 @@ impl Default for TrackerConfig {
             cgroup: None,
         }
     }
+}
+
+/// A tracker's configuration with the machine's facts, fixed at the start: what the
+/// sampler reads with and the report speaks of.
+pub(super) struct Setting {
+    pub(super) config: TrackerConfig,
+    /// The tracked process.
+    pub(super) main: u32,
+    pub(super) start: Instant,
+    pub(super) cores: usize,
+    pub(super) expected_cores: usize,
+    /// System RAM, bytes.
+    pub(super) system_capacity: u64,
 }

@@ -2,9 +2,9 @@
 //! the command's end where they say more than the samples did), then every figure in
 //! the configuration's units, with how each peak was measured.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::config::TrackerConfig;
+use super::config::Setting;
 use super::peaks::{Peaks, Rss, SeriesPoint};
 use crate::gpu::Gpus;
 use crate::timeline::Sample;
@@ -15,18 +15,6 @@ use crate::usage::{
 
 /// What the tracker hands back: the report and the plotted series.
 pub(super) type Finished = (ResourceUsage, Vec<SeriesPoint>);
-
-/// The settings and the machine's facts, fixed at the start.
-pub(super) struct Setting {
-    pub(super) config: TrackerConfig,
-    /// The tracked process.
-    pub(super) main: u32,
-    pub(super) start: Instant,
-    pub(super) cores: usize,
-    pub(super) expected_cores: usize,
-    /// System RAM, bytes.
-    pub(super) system_capacity: u64,
-}
 
 /// What the tracked command's end told: `wait4`'s `ru_maxrss`, its own high-water mark
 /// read as it exited, its status.

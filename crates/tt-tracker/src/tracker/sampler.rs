@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use tt_device::now_unix;
 
-use super::config::TrackerConfig;
+use super::config::{Setting, TrackerConfig};
 use super::peaks::{CpuSample, Peaks, Rss, Running, SeriesPoint, Threads};
-use super::report::{self, Exit, Finished, Setting};
+use super::report::{self, Exit, Finished};
 use crate::gpu::Gpus;
 use crate::procfs::{self, Rollup};
 use crate::timeline::{BlockEvent, Sample, StaticData, Timeline};
@@ -97,6 +97,9 @@ struct SystemReads {
     pct: f64,
     used: u64,
 }
+
+/// The process tree at one moment: each live process's CPU ticks, the RSS of the
+/// tracked process, of its descendants and of both, their threads.
 struct TreeReading {
     cpu_ticks: HashMap<u32, u64>,
     main: Rss,
@@ -314,7 +317,6 @@ impl Sampler {
         Ok(())
     }
 
-    /// One sample of the whole tree.
     /// One sample: read the tree, the system and the GPUs, fold them into the peaks,
     /// and record the sample (timeline, open blocks, plot series).
     pub(super) fn tick(&mut self) -> Result<()> {
