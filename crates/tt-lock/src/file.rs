@@ -33,7 +33,8 @@ pub(crate) fn open_to_read(path: &Path) -> Option<(File, std::fs::Metadata)> {
 
 /// Whether someone holds an exclusive lock on `file`: a non-blocking shared lock
 /// fails then. (It may make a concurrent try-lock fail during the probe, which is why
-/// `/proc/locks` is preferred.)
+/// `/proc/locks` is preferred.) For the GPUs' shared lock files only: a record's
+/// liveness is [`record_live`].
 pub(crate) fn probe_held(file: &File) -> bool {
     // SAFETY: the fd is open for the duration of the calls.
     unsafe {
@@ -43,6 +44,51 @@ pub(crate) fn probe_held(file: &File) -> bool {
         } else {
             true
         }
+    }
+}
+
+/// A whole-file open-file-description lock request of type `kind`.
+fn whole_file(kind: libc::c_int) -> libc::flock {
+    // SAFETY: an all-zero `flock` is a valid value (start 0, length 0: the whole file).
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = kind as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    lock
+}
+
+/// Takes a record's liveness lock: an open-file-description *write* lock
+/// (`F_OFD_SETLK`) on the whole file, without waiting. Only a process that may write
+/// the file can take one, that is its owner (or root): a `flock`, or a read lock, taken
+/// by another user who can only read it neither makes the record live nor keeps it
+/// alive. Like a `flock`, it belongs to the open file (inherited across `fork` and
+/// `exec`) and the kernel drops it when the last descriptor closes, however the process
+/// ends. `Ok(false)`: someone else holds a lock on it.
+pub(crate) fn lock_record(file: &File) -> std::io::Result<bool> {
+    use nix::fcntl::{fcntl, FcntlArg};
+    match fcntl(file, FcntlArg::F_OFD_SETLK(&whole_file(libc::F_WRLCK))) {
+        Ok(_) => Ok(true),
+        Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EACCES) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Lets go of [`lock_record`]'s lock: from then on the record counts for nothing.
+pub(crate) fn unlock_record(file: &File) {
+    use nix::fcntl::{fcntl, FcntlArg};
+    let _ = fcntl(file, FcntlArg::F_OFD_SETLK(&whole_file(libc::F_UNLCK)));
+}
+
+/// Whether a record is live: a write lock is held on it ([`lock_record`]), which only
+/// a process allowed to write the file (its owner, or root) can hold. Asked with
+/// `F_OFD_GETLK`, which takes no lock, so the probe never disturbs anyone; a `flock` or
+/// a read lock that another user holds on the record is not seen (see
+/// [`crate::list`]'s report of them).
+pub(crate) fn record_live(file: &File) -> bool {
+    use nix::fcntl::{fcntl, FcntlArg};
+    let mut lock = whole_file(libc::F_RDLCK);
+    match fcntl(file, FcntlArg::F_OFD_GETLK(&mut lock)) {
+        Ok(_) => lock.l_type != libc::F_UNLCK as libc::c_short,
+        Err(_) => false,
     }
 }
 
@@ -125,60 +171,112 @@ pub(crate) fn read_record<T: serde::de::DeserializeOwned>(file: &File) -> Option
     serde_json::from_slice(line).ok()
 }
 
-/// Creates `path` holding `text`, locked (`flock`, exclusive) by the returned file for
-/// as long as it stays open: written and locked under the name `temp`, which the
-/// directory's readers ignore, then renamed into place, so that nobody ever sees it
-/// unlocked or half written. Mode 0644, set on the open file after creating it (a
-/// umask of 077 would otherwise make it 0600, and other users could not read the
-/// record: a queue they cannot see, a budget they do not count). Only its owner can
-/// change or remove it in the sticky directory. `what` names it in errors ("the queue
-/// ticket").
+/// Creates `path` holding `text`, locked ([`lock_record`]) by the returned file for
+/// as long as it stays open: written and locked aside ([`create_locked_aside`]), then
+/// renamed into place, so that nobody ever sees it unlocked or half written. Only its
+/// owner can change or remove it in the sticky directory. `what` names it in errors
+/// ("the queue ticket").
 pub(crate) fn create_locked(
     temp: &Path,
     path: &Path,
     text: &[u8],
     what: &'static str,
 ) -> crate::Result<File> {
+    let (file, temp) = create_locked_aside(temp, text, what)?;
+    if let Err(cause) = std::fs::rename(&temp, path) {
+        let _ = std::fs::remove_file(&temp);
+        return Err(crate::Error::Io {
+            op: "placing",
+            path: path.to_owned(),
+            cause,
+        });
+    }
+    Ok(file)
+}
+
+/// Creates a file holding `text` under the name `temp` (which the directory's readers
+/// ignore), or a name beside it when another user put a file there first, locked
+/// ([`lock_record`]) by the returned file; also returns the name used. Mode 0644, set on
+/// the open file after creating it (a umask of 077 would otherwise make it 0600, and
+/// other users could not read the record: a queue they cannot see, a budget they do not
+/// count).
+pub(crate) fn create_locked_aside(
+    temp: &Path,
+    text: &[u8],
+    what: &'static str,
+) -> crate::Result<(File, std::path::PathBuf)> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let io_err = |op: &'static str, path: &Path| {
         let path = path.to_owned();
         move |cause| crate::Error::Io { op, path, cause }
     };
-    let create = || {
+    let create = |name: &Path| {
         OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .mode(0o644)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(temp)
+            .open(name)
     };
-    let file = match create() {
-        // A leftover of an earlier process with this pid: ours to remove.
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            let _ = std::fs::remove_file(temp);
-            create()
-        }
-        other => other,
-    }
-    .map_err(io_err(what, temp))?;
-    let placed = file
-        .set_permissions(std::fs::Permissions::from_mode(0o644))
-        .map_err(io_err("making readable by every user", temp))
-        .and_then(|()| {
-            // SAFETY: the fd is open for the duration of the call.
-            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-                return Err(io_err("locking", temp)(std::io::Error::last_os_error()));
+    let mut name = temp.to_owned();
+    let mut tries = 0u32;
+    let file = loop {
+        match create(&name) {
+            // A leftover of an earlier process with this pid (ours to remove), or a
+            // file another user put under the name (which stays: another name then).
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 8 => {
+                if std::fs::remove_file(&name).is_err() || tries > 0 {
+                    let nanos = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.subsec_nanos());
+                    let mut other = temp.as_os_str().to_owned();
+                    other.push(format!(".{nanos:x}{tries}"));
+                    name = other.into();
+                }
+                tries += 1;
             }
-            Ok(())
+            other => break other.map_err(io_err(what, &name))?,
+        }
+    };
+    let ready = file
+        .set_permissions(std::fs::Permissions::from_mode(0o644))
+        .map_err(io_err("making readable by every user", &name))
+        .and_then(|()| match lock_record(&file) {
+            Ok(true) => Ok(()),
+            // Someone opened our fresh file and locked it first: not ours to use.
+            Ok(false) => Err(io_err("locking", &name)(std::io::Error::from(
+                std::io::ErrorKind::WouldBlock,
+            ))),
+            Err(e) => Err(io_err("locking", &name)(e)),
         })
-        .and_then(|()| file.write_all_at(text, 0).map_err(io_err("writing", temp)))
-        .and_then(|()| std::fs::rename(temp, path).map_err(io_err("placing", path)));
-    if let Err(e) = placed {
-        let _ = std::fs::remove_file(temp);
+        .and_then(|()| file.write_all_at(text, 0).map_err(io_err("writing", &name)));
+    if let Err(e) = ready {
+        let _ = std::fs::remove_file(&name);
         return Err(e);
     }
-    Ok(file)
+    Ok((file, name))
+}
+
+/// Places the file named `temp` at `path` unless something is there already
+/// (`renameat2` with `RENAME_NOREPLACE`): `Ok(false)` when `path` is taken.
+pub(crate) fn place_new(temp: &Path, path: &Path) -> crate::Result<bool> {
+    use nix::fcntl::{renameat2, RenameFlags, AT_FDCWD};
+    match renameat2(
+        AT_FDCWD,
+        temp,
+        AT_FDCWD,
+        path,
+        RenameFlags::RENAME_NOREPLACE,
+    ) {
+        Ok(()) => Ok(true),
+        Err(nix::errno::Errno::EEXIST) => Ok(false),
+        Err(e) => Err(crate::Error::Io {
+            op: "placing",
+            path: path.to_owned(),
+            cause: e.into(),
+        }),
+    }
 }
 
 /// Writes the record in place (then trims what a longer earlier record left), so a

@@ -40,14 +40,14 @@ pub struct LockState {
 }
 
 impl LockState {
-    /// The sum of the sharers' budgets.
+    /// The sum of the sharers' budgets (saturating: a record's budget is its writer's
+    /// word, and two near `u64::MAX` must not wrap the sum).
     pub fn shared_bytes(&self) -> tt_device::Bytes {
         tt_device::Bytes(
             self.shares
                 .iter()
                 .filter_map(|h| h.share)
-                .map(|b| b.0)
-                .sum(),
+                .fold(0u64, |sum, b| sum.saturating_add(b.0)),
         )
     }
 }
@@ -152,10 +152,64 @@ impl LockDir {
     pub fn ignored(&self) -> Result<Vec<Ignored>> {
         let names = self.names()?;
         let (_, mut ignored) = live(self.path(), names.iter().cloned(), "held-");
-        ignored.extend(live(self.path(), names, "share-").1);
+        ignored.extend(live(self.path(), names.iter().cloned(), "share-").1);
         ignored.extend(self.scan_queue_checked(None)?.1);
+        ignored.extend(self.kept_locked_by_others(&names));
         ignored.sort_by(|a, b| a.path.cmp(&b.path));
         Ok(ignored)
+    }
+
+    /// The records (holders', sharers', queue tickets') that their owner no longer
+    /// holds but another user's process keeps locked (a `flock` or a read lock taken on
+    /// a file anyone can read): they count for nothing, and are reported with who keeps
+    /// them ("kept locked by pid N of user nobody: not counted"). Read from the kernel's
+    /// lock table, so only locks of processes this PID namespace sees are named.
+    fn kept_locked_by_others(&self, names: &[std::ffi::OsString]) -> Vec<Ignored> {
+        let Some(table) = kernel_flocks(self) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for name in names {
+            let Some(name) = name.to_str() else { continue };
+            let record = ["held-", "share-", "wait-"]
+                .iter()
+                .any(|p| name.starts_with(p));
+            if !record || !name.ends_with(".json") {
+                continue;
+            }
+            let path = self.path().join(name);
+            let Some((file, meta)) = open_to_read(&path) else {
+                continue;
+            };
+            let id = (libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino());
+            let Some(pids) = table.lockers.get(&id) else {
+                continue;
+            };
+            if crate::file::record_live(&file) {
+                continue;
+            }
+            for &pid in pids {
+                let Some(uid) = tt_device::procfs::status(pid).and_then(|s| s.uid) else {
+                    continue;
+                };
+                if uid == meta.uid() {
+                    continue;
+                }
+                let claims = crate::file::read_record::<Holder>(&file)
+                    .map_or_else(|| crate::owner::name_of_uid(meta.uid()), |h| h.user);
+                out.push(Ignored::because(
+                    &path,
+                    meta.uid(),
+                    &claims,
+                    format!(
+                        "its owner let go or died, and pid {pid} of user {} keeps it locked: \
+                         not counted",
+                        crate::owner::name_of_uid(uid)
+                    ),
+                ));
+            }
+        }
+        out
     }
 
     /// Every GPU of the machine (NVML) with its lock, plus any other lock files (such as
@@ -190,22 +244,25 @@ impl LockDir {
     }
 }
 
-/// Which of the live holder records of a GPU is its holder's: the one locked by the
-/// process that holds the GPU's lock, where the kernel's table tells (a record put
-/// there by someone who does not hold the lock is not it); the oldest otherwise.
+/// Which of the live holder records of a GPU is its holder's: where the kernel's table
+/// names the process that holds the GPU's lock, one of that process's user's records
+/// (the one naming that pid first, else the oldest): a record put there by a user who
+/// does not hold the lock is not it. The oldest otherwise.
 fn pick_holder(
     found: Vec<Found>,
     table: Option<&FlockTable>,
     lock: &std::fs::Metadata,
 ) -> Option<Holder> {
     let lock_id = (libc::major(lock.dev()), libc::minor(lock.dev()), lock.ino());
-    match table.and_then(|t| t.pids.get(&lock_id).map(|pid| (t, *pid))) {
-        Some((table, pid)) => found
-            .into_iter()
-            .find(|f| table.pids.get(&f.file_id) == Some(&pid))
-            .map(|f| f.holder),
-        None => found.into_iter().next().map(|f| f.holder),
-    }
+    let Some(pid) = table.and_then(|t| t.pids.get(&lock_id).copied()) else {
+        return found.into_iter().next().map(|f| f.holder);
+    };
+    let Some(uid) = tt_device::procfs::status(pid).and_then(|s| s.uid) else {
+        return found.into_iter().next().map(|f| f.holder);
+    };
+    let mut theirs: Vec<Found> = found.into_iter().filter(|f| f.owner_uid == uid).collect();
+    let at = theirs.iter().position(|f| f.holder.pid == pid).unwrap_or(0);
+    (at < theirs.len()).then(|| theirs.swap_remove(at).holder)
 }
 
 /// How many of the queued requests wait for `gpu`.
@@ -221,6 +278,9 @@ struct FlockTable {
     /// (major, minor, inode) of every file with an exclusive `flock` lock, and the pid
     /// of the process that took it (as this PID namespace numbers it).
     pids: HashMap<(u32, u32, u64), u32>,
+    /// Every process holding any `flock` or POSIX lock on a file (shared ones
+    /// included), by file: who keeps a record locked that is not theirs.
+    lockers: HashMap<(u32, u32, u64), Vec<u32>>,
     /// Whether the table came whole from one `read`: the kernel renders `/proc/locks`
     /// one page per `read` call and lets locks come and go between calls, so a table
     /// read in several calls can skip a lock that was held all along (seen: a lock
@@ -260,6 +320,7 @@ fn kernel_flocks(dir: &LockDir) -> Option<FlockTable> {
     let (text, whole) = read_in_one_call("/proc/locks")?;
     Some(FlockTable {
         pids: parse_proc_locks(&text),
+        lockers: parse_lockers(&text),
         whole,
         sees_all: tt_device::own_pid_namespace() == Some(tt_device::INITIAL_PID_NAMESPACE),
     })
@@ -290,6 +351,35 @@ fn read_in_one_call(path: &str) -> Option<(String, bool)> {
     }
     buf.truncate(len);
     Some((String::from_utf8_lossy(&buf).into_owned(), calls <= 1))
+}
+
+/// Every lock holder in `/proc/locks` (`FLOCK` and `POSIX`, shared or exclusive;
+/// open-file-description locks name no process and are left out), by file.
+fn parse_lockers(text: &str) -> HashMap<(u32, u32, u64), Vec<u32>> {
+    let mut out: HashMap<(u32, u32, u64), Vec<u32>> = HashMap::new();
+    for line in text.lines() {
+        let mut fields = line.split_whitespace().skip(1);
+        if !matches!(fields.next(), Some("FLOCK" | "POSIX")) {
+            continue;
+        }
+        let Some(pid) = fields.nth(2).and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if let Some(id) = fields.next().and_then(file_id) {
+            out.entry(id).or_default().push(pid);
+        }
+    }
+    out
+}
+
+/// `fe:00:10010682` (major and minor in hex, then the inode).
+fn file_id(text: &str) -> Option<(u32, u32, u64)> {
+    let mut parts = text.split(':');
+    Some((
+        u32::from_str_radix(parts.next()?, 16).ok()?,
+        u32::from_str_radix(parts.next()?, 16).ok()?,
+        parts.next()?.parse().ok()?,
+    ))
 }
 
 /// Parses `/proc/locks` lines such as `1: FLOCK  ADVISORY  WRITE 6661 fe:00:10010682 0 EOF`
@@ -416,6 +506,7 @@ mod tests {
             } else {
                 HashMap::new()
             },
+            lockers: HashMap::new(),
             whole,
             sees_all: true,
         };

@@ -12,7 +12,9 @@ use std::sync::Mutex;
 use serde::Serialize;
 
 /// A record that a reader did not believe: the user it names is not its file's owner
-/// (another user wrote it, claiming to be someone else). Views list these ("1 record
+/// (another user wrote it, claiming to be someone else), or, in [`Ignored::reason`], a
+/// value in it that nobody's record may hold (a queue number past any real queue's, a
+/// budget past the GPU's memory, a start in the future). Views list these ("1 record
 /// ignored: ..."), so that a forgery is seen, not silently dropped.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Ignored {
@@ -24,6 +26,28 @@ pub struct Ignored {
     pub owner: Option<String>,
     /// The user the record claims.
     pub claims: String,
+    /// Why a record that names its file's owner is still not believed; `None` for a
+    /// record that claims another user.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl Ignored {
+    /// A record of `claims` in `path` (owned by `owner_uid`) not believed for `reason`.
+    pub(crate) fn because(
+        path: &std::path::Path,
+        owner_uid: u32,
+        claims: &str,
+        reason: String,
+    ) -> Ignored {
+        Ignored {
+            path: path.to_owned(),
+            owner_uid,
+            owner: known_name(owner_uid),
+            claims: claims.to_owned(),
+            reason: Some(reason),
+        }
+    }
 }
 
 impl fmt::Display for Ignored {
@@ -37,7 +61,10 @@ impl fmt::Display for Ignored {
         if let Some(name) = &self.owner {
             write!(f, " ({name})")?;
         }
-        write!(f, ", claims {}", self.claims)
+        match &self.reason {
+            Some(reason) => write!(f, ": {reason}"),
+            None => write!(f, ", claims {}", self.claims),
+        }
     }
 }
 
@@ -104,6 +131,7 @@ pub fn check(
         owner_uid,
         owner: known_name(owner_uid),
         claims: claims.to_owned(),
+        reason: None,
     })
 }
 

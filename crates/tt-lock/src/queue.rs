@@ -1,21 +1,23 @@
-//! The first-come-first-served queue of GPU requests, kept in the lock directory itself
-//! with no daemon.
+//! The queue of GPU requests, kept in the lock directory itself with no daemon.
 //!
-//! A request that cannot be granted at once takes a ticket: a file `wait-<N>.json` whose
-//! number is one more than every ticket present (taken under an `flock` of the
-//! directory), holding the request as JSON, and itself `flock`ed by its waiter for as
-//! long as it waits. The kernel releases that lock when the waiter dies however it dies,
-//! so a ticket whose lock is free is a dead request and is ignored (and removed by its
-//! owner's user). Waiters sleep on inotify events of the directory: a lock file closed
-//! by a holder that lets go (or dies), a ticket removed; a fallback re-check every
+//! A request that cannot be granted at once takes a ticket: a file `wait-<N>.json`
+//! holding the request as JSON, write-locked by its waiter for as long as it waits
+//! ([`crate::file::lock_record`]: a lock only its owner can take, so nobody else can
+//! keep a dead request alive). Its number is one more than every live, believed ticket
+//! present, and the file is placed under it with `renameat2(RENAME_NOREPLACE)`: when
+//! two requests pick the same number, the second finds it taken and takes the next one.
+//! No directory-wide lock is taken, so nobody's lock can stop tickets from being
+//! numbered. The kernel drops a waiter's lock when the waiter dies however it dies, so a
+//! ticket without its lock is a dead request and is ignored (and removed by its owner's
+//! user). Waiters sleep on inotify events of the directory: a lock file closed by a
+//! holder that lets go (or dies), a ticket removed; a fallback re-check every
 //! [`FALLBACK_RECHECK`] covers what inotify does not report.
 
 use std::cell::RefCell;
 use std::ffi::OsStr;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
-use std::io;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -27,7 +29,7 @@ use nix::sys::time::TimeSpec;
 use serde::{Deserialize, Serialize};
 use tt_device::Bytes;
 
-use crate::file::{open_to_read, probe_held};
+use crate::file::{open_to_read, record_live};
 use crate::{GpuKey, Holder, LockDir, Result};
 
 /// What a request waits for.
@@ -165,6 +167,15 @@ impl fmt::Display for Waiter {
 /// lock file stays open in a forked child after it let go makes no event).
 pub(crate) const FALLBACK_RECHECK: Duration = Duration::from_millis(100);
 
+/// The largest ticket number believed. Numbers count up by one per request from the
+/// largest live ticket, so no real queue comes near it; a ticket numbered above it is
+/// ignored and reported (it would otherwise push every later number past `u64::MAX`).
+pub(crate) const MAX_TICKET: u64 = 1 << 53;
+
+/// How many numbers a new ticket tries before giving up: each try that fails found its
+/// number taken by a request placed meanwhile, or by a file someone put there.
+const PLACING_TRIES: usize = 10_000;
+
 const TICKET_PREFIX: &str = "wait-";
 const TICKET_SUFFIX: &str = ".json";
 
@@ -211,32 +222,6 @@ impl Drop for Ticket {
     }
 }
 
-/// The lock directory's own `flock`, held while a ticket is numbered and placed, and
-/// while a dead ticket is removed, so that a number is never given twice.
-pub(crate) struct DirLock {
-    _file: File,
-}
-
-impl DirLock {
-    pub(crate) fn take(dir: &LockDir) -> Result<DirLock> {
-        let file = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
-            .open(dir.path())
-            .map_err(|e| dir.error(format!("cannot open it to queue a request: {e}")))?;
-        loop {
-            // SAFETY: the fd is open for the duration of the call.
-            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
-                return Ok(DirLock { _file: file });
-            }
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINTR) {
-                return Err(dir.error(format!("cannot lock it to queue a request: {e}")));
-            }
-        }
-    }
-}
-
 impl LockDir {
     /// The requests waiting for GPUs in this directory, first served first. A request
     /// whose process died (however: `kill -9`, the OOM killer) is not listed, nor a
@@ -276,7 +261,7 @@ impl LockDir {
             let Some((file, meta)) = open_to_read(&path) else {
                 continue; // gone since, or not a ticket to read
             };
-            if !probe_held(&file) {
+            if !record_live(&file) {
                 self.remove_dead(&file, &path, meta.uid());
                 continue;
             }
@@ -285,6 +270,15 @@ impl LockDir {
             };
             if let Err(why) = crate::owner::check(&path, meta.uid(), &waiter.user) {
                 ignored.push(why);
+                continue;
+            }
+            if ticket > MAX_TICKET {
+                ignored.push(crate::Ignored::because(
+                    &path,
+                    meta.uid(),
+                    &waiter.user,
+                    format!("its number {ticket} is above any real queue's ({MAX_TICKET})"),
+                ));
                 continue;
             }
             waiter.ticket = ticket;
@@ -300,43 +294,108 @@ impl LockDir {
     }
 
     /// Removes a dead request's ticket when this user may (its own; the sticky
-    /// directory keeps other users' files), under the directory lock, so that a new
-    /// ticket given the same number meanwhile is never removed.
+    /// directory keeps other users' files), under this user's cleaning lock
+    /// ([`LockDir::cleaning_lock`]), so that two of this user's processes never race: one
+    /// removing the dead ticket, a third placing a new one under the freed number, the
+    /// other then removing that. Skipped when another of this user's processes cleans.
     fn remove_dead(&self, file: &File, path: &Path, owner: u32) {
-        if owner != nix::unistd::geteuid().as_raw() {
+        if owner != crate::owner::euid() {
             return;
         }
-        let Ok(_guard) = DirLock::take(self) else {
+        let Some(_cleaning) = self.cleaning_lock() else {
             return;
         };
-        if crate::file::same_file(file, path) && !probe_held(file) {
+        if crate::file::same_file(file, path) && !record_live(file) {
             let _ = fs::remove_file(path);
         }
     }
 
-    /// Takes a place at the end of the queue.
+    /// This user's cleaning lock: `.clean-user-<UID>.lock`, this user's own file,
+    /// write-locked without waiting; `None` when another of this user's processes holds
+    /// it, or when the name is taken by a file that is not this user's (then dead tickets
+    /// stay: they count for nothing anyway).
+    fn cleaning_lock(&self) -> Option<File> {
+        use std::os::unix::fs::PermissionsExt;
+        let path = self
+            .path()
+            .join(format!(".clean-user-{}.lock", crate::owner::euid()));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&path)
+            .ok()?;
+        let shape = crate::file::shape(&file).ok()?;
+        if !shape.regular || shape.uid != crate::owner::euid() {
+            return None;
+        }
+        let _ = file.set_permissions(fs::Permissions::from_mode(0o644));
+        crate::file::lock_record(&file).ok()?.then_some(file)
+    }
+
+    /// Takes a place at the end of the queue: the number after every live, believed
+    /// ticket's, or the next free one after it when a request placed meanwhile (or a
+    /// file someone put there) has it.
     pub(crate) fn enqueue(&self, holder: &Holder, wants: &Wants) -> Result<Ticket> {
-        let guard = DirLock::take(self)?;
-        let entries =
-            fs::read_dir(self.path()).map_err(|e| self.error(format!("cannot list it: {e}")))?;
-        let last = entries
-            .flatten()
-            .filter_map(|e| ticket_of(&e.file_name()))
-            .max()
-            .unwrap_or(0);
-        let number = last + 1;
+        let (live, _) = self.scan_queue_checked(None)?;
+        let last = live.iter().max_by_key(|w| w.ticket);
+        let mut number = match last.map_or(Some(1), |w| w.ticket.checked_add(1)) {
+            Some(n) if n <= MAX_TICKET => n,
+            _ => {
+                let w =
+                    last.map_or_else(String::new, |w| format!(" by pid {} ({})", w.pid, w.user));
+                return Err(self.error(format!(
+                    "its queue numbers are used up{w}, whose ticket holds the largest \
+                     number believed ({MAX_TICKET}); that request must end first"
+                )));
+            }
+        };
         let waiter = Waiter::new(number, holder, wants.clone());
         let mut text = serde_json::to_vec(&waiter).unwrap_or_default();
         text.push(b'\n');
-        // Written and locked under a name the queue ignores, then renamed: a ticket is
-        // never seen unlocked or half written.
+        // Written and locked under a name the queue ignores, then placed without
+        // replacing anything: a ticket is never seen unlocked or half written, and a
+        // number is never given twice. (The number inside the record is not read: the
+        // file's name is the ticket.)
         let temp = self
             .path()
             .join(format!(".wait-{}-{number}.tmp", std::process::id()));
-        let path = self.path().join(ticket_name(number));
-        let file = crate::file::create_locked(&temp, &path, &text, "creating the queue ticket")?;
-        drop(guard);
-        Ok(Ticket { file, path, number })
+        let (file, temp) =
+            crate::file::create_locked_aside(&temp, &text, "creating the queue ticket")?;
+        let mut taken: Option<std::collections::HashSet<u64>> = None;
+        for _ in 0..PLACING_TRIES {
+            let path = self.path().join(ticket_name(number));
+            match crate::file::place_new(&temp, &path) {
+                Ok(true) => return Ok(Ticket { file, path, number }),
+                Ok(false) => {}
+                Err(e) => {
+                    let _ = fs::remove_file(&temp);
+                    return Err(e);
+                }
+            }
+            // Taken: by a request placed meanwhile, or by a file (live or not).
+            let names = taken.get_or_insert_with(|| {
+                self.names()
+                    .unwrap_or_default()
+                    .iter()
+                    .filter_map(|n| ticket_of(n))
+                    .collect()
+            });
+            names.insert(number);
+            number = (number + 1..=MAX_TICKET)
+                .find(|n| !names.contains(n))
+                .unwrap_or(MAX_TICKET + 1);
+            if number > MAX_TICKET {
+                break;
+            }
+        }
+        let _ = fs::remove_file(&temp);
+        Err(self.error(format!(
+            "no free queue number after {PLACING_TRIES} tries: list it and remove the \
+             files named wait-*.json that no request holds"
+        )))
     }
 }
 
@@ -428,22 +487,6 @@ fn inotify_watch(dir: &Path) -> Option<Inotify> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_queue_is_never_locked_through_a_symlink_put_in_the_directorys_place() {
-        let tmp = tempfile::tempdir().unwrap();
-        let path = tmp.path().join("locks");
-        let dir = LockDir::open(&path).unwrap();
-        drop(DirLock::take(&dir).unwrap());
-        // Swapped for a symbolic link after the directory was checked.
-        fs::rename(&path, tmp.path().join("moved")).unwrap();
-        std::os::unix::fs::symlink(tmp.path().join("moved"), &path).unwrap();
-        let e = DirLock::take(&dir).err().unwrap();
-        assert!(
-            e.to_string().contains("cannot open it to queue a request"),
-            "{e}"
-        );
-    }
 
     #[test]
     fn a_waiter_reads_as_one_line_of_torchtools_queue() {
@@ -560,9 +603,13 @@ mod tests {
         fs::write(&path, serde_json::to_vec(&waiter).unwrap()).unwrap();
         assert!(dir.queue().unwrap().is_empty());
         assert!(!path.exists(), "this user's dead ticket is removed");
-        // Numbering goes on after the largest ticket present, dead or alive.
-        fs::write(&path, serde_json::to_vec(&waiter).unwrap()).unwrap();
+        // Numbering goes on after the largest live ticket; a name taken by anything
+        // else is skipped, never replaced.
+        fs::create_dir(dir.path().join(ticket_name(1))).unwrap();
         let t = dir.enqueue(&Holder::current(), &waiter.wants).unwrap();
-        assert_eq!(t.number(), 4);
+        assert_eq!(t.number(), 2);
+        assert!(dir.path().join(ticket_name(1)).is_dir(), "left in place");
+        let u = dir.enqueue(&Holder::current(), &waiter.wants).unwrap();
+        assert_eq!(u.number(), 3);
     }
 }

@@ -1,7 +1,9 @@
 //! The records of who holds a GPU and who shares one: each in a file of its own,
 //! created by the process it describes (mode 0644 whatever the umask, so every user
-//! reads it and only its owner can change or remove it), `flock`ed by that process for
-//! as long as the record is true. A record whose lock is free belongs to a process
+//! reads it and only its owner can change or remove it), write-locked by that process
+//! for as long as the record is true ([`crate::file::lock_record`]: a lock only a
+//! process allowed to write the file can take, so another user's `flock` on it neither
+//! makes it live nor keeps it alive). A record without that lock belongs to a process
 //! that let go or died and counts for nothing; a record whose claimed user is not its
 //! file's owner is ignored and reported ([`crate::Ignored`]).
 //!
@@ -17,7 +19,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::file::{open_to_read, probe_held, read_holder, same_file};
+use crate::file::{open_to_read, read_holder, record_live, same_file};
 use crate::{GpuKey, Holder, Ignored, Result};
 
 /// `gpu-0.` for `gpu-0.lock`: what every record of that GPU's is named after.
@@ -120,8 +122,7 @@ impl OwnRecord {
         if !shape.regular || shape.uid != crate::owner::euid() {
             return None;
         }
-        // SAFETY: the fd is open for the duration of the call.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if !crate::file::lock_record(&file).unwrap_or(false) {
             return None;
         }
         let record = OwnRecord {
@@ -154,8 +155,7 @@ impl OwnRecord {
     /// Makes it count for nothing (it stays until dropped).
     pub(crate) fn unlock(&self) {
         if self.made_here {
-            // SAFETY: the fd is open for as long as self.file lives.
-            unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+            crate::file::unlock_record(&self.file);
         }
     }
 
@@ -186,13 +186,21 @@ impl Drop for OwnRecord {
     }
 }
 
+/// The uid a kept holder record's name is for (`held-gpu-0.user-<UID>.json`).
+fn kept_for(name: &str) -> Option<u32> {
+    name.rsplit_once(".user-")?
+        .1
+        .strip_suffix(".json")?
+        .parse()
+        .ok()
+}
+
 /// A live record found by [`live`].
 #[derive(Debug, Clone)]
 pub(crate) struct Found {
     pub(crate) holder: Holder,
-    /// The record file's (major, minor, inode), to match it with the kernel's lock
-    /// table.
-    pub(crate) file_id: (u32, u32, u64),
+    /// The uid that owns the record's file: its writer.
+    pub(crate) owner_uid: u32,
 }
 
 /// The live records among `names` in `dir` that start with `prefix`, believed ones
@@ -215,7 +223,23 @@ pub(crate) fn live(
         let Some((file, meta)) = open_to_read(&path) else {
             continue;
         };
-        if !probe_held(&file) {
+        if let Some(named) = kept_for(name).filter(|&uid| uid != meta.uid()) {
+            // Another user's file under the name a user keeps its record in: never
+            // that user's record, live or not (the user writes one of its own).
+            let claims = read_holder(&file).map_or_else(String::new, |h| h.user);
+            ignored.push(Ignored::because(
+                &path,
+                meta.uid(),
+                &claims,
+                format!(
+                    "planted under the name uid {named} keeps its record in ({}): not used \
+                     nor believed; its owner or root may remove it",
+                    crate::owner::name_of_uid(named)
+                ),
+            ));
+            continue;
+        }
+        if !record_live(&file) {
             // A dead record of this user's goes, but not a kept one: its holder may be
             // taking it again right now.
             if meta.uid() == crate::owner::euid() && !name.contains(".user-") {
@@ -229,7 +253,7 @@ pub(crate) fn live(
         match crate::owner::check(&path, meta.uid(), &holder.user) {
             Ok(()) => found.push(Found {
                 holder,
-                file_id: (libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino()),
+                owner_uid: meta.uid(),
             }),
             Err(why) => ignored.push(why),
         }

@@ -7,11 +7,16 @@
 //! `share-<GPU>.<id>.json` (mode 0644: every user reads it, only its owner removes it),
 //! `flock`ed by its sharer for as long as it shares. A record whose lock is free
 //! belongs to a sharer that died (`kill -9`, the OOM killer) and counts for nothing, so
-//! the ledger heals as a lock does. A shared request is admitted under the directory's
-//! own lock (the one that numbers queue tickets): no exclusive holder, its bytes fit
-//! beside the live sharers' within the GPU's capacity, and no earlier request in the
-//! queue waits for the GPU (first come, first served, shared and exclusive requests
-//! alike).
+//! the ledger heals as a lock does. A shared request is admitted when no exclusive
+//! holder has the GPU, no earlier request in the queue waits for it (first come, first
+//! served, shared and exclusive requests alike), and its bytes fit beside the live
+//! sharers' within the GPU's capacity. That last check takes no lock that anyone could
+//! keep: the request writes its record first, then sums every live record, its own
+//! included, and withdraws when the sum is over. Of two requests that race, the one
+//! that wrote last reads after the other wrote, so it sees both and withdraws when they
+//! do not fit together: the budgets are never overbooked, and nobody's lock stops an
+//! admission. A budget is counted as at most the GPU's capacity, so no record can wrap
+//! the sum.
 
 use std::fs::File;
 use std::io;
@@ -20,7 +25,6 @@ use std::path::Path;
 
 use tt_device::Bytes;
 
-use crate::queue::DirLock;
 use crate::record::{live, share_prefix, OwnRecord};
 use crate::{Error, GpuKey, Holder, Ignored, LockDir, Result};
 
@@ -33,6 +37,17 @@ pub(crate) enum NotAdmitted {
         /// The live sharers, oldest first.
         sharers: Vec<Holder>,
     },
+}
+
+/// The sum of the sharers' budgets, each counted as at most `capacity` (a record's
+/// budget is its writer's word: one past the GPU's memory must neither wrap the sum nor
+/// count for less than the whole GPU).
+pub(crate) fn budgets_sum(sharers: &[Holder], capacity: Bytes) -> u128 {
+    sharers
+        .iter()
+        .filter_map(|h| h.share)
+        .map(|b| u128::from(b.0.min(capacity.0)))
+        .sum()
 }
 
 impl LockDir {
@@ -66,8 +81,6 @@ impl LockDir {
         capacity: Bytes,
         holder: &Holder,
     ) -> Result<std::result::Result<OwnRecord, NotAdmitted>> {
-        let bytes = holder.share.unwrap_or_default();
-        let _admission = DirLock::take(self)?;
         // SAFETY: the fd is open for the duration of the call.
         if unsafe { libc::flock(lock_file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } != 0 {
             let e = io::Error::last_os_error();
@@ -86,25 +99,33 @@ impl LockDir {
             // SAFETY: the fd is open for the duration of the call.
             unsafe { libc::flock(lock_file.as_raw_fd(), libc::LOCK_UN) };
         };
-        let sharers = match self.sharers(key) {
-            Ok(s) => s,
+        // Written first, then every live record summed, this one's included.
+        let record = match self.create_record(key, holder) {
+            Ok(record) => record,
             Err(e) => {
                 unlock();
                 return Err(e);
             }
         };
-        let used: u64 = sharers.iter().filter_map(|h| h.share).map(|b| b.0).sum();
-        if used.saturating_add(bytes.0) > capacity.0 {
-            unlock();
-            return Ok(Err(NotAdmitted::Full { sharers }));
-        }
-        match self.create_record(key, holder) {
-            Ok(record) => Ok(Ok(record)),
+        let sharers = match self.sharers(key) {
+            Ok(s) => s,
             Err(e) => {
+                drop(record);
                 unlock();
-                Err(e)
+                return Err(e);
             }
+        };
+        if budgets_sum(&sharers, capacity) > u128::from(capacity.0) {
+            drop(record);
+            unlock();
+            let own = std::process::id();
+            let others = sharers
+                .into_iter()
+                .filter(|h| !(h.pid == own && h.since_unix == holder.since_unix))
+                .collect();
+            return Ok(Err(NotAdmitted::Full { sharers: others }));
         }
+        Ok(Ok(record))
     }
 
     /// Writes and locks a ledger record (see [`OwnRecord::create`]).

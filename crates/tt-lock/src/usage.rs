@@ -158,16 +158,20 @@ impl LockDir {
     }
 
     /// Appends `event` to this user's log, in one write. A log that cannot be written
-    /// is a warning, never a reason to refuse or keep a lock.
+    /// is a warning, never a reason to refuse or keep a lock. When another user put a
+    /// file under this user's log's name first, the records go to a log of this user's
+    /// own beside it ([`own_log`]), and the planted file is named in the warning.
     pub(crate) fn record(&self, event: &impl Serialize) {
         let log = self
             .usage_log
-            .get_or_init(|| match open_log(&self.own_log_path()) {
+            .get_or_init(|| match own_log(self.path(), crate::owner::euid()) {
                 Ok(f) => Some(f),
                 Err(e) => {
                     tracing::warn!(
-                        "cannot open the GPU usage log {}: {e}",
-                        self.own_log_path().display()
+                        "cannot open the GPU usage log {}: {e}; this reservation is not \
+                         accounted: fix the lock directory ({}) or ask its owner",
+                        self.own_log_path().display(),
+                        self.path().display()
                     );
                     None
                 }
@@ -202,12 +206,7 @@ impl LockDir {
     pub fn usage(&self) -> Result<UsageLog> {
         let mut log = UsageLog::default();
         for name in self.names()? {
-            let Some(uid) = name
-                .to_str()
-                .and_then(|n| n.strip_prefix(USAGE_PREFIX))
-                .and_then(|n| n.strip_suffix(".jsonl"))
-                .and_then(|n| n.parse::<u32>().ok())
-            else {
+            let Some(uid) = name.to_str().and_then(log_uid) else {
                 continue;
             };
             read(&self.path().join(&name), uid, &mut log)?;
@@ -217,7 +216,7 @@ impl LockDir {
         let now = now_unix();
         let mut lost = Vec::new();
         for (i, r) in log.records.iter().enumerate() {
-            if r.end.is_some() || live.contains(&r.id) {
+            if r.end.is_some() || live.contains(&(r.user.clone(), r.id.clone())) {
                 continue;
             }
             // Ended at the latest when the next holder of the GPU took it.
@@ -234,17 +233,58 @@ impl LockDir {
         Ok(log)
     }
 
-    /// The usage ids of the live, believed holder and sharer records.
-    fn live_usage_ids(&self) -> Result<HashSet<String>> {
+    /// The usage ids of the live, believed holder and sharer records, each with the
+    /// user whose record carries it: an id counts only for its own user's reservations
+    /// (another user's record copying it keeps nothing of theirs running).
+    fn live_usage_ids(&self) -> Result<HashSet<(String, String)>> {
         let names = self.names()?;
         let (held, _) = crate::record::live(self.path(), names.iter().cloned(), "held-");
         let (shared, _) = crate::record::live(self.path(), names, "share-");
         Ok(held
             .into_iter()
             .chain(shared)
-            .filter_map(|f| f.holder.usage)
+            .filter_map(|f| f.holder.usage.map(|id| (f.holder.user, id)))
             .collect())
     }
+}
+
+/// The uid whose log a file name is: `usage-<uid>.jsonl`, or `usage-<uid>.<k>.jsonl`
+/// (the same user's log beside a file someone else planted under the first name).
+fn log_uid(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix(USAGE_PREFIX)?.strip_suffix(".jsonl")?;
+    let (uid, k) = rest.split_once('.').unwrap_or((rest, "1"));
+    (k.bytes().all(|b| b.is_ascii_digit()) && !k.is_empty())
+        .then(|| uid.parse().ok())
+        .flatten()
+}
+
+/// How many names beside `usage-<uid>.jsonl` a user's log may take when files are
+/// planted under the first ones.
+const LOG_NAMES: u32 = 16;
+
+/// This user's log in `dir`: `usage-<uid>.jsonl`, or, when another user planted a
+/// file under that name first (a FIFO, a file of their own), the first of
+/// `usage-<uid>.<k>.jsonl` that is this user's or free, with a warning that names the
+/// planted file. Readers find every one of these names.
+fn own_log(dir: &Path, uid: u32) -> std::io::Result<OwnLog> {
+    let first = dir.join(format!("{USAGE_PREFIX}{uid}.jsonl"));
+    let planted = match open_log(&first) {
+        Ok(log) => return Ok(log),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => e,
+        Err(e) => return Err(e),
+    };
+    for k in 2..=LOG_NAMES {
+        let path = dir.join(format!("{USAGE_PREFIX}{uid}.{k}.jsonl"));
+        if let Ok(log) = open_log(&path) {
+            tracing::warn!(
+                "the GPU usage log {}: {planted}; recording in {} instead",
+                first.display(),
+                path.display()
+            );
+            return Ok(log);
+        }
+    }
+    Err(planted)
 }
 
 /// `event` as one line, in one `write` (a record is far below what one write of an
@@ -274,6 +314,18 @@ fn append(path: &Path, event: &UsageEvent) -> std::io::Result<()> {
     write_line(&open_log(path)?, event)
 }
 
+/// An open refused (another user's file that this user may not write, a name the
+/// kernel will not let us follow) as the "not this user's" kind that [`own_log`] steps
+/// around.
+fn not_own(e: std::io::Error) -> std::io::Error {
+    match e.raw_os_error() {
+        Some(libc::EACCES | libc::EPERM | libc::ELOOP | libc::ENXIO) => {
+            std::io::Error::new(std::io::ErrorKind::PermissionDenied, e)
+        }
+        _ => e,
+    }
+}
+
 /// This user's log, opened for appending; created mode 0644 whatever the umask.
 /// Refused when it is not a regular file of this user's (another user who made a file
 /// of that name first cannot make us write into their file, or have us believe it).
@@ -288,29 +340,37 @@ fn open_log(path: &Path) -> std::io::Result<OwnLog> {
             .open(path)
     };
     // Without O_CREAT first: fs.protected_regular refuses O_CREAT on another user's
-    // file in a sticky directory.
+    // file in a sticky directory. A FIFO or another user's file is refused after
+    // opening (O_NONBLOCK: a FIFO never blocks the open).
     let file = match open(false) {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let f = open(true)?;
-            f.set_permissions(Permissions::from_mode(0o644))?;
-            f
-        }
-        Err(e) => return Err(e),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match open(true) {
+            Ok(f) => {
+                f.set_permissions(Permissions::from_mode(0o644))?;
+                f
+            }
+            // Another process of this user created it meanwhile: that one is the log.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => open(false)?,
+            Err(e) => return Err(e),
+        },
+        Err(e) => return Err(not_own(e)),
     };
     let meta = file.metadata()?;
     if !meta.file_type().is_file() || meta.uid() != crate::owner::euid() {
-        return Err(std::io::Error::other(format!(
-            "it is {} owned by uid {} ({}), not this user's own log: its owner or root \
-             must remove it",
-            if meta.file_type().is_file() {
-                "a file"
-            } else {
-                "not a regular file"
-            },
-            meta.uid(),
-            crate::owner::name_of_uid(meta.uid())
-        )));
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "it is {} owned by uid {} ({}), not this user's own log: its owner or \
+                 root must remove it",
+                if meta.file_type().is_file() {
+                    "a file"
+                } else {
+                    "not a regular file"
+                },
+                meta.uid(),
+                crate::owner::name_of_uid(meta.uid())
+            ),
+        ));
     }
     let mut last = [0u8; 1];
     let cut = meta.len() > 0 && file.read_at(&mut last, meta.len() - 1).is_ok() && last[0] != b'\n';
@@ -319,6 +379,13 @@ fn open_log(path: &Path) -> std::io::Result<OwnLog> {
         cut: AtomicBool::new(cut),
     })
 }
+
+/// The longest line a usage log is read through: a record is a few hundred bytes, a
+/// long command line a few KiB.
+const MAX_LINE: usize = 64 * 1024;
+
+/// The most records read from one user's log (about 4 GB of records).
+const MAX_RECORDS: usize = 16_000_000;
 
 /// Reads the log of `uid` at `path` into `log`: starts matched with their ends (in
 /// this log only: nobody closes another user's reservation), damaged lines skipped
@@ -332,14 +399,43 @@ fn read(path: &Path, uid: u32, log: &mut UsageLog) -> Result<()> {
         log.ignored.push(why);
         return Ok(());
     }
-    let mut text = Vec::new();
-    std::io::Read::read_to_end(&mut &file, &mut text).map_err(|e| crate::Error::Io {
-        op: "reading the usage log",
-        path: path.to_owned(),
-        cause: e,
-    })?;
+    // Streamed a line at a time, each line at most MAX_LINE bytes: a log grown huge
+    // (`truncate -s 1T`) costs its owner's records past the first over-long line, never
+    // a reader's memory or patience.
+    let mut reader = std::io::BufReader::with_capacity(64 * 1024, &file);
+    let mut line = Vec::with_capacity(512);
     let mut by_id: HashMap<String, usize> = HashMap::new();
-    for (n, line) in text.split(|b| *b == b'\n').enumerate() {
+    for n in 0.. {
+        line.clear();
+        let read = std::io::BufRead::read_until(
+            &mut std::io::Read::take(&mut reader, MAX_LINE as u64 + 1),
+            b'\n',
+            &mut line,
+        )
+        .map_err(|e| crate::Error::Io {
+            op: "reading the usage log",
+            path: path.to_owned(),
+            cause: e,
+        })?;
+        if read == 0 {
+            break;
+        }
+        if line.len() > MAX_LINE || n >= MAX_RECORDS {
+            let why = format!(
+                "{}: line {}: {}; the rest of this log is not read",
+                path.display(),
+                n + 1,
+                if n >= MAX_RECORDS {
+                    format!("more than {MAX_RECORDS} records")
+                } else {
+                    format!("longer than {MAX_LINE} bytes")
+                }
+            );
+            tracing::warn!("skipping a damaged usage log: {why}");
+            log.skipped.push(why);
+            break;
+        }
+        let line = line.strip_suffix(b"\n").unwrap_or(&line);
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }

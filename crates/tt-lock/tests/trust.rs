@@ -67,15 +67,53 @@ fn child() {
             claim.user = "root".into();
             let path = dir.join("held-gpu-5.user-0.json");
             std::fs::write(&path, serde_json::to_string(&claim).unwrap() + "\n").unwrap();
-            let file = std::fs::File::open(&path).unwrap();
-            // SAFETY: the fd is open for the call.
-            let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) };
-            assert_eq!(rc, 0);
+            // Not locked: what keeps root out of it is the owner check alone.
             println!("@@squatted@@");
             let _ = std::io::stdin().read_to_end(&mut Vec::new());
         }
         other => panic!("unknown role {other}"),
     }
+}
+
+/// Locks the file at `path` (of this process's user) as a live record is locked: an
+/// open-file-description write lock, which needs the file open for writing, plus a
+/// `flock` for good measure.
+fn lock_as_live(path: &Path) -> std::fs::File {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    write_lock(&file).unwrap();
+    // SAFETY: the fd is open for the call.
+    let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) };
+    assert_eq!(rc, 0);
+    file
+}
+
+/// An open-file-description lock of `kind` on the whole of `file`, without waiting.
+fn ofd_lock(file: &std::fs::File, kind: i32) -> std::io::Result<()> {
+    // SAFETY: an all-zero flock is valid (the whole file from offset 0).
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = kind as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: the fd is open and `lock` lives for the call.
+    let rc = unsafe {
+        libc::fcntl(
+            std::os::fd::AsRawFd::as_raw_fd(file),
+            libc::F_OFD_SETLK,
+            &lock,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+fn write_lock(file: &std::fs::File) -> std::io::Result<()> {
+    ofd_lock(file, libc::F_WRLCK)
 }
 
 /// What a second user tries on the first user's records, then the records it forges
@@ -132,11 +170,7 @@ fn vandalize(dir: &Path) {
     let mut place = |name: &str, text: String| {
         let path = dir.join(name);
         std::fs::write(&path, text + "\n").unwrap();
-        let file = std::fs::File::open(&path).unwrap();
-        // SAFETY: the fd is open for the call.
-        let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) };
-        assert_eq!(rc, 0);
-        forged.push(file);
+        forged.push(lock_as_live(&path));
     };
     place(
         "held-gpu-0.1-0-1-0.json",
