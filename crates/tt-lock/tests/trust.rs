@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use tt_device::Bytes;
 use tt_lock::{GpuKey, Holder, LockDir, Wait};
+use tt_testkit::users::TestUser;
 
 const ROLE: &str = "TT_TRUST_TEST_ROLE";
 const DIR: &str = "TT_TRUST_TEST_DIR";
@@ -23,7 +24,8 @@ const GIB: u64 = 1 << 30;
 const CAPACITY: Bytes = Bytes(80 * GIB);
 const NOBODY: u32 = 65_534;
 
-/// The umask is the process's: the tests of this binary take turns.
+/// The umask is the process's, and a copy of this binary being written while another
+/// test forks would make its `exec` fail (ETXTBSY): the tests of this binary take turns.
 static UMASK: Mutex<()> = Mutex::new(());
 
 /// The child side, run as `nobody`.
@@ -71,7 +73,7 @@ fn child() {
             println!("@@squatted@@");
             let _ = std::io::stdin().read_to_end(&mut Vec::new());
         }
-        other => panic!("unknown role {other}"),
+        other => jam_role(other, &dir),
     }
 }
 
@@ -213,6 +215,338 @@ fn vandalize(dir: &Path) {
     drop(forged);
 }
 
+/// The roles of the tests on jams, dead records kept alive, forged numbers and planted
+/// names: what each user does, saying each outcome as an `@@...@@` line.
+fn jam_role(role: &str, dir: &Path) {
+    let locks = LockDir::open(dir).unwrap();
+    let hold_until_stdin_closes = || {
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+    };
+    let said = |what: &str, r: Result<(), tt_lock::Error>| match r {
+        Ok(()) => println!("@@{what}: granted@@"),
+        Err(e) => println!("@@{what}: refused: {e}@@"),
+    };
+    match role {
+        // The vandal locks the directory itself (as `flock -x DIR sleep` would).
+        "flock-dir" => {
+            let file = std::fs::File::open(dir).unwrap();
+            // SAFETY: the fd is open for the call.
+            let rc = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) };
+            assert_eq!(rc, 0);
+            println!("@@locked@@");
+            hold_until_stdin_closes();
+        }
+        "hold0" => {
+            let lock = locks.lock(&GpuKey::Index(0), Wait::Try, Holder::current());
+            let _lock = lock.unwrap();
+            println!("@@held@@");
+            hold_until_stdin_closes();
+        }
+        "timeout2" => {
+            let r = locks.lock(
+                &GpuKey::Index(0),
+                Wait::Timeout(Duration::from_secs(2)),
+                Holder::current(),
+            );
+            said("gpu0", r.map(drop));
+            let r = locks.lock_shared(
+                &GpuKey::Index(1),
+                Bytes(10 * GIB),
+                CAPACITY,
+                Wait::Try,
+                Holder::current(),
+            );
+            said("share", r.map(drop));
+        }
+        "share-then-queue" => {
+            let share = locks.lock_shared(
+                &GpuKey::Index(1),
+                Bytes(50 * GIB),
+                CAPACITY,
+                Wait::Try,
+                Holder::current(),
+            );
+            let _share = share.unwrap();
+            println!("@@shared@@");
+            // Waits for GPU 2 (held by the test) until killed.
+            let _ = locks.lock(&GpuKey::Index(2), Wait::Block, Holder::current());
+        }
+        // The vandal locks every record it can read: a flock and a read lock each.
+        "keep" => {
+            let mut kept = Vec::new();
+            for entry in std::fs::read_dir(dir).unwrap().flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if ["held-", "share-", "wait-"]
+                    .iter()
+                    .any(|p| name.starts_with(p))
+                {
+                    let file = std::fs::File::open(entry.path()).unwrap();
+                    // SAFETY: the fd is open for the call.
+                    let rc = unsafe {
+                        libc::flock(
+                            std::os::fd::AsRawFd::as_raw_fd(&file),
+                            libc::LOCK_EX | libc::LOCK_NB,
+                        )
+                    };
+                    // (A live record's write lock refuses the read lock.)
+                    if rc == 0 && ofd_lock(&file, libc::F_RDLCK).is_ok() {
+                        kept.push(file);
+                    }
+                }
+            }
+            println!("@@kept {}@@", kept.len());
+            hold_until_stdin_closes();
+        }
+        "after-death" => {
+            let r = locks.lock_shared(
+                &GpuKey::Index(1),
+                Bytes(50 * GIB),
+                CAPACITY,
+                Wait::Try,
+                Holder::current(),
+            );
+            said("share", r.map(drop));
+            let r = locks.lock(&GpuKey::Index(2), Wait::Try, Holder::current());
+            said("gpu2", r.map(drop));
+            for i in locks.ignored().unwrap() {
+                println!("@@ignored: {i}@@");
+            }
+            println!("@@done@@");
+        }
+        // Tickets no real queue numbers: an empty file at u64::MAX, and a live, believed
+        // ticket of the vandal's own just below it.
+        "forge-numbers" => {
+            std::fs::write(dir.join("wait-18446744073709551615.json"), "").unwrap();
+            let path = dir.join("wait-18446744073709551614.json");
+            let ticket = serde_json::json!({
+                "ticket": 1, "pid": std::process::id(), "user": "nobody", "host": "h",
+                "since_unix": 1, "wants": {"kind": "gpus", "gpus": [{"index": 7}]}
+            });
+            std::fs::write(&path, format!("{ticket}\n")).unwrap();
+            let _live = lock_as_live(&path);
+            println!("@@forged@@");
+            hold_until_stdin_closes();
+        }
+        "wait0" => {
+            let r = locks.lock(
+                &GpuKey::Index(0),
+                Wait::Timeout(Duration::from_secs(120)),
+                Holder::current(),
+            );
+            said("gpu0", r.map(drop));
+        }
+        // Files under the names of both users' usage logs: a FIFO and a file of its own
+        // that anyone may write.
+        "plant-logs" => {
+            let [a, b] = tt_testkit::users::two_users_known().unwrap();
+            let fifo = std::ffi::CString::new(
+                dir.join(format!("usage-{}.jsonl", a.uid))
+                    .into_os_string()
+                    .into_encoded_bytes(),
+            )
+            .unwrap();
+            // SAFETY: the path is a NUL-terminated string alive for the call.
+            assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
+            let file = dir.join(format!("usage-{}.jsonl", b.uid));
+            std::fs::write(&file, "").unwrap();
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o666)).unwrap();
+            println!("@@planted@@");
+        }
+        "use3" => {
+            let lock = locks
+                .lock(&GpuKey::Index(3), Wait::Try, Holder::current())
+                .unwrap();
+            drop(lock);
+            let me = Holder::current().user;
+            let usage = locks.usage().unwrap();
+            let mine = usage
+                .records
+                .iter()
+                .filter(|r| r.user == me && r.end.is_some())
+                .count();
+            println!("@@mine: {mine}@@");
+            for i in &usage.ignored {
+                println!("@@ignored: {i}@@");
+            }
+            println!("@@done@@");
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// The two ordinary test users (created when run as root), or `None` where this test
+/// cannot run them (a knowing skip, or a failure).
+fn two_users() -> Option<[TestUser; 2]> {
+    if !second_user_possible() {
+        return None;
+    }
+    Some(tt_testkit::users::two_users().unwrap())
+}
+
+/// Kills `child` when it has not ended within `limit`, so that a request that would
+/// wait forever fails its test instead of hanging it.
+fn watchdog(child: &Child, limit: Duration) -> std::sync::mpsc::Sender<()> {
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if rx.recv_timeout(limit) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+            // SAFETY: kill has no memory-safety preconditions.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    });
+    tx
+}
+
+/// One user's `flock` on the lock directory (what numbered tickets and admitted
+/// shares before) stops nobody: a request for a held GPU ends at its timeout, naming
+/// the holder, and a share is admitted.
+#[test]
+fn a_lock_on_the_directory_never_outlasts_a_requests_timeout_nor_stops_a_share() {
+    let _turn = UMASK.lock().unwrap_or_else(|e| e.into_inner());
+    let Some([a, b]) = two_users() else { return };
+    let shared = Shared::new();
+    let mut vandal = shared.as_nobody("flock-dir", 0o022);
+    assert_eq!(lines_until(&mut vandal, "locked"), ["locked"]);
+    let mut holder = shared.as_user(a, "hold0", 0o077);
+    assert_eq!(lines_until(&mut holder, "held"), ["held"]);
+    let mut waiter = shared.as_user(b, "timeout2", 0o077);
+    // Two seconds of patience, and generous room for a busy machine: a request that
+    // waits on the directory's lock is killed here and fails below.
+    let _dog = watchdog(&waiter, Duration::from_secs(90));
+    let said = lines_until(&mut waiter, "share");
+    assert!(
+        said[0].starts_with("gpu0: refused: timed out after") && said[0].contains("tt-test-a"),
+        "{said:?}"
+    );
+    assert_eq!(said[1], "share: granted", "{said:?}");
+    waiter.wait().unwrap();
+    for mut child in [holder, vandal] {
+        drop(child.stdin.take());
+        child.wait().unwrap();
+    }
+}
+
+/// A user's share and queue ticket, killed with SIGKILL, then kept locked by the vandal
+/// (a `flock` and a read lock on each record): they count for nothing. The other user's
+/// 50 GiB share fits, the free GPU is granted at once, and the kept records are reported
+/// with who keeps them.
+#[test]
+fn records_of_a_killed_user_kept_locked_by_another_count_for_nothing_and_are_reported() {
+    let _turn = UMASK.lock().unwrap_or_else(|e| e.into_inner());
+    let Some([a, b]) = two_users() else { return };
+    let shared = Shared::new();
+    let gpu2 = shared
+        .dir
+        .lock(&GpuKey::Index(2), Wait::Try, Holder::current())
+        .unwrap();
+    let mut sharer = shared.as_user(a, "share-then-queue", 0o077);
+    assert_eq!(lines_until(&mut sharer, "shared"), ["shared"]);
+    let patience = std::time::Instant::now();
+    while shared.dir.queue().unwrap().is_empty() {
+        assert!(
+            patience.elapsed() < Duration::from_secs(120),
+            "never queued"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    sharer.kill().unwrap();
+    sharer.wait().unwrap();
+    let mut vandal = shared.as_nobody("keep", 0o022);
+    let kept = lines_until(&mut vandal, "kept");
+    assert_eq!(kept, ["kept 2"], "the share record and the ticket");
+    drop(gpu2);
+    let mut other = shared.as_user(b, "after-death", 0o077);
+    let said = lines_until(&mut other, "done");
+    assert_eq!(said[..2], ["share: granted", "gpu2: granted"], "{said:?}");
+    let reports: Vec<_> = said
+        .iter()
+        .filter(|l| l.contains("keeps it locked"))
+        .collect();
+    assert_eq!(reports.len(), 2, "{said:?}");
+    assert!(
+        reports
+            .iter()
+            .all(|l| l.contains("user nobody") && l.contains("not counted")),
+        "{said:?}"
+    );
+    other.wait().unwrap();
+    drop(vandal.stdin.take());
+    vandal.wait().unwrap();
+}
+
+/// Ticket numbers nobody's queue reaches (an empty file at `u64::MAX`, a live ticket of
+/// the vandal's at `u64::MAX - 1`) neither crash another user's request nor push its
+/// number: it queues, is numbered from the believed tickets, and is served.
+#[test]
+fn forged_ticket_numbers_neither_crash_nor_push_another_users_request() {
+    let _turn = UMASK.lock().unwrap_or_else(|e| e.into_inner());
+    let Some([a, b]) = two_users() else { return };
+    let shared = Shared::new();
+    let mut vandal = shared.as_nobody("forge-numbers", 0o022);
+    assert_eq!(lines_until(&mut vandal, "forged"), ["forged"]);
+    let mut holder = shared.as_user(a, "hold0", 0o022);
+    assert_eq!(lines_until(&mut holder, "held"), ["held"]);
+    let mut waiter = shared.as_user(b, "wait0", 0o022);
+    let _dog = watchdog(&waiter, Duration::from_secs(150));
+    let patience = std::time::Instant::now();
+    let queue = loop {
+        let q = shared.dir.queue().unwrap();
+        if !q.is_empty() {
+            break q;
+        }
+        assert!(
+            patience.elapsed() < Duration::from_secs(120),
+            "never queued"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(
+        (queue.len(), queue[0].ticket, queue[0].user.as_str()),
+        (1, 1, "tt-test-b"),
+        "{queue:?}"
+    );
+    let ignored = shared.dir.ignored().unwrap();
+    assert!(
+        ignored
+            .iter()
+            .any(|i| i.to_string().contains("above any real queue")),
+        "{ignored:?}"
+    );
+    drop(holder.stdin.take());
+    holder.wait().unwrap();
+    assert_eq!(lines_until(&mut waiter, "gpu0"), ["gpu0: granted"]);
+    waiter.wait().unwrap();
+    drop(vandal.stdin.take());
+    vandal.wait().unwrap();
+}
+
+/// Files the vandal put first under both users' usage logs' names (a FIFO, a file
+/// anyone may write) cost neither user their accounting: each records in a log of its
+/// own beside it, reads its reservation back, and sees the planted file reported.
+#[test]
+fn usage_log_names_planted_by_another_user_cost_no_accounting() {
+    let _turn = UMASK.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(users) = two_users() else { return };
+    let shared = Shared::new();
+    let mut vandal = shared.as_nobody("plant-logs", 0o022);
+    assert_eq!(lines_until(&mut vandal, "planted"), ["planted"]);
+    vandal.wait().unwrap();
+    for user in users {
+        let mut child = shared.as_user(user, "use3", 0o077);
+        let _dog = watchdog(&child, Duration::from_secs(90));
+        let said = lines_until(&mut child, "done");
+        assert_eq!(said[0], "mine: 1", "uid {}: {said:?}", user.uid);
+        assert!(
+            said.iter().any(|l| l.starts_with("ignored:")
+                && l.contains(&format!("usage-{}.jsonl", user.uid))
+                && l.contains("uid 65534")),
+            "uid {}: {said:?}",
+            user.uid
+        );
+        child.wait().unwrap();
+    }
+}
+
 /// Whether this test can run a second user: as root, yes; otherwise skipped where
 /// `TORCHTOOLS_TEST_NO_MOUNT` says why, else a failure.
 fn second_user_possible() -> bool {
@@ -262,6 +596,11 @@ impl Shared {
 
     /// `role` as nobody under `umask`, its output piped.
     fn as_nobody(&self, role: &str, umask: u32) -> Child {
+        self.as_user(tt_testkit::users::VANDAL, role, umask)
+    }
+
+    /// `role` as `user` under `umask`, its output piped.
+    fn as_user(&self, user: TestUser, role: &str, umask: u32) -> Child {
         let mut cmd = Command::new(&self.program);
         cmd.args(["--exact", "child", "--include-ignored", "--nocapture"])
             .args(["--test-threads=1"])
@@ -270,8 +609,8 @@ impl Shared {
             .current_dir("/")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .uid(NOBODY)
-            .gid(NOBODY);
+            .uid(user.uid)
+            .gid(user.gid);
         // SAFETY: umask is async-signal-safe and allocates nothing.
         unsafe {
             cmd.pre_exec(move || {

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod hang;
 pub mod netns;
+pub mod users;
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::Command;
