@@ -34,6 +34,7 @@ mod tests {
             owner_uid: 65_534,
             owner: Some("nobody".into()),
             claims: "root".into(),
+            reason: None,
         };
         assert!(lines(&[]).is_empty());
         assert_eq!(

@@ -41,7 +41,9 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
     assert_eq!(line.trim(), "ready");
     let root_pid = held.id();
     // nobody plants a holder record and a queue ticket claiming root, each locked as a
-    // live record is (util-linux's flock), and a usage log of its own claiming root.
+    // live record is (a write lock on the open file, F_OFD_SETLK = 37 with F_WRLCK = 1,
+    // through perl: it can, the files are its own), and a usage log of its own claiming
+    // root.
     let forge = format!(
         "cd {dir} && printf '{{\"pid\":1,\"user\":\"root\",\"host\":\"h\",\"since_unix\":1}}\\n' \
          > held-gpu-0.1-0-1-0.json && printf '{{\"ticket\":9,\"pid\":1,\"user\":\"root\",\
@@ -49,7 +51,9 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
          > wait-00000000000000000009.json && printf '{{\"event\":\"start\",\"id\":\"f\",\
          \"user\":\"root\",\"host\":\"h\",\"pid\":1,\"gpu\":\"0\",\"bytes\":null,\"time\":1,\
          \"command\":[]}}\\n' > usage-65534.jsonl && echo forged && \
-         flock held-gpu-0.1-0-1-0.json flock wait-00000000000000000009.json sleep 600",
+         exec perl -e 'for (@ARGV) {{ open(my $f, \"+<\", $_) or die; push @k, $f; \
+         my $l = pack(\"s s x4 q q i x4\", 1, 0, 0, 0, 0); fcntl($f, 37, $l) or die \"$_: $!\" }} \
+         sleep 600' held-gpu-0.1-0-1-0.json wait-00000000000000000009.json",
         dir = dir.display()
     );
     let mut forger = as_nobody("sh")

@@ -392,7 +392,17 @@ const MAX_RECORDS: usize = 16_000_000;
 /// and counted, a log or record not its owner's ignored.
 fn read(path: &Path, uid: u32, log: &mut UsageLog) -> Result<()> {
     let Some((file, meta)) = crate::file::open_to_read(path) else {
-        return Ok(()); // gone since, a symbolic link, or not a file: not a log
+        // Gone since, or something else under a log's name (a FIFO, a symbolic link):
+        // not a log, and reported when it is there.
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            log.ignored.push(Ignored::because(
+                path,
+                meta.uid(),
+                &crate::owner::name_of_uid(uid),
+                "not a regular file under a usage log's name: not read".into(),
+            ));
+        }
+        return Ok(());
     };
     let owner = crate::owner::name_of_uid(uid);
     if let Err(why) = crate::owner::check(path, meta.uid(), &owner) {
@@ -527,6 +537,55 @@ mod tests {
             serde_json::to_string(&line).unwrap(),
             serde_json::to_string(&record).unwrap()
         );
+    }
+
+    #[test]
+    fn a_usage_log_with_an_endless_line_is_read_to_its_cap_and_reported() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = crate::LockDir::open(tmp.path().join("locks")).unwrap();
+        let uid = crate::owner::euid();
+        let path = dir.usage_log_path(uid);
+        let start = UsageEvent::Start {
+            id: "a".into(),
+            user: crate::owner::name_of_uid(uid),
+            host: "h".into(),
+            pid: 1,
+            gpu: "GPU-1".into(),
+            bytes: None,
+            time: 100.0,
+            command: vec![],
+        };
+        append(&path, &start).unwrap();
+        // `truncate -s 1T`: a terabyte of zeros after the first record, no newline.
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        file.set_len(1 << 40).unwrap();
+        let usage = dir.usage().unwrap();
+        assert_eq!(usage.records.len(), 1, "{usage:?}");
+        assert_eq!(usage.skipped.len(), 1, "{usage:?}");
+        assert!(
+            usage.skipped[0].contains("line 2: longer than 65536 bytes"),
+            "{usage:?}"
+        );
+    }
+
+    #[test]
+    fn processes_of_one_user_creating_its_log_at_once_all_get_it() {
+        for _ in 0..20 {
+            let tmp = tempfile::tempdir().unwrap();
+            let barrier = std::sync::Barrier::new(8);
+            let opened: Vec<bool> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..8)
+                    .map(|_| {
+                        s.spawn(|| {
+                            barrier.wait();
+                            own_log(tmp.path(), crate::owner::euid()).is_ok()
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert!(opened.iter().all(|&ok| ok), "{opened:?}");
+        }
     }
 
     #[test]

@@ -540,8 +540,13 @@ fn usage_log_names_planted_by_another_user_cost_no_accounting() {
             said.iter().any(|l| l.starts_with("ignored:")
                 && l.contains(&format!("usage-{}.jsonl", user.uid))
                 && l.contains("uid 65534")),
-            "uid {}: {said:?}",
-            user.uid
+            "uid {}: {said:?} in {:?}",
+            user.uid,
+            std::fs::read_dir(&shared.path)
+                .unwrap()
+                .flatten()
+                .map(|e| (e.file_name(), e.file_type().unwrap()))
+                .collect::<Vec<_>>()
         );
         child.wait().unwrap();
     }
