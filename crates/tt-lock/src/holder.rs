@@ -48,6 +48,10 @@ pub struct Holder {
     /// ([`crate::LockDir::lock_shared`]); `None` for an exclusive holder.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share: Option<Bytes>,
+    /// A shared request's record while it is being admitted: counted by every other
+    /// admission (so two never both take the same room), never shown as a sharer.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub admitting: bool,
 }
 
 impl Holder {
@@ -68,6 +72,7 @@ impl Holder {
             pid_ns: own_pid_namespace(),
             usage: None,
             share: None,
+            admitting: false,
         }
     }
 
@@ -99,6 +104,7 @@ impl Holder {
             pid_ns: None,
             usage: None,
             share: None,
+            admitting: false,
         }
     }
 

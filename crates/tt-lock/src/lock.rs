@@ -673,11 +673,10 @@ impl LockDir {
             };
             let holder = match refused {
                 NotAdmitted::Exclusive(h) => h,
-                NotAdmitted::Full { sharers } => sharers.into_iter().next().or_else(|| {
-                    crate::file::probe_held(&slot.file)
-                        .then(|| self.holder_of(&slot.key))
-                        .flatten()
-                }),
+                NotAdmitted::Full { sharers } => sharers
+                    .into_iter()
+                    .next()
+                    .or_else(|| self.holder_of(&slot.key)),
             };
             return Ok(Taken::Busy(Busy {
                 gpu: slot.key.clone(),
@@ -713,12 +712,16 @@ fn take_exclusive(
             continue;
         }
         if first_busy.is_none() {
-            let holder = match (crate::file::probe_held(&slot.file), waiting) {
-                (true, _) => dir.holder_of(&slot.key),
+            // Who is in the way, read from the records and the kernel's lock table:
+            // never by probing the lock itself, whose shared lock, however brief, would
+            // make an earlier request's try-lock fail at that instant (an `auto`
+            // request then took another GPU than the one it was first in line for).
+            let holder = match (dir.holder_of(&slot.key), waiting) {
+                (Some(h), _) => Some(h),
                 // Not held exclusively, yet not free: shared (the oldest sharer shown).
-                (false, 0) => dir.sharers(&slot.key)?.into_iter().next(),
+                (None, 0) => dir.sharers(&slot.key)?.into_iter().next(),
                 // Free, but earlier requests wait for it.
-                (false, _) => None,
+                (None, _) => None,
             };
             first_busy = Some(Busy {
                 gpu: slot.key.clone(),

@@ -61,6 +61,13 @@ impl LockDir {
 
     /// [`LockDir::sharers`], and the records ignored on the way.
     pub(crate) fn sharers_checked(&self, key: &GpuKey) -> Result<(Vec<Holder>, Vec<Ignored>)> {
+        let (mut sharers, ignored) = self.sharers_and_admitting(key)?;
+        sharers.retain(|h| !h.admitting);
+        Ok((sharers, ignored))
+    }
+
+    /// The live sharers' records, those of requests being admitted included.
+    fn sharers_and_admitting(&self, key: &GpuKey) -> Result<(Vec<Holder>, Vec<Ignored>)> {
         let (found, ignored) = live(self.path(), self.names()?, &share_prefix(key));
         let sharers = found
             .into_iter()
@@ -99,16 +106,21 @@ impl LockDir {
             // SAFETY: the fd is open for the duration of the call.
             unsafe { libc::flock(lock_file.as_raw_fd(), libc::LOCK_UN) };
         };
-        // Written first, then every live record summed, this one's included.
-        let record = match self.create_record(key, holder) {
+        // Written first (as being admitted: views do not show it yet), then every live
+        // record summed, this one's and those of other admissions included.
+        let admitting = Holder {
+            admitting: true,
+            ..holder.clone()
+        };
+        let record = match self.create_record(key, &admitting) {
             Ok(record) => record,
             Err(e) => {
                 unlock();
                 return Err(e);
             }
         };
-        let sharers = match self.sharers(key) {
-            Ok(s) => s,
+        let sharers = match self.sharers_and_admitting(key) {
+            Ok((s, _)) => s,
             Err(e) => {
                 drop(record);
                 unlock();
@@ -118,12 +130,14 @@ impl LockDir {
         if budgets_sum(&sharers, capacity) > u128::from(capacity.0) {
             drop(record);
             unlock();
-            let own = std::process::id();
-            let others = sharers
-                .into_iter()
-                .filter(|h| !(h.pid == own && h.since_unix == holder.since_unix))
-                .collect();
+            // This request's own record is among those being admitted.
+            let others = sharers.into_iter().filter(|h| !h.admitting).collect();
             return Ok(Err(NotAdmitted::Full { sharers: others }));
+        }
+        if let Err(e) = record.write(holder) {
+            drop(record);
+            unlock();
+            return Err(e);
         }
         Ok(Ok(record))
     }

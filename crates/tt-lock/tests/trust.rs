@@ -383,6 +383,22 @@ fn two_users() -> Option<[TestUser; 2]> {
     Some(tt_testkit::users::two_users().unwrap())
 }
 
+/// The queue once it lists a request (waiting up to two minutes for one).
+fn queued(dir: &LockDir) -> Vec<tt_lock::Waiter> {
+    let patience = std::time::Instant::now();
+    loop {
+        let queue = dir.queue().unwrap();
+        if !queue.is_empty() {
+            return queue;
+        }
+        assert!(
+            patience.elapsed() < Duration::from_secs(120),
+            "never queued"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Kills `child` when it has not ended within `limit`, so that a request that would
 /// wait forever fails its test instead of hanging it.
 fn watchdog(child: &Child, limit: Duration) -> std::sync::mpsc::Sender<()> {
@@ -441,14 +457,7 @@ fn records_of_a_killed_user_kept_locked_by_another_count_for_nothing_and_are_rep
         .unwrap();
     let mut sharer = shared.as_user(a, "share-then-queue", 0o077);
     assert_eq!(lines_until(&mut sharer, "shared"), ["shared"]);
-    let patience = std::time::Instant::now();
-    while shared.dir.queue().unwrap().is_empty() {
-        assert!(
-            patience.elapsed() < Duration::from_secs(120),
-            "never queued"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    queued(&shared.dir);
     sharer.kill().unwrap();
     sharer.wait().unwrap();
     let mut vandal = shared.as_nobody("keep", 0o022);
@@ -488,18 +497,7 @@ fn forged_ticket_numbers_neither_crash_nor_push_another_users_request() {
     assert_eq!(lines_until(&mut holder, "held"), ["held"]);
     let mut waiter = shared.as_user(b, "wait0", 0o022);
     let _dog = watchdog(&waiter, Duration::from_secs(150));
-    let patience = std::time::Instant::now();
-    let queue = loop {
-        let q = shared.dir.queue().unwrap();
-        if !q.is_empty() {
-            break q;
-        }
-        assert!(
-            patience.elapsed() < Duration::from_secs(120),
-            "never queued"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let queue = queued(&shared.dir);
     assert_eq!(
         (queue.len(), queue[0].ticket, queue[0].user.as_str()),
         (1, 1, "tt-test-b"),
@@ -771,18 +769,7 @@ fn under_umask_077_a_share_beside_another_users_is_counted_and_a_ticket_is_seen(
     sharer.wait().unwrap();
     // nobody's request for GPU 0 waits in the queue, which root sees...
     let mut waiter = shared.as_nobody("wait", 0o077);
-    let patience = std::time::Instant::now();
-    let queue = loop {
-        let q = dir.queue().unwrap();
-        if !q.is_empty() {
-            break q;
-        }
-        assert!(
-            patience.elapsed() < Duration::from_secs(120),
-            "never queued"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let queue = queued(dir);
     assert_eq!(queue[0].user, "nobody", "{queue:?}");
     // ...and is served when root lets go.
     drop(alone);
