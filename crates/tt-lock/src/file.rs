@@ -92,6 +92,40 @@ pub(crate) fn record_live(file: &File) -> bool {
     }
 }
 
+/// This user's own file at `path` in the lock directory (created mode 0644 when
+/// missing), write-locked ([`lock_record`]) without waiting, and its length: `None` when
+/// the name is taken by something that is not this user's regular file (another user
+/// may have put it there first), or when another process holds its lock. Opened
+/// without `O_CREAT` first: `fs.protected_regular` refuses `O_CREAT` on another user's
+/// file in a sticky directory.
+pub(crate) fn own_locked(path: &Path) -> Option<(File, u64)> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let open = |create: bool| {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(create)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(path)
+    };
+    let file = match open(false) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let file = open(true).ok()?;
+            file.set_permissions(std::fs::Permissions::from_mode(0o644))
+                .ok()?;
+            file
+        }
+        Err(_) => return None,
+    };
+    let shape = shape(&file).ok()?;
+    if !shape.regular || shape.uid != crate::owner::euid() {
+        return None;
+    }
+    lock_record(&file).ok()?.then_some((file, shape.len))
+}
+
 /// Whether a lock file just locked is still linked in a directory: not once deleted
 /// (by a `/tmp` cleaner, say, after which the path names another file or nothing); an
 /// error when it is not a regular file. One `statx`, made after the `flock`, serves

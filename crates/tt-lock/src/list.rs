@@ -188,6 +188,8 @@ impl LockDir {
             if crate::file::record_live(&file) {
                 continue;
             }
+            let claims = crate::file::read_record::<Holder>(&file)
+                .map_or_else(|| crate::owner::name_of_uid(meta.uid()), |h| h.user);
             for &pid in pids {
                 let Some(uid) = tt_device::procfs::status(pid).and_then(|s| s.uid) else {
                     continue;
@@ -195,8 +197,6 @@ impl LockDir {
                 if uid == meta.uid() {
                     continue;
                 }
-                let claims = crate::file::read_record::<Holder>(&file)
-                    .map_or_else(|| crate::owner::name_of_uid(meta.uid()), |h| h.user);
                 out.push(Ignored::because(
                     &path,
                     meta.uid(),
@@ -357,29 +357,12 @@ fn read_in_one_call(path: &str) -> Option<(String, bool)> {
 /// open-file-description locks name no process and are left out), by file.
 fn parse_lockers(text: &str) -> HashMap<(u32, u32, u64), Vec<u32>> {
     let mut out: HashMap<(u32, u32, u64), Vec<u32>> = HashMap::new();
-    for line in text.lines() {
-        let mut fields = line.split_whitespace().skip(1);
-        if !matches!(fields.next(), Some("FLOCK" | "POSIX")) {
-            continue;
-        }
-        let Some(pid) = fields.nth(2).and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        if let Some(id) = fields.next().and_then(file_id) {
-            out.entry(id).or_default().push(pid);
+    for lock in text.lines().filter_map(lock_line) {
+        if matches!(lock.kind, "FLOCK" | "POSIX") {
+            out.entry(lock.file).or_default().push(lock.pid);
         }
     }
     out
-}
-
-/// `fe:00:10010682` (major and minor in hex, then the inode).
-fn file_id(text: &str) -> Option<(u32, u32, u64)> {
-    let mut parts = text.split(':');
-    Some((
-        u32::from_str_radix(parts.next()?, 16).ok()?,
-        u32::from_str_radix(parts.next()?, 16).ok()?,
-        parts.next()?.parse().ok()?,
-    ))
 }
 
 /// Parses `/proc/locks` lines such as `1: FLOCK  ADVISORY  WRITE 6661 fe:00:10010682 0 EOF`
@@ -387,33 +370,44 @@ fn file_id(text: &str) -> Option<(u32, u32, u64)> {
 /// Waiters (`1: -> FLOCK ...`) hold nothing and are skipped; shared locks (`READ`: jobs
 /// sharing a GPU, a view's probe) are not an exclusive holder.
 fn parse_proc_locks(text: &str) -> HashMap<(u32, u32, u64), u32> {
-    let mut set = HashMap::new();
-    for line in text.lines() {
-        let mut fields = line.split_whitespace().skip(1);
-        if fields.next() != Some("FLOCK") {
-            continue;
-        }
-        if fields.nth(1) != Some("WRITE") {
-            continue;
-        }
-        let Some(pid) = fields.next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Some(id) = fields.next() else { continue };
-        let mut parts = id.split(':');
-        let (Some(major), Some(minor), Some(ino)) = (parts.next(), parts.next(), parts.next())
-        else {
-            continue;
-        };
-        if let (Ok(major), Ok(minor), Ok(ino)) = (
-            u32::from_str_radix(major, 16),
-            u32::from_str_radix(minor, 16),
-            ino.parse(),
-        ) {
-            set.insert((major, minor, ino), pid);
-        }
-    }
-    set
+    text.lines()
+        .filter_map(lock_line)
+        .filter(|l| l.kind == "FLOCK" && l.access == "WRITE")
+        .map(|l| (l.file, l.pid))
+        .collect()
+}
+
+/// One held lock of `/proc/locks`.
+struct LockLine<'a> {
+    /// `FLOCK`, `POSIX`, `OFDLCK`.
+    kind: &'a str,
+    /// `READ` or `WRITE`.
+    access: &'a str,
+    pid: u32,
+    /// (major, minor, inode) of the file.
+    file: (u32, u32, u64),
+}
+
+/// A `/proc/locks` line such as `1: FLOCK  ADVISORY  WRITE 6661 fe:00:10010682 0 EOF`;
+/// `None` for a waiter (`1: -> FLOCK ...`, which holds nothing), a lock that names no
+/// process (`-1`), or a line it cannot read.
+fn lock_line(line: &str) -> Option<LockLine<'_>> {
+    let mut fields = line.split_whitespace().skip(1);
+    let kind = fields.next()?;
+    let access = fields.nth(1)?;
+    let pid = fields.next()?.parse().ok()?;
+    let mut parts = fields.next()?.split(':');
+    let file = (
+        u32::from_str_radix(parts.next()?, 16).ok()?,
+        u32::from_str_radix(parts.next()?, 16).ok()?,
+        parts.next()?.parse().ok()?,
+    );
+    (kind != "->").then_some(LockLine {
+        kind,
+        access,
+        pid,
+        file,
+    })
 }
 
 #[cfg(test)]
@@ -471,6 +465,14 @@ mod tests {
         assert_eq!(set.len(), 2, "{set:?}");
         assert_eq!(set.get(&(0xfe, 0, 10_010_682)), Some(&6661));
         assert_eq!(set.get(&(0x103, 2, 42)), Some(&12));
+        // Every holder, shared and POSIX ones too; neither the waiter nor the lock that
+        // names no process.
+        let lockers = parse_lockers(text);
+        assert_eq!(lockers.len(), 4, "{lockers:?}");
+        assert_eq!(lockers.get(&(0xfe, 0, 10_010_682)), Some(&vec![6661]));
+        assert_eq!(lockers.get(&(8, 1, 99)), Some(&vec![77]));
+        assert_eq!(lockers.get(&(0x103, 2, 43)), Some(&vec![13]));
+        assert_eq!(lockers.get(&(0, 0x1a, 5)), None);
     }
 
     fn lock_dir() -> (tempfile::TempDir, LockDir) {

@@ -116,6 +116,7 @@ impl GpuLock {
         holder.gpu = self.holder.gpu.clone();
         holder.usage = self.holder.usage.clone();
         holder.share = self.holder.share;
+        holder.admitting = false;
         if let Some(record) = &self.record {
             record.write(&holder)?;
         }
@@ -328,6 +329,8 @@ impl LockDir {
         // Records name the user who writes them, whatever the caller put there: a
         // reader believes a record only when it names its file's owner.
         holder.user = crate::owner::name_of_uid(crate::owner::euid());
+        // Only an admission marks its record as being admitted (see `share.rs`).
+        holder.admitting = false;
         let (mut granted, wants) = self.take_inherited(wants, &holder)?;
         let Some(wants) = wants else {
             return Ok(granted);

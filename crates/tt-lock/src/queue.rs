@@ -16,9 +16,9 @@
 use std::cell::RefCell;
 use std::ffi::OsStr;
 use std::fmt;
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::os::fd::AsFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Duration;
@@ -315,24 +315,10 @@ impl LockDir {
     /// it, or when the name is taken by a file that is not this user's (then dead tickets
     /// stay: they count for nothing anyway).
     fn cleaning_lock(&self) -> Option<File> {
-        use std::os::unix::fs::PermissionsExt;
         let path = self
             .path()
             .join(format!(".clean-user-{}.lock", crate::owner::euid()));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .mode(0o644)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-            .open(&path)
-            .ok()?;
-        let shape = crate::file::shape(&file).ok()?;
-        if !shape.regular || shape.uid != crate::owner::euid() {
-            return None;
-        }
-        let _ = file.set_permissions(fs::Permissions::from_mode(0o644));
-        crate::file::lock_record(&file).ok()?.then_some(file)
+        crate::file::own_locked(&path).map(|(file, _)| file)
     }
 
     /// Takes a place at the end of the queue: the number after every live, believed

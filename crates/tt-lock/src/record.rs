@@ -98,33 +98,7 @@ impl OwnRecord {
     /// [`OwnRecord::holding`]'s kept file, when it is this user's and free: `None`
     /// otherwise.
     fn keep(path: &Path, holder: &Holder) -> Option<Result<OwnRecord>> {
-        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-        let open = |create: bool| {
-            fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(create)
-                .mode(0o644)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-                .open(path)
-        };
-        let file = match open(false) {
-            Ok(file) => file,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let file = open(true).ok()?;
-                file.set_permissions(fs::Permissions::from_mode(0o644))
-                    .ok()?;
-                file
-            }
-            Err(_) => return None,
-        };
-        let shape = crate::file::shape(&file).ok()?;
-        if !shape.regular || shape.uid != crate::owner::euid() {
-            return None;
-        }
-        if !crate::file::lock_record(&file).unwrap_or(false) {
-            return None;
-        }
+        let (file, len) = crate::file::own_locked(path)?;
         let record = OwnRecord {
             file,
             path: path.to_owned(),
@@ -132,7 +106,7 @@ impl OwnRecord {
             kept: true,
         };
         Some(
-            crate::file::write_record_over(&record.file, &record.path, holder, shape.len)
+            crate::file::write_record_over(&record.file, &record.path, holder, len)
                 .map(|()| record),
         )
     }
@@ -242,7 +216,7 @@ pub(crate) fn live(
         if !record_live(&file) {
             // A dead record of this user's goes, but not a kept one: its holder may be
             // taking it again right now.
-            if meta.uid() == crate::owner::euid() && !name.contains(".user-") {
+            if meta.uid() == crate::owner::euid() && kept_for(name).is_none() {
                 let _ = fs::remove_file(&path);
             }
             continue;

@@ -5,7 +5,7 @@
 //! take the lock while any sharer holds it, and a sharer cannot while an exclusive
 //! holder does. Each sharer's budget is in the ledger: one record per sharer,
 //! `share-<GPU>.<id>.json` (mode 0644: every user reads it, only its owner removes it),
-//! `flock`ed by its sharer for as long as it shares. A record whose lock is free
+//! write-locked by its sharer for as long as it shares. A record without that lock
 //! belongs to a sharer that died (`kill -9`, the OOM killer) and counts for nothing, so
 //! the ledger heals as a lock does. A shared request is admitted when no exclusive
 //! holder has the GPU, no earlier request in the queue waits for it (first come, first
@@ -42,7 +42,7 @@ pub(crate) enum NotAdmitted {
 /// The sum of the sharers' budgets, each counted as at most `capacity` (a record's
 /// budget is its writer's word: one past the GPU's memory must neither wrap the sum nor
 /// count for less than the whole GPU).
-pub(crate) fn budgets_sum(sharers: &[Holder], capacity: Bytes) -> u128 {
+fn budgets_sum(sharers: &[Holder], capacity: Bytes) -> u128 {
     sharers
         .iter()
         .filter_map(|h| h.share)
@@ -134,11 +134,8 @@ impl LockDir {
             let others = sharers.into_iter().filter(|h| !h.admitting).collect();
             return Ok(Err(NotAdmitted::Full { sharers: others }));
         }
-        if let Err(e) = record.write(holder) {
-            drop(record);
-            unlock();
-            return Err(e);
-        }
+        // Still marked as being admitted: the grant writes the sharer's record whole
+        // (with its usage id) right after, and from then on views show it.
         Ok(Ok(record))
     }
 

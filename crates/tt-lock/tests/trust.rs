@@ -383,6 +383,15 @@ fn two_users() -> Option<[TestUser; 2]> {
     Some(tt_testkit::users::two_users().unwrap())
 }
 
+/// Ends children that hold what they took until their standard input closes: closes
+/// it, and waits for each to exit.
+fn end(children: impl IntoIterator<Item = Child>) {
+    for mut child in children {
+        drop(child.stdin.take());
+        child.wait().unwrap();
+    }
+}
+
 /// The queue once it lists a request (waiting up to two minutes for one).
 fn queued(dir: &LockDir) -> Vec<tt_lock::Waiter> {
     let patience = std::time::Instant::now();
@@ -436,10 +445,7 @@ fn a_lock_on_the_directory_never_outlasts_a_requests_timeout_nor_stops_a_share()
     );
     assert_eq!(said[1], "share: granted", "{said:?}");
     waiter.wait().unwrap();
-    for mut child in [holder, vandal] {
-        drop(child.stdin.take());
-        child.wait().unwrap();
-    }
+    end([holder, vandal]);
 }
 
 /// A user's share and queue ticket, killed with SIGKILL, then kept locked by the vandal
@@ -479,8 +485,7 @@ fn records_of_a_killed_user_kept_locked_by_another_count_for_nothing_and_are_rep
         "{said:?}"
     );
     other.wait().unwrap();
-    drop(vandal.stdin.take());
-    vandal.wait().unwrap();
+    end([vandal]);
 }
 
 /// Ticket numbers nobody's queue reaches (an empty file at `u64::MAX`, a live ticket of
@@ -510,12 +515,10 @@ fn forged_ticket_numbers_neither_crash_nor_push_another_users_request() {
             .any(|i| i.to_string().contains("above any real queue")),
         "{ignored:?}"
     );
-    drop(holder.stdin.take());
-    holder.wait().unwrap();
+    end([holder]);
     assert_eq!(lines_until(&mut waiter, "gpu0"), ["gpu0: granted"]);
     waiter.wait().unwrap();
-    drop(vandal.stdin.take());
-    vandal.wait().unwrap();
+    end([vandal]);
 }
 
 /// Files the vandal put first under both users' usage logs' names (a FIFO, a file
@@ -735,8 +738,7 @@ fn another_user_can_neither_erase_nor_forge_records_and_forgeries_are_reported()
             usage.records.iter().any(|r| r.status == Some(3)),
             "{usage:?}"
         );
-        drop(vandal.stdin.take());
-        vandal.wait().unwrap();
+        end([vandal]);
     }
 }
 
@@ -804,6 +806,5 @@ fn a_record_name_taken_first_by_another_user_is_neither_used_nor_believed() {
         "{ignored:?}"
     );
     drop(lock);
-    drop(squatter.stdin.take());
-    squatter.wait().unwrap();
+    end([squatter]);
 }
