@@ -97,10 +97,10 @@ fn config_path() -> Option<PathBuf> {
 /// The user's default hook, from their config file (none when there is no file); an
 /// error that names the file and what is wrong in it.
 fn config_hook(path: &Path) -> Result<Option<Hook>> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Exit(2, format!("cannot read {}: {e}", path.display())).into()),
+    let text = match read_own_config(path) {
+        Ok(Some(text)) => text,
+        Ok(None) => return Ok(None),
+        Err(why) => return Err(Exit(2, format!("{}: {why}", path.display())).into()),
     };
     let bad = |why: String| {
         Exit(
@@ -127,6 +127,58 @@ fn config_hook(path: &Path) -> Result<Option<Hook>> {
         command: on_end.command,
         timeout,
     }))
+}
+
+/// The config file's text, believed only when it is this user's (or root's) and no
+/// other user can write it: its command runs as this user, so a file another user can
+/// change would run their commands. `None` when there is none; the refusal names the
+/// owner or mode and the fix. Read with a bound (a config is small).
+fn read_own_config(path: &Path) -> std::result::Result<Option<String>, String> {
+    use std::io::Read;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    const MAX: u64 = 1 << 20;
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot read it: {e}")),
+    };
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot read it: {e}"))?;
+    if !meta.is_file() {
+        return Err("it is not a regular file; move it away".into());
+    }
+    let me = nix::unistd::geteuid().as_raw();
+    if meta.uid() != me && meta.uid() != 0 {
+        return Err(format!(
+            "it belongs to {} (uid {}), not to you: its hook would run their command as \
+             you, so it is not read; remove it, or `cp` it to a file of your own",
+            tt_lock::name_of_uid(meta.uid()),
+            meta.uid()
+        ));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "other users can write it (mode {:o}): its hook would run their command as \
+             you, so it is not read; run `chmod go-w {}`",
+            meta.mode() & 0o7777,
+            path.display()
+        ));
+    }
+    let mut text = String::new();
+    file.take(MAX + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("cannot read it: {e}"))?;
+    if text.len() as u64 > MAX {
+        return Err(format!(
+            "it is larger than {MAX} bytes; a config is a few lines"
+        ));
+    }
+    Ok(Some(text))
 }
 
 impl HookArgs {
@@ -388,7 +440,7 @@ fn gpus_of(pid: u32, host: &str, started: f64) -> String {
 
 /// The last lines of `log` (at most [`TAIL_LINES`] and [`TAIL_BYTES`]).
 fn tail(log: &Path) -> Vec<u8> {
-    let Ok(mut file) = File::open(log) else {
+    let Ok(mut file) = crate::jobs::open_log(log) else {
         return Vec::new();
     };
     let len = file.metadata().map_or(0, |m| m.len());
@@ -551,6 +603,46 @@ mod tests {
                 e.as_deref()
                     .is_some_and(|e| e.contains("config.toml") && e.contains("[on_end]")),
                 "{bad:?}: {e:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_config_others_can_write_or_that_is_not_ones_own_is_not_read() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = tmp.path().join("config.toml");
+        std::fs::write(&path, "[on_end]\ncommand = \"echo done\"\n")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let refused = |path: &Path| config_hook(path).err().map(|e| e.to_string());
+        for mode in [0o666, 0o620] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+                .unwrap_or_else(|e| panic!("{e}"));
+            let e = refused(&path);
+            assert!(
+                e.as_deref().is_some_and(|e| e.contains("config.toml")
+                    && e.contains("other users can write it")
+                    && e.contains("chmod go-w")),
+                "{mode:o}: {e:?}"
+            );
+        }
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(config_hook(&path).is_ok_and(|h| h.is_some()));
+        // Another user's file (root can give one away; as anyone else, say so).
+        if nix::unistd::geteuid().is_root() {
+            let nobody = Some(nix::unistd::Uid::from_raw(65_534));
+            nix::unistd::chown(&path, nobody, None).unwrap_or_else(|e| panic!("{e}"));
+            let e = refused(&path);
+            assert!(
+                e.as_deref()
+                    .is_some_and(|e| e.contains("belongs to nobody") && e.contains("not read")),
+                "{e:?}"
+            );
+        } else {
+            tt_testkit::skip_knowingly(
+                "giving a config file to another user needs root",
+                "giving a config file to another user needs root: run as root",
             );
         }
     }

@@ -122,11 +122,27 @@ fn records_dir_in(locks: &LockDir) -> Result<PathBuf> {
     Ok(locks.path().to_owned())
 }
 
+/// The most a job record's file is read (a record is a few hundred bytes).
+const MAX_RECORD: u64 = 1 << 20;
+
 /// What job records are named: `job-ID.json`.
 const RECORD_PREFIX: &str = "job-";
 
 fn record_path(dir: &Path, id: &str) -> PathBuf {
     dir.join(format!("{RECORD_PREFIX}{id}.json"))
+}
+
+/// `id`, or `id-2`, `id-3`... when a file of that name is there already (an id is
+/// predictable: another user may have put a file under its name first, which this
+/// user could then neither replace nor remove).
+fn free_id(records: &Path, id: &str) -> String {
+    (1..)
+        .map(|n| match n {
+            1 => id.to_owned(),
+            n => format!("{id}-{n}"),
+        })
+        .find(|id| fs::symlink_metadata(record_path(records, id)).is_err())
+        .unwrap_or_else(|| id.to_owned())
 }
 
 /// Writes `job` atomically (a temporary file renamed over the record), readable by all.
@@ -186,13 +202,32 @@ fn read_record(path: &Path) -> Record {
         return Record::None;
     }
     let mut text = Vec::new();
-    if let Err(e) = std::io::Read::read_to_end(&mut &file, &mut text) {
+    // A record is a few hundred bytes: a file of any size costs at most this much.
+    if let Err(e) =
+        std::io::Read::read_to_end(&mut std::io::Read::take(&file, MAX_RECORD + 1), &mut text)
+    {
         return Record::Damaged(format!("{}: {e}", path.display()));
+    }
+    if text.len() as u64 > MAX_RECORD {
+        return Record::Damaged(format!(
+            "{}: larger than {MAX_RECORD} bytes, not a job record (only its owner can \
+             remove it)",
+            path.display()
+        ));
     }
     let job: Job = match serde_json::from_slice(&text) {
         Ok(job) => job,
         Err(e) => return Record::Damaged(format!("{}: {e}", path.display())),
     };
+    // Its id is its name: a record of one's own naming another job's id never takes
+    // that job's place in `stop`, `logs`, `jobs wait` or `--after`.
+    if path.file_name() != record_path(Path::new(""), &job.id).file_name() {
+        return Record::Damaged(format!(
+            "{}: it names job {:?}, not the job of its file name",
+            path.display(),
+            job.id
+        ));
+    }
     // The user it names must own the file (tt-lock's rule), and so must its uid.
     let owner = meta.uid();
     let believed = tt_lock::check_owner(path, owner, &job.user).and_then(|()| {
@@ -311,7 +346,10 @@ pub(crate) fn detach(
     };
     let (after, after_ok) = (resolve(&args.after)?, resolve(&args.after_ok)?);
     let started = now_unix();
-    let id = format!("{}-{}", started as u64, std::process::id());
+    let id = free_id(
+        &records,
+        &format!("{}-{}", started as u64, std::process::id()),
+    );
     let log = log_dir.join(format!("{id}.log"));
     let out = OpenOptions::new()
         .append(true)
@@ -396,7 +434,8 @@ pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
     // The starter writes the record once the keeper runs: wait for it.
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut job = loop {
-        if let Some(job) = load(&path) {
+        // Only this user's record of this id (another user's is never run).
+        if let Some(job) = load(&path).filter(|j| j.uid == uid() && j.id == id) {
             break job;
         }
         if Instant::now() > deadline {
@@ -558,8 +597,19 @@ fn ended(job: &Job) -> bool {
 /// Whether `job`'s keeper still runs: its pid is a `job-run` of this id (a pid alone
 /// could be another process's by now).
 fn alive(job: &Job) -> bool {
-    tt_device::procfs::cmdline(job.keeper_pid)
-        .is_some_and(|args| args.windows(2).any(|w| w[0] == "job-run" && w[1] == job.id))
+    is_jobs(job, job.keeper_pid)
+        && tt_device::procfs::cmdline(job.keeper_pid)
+            .is_some_and(|args| args.windows(2).any(|w| w[0] == "job-run" && w[1] == job.id))
+}
+
+/// Whether `pid` can be one of `job`'s processes: it belongs to the job's user and
+/// started no earlier than the job (a pid is reused: an older process, or another
+/// user's, under a pid the record names is not the job's, and is never signalled).
+fn is_jobs(job: &Job, pid: u32) -> bool {
+    // btime is whole seconds: a process may seem to start up to a second early.
+    const SLACK: f64 = 2.0;
+    tt_device::procfs::status(pid).and_then(|s| s.uid) == Some(job.uid)
+        && tt_device::procfs::started_unix(pid).is_some_and(|t| t >= job.started_unix - SLACK)
 }
 
 /// Every job's record in `records`, oldest first.
@@ -611,7 +661,24 @@ fn find(records: &Path, id: &str) -> Result<Job> {
             .find(|j| j.uid == uid())
             .ok_or_else(|| Exit(2, "you have no job yet".into()).into());
     }
-    let matches: Vec<Job> = jobs.into_iter().filter(|j| j.id.starts_with(id)).collect();
+    // Exactly the id, else a prefix; among the caller's own jobs first, so that nobody
+    // else's record can make the caller's id ambiguous.
+    let (mine, others): (Vec<Job>, Vec<Job>) = jobs.into_iter().partition(|j| j.uid == uid());
+    let pick = |jobs: &[Job]| -> Vec<Job> {
+        let exact: Vec<Job> = jobs.iter().filter(|j| j.id == id).cloned().collect();
+        match exact.is_empty() {
+            true => jobs
+                .iter()
+                .filter(|j| j.id.starts_with(id))
+                .cloned()
+                .collect(),
+            false => exact,
+        }
+    };
+    let mut matches = pick(&mine);
+    if matches.is_empty() {
+        matches = pick(&others);
+    }
     match matches.len() {
         1 => Ok(matches.into_iter().next().unwrap_or_else(|| unreachable!())),
         0 => Err(Exit(
@@ -765,7 +832,7 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
 pub(crate) fn logs(id: &str, follow: bool) -> Result<ExitCode> {
     let records = records_dir()?;
     let job = find(&records, id)?;
-    let mut file = File::open(&job.log).map_err(|e| {
+    let mut file = open_log(&job.log).map_err(|e| {
         Exit(
             1,
             format!(
@@ -792,6 +859,22 @@ pub(crate) fn logs(id: &str, follow: bool) -> Result<ExitCode> {
         }
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// A job's log for reading: never through a link at its name's end, never blocking on
+/// a FIFO (a reader of another user's planted FIFO would wait for ever), and only a
+/// regular file.
+pub(crate) fn open_log(path: &Path) -> std::io::Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other(
+            "not a regular file (a FIFO, a device or a directory): not read",
+        ));
+    }
+    Ok(file)
 }
 
 pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
@@ -825,8 +908,14 @@ pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
     }
     // SIGTERM to the job's torchtools, which passes it on to the command or the ranks
     // (a torchtools trainer then checkpoints and exits 75).
-    if let Some(pid) = job.pid {
-        signal(pid, nix::sys::signal::Signal::SIGTERM);
+    match job.pid {
+        Some(pid) if is_jobs(&job, pid) => signal(pid, nix::sys::signal::Signal::SIGTERM),
+        Some(pid) => eprintln!(
+            "torchtools: job {}: pid {pid} is no longer its process (another user's, or \
+             started after the job): not signalled",
+            job.id
+        ),
+        None => {}
     }
     let deadline = Instant::now() + grace;
     loop {
@@ -847,8 +936,12 @@ pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
         "torchtools: job {} still runs {grace:?} after SIGTERM: SIGKILL",
         job.id
     );
+    if !alive(&job) {
+        eprintln!("torchtools: job {}: its keeper is gone", job.id);
+        return Ok(ExitCode::SUCCESS);
+    }
     for pid in session_members(job.keeper_pid) {
-        if pid != job.keeper_pid {
+        if pid != job.keeper_pid && is_jobs(&job, pid) {
             signal(pid, nix::sys::signal::Signal::SIGKILL);
         }
     }

@@ -124,20 +124,46 @@ fn textfile(dir: &LockDir, gpus: &Gpus, out: &Path, interval: Duration) -> Resul
     loop {
         // node_exporter reads Prometheus's text format.
         let text = text_format(&render(dir, gpus)?);
-        let mut file = std::fs::File::create(&temp).map_err(|e| {
+        let mut file = new_textfile(&temp).map_err(|e| {
             Exit(
                 2,
-                format!("--textfile {}: cannot write there: {e}", out.display()),
+                format!(
+                    "--textfile {}: cannot create {} there: {e} (a file or link of that \
+                     name is never followed nor overwritten: remove it, or give a \
+                     directory only you and node_exporter write)",
+                    out.display(),
+                    temp.display()
+                ),
             )
         })?;
-        // Readable by node_exporter's user whatever the umask.
-        use std::os::unix::fs::PermissionsExt;
-        file.set_permissions(std::fs::Permissions::from_mode(0o644))?;
         file.write_all(text.as_bytes())?;
         file.sync_all()?;
         std::fs::rename(&temp, &path).with_context(|| format!("placing {}", path.display()))?;
         std::thread::sleep(interval);
     }
+}
+
+/// A new file at `temp`, mode 0644 whatever the umask (node_exporter's user reads it):
+/// created with `O_EXCL | O_NOFOLLOW`, so that a link or file planted under the name
+/// (another user who can write the directory) is never followed nor written; a stale
+/// temporary file of this user's, left by a killed run with the same pid, is removed
+/// first (only the owner's: `unlink` of another user's file in a sticky directory fails,
+/// and the create then says why).
+fn new_textfile(temp: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+    if let Ok(meta) = std::fs::symlink_metadata(temp) {
+        if meta.uid() == nix::unistd::geteuid().as_raw() && meta.is_file() {
+            let _ = std::fs::remove_file(temp);
+        }
+    }
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(temp)?;
+    file.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    Ok(file)
 }
 
 /// Whether a scrape asks for OpenMetrics (its `Accept` header names it).

@@ -6,6 +6,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 mod common;
@@ -127,4 +128,266 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
         unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
         let _ = child.wait();
     }
+}
+
+/// `torchtools` as `user` (`tt-test-a`, `tt-test-b`, `nobody`), with `dir` as its lock
+/// directory and `home` for its state and config (logs, no machine-wide hook).
+fn as_user(user: &str, dir: &Path, home: &Path) -> Command {
+    let mut c = Command::new("runuser");
+    c.args(["-u", user, "--", env!("CARGO_BIN_EXE_torchtools")])
+        .env("TORCHTOOLS_LOCK_DIR", dir)
+        .env("XDG_STATE_HOME", home.join("state"))
+        .env("XDG_CONFIG_HOME", home.join("config"))
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env_remove("TORCHTOOLS_HELD_LOCKS")
+        .env_remove("TORCHTOOLS_JOB_ID")
+        .stdin(Stdio::null());
+    c
+}
+
+/// `sh -c script` as `user`, in `dir`.
+fn shell_as(user: &str, dir: &Path, script: &str) -> std::process::Output {
+    Command::new("runuser")
+        .args(["-u", user, "--", "sh", "-c", script])
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+/// A home of its own for `user` under the shared `tmp` (only they can write it).
+fn home_of(tmp: &Path, user: &str) -> std::path::PathBuf {
+    let home = tmp.join(user);
+    std::fs::create_dir(&home).unwrap();
+    let out = Command::new("chown").arg(user).arg(&home).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    home
+}
+
+/// Waits for `child` for up to [`common::PATIENCE`]: `None` (the child killed) when it
+/// is still running then.
+fn wait_bounded(mut child: std::process::Child) -> Option<std::process::Output> {
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > common::PATIENCE {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    Some(child.wait_with_output().unwrap())
+}
+
+/// A job record `user` writes of their own (JSON), as `job-ID.json`.
+fn job_record(id: &str, user: &str, uid: u32, pid: u32, keeper: u32, log: &Path) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    serde_json::json!({
+        "id": id, "user": user, "uid": uid, "host": "h", "boot_id": boot.trim(),
+        "command": ["reserve", "--", "sleep", "600"], "log": log, "started_unix": now,
+        "keeper_pid": keeper, "pid": pid,
+    })
+    .to_string()
+}
+
+#[test]
+fn another_users_job_records_never_take_a_jobs_id_and_stop_and_logs_touch_only_the_job() {
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
+    let [a, _] = tt_testkit::users::two_users().unwrap();
+    let user_a = tt_testkit::users::USER_NAMES[0];
+    let dir = tmp.path().join("locks");
+    let home = home_of(tmp.path(), user_a);
+    let out = as_user(user_a, &dir, &home)
+        .args(["reserve", "--detach", "--gpu", "0", "--no-fence", "--"])
+        .args(["sleep", "600"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    // nobody writes records of its own: one naming A's job id under another file name,
+    // one whose id A's id is a prefix of.
+    let vandal = tmp.path().join("vandal");
+    std::fs::create_dir(&vandal).unwrap();
+    let vlog = vandal.join("log");
+    for (file, claimed) in [
+        ("evil".to_owned(), id.clone()),
+        (format!("{id}-x"), format!("{id}-x")),
+    ] {
+        let record = job_record(&claimed, "nobody", 65_534, 1, 1, &vlog);
+        let out = shell_as(
+            "nobody",
+            &dir,
+            &format!("printf '%s' '{record}' > job-{file}.json"),
+        );
+        assert!(out.status.success(), "{out:?}");
+    }
+    // A's id still names A's job, for `logs`, `jobs wait` and `stop`.
+    let logs = as_user(user_a, &dir, &home)
+        .args(["logs", &id])
+        .output()
+        .unwrap();
+    assert!(logs.status.success(), "{logs:?}");
+    let listed = as_user(user_a, &dir, &home)
+        .args(["jobs", "--all"])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&listed.stdout).contains("not the job of its file name"),
+        "{listed:?}"
+    );
+    // A record of A's own naming an older process of A's as its job: `stop` leaves it.
+    let mut innocent = Command::new("runuser")
+        .args(["-u", user_a, "--", "sleep", "600"])
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    // runuser forks: the sleep is its child, A's.
+    let mut victim = 0;
+    common::until("A's sleep runs", || {
+        victim = pgrep(innocent.id(), a.uid);
+        victim != 0
+    });
+    // The record's job starts well after the innocent process (btime has whole seconds).
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let record = job_record("mine", user_a, a.uid, victim, victim, &home.join("fifo"));
+    let out = shell_as(
+        user_a,
+        &dir,
+        &format!(
+            "printf '%s' '{record}' > job-mine.json && mkfifo {}",
+            home.join("fifo").display()
+        ),
+    );
+    assert!(out.status.success(), "{out:?}");
+    let stopped = as_user(user_a, &dir, &home)
+        .args(["stop", "mine", "--grace", "1s"])
+        .output()
+        .unwrap();
+    assert!(
+        tt_device::procfs::stat(victim).is_some_and(|s| !s.exited()),
+        "stop signalled a process that is not the job's: {stopped:?}"
+    );
+    // A log that is a FIFO: `logs` says so instead of waiting for a writer for ever.
+    let logs = as_user(user_a, &dir, &home)
+        .args(["logs", "mine"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let logs = wait_bounded(logs).expect("`logs` of a FIFO hung");
+    assert_eq!(logs.status.code(), Some(1), "{logs:?}");
+    assert!(
+        String::from_utf8_lossy(&logs.stderr).contains("not a regular file"),
+        "{logs:?}"
+    );
+    let out = as_user(user_a, &dir, &home)
+        .args(["stop", &id])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    // SAFETY: kill(2) of a process group this test started.
+    unsafe { libc::kill(-(innocent.id() as i32), libc::SIGKILL) };
+    let _ = innocent.wait();
+}
+
+/// The pid of `parent`'s child that belongs to `uid` (0 while there is none).
+fn pgrep(parent: u32, uid: u32) -> u32 {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .find(|&pid| {
+            tt_device::procfs::stat(pid).is_some_and(|s| s.ppid == parent)
+                && tt_device::procfs::status(pid).and_then(|s| s.uid) == Some(uid)
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn metrics_textfile_never_writes_through_a_planted_link() {
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
+    // A collector directory others can write (not sticky: the kernel's
+    // protected_symlinks would not step in), and a file of root's elsewhere.
+    let out_dir = tmp.path().join("textfile");
+    std::fs::create_dir(&out_dir).unwrap();
+    std::fs::set_permissions(
+        &out_dir,
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let precious = tmp.path().join("precious");
+    std::fs::write(&precious, "root's\n").unwrap();
+    // The writer waits for a line before it becomes `metrics` (same pid): nobody plants
+    // a link under the temporary name it will use first.
+    let mut writer = Command::new("sh")
+        .args([
+            "-c",
+            "read go; exec \"$0\" metrics --textfile \"$1\" --interval 1s",
+        ])
+        .arg(env!("CARGO_BIN_EXE_torchtools"))
+        .arg(&out_dir)
+        .env("TORCHTOOLS_LOCK_DIR", tmp.path().join("locks"))
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let temp = out_dir.join(format!(".torchtools.prom.{}", writer.id()));
+    let out = shell_as(
+        "nobody",
+        tmp.path(),
+        &format!("ln -s {} {}", precious.display(), temp.display()),
+    );
+    assert!(out.status.success(), "{out:?}");
+    use std::io::Write;
+    writer.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let out = wait_bounded(writer).expect("metrics --textfile kept running past a planted link");
+    assert_eq!(std::fs::read_to_string(&precious).unwrap(), "root's\n");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("never followed"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn a_lock_directory_another_user_created_is_said_with_roots_fix() {
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
+    tt_testkit::users::two_users().unwrap();
+    let [user_a, user_b] = tt_testkit::users::USER_NAMES;
+    // A creates the directory first (as after a reboot emptied /tmp).
+    let dir = tmp.path().join("locks");
+    let home_a = home_of(tmp.path(), user_a);
+    let out = as_user(user_a, &dir, &home_a)
+        .arg("locks")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("belongs to"),
+        "{out:?}"
+    );
+    let home_b = home_of(tmp.path(), user_b);
+    let out = as_user(user_b, &dir, &home_b)
+        .arg("locks")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("belongs to {user_a}"))
+            && err.contains("/etc/tmpfiles.d/torchtools.conf")
+            && err.contains("1777 root root"),
+        "{out:?}"
+    );
 }

@@ -18,6 +18,8 @@ pub struct Stat {
     pub cpu_ticks: u64,
     /// Its threads.
     pub threads: u64,
+    /// When it started, in clock ticks after the machine booted (see [`started_unix`]).
+    pub start_ticks: u64,
 }
 
 impl Stat {
@@ -32,7 +34,8 @@ impl Stat {
 pub fn parse_stat(text: &str) -> Option<Stat> {
     let rest = text.get(text.rfind(')')? + 1..)?;
     let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
-    // fields[0] is field 3 (state): ppid 4, session 6, utime 14, stime 15, threads 20.
+    // fields[0] is field 3 (state): ppid 4, session 6, utime 14, stime 15, threads 20,
+    // starttime 22.
     let number = |i: usize| fields.get(i)?.parse::<u64>().ok();
     Some(Stat {
         state: fields.first()?.chars().next()?,
@@ -40,7 +43,30 @@ pub fn parse_stat(text: &str) -> Option<Stat> {
         session: u32::try_from(number(3)?).ok()?,
         cpu_ticks: number(11)? + number(12)?,
         threads: number(17)?,
+        start_ticks: number(19)?,
     })
+}
+
+/// When `pid` started, in seconds since the epoch (the boot time in `/proc/stat` plus
+/// its start in clock ticks), to within a clock tick; `None` when it is gone or hidden
+/// from this namespace. A pid names one process only while that process lives: a pid
+/// that started after a record of it was written is another process.
+pub fn started_unix(pid: u32) -> Option<f64> {
+    let ticks = stat(pid)?.start_ticks;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz <= 0 {
+        return None;
+    }
+    Some(boot_unix()? as f64 + ticks as f64 / hz as f64)
+}
+
+/// The machine's boot time (`btime` in `/proc/stat`), in seconds since the epoch.
+fn boot_unix() -> Option<u64> {
+    let text = fs::read_to_string("/proc/stat").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("btime "))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// `/proc/PID/stat` of `pid`; `None` when it is gone or hidden from this namespace.
@@ -144,11 +170,34 @@ mod tests {
                     100 1000 50 18446744073709551615";
         let s = parse_stat(text).unwrap();
         assert_eq!((s.state, s.ppid, s.session), ('S', 1, 1234));
-        assert_eq!((s.cpu_ticks, s.threads), (10, 5));
+        assert_eq!((s.cpu_ticks, s.threads, s.start_ticks), (10, 5, 100));
         assert!(!s.exited());
         let zombie = text.replace(") S ", ") Z ");
         assert!(parse_stat(&zombie).unwrap().exited());
         assert_eq!(parse_stat("not a stat"), None);
+    }
+
+    #[test]
+    fn a_process_started_between_boot_and_now() {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let started = started_unix(child.id());
+        let _ = child.kill();
+        let _ = child.wait();
+        let started = started.unwrap();
+        // Not before it was spawned (less btime's whole second and a tick), and not
+        // long after (a generous bound for a busy machine).
+        assert!(
+            started > now - 2.0 && started < now + 120.0,
+            "{started} vs {now}"
+        );
+        assert!(started_unix(u32::MAX).is_none());
     }
 
     #[test]

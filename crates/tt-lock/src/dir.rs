@@ -108,7 +108,35 @@ impl LockDir {
             Ok(_) => {}
         }
         dir.check()?;
+        if let Some(warning) = dir.owner_warning() {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| tracing::warn!("{warning}"));
+        }
         Ok(dir)
+    }
+
+    /// What is wrong with the directory's owner, when it is neither root nor this user:
+    /// the owner of a sticky directory may delete any file in it, so another ordinary
+    /// user who created it first (after a reboot emptied `/tmp`, say) could delete every
+    /// user's locks and records. Said (once per process, as a warning) by every program
+    /// that opens it, with the fix: root's one-time set-up (`systemd-tmpfiles`, see the
+    /// README), or a directory of one's own in `TORCHTOOLS_LOCK_DIR`.
+    pub fn owner_warning(&self) -> Option<String> {
+        use std::os::unix::fs::MetadataExt;
+        let owner = fs::symlink_metadata(&self.path).ok()?.uid();
+        if owner == 0 || owner == nix::unistd::geteuid().as_raw() {
+            return None;
+        }
+        Some(format!(
+            "the lock directory {} belongs to {} (uid {owner}), who can delete every \
+             user's locks and records in it: ask root to create it once, owned by root, \
+             with the line `d {} 1777 root root -` in /etc/tmpfiles.d/torchtools.conf \
+             (then `systemd-tmpfiles --create`), or set {LOCK_DIR_ENV} to a directory \
+             root or you own",
+            self.path.display(),
+            crate::owner::name_of_uid(owner),
+            self.path.display(),
+        ))
     }
 
     fn create(&self) -> Result<()> {
