@@ -150,7 +150,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     ("test -p tt-lock (no features)", "tests/locks.rs", 25),
     ("test -p tt-lock (no features)", "tests/queue.rs", 9),
     ("test -p tt-lock (no features)", "tests/share.rs", 3),
-    ("test -p tt-lock (no features)", "tests/trust.rs", 7),
+    ("test -p tt-lock (no features)", "tests/trust.rs", 8),
     ("test -p tt-lock (no features)", "tt_lock doc-tests", 1),
     ("test -p tt-fence (no features)", "tt_fence src/lib.rs", 0),
     ("test -p tt-fence (no features)", "tests/cpu.rs", 1),

@@ -61,12 +61,16 @@ pub fn started_unix(pid: u32) -> Option<f64> {
     Some(boot_unix()? as f64 + ticks as f64 / hz as f64)
 }
 
-/// The machine's boot time (`btime` in `/proc/stat`), in seconds since the epoch.
+/// The machine's boot time (`btime` in `/proc/stat`), in seconds since the epoch; read
+/// once per process (it does not change).
 fn boot_unix() -> Option<u64> {
-    let text = fs::read_to_string("/proc/stat").ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("btime "))
-        .and_then(|v| v.trim().parse().ok())
+    static BOOT: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *BOOT.get_or_init(|| {
+        let text = fs::read_to_string("/proc/stat").ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("btime "))
+            .and_then(|v| v.trim().parse().ok())
+    })
 }
 
 /// `/proc/PID/stat` of `pid`; `None` when it is gone or hidden from this namespace.

@@ -190,7 +190,7 @@ fn user_name() -> String {
     crate::owner::name_of_uid(crate::owner::euid())
 }
 
-fn host_name() -> String {
+pub(crate) fn host_name() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: buf is writable for its length. (A name cut at its end may lack the NUL:
     // the search below then takes the whole buffer.)

@@ -226,7 +226,7 @@ pub(crate) fn live(
         };
         match crate::owner::check(&path, meta.uid(), &holder.user) {
             Ok(()) => found.push(Found {
-                holder,
+                holder: believable(holder, &meta),
                 owner_uid: meta.uid(),
             }),
             Err(why) => ignored.push(why),
@@ -234,6 +234,47 @@ pub(crate) fn live(
     }
     found.sort_by_key(|f| (f.holder.since_unix, f.holder.pid));
     (found, ignored)
+}
+
+/// A believed record's values that steer others, bounded by what the machine knows: its
+/// `since_unix` not in the future and not before its process started (where its pid
+/// means something here: same host, same PID namespace) or, elsewhere, before its file
+/// was created; its `command_pid` dropped unless that process is its owner's. A record
+/// is written by its owner, who could otherwise claim to be the oldest sharer (whose
+/// keeper alone fences) or have `top` put another user's process under its name.
+pub(crate) fn believable(mut holder: Holder, meta: &fs::Metadata) -> Holder {
+    use std::os::unix::fs::MetadataExt;
+    // The clock read in whole seconds: a record written now may say the next second.
+    const SLACK: u64 = 2;
+    let now = tt_device::now_unix() as u64;
+    let here = holder.host == crate::holder::host_name()
+        && holder
+            .pid_ns
+            .is_none_or(|ns| Some(ns) == crate::holder::own_pid_namespace());
+    let started = here
+        .then(|| tt_device::procfs::started_unix(holder.pid))
+        .flatten()
+        .map(|t| t as u64);
+    let created = meta
+        .created()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_secs());
+    // (A process's start, from btime's whole seconds, is read up to a second early:
+    // never later than a record it wrote says.)
+    if let Some(floor) = started.or(created) {
+        holder.since_unix = holder.since_unix.max(floor);
+    }
+    holder.since_unix = holder.since_unix.min(now + SLACK);
+    if let Some(pid) = holder.command_pid {
+        let owners = here
+            .then(|| tt_device::procfs::status(pid).and_then(|s| s.uid))
+            .flatten();
+        if owners.is_some_and(|uid| uid != meta.uid()) {
+            holder.command_pid = None;
+        }
+    }
+    holder
 }
 
 #[cfg(test)]

@@ -258,6 +258,37 @@ fn jam_role(role: &str, dir: &Path) {
             );
             said("share", r.map(drop));
         }
+        // A share of GPU 3, held until stdin closes.
+        "share3" => {
+            let share = locks.lock_shared(
+                &GpuKey::Index(3),
+                Bytes(10 * GIB),
+                CAPACITY,
+                Wait::Try,
+                Holder::current(),
+            );
+            let _share = share.unwrap();
+            println!("@@shared@@");
+            hold_until_stdin_closes();
+        }
+        // A share of GPU 3 whose own record says it began at the epoch (the oldest
+        // sharer) and that its command is init (another user's process), and one of
+        // GPU 4 that says it begins in the far future.
+        "share3-steering" => {
+            let mut claim = Holder::current();
+            claim.since_unix = 0;
+            claim.command_pid = Some(1);
+            let share =
+                locks.lock_shared(&GpuKey::Index(3), Bytes(GIB), CAPACITY, Wait::Try, claim);
+            let _share = share.unwrap();
+            let mut later = Holder::current();
+            later.since_unix = u64::MAX;
+            let share =
+                locks.lock_shared(&GpuKey::Index(4), Bytes(GIB), CAPACITY, Wait::Try, later);
+            let _later = share.unwrap();
+            println!("@@shared@@");
+            hold_until_stdin_closes();
+        }
         "share-then-queue" => {
             let share = locks.lock_shared(
                 &GpuKey::Index(1),
@@ -486,6 +517,49 @@ fn records_of_a_killed_user_kept_locked_by_another_count_for_nothing_and_are_rep
     );
     other.wait().unwrap();
     end([vandal]);
+}
+
+/// Values in a user's own, believed share records never steer others: a `since_unix`
+/// of 0 does not make it the oldest sharer (whose keeper alone fences), one in the far
+/// future is read as now, and a `command_pid` naming another user's process (init) is
+/// not believed.
+#[test]
+fn values_in_ones_own_records_neither_make_it_the_oldest_sharer_nor_claim_others_processes() {
+    let _turn = UMASK.lock().unwrap_or_else(|e| e.into_inner());
+    let Some([a, b]) = two_users() else { return };
+    let shared = Shared::new();
+    let mut first = shared.as_user(a, "share3", 0o077);
+    assert_eq!(lines_until(&mut first, "shared"), ["shared"]);
+    // The second sharer starts seconds later (records say whole seconds).
+    let since = shared.dir.sharers(&GpuKey::Index(3)).unwrap()[0].since_unix;
+    while (tt_device::now_unix() as u64) < since + 3 {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut steering = shared.as_user(b, "share3-steering", 0o077);
+    assert_eq!(lines_until(&mut steering, "shared"), ["shared"]);
+    let sharers = shared.dir.sharers(&GpuKey::Index(3)).unwrap();
+    assert_eq!(sharers.len(), 2, "{sharers:?}");
+    assert_eq!(
+        sharers[0].pid,
+        first.id(),
+        "the first sharer stays first: {sharers:?}"
+    );
+    assert_eq!(sharers[1].pid, steering.id(), "{sharers:?}");
+    assert!(
+        sharers[1].since_unix >= sharers[0].since_unix,
+        "{sharers:?}"
+    );
+    assert_eq!(
+        sharers[1].command_pid, None,
+        "init is not tt-test-b's: {sharers:?}"
+    );
+    let now = tt_device::now_unix() as u64;
+    let later = shared.dir.sharers(&GpuKey::Index(4)).unwrap();
+    assert!(
+        later.len() == 1 && later[0].since_unix <= now + 2,
+        "{later:?}"
+    );
+    end([first, steering]);
 }
 
 /// Ticket numbers nobody's queue reaches (an empty file at `u64::MAX`, a live ticket of
