@@ -441,7 +441,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli (default features)",
         "tests/trust.rs",
-        4,
+        7,
     ),
     (
         "test -p torchtools-cli (default features)",
@@ -516,7 +516,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli --no-default-features",
         "tests/trust.rs",
-        4,
+        7,
     ),
     (
         "test -p torchtools-cli --no-default-features",

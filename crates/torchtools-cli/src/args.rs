@@ -40,6 +40,12 @@ pub(crate) fn duration(text: &str) -> Result<Duration, String> {
     tt_device::parse_duration(text)
 }
 
+/// A command line as views print it: its words joined by spaces, control characters
+/// made visible (a command line is its writer's text: see [`tt_device::printable`]).
+pub(crate) fn shown(words: &[String]) -> String {
+    tt_device::printable(&words.join(" ")).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -181,22 +181,81 @@ fn read_own_config(path: &Path) -> std::result::Result<Option<String>, String> {
     Ok(Some(text))
 }
 
+/// Where `--on-end`'s command goes when this program re-executes itself without it
+/// ([`hide_from_argv`]): the environment, which only the same user (and root) can read.
+const GIVEN_ENV: &str = "TORCHTOOLS_ON_END_GIVEN";
+
+/// Re-executes this program (same pid) with `--on-end CMD` taken out of its arguments
+/// and handed over in its environment instead, when the arguments hold one: every user
+/// of the machine can read a process's arguments (`/proc/PID/cmdline`, `ps`) for as
+/// long as it runs, and a hook's command may hold a token or a webhook's secret. Only
+/// the options before the user's command (its last `command_len` words, or after `--`)
+/// are looked at. Returns only when there is nothing to hide (or an error).
+pub(crate) fn hide_from_argv(command_len: usize) -> Result<()> {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let head = argv.len().saturating_sub(command_len);
+    let (mut kept, mut given) = (Vec::new(), None);
+    let mut i = 1;
+    let mut options = true;
+    while i < argv.len() {
+        let a = &argv[i];
+        options &= i < head && a != "--";
+        if options && a == "--on-end" && i + 1 < head {
+            given = Some(argv[i + 1].clone());
+            i += 2;
+            continue;
+        }
+        if let Some(value) = a.to_str().and_then(|a| a.strip_prefix("--on-end=")) {
+            if options {
+                given = Some(value.into());
+                i += 1;
+                continue;
+            }
+        }
+        kept.push(a.clone());
+        i += 1;
+    }
+    let Some(given) = given else {
+        return Ok(());
+    };
+    let e = Command::new("/proc/self/exe")
+        .arg0(&argv[0])
+        .args(&kept)
+        .env(GIVEN_ENV, given)
+        .exec();
+    Err(anyhow::anyhow!(
+        "cannot re-run torchtools to take --on-end's command out of its arguments \
+         (which every user can read): {e}; give the hook in \
+         $XDG_CONFIG_HOME/torchtools/config.toml instead"
+    ))
+}
+
+/// The `--on-end` command [`hide_from_argv`] handed over, taken out of the environment
+/// (so that nothing this program starts inherits it).
+fn take_given() -> Option<String> {
+    let given = std::env::var(GIVEN_ENV).ok()?;
+    // SAFETY: called while the program checks its options, before it starts any thread.
+    unsafe { std::env::remove_var(GIVEN_ENV) };
+    Some(given)
+}
+
 impl HookArgs {
     /// The hook this job runs: `--on-end`, else the config's (not inside a detached
     /// job, whose keeper runs the job's hook), else none. The config is read and
     /// checked here, before any work.
     pub(crate) fn resolve(&self) -> Result<Option<Hook>> {
+        let on_end = self.on_end.clone().or_else(take_given);
         if self.no_on_end {
             return Ok(None);
         }
-        let configured = match (&self.on_end, std::env::var_os(JOB_ID_ENV)) {
+        let configured = match (&on_end, std::env::var_os(JOB_ID_ENV)) {
             (None, None) => match config_path() {
                 Some(path) => config_hook(&path)?,
                 None => None,
             },
             _ => None,
         };
-        Ok(match (&self.on_end, configured) {
+        Ok(match (&on_end, configured) {
             (Some(command), _) => Some(Hook {
                 command: command.clone(),
                 timeout: self.on_end_timeout.unwrap_or(DEFAULT_TIMEOUT),

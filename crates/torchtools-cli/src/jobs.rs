@@ -597,7 +597,9 @@ fn ended(job: &Job) -> bool {
 /// Whether `job`'s keeper still runs: its pid is a `job-run` of this id (a pid alone
 /// could be another process's by now).
 fn alive(job: &Job) -> bool {
-    is_jobs(job, job.keeper_pid)
+    // Its user's (another user's process named so is not it); no start time check:
+    // the id in its arguments already names this job.
+    tt_device::procfs::status(job.keeper_pid).and_then(|s| s.uid) == Some(job.uid)
         && tt_device::procfs::cmdline(job.keeper_pid)
             .is_some_and(|args| args.windows(2).any(|w| w[0] == "job-run" && w[1] == job.id))
 }
@@ -817,13 +819,13 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
         };
         println!(
             "{}  {:<8}  {:<24}  {:>7}  {}  {}  {}",
-            job.id,
-            job.user,
-            state(job, &waiting),
+            tt_device::printable(&job.id),
+            tt_device::printable(&job.user),
+            tt_device::printable(&state(job, &waiting)),
             format!("{:.0}s", took.max(0.0)),
             gpus,
-            job.command.join(" "),
-            job.log.display()
+            crate::args::shown(&job.command),
+            tt_device::printable(&job.log.to_string_lossy())
         );
     }
     Ok(ExitCode::SUCCESS)

@@ -242,6 +242,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     if cli.command.only_prints() {
         quiet_on_closed_pipe();
     }
+    // `--on-end`'s command out of this process's arguments, which anyone can read.
+    if cli.command.hook().is_some_and(|h| h.on_end.is_some()) {
+        hook::hide_from_argv(cli.command.command_len())?;
+    }
     // The hook (an option, or the config's default), checked before any work.
     let hook = match cli.command.hook() {
         Some(args) => args.resolve()?,

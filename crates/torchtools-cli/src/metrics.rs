@@ -166,6 +166,13 @@ fn new_textfile(temp: &Path) -> std::io::Result<std::fs::File> {
     Ok(file)
 }
 
+/// A label value from a record (another user's text): control characters made
+/// visible, so that a dashboard or a terminal reading the scrape shows them as text (the
+/// encoder escapes `\`, `"` and newlines as the format requires; this is for the rest).
+fn label(text: &str) -> String {
+    tt_device::printable(text).into_owned()
+}
+
 /// Whether a scrape asks for OpenMetrics (its `Accept` header names it).
 fn accepts_openmetrics(request: &tiny_http::Request) -> bool {
     request.headers().iter().any(|h| {
@@ -320,7 +327,8 @@ fn gpu_memory_series(registry: &mut Registry, snapshot: &Snapshot) {
     let held = gauges::<GpuLabels>(
         registry,
         "gpu_locked",
-        "1 while a job holds the GPU alone",
+        "1 while no request for the whole GPU is granted: a job holds it alone, or a \
+         process holds its lock with no reservation record",
         None,
     );
     for g in &snapshot.gpus {
@@ -342,8 +350,9 @@ fn gpu_memory_series(registry: &mut Registry, snapshot: &Snapshot) {
             .map(|b| b.0)
             .sum();
         fenced.get_or_create(&labels).set(fences as f64);
-        held.get_or_create(&labels)
-            .set(f64::from(u8::from(g.holder.is_some())));
+        held.get_or_create(&labels).set(f64::from(u8::from(
+            g.holder.is_some() || !g.unrecorded.is_empty(),
+        )));
     }
 }
 
@@ -384,7 +393,7 @@ fn gpu_reservation_series(registry: &mut Registry, snapshot: &Snapshot) {
             let user = GpuUserLabels {
                 gpu: labels.gpu.clone(),
                 uuid: labels.uuid.clone(),
-                user: h.user.clone(),
+                user: label(&h.user),
             };
             reserved
                 .get_or_create(&user)
@@ -420,7 +429,7 @@ fn queue_series(registry: &mut Registry, snapshot: &Snapshot) {
     );
     for w in &snapshot.queue {
         let user = UserLabels {
-            user: w.user.clone(),
+            user: label(&w.user),
         };
         queued.get_or_create(&user).inc();
         let waited = snapshot.time_unix.saturating_sub(w.since_unix) as f64;
@@ -449,7 +458,9 @@ fn usage_series(registry: &mut Registry, usage: &tt_lock::UsageLog, now: f64) {
         byte_seconds.clone(),
     );
     for row in crate::usage::rows(&usage.records, crate::usage::By::User, 0.0, now) {
-        let user = UserLabels { user: row.name };
+        let user = UserLabels {
+            user: label(&row.name),
+        };
         gpu_seconds
             .get_or_create(&user)
             .inc_by(row.gpu_hours * 3600.0);
@@ -477,15 +488,15 @@ fn job_series(registry: &mut Registry, jobs: &[crate::jobs::LiveJob]) {
         let state = if job.waiting { "waiting" } else { "running" };
         user_jobs
             .get_or_create(&UserStateLabels {
-                user: job.user.clone(),
+                user: label(&job.user),
                 state: state.into(),
             })
             .inc();
         for gpu in &job.gpus {
             job_reserved
                 .get_or_create(&JobLabels {
-                    job_id: job.id.clone(),
-                    user: job.user.clone(),
+                    job_id: label(&job.id),
+                    user: label(&job.user),
                     gpu: gpu.clone(),
                 })
                 .set(job.bytes.unwrap_or(0) as f64);

@@ -75,7 +75,7 @@ pub(crate) fn queue_text(
         .map(|w| {
             [
                 w.position.to_string(),
-                w.user.clone(),
+                tt_device::printable(&w.user).into_owned(),
                 w.pid.to_string(),
                 age(now.saturating_sub(w.since_unix)),
                 wants_text(&w.wants, |key| {
@@ -86,7 +86,7 @@ pub(crate) fn queue_text(
                         .map(|g| g.nvml_index)
                 }),
                 w.reserved.map_or("-".into(), |b| b.to_string()),
-                w.command.join(" "),
+                crate::args::shown(&w.command),
             ]
         })
         .collect();

@@ -60,6 +60,9 @@ pub(crate) struct GpuView {
     pub(crate) holder: Option<Holder>,
     /// The jobs sharing it by memory budget (`reserve --share`), oldest first.
     pub(crate) shares: Vec<Holder>,
+    /// Processes holding its lock with no reservation record (a bare `flock` on the
+    /// lock file): no request for the whole GPU is granted while they do.
+    pub(crate) unrecorded: Vec<tt_lock::Locker>,
     /// Queue positions of the requests waiting for this GPU.
     pub(crate) waiting: Vec<usize>,
     processes: Vec<ProcessView>,
@@ -158,6 +161,7 @@ impl Snapshot {
                     processes,
                     holder,
                     shares: state.shares,
+                    unrecorded: state.unrecorded,
                 }
             })
             .collect();
@@ -200,7 +204,7 @@ fn flag_over_share(
 
 fn process_command(pid: u32) -> String {
     match tt_device::procfs::cmdline(pid) {
-        Some(args) if !args.is_empty() => args.join(" "),
+        Some(args) if !args.is_empty() => crate::args::shown(&args),
         _ => "?".to_owned(),
     }
 }
@@ -426,11 +430,12 @@ fn gpu_name(g: &GpuView) -> String {
 }
 
 fn holder_cell(h: &Holder, compact: bool) -> String {
-    let command = h.command.join(" ");
+    let command = crate::args::shown(&h.command);
+    let user = tt_device::printable(&h.user);
     if compact {
-        format!("{} {}", h.user, h.pid)
+        format!("{user} {}", h.pid)
     } else {
-        format!("{} pid {}: {command}", h.user, h.pid)
+        format!("{user} pid {}: {command}", h.pid)
     }
 }
 
@@ -453,7 +458,10 @@ fn gpu_cells(snapshot: &Snapshot, g: &GpuView, compact: bool) -> Vec<String> {
         .map_or_else(dash, |b| format!("{} GiB", gib(b)));
     let holder = match (&g.holder, g.shares.as_slice()) {
         (Some(h), _) => holder_cell(h, compact),
-        (None, []) => "free".to_owned(),
+        (None, []) => match g.unrecorded.first() {
+            None => "free".to_owned(),
+            Some(l) => format!("locked by {l}, no record"),
+        },
         (None, shares) => format!("shared by {} job(s)", shares.len()),
     };
     let since = g.holder.as_ref().map_or_else(dash, |h| {
@@ -580,11 +588,18 @@ fn render_detail(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer)
     };
     let mut lines = vec![Line::from(match (&g.holder, g.shares.len()) {
         (Some(h), _) => format!("held by {h}"),
-        (None, 0) => "free".to_owned(),
+        (None, 0) if g.unrecorded.is_empty() => "free".to_owned(),
+        (None, 0) => "not free:".to_owned(),
         (None, n) => format!("shared by {n} job(s) by memory budget:"),
     })];
     for h in &g.shares {
         lines.push(Line::from(format!("  {h}")));
+    }
+    for l in &g.unrecorded {
+        lines.push(Line::from(format!(
+            "  locked by {l} with no reservation record: no request for the whole GPU \
+             is granted until it lets go"
+        )));
     }
     if g.waiting.is_empty() {
         lines.push(Line::from("nobody waits for it"));
@@ -596,10 +611,10 @@ fn render_detail(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer)
             lines.push(Line::from(format!(
                 "  #{} {} pid {} for {}: {}",
                 w.position,
-                w.user,
+                tt_device::printable(&w.user),
                 w.pid,
                 age(snapshot.time_unix.saturating_sub(w.since_unix)),
-                w.command.join(" ")
+                crate::args::shown(&w.command)
             )));
         }
     }
@@ -622,14 +637,14 @@ fn render_queue(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) 
         .map(|w| {
             let mut cells = vec![
                 w.position.to_string(),
-                w.user.clone(),
+                tt_device::printable(&w.user).into_owned(),
                 w.pid.to_string(),
                 age(snapshot.time_unix.saturating_sub(w.since_unix)),
                 wants_text(&w.wants, nvml_index),
             ];
             if !view.compact {
                 cells.push(w.reserved.map_or("-".into(), |b| b.to_string()));
-                cells.push(w.command.join(" "));
+                cells.push(crate::args::shown(&w.command));
             }
             Row::new(cells)
         })

@@ -682,7 +682,8 @@ fn jobs_wait_for_jobs_and_jobs_wait_returns_the_worst_status() {
     let keeper = job(dir, &f)["keeper_pid"].as_i64().unwrap() as i32;
     // SAFETY: kill(2) of the session (process group) our detached job leads.
     unsafe { libc::kill(-keeper, libc::SIGKILL) };
-    assert_eq!(wait(&[&g]).status.code(), Some(0));
+    let out = wait(&[&g]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}: {}", job(dir, &g));
     assert!(dir.join("g-ran").exists());
 
     // A job that does not exist cannot be waited for: refused before anything starts.

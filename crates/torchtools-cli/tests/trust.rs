@@ -391,3 +391,195 @@ fn a_lock_directory_another_user_created_is_said_with_roots_fix() {
         "{out:?}"
     );
 }
+
+#[test]
+fn a_bare_shared_flock_on_a_gpus_lock_is_shown_in_every_view_not_called_free() {
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
+    let dir = tmp.path().join("locks");
+    // The lock file, made by a first reservation.
+    let out = torchtools(&dir)
+        .args(["reserve", "--gpu", "0", "--no-fence", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let mut vandal = Command::new("runuser")
+        .args(["-u", "nobody", "--", "flock", "-s", "gpu-0.lock", "-c"])
+        .arg("echo locked; exec sleep 600")
+        .current_dir(&dir)
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(vandal.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "locked");
+    let says = |args: &[&str]| {
+        let out = torchtools(&dir).args(args).output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let locks = says(&["locks"]);
+    assert!(
+        locks.contains("(nobody) with no reservation record") && !locks.contains(": free"),
+        "{locks}"
+    );
+    let top = says(&["top", "--once"]);
+    assert!(
+        top.contains("(nobody) with no reservation record") && !top.contains("\nfree"),
+        "{top}"
+    );
+    let top: serde_json::Value = serde_json::from_str(&says(&["top", "--json"])).unwrap();
+    assert_eq!(top["gpus"][0]["unrecorded"][0]["user"], "nobody", "{top}");
+    let metrics = says(&["metrics"]);
+    assert!(
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("torchtools_gpu_locked{"))
+            .any(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()) == Some(1.0)),
+        "{metrics}"
+    );
+    // What the views say is what a request meets.
+    let out = torchtools(&dir)
+        .args([
+            "reserve",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--timeout",
+            "1s",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    // SAFETY: kill(2) of a process group this test started.
+    unsafe { libc::kill(-(vandal.id() as i32), libc::SIGKILL) };
+    let _ = vandal.wait();
+}
+
+#[test]
+fn terminal_escapes_in_records_are_shown_as_text_by_every_view() {
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
+    tt_testkit::users::two_users().unwrap();
+    let [user_a, user_b] = tt_testkit::users::USER_NAMES;
+    let dir = tmp.path().join("locks");
+    let home_a = home_of(tmp.path(), user_a);
+    let home_b = home_of(tmp.path(), user_b);
+    // A's command line retitles and clears the terminal of whoever prints it raw.
+    let escape = "\x1b]0;pwned\x07\x1b[2J";
+    let mut held = as_user(user_a, &dir, &home_a)
+        .args(["reserve", "--gpu", "0", "--no-fence", "--"])
+        .args(["sh", "-c", "echo ready; exec sleep 600", escape])
+        .process_group(0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(held.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready");
+    // nobody's own job record, its id (and so its file's name) an escape.
+    let record = job_record("\x1b[2J", "nobody", 65_534, 1, 1, Path::new("/dev/null"));
+    std::fs::write(dir.join("job-\x1b[2J.json"), record).unwrap();
+    let out = Command::new("chown")
+        .arg("nobody")
+        .arg(dir.join("job-\x1b[2J.json"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    for args in [
+        &["locks"][..],
+        &["top", "--once"],
+        &["jobs", "--all"],
+        &["metrics"],
+        &["queue"],
+    ] {
+        let out = as_user(user_b, &dir, &home_b).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !out.stdout.contains(&0x1b) && !out.stdout.contains(&0x07),
+            "{args:?} printed a raw escape: {text:?}"
+        );
+        // (`top --once` draws 80 columns, which cut the command off.)
+        if matches!(args[0], "locks" | "jobs") {
+            assert!(text.contains("\\x1b"), "{args:?}: {text:?}");
+        }
+    }
+    // SAFETY: kill(2) of a process group this test started.
+    unsafe { libc::kill(-(held.id() as i32), libc::SIGKILL) };
+    let _ = held.wait();
+}
+
+#[test]
+fn an_on_end_command_is_never_in_the_arguments_other_users_read_and_still_runs() {
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
+    let [a, _] = tt_testkit::users::two_users().unwrap();
+    let [user_a, user_b] = tt_testkit::users::USER_NAMES;
+    let dir = tmp.path().join("locks");
+    let home = home_of(tmp.path(), user_a);
+    let ran = home.join("hook-ran");
+    let hook = format!(
+        "echo $TORCHTOOLS_JOB_STATUS > {}; : token-s3cr3t",
+        ran.display()
+    );
+    let mut held = as_user(user_a, &dir, &home)
+        .args([
+            "reserve",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--on-end",
+            &hook,
+            "--",
+        ])
+        .args(["sh", "-c", "echo ready; exec sleep 600"])
+        .process_group(0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(held.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready");
+    let torchtools = pgrep(held.id(), a.uid);
+    assert_ne!(torchtools, 0);
+    let seen = Command::new("runuser")
+        .args(["-u", user_b, "--", "cat"])
+        .arg(format!("/proc/{torchtools}/cmdline"))
+        .output()
+        .unwrap();
+    let seen = String::from_utf8_lossy(&seen.stdout).replace('\0', " ");
+    assert!(
+        seen.contains("reserve") && seen.contains("--gpu"),
+        "{seen:?}"
+    );
+    assert!(
+        !seen.contains("s3cr3t"),
+        "another user reads the hook: {seen:?}"
+    );
+    // The hook still runs when the job ends.
+    // SAFETY: kill(2) of a process this test started (through runuser).
+    unsafe { libc::kill(torchtools as i32, libc::SIGTERM) };
+    common::until("the hook ran", || {
+        std::fs::read_to_string(&ran).is_ok_and(|s| s.ends_with('\n'))
+    });
+    // SAFETY: kill(2) of a process group this test started.
+    unsafe { libc::kill(-(held.id() as i32), libc::SIGKILL) };
+    let _ = held.wait();
+}

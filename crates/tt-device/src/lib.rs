@@ -14,6 +14,7 @@ mod process;
 pub mod procfs;
 mod report;
 mod select;
+mod text;
 
 pub use bytes::Bytes;
 pub use cpu::{omp_num_threads, CpuBudget};
@@ -35,3 +36,4 @@ pub use process::{
 };
 pub use report::{Backend, DeviceReport, LibtorchInfo, View};
 pub use select::{select_with, Availability, CudaCandidate, Device, Selection};
+pub use text::printable;

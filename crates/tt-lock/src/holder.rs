@@ -114,8 +114,18 @@ impl Holder {
     }
 }
 
+/// One line, its writer's text (user, host, command) with control characters made
+/// visible ([`tt_device::printable`]): a record's text reaches other users' terminals.
 impl fmt::Display for Holder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut line = String::new();
+        self.write_line(&mut line)?;
+        f.write_str(&tt_device::printable(&line))
+    }
+}
+
+impl Holder {
+    fn write_line(&self, f: &mut impl fmt::Write) -> fmt::Result {
         write!(
             f,
             "pid {}{} ({}@{}) since {}",

@@ -19,7 +19,7 @@ pub use dir::{LockDir, DEFAULT_LOCK_DIR, LOCK_DIR_ENV};
 pub use error::{Error, Result};
 pub use gpu::{GpuKey, GpuSpec};
 pub use holder::{own_pid_namespace, utc, Holder};
-pub use list::LockState;
+pub use list::{LockState, Locker};
 pub use lock::{inheritance, share_with, GpuLock, Wait, HELD_LOCKS_ENV};
 pub use owner::{check as check_owner, name_of_uid, user_name_of, Ignored};
 pub use queue::{Waiter, Wants};

@@ -37,6 +37,27 @@ pub struct LockState {
     /// Records of this GPU's holders or sharers that were not believed: each names
     /// another user than its file's owner.
     pub ignored: Vec<Ignored>,
+    /// Processes that hold the GPU's lock file locked with no believed record of theirs
+    /// (a bare `flock -s` or `flock -x` on it, say): no exclusive request is granted
+    /// while they do, so views must not call the GPU free. From the kernel's lock table
+    /// (only processes this PID namespace sees).
+    pub unrecorded: Vec<Locker>,
+}
+
+/// A process holding a GPU's lock file locked without a record (see
+/// [`LockState::unrecorded`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Locker {
+    /// Its pid, as this PID namespace numbers it.
+    pub pid: u32,
+    /// Its user's name (or `uid N`).
+    pub user: String,
+}
+
+impl std::fmt::Display for Locker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pid {} ({})", self.pid, self.user)
+    }
 }
 
 impl LockState {
@@ -73,9 +94,21 @@ impl std::fmt::Display for LockState {
                     write!(f, "{} {h}", if i == 0 { "" } else { ";" })?;
                 }
             }
-            (false, _) => f.write_str(": free")?,
+            (false, _) if self.unrecorded.is_empty() => f.write_str(": free")?,
+            (false, _) => {}
             (true, Some(h)) => write!(f, ": held by {h}")?,
-            (true, None) => f.write_str(": held (no record yet)")?,
+            (true, None) if self.unrecorded.is_empty() => f.write_str(": held (no record yet)")?,
+            (true, None) => {}
+        }
+        if !self.unrecorded.is_empty() {
+            let who: Vec<String> = self.unrecorded.iter().map(|l| l.to_string()).collect();
+            write!(
+                f,
+                "{} locked by {} with no reservation record: no request for the whole GPU \
+                 is granted until it lets go",
+                if self.shares.is_empty() { ":" } else { ";" },
+                who.join(", ")
+            )?;
         }
         match self.waiting {
             0 => Ok(()),
@@ -113,6 +146,7 @@ impl LockDir {
             } else {
                 (None, Vec::new())
             };
+            let lockers = kernel.as_ref().map_or_else(Vec::new, |t| t.flockers(&meta));
             states.push(LockState {
                 gpu,
                 nvml_index: None,
@@ -123,6 +157,13 @@ impl LockDir {
                 waiting: 0,
                 shares: Vec::new(),
                 ignored,
+                unrecorded: lockers
+                    .into_iter()
+                    .map(|pid| Locker {
+                        pid,
+                        user: String::new(),
+                    })
+                    .collect(),
             });
         }
         states.sort_by(|a, b| a.gpu.cmp(&b.gpu));
@@ -134,6 +175,7 @@ impl LockDir {
                 state.shares = shares;
                 state.ignored.extend(ignored);
             }
+            unrecorded_lockers(state);
         }
         Ok(states)
     }
@@ -232,6 +274,7 @@ impl LockDir {
                         waiting: 0,
                         shares: Vec::new(),
                         ignored: Vec::new(),
+                        unrecorded: Vec::new(),
                     },
                 };
                 state.nvml_index = Some(gpu.nvml_index);
@@ -265,6 +308,30 @@ fn pick_holder(
     (at < theirs.len()).then(|| theirs.swap_remove(at).holder)
 }
 
+/// Keeps, of the processes locking a GPU's lock file, those no believed record names
+/// (the holder's, the sharers' pids, in this PID namespace), each with its user.
+fn unrecorded_lockers(state: &mut LockState) {
+    let ours = tt_device::own_pid_namespace();
+    let elsewhere = |h: &Holder| h.pid_ns.is_some() && h.pid_ns != ours;
+    if state.holder.iter().chain(&state.shares).any(elsewhere) {
+        // Its pids are another namespace's: which lock is whose cannot be told here.
+        state.unrecorded.clear();
+        return;
+    }
+    let recorded: Vec<u32> = state
+        .holder
+        .iter()
+        .chain(&state.shares)
+        .map(|h| h.pid)
+        .collect();
+    state.unrecorded.retain(|l| !recorded.contains(&l.pid));
+    for l in &mut state.unrecorded {
+        l.user = tt_device::procfs::status(l.pid)
+            .and_then(|s| s.uid)
+            .map_or_else(|| "user unknown".to_owned(), crate::owner::name_of_uid);
+    }
+}
+
 /// How many of the queued requests wait for `gpu`.
 fn waiting_for(queue: &[Waiter], gpu: &GpuKey) -> usize {
     queue
@@ -281,6 +348,9 @@ struct FlockTable {
     /// Every process holding any `flock` or POSIX lock on a file (shared ones
     /// included), by file: who keeps a record locked that is not theirs.
     lockers: HashMap<(u32, u32, u64), Vec<u32>>,
+    /// Every process holding a `flock` (shared or exclusive), by file: the GPUs' lock
+    /// files are locked with `flock` only.
+    flocks: HashMap<(u32, u32, u64), Vec<u32>>,
     /// Whether the table came whole from one `read`: the kernel renders `/proc/locks`
     /// one page per `read` call and lets locks come and go between calls, so a table
     /// read in several calls can skip a lock that was held all along (seen: a lock
@@ -293,6 +363,15 @@ struct FlockTable {
 }
 
 impl FlockTable {
+    /// The processes holding `flock` locks (shared or exclusive) on the file of `meta`.
+    fn flockers(&self, meta: &std::fs::Metadata) -> Vec<u32> {
+        let id = (libc::major(meta.dev()), libc::minor(meta.dev()), meta.ino());
+        let mut pids = self.flocks.get(&id).cloned().unwrap_or_default();
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+
     /// Whether `file` is locked: a lock the table lists is held; one it does not list
     /// is free when the table came whole and this process sees every process (the
     /// host's PID namespace), and is probed on the lock itself otherwise: in a
@@ -320,7 +399,8 @@ fn kernel_flocks(dir: &LockDir) -> Option<FlockTable> {
     let (text, whole) = read_in_one_call("/proc/locks")?;
     Some(FlockTable {
         pids: parse_proc_locks(&text),
-        lockers: parse_lockers(&text),
+        lockers: parse_lockers(&text, &["FLOCK", "POSIX"]),
+        flocks: parse_lockers(&text, &["FLOCK"]),
         whole,
         sees_all: tt_device::own_pid_namespace() == Some(tt_device::INITIAL_PID_NAMESPACE),
     })
@@ -355,10 +435,10 @@ fn read_in_one_call(path: &str) -> Option<(String, bool)> {
 
 /// Every lock holder in `/proc/locks` (`FLOCK` and `POSIX`, shared or exclusive;
 /// open-file-description locks name no process and are left out), by file.
-fn parse_lockers(text: &str) -> HashMap<(u32, u32, u64), Vec<u32>> {
+fn parse_lockers(text: &str, kinds: &[&str]) -> HashMap<(u32, u32, u64), Vec<u32>> {
     let mut out: HashMap<(u32, u32, u64), Vec<u32>> = HashMap::new();
     for lock in text.lines().filter_map(lock_line) {
-        if matches!(lock.kind, "FLOCK" | "POSIX") {
+        if kinds.contains(&lock.kind) {
             out.entry(lock.file).or_default().push(lock.pid);
         }
     }
@@ -432,6 +512,7 @@ mod tests {
             waiting: 0,
             shares: Vec::new(),
             ignored: Vec::new(),
+            unrecorded: Vec::new(),
         };
         assert_eq!(state.to_string(), format!("3  NVIDIA H100  {uuid}: free"));
         state.held = true;
@@ -467,7 +548,7 @@ mod tests {
         assert_eq!(set.get(&(0x103, 2, 42)), Some(&12));
         // Every holder, shared and POSIX ones too; neither the waiter nor the lock that
         // names no process.
-        let lockers = parse_lockers(text);
+        let lockers = parse_lockers(text, &["FLOCK", "POSIX"]);
         assert_eq!(lockers.len(), 4, "{lockers:?}");
         assert_eq!(lockers.get(&(0xfe, 0, 10_010_682)), Some(&vec![6661]));
         assert_eq!(lockers.get(&(8, 1, 99)), Some(&vec![77]));
@@ -509,6 +590,7 @@ mod tests {
                 HashMap::new()
             },
             lockers: HashMap::new(),
+            flocks: HashMap::new(),
             whole,
             sees_all: true,
         };

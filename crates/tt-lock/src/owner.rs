@@ -50,21 +50,19 @@ impl Ignored {
     }
 }
 
+/// One line; the file's name and what it claims are another user's text, so control
+/// characters are made visible ([`tt_device::printable`]).
 impl fmt::Display for Ignored {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}: written by uid {}",
-            self.path.display(),
-            self.owner_uid
-        )?;
+        let mut line = format!("{}: written by uid {}", self.path.display(), self.owner_uid);
         if let Some(name) = &self.owner {
-            write!(f, " ({name})")?;
+            line.push_str(&format!(" ({name})"));
         }
         match &self.reason {
-            Some(reason) => write!(f, ": {reason}"),
-            None => write!(f, ", claims {}", self.claims),
+            Some(reason) => line.push_str(&format!(": {reason}")),
+            None => line.push_str(&format!(", claims {}", self.claims)),
         }
+        f.write_str(&tt_device::printable(&line))
     }
 }
 

@@ -149,8 +149,7 @@ impl Waiter {
 
 impl fmt::Display for Waiter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
+        let line = format!(
             "#{} pid {}{} ({}@{}) since {} wants {}",
             self.position,
             self.pid,
@@ -159,7 +158,9 @@ impl fmt::Display for Waiter {
             self.host,
             self.since_utc(),
             self.wants
-        )
+        );
+        // Its user and host are its writer's text (see Holder's Display).
+        f.write_str(&tt_device::printable(&line))
     }
 }
 
