@@ -27,10 +27,19 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
             .stdin(Stdio::null());
         c
     };
-    // Root holds GPU 0 under `umask 077`.
-    let mut held = torchtools(&dir)
+    // Root holds GPU 0, torchtools itself under `umask 077` (its records must stay
+    // readable by every user).
+    let mut held = torchtools(&dir);
+    // SAFETY: umask is async-signal-safe and allocates nothing.
+    unsafe {
+        held.pre_exec(|| {
+            libc::umask(0o077);
+            Ok(())
+        });
+    }
+    let mut held = held
         .args(["reserve", "--gpu", "0", "--no-fence", "--"])
-        .args(["sh", "-c", "umask 077; echo ready; exec sleep 600"])
+        .args(["sh", "-c", "echo ready; exec sleep 600"])
         .process_group(0)
         .stdout(Stdio::piped())
         .spawn()
@@ -88,20 +97,25 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
         "{locks}"
     );
     let queue = view(&["queue"]);
-    assert!(
-        !queue.contains("#1"),
+    assert!(queue.contains(says), "{queue}");
+    let queue: serde_json::Value = serde_json::from_str(&view(&["queue", "--json"])).unwrap();
+    assert_eq!(
+        queue["waiters"],
+        serde_json::json!([]),
         "the forged ticket is no request: {queue}"
     );
-    assert!(queue.contains(says), "{queue}");
     let usage = view(&["usage", "--by", "user"]);
     assert!(
         usage.contains("1 record ignored:") && usage.contains(says),
         "{usage}"
     );
+    // Root's one reservation, running; not the forged one besides.
+    let usage: serde_json::Value =
+        serde_json::from_str(&view(&["usage", "--by", "user", "--json"])).unwrap();
+    let rows = usage["rows"].as_array().unwrap();
+    let root: Vec<_> = rows.iter().filter(|r| r["name"] == "root").collect();
     assert!(
-        !usage
-            .lines()
-            .any(|l| l.starts_with("root") && l.contains("2 running")),
+        root.len() == 1 && root[0]["reservations"] == 1 && root[0]["running"] == 1,
         "{usage}"
     );
     // nobody's own request meets the real holder.

@@ -63,6 +63,12 @@ fn child() {
             println!("@@{}@@", if lock.is_ok() { "granted" } else { "timeout" });
         }
         "vandal" => vandalize(&dir),
+        // Who waits, as this user reads the queue.
+        "see-queue" => {
+            let queue = LockDir::open(&dir).unwrap().queue().unwrap();
+            let users: Vec<&str> = queue.iter().map(|w| w.user.as_str()).collect();
+            println!("@@queue: {}@@", users.join(" "));
+        }
         // The name root keeps its GPU 5 record under, taken first, claiming root.
         "squat" => {
             let mut claim = Holder::current();
@@ -818,10 +824,8 @@ fn another_user_can_neither_erase_nor_forge_records_and_forgeries_are_reported()
 
 #[test]
 fn under_umask_077_a_share_beside_another_users_is_counted_and_a_ticket_is_seen() {
-    if !second_user_possible() {
-        return;
-    }
     let _turn = UMASK.lock().unwrap_or_else(|e| e.into_inner());
+    let Some([_, b]) = two_users() else { return };
     let shared = Shared::new();
     let dir = &shared.dir;
     let (share, alone) = with_umask(0o077, || {
@@ -841,12 +845,21 @@ fn under_umask_077_a_share_beside_another_users_is_counted_and_a_ticket_is_seen(
     // 50 GiB more do not fit beside root's 50 GiB on 80: refused, not overbooked.
     let mut sharer = shared.as_nobody("share", 0o077);
     let said = lines_until(&mut sharer, "");
-    assert!(said[0].starts_with("refused"), "{said:?}");
+    // Refused for root's budget, which nobody read in root's umask-077 record.
+    assert!(
+        said[0].starts_with("refused")
+            && said[0].contains("(root@")
+            && said[0].contains("budget of 50.00 GiB"),
+        "{said:?}"
+    );
     sharer.wait().unwrap();
-    // nobody's request for GPU 0 waits in the queue, which root sees...
+    // nobody's request for GPU 0 waits in the queue (a umask-077 ticket), which another
+    // ordinary user sees...
     let mut waiter = shared.as_nobody("wait", 0o077);
-    let queue = queued(dir);
-    assert_eq!(queue[0].user, "nobody", "{queue:?}");
+    queued(dir);
+    let mut reader = shared.as_user(b, "see-queue", 0o077);
+    assert_eq!(lines_until(&mut reader, "queue"), ["queue: nobody"]);
+    reader.wait().unwrap();
     // ...and is served when root lets go.
     drop(alone);
     assert_eq!(lines_until(&mut waiter, ""), ["granted"]);
