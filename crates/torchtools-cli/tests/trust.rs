@@ -12,6 +12,27 @@ use std::process::{Command, Stdio};
 mod common;
 use common::torchtools;
 
+/// A request for GPU 0 that gives up after a second (exit 75 when it is taken).
+const TRY_GPU0: [&str; 8] = [
+    "reserve",
+    "--gpu",
+    "0",
+    "--no-fence",
+    "--timeout",
+    "1s",
+    "--",
+    "true",
+];
+
+/// The first line `child` prints (its standard output piped), trimmed.
+fn first_line(child: &mut std::process::Child) -> String {
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    line.trim().to_owned()
+}
+
 #[test]
 fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
     let Some(tmp) = common::shared_dir_for_two_users() else {
@@ -44,11 +65,7 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(held.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line.trim(), "ready");
+    assert_eq!(first_line(&mut held), "ready");
     let root_pid = held.id();
     // nobody plants a holder record and a queue ticket claiming root, each locked as a
     // live record is (a write lock on the open file, F_OFD_SETLK = 37 with F_WRLCK = 1,
@@ -72,11 +89,7 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(forger.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line.trim(), "forged");
+    assert_eq!(first_line(&mut forger), "forged");
     let view = |args: &[&str]| {
         common::until("the forged records locked", || {
             let out = torchtools(&dir).arg("locks").output().unwrap();
@@ -120,16 +133,7 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
     );
     // nobody's own request meets the real holder.
     let out = as_nobody(env!("CARGO_BIN_EXE_torchtools"))
-        .args([
-            "reserve",
-            "--gpu",
-            "0",
-            "--no-fence",
-            "--timeout",
-            "1s",
-            "--",
-            "true",
-        ])
+        .args(TRY_GPU0)
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(75), "{out:?}");
@@ -428,11 +432,7 @@ fn a_bare_shared_flock_on_a_gpus_lock_is_shown_in_every_view_not_called_free() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(vandal.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line.trim(), "locked");
+    assert_eq!(first_line(&mut vandal), "locked");
     let says = |args: &[&str]| {
         let out = torchtools(&dir).args(args).output().unwrap();
         assert!(out.status.success(), "{out:?}");
@@ -459,19 +459,7 @@ fn a_bare_shared_flock_on_a_gpus_lock_is_shown_in_every_view_not_called_free() {
         "{metrics}"
     );
     // What the views say is what a request meets.
-    let out = torchtools(&dir)
-        .args([
-            "reserve",
-            "--gpu",
-            "0",
-            "--no-fence",
-            "--timeout",
-            "1s",
-            "--",
-            "true",
-        ])
-        .output()
-        .unwrap();
+    let out = torchtools(&dir).args(TRY_GPU0).output().unwrap();
     assert_eq!(out.status.code(), Some(75), "{out:?}");
     // SAFETY: kill(2) of a process group this test started.
     unsafe { libc::kill(-(vandal.id() as i32), libc::SIGKILL) };
@@ -498,11 +486,7 @@ fn terminal_escapes_in_records_are_shown_as_text_by_every_view() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(held.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line.trim(), "ready");
+    assert_eq!(first_line(&mut held), "ready");
     // nobody's own job record, its id (and so its file's name) an escape.
     let record = job_record("\x1b[2J", "nobody", 65_534, 1, 1, Path::new("/dev/null"));
     std::fs::write(dir.join("job-\x1b[2J.json"), record).unwrap();
@@ -566,11 +550,7 @@ fn an_on_end_command_is_never_in_the_arguments_other_users_read_and_still_runs()
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(held.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert_eq!(line.trim(), "ready");
+    assert_eq!(first_line(&mut held), "ready");
     let torchtools = pgrep(held.id(), a.uid);
     assert_ne!(torchtools, 0);
     let seen = Command::new("runuser")
