@@ -378,7 +378,7 @@ fn metrics_textfile_never_writes_through_a_planted_link() {
 }
 
 #[test]
-fn a_lock_directory_another_user_created_is_said_with_roots_fix() {
+fn a_lock_directory_or_lock_file_another_user_created_is_said_with_roots_fix() {
     let Some(tmp) = common::shared_dir_for_two_users() else {
         return;
     };
@@ -406,6 +406,23 @@ fn a_lock_directory_another_user_created_is_said_with_roots_fix() {
         err.contains(&format!("belongs to {user_a}"))
             && err.contains("/etc/tmpfiles.d/torchtools.conf")
             && err.contains("1777 root root"),
+        "{out:?}"
+    );
+    // A's lock file (A reserved GPU 0 first) is said to B, with root's set-up.
+    let out = as_user(user_a, &dir, &home_a)
+        .args(["reserve", "--gpu", "0", "--no-fence", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let out = as_user(user_b, &dir, &home_b)
+        .args(["reserve", "--gpu", "0", "--no-fence", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("gpu-0.lock belongs to {user_a}"))
+            && err.contains("sudo torchtools reserve --gpu N --no-fence -- true"),
         "{out:?}"
     );
 }

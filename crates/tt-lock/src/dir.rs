@@ -267,6 +267,7 @@ impl LockDir {
                 }
                 Err(e) => return Err(self.open_error(&path, e)),
             };
+            warn_of_lock_file_owner(&file, &path);
             return Ok(file);
         }
     }
@@ -300,6 +301,29 @@ impl LockDir {
             cause: e,
         }
     }
+}
+
+/// Warns (once per process) when a GPU's lock file belongs to another ordinary user:
+/// the owner of a file in a sticky directory may delete it, and a lock file deleted
+/// while one job holds it lets the next request create a new one and take the GPU too.
+/// Root's one-time set-up (the README's) makes every lock file root's.
+fn warn_of_lock_file_owner(file: &File, path: &Path) {
+    let Ok(meta) = file.metadata() else { return };
+    let owner = meta.uid();
+    if owner == 0 || owner == nix::unistd::geteuid().as_raw() {
+        return;
+    }
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        tracing::warn!(
+            "the lock file {} belongs to {} (uid {owner}), who can delete it while \
+             another user holds the GPU: ask root to create the lock files once (`sudo \
+             torchtools reserve --gpu N --no-fence -- true` for each GPU, as the README's \
+             set-up for a shared server shows)",
+            path.display(),
+            crate::owner::name_of_uid(owner)
+        )
+    });
 }
 
 #[cfg(test)]
