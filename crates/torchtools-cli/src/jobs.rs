@@ -599,9 +599,14 @@ fn ended(job: &Job) -> bool {
 fn alive(job: &Job) -> bool {
     // Its user's (another user's process named so is not it); no start time check:
     // the id in its arguments already names this job.
-    tt_device::procfs::status(job.keeper_pid).and_then(|s| s.uid) == Some(job.uid)
+    of_jobs_user(job, job.keeper_pid)
         && tt_device::procfs::cmdline(job.keeper_pid)
             .is_some_and(|args| args.windows(2).any(|w| w[0] == "job-run" && w[1] == job.id))
+}
+
+/// Whether `pid` is a process of `job`'s user.
+fn of_jobs_user(job: &Job, pid: u32) -> bool {
+    tt_device::procfs::uid(pid) == Some(job.uid)
 }
 
 /// Whether `pid` can be one of `job`'s processes: it belongs to the job's user and
@@ -610,7 +615,7 @@ fn alive(job: &Job) -> bool {
 fn is_jobs(job: &Job, pid: u32) -> bool {
     // btime is whole seconds: a process may seem to start up to a second early.
     const SLACK: f64 = 2.0;
-    tt_device::procfs::status(pid).and_then(|s| s.uid) == Some(job.uid)
+    of_jobs_user(job, pid)
         && tt_device::procfs::started_unix(pid).is_some_and(|t| t >= job.started_unix - SLACK)
 }
 

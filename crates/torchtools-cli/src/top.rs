@@ -210,7 +210,7 @@ fn process_command(pid: u32) -> String {
 }
 
 fn process_user(pid: u32) -> String {
-    match tt_device::procfs::status(pid).and_then(|s| s.uid) {
+    match tt_device::procfs::uid(pid) {
         Some(uid) => tt_lock::user_name_of(uid).unwrap_or_else(|| uid.to_string()),
         None => "?".to_owned(),
     }

@@ -116,6 +116,12 @@ pub fn status(pid: u32) -> Option<Status> {
     ))
 }
 
+/// The real user ID of `pid`, from its `/proc/PID/status`; `None` when it is gone or
+/// hidden from this namespace.
+pub fn uid(pid: u32) -> Option<u32> {
+    status(pid)?.uid
+}
+
 /// The arguments of `pid` (`/proc/PID/cmdline`, lossily UTF-8); `None` when it is gone,
 /// empty for a kernel thread or a zombie.
 pub fn cmdline(pid: u32) -> Option<Vec<String>> {

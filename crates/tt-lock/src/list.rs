@@ -233,7 +233,7 @@ impl LockDir {
             let claims = crate::file::read_record::<Holder>(&file)
                 .map_or_else(|| crate::owner::name_of_uid(meta.uid()), |h| h.user);
             for &pid in pids {
-                let Some(uid) = tt_device::procfs::status(pid).and_then(|s| s.uid) else {
+                let Some(uid) = tt_device::procfs::uid(pid) else {
                     continue;
                 };
                 if uid == meta.uid() {
@@ -300,7 +300,7 @@ fn pick_holder(
     let Some(pid) = table.and_then(|t| t.pids.get(&lock_id).copied()) else {
         return found.into_iter().next().map(|f| f.holder);
     };
-    let Some(uid) = tt_device::procfs::status(pid).and_then(|s| s.uid) else {
+    let Some(uid) = tt_device::procfs::uid(pid) else {
         return found.into_iter().next().map(|f| f.holder);
     };
     let mut theirs: Vec<Found> = found.into_iter().filter(|f| f.owner_uid == uid).collect();
@@ -326,8 +326,7 @@ fn unrecorded_lockers(state: &mut LockState) {
         .collect();
     state.unrecorded.retain(|l| !recorded.contains(&l.pid));
     for l in &mut state.unrecorded {
-        l.user = tt_device::procfs::status(l.pid)
-            .and_then(|s| s.uid)
+        l.user = tt_device::procfs::uid(l.pid)
             .map_or_else(|| "user unknown".to_owned(), crate::owner::name_of_uid);
     }
 }

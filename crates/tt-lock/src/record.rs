@@ -255,21 +255,20 @@ pub(crate) fn believable(mut holder: Holder, meta: &fs::Metadata) -> Holder {
         .then(|| tt_device::procfs::started_unix(holder.pid))
         .flatten()
         .map(|t| t as u64);
-    let created = meta
-        .created()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map(|d| d.as_secs());
+    let created = || {
+        meta.created()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_secs())
+    };
     // (A process's start, from btime's whole seconds, is read up to a second early:
     // never later than a record it wrote says.)
-    if let Some(floor) = started.or(created) {
+    if let Some(floor) = started.or_else(created) {
         holder.since_unix = holder.since_unix.max(floor);
     }
     holder.since_unix = holder.since_unix.min(now + SLACK);
     if let Some(pid) = holder.command_pid {
-        let owners = here
-            .then(|| tt_device::procfs::status(pid).and_then(|s| s.uid))
-            .flatten();
+        let owners = here.then(|| tt_device::procfs::uid(pid)).flatten();
         if owners.is_some_and(|uid| uid != meta.uid()) {
             holder.command_pid = None;
         }
