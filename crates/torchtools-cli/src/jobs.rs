@@ -770,6 +770,7 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
         .collect();
     if !json {
         crate::ignored::say(&scan.ignored);
+        crate::policy::say_if_ignored(&locks);
         for why in &scan.damaged {
             println!("damaged job record (not a job torchtools wrote): {why}");
         }

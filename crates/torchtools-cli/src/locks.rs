@@ -46,5 +46,6 @@ fn locks(json: bool) -> Result<ExitCode> {
         println!("  {state}");
     }
     crate::ignored::say(&ignored);
+    crate::policy::say_if_ignored(&dir);
     Ok(ExitCode::SUCCESS)
 }

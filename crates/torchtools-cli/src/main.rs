@@ -19,6 +19,7 @@ mod jobs;
 mod launch;
 mod locks;
 mod metrics;
+mod policy;
 mod probe;
 mod queue;
 mod reserve;
@@ -132,8 +133,17 @@ enum Command {
     /// running job: its GPUs and budget. Labels: gpu, uuid, user, job_id.
     Metrics(metrics::Args),
     /// Show the requests waiting for GPUs, in the order they will be served (first
-    /// come, first served): user, pid, how long, GPUs asked, bytes, command.
+    /// come, first served, or by the machine's fair-share policy with each request's
+    /// priority and why): user, pid, how long, GPUs asked, bytes, command.
     Queue(queue::Args),
+    /// Show the machine's queueing policy (/etc/torchtools/policy.toml, or the file
+    /// TORCHTOOLS_POLICY names) and why it is in force or ignored, and each user's
+    /// recent use, GPUs held and requests waiting under it.
+    ///
+    /// Exits with 1 when a policy file is there but ignored: not owned by root (or,
+    /// for TORCHTOOLS_POLICY's file, by the lock directory's owner), writable by
+    /// others, or not valid (the message names the key).
+    Policy(policy::Args),
     /// A live view of the GPUs, refreshed every second: memory used, free and fenced,
     /// use, the lock's holder and the requests waiting, and the processes on each GPU
     /// (marked when they run outside the holder's reservation).
@@ -230,7 +240,11 @@ impl Command {
     /// Whether it only prints (a closed pipe may end it quietly).
     fn only_prints(&self) -> bool {
         match self {
-            Command::Devices(_) | Command::Locks(_) | Command::Queue(_) | Command::Usage(_) => true,
+            Command::Devices(_)
+            | Command::Locks(_)
+            | Command::Queue(_)
+            | Command::Policy(_)
+            | Command::Usage(_) => true,
             Command::Top(a) => a.once || a.json,
             Command::Metrics(a) => a.listen.is_none() && a.textfile.is_none(),
             _ => false,
@@ -267,6 +281,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run(args) => attached(hook, || run::run(args)),
         Command::Launch(args) => attached(hook, || launch::launch(*args)),
         Command::Locks(args) => locks::run(args),
+        Command::Policy(args) => policy::run(args),
         Command::Jobs(args) => jobs::run(args),
         Command::Logs(args) => jobs::logs(&args.job, args.follow),
         Command::Stop(args) => jobs::stop(&args.job, args.grace),

@@ -283,6 +283,7 @@ pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
     let mut registry = Registry::with_prefix("torchtools");
     gpu_series(&mut registry, &snapshot);
     queue_series(&mut registry, &snapshot);
+    fair_share_series(&mut registry, &snapshot);
     usage_series(&mut registry, &usage, tt_device::now_unix());
     job_series(&mut registry, &jobs);
     ignored_series(&mut registry, &snapshot, &usage);
@@ -437,6 +438,41 @@ fn queue_series(registry: &mut Registry, snapshot: &Snapshot) {
         if waited > oldest.get() {
             oldest.set(waited);
         }
+    }
+}
+
+/// Per user, under a policy that orders the queue: recent use (decayed GPU-seconds),
+/// its part of everyone's, and the GPUs held now.
+fn fair_share_series(registry: &mut Registry, snapshot: &Snapshot) {
+    if !snapshot.policy_orders {
+        return;
+    }
+    let used = gauges::<UserLabels>(
+        registry,
+        "fair_share_recent_use_gpu",
+        "Each user's recent GPU use under the machine's fair-share policy: GPU-seconds, \
+         each counting half after the policy's half-life",
+        Some(Unit::Seconds),
+    );
+    let fraction = gauges::<UserLabels>(
+        registry,
+        "fair_share_fraction",
+        "Each user's part of all users' recent GPU use (0 to 1); less is served first",
+        None,
+    );
+    let held = gauges::<UserLabels>(
+        registry,
+        "fair_share_gpus_held",
+        "GPUs each user holds now, counted against the policy's per-user limit",
+        None,
+    );
+    for u in &snapshot.users {
+        let user = UserLabels {
+            user: label(&u.user),
+        };
+        used.get_or_create(&user).set(u.use_gpu_s);
+        fraction.get_or_create(&user).set(u.fraction);
+        held.get_or_create(&user).set(u.gpus as f64);
     }
 }
 

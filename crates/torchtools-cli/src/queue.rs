@@ -24,6 +24,7 @@ fn queue(json: bool) -> Result<ExitCode> {
     let dir = LockDir::from_env()?;
     let inventory = Inventory::query();
     let waiters = dir.queue()?;
+    let policy = dir.policy();
     let now = now_unix();
     if json {
         let mut list = Vec::with_capacity(waiters.len());
@@ -38,13 +39,14 @@ fn queue(json: bool) -> Result<ExitCode> {
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "lock_dir": dir.path(),
+                "policy": policy.summary(),
                 "waiters": list,
                 "ignored": dir.ignored()?,
             }))?
         );
         return Ok(ExitCode::SUCCESS);
     }
-    print!("{}", queue_text(&dir, &waiters, &inventory, now));
+    print!("{}", queue_text(&dir, &waiters, &inventory, now, &policy));
     crate::ignored::say(&dir.ignored()?);
     Ok(ExitCode::SUCCESS)
 }
@@ -55,25 +57,39 @@ pub(crate) fn now_unix() -> u64 {
     tt_device::now_unix() as u64
 }
 
-/// The queue as a table, one line per request.
+/// The queue as a table, one line per request; under a fair-share policy each with its
+/// priority and why, and a request a limit holds back marked so.
 pub(crate) fn queue_text(
     dir: &LockDir,
     waiters: &[tt_lock::Waiter],
     inventory: &Inventory,
     now: u64,
+    policy: &tt_lock::PolicyInForce,
 ) -> String {
+    let order = match (&policy.status, policy.policy.orders_the_queue()) {
+        (tt_lock::PolicyStatus::InForce, true) => format!(
+            "served by the policy {}: `torchtools policy`",
+            policy.path.display()
+        ),
+        (tt_lock::PolicyStatus::Ignored(_), _) => {
+            format!("served first come, first served; {}", policy.summary())
+        }
+        _ => "served first come, first served".to_owned(),
+    };
     let mut out = format!(
-        "GPU requests waiting in {} (served first come, first served): {}\n",
+        "GPU requests waiting in {} ({}): {}\n",
         dir.path().display(),
+        tt_device::printable(&order),
         waiters.len()
     );
     if waiters.is_empty() {
         return out;
     }
-    let rows: Vec<[String; 7]> = waiters
+    let fair = waiters.iter().any(|w| w.priority.is_some() || w.held.is_some());
+    let rows: Vec<Vec<String>> = waiters
         .iter()
         .map(|w| {
-            [
+            let mut row = vec![
                 w.position.to_string(),
                 tt_device::printable(&w.user).into_owned(),
                 w.pid.to_string(),
@@ -86,18 +102,32 @@ pub(crate) fn queue_text(
                         .map(|g| g.nvml_index)
                 }),
                 w.reserved.map_or("-".into(), |b| b.to_string()),
-                crate::args::shown(&w.command),
-            ]
+            ];
+            if fair {
+                row.push(w.priority.map_or("-".into(), |p| format!("{p:+.2}")));
+                let why = [w.held.as_deref(), w.why.as_deref()]
+                    .into_iter()
+                    .flatten()
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                row.push(tt_device::printable(&why).into_owned());
+            }
+            row.push(crate::args::shown(&w.command));
+            row
         })
         .collect();
-    let header = ["#", "user", "pid", "waiting", "wants", "bytes", "command"];
-    let mut widths = header.map(str::len);
+    let mut header = vec!["#", "user", "pid", "waiting", "wants", "bytes"];
+    if fair {
+        header.extend(["priority", "why"]);
+    }
+    header.push("command");
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in &rows {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.chars().count());
         }
     }
-    let line = |cells: [&str; 7]| {
+    let line = |cells: &[&str]| {
         let mut text = String::from(" ");
         for (i, cell) in cells.iter().enumerate() {
             if i + 1 == cells.len() {
@@ -109,9 +139,9 @@ pub(crate) fn queue_text(
         }
         text.trim_end().to_owned() + "\n"
     };
-    out.push_str(&line(header));
+    out.push_str(&line(&header));
     for row in &rows {
-        out.push_str(&line(row.each_ref().map(String::as_str)));
+        out.push_str(&line(&row.iter().map(String::as_str).collect::<Vec<_>>()));
     }
     out
 }

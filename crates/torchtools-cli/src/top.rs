@@ -39,6 +39,13 @@ pub(crate) struct Snapshot {
     pub(crate) gpus: Vec<GpuView>,
     /// The requests waiting, first served first.
     pub(crate) queue: Vec<Waiter>,
+    /// The queueing policy in force, as one line (`torchtools policy`).
+    pub(crate) policy: String,
+    /// Whether the policy orders the queue (fair share or per-user limits).
+    pub(crate) policy_orders: bool,
+    /// Each user's standing under the policy (recent use, GPUs held, requests
+    /// waiting), most recent use first; empty without a policy that orders the queue.
+    pub(crate) users: Vec<tt_lock::Standing>,
     /// Records in the lock directory not believed: each names another user than its
     /// file's owner.
     pub(crate) ignored: Vec<tt_lock::Ignored>,
@@ -106,6 +113,15 @@ impl Snapshot {
     pub(crate) fn take(dir: &LockDir, gpus: &Gpus) -> Result<Snapshot> {
         let inventory = gpus.backend.inventory();
         let queue = dir.queue()?;
+        let policy = dir.policy();
+        let policy_orders = matches!(policy.status, tt_lock::PolicyStatus::InForce)
+            && policy.policy.orders_the_queue();
+        let mut users: Vec<tt_lock::Standing> = if policy_orders {
+            dir.standings(&policy.policy, &queue)?.into_values().collect()
+        } else {
+            Vec::new()
+        };
+        users.sort_by(|a, b| b.use_gpu_s.total_cmp(&a.use_gpu_s).then(a.user.cmp(&b.user)));
         let views = dir
             .status(&inventory)?
             .into_iter()
@@ -171,6 +187,9 @@ impl Snapshot {
             nvml: inventory.nvml,
             gpus: views,
             queue,
+            policy: policy.summary(),
+            policy_orders,
+            users,
             ignored: dir.ignored()?,
         })
     }
@@ -664,10 +683,25 @@ fn render_queue(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) 
     Table::new(rows, widths)
         .header(Row::new(header).style(Style::default().add_modifier(Modifier::BOLD)))
         .block(block(format!(
-            "queue: {} waiting, served first come, first served",
-            snapshot.queue.len()
+            "queue: {} waiting, {}",
+            snapshot.queue.len(),
+            queue_order(snapshot)
         )))
         .render(area, buf);
+}
+
+/// How the queue is served, for the queue's title: first come, first served, or by
+/// fair share with each user's recent use.
+fn queue_order(snapshot: &Snapshot) -> String {
+    if !snapshot.policy_orders {
+        return "served first come, first served".to_owned();
+    }
+    let users: Vec<String> = snapshot
+        .users
+        .iter()
+        .map(|u| format!("{}: {:.1} GPU-h", tt_device::printable(&u.user), u.use_gpu_s / 3600.0))
+        .collect();
+    format!("served by the machine's policy ({})", users.join(", "))
 }
 
 fn render_processes(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) {

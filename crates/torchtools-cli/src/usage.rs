@@ -112,6 +112,7 @@ pub(crate) fn usage(since: Option<Duration>, by: By, json: bool) -> Result<ExitC
     }
     print!("{}", text(&rows, by));
     crate::ignored::say(&log.ignored);
+    crate::policy::say_if_ignored(&dir);
     Ok(ExitCode::SUCCESS)
 }
 

@@ -44,9 +44,35 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(seconds).map_err(|_| err())
 }
 
+/// A duration as [`parse_duration`] reads it back, in its largest whole unit: `7d`,
+/// `30m`, `90s`, `1500ms` (a policy or a job's time limit shown to users).
+///
+/// ```
+/// use std::time::Duration;
+/// assert_eq!(tt_device::format_duration(Duration::from_secs(7 * 86_400)), "7d");
+/// assert_eq!(tt_device::format_duration(Duration::from_secs(90)), "90s");
+/// ```
+pub fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    for (unit, size) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)] {
+        if ms >= size && ms % size == 0 {
+            return format!("{}{unit}", ms / size);
+        }
+    }
+    format!("{ms}ms")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn formatted_durations_read_back() {
+        for text in ["7d", "36h", "30m", "90s", "1500ms", "0ms"] {
+            let d = parse_duration(text).unwrap_or_default();
+            assert_eq!(format_duration(d), text);
+        }
+    }
 
     #[test]
     fn durations() {

@@ -19,7 +19,7 @@ mod text;
 pub use bytes::Bytes;
 pub use cpu::{omp_num_threads, CpuBudget};
 pub use cuda::{CudaDriver, CudaError};
-pub use duration::parse_duration;
+pub use duration::{format_duration, parse_duration};
 pub use env::{
     log_filter, CudaVisibleDevices, DeviceRequest, EnvConfig, LogFilterError, RawEnv, VisibleEntry,
     CUDA_VISIBLE_DEVICES, LOCAL_RANK, TORCHTOOLS_DEVICE, TORCHTOOLS_LOG,

@@ -108,6 +108,31 @@ pub enum Error {
         /// Why, and what to do.
         reason: String,
     },
+    /// The machine's policy ([`crate::LockDir::policy`]) refuses the request: it asks
+    /// for more than one user may have, or its user has as many requests waiting as
+    /// the policy allows.
+    #[error("{reason} (the machine's policy {path}; `torchtools policy` shows it)")]
+    Policy {
+        /// The policy file.
+        path: PathBuf,
+        /// What it refuses and why.
+        reason: String,
+    },
+    /// `Wait::Try`, or a `Wait::Timeout` that ran out, and the machine's policy holds
+    /// the request back: its user holds as much as a per-user limit allows. Busy, like
+    /// [`Error::WouldBlock`]: it is served once the user holds less.
+    #[error(
+        "{}{reason} (the machine's policy {path}; `torchtools policy` shows it)",
+        .waited.map_or(String::new(), |w| format!("timed out after {w:.1?} waiting: "))
+    )]
+    Held {
+        /// The policy file.
+        path: PathBuf,
+        /// Why: `held by policy: 2 of 2 GPU(s) held, 1 more asked`.
+        reason: String,
+        /// How long it waited, for a timeout.
+        waited: Option<Duration>,
+    },
     /// A logical CUDA index could not be mapped to a physical GPU.
     #[error("cannot tell which physical GPU {spec} is: {reason}")]
     Cuda {

@@ -3,12 +3,14 @@
 
 mod dir;
 mod error;
+mod fair;
 mod file;
 mod gpu;
 mod holder;
 mod list;
 mod lock;
 mod owner;
+mod policy;
 mod queue;
 mod record;
 mod share;
@@ -17,10 +19,15 @@ mod watch;
 
 pub use dir::{LockDir, DEFAULT_LOCK_DIR, LOCK_DIR_ENV};
 pub use error::{Error, Result};
+pub use fair::Standing;
 pub use gpu::{GpuKey, GpuSpec};
 pub use holder::{own_pid_namespace, utc, Holder};
 pub use list::{LockState, Locker};
 pub use lock::{inheritance, share_with, GpuLock, Wait, HELD_LOCKS_ENV};
 pub use owner::{check as check_owner, name_of_uid, user_name_of, Ignored};
+pub use policy::{
+    FairShare, Limits, Policy, PolicyInForce, PolicyStatus, Preemption, DEFAULT_AGING,
+    DEFAULT_POLICY, POLICY_ENV,
+};
 pub use queue::{Waiter, Wants};
 pub use usage::{Usage, UsageEvent, UsageLog, USAGE_PREFIX};

@@ -335,14 +335,27 @@ impl LockDir {
         let Some(wants) = wants else {
             return Ok(granted);
         };
+        let policy = self.policy();
+        if let Some(reason) = crate::fair::never_served(&policy.policy.limits, &wants) {
+            return Err(Error::Policy {
+                path: policy.path,
+                reason,
+            });
+        }
         let mut slots = self.slots(&wants)?;
         let mut ticket: Option<Ticket> = None;
         let mut watch: Option<std::rc::Rc<Watch>> = None;
+        let me = Waiter::new(0, &holder, wants.clone());
         loop {
             let own = ticket.as_ref().map(Ticket::number);
             let queue = self.scan_queue(own)?;
-            let earlier = self.earlier(&queue, own, &slots);
-            let busy = match self.take(&mut slots, &wants, &earlier, &holder)? {
+            let queued = queue.iter().filter(|w| w.user == holder.user).count();
+            let (earlier, held) = self.earlier(queue, own, &slots, &policy.policy, &me)?;
+            let taken = match held {
+                Some(why) => Taken::Busy(Busy::held(&wants, why)),
+                None => self.take(&mut slots, &wants, &earlier, &holder)?,
+            };
+            let busy = match taken {
                 Taken::All(taken) => {
                     let linked = taken
                         .iter()
@@ -357,16 +370,32 @@ impl LockDir {
                         }
                         continue;
                     }
-                    granted.extend(self.grant(slots, &taken, holder)?);
+                    let share_of = match &wants {
+                        Wants::Share { capacity, .. } => Some(capacity.0),
+                        _ => None,
+                    };
+                    granted.extend(self.grant(slots, &taken, holder, share_of)?);
                     drop(ticket); // leaves the queue only once the GPUs are held
                     return Ok(granted);
                 }
                 Taken::Busy(busy) => busy,
             };
-            let remaining = still_to_wait(wait, start.elapsed(), &busy)?;
+            let remaining = still_to_wait(wait, start.elapsed(), &busy, &policy.path)?;
             match &ticket {
                 Some(t) if t.is_in_place() => {}
                 lost => {
+                    if let (None, Some(limit)) = (lost, policy.policy.limits.queued) {
+                        if queued >= limit {
+                            return Err(Error::Policy {
+                                path: policy.path,
+                                reason: format!(
+                                    "{} has {queued} request(s) waiting, and may have at most \
+                                     {limit} at once: wait for one to be served, or stop one",
+                                    holder.user
+                                ),
+                            });
+                        }
+                    }
                     if lost.is_some() {
                         tracing::warn!(
                             "this request's queue ticket was deleted (a /tmp cleaner?): \
@@ -379,11 +408,11 @@ impl LockDir {
                     tracing::info!(
                         "waiting for {}, {}; {} earlier request(s) in the queue",
                         wants,
-                        busy.holder
-                            .as_ref()
-                            .map_or("held by an unknown process".into(), |h| format!(
-                                "held by {h}"
-                            )),
+                        match (&busy.held, &busy.holder) {
+                            (Some(why), _) => why.clone(),
+                            (None, Some(h)) => format!("held by {h}"),
+                            (None, None) => "held by an unknown process".into(),
+                        },
                         earlier.len()
                     );
                     continue;
@@ -395,30 +424,55 @@ impl LockDir {
         }
     }
 
-    /// The requests of `queue` served before this one (ticket `own`, none yet: all of
-    /// them), but for those waiting for a GPU this process holds: they cannot be served
-    /// before we let go, and waiting behind them would wait for ourselves.
-    fn earlier<'q>(
+    /// The requests of `queue` served before this one (`me`, with ticket `own`, none
+    /// yet: after all of them by arrival), but for those waiting for a GPU this process
+    /// holds: they cannot be served before we let go, and waiting behind them would wait
+    /// for ourselves. Under a `policy` that orders the queue, the order is the policy's,
+    /// requests it holds back are left out (they block nobody), and the second value is
+    /// why it holds this one back, if it does.
+    fn earlier(
         &self,
-        queue: &'q [Waiter],
+        queue: Vec<Waiter>,
         own: Option<u64>,
         slots: &[Slot],
-    ) -> Vec<&'q Waiter> {
-        let ours = if queue.is_empty() {
-            Vec::new()
-        } else {
-            held_by_this_process(self.path(), slots)
+        policy: &crate::Policy,
+        me: &Waiter,
+    ) -> Result<(Vec<Waiter>, Option<String>)> {
+        let ordering = policy.orders_the_queue();
+        if queue.is_empty() && !(ordering && policy.limits_apply()) {
+            return Ok((Vec::new(), None));
+        }
+        let ours = held_by_this_process(self.path(), slots);
+        let not_ours = |w: &Waiter| {
+            !w.wants
+                .gpus()
+                .iter()
+                .any(|k| ours.contains(&self.path().join(k.file_name())))
         };
-        queue
-            .iter()
-            .filter(|w| own.is_none_or(|n| w.ticket < n))
-            .filter(|w| {
-                !w.wants
-                    .gpus()
-                    .iter()
-                    .any(|k| ours.contains(&self.path().join(k.file_name())))
-            })
-            .collect()
+        if !ordering {
+            let earlier = queue
+                .into_iter()
+                .filter(|w| own.is_none_or(|n| w.ticket < n))
+                .filter(not_ours)
+                .collect();
+            return Ok((earlier, None));
+        }
+        let mine = own.unwrap_or(u64::MAX);
+        let mut all = queue;
+        let mut me = me.clone();
+        me.ticket = mine;
+        all.push(me);
+        let standings = self.standings(policy, &all)?;
+        crate::fair::serve_order(&mut all, policy, &standings, tt_device::now_unix() as u64);
+        let at = all.iter().position(|w| w.ticket == mine).unwrap_or(all.len());
+        let held = all.get(at).and_then(|w| w.held.clone());
+        all.truncate(at);
+        let earlier = all
+            .into_iter()
+            .filter(|w| w.held.is_none())
+            .filter(not_ours)
+            .collect();
+        Ok((earlier, held))
     }
 
     /// Takes the locks inherited from `torchtools reserve`; returns them and what is
@@ -498,7 +552,13 @@ impl LockDir {
     }
 
     /// Turns the slots taken into locks: writes the holder's record of each.
-    fn grant(&self, slots: Vec<Slot>, taken: &[usize], holder: Holder) -> Result<Vec<GpuLock>> {
+    fn grant(
+        &self,
+        slots: Vec<Slot>,
+        taken: &[usize],
+        holder: Holder,
+        share_of: Option<u64>,
+    ) -> Result<Vec<GpuLock>> {
         let mut slots: Vec<Option<Slot>> = slots.into_iter().map(Some).collect();
         let mut locks = Vec::with_capacity(taken.len());
         // A copy of the holder for each GPU but the last, which takes it.
@@ -526,7 +586,7 @@ impl LockDir {
                 }
                 None => OwnRecord::holding(self.path(), &slot.key, &holder)?,
             };
-            self.record_start(&holder, &id);
+            self.record_start(&holder, &id, share_of);
             locks.push(GpuLock {
                 file: slot.file,
                 key: slot.key,
@@ -612,7 +672,20 @@ struct Slot {
 
 /// How much longer a request that found `busy` may wait, having waited `waited`: none
 /// for a try (the error), none left of a time limit (the error), or the rest.
-fn still_to_wait(wait: Wait, waited: Duration, busy: &Busy) -> Result<Duration> {
+fn still_to_wait(wait: Wait, waited: Duration, busy: &Busy, policy: &Path) -> Result<Duration> {
+    if let Some(why) = &busy.held {
+        let waited = match wait {
+            Wait::Try => None,
+            Wait::Timeout(limit) if waited >= limit => Some(waited),
+            Wait::Timeout(limit) => return Ok(limit - waited),
+            Wait::Block => return Ok(Duration::MAX),
+        };
+        return Err(Error::Held {
+            path: policy.to_owned(),
+            reason: why.clone(),
+            waited,
+        });
+    }
     match wait {
         Wait::Try => Err(Error::WouldBlock {
             gpu: busy.gpu.clone(),
@@ -635,6 +708,20 @@ struct Busy {
     gpu: GpuKey,
     holder: Option<Box<Holder>>,
     waiting: usize,
+    /// Why the machine's policy holds the request back, when it does.
+    held: Option<String>,
+}
+
+impl Busy {
+    /// A request the policy holds back (`why`), whatever its GPUs' state.
+    fn held(wants: &Wants, why: String) -> Busy {
+        Busy {
+            gpu: wants.gpus().first().cloned().unwrap_or(GpuKey::Index(0)),
+            holder: None,
+            waiting: 0,
+            held: Some(why),
+        }
+    }
 }
 
 enum Taken {
@@ -650,7 +737,7 @@ impl LockDir {
         &self,
         slots: &mut [Slot],
         wants: &Wants,
-        earlier: &[&Waiter],
+        earlier: &[Waiter],
         holder: &Holder,
     ) -> Result<Taken> {
         let waiting_for = |key: &GpuKey| {
@@ -685,6 +772,7 @@ impl LockDir {
                 gpu: slot.key.clone(),
                 holder: holder.map(Box::new),
                 waiting,
+                held: None,
             }));
         }
         take_exclusive(self, slots, wants, &waiting_for)
@@ -730,6 +818,7 @@ fn take_exclusive(
                 gpu: slot.key.clone(),
                 holder: holder.map(Box::new),
                 waiting,
+                held: None,
             });
         }
         if matches!(wants, Wants::Gpus { .. }) {
@@ -741,6 +830,7 @@ fn take_exclusive(
         gpu: slots.first().map_or(GpuKey::Index(0), |s| s.key.clone()),
         holder: None,
         waiting: 0,
+        held: None,
     })))
 }
 

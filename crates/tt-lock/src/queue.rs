@@ -97,7 +97,7 @@ fn short_name(key: &GpuKey) -> String {
 }
 
 /// A request waiting in a lock directory's queue, as [`LockDir::queue`] lists it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Waiter {
     /// Its place in the queue: 1 is served first.
     #[serde(default)]
@@ -123,10 +123,23 @@ pub struct Waiter {
     /// Its PID namespace (see [`Holder::pid_ns`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pid_ns: Option<u64>,
+    /// Under a fair-share policy, its priority: higher is served first (see
+    /// [`LockDir::queue`]); `None` when served first come, first served. Computed by
+    /// the reader, never read from the ticket.
+    #[serde(default, skip_deserializing, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<f64>,
+    /// Why it has its place under a fair-share policy: `tt2: 0.4 GPU-h recent use (3%
+    /// of all), waited 2m`. Computed by the reader.
+    #[serde(default, skip_deserializing, skip_serializing_if = "Option::is_none")]
+    pub why: Option<String>,
+    /// Why the policy holds it back (a per-user limit reached): it blocks nobody and is
+    /// served once its user holds less. Computed by the reader.
+    #[serde(default, skip_deserializing, skip_serializing_if = "Option::is_none")]
+    pub held: Option<String>,
 }
 
 impl Waiter {
-    fn new(ticket: u64, holder: &Holder, wants: Wants) -> Waiter {
+    pub(crate) fn new(ticket: u64, holder: &Holder, wants: Wants) -> Waiter {
         Waiter {
             position: 0,
             ticket,
@@ -138,6 +151,9 @@ impl Waiter {
             command: holder.command.clone(),
             wants,
             pid_ns: holder.pid_ns,
+            priority: None,
+            why: None,
+            held: None,
         }
     }
 
@@ -224,11 +240,16 @@ impl Drop for Ticket {
 }
 
 impl LockDir {
-    /// The requests waiting for GPUs in this directory, first served first. A request
-    /// whose process died (however: `kill -9`, the OOM killer) is not listed, nor a
-    /// ticket that names another user than its file's owner ([`LockDir::ignored`]).
+    /// The requests waiting for GPUs in this directory, first served first: by
+    /// arrival, or as the machine's policy orders them ([`LockDir::policy`]: fair share
+    /// by recent use, each with its [`Waiter::priority`] and [`Waiter::why`]; one held
+    /// back by a per-user limit keeps its place with [`Waiter::held`] and blocks
+    /// nobody). A request whose process died (however: `kill -9`, the OOM killer) is not
+    /// listed, nor a ticket that names another user than its file's owner
+    /// ([`LockDir::ignored`]).
     pub fn queue(&self) -> Result<Vec<Waiter>> {
-        self.scan_queue(None)
+        let waiters = self.scan_queue(None)?;
+        self.ordered(&self.policy().policy, waiters)
     }
 
     /// Live tickets in order; `own` is this process's ticket, listed without re-reading.
@@ -487,6 +508,9 @@ mod tests {
             reserved: None,
             command: vec![],
             pid_ns: None,
+            priority: None,
+            why: None,
+            held: None,
             wants: Wants::Auto {
                 count: 2,
                 among: vec![],

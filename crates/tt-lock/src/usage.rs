@@ -52,6 +52,10 @@ pub enum UsageEvent {
         time: f64,
         /// The job's command line.
         command: Vec<String>,
+        /// For a job sharing the GPU by memory budget (`bytes`), the GPU's memory: its
+        /// use counts as `bytes / share_of` of the GPU.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        share_of: Option<u64>,
     },
     /// It ended.
     End {
@@ -80,6 +84,8 @@ struct StartLine<'a> {
     bytes: Option<u64>,
     time: f64,
     command: &'a [String],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    share_of: Option<u64>,
 }
 
 /// One reservation of one GPU, as the log tells it.
@@ -99,6 +105,8 @@ pub struct Usage {
     pub bytes: Option<u64>,
     /// The job's command line.
     pub command: Vec<String>,
+    /// A sharer's GPU memory (see [`UsageEvent::Start`]); `None` for a whole GPU.
+    pub share_of: Option<u64>,
     /// Start, in seconds since the Unix epoch.
     pub start: f64,
     /// End; `None` while it is held.
@@ -185,8 +193,9 @@ impl LockDir {
         }
     }
 
-    /// Records the start of `holder`'s use of its GPU.
-    pub(crate) fn record_start(&self, holder: &Holder, id: &str) {
+    /// Records the start of `holder`'s use of its GPU (`share_of`: the GPU's memory, for
+    /// a sharer).
+    pub(crate) fn record_start(&self, holder: &Holder, id: &str, share_of: Option<u64>) {
         self.record(&StartLine {
             id,
             user: &holder.user,
@@ -196,6 +205,7 @@ impl LockDir {
             bytes: holder.reserved.map(|b| b.0),
             time: now_unix(),
             command: &holder.command,
+            share_of,
         });
     }
 
@@ -459,6 +469,7 @@ fn read(path: &Path, uid: u32, log: &mut UsageLog) -> Result<()> {
                 bytes,
                 time,
                 command,
+                share_of,
             }) => {
                 if let Err(why) = crate::owner::check(path, meta.uid(), &user) {
                     log.ignored.push(why);
@@ -473,6 +484,7 @@ fn read(path: &Path, uid: u32, log: &mut UsageLog) -> Result<()> {
                     gpu,
                     bytes,
                     command,
+                    share_of,
                     start: time,
                     end: None,
                     status: None,
@@ -519,6 +531,7 @@ mod tests {
             bytes: Some(1 << 30),
             time: 100.5,
             command: &command,
+            share_of: None,
         };
         let read: UsageEvent = serde_json::from_slice(&serde_json::to_vec(&line).unwrap()).unwrap();
         let record = UsageEvent::Start {
@@ -530,6 +543,7 @@ mod tests {
             bytes: Some(1 << 30),
             time: 100.5,
             command: command.clone(),
+            share_of: None,
         };
         assert_eq!(read, record);
         // Byte for byte the line the record itself writes.
@@ -554,6 +568,7 @@ mod tests {
             bytes: None,
             time: 100.0,
             command: vec![],
+            share_of: None,
         };
         append(&path, &start).unwrap();
         // `truncate -s 1T`: a terabyte of zeros after the first record, no newline.
@@ -602,6 +617,7 @@ mod tests {
             bytes: Some(1 << 30),
             time,
             command: vec!["train".into()],
+            share_of: None,
         };
         append(&path, &start("a", "GPU-1", 100.0)).unwrap();
         append(&path, &start("b", "GPU-2", 150.0)).unwrap();

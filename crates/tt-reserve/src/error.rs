@@ -60,7 +60,11 @@ impl Error {
     pub fn is_busy(&self) -> bool {
         matches!(
             self,
-            Error::Lock(tt_lock::Error::Timeout { .. } | tt_lock::Error::WouldBlock { .. })
+            Error::Lock(
+                tt_lock::Error::Timeout { .. }
+                    | tt_lock::Error::WouldBlock { .. }
+                    | tt_lock::Error::Held { .. }
+            )
         )
     }
 
@@ -71,7 +75,9 @@ impl Error {
             self,
             Error::Options(_)
                 | Error::Lock(
-                    tt_lock::Error::InvalidGpu { .. } | tt_lock::Error::UnknownGpu { .. }
+                    tt_lock::Error::InvalidGpu { .. }
+                        | tt_lock::Error::UnknownGpu { .. }
+                        | tt_lock::Error::Policy { .. }
                 )
         )
     }

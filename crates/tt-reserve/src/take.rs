@@ -96,10 +96,15 @@ pub(crate) fn take_locks(
     };
     let start = Instant::now();
     let locks = match (options.blocking, attempt(Wait::Try)) {
-        (true, Err(tt_lock::Error::WouldBlock { gpu, holder, .. })) => {
+        (true, Err(busy @ (tt_lock::Error::WouldBlock { .. } | tt_lock::Error::Held { .. }))) => {
+            let (gpu, holder) = match busy {
+                tt_lock::Error::WouldBlock { gpu, holder, .. } => (gpu, holder.map(|h| *h)),
+                // Held back by the policy: the first GPU asked for, whoever holds it.
+                _ => (keys.first().cloned().unwrap_or(GpuKey::Index(0)), None),
+            };
             on_wait(&Waiting {
                 gpu,
-                holder: holder.map(|h| *h),
+                holder,
                 timeout: options.timeout,
             });
             attempt(match options.timeout {

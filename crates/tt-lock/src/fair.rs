@@ -1,0 +1,332 @@
+//! The order in which a policy serves the queue, computed alike by every reader from
+//! the believed records: each user's recent use from the usage logs, what each holds
+//! now from the holder and sharer records, and the tickets.
+//!
+//! **Fair share.** A user's recent use is the GPU-seconds of their reservations, each
+//! second weighted by `2^(-age / half_life)` (a sharer's seconds count the fraction of
+//! the GPU its budget is). A request's priority is `waited / aging - fraction`, where
+//! `fraction` (0 to 1) is its user's part of all users' recent use: the user who used
+//! least goes first, ties by arrival. Since `fraction` is at most 1, a request that has
+//! waited `aging` has a priority at or above every request that arrived after it: no
+//! request arriving more than `aging` later is served before it (the starvation bound).
+//!
+//! **Limits.** A request that would take its user past `[limits] gpus` or `share` is
+//! held: it keeps its place but blocks nobody, and is served once its user's holdings
+//! fall.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+use tt_device::Bytes;
+
+use crate::policy::{Limits, Policy};
+use crate::usage::Usage;
+use crate::{LockDir, Result, Waiter, Wants};
+
+/// One user's standing under the policy: recent use and what they hold and ask now.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Standing {
+    /// The user.
+    pub user: String,
+    /// Recent use in GPU-seconds, decayed with the policy's half-life (0 without fair
+    /// share).
+    pub use_gpu_s: f64,
+    /// Their part of all users' recent use, 0 to 1.
+    pub fraction: f64,
+    /// GPUs they hold exclusively now.
+    pub gpus: usize,
+    /// Bytes they have budgeted on shared GPUs now.
+    pub shared: Bytes,
+    /// Their requests waiting in the queue.
+    pub waiting: usize,
+}
+
+impl Standing {
+    /// Recent use and its part of everyone's as users read it:
+    /// `0.4 GPU-h recent use (12% of all)`.
+    pub fn use_text(&self) -> String {
+        format!(
+            "{:.1} GPU-h recent use ({:.0}% of all)",
+            self.use_gpu_s / 3600.0,
+            self.fraction * 100.0
+        )
+    }
+}
+
+/// Each user's recent use in GPU-seconds at `now`, decayed with `half_life` seconds.
+pub(crate) fn decayed_use(records: &[Usage], now: f64, half_life: f64) -> HashMap<String, f64> {
+    let k = std::f64::consts::LN_2 / half_life.max(1e-9);
+    let mut uses: HashMap<String, f64> = HashMap::new();
+    for r in records {
+        let end = r.end.unwrap_or(now).min(now);
+        let start = r.start.min(end);
+        if !(start.is_finite() && end.is_finite()) {
+            continue;
+        }
+        let weight = match (r.share_of, r.bytes) {
+            (Some(capacity), Some(bytes)) if capacity > 0 => {
+                (bytes as f64 / capacity as f64).min(1.0)
+            }
+            _ => 1.0,
+        };
+        // The integral of 2^(-(now - t) / half_life) from start to end.
+        let used = ((-k * (now - end)).exp() - (-k * (now - start)).exp()) / k;
+        *uses.entry(r.user.clone()).or_default() += weight * used;
+    }
+    uses
+}
+
+/// Why a request is held back by `limits`, given its user's standing; `None` when it
+/// may be served.
+pub(crate) fn held_by(limits: &Limits, standing: &Standing, wants: &Wants) -> Option<String> {
+    match wants {
+        Wants::Share { bytes, .. } => {
+            let limit = limits.share?;
+            (standing.shared.0.saturating_add(bytes.0) > limit.0).then(|| {
+                format!(
+                    "held by policy: {} of {limit} shared, {bytes} more asked",
+                    standing.shared
+                )
+            })
+        }
+        Wants::Gpus { gpus } => gpus_held_by(limits, standing, gpus.len()),
+        Wants::Auto { count, .. } => gpus_held_by(limits, standing, *count),
+    }
+}
+
+fn gpus_held_by(limits: &Limits, standing: &Standing, asked: usize) -> Option<String> {
+    let limit = limits.gpus?;
+    (standing.gpus.saturating_add(asked) > limit).then(|| {
+        format!(
+            "held by policy: {} of {limit} GPU(s) held, {asked} more asked",
+            standing.gpus
+        )
+    })
+}
+
+/// A request that can never be served under `limits` (it alone asks for more than a
+/// user may hold): the reason, to refuse it rather than keep it waiting forever.
+pub(crate) fn never_served(limits: &Limits, wants: &Wants) -> Option<String> {
+    let empty = Standing::default();
+    held_by(limits, &empty, wants).map(|why| {
+        why.replacen(
+            "held by policy",
+            "asks for more than the policy lets one user have at once",
+            1,
+        )
+    })
+}
+
+/// Orders `waiters` as `policy` serves them, at `now` (seconds since the epoch): sets
+/// each one's position, priority, reason and hold. Without fair share, by arrival.
+pub(crate) fn serve_order(
+    waiters: &mut [Waiter],
+    policy: &Policy,
+    standings: &HashMap<String, Standing>,
+    now: u64,
+) {
+    let empty = Standing::default();
+    for w in waiters.iter_mut() {
+        let standing = standings.get(&w.user).unwrap_or(&empty);
+        w.held = held_by(&policy.limits, standing, &w.wants);
+        if let Some(fs) = &policy.fair_share {
+            let waited = now.saturating_sub(w.since_unix) as f64;
+            let priority = waited / fs.aging.as_secs_f64() - standing.fraction;
+            w.priority = Some(priority);
+            w.why = Some(format!(
+                "{}: {}, waited {}",
+                w.user,
+                standing.use_text(),
+                tt_device::format_duration(std::time::Duration::from_secs(
+                    now.saturating_sub(w.since_unix)
+                ))
+            ));
+        }
+    }
+    waiters.sort_by(|a, b| {
+        let (pa, pb) = (a.priority.unwrap_or(0.0), b.priority.unwrap_or(0.0));
+        pb.total_cmp(&pa).then(a.ticket.cmp(&b.ticket))
+    });
+    for (i, w) in waiters.iter_mut().enumerate() {
+        w.position = i + 1;
+    }
+}
+
+impl LockDir {
+    /// Every user's standing under `policy`: recent use (with fair share), what each
+    /// holds now, and how many requests each has waiting in `queue`. Users are keyed by
+    /// name.
+    pub fn standings(&self, policy: &Policy, queue: &[Waiter]) -> Result<HashMap<String, Standing>> {
+        let mut standings: HashMap<String, Standing> = HashMap::new();
+        if let Some(fs) = &policy.fair_share {
+            let now = tt_device::now_unix();
+            let uses = decayed_use(&self.usage()?.records, now, fs.half_life.as_secs_f64());
+            let total: f64 = uses.values().sum();
+            for (user, used) in uses {
+                let s = standing_of(&mut standings, &user);
+                s.use_gpu_s = used;
+                s.fraction = if total > 0.0 { used / total } else { 0.0 };
+            }
+        }
+        if policy.limits.gpus.is_some() || policy.limits.share.is_some() {
+            for state in self.list()? {
+                if let Some(h) = state.holder.filter(|_| state.held) {
+                    standing_of(&mut standings, &h.user).gpus += 1;
+                }
+                for h in state.shares {
+                    let s = standing_of(&mut standings, &h.user);
+                    s.shared = Bytes(s.shared.0.saturating_add(h.share.map_or(0, |b| b.0)));
+                }
+            }
+        }
+        for w in queue {
+            standing_of(&mut standings, &w.user).waiting += 1;
+        }
+        Ok(standings)
+    }
+
+    /// The queue as `policy` serves it (see [`LockDir::queue`]).
+    pub(crate) fn ordered(&self, policy: &Policy, mut waiters: Vec<Waiter>) -> Result<Vec<Waiter>> {
+        if !policy.orders_the_queue() || waiters.is_empty() {
+            return Ok(waiters);
+        }
+        let standings = self.standings(policy, &waiters)?;
+        serve_order(&mut waiters, policy, &standings, tt_device::now_unix() as u64);
+        Ok(waiters)
+    }
+}
+
+/// `user`'s entry in `standings`, made when missing.
+fn standing_of<'m>(standings: &'m mut HashMap<String, Standing>, user: &str) -> &'m mut Standing {
+    standings
+        .entry(user.to_owned())
+        .or_insert_with(|| Standing {
+            user: user.to_owned(),
+            ..Standing::default()
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::FairShare;
+    use crate::{GpuKey, Holder};
+    use std::time::Duration;
+
+    fn usage(user: &str, start: f64, end: Option<f64>) -> Usage {
+        Usage {
+            id: format!("{user}-{start}"),
+            user: user.into(),
+            host: "h".into(),
+            pid: 1,
+            gpu: "index 0".into(),
+            bytes: None,
+            command: vec![],
+            share_of: None,
+            start,
+            end,
+            status: None,
+            lost: false,
+        }
+    }
+
+    #[test]
+    fn use_decays_by_half_each_half_life_and_a_share_counts_its_part() {
+        let day = 86_400.0;
+        let now = 100.0 * day;
+        // One GPU-hour that ended one half-life ago counts about half an hour.
+        let old = decayed_use(&[usage("ada", now - day - 3600.0, Some(now - day))], now, day);
+        assert!((old["ada"] / 1800.0 - 1.0).abs() < 0.02, "{old:?}");
+        // A fresh hour counts nearly whole; one still held counts up to now.
+        let fresh = decayed_use(&[usage("bob", now - 3600.0, None)], now, day);
+        assert!((fresh["bob"] / 3600.0 - 1.0).abs() < 0.02, "{fresh:?}");
+        // A share of a quarter of the GPU counts a quarter.
+        let mut share = usage("cy", now - 3600.0, Some(now));
+        share.bytes = Some(20);
+        share.share_of = Some(80);
+        let quarter = decayed_use(&[share], now, day);
+        assert!((quarter["cy"] / 900.0 - 1.0).abs() < 0.02, "{quarter:?}");
+    }
+
+    fn waiter(ticket: u64, user: &str, since_unix: u64, gpus: usize) -> Waiter {
+        let mut holder = Holder::example();
+        holder.user = user.into();
+        holder.since_unix = since_unix;
+        let mut w = Waiter::new(
+            ticket,
+            &holder,
+            Wants::Auto {
+                count: gpus,
+                among: vec![GpuKey::Index(0), GpuKey::Index(1)],
+            },
+        );
+        w.ticket = ticket;
+        w
+    }
+
+    fn standing(user: &str, fraction: f64, gpus: usize) -> (String, Standing) {
+        let s = Standing {
+            user: user.into(),
+            use_gpu_s: fraction * 36_000.0,
+            fraction,
+            gpus,
+            ..Standing::default()
+        };
+        (user.into(), s)
+    }
+
+    #[test]
+    fn the_lighter_user_goes_first_and_nobody_waits_past_the_aging_bound() {
+        let policy = Policy {
+            fair_share: Some(FairShare {
+                half_life: Duration::from_secs(7 * 86_400),
+                aging: Duration::from_secs(3600),
+            }),
+            ..Policy::default()
+        };
+        let standings: HashMap<_, _> =
+            [standing("heavy", 0.9, 0), standing("light", 0.1, 0)].into();
+        let now = 1_000_000;
+        // Twenty of heavy's, then one of light's: light's goes first.
+        let mut queue: Vec<Waiter> = (1..=20).map(|t| waiter(t, "heavy", now - 60, 1)).collect();
+        queue.push(waiter(21, "light", now - 1, 1));
+        serve_order(&mut queue, &policy, &standings, now);
+        assert_eq!((queue[0].user.as_str(), queue[0].position), ("light", 1));
+        // heavy's keep their arrival order among themselves.
+        let tickets: Vec<u64> = queue[1..].iter().map(|w| w.ticket).collect();
+        assert_eq!(tickets, (1..=20).collect::<Vec<_>>());
+        assert!(queue[0].why.as_deref().unwrap_or("").contains("light: 1.0 GPU-h"));
+        // heavy's request that has waited the aging period goes before light's new one.
+        let mut queue = vec![waiter(1, "heavy", now - 3600, 1), waiter(2, "light", now, 1)];
+        serve_order(&mut queue, &policy, &standings, now);
+        assert_eq!(queue[0].user, "heavy");
+    }
+
+    #[test]
+    fn a_request_past_its_users_limit_is_held_and_one_never_servable_is_named() {
+        let policy = Policy {
+            limits: Limits {
+                gpus: Some(2),
+                share: Some(Bytes::gib(80)),
+                ..Limits::default()
+            },
+            ..Policy::default()
+        };
+        let standings: HashMap<_, _> = [standing("ada", 0.0, 2), standing("bob", 0.0, 1)].into();
+        let mut queue = vec![waiter(1, "ada", 0, 1), waiter(2, "bob", 0, 1)];
+        serve_order(&mut queue, &policy, &standings, 10);
+        assert_eq!(
+            queue[0].held.as_deref(),
+            Some("held by policy: 2 of 2 GPU(s) held, 1 more asked")
+        );
+        assert_eq!(queue[1].held, None);
+        let share = Wants::Share {
+            gpu: GpuKey::Index(0),
+            bytes: Bytes::gib(90),
+            capacity: Bytes::gib(141),
+        };
+        let why = never_served(&policy.limits, &share).unwrap_or_default();
+        assert!(why.contains("more than the policy lets one user have"), "{why}");
+        assert!(never_served(&policy.limits, &queue[0].wants).is_none());
+    }
+}
