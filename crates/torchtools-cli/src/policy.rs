@@ -24,7 +24,11 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
         .standings(&in_force.policy, &queue)?
         .into_values()
         .collect();
-    standings.sort_by(|a, b| b.use_gpu_s.total_cmp(&a.use_gpu_s).then(a.user.cmp(&b.user)));
+    standings.sort_by(|a, b| {
+        b.use_gpu_s
+            .total_cmp(&a.use_gpu_s)
+            .then(a.user.cmp(&b.user))
+    });
     if args.json {
         println!(
             "{}",
@@ -58,7 +62,12 @@ fn policy_text(in_force: &PolicyInForce, standings: &[Standing]) -> String {
         ),
         None => "Users:\n".to_owned(),
     });
-    let width = standings.iter().map(|s| s.user.chars().count()).max().unwrap_or(4).max(4);
+    let width = standings
+        .iter()
+        .map(|s| s.user.chars().count())
+        .max()
+        .unwrap_or(4)
+        .max(4);
     out.push_str(&format!(
         "  {:<width$}  {:>10}  {:>6}  {:>4}  {:>10}  {:>7}\n",
         "user", "use GPU-h", "share", "GPUs", "shared", "waiting"
@@ -70,7 +79,11 @@ fn policy_text(in_force: &PolicyInForce, standings: &[Standing]) -> String {
             s.use_gpu_s / 3600.0,
             s.fraction * 100.0,
             s.gpus,
-            if s.shared.0 == 0 { "-".to_owned() } else { s.shared.to_string() },
+            if s.shared.0 == 0 {
+                "-".to_owned()
+            } else {
+                s.shared.to_string()
+            },
             s.waiting
         ));
     }
@@ -93,8 +106,8 @@ mod tests {
 
     #[test]
     fn the_text_names_the_file_the_policy_and_each_users_use() {
-        let policy =
-            Policy::parse("[fair_share]\nhalf_life = \"7d\"\n[limits]\ngpus = 2\n").unwrap_or_default();
+        let policy = Policy::parse("[fair_share]\nhalf_life = \"7d\"\n[limits]\ngpus = 2\n")
+            .unwrap_or_default();
         let in_force = PolicyInForce {
             path: "/etc/torchtools/policy.toml".into(),
             status: PolicyStatus::InForce,
@@ -109,7 +122,10 @@ mod tests {
             ..Standing::default()
         };
         let text = policy_text(&in_force, &[tt2]);
-        assert!(text.starts_with("policy /etc/torchtools/policy.toml: fair share"), "{text}");
+        assert!(
+            text.starts_with("policy /etc/torchtools/policy.toml: fair share"),
+            "{text}"
+        );
         assert!(text.contains("per user at once: 2 GPU(s)"), "{text}");
         assert!(text.contains("after 7d"), "{text}");
         let row = text.lines().last().unwrap_or_default();

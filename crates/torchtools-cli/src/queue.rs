@@ -85,7 +85,9 @@ pub(crate) fn queue_text(
     if waiters.is_empty() {
         return out;
     }
-    let fair = waiters.iter().any(|w| w.priority.is_some() || w.held.is_some());
+    let fair = waiters
+        .iter()
+        .any(|w| w.priority.is_some() || w.held.is_some());
     let rows: Vec<Vec<String>> = waiters
         .iter()
         .map(|w| {

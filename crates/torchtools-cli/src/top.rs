@@ -117,11 +117,17 @@ impl Snapshot {
         let policy_orders = matches!(policy.status, tt_lock::PolicyStatus::InForce)
             && policy.policy.orders_the_queue();
         let mut users: Vec<tt_lock::Standing> = if policy_orders {
-            dir.standings(&policy.policy, &queue)?.into_values().collect()
+            dir.standings(&policy.policy, &queue)?
+                .into_values()
+                .collect()
         } else {
             Vec::new()
         };
-        users.sort_by(|a, b| b.use_gpu_s.total_cmp(&a.use_gpu_s).then(a.user.cmp(&b.user)));
+        users.sort_by(|a, b| {
+            b.use_gpu_s
+                .total_cmp(&a.use_gpu_s)
+                .then(a.user.cmp(&b.user))
+        });
         let views = dir
             .status(&inventory)?
             .into_iter()
@@ -699,7 +705,13 @@ fn queue_order(snapshot: &Snapshot) -> String {
     let users: Vec<String> = snapshot
         .users
         .iter()
-        .map(|u| format!("{}: {:.1} GPU-h", tt_device::printable(&u.user), u.use_gpu_s / 3600.0))
+        .map(|u| {
+            format!(
+                "{}: {:.1} GPU-h",
+                tt_device::printable(&u.user),
+                u.use_gpu_s / 3600.0
+            )
+        })
         .collect();
     format!("served by the machine's policy ({})", users.join(", "))
 }

@@ -189,6 +189,7 @@ mod tests {
             gpu: gpu.into(),
             bytes: Some(gib << 30),
             command: Vec::new(),
+            share_of: None,
             start,
             end,
             status: None,

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 mod common;
-use common::torchtools;
+use common::{ok, torchtools};
 
 /// A request for GPU 0 that gives up after a second (exit 75 when it is taken).
 const TRY_GPU0: [&str; 8] = [
@@ -593,4 +593,309 @@ fn an_on_end_command_is_never_in_the_arguments_other_users_read_and_still_runs()
     // SAFETY: kill(2) of a process group this test started.
     unsafe { libc::kill(-(held.id() as i32), libc::SIGKILL) };
     let _ = held.wait();
+}
+
+/// `tmp/policy.toml` holding `text`, owned by `owner` with `mode`.
+fn policy_file(tmp: &Path, text: &str, owner: &str, mode: u32) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = tmp.join("policy.toml");
+    std::fs::write(&path, text).unwrap();
+    let out = Command::new("chown")
+        .arg(owner)
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+    path
+}
+
+#[test]
+fn a_policy_file_another_user_could_write_is_ignored_and_said_by_every_view() {
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
+    tt_testkit::users::two_users().unwrap();
+    let [user_a, user_b] = tt_testkit::users::USER_NAMES;
+    let dir = tmp.path().join("locks");
+    ok(torchtools(&dir).arg("locks").output().unwrap()); // root's directory
+    let home_b = home_of(tmp.path(), user_b);
+    let as_b = |policy: &Path, args: &[&str]| {
+        let out = as_user(user_b, &dir, &home_b)
+            .env("TORCHTOOLS_POLICY", policy)
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    // Written by an ordinary user: ignored, in `policy` (exit 1) and the views.
+    let policy = policy_file(tmp.path(), "[limits]\ngpus = 1\n", user_a, 0o644);
+    let (code, out) = as_b(&policy, &["policy"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(&format!("is ignored: it belongs to {user_a}"))
+            && out.contains("served first come, first served"),
+        "{out}"
+    );
+    for view in [&["locks"][..], &["queue"], &["usage"], &["jobs", "--all"]] {
+        let (code, out) = as_b(&policy, view);
+        assert_eq!(code, Some(0), "{view:?}: {out}");
+        assert!(out.contains("is ignored: it belongs to"), "{view:?}: {out}");
+    }
+    // Root's, but writable by others: ignored.
+    let policy = policy_file(tmp.path(), "[limits]\ngpus = 1\n", "root", 0o666);
+    let (code, out) = as_b(&policy, &["policy"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("other users can write it (mode 666)"), "{out}");
+    // Root's and only root's to write: in force, said as such.
+    let policy = policy_file(tmp.path(), "[limits]\ngpus = 1\n", "root", 0o644);
+    let (code, out) = as_b(&policy, &["policy"]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("first come, first served; per user at once: 1 GPU(s)"),
+        "{out}"
+    );
+    let (_, out) = as_b(&policy, &["locks"]);
+    assert!(!out.contains("ignored"), "{out}");
+    // An unknown key: ignored, the key named.
+    let policy = policy_file(tmp.path(), "[limits]\ngpu = 1\n", "root", 0o644);
+    let (code, out) = as_b(&policy, &["policy"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("unknown field `gpu`"), "{out}");
+}
+
+#[test]
+fn a_request_past_its_users_limit_waits_marked_held_and_blocks_nobody() {
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
+    tt_testkit::users::two_users().unwrap();
+    let [user_a, user_b] = tt_testkit::users::USER_NAMES;
+    let dir = tmp.path().join("locks");
+    ok(torchtools(&dir).arg("locks").output().unwrap());
+    let policy = policy_file(
+        tmp.path(),
+        "[limits]\ngpus = 1\nqueued = 1\n",
+        "root",
+        0o644,
+    );
+    let home_a = home_of(tmp.path(), user_a);
+    let home_b = home_of(tmp.path(), user_b);
+    let tt_as = |user: &str, home: &Path| {
+        let mut c = as_user(user, &dir, home);
+        c.env("TORCHTOOLS_POLICY", &policy);
+        c
+    };
+    // A holds GPU 0 until told, then asks for GPU 1 (free): held, one GPU is A's limit.
+    let mut holding = tt_as(user_a, &home_a)
+        .args(["reserve", "--gpu", "0", "--no-fence", "--"])
+        .args(["sh", "-c", "echo ready; read x; exit 0"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    assert_eq!(first_line(&mut holding), "ready");
+    let second = tt_as(user_a, &home_a)
+        .args(["reserve", "--gpu", "1", "--no-fence", "--", "echo", "got 1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let queue = || -> serde_json::Value {
+        let out = torchtools(&dir)
+            .env("TORCHTOOLS_POLICY", &policy)
+            .args(["queue", "--json"])
+            .output()
+            .unwrap();
+        serde_json::from_str(&ok(out)).unwrap()
+    };
+    common::until("A's second request in the queue", || {
+        queue()["waiters"].as_array().is_some_and(|w| w.len() == 1)
+    });
+    let q = queue();
+    assert_eq!(
+        q["waiters"][0]["held"], "held by policy: 1 of 1 GPU(s) held, 1 more asked",
+        "{q}"
+    );
+    let text = ok(torchtools(&dir)
+        .env("TORCHTOOLS_POLICY", &policy)
+        .arg("queue")
+        .output()
+        .unwrap());
+    assert!(
+        text.contains("held by policy: 1 of 1 GPU(s) held"),
+        "{text}"
+    );
+    // B's request for GPU 1, later, is served at once: a held request blocks nobody.
+    let out = tt_as(user_b, &home_b)
+        .args([
+            "reserve",
+            "--gpu",
+            "1",
+            "--no-fence",
+            "--timeout",
+            "60s",
+            "--",
+        ])
+        .args(["echo", "B got 1"])
+        .output()
+        .unwrap();
+    assert_eq!(ok(out).trim(), "B got 1");
+    // A may have one request waiting: a second one is refused, saying why.
+    let out = tt_as(user_a, &home_a)
+        .args(["reserve", "--gpu", "2", "--no-fence", "--", "true"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("may have at most 1 at once"),
+        "{out:?}"
+    );
+    // A lets go of GPU 0: A's request for GPU 1 is served.
+    drop(holding.stdin.take());
+    assert!(holding.wait().unwrap().success());
+    let out = wait_bounded(second).expect("A's held request served once A let go");
+    assert_eq!(ok(out).trim(), "got 1");
+}
+
+#[test]
+fn with_fair_share_one_users_twenty_queued_jobs_no_longer_stand_before_the_others() {
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
+    tt_testkit::users::two_users().unwrap();
+    let [user_a, user_b] = tt_testkit::users::USER_NAMES;
+    let dir = tmp.path().join("locks");
+    ok(torchtools(&dir).arg("locks").output().unwrap());
+    let policy = policy_file(
+        tmp.path(),
+        "[fair_share]\nhalf_life = \"1h\"\n",
+        "root",
+        0o644,
+    );
+    // nobody holds GPU 0 while everyone queues (nobody's use is not measured).
+    let home_n = home_of(tmp.path(), "nobody");
+    let mut gate = as_user("nobody", &dir, &home_n)
+        .env("TORCHTOOLS_POLICY", &policy)
+        .args(["reserve", "--gpu", "0", "--no-fence", "--"])
+        .args(["sh", "-c", "echo ready; read x; exit 0"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    assert_eq!(first_line(&mut gate), "ready");
+    // root queues twenty jobs at once.
+    let job = ["reserve", "--gpu", "0", "--no-fence", "--", "sleep", "0.3"];
+    let roots: Vec<_> = (0..20)
+        .map(|_| {
+            torchtools(&dir)
+                .env("TORCHTOOLS_POLICY", &policy)
+                .args(job)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .process_group(0)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // A and B each keep two requests going until told to stop.
+    let stop = tmp.path().join("stop");
+    let loops: Vec<_> = [user_a, user_a, user_b, user_b]
+        .into_iter()
+        .map(|user| {
+            let home = tmp.path().join(format!("home-{user}"));
+            let _ = std::fs::create_dir(&home);
+            let _ = Command::new("chown").arg(user).arg(&home).output();
+            let script = format!(
+                "while [ ! -e {stop} ]; do \"$0\" {job} >/dev/null 2>&1 || exit 1; done",
+                stop = stop.display(),
+                job = job.join(" ")
+            );
+            Command::new("runuser")
+                .args(["-u", user, "--", "sh", "-c", &script])
+                .arg(env!("CARGO_BIN_EXE_torchtools"))
+                .env("TORCHTOOLS_LOCK_DIR", &dir)
+                .env("TORCHTOOLS_POLICY", &policy)
+                .env("XDG_STATE_HOME", home.join("state"))
+                .env("XDG_CONFIG_HOME", home.join("config"))
+                .env_remove("CUDA_VISIBLE_DEVICES")
+                .env_remove("TORCHTOOLS_HELD_LOCKS")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .process_group(0)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    common::until(
+        "twenty of root's requests and two each of A's and B's waiting",
+        || {
+            let out = torchtools(&dir).args(["queue", "--json"]).output().unwrap();
+            let q: serde_json::Value = serde_json::from_str(&ok(out)).unwrap();
+            let count = |user: &str| {
+                q["waiters"]
+                    .as_array()
+                    .map_or(0, |w| w.iter().filter(|w| w["user"] == user).count())
+            };
+            count("root") == 20 && count(user_a) == 2 && count(user_b) == 2
+        },
+    );
+    let queue = ok(torchtools(&dir)
+        .env("TORCHTOOLS_POLICY", &policy)
+        .arg("queue")
+        .output()
+        .unwrap());
+    assert!(
+        queue.contains("served by the policy") && queue.contains("GPU-h recent use"),
+        "{queue}"
+    );
+    // Let go: from now on all three have work waiting until root's last job ends.
+    let opened = tt_device::now_unix();
+    drop(gate.stdin.take());
+    assert!(gate.wait().unwrap().success());
+    for child in roots {
+        let out = wait_bounded(child).expect("root's queued job served");
+        assert!(out.status.success(), "{out:?}");
+    }
+    std::fs::write(&stop, "").unwrap();
+    for child in loops {
+        let out = wait_bounded(child).expect("a user's loop stopped");
+        assert!(out.status.success(), "{out:?}");
+    }
+    // GPU-seconds each got between the gate and root's last job's end.
+    let usage = tt_lock::LockDir::open(&dir).unwrap().usage().unwrap();
+    let closed = usage
+        .records
+        .iter()
+        .filter(|r| r.user == "root")
+        .filter_map(|r| r.end)
+        .fold(opened, f64::max);
+    let got = |user: &str| -> f64 {
+        usage
+            .records
+            .iter()
+            .filter(|r| r.user == user)
+            .map(|r| (r.end.unwrap_or(closed).min(closed) - r.start.max(opened)).max(0.0))
+            .sum()
+    };
+    let [root, a, b] = [got("root"), got(user_a), got(user_b)];
+    let equal = (root + a + b) / 3.0;
+    eprintln!(
+        "GPU-seconds while all three waited: root {root:.2}, {user_a} {a:.2}, {user_b} {b:.2}"
+    );
+    for (user, seconds) in [("root", root), (user_a, a), (user_b, b)] {
+        assert!(
+            (seconds / equal - 1.0).abs() <= 0.1,
+            "{user} got {seconds:.2} GPU-s of the {:.2} while all three waited \
+             (root {root:.2}, {user_a} {a:.2}, {user_b} {b:.2}): not within 10% of equal",
+            3.0 * equal
+        );
+    }
 }

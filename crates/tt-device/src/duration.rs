@@ -54,7 +54,12 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 /// ```
 pub fn format_duration(d: Duration) -> String {
     let ms = d.as_millis();
-    for (unit, size) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)] {
+    for (unit, size) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1000),
+    ] {
         if ms >= size && ms % size == 0 {
             return format!("{}{unit}", ms / size);
         }

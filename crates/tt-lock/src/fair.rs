@@ -156,7 +156,11 @@ impl LockDir {
     /// Every user's standing under `policy`: recent use (with fair share), what each
     /// holds now, and how many requests each has waiting in `queue`. Users are keyed by
     /// name.
-    pub fn standings(&self, policy: &Policy, queue: &[Waiter]) -> Result<HashMap<String, Standing>> {
+    pub fn standings(
+        &self,
+        policy: &Policy,
+        queue: &[Waiter],
+    ) -> Result<HashMap<String, Standing>> {
         let mut standings: HashMap<String, Standing> = HashMap::new();
         if let Some(fs) = &policy.fair_share {
             let now = tt_device::now_unix();
@@ -191,7 +195,12 @@ impl LockDir {
             return Ok(waiters);
         }
         let standings = self.standings(policy, &waiters)?;
-        serve_order(&mut waiters, policy, &standings, tt_device::now_unix() as u64);
+        serve_order(
+            &mut waiters,
+            policy,
+            &standings,
+            tt_device::now_unix() as u64,
+        );
         Ok(waiters)
     }
 }
@@ -235,7 +244,11 @@ mod tests {
         let day = 86_400.0;
         let now = 100.0 * day;
         // One GPU-hour that ended one half-life ago counts about half an hour.
-        let old = decayed_use(&[usage("ada", now - day - 3600.0, Some(now - day))], now, day);
+        let old = decayed_use(
+            &[usage("ada", now - day - 3600.0, Some(now - day))],
+            now,
+            day,
+        );
         assert!((old["ada"] / 1800.0 - 1.0).abs() < 0.02, "{old:?}");
         // A fresh hour counts nearly whole; one still held counts up to now.
         let fresh = decayed_use(&[usage("bob", now - 3600.0, None)], now, day);
@@ -295,9 +308,16 @@ mod tests {
         // heavy's keep their arrival order among themselves.
         let tickets: Vec<u64> = queue[1..].iter().map(|w| w.ticket).collect();
         assert_eq!(tickets, (1..=20).collect::<Vec<_>>());
-        assert!(queue[0].why.as_deref().unwrap_or("").contains("light: 1.0 GPU-h"));
+        assert!(queue[0]
+            .why
+            .as_deref()
+            .unwrap_or("")
+            .contains("light: 1.0 GPU-h"));
         // heavy's request that has waited the aging period goes before light's new one.
-        let mut queue = vec![waiter(1, "heavy", now - 3600, 1), waiter(2, "light", now, 1)];
+        let mut queue = vec![
+            waiter(1, "heavy", now - 3600, 1),
+            waiter(2, "light", now, 1),
+        ];
         serve_order(&mut queue, &policy, &standings, now);
         assert_eq!(queue[0].user, "heavy");
     }
@@ -326,7 +346,10 @@ mod tests {
             capacity: Bytes::gib(141),
         };
         let why = never_served(&policy.limits, &share).unwrap_or_default();
-        assert!(why.contains("more than the policy lets one user have"), "{why}");
+        assert!(
+            why.contains("more than the policy lets one user have"),
+            "{why}"
+        );
         assert!(never_served(&policy.limits, &queue[0].wants).is_none());
     }
 }

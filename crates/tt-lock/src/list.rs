@@ -167,7 +167,7 @@ impl LockDir {
             });
         }
         states.sort_by(|a, b| a.gpu.cmp(&b.gpu));
-        let queue = self.queue()?;
+        let queue = self.scan_queue(None)?;
         for state in &mut states {
             state.waiting = waiting_for(&queue, &state.gpu);
             if !state.held {

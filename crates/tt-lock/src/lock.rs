@@ -464,7 +464,10 @@ impl LockDir {
         all.push(me);
         let standings = self.standings(policy, &all)?;
         crate::fair::serve_order(&mut all, policy, &standings, tt_device::now_unix() as u64);
-        let at = all.iter().position(|w| w.ticket == mine).unwrap_or(all.len());
+        let at = all
+            .iter()
+            .position(|w| w.ticket == mine)
+            .unwrap_or(all.len());
         let held = all.get(at).and_then(|w| w.held.clone());
         all.truncate(at);
         let earlier = all

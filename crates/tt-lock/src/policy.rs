@@ -85,9 +85,7 @@ impl Policy {
     /// Whether the queue is served in another order than first come, first served, or
     /// holds requests back: whether a waiter must look at more than ticket numbers.
     pub fn orders_the_queue(&self) -> bool {
-        self.fair_share.is_some()
-            || self.limits.gpus.is_some()
-            || self.limits.share.is_some()
+        self.fair_share.is_some() || self.limits.gpus.is_some() || self.limits.share.is_some()
     }
 
     /// Whether per-user holding limits apply (a request may be held back even when
@@ -125,7 +123,10 @@ impl Policy {
         let l = raw.limits.unwrap_or_default();
         let share = l
             .share
-            .map(|s| s.parse::<Bytes>().map_err(|e| format!("[limits] share: {e}")))
+            .map(|s| {
+                s.parse::<Bytes>()
+                    .map_err(|e| format!("[limits] share: {e}"))
+            })
             .transpose()?;
         let limits = Limits {
             gpus: l.gpus,
@@ -395,9 +396,15 @@ mod tests {
         assert_eq!(policy.limits.share, Some(Bytes::gib(80)));
         assert_eq!(policy.limits.queued, Some(20));
         assert_eq!(policy.limits.time_max, Some(Duration::from_secs(86_400)));
-        assert_eq!(policy.limits.time_default, Some(Duration::from_secs(8 * 3600)));
+        assert_eq!(
+            policy.limits.time_default,
+            Some(Duration::from_secs(8 * 3600))
+        );
         let p = policy.preemption.as_ref().unwrap();
-        assert_eq!((p.after, p.grace), (Duration::from_secs(1800), Duration::from_secs(120)));
+        assert_eq!(
+            (p.after, p.grace),
+            (Duration::from_secs(1800), Duration::from_secs(120))
+        );
         assert!(policy.orders_the_queue());
         assert!(!Policy::parse("").unwrap().orders_the_queue());
     }
@@ -411,7 +418,10 @@ mod tests {
             ("[fair_share]\naging = \"1h\"\n", "needs half_life"),
             ("[limits]\ngpus = 0\n", "gpus = 0"),
             ("[limits]\nshare = \"lots\"\n", "share"),
-            ("[limits]\ntime_default = \"2d\"\ntime_max = \"1d\"\n", "time_default"),
+            (
+                "[limits]\ntime_default = \"2d\"\ntime_max = \"1d\"\n",
+                "time_default",
+            ),
             ("[preemption]\ngrace = \"1m\"\n", "needs after"),
             ("[limits]\ngpus = -1\n", "gpus"),
         ] {

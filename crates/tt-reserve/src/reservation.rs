@@ -31,14 +31,18 @@ pub struct Waiting {
     pub holder: Option<Holder>,
     /// How long it will wait at most (`None`: as long as it takes).
     pub timeout: Option<Duration>,
+    /// Why the machine's policy holds the request back, when it does (a per-user
+    /// limit reached: `held by policy: 2 of 2 GPU(s) held, 1 more asked`); the GPU may
+    /// be free then.
+    pub held: Option<String>,
 }
 
 impl fmt::Display for Waiting {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} is locked by ", self.gpu)?;
-        match &self.holder {
-            Some(h) => write!(f, "{h}")?,
-            None => f.write_str("a process that left no record")?,
+        match (&self.held, &self.holder) {
+            (Some(why), _) => write!(f, "{why}")?,
+            (None, Some(h)) => write!(f, "{} is locked by {h}", self.gpu)?,
+            (None, None) => write!(f, "{} is locked by a process that left no record", self.gpu)?,
         }
         f.write_str("; waiting")?;
         if let Some(t) = self.timeout {

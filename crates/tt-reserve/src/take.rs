@@ -97,15 +97,21 @@ pub(crate) fn take_locks(
     let start = Instant::now();
     let locks = match (options.blocking, attempt(Wait::Try)) {
         (true, Err(busy @ (tt_lock::Error::WouldBlock { .. } | tt_lock::Error::Held { .. }))) => {
-            let (gpu, holder) = match busy {
-                tt_lock::Error::WouldBlock { gpu, holder, .. } => (gpu, holder.map(|h| *h)),
-                // Held back by the policy: the first GPU asked for, whoever holds it.
-                _ => (keys.first().cloned().unwrap_or(GpuKey::Index(0)), None),
+            let (gpu, holder, held) = match busy {
+                tt_lock::Error::WouldBlock { gpu, holder, .. } => (gpu, holder.map(|h| *h), None),
+                // Held back by the policy: the first GPU asked for, and why.
+                tt_lock::Error::Held { reason, .. } => (
+                    keys.first().cloned().unwrap_or(GpuKey::Index(0)),
+                    None,
+                    Some(reason),
+                ),
+                _ => (GpuKey::Index(0), None, None),
             };
             on_wait(&Waiting {
                 gpu,
                 holder,
                 timeout: options.timeout,
+                held,
             });
             attempt(match options.timeout {
                 Some(t) => Wait::Timeout(t.saturating_sub(start.elapsed())),
