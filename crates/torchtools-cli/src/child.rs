@@ -51,6 +51,8 @@ pub(crate) struct Running {
     forwarder: JoinHandle<()>,
     /// Watched with ptrace for its own peak at exit ([`Running::watch_exit`]).
     watched: bool,
+    /// Its time limit's clock, when it has one ([`Running::limit`]).
+    timer: Option<crate::limit::Timer>,
 }
 
 /// How the command ended.
@@ -61,6 +63,8 @@ pub(crate) struct Ended {
     pub(crate) max_rss: u64,
     /// Its own peak resident memory, read as it exited, when it was watched.
     pub(crate) own_peak: Option<u64>,
+    /// Whether its time limit was reached (it got SIGTERM from `--time`).
+    pub(crate) timed_out: bool,
 }
 
 /// Spawns `cmd` (whose program is `name`, for messages). Handlers are installed
@@ -85,6 +89,7 @@ pub(crate) fn spawn(cmd: &mut Command, name: &str) -> Result<Running> {
         handle,
         forwarder,
         watched: false,
+        timer: None,
     })
 }
 
@@ -101,9 +106,20 @@ impl Running {
         self.watched
     }
 
+    /// Starts the command's time limit now: SIGUSR1, SIGTERM and SIGKILL reach it when
+    /// due (see [`crate::limit`]).
+    pub(crate) fn limit(&mut self, limit: crate::limit::TimeLimit) {
+        let pid = self.child.id();
+        self.timer = Some(crate::limit::Timer::start(limit, move |signal| {
+            // SAFETY: kill(2) has no memory-safety preconditions; the pid is our child's,
+            // not reaped until the timer has stopped (see `wait`).
+            unsafe { libc::kill(pid as libc::pid_t, signal) };
+        }));
+    }
+
     /// Waits for the command to end. It is reaped only after the forwarder stopped,
     /// so that its pid cannot be reused while a signal may still be sent to it.
-    pub(crate) fn wait(self) -> Result<Ended> {
+    pub(crate) fn wait(mut self) -> Result<Ended> {
         let pid = self.child.id();
         let own_peak = if self.watched {
             tt_tracker::process::wait_for_exit_with_peak(pid)
@@ -111,6 +127,7 @@ impl Running {
             tt_tracker::process::wait_for_exit(pid, None).map(|_| None)
         }
         .map_err(|e| anyhow::anyhow!("waiting for the command: {e}"))?;
+        let timed_out = self.timer.take().is_some_and(crate::limit::Timer::finish);
         self.handle.close();
         let _ = self.forwarder.join();
         let reaped = tt_tracker::process::reap(pid)
@@ -121,6 +138,7 @@ impl Running {
             code: u8::try_from(reaped.exit_code()).unwrap_or(u8::MAX),
             max_rss: reaped.max_rss,
             own_peak,
+            timed_out,
         })
     }
 }

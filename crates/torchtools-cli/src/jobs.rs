@@ -19,6 +19,8 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -49,6 +51,12 @@ pub(crate) struct DetachArgs {
     /// 0); otherwise the job ends as "cancelled: job ID failed" without running.
     #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
     pub(crate) after_ok: Vec<String>,
+    /// When the job exits 75 (its time limit, preemption, or its own choice: a
+    /// torchtools trainer checkpoints on SIGTERM and exits 75), put it back in the
+    /// queue and run the same command again, which resumes from its checkpoint.
+    /// `torchtools stop` ends it for good. `jobs` shows how many times it ran.
+    #[arg(long, requires = "detach")]
+    pub(crate) requeue: bool,
 }
 
 /// A job's record: `job-ID.json` in the lock directory.
@@ -90,6 +98,15 @@ pub(crate) struct Job {
     /// Why it ended without running ("job ID failed"), when it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) cancelled: Option<String>,
+    /// Its (last) run was ended by its time limit (`--time`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) timed_out: bool,
+    /// Run again when it exits 75 (`--requeue`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) requeue: bool,
+    /// How many times its command has started (more than once when requeued).
+    #[serde(default)]
+    pub(crate) runs: u32,
 }
 
 use tt_device::now_unix;
@@ -269,7 +286,7 @@ pub(crate) fn without_detach(argv: &[OsString], command: usize) -> Vec<OsString>
         let a = &argv[i];
         if a == "--" {
             break;
-        } else if a == "--detach" || a == "--no-on-end" {
+        } else if a == "--detach" || a == "--no-on-end" || a == "--requeue" {
             i += 1;
             continue;
         } else if [
@@ -408,6 +425,9 @@ pub(crate) fn detach(
         after,
         after_ok,
         cancelled: None,
+        timed_out: false,
+        requeue: args.requeue,
+        runs: 0,
     };
     save(&records, &job)?;
     println!("{id}");
@@ -428,7 +448,17 @@ pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
     // The job's signals are for the job: the keeper stays to write how it ended.
     let mut signals = signal_hook::iterator::Signals::new([SIGHUP, SIGINT, SIGTERM])
         .context("installing the keeper's signal handlers")?;
-    std::thread::spawn(move || for _ in signals.forever() {});
+    // SIGTERM or SIGINT (from `torchtools stop`): the job is being stopped, and is not
+    // requeued when it exits 75.
+    let stopping = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&stopping);
+    std::thread::spawn(move || {
+        for signal in signals.forever() {
+            if signal != SIGHUP {
+                flag.store(true, Ordering::Relaxed);
+            }
+        }
+    });
     let records = records_dir()?;
     let path = record_path(&records, id);
     // The starter writes the record once the keeper runs: wait for it.
@@ -467,29 +497,7 @@ pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
         }
         return Ok(ExitCode::from(1));
     }
-    let exe = std::env::current_exe().context("finding this program")?;
-    let mut child = Command::new(exe)
-        .args(command)
-        .stdin(Stdio::null())
-        // The job and its command know which job they are.
-        .env(crate::hook::JOB_ID_ENV, id)
-        .env(crate::hook::JOB_LOG_ENV, &job.log)
-        .spawn()
-        .context("starting the job")?;
-    job.pid = Some(child.id());
-    if let Some(g) = guardian.as_mut() {
-        g.pid(child.id());
-    }
-    save(&records, &job)?;
-    let status = loop {
-        match child.wait() {
-            Ok(s) => break s,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e).context("waiting for the job"),
-        }
-    };
-    use std::os::unix::process::ExitStatusExt;
-    let code = tt_device::shell_status(status.code(), status.signal());
+    let code = run_until_done(&records, &path, &mut job, command, &mut guardian, &stopping)?;
     job.ended_unix = Some(now_unix());
     job.status = Some(code);
     save(&records, &job)?;
@@ -497,6 +505,90 @@ pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
         g.ended(code);
     }
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
+}
+
+/// Runs the job's command (its `torchtools`), again each time it exits 75 when the
+/// job is `--requeue`d and not being stopped: its exit status at last.
+fn run_until_done(
+    records: &Path,
+    path: &Path,
+    job: &mut Job,
+    command: &[OsString],
+    guardian: &mut Option<Guardian>,
+    stopping: &AtomicBool,
+) -> Result<i32> {
+    let exe = std::env::current_exe().context("finding this program")?;
+    loop {
+        job.runs += 1;
+        job.timed_out = false;
+        let mut child = Command::new(&exe)
+            .args(command)
+            .stdin(Stdio::null())
+            // The job and its command know which job they are, and which run.
+            .env(crate::hook::JOB_ID_ENV, &job.id)
+            .env(crate::hook::JOB_LOG_ENV, &job.log)
+            .env(JOB_RUN_ENV, job.runs.to_string())
+            .spawn()
+            .context("starting the job")?;
+        job.pid = Some(child.id());
+        if let Some(g) = guardian.as_mut() {
+            g.pid(child.id());
+        }
+        save(records, job)?;
+        let status = loop {
+            match child.wait() {
+                Ok(s) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e).context("waiting for the job"),
+            }
+        };
+        use std::os::unix::process::ExitStatusExt;
+        let code = tt_device::shell_status(status.code(), status.signal());
+        // What the job's torchtools marked meanwhile (its time limit reached).
+        if let Some(latest) = load(path).filter(|j| j.uid == uid() && j.id == job.id) {
+            job.timed_out = latest.timed_out;
+        }
+        if code != i32::from(tt_device::EX_TEMPFAIL as u8)
+            || !job.requeue
+            || stopping.load(Ordering::Relaxed)
+        {
+            return Ok(code);
+        }
+        eprintln!(
+            "torchtools: job {} exited 75 after run {}{}: requeued, it runs again once \
+             the queue serves it",
+            job.id,
+            job.runs,
+            if job.timed_out {
+                " (its time limit)"
+            } else {
+                ""
+            }
+        );
+    }
+}
+
+/// The variable that tells a detached job's command which run it is: 1, then 2 after
+/// a first requeue, ...
+pub(crate) const JOB_RUN_ENV: &str = "TORCHTOOLS_JOB_RUN";
+
+/// Marks the detached job this process runs in (its `TORCHTOOLS_JOB_ID`, this user's
+/// record) as ended by its time limit; nothing outside a job.
+pub(crate) fn mark_timed_out() {
+    let Some(id) = std::env::var_os(crate::hook::JOB_ID_ENV) else {
+        return;
+    };
+    let id = id.to_string_lossy();
+    let Ok(records) = records_dir() else {
+        return;
+    };
+    let path = record_path(&records, &id);
+    if let Some(mut job) = load(&path).filter(|j| j.uid == uid() && j.id == id) {
+        job.timed_out = true;
+        if let Err(e) = save(&records, &job) {
+            tracing::warn!("cannot mark job {id} as timed out: {e}");
+        }
+    }
 }
 
 /// How often a job waiting for others looks at their records.
@@ -552,13 +644,27 @@ pub(crate) fn status_text(code: i32) -> String {
     }
 }
 
-/// A job's state, as `jobs` says it.
+/// A job's state, as `jobs` says it, with the run it is in when it was requeued:
+/// `running (run 2)`.
 fn state(job: &Job, waiting_pids: &[u32]) -> String {
+    let base = base_state(job, waiting_pids);
+    match job.runs {
+        0 | 1 => base,
+        n => format!("{base} (run {n})"),
+    }
+}
+
+/// [`state`] without the run.
+fn base_state(job: &Job, waiting_pids: &[u32]) -> String {
     if let Some(why) = &job.cancelled {
         return format!("cancelled: {why}");
     }
     if let Some(code) = job.status {
-        return status_text(code);
+        // (A command that met its limit but exited 0 all the same finished.)
+        return match job.timed_out && code != 0 {
+            true => format!("timeout: {}", status_text(code)),
+            false => status_text(code),
+        };
     }
     if job.boot_id != boot_id() {
         return "lost (the machine rebooted)".into();
@@ -914,8 +1020,12 @@ pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
         )
         .into());
     }
-    // SIGTERM to the job's torchtools, which passes it on to the command or the ranks
-    // (a torchtools trainer then checkpoints and exits 75).
+    // SIGTERM to the keeper first (a job stopped is not requeued), then to the job's
+    // torchtools, which passes it on to the command or the ranks (a torchtools trainer
+    // then checkpoints and exits 75).
+    if alive(&job) {
+        signal(job.keeper_pid, nix::sys::signal::Signal::SIGTERM);
+    }
     match job.pid {
         Some(pid) if is_jobs(&job, pid) => signal(pid, nix::sys::signal::Signal::SIGTERM),
         Some(pid) => eprintln!(

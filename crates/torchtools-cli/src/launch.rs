@@ -77,6 +77,9 @@ pub(crate) struct LaunchArgs {
     /// (see `reserve --after-ok`).
     #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
     after_ok: Vec<String>,
+    /// With --detach: run the group again when it exits 75 (see `reserve --requeue`).
+    #[arg(long, requires = "detach")]
+    requeue: bool,
     #[command(flatten)]
     pub(crate) hook: crate::hook::HookArgs,
     /// Processes on this node: a number, `gpu` (one per visible GPU), `cpu` (one per
@@ -150,6 +153,8 @@ pub(crate) struct LaunchArgs {
     /// Give up (exit 75) when the GPUs are still locked after this long.
     #[arg(long, requires = "gpu", value_parser = crate::args::duration)]
     timeout: Option<std::time::Duration>,
+    #[command(flatten)]
+    time: crate::limit::TimeArgs,
     #[command(flatten)]
     unsupported: Unsupported,
     /// The command: a program and its arguments, or a Python script (`train.py ARGS`),
@@ -241,6 +246,7 @@ impl LaunchArgs {
                 .map(std::path::PathBuf::from),
             after: self.after.clone(),
             after_ok: self.after_ok.clone(),
+            requeue: self.requeue,
         })
     }
 
@@ -381,6 +387,7 @@ impl LaunchArgs {
 /// Returns the group's exit status: 0, or the failed rank's.
 pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
     let mut cfg = args.config()?;
+    let limit = args.time.resolve(&tt_lock::LockDir::from_env()?.policy())?;
     // The group's GPUs, reserved before any rank starts, held until the group ends.
     let mut reservation = match &args.gpu {
         None => None,
@@ -399,6 +406,11 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
             flag.store(signal, Ordering::Relaxed);
         }
     });
+    // The time limit's signals go to every rank the same way, from the ranks' start.
+    let timer = limit.map(|limit| {
+        let flag = Arc::clone(&forward);
+        crate::limit::Timer::start(limit, move |signal| flag.store(signal, Ordering::Relaxed))
+    });
     cfg.forward = Some(forward);
     let outcome = launch_group(&cfg).map_err(|e| match e {
         tt_dist::Error::Launch(m) => anyhow::Error::from(Exit(2, m)),
@@ -410,6 +422,10 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
     });
     handle.close();
     let _ = forwarder.join();
+    if timer.is_some_and(crate::limit::Timer::finish) {
+        let code = outcome.as_ref().map_or(1, |o| o.code);
+        crate::limit::ended_by_limit(u8::try_from(code).unwrap_or(1));
+    }
     // The GPUs go back as soon as every rank has ended.
     if let (Some(r), Ok(o)) = (reservation.as_mut(), outcome.as_ref()) {
         r.set_exit_status(o.code);
@@ -470,6 +486,7 @@ fn reserve_for(
         share: false,
         cap: false,
         timeout: args.timeout,
+        limit: None, // the launcher's own (see `launch`)
         command: std::iter::once(cfg.program.clone())
             .chain(cfg.args.iter().cloned())
             .collect(),

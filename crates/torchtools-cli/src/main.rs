@@ -17,6 +17,7 @@ mod hook;
 mod ignored;
 mod jobs;
 mod launch;
+mod limit;
 mod locks;
 mod metrics;
 mod policy;

@@ -24,6 +24,8 @@ pub(crate) struct Request {
     /// With `share`: cap the command's PyTorch allocator (`PYTORCH_CUDA_ALLOC_CONF`).
     pub(crate) cap: bool,
     pub(crate) timeout: Option<Duration>,
+    /// The command's time limit (`--time`, or the policy's default).
+    pub(crate) limit: Option<crate::limit::TimeLimit>,
     pub(crate) command: Vec<OsString>,
 }
 
@@ -38,11 +40,17 @@ pub(crate) fn reserve(req: Request) -> Result<u8> {
     let mut cmd = Command::new(&req.command[0]);
     cmd.args(&req.command[1..]);
     reservation.prepare_with(&mut cmd, req.cap);
-    let running = child::spawn(&mut cmd, &command_text[0])?;
+    let mut running = child::spawn(&mut cmd, &command_text[0])?;
     if let Err(e) = reservation.record_command_pid(running.pid()) {
         tracing::warn!("cannot record the command's pid: {e}");
     }
+    if let Some(limit) = req.limit {
+        running.limit(limit);
+    }
     let ended = running.wait()?;
+    if ended.timed_out {
+        crate::limit::ended_by_limit(ended.code);
+    }
     reservation.set_exit_status(i32::from(ended.code));
     // The reservation (fences, then locks) lives exactly as long as the command.
     drop(reservation);
@@ -173,15 +181,25 @@ pub(crate) struct ReserveArgs {
     /// 1h. Default: wait as long as it takes.
     #[arg(long, value_parser = crate::args::duration)]
     pub(crate) timeout: Option<std::time::Duration>,
+    #[command(flatten)]
+    pub(crate) time: crate::limit::TimeArgs,
 }
 
 impl ReserveArgs {
+    /// The time limit these options and the machine's policy give (checked before
+    /// anything starts).
+    pub(crate) fn time_limit(&self) -> Result<Option<crate::limit::TimeLimit>> {
+        self.time.resolve(&tt_lock::LockDir::from_env()?.policy())
+    }
+
     pub(crate) fn request(
         self,
         bytes: Option<tt_device::Bytes>,
         command: Vec<std::ffi::OsString>,
+        limit: Option<crate::limit::TimeLimit>,
     ) -> Request {
         Request {
+            limit,
             gpus: self.gpu,
             count: self.count.map(|c| c as usize),
             bytes,
@@ -219,13 +237,14 @@ pub(crate) struct Args {
 
 /// `torchtools reserve` (attached; `--detach` is decided before).
 pub(crate) fn run(args: Args) -> Result<u8> {
+    let limit = args.reservation.time_limit()?;
     let bytes = budget(
         args.bytes,
         &args.reservation.gpu,
         &args.probing,
         &args.command,
     )?;
-    reserve(args.reservation.request(bytes, args.command))
+    reserve(args.reservation.request(bytes, args.command, limit))
 }
 
 /// The bytes `--bytes` asks for: its size, or (`auto`) what a probe of `command` on

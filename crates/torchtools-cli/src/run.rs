@@ -26,6 +26,7 @@ pub(crate) struct Args {
 
 /// `torchtools run` (attached; `--detach` is decided before).
 pub(crate) fn run(args: Args) -> Result<u8> {
+    let limit = args.reservation.time_limit()?;
     let bytes = match args.bytes {
         Some(crate::args::Budget::Size(b)) => b,
         Some(crate::args::Budget::Auto) => crate::probe::estimate_for_run(
@@ -41,5 +42,5 @@ pub(crate) fn run(args: Args) -> Result<u8> {
             &args.command,
         )?,
     };
-    crate::reserve::reserve(args.reservation.request(Some(bytes), args.command))
+    crate::reserve::reserve(args.reservation.request(Some(bytes), args.command, limit))
 }

@@ -702,3 +702,119 @@ fn jobs_wait_for_jobs_and_jobs_wait_returns_the_worst_status() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("no job \"no-such-job\""));
 }
+
+/// `--time`: the command gets SIGTERM at the limit and SIGKILL after `--grace`; one that
+/// checkpoints and exits 75 ends so; a detached job so ended says `timeout`; a `--time`
+/// past the policy's `time_max` is refused before anything starts; `stop` ends a
+/// `--requeue`d job for good.
+#[test]
+fn a_time_limit_sends_sigterm_then_sigkill_and_a_job_so_ended_says_timeout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let limited = |script: &str| {
+        tt(dir)
+            .args([
+                "reserve",
+                "--gpu",
+                "0",
+                "--no-fence",
+                "--time",
+                "1s",
+                "--grace",
+                "1s",
+            ])
+            .args(["--", "sh", "-c", script])
+            .output()
+            .unwrap()
+    };
+    // Deaf to SIGTERM (ignored across its exec): SIGKILL after the grace.
+    let out = limited("trap '' TERM; echo started; exec sleep 600");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(137), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "started\n");
+    assert!(
+        err.contains("time limit (1s) reached: SIGTERM sent to the command (SIGKILL in 1s)")
+            && err.contains("still runs 1s after the time limit's SIGTERM: SIGKILL"),
+        "{err}"
+    );
+    // One that checkpoints on SIGTERM and exits 75.
+    let out = limited("trap 'echo checkpointed; exit 75' TERM; while :; do sleep 0.05; done");
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("checkpointed"));
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("SIGKILL\n"),
+        "{out:?}"
+    );
+    // Detached: the job's state says how it ended.
+    let id = detach(
+        dir,
+        &[
+            "reserve",
+            "--detach",
+            "--time",
+            "1s",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "sh",
+            "-c",
+            "trap 'exit 75' TERM; while :; do sleep 0.05; done",
+        ],
+    );
+    let out = tt(dir).args(["jobs", "wait", &id]).output().unwrap();
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert_eq!(job(dir, &id)["state"], "timeout: preempted (75)");
+    // Past the machine's time_max: refused, naming the policy, before anything runs.
+    let policy = dir.join("policy.toml");
+    std::fs::write(&policy, "[limits]\ntime_max = \"1d\"\n").unwrap();
+    let out = tt(dir)
+        .env("TORCHTOOLS_POLICY", &policy)
+        .args([
+            "reserve",
+            "--time",
+            "2d",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "touch",
+        ])
+        .arg(dir.join("ran"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        err.contains("--time 2d is longer than the machine's policy allows"),
+        "{err}"
+    );
+    assert!(!dir.join("ran").exists());
+    // A --requeue job that exits 75 runs again, until `stop` ends it for good.
+    let runs = dir.join("runs");
+    let id = detach(
+        dir,
+        &[
+            "reserve",
+            "--detach",
+            "--requeue",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "echo run >> {}; trap 'exit 75' TERM; [ $TORCHTOOLS_JOB_RUN -ge 3 ] || exit 75; \
+                 while :; do sleep 0.05; done",
+                runs.display()
+            ),
+        ],
+    );
+    until("the job's third run", || {
+        job(dir, &id)["state"] == "running (run 3)"
+    });
+    ok(tt(dir).args(["stop", &id]).output().unwrap());
+    assert_eq!(job(dir, &id)["state"], "preempted (75) (run 3)");
+    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "run\nrun\nrun\n");
+}

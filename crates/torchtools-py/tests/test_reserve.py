@@ -159,3 +159,94 @@ def test_probe_then_reserve_then_train(lock_dir, command):
     )
     assert result == 10 and seen == [123456]
     assert locks(command) == {}
+
+
+TRAIN = """
+import os, signal, sys, time
+import torch
+from torchtools.checkpoint import load_state_dict, save_state_dict
+from torchtools.cycling_utils import InterruptableDistributedSampler
+
+ckpt, out = sys.argv[1], sys.argv[2]
+slow = float(os.environ.get("TT_SLOW", "0"))
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(1)
+data = torch.randn(40, 8, generator=g)
+target = data.sum(1, keepdim=True) + 0.1 * torch.randn(40, 1, generator=g)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+sampler = InterruptableDistributedSampler(data, num_replicas=1, rank=0, seed=3)
+if os.path.exists(ckpt):
+    state, meta = load_state_dict(ckpt)
+    model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
+    opt.step()  # creates the momentum buffers, then overwritten
+    for i, p in enumerate(model.parameters()):
+        opt.state[p]["momentum_buffer"] = state[f"momentum.{i}"].clone()
+    sampler.load_state_dict(meta["values"]["sampler"])
+    print("resumed at epoch", sampler.epoch, "progress", sampler.progress, flush=True)
+
+def save():
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for i, p in enumerate(model.parameters()):
+        state[f"momentum.{i}"] = opt.state[p]["momentum_buffer"]
+    save_state_dict(state, ckpt, values={"sampler": sampler.state_dict()})
+
+while sampler.epoch < 3:
+    batch = []
+    for i in sampler:
+        batch.append(i)
+        if len(batch) < 4:
+            continue
+        x, y = data[batch], target[batch]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        sampler.advance(len(batch))
+        batch = []
+        time.sleep(slow)
+        if stop:
+            save()
+            print("checkpointed on SIGTERM", flush=True)
+            sys.exit(75)
+    sampler.set_epoch(sampler.epoch + 1)
+# Trained: a SIGTERM from here on (the time limit while Python shuts down) has nothing
+# to stop.
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(out, "w") as f:
+    f.write(b"".join(p.detach().numpy().tobytes() for p in model.parameters()).hex())
+"""
+
+
+def test_a_requeued_job_cut_by_its_time_limit_resumes_bit_for_bit(lock_dir, command, clean_env, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    # Uninterrupted, as the reference.
+    subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ref.ckpt"), str(tmp_path / "ref.out")],
+        check=True,
+        env=clean_env,
+    )
+    # Detached, cut by --time every 6 s (30 steps of 0.5 s: at least 15 s of training),
+    # requeued after each cut.
+    env = dict(clean_env, TT_SLOW="0.5", XDG_STATE_HOME=str(tmp_path / "state"))
+    job = subprocess.run(
+        [command, "reserve", "--detach", "--requeue", "--time", "6s", "--grace", "60s",
+         "--gpu", "0", "--no-fence", "--",
+         sys.executable, str(script), str(tmp_path / "job.ckpt"), str(tmp_path / "job.out")],
+        capture_output=True, text=True, check=True, env=env,
+    ).stdout.strip()
+    done = subprocess.run([command, "jobs", "wait", job], capture_output=True, text=True, timeout=600, env=env)
+    log = subprocess.run([command, "logs", job], capture_output=True, text=True, env=env).stdout
+    assert done.returncode == 0, log
+    record = [j for j in json.loads(subprocess.run(
+        [command, "jobs", "--json"], capture_output=True, text=True, check=True, env=env
+    ).stdout) if j["id"] == job][0]
+    assert record["runs"] >= 3, log
+    assert record["state"] == f"finished (run {record['runs']})", record
+    # (The last run may meet its limit too, as it shuts down: it finished all the same.)
+    assert log.count("time limit (6s) reached: SIGTERM") >= record["runs"] - 1, log
+    assert log.count("checkpointed on SIGTERM") == record["runs"] - 1, log
+    assert log.count("requeued") == record["runs"] - 1, log
+    assert (tmp_path / "job.out").read_text() == (tmp_path / "ref.out").read_text()
