@@ -207,7 +207,7 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(
-            e.contains("--time 2d is longer") && e.contains("time_max = 24h"),
+            e.contains("--time 2d is longer") && e.contains("time_max = 1d"),
             "{e}"
         );
         assert_eq!(none.resolve(&in_force("")).ok().flatten(), None);
