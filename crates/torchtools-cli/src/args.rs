@@ -46,6 +46,55 @@ pub(crate) fn shown(words: &[String]) -> String {
     tt_device::printable(&words.join(" ")).into_owned()
 }
 
+/// `--array`'s indices: `0-9`, `1,4,7`, `0-3,8`, with `%K` for at most K at once.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ArraySpec {
+    /// The indices, in the order given, each once.
+    pub(crate) indices: Vec<u32>,
+    /// At most this many tasks at once (`%K`).
+    pub(crate) at_once: Option<usize>,
+}
+
+/// The most tasks one `--array` starts (each is a process of its own while it waits).
+pub(crate) const MAX_ARRAY: usize = 10_000;
+
+/// `--array`'s values (see [`ArraySpec`]).
+pub(crate) fn array(text: &str) -> Result<ArraySpec, String> {
+    let form = "write indices as 0-9, 1,4,7 or 0-99%4 (at most 4 at once)";
+    let (list, at_once) = match text.split_once('%') {
+        Some((list, k)) => {
+            let k: usize = k.trim().parse().ok().filter(|&k| k > 0).ok_or_else(|| {
+                format!("{text:?}: %{k} is not a number of tasks above 0; {form}")
+            })?;
+            (list, Some(k))
+        }
+        None => (text, None),
+    };
+    let mut indices = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for part in list.split(',') {
+        let number = |t: &str| -> Result<u32, String> {
+            t.trim()
+                .parse()
+                .map_err(|_| format!("{text:?}: {t:?} is not an index; {form}"))
+        };
+        let (first, last) = match part.split_once('-') {
+            Some((a, b)) => (number(a)?, number(b)?),
+            None => (number(part)?, number(part)?),
+        };
+        if first > last {
+            return Err(format!("{text:?}: {part:?} counts down; {form}"));
+        }
+        if (last - first) as usize >= MAX_ARRAY
+            || indices.len() + (last - first) as usize >= MAX_ARRAY
+        {
+            return Err(format!("{text:?}: more than {MAX_ARRAY} tasks"));
+        }
+        indices.extend((first..=last).filter(|&i| seen.insert(i)));
+    }
+    Ok(ArraySpec { indices, at_once })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

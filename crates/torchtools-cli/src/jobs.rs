@@ -57,6 +57,11 @@ pub(crate) struct DetachArgs {
     /// `torchtools stop` ends it for good. `jobs` shows how many times it ran.
     #[arg(long, requires = "detach")]
     pub(crate) requeue: bool,
+    /// Start one job per index (0-9, 1,4,7, or 0-99%4: at most 4 at once), each with
+    /// TORCHTOOLS_ARRAY_TASK_ID set to its index; the array's id is printed (`stop` and
+    /// `jobs wait` take it for every task, ID_N for one).
+    #[arg(long, value_name = "INDICES", value_parser = crate::args::array, requires = "detach")]
+    pub(crate) array: Option<crate::args::ArraySpec>,
 }
 
 /// A job's record: `job-ID.json` in the lock directory.
@@ -107,7 +112,20 @@ pub(crate) struct Job {
     /// How many times its command has started (more than once when requeued).
     #[serde(default)]
     pub(crate) runs: u32,
+    /// Its place in a job array (`--array`), when it is one of its tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) array: Option<ArrayTask>,
 }
+
+/// A task of a job array: the array's id and this task's index.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub(crate) struct ArrayTask {
+    pub(crate) id: String,
+    pub(crate) index: u32,
+}
+
+/// The variable that tells an array's task its index (`--array`).
+pub(crate) const ARRAY_TASK_ENV: &str = "TORCHTOOLS_ARRAY_TASK_ID";
 
 use tt_device::now_unix;
 
@@ -295,6 +313,7 @@ pub(crate) fn without_detach(argv: &[OsString], command: usize) -> Vec<OsString>
             "--after-ok",
             "--on-end",
             "--on-end-timeout",
+            "--array",
         ]
         .iter()
         .any(|o| a == *o)
@@ -307,6 +326,7 @@ pub(crate) fn without_detach(argv: &[OsString], command: usize) -> Vec<OsString>
             "--after-ok=",
             "--on-end=",
             "--on-end-timeout=",
+            "--array=",
         ]
         .iter()
         .any(|o| a.to_string_lossy().starts_with(o))
@@ -363,11 +383,90 @@ pub(crate) fn detach(
     };
     let (after, after_ok) = (resolve(&args.after)?, resolve(&args.after_ok)?);
     let started = now_unix();
-    let id = free_id(
+    let base = free_id(
         &records,
         &format!("{}-{}", started as u64, std::process::id()),
     );
-    let log = log_dir.join(format!("{id}.log"));
+    let command = without_detach(argv.get(1..).unwrap_or_default(), command);
+    let Some(spec) = &args.array else {
+        let job = start_job(&Start {
+            records: &records,
+            log_dir: &log_dir,
+            id: base.clone(),
+            command: &command,
+            hook,
+            after,
+            after_ok,
+            requeue: args.requeue,
+            array: None,
+            started,
+        })?;
+        println!("{base}");
+        eprintln!(
+            "torchtools: started job {base} (log: {}); `torchtools logs {base} -f` follows \
+             it, `torchtools stop {base}` stops it",
+            job.log.display()
+        );
+        return Ok(ExitCode::SUCCESS);
+    };
+    // One job per index; with `%K`, each waits for the task K places before it.
+    let mut ids: Vec<String> = Vec::with_capacity(spec.indices.len());
+    for (place, &index) in spec.indices.iter().enumerate() {
+        let id = free_id(&records, &format!("{base}_{index}"));
+        let mut after = after.clone();
+        if let Some(k) = spec.at_once {
+            if let Some(before) = place.checked_sub(k).and_then(|p| ids.get(p)) {
+                after.push(before.clone());
+            }
+        }
+        start_job(&Start {
+            records: &records,
+            log_dir: &log_dir,
+            id: id.clone(),
+            command: &command,
+            hook,
+            after,
+            after_ok: after_ok.clone(),
+            requeue: args.requeue,
+            array: Some(ArrayTask {
+                id: base.clone(),
+                index,
+            }),
+            started,
+        })?;
+        ids.push(id);
+    }
+    println!("{base}");
+    eprintln!(
+        "torchtools: started job array {base}: {} job(s), {} to {}{}; `torchtools jobs` \
+         lists them, `torchtools stop {base}` stops them all",
+        ids.len(),
+        ids.first().map_or("", String::as_str),
+        ids.last().map_or("", String::as_str),
+        spec.at_once
+            .map_or(String::new(), |k| format!(", at most {k} at once"))
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What [`start_job`] starts.
+struct Start<'a> {
+    records: &'a Path,
+    log_dir: &'a Path,
+    id: String,
+    command: &'a [OsString],
+    hook: Option<&'a Hook>,
+    after: Vec<String>,
+    after_ok: Vec<String>,
+    requeue: bool,
+    array: Option<ArrayTask>,
+    started: f64,
+}
+
+/// Starts one detached job: its log, its keeper in a session of its own, its record.
+fn start_job(start: &Start<'_>) -> Result<Job> {
+    let id = &start.id;
+    let log = start.log_dir.join(format!("{id}.log"));
     let out = OpenOptions::new()
         .append(true)
         .create_new(true)
@@ -378,23 +477,22 @@ pub(crate) fn detach(
                 2,
                 format!(
                     "--log-dir {}: cannot write a log there: {e}",
-                    log_dir.display()
+                    start.log_dir.display()
                 ),
             )
         })?;
     let err = out.try_clone()?;
-    let command = without_detach(argv.get(1..).unwrap_or_default(), command);
     let exe = std::env::current_exe().context("finding this program")?;
     let mut keeper = Command::new(&exe);
     keeper
         .arg("job-run")
-        .arg(&id)
+        .arg(id)
         .arg("--")
-        .args(&command)
+        .args(start.command)
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err);
-    Hook::pass(hook, &mut keeper);
+    Hook::pass(start.hook, &mut keeper);
     // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
     unsafe {
         keeper.pre_exec(|| {
@@ -412,31 +510,31 @@ pub(crate) fn detach(
         host: me.host,
         boot_id: boot_id(),
         command: std::iter::once("torchtools".to_owned())
-            .chain(command.iter().map(|a| a.to_string_lossy().into_owned()))
+            .chain(
+                start
+                    .command
+                    .iter()
+                    .map(|a| a.to_string_lossy().into_owned()),
+            )
             .collect(),
-        log: log.clone(),
-        started_unix: started,
+        log,
+        started_unix: start.started,
         keeper_pid: child.id(),
         pid_ns: tt_lock::own_pid_namespace(),
         pid: None,
         ended_unix: None,
         status: None,
-        waiting_for: after.iter().chain(&after_ok).next().cloned(),
-        after,
-        after_ok,
+        waiting_for: start.after.iter().chain(&start.after_ok).next().cloned(),
+        after: start.after.clone(),
+        after_ok: start.after_ok.clone(),
         cancelled: None,
         timed_out: false,
-        requeue: args.requeue,
+        requeue: start.requeue,
         runs: 0,
+        array: start.array.clone(),
     };
-    save(&records, &job)?;
-    println!("{id}");
-    eprintln!(
-        "torchtools: started job {id} (log: {}); `torchtools logs {id} -f` follows it, \
-         `torchtools stop {id}` stops it",
-        log.display()
-    );
-    Ok(ExitCode::SUCCESS)
+    save(start.records, &job)?;
+    Ok(job)
 }
 
 /// `torchtools job-run ID -- ARGS`: the detached job's keeper (see the module's
@@ -485,8 +583,7 @@ pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
         )?),
         None => None,
     };
-    if let Some(failed) = wait_for_dependencies(&records, &mut job)? {
-        let why = format!("job {failed} failed");
+    if let Some(why) = wait_for_dependencies(&records, &mut job, &stopping)? {
         job.cancelled = Some(why.clone());
         job.waiting_for = None;
         job.ended_unix = Some(now_unix());
@@ -528,6 +625,11 @@ fn run_until_done(
             .env(crate::hook::JOB_ID_ENV, &job.id)
             .env(crate::hook::JOB_LOG_ENV, &job.log)
             .env(JOB_RUN_ENV, job.runs.to_string())
+            .envs(
+                job.array
+                    .as_ref()
+                    .map(|a| (ARRAY_TASK_ENV, a.index.to_string())),
+            )
             .spawn()
             .context("starting the job")?;
         job.pid = Some(child.id());
@@ -595,11 +697,18 @@ pub(crate) fn mark_timed_out() {
 const DEPENDENCY_POLL: Duration = Duration::from_millis(200);
 
 /// Waits until every job `job` starts after has ended (saying which one it waits for in
-/// its record); `Some(id)`: an `--after-ok` job that did not succeed (failed, cancelled,
-/// lost), so `job` must not run.
-fn wait_for_dependencies(records: &Path, job: &mut Job) -> Result<Option<String>> {
+/// its record); `Some(why)` when `job` must not run: an `--after-ok` job that did not
+/// succeed (failed, cancelled, lost), or the job stopped meanwhile (`stopping`).
+fn wait_for_dependencies(
+    records: &Path,
+    job: &mut Job,
+    stopping: &AtomicBool,
+) -> Result<Option<String>> {
     let all: Vec<String> = job.after.iter().chain(&job.after_ok).cloned().collect();
     loop {
+        if stopping.load(Ordering::Relaxed) {
+            return Ok(Some("stopped before it started".into()));
+        }
         let pending = all
             .iter()
             .find(|id| load(&record_path(records, id)).is_some_and(|dep| !ended(&dep)));
@@ -621,7 +730,7 @@ fn wait_for_dependencies(records: &Path, job: &mut Job) -> Result<Option<String>
         .after_ok
         .iter()
         .find(|id| load(&record_path(records, id)).is_none_or(|dep| outcome(&dep) != 0))
-        .cloned())
+        .map(|failed| format!("job {failed} failed")))
 }
 
 /// How an ended job ended, as one status: its exit status; 1 when it was cancelled or
@@ -759,8 +868,15 @@ fn scan(records: &Path) -> Result<Scan> {
             Record::None => {}
         }
     }
-    scan.jobs
-        .sort_by(|a, b| a.started_unix.total_cmp(&b.started_unix));
+    // An array's tasks (one start) together, by index.
+    scan.jobs.sort_by(|a, b| {
+        a.started_unix.total_cmp(&b.started_unix).then_with(|| {
+            a.array
+                .as_ref()
+                .map(|t| t.index)
+                .cmp(&b.array.as_ref().map(|t| t.index))
+        })
+    });
     Ok(scan)
 }
 
@@ -991,9 +1107,42 @@ pub(crate) fn open_log(path: &Path) -> std::io::Result<File> {
     Ok(file)
 }
 
+/// `torchtools stop ID`: the job, or every task of the array `ID` (those still
+/// waiting to start first, so that none starts meanwhile).
 pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
     let records = records_dir()?;
-    let job = find(&records, id)?;
+    let mut jobs = resolve(&records, id)?;
+    jobs.sort_by_key(|j| j.pid.is_some());
+    for job in jobs {
+        stop_one(&records, job, grace)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The jobs `id` names: every task of the array `id` (the caller's own first), else the
+/// one job [`find`] finds.
+fn resolve(records: &Path, id: &str) -> Result<Vec<Job>> {
+    let jobs = all_jobs(records)?;
+    let of_array = |mine: bool| -> Vec<Job> {
+        let mut tasks: Vec<Job> = jobs
+            .iter()
+            .filter(|j| (j.uid == uid()) == mine)
+            .filter(|j| j.array.as_ref().is_some_and(|a| a.id == id))
+            .cloned()
+            .collect();
+        tasks.sort_by_key(|j| j.array.as_ref().map(|a| a.index));
+        tasks
+    };
+    for mine in [true, false] {
+        let tasks = of_array(mine);
+        if !tasks.is_empty() {
+            return Ok(tasks);
+        }
+    }
+    Ok(vec![find(records, id)?])
+}
+
+fn stop_one(records: &Path, job: Job, grace: Duration) -> Result<()> {
     let me = uid();
     if job.uid != me && me != 0 {
         return Err(Exit(
@@ -1007,7 +1156,7 @@ pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
     }
     if ended(&job) {
         eprintln!("torchtools: job {} has ended already", job.id);
-        return Ok(ExitCode::SUCCESS);
+        return Ok(());
     }
     if elsewhere(&job) {
         return Err(Exit(
@@ -1040,7 +1189,7 @@ pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
         let now = load(&record_path(&records, &job.id)).unwrap_or(job.clone());
         if ended(&now) {
             eprintln!("torchtools: job {} stopped ({})", job.id, state(&now, &[]));
-            return Ok(ExitCode::SUCCESS);
+            return Ok(());
         }
         if Instant::now() >= deadline {
             break;
@@ -1056,14 +1205,14 @@ pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
     );
     if !alive(&job) {
         eprintln!("torchtools: job {}: its keeper is gone", job.id);
-        return Ok(ExitCode::SUCCESS);
+        return Ok(());
     }
     for pid in session_members(job.keeper_pid) {
         if pid != job.keeper_pid && is_jobs(&job, pid) {
             signal(pid, nix::sys::signal::Signal::SIGKILL);
         }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 /// The processes of session `sid` (field 6 of `/proc/PID/stat`).
@@ -1126,9 +1275,11 @@ fn wait(ids: &[String], all_mine: bool) -> Result<ExitCode> {
             .map(|j| j.id)
             .collect()
     } else {
-        ids.iter()
-            .map(|id| find(&records, id).map(|j| j.id))
-            .collect::<Result<_>>()?
+        let mut all = Vec::new();
+        for id in ids {
+            all.extend(resolve(&records, id)?.into_iter().map(|j| j.id));
+        }
+        all
     };
     let mut worst = 0;
     for id in &ids {

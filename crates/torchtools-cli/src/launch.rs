@@ -80,6 +80,10 @@ pub(crate) struct LaunchArgs {
     /// With --detach: run the group again when it exits 75 (see `reserve --requeue`).
     #[arg(long, requires = "detach")]
     requeue: bool,
+    /// With --detach: one launch per index, each with TORCHTOOLS_ARRAY_TASK_ID (see
+    /// `reserve --array`).
+    #[arg(long, value_name = "INDICES", value_parser = crate::args::array, requires = "detach")]
+    array: Option<crate::args::ArraySpec>,
     #[command(flatten)]
     pub(crate) hook: crate::hook::HookArgs,
     /// Processes on this node: a number, `gpu` (one per visible GPU), `cpu` (one per
@@ -247,6 +251,7 @@ impl LaunchArgs {
             after: self.after.clone(),
             after_ok: self.after_ok.clone(),
             requeue: self.requeue,
+            array: self.array.clone(),
         })
     }
 

@@ -818,3 +818,104 @@ fn a_time_limit_sends_sigterm_then_sigkill_and_a_job_so_ended_says_timeout() {
     assert_eq!(job(dir, &id)["state"], "preempted (75) (run 3)");
     assert_eq!(std::fs::read_to_string(&runs).unwrap(), "run\nrun\nrun\n");
 }
+
+/// `--array 0-5%2`: one job per index, each with its TORCHTOOLS_ARRAY_TASK_ID, never
+/// more than two at once; `jobs wait` and `stop` take the array's id for every task and
+/// `ID_N` for one; tasks not started yet are cancelled by a stop, never started.
+#[test]
+fn an_array_runs_one_job_per_index_at_most_k_at_once_and_stops_whole_or_by_index() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let trace = dir.join("trace");
+    let go = dir.join("go");
+    // Each task notes its start, waits for `go`, notes its end (launch runs it without
+    // a GPU reservation, so that tasks may overlap: only the array's limit orders them).
+    let script = format!(
+        "echo + $TORCHTOOLS_ARRAY_TASK_ID >> {t}; while [ ! -e {go} ]; do sleep 0.05; done; \
+         echo - $TORCHTOOLS_ARRAY_TASK_ID >> {t}",
+        t = trace.display(),
+        go = go.display()
+    );
+    let array = detach(
+        dir,
+        &[
+            "launch",
+            "--detach",
+            "--array",
+            "0-5%2",
+            "--no-python",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    let read = || std::fs::read_to_string(&trace).unwrap_or_default();
+    until("two tasks started", || read().lines().count() == 2);
+    until("the other four wait for the first two", || {
+        (2..6).all(|i| {
+            job(dir, &format!("{array}_{i}"))["state"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("waiting for job"))
+        })
+    });
+    assert_eq!(
+        read().lines().count(),
+        2,
+        "a third task started: {}",
+        read()
+    );
+    std::fs::write(&go, "").unwrap();
+    let out = tt(dir).args(["jobs", "wait", &array]).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).lines().count(),
+        6,
+        "{out:?}"
+    );
+    let (mut running, mut most, mut seen) = (0i32, 0, Vec::new());
+    for line in read().lines() {
+        let (sign, index) = line.split_once(' ').unwrap();
+        running += if sign == "+" { 1 } else { -1 };
+        most = most.max(running);
+        if sign == "+" {
+            seen.push(index.parse::<u32>().unwrap());
+        }
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, [0, 1, 2, 3, 4, 5], "{}", read());
+    assert_eq!(most, 2, "{}", read());
+    // Stopped by index, then whole: one at a time (%1), each blocking until stopped.
+    let array = detach(
+        dir,
+        &[
+            "launch",
+            "--detach",
+            "--array",
+            "0-2%1",
+            "--no-python",
+            "--",
+            "sh",
+            "-c",
+            "exec sleep 600",
+        ],
+    );
+    until("task 0 runs", || {
+        job(dir, &format!("{array}_0"))["state"] == "running"
+    });
+    ok(tt(dir)
+        .args(["stop", &format!("{array}_2")])
+        .output()
+        .unwrap());
+    assert_eq!(
+        job(dir, &format!("{array}_2"))["state"],
+        "cancelled: stopped before it started"
+    );
+    assert_eq!(job(dir, &format!("{array}_0"))["state"], "running");
+    ok(tt(dir).args(["stop", &array]).output().unwrap());
+    assert_ne!(job(dir, &format!("{array}_0"))["state"], "running");
+    assert_eq!(
+        job(dir, &format!("{array}_1"))["state"],
+        "cancelled: stopped before it started"
+    );
+}
