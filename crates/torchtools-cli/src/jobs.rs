@@ -1186,7 +1186,7 @@ fn stop_one(records: &Path, job: Job, grace: Duration) -> Result<()> {
     }
     let deadline = Instant::now() + grace;
     loop {
-        let now = load(&record_path(&records, &job.id)).unwrap_or(job.clone());
+        let now = load(&record_path(records, &job.id)).unwrap_or(job.clone());
         if ended(&now) {
             eprintln!("torchtools: job {} stopped ({})", job.id, state(&now, &[]));
             return Ok(());
