@@ -53,6 +53,8 @@ pub(crate) struct Running {
     watched: bool,
     /// Its time limit's clock, when it has one ([`Running::limit`]).
     timer: Option<crate::limit::Timer>,
+    /// The watch of a preemptible job ([`Running::preemptible`]).
+    preempt: Option<crate::preempt::Watcher>,
 }
 
 /// How the command ended.
@@ -65,6 +67,8 @@ pub(crate) struct Ended {
     pub(crate) own_peak: Option<u64>,
     /// Whether its time limit was reached (it got SIGTERM from `--time`).
     pub(crate) timed_out: bool,
+    /// Whether the machine's policy preempted it (`--preemptible`).
+    pub(crate) preempted: bool,
 }
 
 /// Spawns `cmd` (whose program is `name`, for messages). Handlers are installed
@@ -90,6 +94,7 @@ pub(crate) fn spawn(cmd: &mut Command, name: &str) -> Result<Running> {
         forwarder,
         watched: false,
         timer: None,
+        preempt: None,
     })
 }
 
@@ -117,6 +122,16 @@ impl Running {
         }));
     }
 
+    /// Lets the machine's policy preempt the command, which holds `gpus` (see
+    /// [`crate::preempt`]).
+    pub(crate) fn preemptible(&mut self, dir: tt_lock::LockDir, gpus: Vec<tt_lock::GpuKey>) {
+        let pid = self.child.id();
+        self.preempt = Some(crate::preempt::Watcher::start(dir, gpus, move |signal| {
+            // SAFETY: as in `limit`: our child, not reaped before the watch stopped.
+            unsafe { libc::kill(pid as libc::pid_t, signal) };
+        }));
+    }
+
     /// Waits for the command to end. It is reaped only after the forwarder stopped,
     /// so that its pid cannot be reused while a signal may still be sent to it.
     pub(crate) fn wait(mut self) -> Result<Ended> {
@@ -128,6 +143,10 @@ impl Running {
         }
         .map_err(|e| anyhow::anyhow!("waiting for the command: {e}"))?;
         let timed_out = self.timer.take().is_some_and(crate::limit::Timer::finish);
+        let preempted = self
+            .preempt
+            .take()
+            .is_some_and(crate::preempt::Watcher::finish);
         self.handle.close();
         let _ = self.forwarder.join();
         let reaped = tt_tracker::process::reap(pid)
@@ -139,6 +158,7 @@ impl Running {
             max_rss: reaped.max_rss,
             own_peak,
             timed_out,
+            preempted,
         })
     }
 }

@@ -239,6 +239,11 @@ fn python() -> OsString {
 }
 
 impl LaunchArgs {
+    /// Whether the policy may preempt the group (`--preemptible`).
+    pub(crate) fn preemptible(&self) -> bool {
+        self.time.preemptible
+    }
+
     /// `--detach` (and its `--log-dir`), when given.
     pub(crate) fn detached(&self) -> Option<crate::jobs::DetachArgs> {
         self.detach.then(|| crate::jobs::DetachArgs {
@@ -391,6 +396,13 @@ impl LaunchArgs {
 
 /// Returns the group's exit status: 0, or the failed rank's.
 pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
+    if args.time.preemptible && args.gpu.is_none() {
+        return Err(Exit(
+            2,
+            "--preemptible yields the group's GPUs: reserve them with --gpu".into(),
+        )
+        .into());
+    }
     let mut cfg = args.config()?;
     let limit = args.time.resolve(&tt_lock::LockDir::from_env()?.policy())?;
     // The group's GPUs, reserved before any rank starts, held until the group ends.
@@ -416,6 +428,19 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
         let flag = Arc::clone(&forward);
         crate::limit::Timer::start(limit, move |signal| flag.store(signal, Ordering::Relaxed))
     });
+    // A preemptible group's GPUs are watched the same way (see `crate::preempt`).
+    let watcher = match (&reservation, args.time.preemptible) {
+        (Some(r), true) if !r.is_empty() => {
+            let flag = Arc::clone(&forward);
+            let gpus = r.gpus().iter().map(|g| g.key.clone()).collect();
+            Some(crate::preempt::Watcher::start(
+                tt_lock::LockDir::from_env()?,
+                gpus,
+                move |signal| flag.store(signal, Ordering::Relaxed),
+            ))
+        }
+        _ => None,
+    };
     cfg.forward = Some(forward);
     let outcome = launch_group(&cfg).map_err(|e| match e {
         tt_dist::Error::Launch(m) => anyhow::Error::from(Exit(2, m)),
@@ -427,6 +452,9 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
     });
     handle.close();
     let _ = forwarder.join();
+    if let Some(w) = watcher {
+        w.finish();
+    }
     if timer.is_some_and(crate::limit::Timer::finish) {
         let code = outcome.as_ref().map_or(1, |o| o.code);
         crate::limit::ended_by_limit(u8::try_from(code).unwrap_or(1));
@@ -492,6 +520,7 @@ fn reserve_for(
         cap: false,
         timeout: args.timeout,
         limit: None, // the launcher's own (see `launch`)
+        preemptible: args.time.preemptible,
         command: std::iter::once(cfg.program.clone())
             .chain(cfg.args.iter().cloned())
             .collect(),

@@ -21,6 +21,7 @@ mod limit;
 mod locks;
 mod metrics;
 mod policy;
+mod preempt;
 mod probe;
 mod queue;
 mod reserve;
@@ -209,11 +210,18 @@ impl Command {
     /// are the user's command, for the commands that run one: decided once, from the
     /// parsed arguments, before any command runs.
     fn detached(&self) -> Option<(jobs::DetachArgs, usize)> {
-        let detach = match self {
+        let mut detach = match self {
             Command::Reserve(a) if a.detach.detach => a.detach.clone(),
             Command::Run(a) if a.detach.detach => a.detach.clone(),
             Command::Launch(a) => a.detached()?,
             _ => return None,
+        };
+        // A preempted job goes back into the queue.
+        detach.requeue |= match self {
+            Command::Reserve(a) => a.reservation.time.preemptible,
+            Command::Run(a) => a.reservation.time.preemptible,
+            Command::Launch(a) => a.preemptible(),
+            _ => false,
         };
         Some((detach, self.command_len()))
     }

@@ -26,6 +26,8 @@ pub(crate) struct Request {
     pub(crate) timeout: Option<Duration>,
     /// The command's time limit (`--time`, or the policy's default).
     pub(crate) limit: Option<crate::limit::TimeLimit>,
+    /// The policy may preempt it (`--preemptible`).
+    pub(crate) preemptible: bool,
     pub(crate) command: Vec<OsString>,
 }
 
@@ -47,9 +49,19 @@ pub(crate) fn reserve(req: Request) -> Result<u8> {
     if let Some(limit) = req.limit {
         running.limit(limit);
     }
+    if req.preemptible && !reservation.is_empty() {
+        let gpus = reservation.gpus().iter().map(|g| g.key.clone()).collect();
+        running.preemptible(tt_lock::LockDir::from_env()?, gpus);
+    }
     let ended = running.wait()?;
     if ended.timed_out {
         crate::limit::ended_by_limit(ended.code);
+    }
+    if ended.preempted {
+        eprintln!(
+            "torchtools: the command was preempted by the machine's policy ({})",
+            crate::jobs::status_text(i32::from(ended.code))
+        );
     }
     reservation.set_exit_status(i32::from(ended.code));
     // The reservation (fences, then locks) lives exactly as long as the command.
@@ -77,6 +89,7 @@ pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
         .map(|a| a.to_string_lossy().into_owned())
         .collect();
     let mut holder = Holder::current().running(command_text.clone());
+    holder.preemptible = req.preemptible;
     if let Some(bytes) = req.bytes {
         holder = holder.reserving(bytes);
     }
@@ -200,6 +213,7 @@ impl ReserveArgs {
     ) -> Request {
         Request {
             limit,
+            preemptible: self.time.preemptible,
             gpus: self.gpu,
             count: self.count.map(|c| c as usize),
             bytes,

@@ -899,3 +899,157 @@ fn with_fair_share_one_users_twenty_queued_jobs_no_longer_stand_before_the_other
         );
     }
 }
+
+#[test]
+fn a_preemptible_job_above_its_share_yields_to_a_long_wait_and_is_requeued() {
+    let Some(tmp) = common::shared_dir_for_two_users() else {
+        return;
+    };
+    tt_testkit::users::two_users().unwrap();
+    let [user_a, _] = tt_testkit::users::USER_NAMES;
+    let dir = tmp.path().join("locks");
+    ok(torchtools(&dir).arg("locks").output().unwrap());
+    let policy = policy_file(
+        tmp.path(),
+        "[fair_share]\nhalf_life = \"1h\"\n[preemption]\nafter = \"1s\"\ngrace = \"60s\"\n",
+        "root",
+        0o644,
+    );
+    let root_home = tmp.path().join("root-home");
+    let root = || {
+        let mut c = torchtools(&dir);
+        c.env("TORCHTOOLS_POLICY", &policy)
+            .env("XDG_STATE_HOME", root_home.join("state"))
+            .env("XDG_CONFIG_HOME", root_home.join("config"))
+            .env_remove("TORCHTOOLS_JOB_ID");
+        c
+    };
+    let job = |id: &str| -> serde_json::Value {
+        let all: serde_json::Value =
+            serde_json::from_str(&ok(root().args(["jobs", "--json"]).output().unwrap())).unwrap();
+        all.as_array()
+            .unwrap()
+            .iter()
+            .find(|j| j["id"] == id)
+            .cloned()
+            .unwrap()
+    };
+    // root: a preemptible job on GPU 0 (it checkpoints on SIGTERM; its second run
+    // finishes), and one that is not preemptible on GPU 1.
+    let runs = tmp.path().join("runs");
+    let script = format!(
+        "echo run $TORCHTOOLS_JOB_RUN >> {r}; [ $TORCHTOOLS_JOB_RUN -ge 2 ] && exit 0; \
+         trap 'echo checkpointed >> {r}; exit 75' TERM; while :; do sleep 0.05; done",
+        r = runs.display()
+    );
+    let detach = |args: &[&str]| {
+        ok(root()
+            .args(["reserve", "--detach"])
+            .args(args)
+            .output()
+            .unwrap())
+        .trim()
+        .to_owned()
+    };
+    let preemptible = detach(&[
+        "--preemptible",
+        "--gpu",
+        "0",
+        "--no-fence",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let steady = detach(&[
+        "--gpu",
+        "1",
+        "--no-fence",
+        "--",
+        "sh",
+        "-c",
+        "exec sleep 600",
+    ]);
+    common::until("both of root's jobs run", || {
+        job(&preemptible)["state"] == "running" && job(&steady)["state"] == "running"
+    });
+    // A asks for GPU 0: after a second of waiting, root's job yields it.
+    let home_a = home_of(tmp.path(), user_a);
+    let tt_a = || {
+        let mut c = as_user(user_a, &dir, &home_a);
+        c.env("TORCHTOOLS_POLICY", &policy);
+        c
+    };
+    let asked = tt_a()
+        .args([
+            "reserve",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "echo",
+            "A got GPU 0",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let log = std::path::PathBuf::from(job(&preemptible)["log"].as_str().unwrap());
+    common::until("root's job preempted", || {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("torchtools: preempted: pid"))
+    });
+    let decided = tt_device::now_unix();
+    let out = wait_bounded(asked).expect("A served once root's job yielded");
+    assert_eq!(ok(out).trim(), "A got GPU 0");
+    let out = root()
+        .args(["jobs", "wait", &preemptible])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert_eq!(job(&preemptible)["state"], "finished (run 2)");
+    assert_eq!(
+        std::fs::read_to_string(&runs).unwrap(),
+        "run 1\ncheckpointed\nrun 2\n"
+    );
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        said.contains(&format!("({user_a}) has waited")) && said.contains("above their fair share"),
+        "{said}"
+    );
+    // How long from the decision (seen in the log) to GPU 0 being free (root's record
+    // of it ended) and to A holding it.
+    let usage = tt_lock::LockDir::open(&dir).unwrap().usage().unwrap();
+    let freed = usage
+        .records
+        .iter()
+        .filter(|r| r.user == "root" && r.gpu.ends_with('0'))
+        .filter_map(|r| r.end)
+        .find(|&end| end >= decided - 1.0);
+    let served = usage
+        .records
+        .iter()
+        .find(|r| r.user == user_a)
+        .map(|r| r.start);
+    eprintln!(
+        "preemption: decision seen at {decided:.3}, GPU 0 free {:.3} s later, A served {:.3} s later",
+        freed.unwrap_or(f64::NAN) - decided,
+        served.unwrap_or(f64::NAN) - decided
+    );
+    // The job that is not preemptible is never touched: A's wait for GPU 1 runs out.
+    let out = tt_a()
+        .args([
+            "reserve",
+            "--gpu",
+            "1",
+            "--no-fence",
+            "--timeout",
+            "3s",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    assert_eq!(job(&steady)["state"], "running");
+    ok(root().args(["stop", &steady]).output().unwrap());
+}

@@ -152,6 +152,67 @@ pub(crate) fn serve_order(
     }
 }
 
+/// The waiting request that preempts a `--preemptible` job of `user` holding `gpus`
+/// under `policy`'s `[preemption]`, with why; `None` when none may. In serving order,
+/// the first request that has waited longer than `after`, is not held back by a limit,
+/// is another user's, wants one of `gpus`, and whose user stands below `user`: with
+/// fair share, `user`'s part of recent use is above an equal share (one over the users
+/// using or asking for GPUs) and above the waiting user's; without, `user` holds more
+/// GPUs than the waiting user.
+pub fn preemptor<'q>(
+    policy: &Policy,
+    queue: &'q [Waiter],
+    standings: &HashMap<String, Standing>,
+    user: &str,
+    gpus: &[crate::GpuKey],
+    now: u64,
+) -> Option<(&'q Waiter, String)> {
+    let after = policy.preemption.as_ref()?.after;
+    let empty = Standing::default();
+    let mine = standings.get(user).unwrap_or(&empty);
+    let active = standings
+        .values()
+        .filter(|s| s.use_gpu_s > 0.0 || s.waiting > 0 || s.gpus > 0)
+        .count()
+        .max(1);
+    let equal = 1.0 / active as f64;
+    queue.iter().find_map(|w| {
+        let waited = now.saturating_sub(w.since_unix);
+        let theirs = standings.get(&w.user).unwrap_or(&empty);
+        let wanted = w.wants.gpus().iter().find(|k| gpus.contains(k))?;
+        let above = match policy.fair_share {
+            Some(_) => mine.fraction > equal && mine.fraction > theirs.fraction,
+            None => mine.gpus > theirs.gpus,
+        };
+        let eligible = w.held.is_none() && w.user != user && waited > after.as_secs() && above;
+        eligible.then(|| {
+            let standing = match policy.fair_share {
+                Some(_) => format!(
+                    "{user} is above their fair share ({:.0}% of recent use, an equal share \
+                     is {:.0}%; {} {:.0}%)",
+                    mine.fraction * 100.0,
+                    equal * 100.0,
+                    w.user,
+                    theirs.fraction * 100.0
+                ),
+                None => format!(
+                    "{user} holds {} GPU(s), {} {}",
+                    mine.gpus, w.user, theirs.gpus
+                ),
+            };
+            let why = format!(
+                "pid {} ({}) has waited {} for {wanted} (the policy preempts after {}), and \
+                 {standing}",
+                w.pid,
+                w.user,
+                tt_device::format_duration(std::time::Duration::from_secs(waited)),
+                tt_device::format_duration(after),
+            );
+            (w, why)
+        })
+    })
+}
+
 impl LockDir {
     /// Every user's standing under `policy`: recent use (with fair share), what each
     /// holds now, and how many requests each has waiting in `queue`. Users are keyed by
@@ -172,7 +233,7 @@ impl LockDir {
                 s.fraction = if total > 0.0 { used / total } else { 0.0 };
             }
         }
-        if policy.limits.gpus.is_some() || policy.limits.share.is_some() {
+        if policy.limits_apply() || policy.preemption.is_some() {
             for state in self.list()? {
                 if let Some(h) = state.holder.filter(|_| state.held) {
                     standing_of(&mut standings, &h.user).gpus += 1;
@@ -320,6 +381,45 @@ mod tests {
         ];
         serve_order(&mut queue, &policy, &standings, now);
         assert_eq!(queue[0].user, "heavy");
+    }
+
+    #[test]
+    fn a_preemptible_job_yields_only_to_a_long_wait_of_a_user_below_its_share() {
+        let mut policy =
+            Policy::parse("[fair_share]\nhalf_life = \"1h\"\n[preemption]\nafter = \"30m\"\n")
+                .unwrap();
+        let standings: HashMap<_, _> =
+            [standing("heavy", 0.9, 1), standing("light", 0.1, 0)].into();
+        let now = 10_000;
+        let gpu0 = [GpuKey::Index(0)];
+        let long = [waiter(1, "light", now - 1900, 1)];
+        let (w, why) = preemptor(&policy, &long, &standings, "heavy", &gpu0, now).unwrap();
+        assert_eq!(w.ticket, 1);
+        assert!(
+            why.contains("has waited 1900s") && why.contains("90% of recent use"),
+            "{why}"
+        );
+        // Not yet 30 minutes; not a GPU it holds; its own request; a lighter holder.
+        let short = [waiter(1, "light", now - 60, 1)];
+        assert!(preemptor(&policy, &short, &standings, "heavy", &gpu0, now).is_none());
+        assert!(preemptor(
+            &policy,
+            &long,
+            &standings,
+            "heavy",
+            &[GpuKey::Index(7)],
+            now
+        )
+        .is_none());
+        let own = [waiter(1, "heavy", now - 1900, 1)];
+        assert!(preemptor(&policy, &own, &standings, "heavy", &gpu0, now).is_none());
+        assert!(preemptor(&policy, &long, &standings, "light", &gpu0, now).is_none());
+        // A request the limits hold back preempts nobody; no [preemption], nothing.
+        let mut held = long.clone();
+        held[0].held = Some("held by policy".into());
+        assert!(preemptor(&policy, &held, &standings, "heavy", &gpu0, now).is_none());
+        policy.preemption = None;
+        assert!(preemptor(&policy, &long, &standings, "heavy", &gpu0, now).is_none());
     }
 
     #[test]

@@ -52,6 +52,11 @@ pub struct Holder {
     /// admission (so two never both take the same room), never shown as a sharer.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub admitting: bool,
+    /// The job may be preempted under the machine's policy (`--preemptible`): its own
+    /// `torchtools` stops it (SIGTERM, then SIGKILL after the policy's grace) when a
+    /// request of a user below their fair share has waited long enough.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub preemptible: bool,
 }
 
 impl Holder {
@@ -73,6 +78,7 @@ impl Holder {
             usage: None,
             share: None,
             admitting: false,
+            preemptible: false,
         }
     }
 
@@ -105,6 +111,7 @@ impl Holder {
             usage: None,
             share: None,
             admitting: false,
+            preemptible: false,
         }
     }
 

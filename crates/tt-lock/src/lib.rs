@@ -19,7 +19,7 @@ mod watch;
 
 pub use dir::{LockDir, DEFAULT_LOCK_DIR, LOCK_DIR_ENV};
 pub use error::{Error, Result};
-pub use fair::Standing;
+pub use fair::{preemptor, Standing};
 pub use gpu::{GpuKey, GpuSpec};
 pub use holder::{own_pid_namespace, utc, Holder};
 pub use list::{LockState, Locker};

@@ -1,0 +1,85 @@
+//! `--preemptible`: a job that yields its GPUs under the machine's `[preemption]`
+//! policy. No daemon decides it, and no user can signal another's processes: the job's
+//! own `torchtools` watches the queue and, when a request of a user below their fair
+//! share has waited longer than the policy's `after` for one of its GPUs
+//! ([`tt_lock::preemptor`], which every reader computes alike), sends its command
+//! SIGTERM (a torchtools trainer checkpoints and exits 75, and a `--requeue`d job goes
+//! back into the queue), then SIGKILL after the policy's `grace`.
+
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tt_lock::{GpuKey, LockDir};
+
+/// How often a preemptible job looks at the queue.
+const LOOK_EVERY: Duration = Duration::from_millis(500);
+
+/// The watch of a preemptible job's GPUs: a thread, until [`Watcher::finish`].
+pub(crate) struct Watcher {
+    stop: mpsc::Sender<()>,
+    thread: JoinHandle<bool>,
+}
+
+impl Watcher {
+    /// Watches the queue for requests that preempt this job, which holds `gpus`;
+    /// `send(signal)` delivers SIGTERM, then SIGKILL, to its command.
+    pub(crate) fn start(
+        dir: LockDir,
+        gpus: Vec<GpuKey>,
+        send: impl Fn(i32) + Send + 'static,
+    ) -> Watcher {
+        let (stop, stopped) = mpsc::channel::<()>();
+        let user = tt_lock::name_of_uid(nix::unistd::geteuid().as_raw());
+        let thread = std::thread::spawn(move || {
+            // Sleeps `d`; false when stopped first.
+            let pause =
+                |d: Duration| matches!(stopped.recv_timeout(d), Err(RecvTimeoutError::Timeout));
+            loop {
+                if !pause(LOOK_EVERY) {
+                    return false;
+                }
+                let Some((why, grace)) = decision(&dir, &user, &gpus) else {
+                    continue;
+                };
+                let decided = Instant::now();
+                eprintln!(
+                    "torchtools: preempted: {why}: SIGTERM sent to the command (SIGKILL in {})",
+                    tt_device::format_duration(grace)
+                );
+                send(libc::SIGTERM);
+                if pause(grace.saturating_sub(decided.elapsed())) {
+                    eprintln!(
+                        "torchtools: the preempted command still runs {} after SIGTERM: SIGKILL",
+                        tt_device::format_duration(grace)
+                    );
+                    send(libc::SIGKILL);
+                }
+                return true;
+            }
+        });
+        Watcher { stop, thread }
+    }
+
+    /// Stops the watch (the command has ended; before it is reaped): whether the job
+    /// was preempted.
+    pub(crate) fn finish(self) -> bool {
+        let _ = self.stop.send(());
+        self.thread.join().unwrap_or(false)
+    }
+}
+
+/// Why this job must yield now, and the grace the policy gives it; `None` when it may
+/// go on (no `[preemption]` in force, or no request that preempts it).
+fn decision(dir: &LockDir, user: &str, gpus: &[GpuKey]) -> Option<(String, Duration)> {
+    let in_force = dir.policy();
+    let grace = in_force.policy.preemption.as_ref()?.grace;
+    let queue = dir.queue().ok()?;
+    if queue.is_empty() {
+        return None;
+    }
+    let standings = dir.standings(&in_force.policy, &queue).ok()?;
+    let now = tt_device::now_unix() as u64;
+    tt_lock::preemptor(&in_force.policy, &queue, &standings, user, gpus, now)
+        .map(|(_, why)| (why, grace))
+}
