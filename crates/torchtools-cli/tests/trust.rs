@@ -595,6 +595,19 @@ fn an_on_end_command_is_never_in_the_arguments_other_users_read_and_still_runs()
     let _ = held.wait();
 }
 
+/// Process groups killed when the test ends, however it ends: a failing test leaves no
+/// loop or queued request behind to burn the machine's CPUs.
+struct Groups(Vec<u32>);
+
+impl Drop for Groups {
+    fn drop(&mut self) {
+        for &group in &self.0 {
+            // SAFETY: kill(2) of a process group this test started.
+            unsafe { libc::kill(-(group as i32), libc::SIGKILL) };
+        }
+    }
+}
+
 /// `tmp/policy.toml` holding `text`, owned by `owner` with `mode`.
 fn policy_file(tmp: &Path, text: &str, owner: &str, mode: u32) -> std::path::PathBuf {
     use std::os::unix::fs::PermissionsExt;
@@ -804,6 +817,7 @@ fn with_fair_share_one_users_twenty_queued_jobs_no_longer_stand_before_the_other
                 .unwrap()
         })
         .collect();
+    let mut groups = Groups(roots.iter().map(std::process::Child::id).collect());
     // A and B each keep two requests going until told to stop.
     let stop = tmp.path().join("stop");
     let loops: Vec<_> = [user_a, user_a, user_b, user_b]
@@ -834,6 +848,8 @@ fn with_fair_share_one_users_twenty_queued_jobs_no_longer_stand_before_the_other
                 .unwrap()
         })
         .collect();
+    groups.0.extend(loops.iter().map(std::process::Child::id));
+    groups.0.push(gate.id());
     common::until(
         "twenty of root's requests and two each of A's and B's waiting",
         || {

@@ -99,6 +99,127 @@ fn python_flock_us(dir: &LockDir) -> Option<f64> {
     String::from_utf8_lossy(&out.stdout).trim().parse().ok()
 }
 
+/// Waiting requests and usage records of the queue-decision row.
+const WAITERS: usize = 1_000;
+const USAGE_RECORDS: usize = 100_000;
+const DECISIONS: usize = 50;
+
+/// Median time of one request's decision (a `Wait::Try` of a free GPU, granted and let
+/// go) in `dir`, in µs.
+fn decision_us(dir: &LockDir, rounds: usize) -> f64 {
+    let key = GpuKey::Index(1);
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let start = Instant::now();
+        let lock = dir
+            .lock(&key, Wait::Try, Holder::current())
+            .expect("a free GPU");
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+        drop(lock);
+    }
+    median(times)
+}
+
+/// The lock directory of the queue-decision row: `WAITERS` live requests for GPU 0
+/// (each ticket write-locked by this process, as a waiting process holds its own), and
+/// `USAGE_RECORDS` reservations in three users' names in this user's log (a reader
+/// checks names against owners, so all are this user's here: the cost is the same).
+/// Returns the open tickets, which keep the requests live.
+fn crowded(path: &std::path::Path) -> Vec<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let dir = LockDir::open(path).expect("lock dir");
+    let me = Holder::current();
+    let now = tt_device::now_unix();
+    let mut log = String::with_capacity(USAGE_RECORDS * 400);
+    for i in 0..USAGE_RECORDS {
+        let start = now - 7.0 * 86_400.0 + i as f64 * 5.0;
+        log.push_str(&format!(
+            "{{\"event\":\"start\",\"id\":\"r{i}\",\"user\":\"{u}\",\"host\":\"h\",\"pid\":{i},\
+             \"gpu\":\"index {g}\",\"bytes\":null,\"time\":{start},\"command\":[\"python\",\"train.py\"]}}\n\
+             {{\"event\":\"end\",\"id\":\"r{i}\",\"time\":{end},\"status\":0}}\n",
+            u = me.user,
+            g = i % 8,
+            end = start + 4.0
+        ));
+    }
+    let uid = nix::unistd::geteuid().as_raw();
+    std::fs::write(dir.usage_log_path(uid), log).expect("usage log");
+    let mut tickets = Vec::with_capacity(WAITERS);
+    for t in 1..=WAITERS {
+        let path = path.join(format!("wait-{t:020}.json"));
+        let line = format!(
+            "{{\"ticket\":{t},\"pid\":{},\"user\":\"{}\",\"host\":\"h\",\"since_unix\":{},\
+             \"wants\":{{\"kind\":\"gpus\",\"gpus\":[{{\"index\":0}}]}}}}\n",
+            std::process::id(),
+            me.user,
+            me.since_unix
+        );
+        std::fs::write(&path, line).expect("ticket");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("ticket");
+        let lock = libc::flock {
+            l_type: libc::F_WRLCK as i16,
+            l_whence: libc::SEEK_SET as i16,
+            l_start: 0,
+            l_len: 0,
+            l_pid: 0,
+        };
+        // SAFETY: F_OFD_SETLK with a valid flock struct on an open descriptor.
+        let done = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &lock) };
+        assert_eq!(done, 0, "locking a ticket");
+        tickets.push(file);
+    }
+    tickets
+}
+
+/// The queue's decision with `WAITERS` requests waiting and `USAGE_RECORDS` usage
+/// records under a fair-share policy, against a request today with neither.
+fn queue_decision(tmp: &std::path::Path) {
+    // Each ticket is an open file: room for them all.
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+        limit.rlim_cur = limit.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+    }
+    let empty = LockDir::open(tmp.join("empty")).expect("lock dir");
+    let alone = decision_us(&empty, DECISIONS * 10);
+    let _tickets = crowded(&tmp.join("crowded"));
+    let crowded = LockDir::open(tmp.join("crowded")).expect("lock dir");
+    let fcfs = decision_us(&crowded, DECISIONS);
+    let policy = tmp.join("policy.toml");
+    std::fs::write(
+        &policy,
+        "[fair_share]\nhalf_life = \"7d\"\n[limits]\ngpus = 8\n",
+    )
+    .expect("policy");
+    std::env::set_var(tt_lock::POLICY_ENV, &policy);
+    // A process's first decision reads every usage log whole; later ones what was
+    // appended since.
+    let cold = decision_us(&LockDir::open(tmp.join("crowded")).expect("lock dir"), 1);
+    let fair = decision_us(&crowded, DECISIONS);
+    std::env::remove_var(tt_lock::POLICY_ENV);
+    println!(
+        "  a request's decision: {alone:.0} µs alone; with {WAITERS} waiting and \
+         {USAGE_RECORDS} usage records: {fcfs:.0} µs first come, first served, {fair:.0} µs \
+         by fair share and limits ({cold:.0} µs for a process's first, which reads the \
+         usage logs whole)"
+    );
+    println!(
+        "row|queue decision, {WAITERS} waiting + {USAGE_RECORDS} usage records, fair share (µs)|{fair:.0}|a request alone, no policy|{alone:.0}|µs|lower"
+    );
+    println!(
+        "row|queue decision, {WAITERS} waiting + {USAGE_RECORDS} usage records, fair share (µs)|{fair:.0}|the same queue first come, first served|{fcfs:.0}|µs|lower"
+    );
+}
+
 fn main() {
     let tmp = tempfile::tempdir().expect("tempdir");
     if std::env::args().any(|a| a == "--waiter") {
@@ -133,4 +254,5 @@ fn main() {
     println!(
         "row|lock hand-off to the next timed waiter in line (µs)|{timed:.1}|goal|1000.0|µs|lower"
     );
+    queue_decision(tmp.path());
 }

@@ -54,9 +54,13 @@ impl Standing {
 }
 
 /// Each user's recent use in GPU-seconds at `now`, decayed with `half_life` seconds.
-pub(crate) fn decayed_use(records: &[Usage], now: f64, half_life: f64) -> HashMap<String, f64> {
+pub(crate) fn decayed_use<'r>(
+    records: impl IntoIterator<Item = &'r Usage>,
+    now: f64,
+    half_life: f64,
+) -> HashMap<String, f64> {
     let k = std::f64::consts::LN_2 / half_life.max(1e-9);
-    let mut uses: HashMap<String, f64> = HashMap::new();
+    let mut uses: HashMap<&'r str, f64> = HashMap::new();
     for r in records {
         let end = r.end.unwrap_or(now).min(now);
         let start = r.start.min(end);
@@ -71,9 +75,9 @@ pub(crate) fn decayed_use(records: &[Usage], now: f64, half_life: f64) -> HashMa
         };
         // The integral of 2^(-(now - t) / half_life) from start to end.
         let used = ((-k * (now - end)).exp() - (-k * (now - start)).exp()) / k;
-        *uses.entry(r.user.clone()).or_default() += weight * used;
+        *uses.entry(r.user.as_str()).or_default() += weight * used;
     }
-    uses
+    uses.into_iter().map(|(u, v)| (u.to_owned(), v)).collect()
 }
 
 /// Why a request is held back by `limits`, given its user's standing; `None` when it
@@ -224,8 +228,7 @@ impl LockDir {
     ) -> Result<HashMap<String, Standing>> {
         let mut standings: HashMap<String, Standing> = HashMap::new();
         if let Some(fs) = &policy.fair_share {
-            let now = tt_device::now_unix();
-            let uses = decayed_use(&self.usage()?.records, now, fs.half_life.as_secs_f64());
+            let uses = self.recent_use(fs.half_life.as_secs_f64())?;
             let total: f64 = uses.values().sum();
             for (user, used) in uses {
                 let s = standing_of(&mut standings, &user);
@@ -234,20 +237,77 @@ impl LockDir {
             }
         }
         if policy.limits_apply() || policy.preemption.is_some() {
-            for state in self.list()? {
-                if let Some(h) = state.holder.filter(|_| state.held) {
-                    standing_of(&mut standings, &h.user).gpus += 1;
-                }
-                for h in state.shares {
-                    let s = standing_of(&mut standings, &h.user);
-                    s.shared = Bytes(s.shared.0.saturating_add(h.share.map_or(0, |b| b.0)));
-                }
+            // What each holds now, from the live, believed holder and sharer records.
+            let names = self.names()?;
+            let (held, _) = crate::record::live(self.path(), names.iter().cloned(), "held-");
+            for found in held {
+                standing_of(&mut standings, &found.holder.user).gpus += 1;
+            }
+            let (shares, _) = crate::record::live(self.path(), names, "share-");
+            for h in shares
+                .into_iter()
+                .map(|f| f.holder)
+                .filter(|h| !h.admitting)
+            {
+                let s = standing_of(&mut standings, &h.user);
+                s.shared = Bytes(s.shared.0.saturating_add(h.share.map_or(0, |b| b.0)));
             }
         }
         for w in queue {
             standing_of(&mut standings, &w.user).waiting += 1;
         }
         Ok(standings)
+    }
+
+    /// Each user's recent use now, decayed with `half_life` seconds, from every user's
+    /// usage log as [`LockDir::usage`] reads it (a holder that died holding its GPU is
+    /// counted until the GPU's next holder took it, else until now). The logs are read
+    /// on from where this directory's last reading stopped: a decision reads only the
+    /// records written since.
+    fn recent_use(&self, half_life: f64) -> Result<HashMap<String, f64>> {
+        let mut tally = self.usage_tally.lock().unwrap_or_else(|e| e.into_inner());
+        let mut present = std::collections::HashSet::new();
+        for name in self.names()? {
+            let Some(uid) = name.to_str().and_then(crate::usage::log_uid) else {
+                continue;
+            };
+            let path = self.path().join(&name);
+            crate::usage::read_more(&path, uid, tally.entry(path.clone()).or_default(), true)?;
+            present.insert(path);
+        }
+        tally.retain(|path, _| present.contains(path));
+        let records: Vec<&Usage> = tally.values().flat_map(|s| &s.log.records).collect();
+        // Open records of holders no longer alive: ended when the GPU's next holder took
+        // it (as `usage` shows them lost).
+        let live = self.live_usage_ids()?;
+        let is_lost =
+            |r: &Usage| r.end.is_none() && !live.contains(&(r.user.clone(), r.id.clone()));
+        let lost: Vec<&Usage> = records.iter().copied().filter(|r| is_lost(r)).collect();
+        let mut ended: Vec<Usage> = Vec::with_capacity(lost.len());
+        if !lost.is_empty() {
+            let mut starts: HashMap<&str, Vec<f64>> = HashMap::new();
+            for r in &records {
+                starts.entry(r.gpu.as_str()).or_default().push(r.start);
+            }
+            for list in starts.values_mut() {
+                list.sort_by(f64::total_cmp);
+            }
+            for r in &lost {
+                let next = starts.get(r.gpu.as_str()).and_then(|list| {
+                    let at = list.partition_point(|&t| t <= r.start);
+                    list.get(at).copied()
+                });
+                let mut r = (*r).clone();
+                r.end = next;
+                ended.push(r);
+            }
+        }
+        let open_or_done = records.into_iter().filter(|r| !is_lost(r));
+        Ok(decayed_use(
+            open_or_done.chain(&ended),
+            tt_device::now_unix(),
+            half_life,
+        ))
     }
 
     /// The queue as `policy` serves it (see [`LockDir::queue`]).

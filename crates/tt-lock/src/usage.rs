@@ -246,7 +246,7 @@ impl LockDir {
     /// The usage ids of the live, believed holder and sharer records, each with the
     /// user whose record carries it: an id counts only for its own user's reservations
     /// (another user's record copying it keeps nothing of theirs running).
-    fn live_usage_ids(&self) -> Result<HashSet<(String, String)>> {
+    pub(crate) fn live_usage_ids(&self) -> Result<HashSet<(String, String)>> {
         let names = self.names()?;
         let (held, _) = crate::record::live(self.path(), names.iter().cloned(), "held-");
         let (shared, _) = crate::record::live(self.path(), names, "share-");
@@ -260,7 +260,7 @@ impl LockDir {
 
 /// The uid whose log a file name is: `usage-<uid>.jsonl`, or `usage-<uid>.<k>.jsonl`
 /// (the same user's log beside a file someone else planted under the first name).
-fn log_uid(name: &str) -> Option<u32> {
+pub(crate) fn log_uid(name: &str) -> Option<u32> {
     let rest = name.strip_prefix(USAGE_PREFIX)?.strip_suffix(".jsonl")?;
     let (uid, k) = rest.split_once('.').unwrap_or((rest, "1"));
     (k.bytes().all(|b| b.is_ascii_digit()) && !k.is_empty())
@@ -401,11 +401,48 @@ const MAX_RECORDS: usize = 16_000_000;
 /// this log only: nobody closes another user's reservation), damaged lines skipped
 /// and counted, a log or record not its owner's ignored.
 fn read(path: &Path, uid: u32, log: &mut UsageLog) -> Result<()> {
+    let mut state = LogState::default();
+    read_more(path, uid, &mut state, false)?;
+    log.records.append(&mut state.log.records);
+    log.skipped.append(&mut state.log.skipped);
+    log.ignored.append(&mut state.log.ignored);
+    Ok(())
+}
+
+/// One user's log as read so far: a reader that keeps it reads only what was appended
+/// since ([`read_more`]; logs only grow, a record per line).
+#[derive(Debug, Default)]
+pub(crate) struct LogState {
+    /// The file read (device and inode): another file under the name is read anew.
+    file: (u64, u64),
+    /// Bytes read, through the last whole line.
+    offset: u64,
+    /// Lines read.
+    lines: usize,
+    /// Reading stopped for good (an over-long line, too many records).
+    stopped: bool,
+    /// What was read.
+    pub(crate) log: UsageLog,
+    /// Where each start's record is in `log.records`.
+    by_id: HashMap<String, usize>,
+}
+
+/// Reads on in the log of `uid` at `path` from where `state` stopped (from its start
+/// when it is another file now). `whole_lines`: a last line without its newline (being
+/// written) is left for the next read, rather than read as damaged.
+pub(crate) fn read_more(
+    path: &Path,
+    uid: u32,
+    state: &mut LogState,
+    whole_lines: bool,
+) -> Result<()> {
+    use std::io::{Seek, SeekFrom};
     let Some((file, meta)) = crate::file::open_to_read(path) else {
         // Gone since, or something else under a log's name (a FIFO, a symbolic link):
         // not a log, and reported when it is there.
+        *state = LogState::default();
         if let Ok(meta) = std::fs::symlink_metadata(path) {
-            log.ignored.push(Ignored::because(
+            state.log.ignored.push(Ignored::because(
                 path,
                 meta.uid(),
                 &crate::owner::name_of_uid(uid),
@@ -415,31 +452,46 @@ fn read(path: &Path, uid: u32, log: &mut UsageLog) -> Result<()> {
         return Ok(());
     };
     let owner = crate::owner::name_of_uid(uid);
+    if state.file != (meta.dev(), meta.ino()) || meta.len() < state.offset {
+        *state = LogState {
+            file: (meta.dev(), meta.ino()),
+            ..LogState::default()
+        };
+    }
     if let Err(why) = crate::owner::check(path, meta.uid(), &owner) {
-        log.ignored.push(why);
+        state.log = UsageLog::default();
+        state.log.ignored.push(why);
+        state.stopped = true;
         return Ok(());
     }
+    if state.stopped || meta.len() == state.offset {
+        return Ok(());
+    }
+    let io = |e: std::io::Error| crate::Error::Io {
+        op: "reading the usage log",
+        path: path.to_owned(),
+        cause: e,
+    };
+    (&file).seek(SeekFrom::Start(state.offset)).map_err(io)?;
     // Streamed a line at a time, each line at most MAX_LINE bytes: a log grown huge
     // (`truncate -s 1T`) costs its owner's records past the first over-long line, never
     // a reader's memory or patience.
     let mut reader = std::io::BufReader::with_capacity(64 * 1024, &file);
     let mut line = Vec::with_capacity(512);
-    let mut by_id: HashMap<String, usize> = HashMap::new();
-    for n in 0.. {
+    loop {
+        let n = state.lines;
         line.clear();
         let read = std::io::BufRead::read_until(
             &mut std::io::Read::take(&mut reader, MAX_LINE as u64 + 1),
             b'\n',
             &mut line,
         )
-        .map_err(|e| crate::Error::Io {
-            op: "reading the usage log",
-            path: path.to_owned(),
-            cause: e,
-        })?;
-        if read == 0 {
+        .map_err(io)?;
+        if read == 0 || (whole_lines && line.last() != Some(&b'\n') && line.len() <= MAX_LINE) {
             break;
         }
+        state.offset += read as u64;
+        state.lines += 1;
         if line.len() > MAX_LINE || n >= MAX_RECORDS {
             let why = format!(
                 "{}: line {}: {}; the rest of this log is not read",
@@ -452,67 +504,75 @@ fn read(path: &Path, uid: u32, log: &mut UsageLog) -> Result<()> {
                 }
             );
             tracing::warn!("skipping a damaged usage log: {why}");
-            log.skipped.push(why);
+            state.log.skipped.push(why);
+            state.stopped = true;
             break;
         }
         let line = line.strip_suffix(b"\n").unwrap_or(&line);
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        match serde_json::from_slice::<UsageEvent>(line) {
-            Ok(UsageEvent::Start {
+        take_line(line, path, meta.uid(), n, state);
+    }
+    Ok(())
+}
+
+/// One line of a log into `state`: a start recorded, an end matched with its start, a
+/// damaged line counted, a record not its log's owner's ignored.
+fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, state: &mut LogState) {
+    let log = &mut state.log;
+    match serde_json::from_slice::<UsageEvent>(line) {
+        Ok(UsageEvent::Start {
+            id,
+            user,
+            host,
+            pid,
+            gpu,
+            bytes,
+            time,
+            command,
+            share_of,
+        }) => {
+            if let Err(why) = crate::owner::check(path, owner_uid, &user) {
+                log.ignored.push(why);
+                return;
+            }
+            state.by_id.insert(id.clone(), log.records.len());
+            log.records.push(Usage {
                 id,
                 user,
                 host,
                 pid,
                 gpu,
                 bytes,
-                time,
                 command,
                 share_of,
-            }) => {
-                if let Err(why) = crate::owner::check(path, meta.uid(), &user) {
-                    log.ignored.push(why);
-                    continue;
+                start: time,
+                end: None,
+                status: None,
+                lost: false,
+            });
+        }
+        Ok(UsageEvent::End {
+            id,
+            time,
+            status,
+            lost,
+        }) => {
+            if let Some(r) = state.by_id.get(&id).map(|i| &mut log.records[*i]) {
+                if r.end.is_none() {
+                    r.end = Some(time);
+                    r.status = status;
+                    r.lost = lost;
                 }
-                by_id.insert(id.clone(), log.records.len());
-                log.records.push(Usage {
-                    id,
-                    user,
-                    host,
-                    pid,
-                    gpu,
-                    bytes,
-                    command,
-                    share_of,
-                    start: time,
-                    end: None,
-                    status: None,
-                    lost: false,
-                });
-            }
-            Ok(UsageEvent::End {
-                id,
-                time,
-                status,
-                lost,
-            }) => {
-                if let Some(r) = by_id.get(&id).map(|i| &mut log.records[*i]) {
-                    if r.end.is_none() {
-                        r.end = Some(time);
-                        r.status = status;
-                        r.lost = lost;
-                    }
-                }
-            }
-            Err(e) => {
-                let why = format!("{}: line {}: {e}", path.display(), n + 1);
-                tracing::warn!("skipping a damaged usage record: {why}");
-                log.skipped.push(why);
             }
         }
+        Err(e) => {
+            let why = format!("{}: line {}: {e}", path.display(), n + 1);
+            tracing::warn!("skipping a damaged usage record: {why}");
+            log.skipped.push(why);
+        }
     }
-    Ok(())
 }
 
 #[cfg(test)]
