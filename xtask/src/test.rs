@@ -146,7 +146,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
         5,
     ),
     ("test -p tt-device --no-default-features", "tests/tch.rs", 0),
-    ("test -p tt-lock (no features)", "tt_lock src/lib.rs", 35),
+    ("test -p tt-lock (no features)", "tt_lock src/lib.rs", 42),
     ("test -p tt-lock (no features)", "tests/locks.rs", 25),
     ("test -p tt-lock (no features)", "tests/queue.rs", 9),
     ("test -p tt-lock (no features)", "tests/share.rs", 3),
@@ -381,7 +381,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli (default features)",
         "torchtools src/main.rs",
-        13,
+        17,
     ),
     (
         "test -p torchtools-cli (default features)",
@@ -396,7 +396,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli (default features)",
         "tests/jobs.rs",
-        11,
+        13,
     ),
     (
         "test -p torchtools-cli (default features)",
@@ -416,7 +416,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli (default features)",
         "tests/readme.rs",
-        6,
+        7,
     ),
     (
         "test -p torchtools-cli (default features)",
@@ -441,7 +441,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli (default features)",
         "tests/trust.rs",
-        7,
+        11,
     ),
     (
         "test -p torchtools-cli (default features)",
@@ -456,7 +456,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli --no-default-features",
         "torchtools src/main.rs",
-        13,
+        17,
     ),
     (
         "test -p torchtools-cli --no-default-features",
@@ -471,7 +471,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli --no-default-features",
         "tests/jobs.rs",
-        11,
+        13,
     ),
     (
         "test -p torchtools-cli --no-default-features",
@@ -491,7 +491,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli --no-default-features",
         "tests/readme.rs",
-        6,
+        7,
     ),
     (
         "test -p torchtools-cli --no-default-features",
@@ -516,7 +516,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli --no-default-features",
         "tests/trust.rs",
-        7,
+        11,
     ),
     (
         "test -p torchtools-cli --no-default-features",

@@ -342,3 +342,32 @@ fn shell_blocks_and_statuses_are_read_as_written() {
     assert_eq!(expected_status("echo \"# exits 4\""), 0);
     assert_eq!(expected_status("torchtools devices # fine"), 0);
 }
+
+#[test]
+fn the_readmes_policy_example_is_in_force_as_written() {
+    use std::os::unix::fs::PermissionsExt;
+    let readme = readme();
+    let example = readme
+        .split("```toml\n")
+        .find(|block| block.starts_with("# /etc/torchtools/policy.toml"))
+        .and_then(|block| block.split("```").next())
+        .expect("the README's policy example");
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("policy.toml");
+    std::fs::write(&path, example).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_torchtools"))
+        .arg("policy")
+        .env("TORCHTOOLS_LOCK_DIR", tmp.path().join("locks"))
+        .env("TORCHTOOLS_POLICY", &path)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        text.contains("fair share by use decayed with a half-life of 7d")
+            && text.contains("2 GPU(s), 80.00 GiB shared, 20 request(s) waiting")
+            && text.contains("a request waiting 30m may preempt"),
+        "{text}"
+    );
+}
