@@ -450,3 +450,86 @@ fn a_stopped_detached_training_job_checkpoints_and_resumes() {
         "{said}"
     );
 }
+
+/// The `train` example as a detached job with a time limit that requeues it
+/// (`reserve --detach --requeue --time 3s`): cut again and again by SIGTERM (it
+/// checkpoints and exits 75), run again from its checkpoint each time, it ends with the
+/// parameters of an uninterrupted run, bit for bit.
+#[test]
+fn a_requeued_training_job_cut_by_its_time_limit_ends_as_an_uninterrupted_run() {
+    let example = train_example();
+    let torchtools = torchtools_command();
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |ckpt: &Path| {
+        let mut c = Command::new(&torchtools);
+        c.env("TORCHTOOLS_LOCK_DIR", tmp.path().join("locks"))
+            .env("XDG_STATE_HOME", tmp.path().join("state"))
+            .env("TORCHTOOLS_TRAIN_EPOCHS", "200")
+            .env("TORCHTOOLS_TRAIN_CKPT", ckpt)
+            .env("TORCHTOOLS_DEVICE", "cpu")
+            .env_remove("TORCHTOOLS_HELD_LOCKS")
+            .env_remove("TORCHTOOLS_JOB_ID");
+        c
+    };
+    let parameters = |ckpt: &Path| {
+        let loaded = torchtools::ckpt::CheckpointDir::open(ckpt)
+            .unwrap()
+            .load_latest()
+            .unwrap()
+            .expect("a checkpoint");
+        assert_eq!(loaded.checkpoint.step(), 12_800, "200 epochs of 64 steps");
+        ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+            .map(|name| loaded.checkpoint.tensor(name).unwrap().data().to_vec())
+    };
+    let whole = tmp.path().join("whole");
+    let out = run(&whole)
+        .args(["reserve", "--gpu", "0", "--no-fence", "--"])
+        .arg(&example)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let cut = tmp.path().join("cut");
+    let out = run(&cut)
+        .args([
+            "reserve",
+            "--detach",
+            "--requeue",
+            "--time",
+            "3s",
+            "--gpu",
+            "0",
+        ])
+        .args(["--no-fence", "--"])
+        .arg(&example)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    let job = || -> serde_json::Value {
+        let out = run(&cut).args(["jobs", "--json"]).output().unwrap();
+        let jobs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        jobs.as_array().unwrap()[0].clone()
+    };
+    // Bounded: a machine too slow to start the trainer within its limit would requeue
+    // it for ever.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+    while job()["status"].is_null() {
+        if std::time::Instant::now() > deadline {
+            let _ = run(&cut).args(["stop", &id]).output();
+            panic!("the job did not finish: {}", job());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let log = String::from_utf8(run(&cut).args(["logs", &id]).output().unwrap().stdout).unwrap();
+    let ended = job();
+    let runs = ended["runs"].as_u64().unwrap();
+    eprintln!("the job ran {runs} times");
+    assert_eq!(ended["status"], 0, "{ended}\n{log}");
+    assert!(runs >= 3, "cut fewer than twice: {ended}\n{log}");
+    assert_eq!(
+        log.matches("preempted after step").count() as u64,
+        runs - 1,
+        "{log}"
+    );
+    assert_eq!(parameters(&cut), parameters(&whole));
+}

@@ -381,7 +381,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli (default features)",
         "torchtools src/main.rs",
-        17,
+        18,
     ),
     (
         "test -p torchtools-cli (default features)",
@@ -456,7 +456,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli --no-default-features",
         "torchtools src/main.rs",
-        17,
+        18,
     ),
     (
         "test -p torchtools-cli --no-default-features",
@@ -532,7 +532,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools (default features)",
         "tests/examples.rs",
-        10,
+        11,
     ),
     (
         "test -p torchtools (default features)",
@@ -612,7 +612,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test --workspace (all CPU features, doc tests)",
         "tests/examples.rs",
-        10,
+        11,
     ),
     (
         "test --workspace (all CPU features, doc tests)",

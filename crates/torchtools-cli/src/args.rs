@@ -117,4 +117,23 @@ mod tests {
         assert_eq!(budget("2GiB"), Ok(Budget::Size(Bytes::gib(2))));
         assert!(budget("lots").is_err_and(|e| e.contains("is not a size") && e.contains("auto")));
     }
+
+    #[test]
+    fn array_indices_read_as_slurm_writes_them() {
+        let spec = array("0-3,8%2").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(spec.indices, [0, 1, 2, 3, 8]);
+        assert_eq!(spec.at_once, Some(2));
+        assert_eq!(array("5").map(|s| s.indices), Ok(vec![5]));
+        assert_eq!(array("1,1,0-1").map(|s| s.indices), Ok(vec![1, 0]));
+        for (bad, says) in [
+            ("3-1", "counts down"),
+            ("0-9%0", "above 0"),
+            ("a-b", "not an index"),
+            ("0-99999", "more than 10000"),
+            ("", "not an index"),
+        ] {
+            let e = array(bad).err().unwrap_or_default();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
+    }
 }

@@ -43,6 +43,8 @@ pub(crate) struct Snapshot {
     pub(crate) policy: String,
     /// Whether the policy orders the queue (fair share or per-user limits).
     pub(crate) policy_orders: bool,
+    /// Whether a policy file is there but ignored (said under the title).
+    pub(crate) policy_ignored: bool,
     /// Each user's standing under the policy (recent use, GPUs held, requests
     /// waiting), most recent use first; empty without a policy that orders the queue.
     pub(crate) users: Vec<tt_lock::Standing>,
@@ -195,6 +197,7 @@ impl Snapshot {
             queue,
             policy: policy.summary(),
             policy_orders,
+            policy_ignored: matches!(policy.status, tt_lock::PolicyStatus::Ignored(_)),
             users,
             ignored: dir.ignored()?,
         })
@@ -392,7 +395,11 @@ fn note_text(snapshot: &Snapshot) -> String {
              and the queue are below"
         ),
     };
-    note + &ignored
+    let policy = match snapshot.policy_ignored {
+        true => format!("; {}", tt_device::printable(&snapshot.policy)),
+        false => String::new(),
+    };
+    note + &ignored + &policy
 }
 
 /// How many lines `text` takes wrapped at `width` (at most 4).
