@@ -404,7 +404,7 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
         .into());
     }
     let mut cfg = args.config()?;
-    let limit = args.time.resolve(&tt_lock::LockDir::from_env()?.policy())?;
+    let limit = args.time.resolve(&crate::limit::machine_policy())?;
     // The group's GPUs, reserved before any rank starts, held until the group ends.
     let mut reservation = match &args.gpu {
         None => None,

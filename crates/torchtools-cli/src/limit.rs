@@ -39,6 +39,19 @@ pub(crate) struct TimeArgs {
     pub(crate) preemptible: bool,
 }
 
+/// The machine's policy for the lock directory `TORCHTOOLS_LOCK_DIR` names (or the
+/// default), read without opening the directory: a check made before anything starts,
+/// whose directory's own errors are the reservation's to say.
+pub(crate) fn machine_policy() -> tt_lock::PolicyInForce {
+    let dir = std::env::var_os(tt_lock::LOCK_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map_or_else(
+            || tt_lock::DEFAULT_LOCK_DIR.into(),
+            std::path::PathBuf::from,
+        );
+    tt_lock::policy_for(&dir)
+}
+
 /// A time limit in force.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct TimeLimit {

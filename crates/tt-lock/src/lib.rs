@@ -26,7 +26,7 @@ pub use list::{LockState, Locker};
 pub use lock::{inheritance, share_with, GpuLock, Wait, HELD_LOCKS_ENV};
 pub use owner::{check as check_owner, name_of_uid, user_name_of, Ignored};
 pub use policy::{
-    FairShare, Limits, Policy, PolicyInForce, PolicyStatus, Preemption, DEFAULT_AGING,
+    policy_for, FairShare, Limits, Policy, PolicyInForce, PolicyStatus, Preemption, DEFAULT_AGING,
     DEFAULT_POLICY, POLICY_ENV,
 };
 pub use queue::{Waiter, Wants};

@@ -296,28 +296,34 @@ impl LockDir {
     /// the variable, to this directory's owner) and nobody else can write it. A file not
     /// believed or not valid is ignored, with the reason in [`PolicyInForce::status`].
     pub fn policy(&self) -> PolicyInForce {
-        let (path, given) = match std::env::var_os(POLICY_ENV).filter(|v| !v.is_empty()) {
-            Some(p) => (PathBuf::from(p), true),
-            None => (PathBuf::from(DEFAULT_POLICY), false),
-        };
-        let dir_owner = std::fs::metadata(self.path()).ok().map(|m| m.uid());
-        let trusted: &[u32] = match (given, dir_owner) {
-            (true, Some(owner)) => &[0, owner],
-            _ => &[0],
-        };
-        let (status, policy) = match read_trusted(&path, trusted) {
-            Ok(None) => (PolicyStatus::Absent, Policy::default()),
-            Ok(Some(text)) => match Policy::parse(&text) {
-                Ok(policy) => (PolicyStatus::InForce, policy),
-                Err(why) => (PolicyStatus::Ignored(why), Policy::default()),
-            },
+        policy_for(self.path())
+    }
+}
+
+/// [`LockDir::policy`] for the lock directory at `dir`, without opening (or creating)
+/// it: for a check made before anything starts.
+pub fn policy_for(dir: &Path) -> PolicyInForce {
+    let (path, given) = match std::env::var_os(POLICY_ENV).filter(|v| !v.is_empty()) {
+        Some(p) => (PathBuf::from(p), true),
+        None => (PathBuf::from(DEFAULT_POLICY), false),
+    };
+    let dir_owner = std::fs::metadata(dir).ok().map(|m| m.uid());
+    let trusted: &[u32] = match (given, dir_owner) {
+        (true, Some(owner)) => &[0, owner],
+        _ => &[0],
+    };
+    let (status, policy) = match read_trusted(&path, trusted) {
+        Ok(None) => (PolicyStatus::Absent, Policy::default()),
+        Ok(Some(text)) => match Policy::parse(&text) {
+            Ok(policy) => (PolicyStatus::InForce, policy),
             Err(why) => (PolicyStatus::Ignored(why), Policy::default()),
-        };
-        PolicyInForce {
-            path,
-            status,
-            policy,
-        }
+        },
+        Err(why) => (PolicyStatus::Ignored(why), Policy::default()),
+    };
+    PolicyInForce {
+        path,
+        status,
+        policy,
     }
 }
 
