@@ -305,16 +305,7 @@ fn a_two_node_train_job_survives_kill_9_of_a_rank_and_resumes_exactly() {
         during();
         nodes.into_iter().map(|n| n.join().unwrap()).collect()
     };
-    let parameters = |ckpt: &Path| {
-        let loaded = torchtools::ckpt::CheckpointDir::open(ckpt)
-            .unwrap()
-            .load_latest()
-            .unwrap()
-            .expect("a checkpoint");
-        assert_eq!(loaded.checkpoint.step(), 640, "20 epochs of 32 steps");
-        ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
-            .map(|name| loaded.checkpoint.tensor(name).unwrap().data().to_vec())
-    };
+    let parameters = |ckpt: &Path| final_parameters(ckpt, 640); // 20 epochs of 32 steps
 
     let whole = tempfile::tempdir().unwrap();
     for outcome in job(whole.path(), &|| {}) {
@@ -372,6 +363,19 @@ fn a_two_node_train_job_survives_kill_9_of_a_rank_and_resumes_exactly() {
         assert_eq!(outcome.code, 0, "{outcome:?}");
     }
     assert_eq!(parameters(dir.path()), parameters(whole.path()));
+}
+
+/// The train example's parameters in the latest checkpoint of `ckpt`, which must be of
+/// step `steps` (the end of its training).
+fn final_parameters(ckpt: &Path, steps: u64) -> [Vec<u8>; 4] {
+    let loaded = torchtools::ckpt::CheckpointDir::open(ckpt)
+        .unwrap()
+        .load_latest()
+        .unwrap()
+        .expect("a checkpoint");
+    assert_eq!(loaded.checkpoint.step(), steps);
+    ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+        .map(|name| loaded.checkpoint.tensor(name).unwrap().data().to_vec())
 }
 
 /// The `torchtools` command of this workspace (built here if a test run has not built
@@ -471,16 +475,7 @@ fn a_requeued_training_job_cut_by_its_time_limit_ends_as_an_uninterrupted_run() 
             .env_remove("TORCHTOOLS_JOB_ID");
         c
     };
-    let parameters = |ckpt: &Path| {
-        let loaded = torchtools::ckpt::CheckpointDir::open(ckpt)
-            .unwrap()
-            .load_latest()
-            .unwrap()
-            .expect("a checkpoint");
-        assert_eq!(loaded.checkpoint.step(), 12_800, "200 epochs of 64 steps");
-        ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
-            .map(|name| loaded.checkpoint.tensor(name).unwrap().data().to_vec())
-    };
+    let parameters = |ckpt: &Path| final_parameters(ckpt, 12_800); // 200 epochs of 64 steps
     let whole = tmp.path().join("whole");
     let out = run(&whole)
         .args(["reserve", "--gpu", "0", "--no-fence", "--"])

@@ -134,51 +134,26 @@ fn config_hook(path: &Path) -> Result<Option<Hook>> {
 /// change would run their commands. `None` when there is none; the refusal names the
 /// owner or mode and the fix. Read with a bound (a config is small).
 fn read_own_config(path: &Path) -> std::result::Result<Option<String>, String> {
-    use std::io::Read;
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    use tt_lock::Untrusted;
     const MAX: u64 = 1 << 20;
-    let file = match std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-    {
-        Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot read it: {e}")),
-    };
-    let meta = file
-        .metadata()
-        .map_err(|e| format!("cannot read it: {e}"))?;
-    if !meta.is_file() {
-        return Err("it is not a regular file; move it away".into());
-    }
     let me = nix::unistd::geteuid().as_raw();
-    if meta.uid() != me && meta.uid() != 0 {
-        return Err(format!(
-            "it belongs to {} (uid {}), not to you: its hook would run their command as \
+    tt_lock::trusted_text(path, &[me, 0], MAX).map_err(|why| match why {
+        Untrusted::NotRegular => "it is not a regular file; move it away".into(),
+        Untrusted::Owner(uid) => format!(
+            "it belongs to {} (uid {uid}), not to you: its hook would run their command as \
              you, so it is not read; remove it, or `cp` it to a file of your own",
-            tt_lock::name_of_uid(meta.uid()),
-            meta.uid()
-        ));
-    }
-    if meta.mode() & 0o022 != 0 {
-        return Err(format!(
-            "other users can write it (mode {:o}): its hook would run their command as \
+            tt_lock::name_of_uid(uid),
+        ),
+        Untrusted::Writable(mode) => format!(
+            "other users can write it (mode {mode:o}): its hook would run their command as \
              you, so it is not read; run `chmod go-w {}`",
-            meta.mode() & 0o7777,
             path.display()
-        ));
-    }
-    let mut text = String::new();
-    file.take(MAX + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| format!("cannot read it: {e}"))?;
-    if text.len() as u64 > MAX {
-        return Err(format!(
-            "it is larger than {MAX} bytes; a config is a few lines"
-        ));
-    }
-    Ok(Some(text))
+        ),
+        Untrusted::TooLarge(max) => {
+            format!("it is larger than {max} bytes; a config is a few lines")
+        }
+        Untrusted::Io(e) => format!("cannot read it: {e}"),
+    })
 }
 
 /// Where `--on-end`'s command goes when this program re-executes itself without it

@@ -608,6 +608,18 @@ impl Drop for Groups {
     }
 }
 
+/// A machine of several users under a policy of root's holding `text`: the shared
+/// scratch directory (None, said, without root), its lock directory (root's) and the
+/// policy file.
+fn under_policy(text: &str) -> Option<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf)> {
+    let tmp = common::shared_dir_for_two_users()?;
+    tt_testkit::users::two_users().unwrap();
+    let dir = tmp.path().join("locks");
+    ok(torchtools(&dir).arg("locks").output().unwrap());
+    let policy = policy_file(tmp.path(), text, "root", 0o644);
+    Some((tmp, dir, policy))
+}
+
 /// `tmp/policy.toml` holding `text`, owned by `owner` with `mode`.
 fn policy_file(tmp: &Path, text: &str, owner: &str, mode: u32) -> std::path::PathBuf {
     use std::os::unix::fs::PermissionsExt;
@@ -682,19 +694,10 @@ fn a_policy_file_another_user_could_write_is_ignored_and_said_by_every_view() {
 
 #[test]
 fn a_request_past_its_users_limit_waits_marked_held_and_blocks_nobody() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some((tmp, dir, policy)) = under_policy("[limits]\ngpus = 1\nqueued = 1\n") else {
         return;
     };
-    tt_testkit::users::two_users().unwrap();
     let [user_a, user_b] = tt_testkit::users::USER_NAMES;
-    let dir = tmp.path().join("locks");
-    ok(torchtools(&dir).arg("locks").output().unwrap());
-    let policy = policy_file(
-        tmp.path(),
-        "[limits]\ngpus = 1\nqueued = 1\n",
-        "root",
-        0o644,
-    );
     let home_a = home_of(tmp.path(), user_a);
     let home_b = home_of(tmp.path(), user_b);
     let tt_as = |user: &str, home: &Path| {
@@ -778,19 +781,10 @@ fn a_request_past_its_users_limit_waits_marked_held_and_blocks_nobody() {
 
 #[test]
 fn with_fair_share_one_users_twenty_queued_jobs_no_longer_stand_before_the_others() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some((tmp, dir, policy)) = under_policy("[fair_share]\nhalf_life = \"1h\"\n") else {
         return;
     };
-    tt_testkit::users::two_users().unwrap();
     let [user_a, user_b] = tt_testkit::users::USER_NAMES;
-    let dir = tmp.path().join("locks");
-    ok(torchtools(&dir).arg("locks").output().unwrap());
-    let policy = policy_file(
-        tmp.path(),
-        "[fair_share]\nhalf_life = \"1h\"\n",
-        "root",
-        0o644,
-    );
     // nobody holds GPU 0 while everyone queues (nobody's use is not measured).
     let home_n = home_of(tmp.path(), "nobody");
     let mut gate = as_user("nobody", &dir, &home_n)
@@ -918,19 +912,12 @@ fn with_fair_share_one_users_twenty_queued_jobs_no_longer_stand_before_the_other
 
 #[test]
 fn a_preemptible_job_above_its_share_yields_to_a_long_wait_and_is_requeued() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some((tmp, dir, policy)) = under_policy(
+        "[fair_share]\nhalf_life = \"1h\"\n[preemption]\nafter = \"1s\"\ngrace = \"60s\"\n",
+    ) else {
         return;
     };
-    tt_testkit::users::two_users().unwrap();
     let [user_a, _] = tt_testkit::users::USER_NAMES;
-    let dir = tmp.path().join("locks");
-    ok(torchtools(&dir).arg("locks").output().unwrap());
-    let policy = policy_file(
-        tmp.path(),
-        "[fair_share]\nhalf_life = \"1h\"\n[preemption]\nafter = \"1s\"\ngrace = \"60s\"\n",
-        "root",
-        0o644,
-    );
     let root_home = tmp.path().join("root-home");
     let root = || {
         let mut c = torchtools(&dir);

@@ -24,7 +24,9 @@ pub use gpu::{GpuKey, GpuSpec};
 pub use holder::{own_pid_namespace, utc, Holder};
 pub use list::{LockState, Locker};
 pub use lock::{inheritance, share_with, GpuLock, Wait, HELD_LOCKS_ENV};
-pub use owner::{check as check_owner, name_of_uid, user_name_of, Ignored};
+pub use owner::{
+    check as check_owner, name_of_uid, trusted_text, user_name_of, Ignored, Untrusted,
+};
 pub use policy::{
     policy_for, FairShare, Limits, Policy, PolicyInForce, PolicyStatus, Preemption, DEFAULT_AGING,
     DEFAULT_POLICY, POLICY_ENV,

@@ -138,6 +138,61 @@ pub(crate) fn euid() -> u32 {
     nix::unistd::geteuid().as_raw()
 }
 
+/// Why a file that steers what others' programs do (the machine's policy, a user's
+/// hook config) is not read: see [`trusted_text`].
+#[derive(Debug)]
+pub enum Untrusted {
+    /// Not a regular file (a FIFO, a directory, a device).
+    NotRegular,
+    /// Owned by this uid, none of those trusted.
+    Owner(u32),
+    /// Writable by its group or others: its permission bits.
+    Writable(u32),
+    /// Larger than the bound given.
+    TooLarge(u64),
+    /// It cannot be opened or read.
+    Io(std::io::Error),
+}
+
+/// The text of `path` when one of `owners` owns it and no other user can write it,
+/// read with a bound of `max` bytes (opened without blocking, so a FIFO planted under
+/// the name never hangs the reader); `None` when there is no such file.
+pub fn trusted_text(
+    path: &std::path::Path,
+    owners: &[u32],
+    max: u64,
+) -> std::result::Result<Option<String>, Untrusted> {
+    use std::io::Read;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Untrusted::Io(e)),
+    };
+    let meta = file.metadata().map_err(Untrusted::Io)?;
+    if !meta.is_file() {
+        return Err(Untrusted::NotRegular);
+    }
+    if !owners.contains(&meta.uid()) {
+        return Err(Untrusted::Owner(meta.uid()));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(Untrusted::Writable(meta.mode() & 0o7777));
+    }
+    let mut text = String::new();
+    file.take(max + 1)
+        .read_to_string(&mut text)
+        .map_err(Untrusted::Io)?;
+    if text.len() as u64 > max {
+        return Err(Untrusted::TooLarge(max));
+    }
+    Ok(Some(text))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

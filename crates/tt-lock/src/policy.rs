@@ -8,8 +8,7 @@
 //! file and so computes the same serving order.
 
 use std::fmt;
-use std::io::Read;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -330,47 +329,26 @@ pub fn policy_for(dir: &Path) -> PolicyInForce {
 /// A policy file's text when one of `trusted` owns it and no other user can write it;
 /// `None` when there is none.
 fn read_trusted(path: &Path, trusted: &[u32]) -> Result<Option<String>, String> {
-    let file = match std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-    {
-        Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("it cannot be read ({e})")),
-    };
-    let meta = file
-        .metadata()
-        .map_err(|e| format!("it cannot be read ({e})"))?;
-    if !meta.is_file() {
-        return Err("it is not a regular file".into());
-    }
-    if !trusted.contains(&meta.uid()) {
-        let owners: Vec<String> = trusted.iter().map(|&u| crate::name_of_uid(u)).collect();
-        return Err(format!(
-            "it belongs to {} (uid {}), not to {}: any user could have written it",
-            crate::name_of_uid(meta.uid()),
-            meta.uid(),
-            owners.join(" or ")
-        ));
-    }
-    if meta.mode() & 0o022 != 0 {
-        return Err(format!(
-            "other users can write it (mode {:o}); its owner should run `chmod go-w {}`",
-            meta.mode() & 0o7777,
+    use crate::Untrusted;
+    crate::trusted_text(path, trusted, MAX_POLICY_BYTES).map_err(|why| match why {
+        Untrusted::NotRegular => "it is not a regular file".into(),
+        Untrusted::Owner(uid) => {
+            let owners: Vec<String> = trusted.iter().map(|&u| crate::name_of_uid(u)).collect();
+            format!(
+                "it belongs to {} (uid {uid}), not to {}: any user could have written it",
+                crate::name_of_uid(uid),
+                owners.join(" or ")
+            )
+        }
+        Untrusted::Writable(mode) => format!(
+            "other users can write it (mode {mode:o}); its owner should run `chmod go-w {}`",
             path.display()
-        ));
-    }
-    let mut text = String::new();
-    file.take(MAX_POLICY_BYTES + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| format!("it cannot be read ({e})"))?;
-    if text.len() as u64 > MAX_POLICY_BYTES {
-        return Err(format!(
-            "it is larger than {MAX_POLICY_BYTES} bytes; a policy is a few lines"
-        ));
-    }
-    Ok(Some(text))
+        ),
+        Untrusted::TooLarge(max) => {
+            format!("it is larger than {max} bytes; a policy is a few lines")
+        }
+        Untrusted::Io(e) => format!("it cannot be read ({e})"),
+    })
 }
 
 #[cfg(test)]
