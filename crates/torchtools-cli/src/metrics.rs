@@ -444,6 +444,15 @@ fn queue_series(registry: &mut Registry, snapshot: &Snapshot) {
 /// Per user, under a policy that orders the queue: recent use (decayed GPU-seconds),
 /// its part of everyone's, and the GPUs held now.
 fn fair_share_series(registry: &mut Registry, snapshot: &Snapshot) {
+    let ignored = GaugeF::default();
+    registry.register(
+        "policy_ignored",
+        "1 when the machine's queueing policy file is there but ignored (not root's, \
+         writable by others, or not valid: `torchtools policy` says why); requests are \
+         then served first come, first served",
+        ignored.clone(),
+    );
+    ignored.set(if snapshot.policy_ignored { 1.0 } else { 0.0 });
     if !snapshot.policy_orders {
         return;
     }

@@ -670,6 +670,13 @@ fn a_policy_file_another_user_could_write_is_ignored_and_said_by_every_view() {
         assert_eq!(code, Some(0), "{view:?}: {out}");
         assert!(out.contains("is ignored: it belongs to"), "{view:?}: {out}");
     }
+    let (_, top) = as_b(&policy, &["top", "--json"]);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&top).unwrap()["policy_ignored"],
+        true
+    );
+    let (_, metrics) = as_b(&policy, &["metrics"]);
+    assert!(metrics.contains("torchtools_policy_ignored 1"), "{metrics}");
     // Root's, but writable by others: ignored.
     let policy = policy_file(tmp.path(), "[limits]\ngpus = 1\n", "root", 0o666);
     let (code, out) = as_b(&policy, &["policy"]);
@@ -895,6 +902,33 @@ fn with_fair_share_one_users_twenty_queued_jobs_no_longer_stand_before_the_other
             .map(|r| (r.end.unwrap_or(closed).min(closed) - r.start.max(opened)).max(0.0))
             .sum()
     };
+    // Each user's standing, as `top --json` and `metrics` show it.
+    let top: serde_json::Value = serde_json::from_str(&ok(torchtools(&dir)
+        .env("TORCHTOOLS_POLICY", &policy)
+        .args(["top", "--json"])
+        .output()
+        .unwrap()))
+    .unwrap();
+    let users: Vec<&str> = top["users"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|u| u["user"].as_str())
+        .collect();
+    for user in ["root", user_a, user_b] {
+        assert!(users.contains(&user), "{top}");
+    }
+    let metrics = ok(torchtools(&dir)
+        .env("TORCHTOOLS_POLICY", &policy)
+        .arg("metrics")
+        .output()
+        .unwrap());
+    assert!(
+        metrics.contains(&format!(
+            "torchtools_fair_share_fraction{{user=\"{user_a}\"}}"
+        )),
+        "{metrics}"
+    );
     let [root, a, b] = [got("root"), got(user_a), got(user_b)];
     let equal = (root + a + b) / 3.0;
     eprintln!(
