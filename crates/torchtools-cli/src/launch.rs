@@ -159,6 +159,19 @@ pub(crate) struct LaunchArgs {
     timeout: Option<std::time::Duration>,
     #[command(flatten)]
     time: crate::limit::TimeArgs,
+    /// torch.distributed.launch's --use-env: the local rank in LOCAL_RANK only, which
+    /// is always so here (as under torchrun); accepted so that its command lines run.
+    #[arg(
+        long = "use-env",
+        visible_alias = "use_env",
+        conflicts_with = "local_rank_arg"
+    )]
+    use_env: bool,
+    /// Give each rank `--local-rank=N` after the script (before its own arguments), as
+    /// torch.distributed.launch did without --use-env (`python -m torchtools.launch`
+    /// sets it there).
+    #[arg(long = "local-rank-arg")]
+    local_rank_arg: bool,
     #[command(flatten)]
     unsupported: Unsupported,
     /// The command: a program and its arguments, or a Python script (`train.py ARGS`),
@@ -376,6 +389,11 @@ impl LaunchArgs {
             ),
         };
         let mut program = self.program()?;
+        // After the program's own words (python, -u, the script): before the script's
+        // arguments, as torch.distributed.launch put it.
+        let local_rank_arg = self
+            .local_rank_arg
+            .then(|| (program.len() - 1).saturating_sub(self.command.len() - 1));
         Ok(LaunchConfig {
             nproc_per_node: self.ranks()?,
             nnodes: self.nnodes,
@@ -389,6 +407,7 @@ impl LaunchArgs {
             forward: None,
             run_id: self.rdzv_id.clone(),
             env: Vec::new(),
+            local_rank_arg,
             inherit_fds: Vec::new(),
         })
     }

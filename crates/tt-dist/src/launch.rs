@@ -46,6 +46,10 @@ pub struct LaunchConfig {
     /// More variables for every rank (after torchrun's), e.g. `CUDA_VISIBLE_DEVICES` of
     /// the GPUs reserved for the group.
     pub env: Vec<(OsString, OsString)>,
+    /// Where in `args` each rank gets `--local-rank=LOCAL_RANK` (right after the script,
+    /// before its own arguments), as `torch.distributed.launch` did without
+    /// `--use-env`; `None` (torchrun's way): the local rank is in `LOCAL_RANK` only.
+    pub local_rank_arg: Option<usize>,
     /// Descriptors every rank inherits (they stay open across its `exec`): the GPU
     /// locks of the group's reservation, so that the GPUs stay held while any rank
     /// runs, even when the launcher is killed (`tt_lock::inheritance` gives them).
@@ -68,6 +72,7 @@ impl LaunchConfig {
             forward: None,
             run_id: None,
             env: Vec::new(),
+            local_rank_arg: None,
             inherit_fds: Vec::new(),
         }
     }
@@ -244,8 +249,14 @@ fn rank_command(
 ) -> Result<Command> {
     let world = cfg.nnodes * cfg.nproc_per_node;
     let mut cmd = Command::new(&cfg.program);
-    cmd.args(&cfg.args)
-        .env("RANK", rank.to_string())
+    match cfg.local_rank_arg.map(|at| at.min(cfg.args.len())) {
+        Some(at) => cmd
+            .args(&cfg.args[..at])
+            .arg(format!("--local-rank={local}"))
+            .args(&cfg.args[at..]),
+        None => cmd.args(&cfg.args),
+    };
+    cmd.env("RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())
         .env("LOCAL_RANK", local.to_string())
         .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())

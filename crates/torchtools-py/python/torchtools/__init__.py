@@ -1,6 +1,8 @@
 """torchtools for Python: the Python torchtools' API (device choice, cooperative GPU
-reservation with a lock, a fair queue and a memory fence, probes) and cycling_utils'
-(``torchtools.cycling_utils``), backed by the Rust crates of torchtools.
+reservation with a lock, a fair queue and a memory fence, probes), cycling_utils'
+(``torchtools.cycling_utils``), toma's (``torchtools.toma``) and torchhandy's
+(``torchtools.torchhandy``, launched by ``python -m torchtools.launch``), backed by the
+Rust crates of torchtools.
 
 A reservation taken here is in the same queue, ``torchtools locks``, ``top`` and
 ``usage`` as the ``torchtools`` command's (installed by the same wheel).
