@@ -401,7 +401,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli (default features)",
         "tests/launch.rs",
-        19,
+        20,
     ),
     (
         "test -p torchtools-cli (default features)",
@@ -476,7 +476,7 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli --no-default-features",
         "tests/launch.rs",
-        19,
+        20,
     ),
     (
         "test -p torchtools-cli --no-default-features",

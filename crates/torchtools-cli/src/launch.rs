@@ -388,6 +388,15 @@ impl LaunchArgs {
                 self.master_port,
             ),
         };
+        if self.local_rank_arg && (self.no_python || self.module) {
+            return Err(Exit(
+                2,
+                "--local-rank-arg gives a Python script --local-rank=N after its name: with \
+                 --no-python or -m, read LOCAL_RANK instead (torch.distributed.launch too \
+                 wants --use-env there)"
+                    .into(),
+            ));
+        }
         let mut program = self.program()?;
         // After the program's own words (python, -u, the script): before the script's
         // arguments, as torch.distributed.launch put it.

@@ -929,3 +929,78 @@ fn a_launch_killed_with_sigkill_keeps_its_gpu_while_a_rank_runs() {
         .unwrap();
     assert!(next.status.success(), "{next:?}");
 }
+
+/// torch.distributed.launch's command line (torchhandy's launch line): `--use_env` and
+/// `--master_port="N"` are taken; with `--local-rank-arg` each rank gets
+/// `--local-rank=N` right after the program, before its own arguments, as PyTorch's
+/// launcher put it without `--use_env`.
+#[test]
+fn torch_distributed_launchs_command_line_runs() {
+    let script = "echo $LOCAL_RANK \"$@\"";
+    let port = tt_dist::free_port("127.0.0.1").unwrap().to_string();
+    let out = launch(&[
+        "--nproc_per_node=2",
+        &format!("--master_port={port}"),
+        "--use_env",
+        "--no-python",
+        "sh",
+        "-c",
+        script,
+        "main",
+        "--synch",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut lines: Vec<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    lines.sort();
+    assert_eq!(lines, ["[rank0]: 0 --synch", "[rank1]: 1 --synch"]);
+    let tmp = tempfile::tempdir().unwrap();
+    let main = tmp.path().join("main.py");
+    std::fs::write(
+        &main,
+        "import os, sys\nprint(os.environ['LOCAL_RANK'], *sys.argv[1:])\n",
+    )
+    .unwrap();
+    let main = main.to_str().unwrap();
+    let out = launch(&["--nproc-per-node", "2", "--local-rank-arg", main, "--synch"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut lines: Vec<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    lines.sort();
+    // After the script, before its own arguments.
+    assert_eq!(
+        lines,
+        [
+            "[rank0]: 0 --local-rank=0 --synch",
+            "[rank1]: 1 --local-rank=1 --synch"
+        ]
+    );
+    // As PyTorch's launcher: a program that is not a Python script takes no such flag.
+    let out = launch(&[
+        "--nproc-per-node",
+        "1",
+        "--local-rank-arg",
+        "--no-python",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--local-rank-arg"),
+        "{out:?}"
+    );
+}
