@@ -72,18 +72,60 @@ def run(import_line, clean_env, policy=""):
 
 def test_the_same_script_gives_the_same_results_as_toma(clean_env):
     theirs = run("from toma import toma", clean_env)
-    # toma's rule kept exactly: the same results, sizes and out-of-memory errors.
-    halving = run("from torchtools.toma import toma", clean_env, policy=', policy="halve"')
-    assert halving == theirs
-    # The default searches back up: the same results, the largest size that fits,
-    # at the cost of the out-of-memory errors of the search (2 here, 64 -> 96 -> 112
-    # -> 104 -> 100; at most log2(512) = 9 per kind).
+    # By default toma's rule, exactly: the same results, sizes and out-of-memory errors.
     ours = run("from torchtools.toma import toma", clean_env)
-    assert ours["results"] == theirs["results"]
+    assert ours == theirs
+    # One keyword away, the search back up: the same results, the largest size that
+    # fits, at the cost of the out-of-memory errors of the search (2 here, 64 -> 96 ->
+    # 112 -> 104 -> 100; at most log2(512) = 9 per kind).
+    searching = run("from torchtools.toma import toma", clean_env, policy=', policy="search"')
+    assert searching["results"] == theirs["results"]
     for kind in ("batch", "range", "chunked"):
         assert theirs["largest"][kind] == 64, theirs
-        assert ours["largest"][kind] == 100, ours
-        assert ours["ooms"][kind] <= theirs["ooms"][kind] + 9, (kind, ours, theirs)
+        assert searching["largest"][kind] == 100, searching
+        assert searching["ooms"][kind] <= theirs["ooms"][kind] + 9, (kind, searching, theirs)
+
+
+def test_tomas_module_layout_has_every_import_line_of_its_readme_and_tests():
+    from torchtools.toma import batchsize_cache, cpu_memory, explicit, simple, stacktrace, toma, torch_cuda_memory
+    from torchtools.toma.batchsize_cache import GlobalBatchsizeCache, NoBatchsizeCache, StacktraceMemoryBatchsizeCache
+
+    assert toma.batch and explicit.batch and simple.batch
+    assert batchsize_cache.NoBatchsizeCache is NoBatchsizeCache
+    assert issubclass(StacktraceMemoryBatchsizeCache, batchsize_cache.BatchsizeCache)
+    assert issubclass(GlobalBatchsizeCache, batchsize_cache.BatchsizeCache)
+    assert cpu_memory.get_available_cpu_memory() > 0
+    assert cpu_memory.is_out_of_cpu_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"))
+    assert torch_cuda_memory.is_cuda_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried"))
+    assert not torch_cuda_memory.is_cudnn_snafu(RuntimeError("other"))
+
+    def here():
+        return stacktrace.get_simple_traceback()
+
+    first = here()
+    second = here()
+    assert first != second  # two call sites
+    again = [here() for _ in range(2)]
+    assert again[0] == again[1]  # one call site, twice
+    with stacktrace.watermark():
+        assert len(here()) == 2  # here, and this test's frame
+
+
+def test_a_cpu_memory_limit_makes_large_allocations_fail_as_out_of_memory(clean_env):
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent("""
+            import torch
+            from torchtools.toma import cpu_memory, toma
+            torch.empty(1)
+            cpu_memory.set_cpu_memory_limit(cpu_memory.get_available_cpu_memory() / 2**30 + 4)
+            try:
+                torch.empty((64, 2**30), dtype=torch.uint8)
+            except RuntimeError as e:
+                print("out of memory:", cpu_memory.is_out_of_cpu_memory(e))
+        """)],
+        capture_output=True, text=True, env=clean_env, timeout=600,
+    )
+    assert out.stdout.strip() == "out of memory: True", out.stderr
 
 
 def test_other_errors_pass_through_and_size_one_raises_the_oom():

@@ -3,12 +3,15 @@ import line (``from toma import toma`` becomes ``from torchtools.toma import tom
 
 ``toma.batch``, ``toma.range`` and ``toma.chunked`` as decorators, ``toma.execute.*``,
 ``explicit.*`` and ``simple.*``, toma's three caches and its rule for what is an
-out-of-memory. What differs, by design:
+out-of-memory, and its modules (``batchsize_cache``, ``cpu_memory`` with
+``set_cpu_memory_limit``, ``torch_cuda_memory``, ``stacktrace``): every import line of
+toma's README and tests has its counterpart here. By default the sizes are toma's,
+exactly (its own tests pass unchanged). What differs, by design:
 
-- After an out-of-memory the size is remembered per call stack and free memory (as
-  toma does), and later calls search back up toward the largest size that fits
-  instead of staying at the halved one (``policy="halve"`` on the decorators, or
-  ``DEFAULT_POLICY = "halve"``, keeps toma's rule exactly).
+- One keyword away, ``policy="search"`` (or ``DEFAULT_POLICY = "search"``): after an
+  out-of-memory the size is remembered per call stack and free memory (as toma does),
+  and later calls search back up toward the largest size that fits instead of staying
+  at the halved one.
 - Memory is freed (``gc.collect()``, ``torch.cuda.empty_cache()``) after an
   out-of-memory, not around every call and every step: toma's cost on calls that fit.
 - The call stack is read from the frames (file and line), not with
@@ -18,14 +21,27 @@ out-of-memory. What differs, by design:
 from __future__ import annotations
 
 import functools
-import gc
-import sys
 import traceback
 from typing import Any, Callable, Optional, Type
 
 import torch
 
 from torchtools import _native
+from torchtools.toma import batchsize_cache, cpu_memory, stacktrace, torch_cuda_memory
+from torchtools.toma.batchsize_cache import (
+    BatchsizeCache,
+    GlobalBatchsizeCache,
+    NoBatchsizeCache,
+    StacktraceMemoryBatchsizeCache,
+)
+from torchtools.toma.cpu_memory import get_available_cpu_memory, is_out_of_cpu_memory
+from torchtools.toma.stacktrace import get_simple_traceback
+from torchtools.toma.torch_cuda_memory import (
+    gc_cuda,
+    get_cuda_assumed_available_memory,
+    is_cuda_out_of_memory,
+    is_cudnn_snafu,
+)
 
 __all__ = [
     "toma",
@@ -38,32 +54,17 @@ __all__ = [
     "NoBatchsizeCache",
     "should_reduce_batch_size",
     "gc_cuda",
+    "batchsize_cache",
+    "cpu_memory",
+    "stacktrace",
+    "torch_cuda_memory",
 ]
 
 
-class BatchsizeCache:
-    """A cache type (toma's classes, used as markers: pass the class)."""
-
-
-class StacktraceMemoryBatchsizeCache(BatchsizeCache):
-    """The size is remembered per call stack and per 256 MiB of free CPU and GPU
-    memory (toma's default)."""
-
-    MEMORY_GRANULARITY: int = 2**28
-    TRACK_RAM: bool = True
-
-
-class GlobalBatchsizeCache(BatchsizeCache):
-    """One size per function (or context), wherever it is called from."""
-
-
-class NoBatchsizeCache(BatchsizeCache):
-    """Nothing remembered: every call starts from its initial size."""
-
-
 DEFAULT_CACHE_TYPE: Type[BatchsizeCache] = StacktraceMemoryBatchsizeCache
-#: "search" (back up toward the largest size that fits) or "halve" (toma's rule).
-DEFAULT_POLICY: str = "search"
+#: "halve" (toma's rule, the default: toma's own tests pass unchanged) or "search"
+#: (after an out-of-memory, search back up toward the largest size that fits).
+DEFAULT_POLICY: str = "halve"
 
 _ENGINES: dict = {}
 
@@ -77,50 +78,10 @@ def _engine(cache_type: Type[BatchsizeCache], policy: Optional[str]) -> "_native
     return _ENGINES[key]
 
 
-def gc_cuda() -> None:
-    """Frees what Python and PyTorch's CUDA allocator hold unused."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _message_has(exception: BaseException, text: str) -> bool:
-    return (
-        isinstance(exception, RuntimeError)
-        and len(exception.args) == 1
-        and isinstance(exception.args[0], str)
-        and text in exception.args[0]
-    )
-
-
 def should_reduce_batch_size(exception: BaseException) -> bool:
     """toma's rule: CUDA's out-of-memory (``torch.OutOfMemoryError`` included), cuDNN's
     ``CUDNN_STATUS_NOT_SUPPORTED``, the CPU allocator's "can't allocate memory"."""
-    return (
-        _message_has(exception, "CUDA out of memory.")
-        or _message_has(exception, "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.")
-        or _message_has(exception, "DefaultCPUAllocator: can't allocate memory")
-    )
-
-
-def _available_cpu_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _stack_key(skip: int) -> tuple:
-    frame = sys._getframe(skip + 1)
-    stack = []
-    while frame is not None:
-        stack.append((frame.f_code.co_filename, frame.f_lineno))
-        frame = frame.f_back
-    return tuple(stack)
+    return is_cuda_out_of_memory(exception) or is_cudnn_snafu(exception) or is_out_of_cpu_memory(exception)
 
 
 def _context_key(context: Any) -> str:
@@ -133,12 +94,9 @@ def _key(cache_type: Type[BatchsizeCache], context: Any, skip: int) -> str:
     key = f"{getattr(cache_type, '__name__', cache_type)}|{_context_key(context)}"
     if isinstance(cache_type, type) and issubclass(cache_type, StacktraceMemoryBatchsizeCache):
         unit = cache_type.MEMORY_GRANULARITY
-        cpu = _available_cpu_memory() // unit if cache_type.TRACK_RAM else -1
-        gpu = 0
-        if torch.cuda.is_available():
-            total = torch.cuda.get_device_properties(0).total_memory
-            gpu = (total - torch.cuda.memory_reserved()) // unit
-        key += f"|{hash(_stack_key(skip + 1))}|{cpu}|{gpu}"
+        cpu = get_available_cpu_memory() // unit if cache_type.TRACK_RAM else -1
+        gpu = get_cuda_assumed_available_memory() // unit
+        key += f"|{hash(get_simple_traceback(skip + 1))}|{cpu}|{gpu}"
     return key
 
 
@@ -329,21 +287,21 @@ class toma:
 
         @staticmethod
         def batch(initial_batchsize, cache_type=None, context=None):
-            context = context or _stack_key(1)
+            context = context or get_simple_traceback(1)
             return lambda func: explicit.batch(
                 func, initial_batchsize, toma_cache_type=cache_type, toma_context=context
             )
 
         @staticmethod
         def range(start, end, initial_step, cache_type=None, context=None):
-            context = context or _stack_key(1)
+            context = context or get_simple_traceback(1)
             return lambda func: explicit.range(
                 func, start, end, initial_step, toma_cache_type=cache_type, toma_context=context
             )
 
         @staticmethod
         def chunked(tensor, initial_step=None, dimension=None, cache_type=None, context=None):
-            context = context or _stack_key(1)
+            context = context or get_simple_traceback(1)
             return lambda func: explicit.chunked(
                 func, tensor, initial_step, toma_dimension=dimension, toma_cache_type=cache_type, toma_context=context
             )
