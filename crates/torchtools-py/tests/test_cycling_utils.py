@@ -64,6 +64,41 @@ def test_a_state_of_another_dataset_or_world_is_refused():
     InterruptableDistributedSampler(list(range(100)), 4, 0).load_state_dict(state, reshard=True)
 
 
+def test_cycling_utils_current_api_in_epoch_progress_and_its_errors():
+    from torchtools.cycling_utils.sampler import (
+        AdvancedTooFarError,
+        HasNotResetProgressError,
+        InterruptableDistributedSampler as Sampler,
+    )
+
+    data = list(range(10))
+    sampler = Sampler(data, 1, 0, shuffle=False)
+    with pytest.raises(AdvancedTooFarError):
+        sampler.advance(11)
+    assert sampler.progress == 0  # nothing changed
+    with sampler.in_epoch(0):
+        sampler.advance(4)
+        # In the middle of an epoch, another one is refused.
+        with pytest.raises(HasNotResetProgressError):
+            sampler.set_epoch(1)
+        assert sampler.state_dict()["progress"] == 4
+    assert sampler.progress == 0 and sampler.epoch == 0  # reset when the epoch ended
+    # An interrupted epoch keeps its progress, and a loaded state goes on in in_epoch.
+    with pytest.raises(KeyError):
+        with sampler.in_epoch(3):
+            sampler.advance(6)
+            raise KeyError("interrupted")
+    state = sampler.state_dict()
+    resumed = Sampler(data, 1, 0, shuffle=False)
+    resumed.load_state_dict({"epoch": state["epoch"], "progress": state["progress"]})
+    with resumed.in_epoch(3):
+        assert list(resumed) == [6, 7, 8, 9]
+    with pytest.raises(AdvancedTooFarError):
+        Sampler(data, 1, 0).load_state_dict({"epoch": 0, "progress": 11})
+    with pytest.raises(ValueError):  # AdvancedTooFarError is a ValueError
+        Sampler(data, 1, 0).advance(11)
+
+
 def test_it_drives_a_dataloader():
     sampler = InterruptableDistributedSampler(list(range(10)), 1, 0, shuffle=False)
     sampler.advance(4)

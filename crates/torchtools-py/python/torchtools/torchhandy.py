@@ -144,6 +144,9 @@ class Parallel_Trainer(object):
         if train_sampler is None:
             train_sampler = self.dataset_parallel(dataset)
         if getattr(train_sampler, "epoch", None) != epoch:
+            # Another epoch: the last one is over.
+            if hasattr(train_sampler, "reset_progress"):
+                train_sampler.reset_progress()
             train_sampler.set_epoch(epoch)
         return DataLoader(
             dataset,
