@@ -93,7 +93,11 @@ fn stop_sends_sigterm_and_the_status_is_recorded() {
     until("the job is ready", || {
         ok(tt(dir).args(["logs", &id]).output().unwrap()).contains("ready")
     });
-    let out = tt(dir).args(["stop", &id]).output().unwrap();
+    // A generous grace: on a busy machine the job must end by SIGTERM, never SIGKILL.
+    let out = tt(dir)
+        .args(["stop", &id, "--grace", "120s"])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{out:?}");
     let done = job(dir, &id);
     assert_eq!(done["status"], 75, "{done}");
@@ -814,7 +818,10 @@ fn a_time_limit_sends_sigterm_then_sigkill_and_a_job_so_ended_says_timeout() {
     until("the job's third run", || {
         job(dir, &id)["state"] == "running (run 3)"
     });
-    ok(tt(dir).args(["stop", &id]).output().unwrap());
+    ok(tt(dir)
+        .args(["stop", &id, "--grace", "120s"])
+        .output()
+        .unwrap());
     assert_eq!(job(dir, &id)["state"], "preempted (75) (run 3)");
     assert_eq!(std::fs::read_to_string(&runs).unwrap(), "run\nrun\nrun\n");
 }
