@@ -210,6 +210,7 @@ while sampler.epoch < 3:
             save()
             print("checkpointed on SIGTERM", flush=True)
             sys.exit(75)
+    sampler.reset_progress()  # the epoch is done (cycling_utils' API)
     sampler.set_epoch(sampler.epoch + 1)
 # Trained: a SIGTERM from here on (the time limit while Python shuts down) has nothing
 # to stop.
