@@ -31,7 +31,7 @@ pub(crate) struct TimeArgs {
     /// on its own signal.
     #[arg(long, value_parser = crate::args::duration)]
     pub(crate) signal_before: Option<Duration>,
-    /// Let the machine's policy preempt the job ([preemption] in `torchtools policy`):
+    /// Let the machine's policy preempt the job (its `[preemption]`, `torchtools policy`):
     /// when a request of a user below their fair share has waited long enough for its
     /// GPU, the job gets SIGTERM (a torchtools trainer checkpoints and exits 75) and,
     /// detached, goes back into the queue (--preemptible implies --requeue).
