@@ -52,9 +52,9 @@ pub(crate) struct Running {
     /// Watched with ptrace for its own peak at exit ([`Running::watch_exit`]).
     watched: bool,
     /// Its time limit's clock, when it has one ([`Running::limit`]).
-    timer: Option<crate::limit::Timer>,
+    timer: Option<crate::limit::Beside>,
     /// The watch of a preemptible job ([`Running::preemptible`]).
-    preempt: Option<crate::preempt::Watcher>,
+    preempt: Option<crate::limit::Beside>,
 }
 
 /// How the command ended.
@@ -115,7 +115,7 @@ impl Running {
     /// due (see [`crate::limit`]).
     pub(crate) fn limit(&mut self, limit: crate::limit::TimeLimit) {
         let pid = self.child.id();
-        self.timer = Some(crate::limit::Timer::start(limit, move |signal| {
+        self.timer = Some(crate::limit::timer(limit, move |signal| {
             // SAFETY: kill(2) has no memory-safety preconditions; the pid is our child's,
             // not reaped until the timer has stopped (see `wait`).
             unsafe { libc::kill(pid as libc::pid_t, signal) };
@@ -126,7 +126,7 @@ impl Running {
     /// [`crate::preempt`]).
     pub(crate) fn preemptible(&mut self, dir: tt_lock::LockDir, gpus: Vec<tt_lock::GpuKey>) {
         let pid = self.child.id();
-        self.preempt = Some(crate::preempt::Watcher::start(dir, gpus, move |signal| {
+        self.preempt = Some(crate::preempt::watch(dir, gpus, move |signal| {
             // SAFETY: as in `limit`: our child, not reaped before the watch stopped.
             unsafe { libc::kill(pid as libc::pid_t, signal) };
         }));
@@ -142,11 +142,11 @@ impl Running {
             tt_tracker::process::wait_for_exit(pid, None).map(|_| None)
         }
         .map_err(|e| anyhow::anyhow!("waiting for the command: {e}"))?;
-        let timed_out = self.timer.take().is_some_and(crate::limit::Timer::finish);
+        let timed_out = self.timer.take().is_some_and(crate::limit::Beside::finish);
         let preempted = self
             .preempt
             .take()
-            .is_some_and(crate::preempt::Watcher::finish);
+            .is_some_and(crate::limit::Beside::finish);
         self.handle.close();
         let _ = self.forwarder.join();
         let reaped = tt_tracker::process::reap(pid)

@@ -454,14 +454,14 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
     // The time limit's signals go to every rank the same way, from the ranks' start.
     let timer = limit.map(|limit| {
         let flag = Arc::clone(&forward);
-        crate::limit::Timer::start(limit, move |signal| flag.store(signal, Ordering::Relaxed))
+        crate::limit::timer(limit, move |signal| flag.store(signal, Ordering::Relaxed))
     });
     // A preemptible group's GPUs are watched the same way (see `crate::preempt`).
     let watcher = match (&reservation, args.time.preemptible) {
         (Some(r), true) if !r.is_empty() => {
             let flag = Arc::clone(&forward);
             let gpus = r.gpus().iter().map(|g| g.key.clone()).collect();
-            Some(crate::preempt::Watcher::start(
+            Some(crate::preempt::watch(
                 tt_lock::LockDir::from_env()?,
                 gpus,
                 move |signal| flag.store(signal, Ordering::Relaxed),
@@ -483,7 +483,7 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
     if let Some(w) = watcher {
         w.finish();
     }
-    if timer.is_some_and(crate::limit::Timer::finish) {
+    if timer.is_some_and(crate::limit::Beside::finish) {
         let code = outcome.as_ref().map_or(1, |o| o.code);
         crate::limit::ended_by_limit(u8::try_from(code).unwrap_or(1));
     }

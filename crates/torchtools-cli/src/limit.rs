@@ -124,66 +124,77 @@ impl TimeArgs {
     }
 }
 
-/// The clock of a running command's time limit: a thread that sends the signals when
-/// they are due, until [`Timer::finish`].
-pub(crate) struct Timer {
+/// A thread beside a running command that acts on it (its time limit, a preemption
+/// watch) until [`Beside::finish`] stops it.
+pub(crate) struct Beside {
     stop: mpsc::Sender<()>,
     thread: JoinHandle<bool>,
 }
 
-impl Timer {
-    /// Starts the clock now; `send(signal)` delivers each signal to the command.
-    pub(crate) fn start(limit: TimeLimit, send: impl Fn(i32) + Send + 'static) -> Timer {
+impl Beside {
+    /// Runs `body` on a thread of its own. `body` sleeps with the function it is given,
+    /// which returns `false` (at once) when the thread is stopped; its own result says
+    /// whether it acted on the command.
+    pub(crate) fn start(
+        body: impl FnOnce(&dyn Fn(Duration) -> bool) -> bool + Send + 'static,
+    ) -> Beside {
         let (stop, stopped) = mpsc::channel::<()>();
-        let start = Instant::now();
         let thread = std::thread::spawn(move || {
-            // Sleeps until `at` from the start; false when stopped first.
-            let until =
-                |at: Duration| match stopped.recv_timeout(at.saturating_sub(start.elapsed())) {
-                    Err(RecvTimeoutError::Timeout) => true,
-                    Ok(()) | Err(RecvTimeoutError::Disconnected) => false,
-                };
-            let show = tt_device::format_duration;
-            if let Some(before) = limit.signal_before {
-                if !until(limit.time - before) {
-                    return false;
-                }
-                eprintln!(
-                    "torchtools: the time limit ({}) is {} away: SIGUSR1 sent to the command",
-                    show(limit.time),
-                    show(before)
-                );
-                send(libc::SIGUSR1);
-            }
-            if !until(limit.time) {
-                return false;
-            }
-            eprintln!(
-                "torchtools: time limit ({}) reached: SIGTERM sent to the command (SIGKILL \
-                 in {})",
-                show(limit.time),
-                show(limit.grace)
-            );
-            send(libc::SIGTERM);
-            if until(limit.time + limit.grace) {
-                eprintln!(
-                    "torchtools: the command still runs {} after the time limit's SIGTERM: \
-                     SIGKILL",
-                    show(limit.grace)
-                );
-                send(libc::SIGKILL);
-            }
-            true
+            let sleep =
+                |d: Duration| matches!(stopped.recv_timeout(d), Err(RecvTimeoutError::Timeout));
+            body(&sleep)
         });
-        Timer { stop, thread }
+        Beside { stop, thread }
     }
 
-    /// Stops the clock (the command has ended; call before it is reaped, so that no
-    /// signal reaches a reused pid): whether the limit was reached.
+    /// Stops the thread (the command has ended; call before it is reaped, so that no
+    /// signal reaches a reused pid): whether it acted on the command.
     pub(crate) fn finish(self) -> bool {
         let _ = self.stop.send(());
         self.thread.join().unwrap_or(false)
     }
+}
+
+/// Starts the clock of a running command's time limit now: `send(signal)` delivers
+/// SIGUSR1, SIGTERM and SIGKILL when they are due; [`Beside::finish`] says whether the
+/// limit was reached.
+pub(crate) fn timer(limit: TimeLimit, send: impl Fn(i32) + Send + 'static) -> Beside {
+    let start = Instant::now();
+    Beside::start(move |sleep| {
+        // Sleeps until `at` from the start; false when stopped first.
+        let until = |at: Duration| sleep(at.saturating_sub(start.elapsed()));
+        let show = tt_device::format_duration;
+        if let Some(before) = limit.signal_before {
+            if !until(limit.time - before) {
+                return false;
+            }
+            eprintln!(
+                "torchtools: the time limit ({}) is {} away: SIGUSR1 sent to the command",
+                show(limit.time),
+                show(before)
+            );
+            send(libc::SIGUSR1);
+        }
+        if !until(limit.time) {
+            return false;
+        }
+        eprintln!(
+            "torchtools: time limit ({}) reached: SIGTERM sent to the command (SIGKILL \
+             in {})",
+            show(limit.time),
+            show(limit.grace)
+        );
+        send(libc::SIGTERM);
+        if until(limit.time + limit.grace) {
+            eprintln!(
+                "torchtools: the command still runs {} after the time limit's SIGTERM: \
+                 SIGKILL",
+                show(limit.grace)
+            );
+            send(libc::SIGKILL);
+        }
+        true
+    })
 }
 
 /// Says that the command ended by its time limit, and marks its job so (when it runs
@@ -252,7 +263,7 @@ mod tests {
             grace: Duration::from_millis(40),
             signal_before: Some(Duration::from_millis(20)),
         };
-        let timer = Timer::start(limit, move |s| {
+        let clock = timer(limit, move |s| {
             log.lock().unwrap_or_else(|e| e.into_inner()).push(s)
         });
         // Waited for by event (all three sent), with a bound for a busy machine.
@@ -262,19 +273,19 @@ mod tests {
         {
             std::thread::sleep(Duration::from_millis(10));
         }
-        assert!(timer.finish());
+        assert!(clock.finish());
         let got = sent.lock().unwrap_or_else(|e| e.into_inner()).clone();
         assert_eq!(got, [libc::SIGUSR1, libc::SIGTERM, libc::SIGKILL]);
         let quiet = Arc::new(Mutex::new(Vec::new()));
         let log = Arc::clone(&quiet);
-        let timer = Timer::start(
+        let quiet_clock = timer(
             TimeLimit {
                 time: Duration::from_secs(600),
                 ..limit
             },
             move |s| log.lock().unwrap_or_else(|e| e.into_inner()).push(s),
         );
-        assert!(!timer.finish());
+        assert!(!quiet_clock.finish());
         assert!(quiet.lock().unwrap_or_else(|e| e.into_inner()).is_empty());
     }
 }

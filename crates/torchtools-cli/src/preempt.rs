@@ -6,67 +6,45 @@
 //! SIGTERM (a torchtools trainer checkpoints and exits 75, and a `--requeue`d job goes
 //! back into the queue), then SIGKILL after the policy's `grace`.
 
-use std::sync::mpsc::{self, RecvTimeoutError};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tt_lock::{GpuKey, LockDir};
+
+use crate::limit::Beside;
 
 /// How often a preemptible job looks at the queue.
 const LOOK_EVERY: Duration = Duration::from_millis(500);
 
-/// The watch of a preemptible job's GPUs: a thread, until [`Watcher::finish`].
-pub(crate) struct Watcher {
-    stop: mpsc::Sender<()>,
-    thread: JoinHandle<bool>,
-}
-
-impl Watcher {
-    /// Watches the queue for requests that preempt this job, which holds `gpus`;
-    /// `send(signal)` delivers SIGTERM, then SIGKILL, to its command.
-    pub(crate) fn start(
-        dir: LockDir,
-        gpus: Vec<GpuKey>,
-        send: impl Fn(i32) + Send + 'static,
-    ) -> Watcher {
-        let (stop, stopped) = mpsc::channel::<()>();
-        let user = tt_lock::name_of_uid(nix::unistd::geteuid().as_raw());
-        let thread = std::thread::spawn(move || {
-            // Sleeps `d`; false when stopped first.
-            let pause =
-                |d: Duration| matches!(stopped.recv_timeout(d), Err(RecvTimeoutError::Timeout));
-            loop {
-                if !pause(LOOK_EVERY) {
-                    return false;
-                }
-                let Some((why, grace)) = decision(&dir, &user, &gpus) else {
-                    continue;
-                };
-                let decided = Instant::now();
-                eprintln!(
-                    "torchtools: preempted: {why}: SIGTERM sent to the command (SIGKILL in {})",
-                    tt_device::format_duration(grace)
-                );
-                send(libc::SIGTERM);
-                if pause(grace.saturating_sub(decided.elapsed())) {
-                    eprintln!(
-                        "torchtools: the preempted command still runs {} after SIGTERM: SIGKILL",
-                        tt_device::format_duration(grace)
-                    );
-                    send(libc::SIGKILL);
-                }
-                return true;
-            }
-        });
-        Watcher { stop, thread }
-    }
-
-    /// Stops the watch (the command has ended; before it is reaped): whether the job
-    /// was preempted.
-    pub(crate) fn finish(self) -> bool {
-        let _ = self.stop.send(());
-        self.thread.join().unwrap_or(false)
-    }
+/// Watches the queue for requests that preempt this job, which holds `gpus`;
+/// `send(signal)` delivers SIGTERM, then SIGKILL, to its command. [`Beside::finish`]
+/// says whether the job was preempted.
+pub(crate) fn watch(
+    dir: LockDir,
+    gpus: Vec<GpuKey>,
+    send: impl Fn(i32) + Send + 'static,
+) -> Beside {
+    let user = tt_lock::name_of_uid(nix::unistd::geteuid().as_raw());
+    Beside::start(move |sleep| loop {
+        if !sleep(LOOK_EVERY) {
+            return false;
+        }
+        let Some((why, grace)) = decision(&dir, &user, &gpus) else {
+            continue;
+        };
+        eprintln!(
+            "torchtools: preempted: {why}: SIGTERM sent to the command (SIGKILL in {})",
+            tt_device::format_duration(grace)
+        );
+        send(libc::SIGTERM);
+        if sleep(grace) {
+            eprintln!(
+                "torchtools: the preempted command still runs {} after SIGTERM: SIGKILL",
+                tt_device::format_duration(grace)
+            );
+            send(libc::SIGKILL);
+        }
+        return true;
+    })
 }
 
 /// Why this job must yield now, and the grace the policy gives it; `None` when it may
