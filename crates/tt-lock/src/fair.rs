@@ -276,38 +276,24 @@ impl LockDir {
             present.insert(path);
         }
         tally.retain(|path, _| present.contains(path));
-        let records: Vec<&Usage> = tally.values().flat_map(|s| &s.log.records).collect();
+        let mut records: Vec<&Usage> = tally.values().flat_map(|s| &s.log.records).collect();
         // Open records of holders no longer alive: ended when the GPU's next holder took
-        // it (as `usage` shows them lost).
+        // it, as `usage` shows them lost.
         let live = self.live_usage_ids()?;
-        let is_lost =
+        let now = tt_device::now_unix();
+        let open_dead =
             |r: &Usage| r.end.is_none() && !live.contains(&(r.user.clone(), r.id.clone()));
-        let lost: Vec<&Usage> = records.iter().copied().filter(|r| is_lost(r)).collect();
-        let mut ended: Vec<Usage> = Vec::with_capacity(lost.len());
-        if !lost.is_empty() {
-            let mut starts: HashMap<&str, Vec<f64>> = HashMap::new();
-            for r in &records {
-                starts.entry(r.gpu.as_str()).or_default().push(r.start);
-            }
-            for list in starts.values_mut() {
-                list.sort_by(f64::total_cmp);
-            }
-            for r in &lost {
-                let next = starts.get(r.gpu.as_str()).and_then(|list| {
-                    let at = list.partition_point(|&t| t <= r.start);
-                    list.get(at).copied()
-                });
-                let mut r = (*r).clone();
-                r.end = next;
+        let mut ended: Vec<Usage> = Vec::new();
+        if records.iter().any(|r| open_dead(r)) {
+            records.sort_by(|a, b| a.start.total_cmp(&b.start));
+            for (i, end) in crate::usage::lost_ends(&records, &live, now) {
+                let mut r = records[i].clone();
+                r.end = Some(end);
                 ended.push(r);
             }
         }
-        let open_or_done = records.into_iter().filter(|r| !is_lost(r));
-        Ok(decayed_use(
-            open_or_done.chain(&ended),
-            tt_device::now_unix(),
-            half_life,
-        ))
+        let open_or_done = records.into_iter().filter(|r| !open_dead(r));
+        Ok(decayed_use(open_or_done.chain(&ended), now, half_life))
     }
 
     /// The queue as `policy` serves it (see [`LockDir::queue`]).

@@ -223,19 +223,8 @@ impl LockDir {
         }
         log.records.sort_by(|a, b| a.start.total_cmp(&b.start));
         let live = self.live_usage_ids()?;
-        let now = now_unix();
-        let mut lost = Vec::new();
-        for (i, r) in log.records.iter().enumerate() {
-            if r.end.is_some() || live.contains(&(r.user.clone(), r.id.clone())) {
-                continue;
-            }
-            // Ended at the latest when the next holder of the GPU took it.
-            let next = log.records[i + 1..]
-                .iter()
-                .find(|n| n.gpu == r.gpu)
-                .map(|n| n.start);
-            lost.push((i, next.unwrap_or(now).min(now).max(r.start)));
-        }
+        let sorted: Vec<&Usage> = log.records.iter().collect();
+        let lost = lost_ends(&sorted, &live, now_unix());
         for (i, end) in lost {
             log.records[i].end = Some(end);
             log.records[i].lost = true;
@@ -256,6 +245,27 @@ impl LockDir {
             .filter_map(|f| f.holder.usage.map(|id| (f.holder.user, id)))
             .collect())
     }
+}
+
+/// The reservations of `sorted` (in the order they started) whose holder died holding
+/// its GPU (no end recorded, and no live record of `live` carries its id), each with
+/// the latest it can have ended: when the GPU's next holder took it, else `now`. One
+/// pass from the end, whatever the number of such reservations.
+pub(crate) fn lost_ends(
+    sorted: &[&Usage],
+    live: &HashSet<(String, String)>,
+    now: f64,
+) -> Vec<(usize, f64)> {
+    let mut next_start: HashMap<&str, f64> = HashMap::new();
+    let mut lost = Vec::new();
+    for (i, r) in sorted.iter().enumerate().rev() {
+        if r.end.is_none() && !live.contains(&(r.user.clone(), r.id.clone())) {
+            let next = next_start.get(r.gpu.as_str()).copied();
+            lost.push((i, next.unwrap_or(now).min(now).max(r.start)));
+        }
+        next_start.insert(r.gpu.as_str(), r.start);
+    }
+    lost
 }
 
 /// The uid whose log a file name is: `usage-<uid>.jsonl`, or `usage-<uid>.<k>.jsonl`
