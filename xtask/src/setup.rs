@@ -26,8 +26,9 @@ pub(crate) const TORCH_VERSION: &str = "2.11.0";
 /// (`tensorboard`: the trainer's tests read its event files with TensorBoard's own
 /// reader; ~30 MB with grpcio and protobuf.)
 /// (`pytest`: the Python package's tests run with it; `toma`: its toma API is compared
-/// with toma itself.)
-const REQUIREMENTS: [&str; 9] = [
+/// with toma itself; `lightning`: its Lightning callback is tested with a real
+/// `Trainer`, ~40 MB with torchmetrics and aiohttp, on the torch above.)
+const REQUIREMENTS: [&str; 10] = [
     "torch==2.11.0",
     "safetensors==0.7.0",
     "packaging>=23",
@@ -37,6 +38,7 @@ const REQUIREMENTS: [&str; 9] = [
     "tensorboard==2.21.0",
     "pytest==8.4.2",
     "toma==1.1.0",
+    "lightning==2.6.6",
 ];
 /// The gpu_tracker release our tracker is compared with.
 pub(crate) const GPU_TRACKER: &str = "gpu-tracker==5.0.1";

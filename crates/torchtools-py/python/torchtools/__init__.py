@@ -1,6 +1,6 @@
 """torchtools for Python: the Python torchtools' API (device choice, cooperative GPU
 reservation with a lock, a fair queue and a memory fence, probes), cycling_utils'
-(``torchtools.cycling_utils``), toma's (``torchtools.toma``) and torchhandy's
+(``torchtools.cycling_utils``, and its Lightning callback in ``torchtools.lightning``), toma's (``torchtools.toma``) and torchhandy's
 (``torchtools.torchhandy``, launched by ``python -m torchtools.launch``), backed by the
 Rust crates of torchtools.
 

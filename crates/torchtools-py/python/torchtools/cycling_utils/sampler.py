@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Optional, Sized
 
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler
 
 from torchtools import _native
 from torchtools.cycling_utils.saving import _world
@@ -33,12 +33,15 @@ class HasNotResetProgressError(RuntimeError):
     ``with sampler.in_epoch(epoch):``."""
 
 
-class InterruptableDistributedSampler(Sampler[int]):
+class InterruptableDistributedSampler(DistributedSampler):
     """cycling_utils' sampler: torch's ``DistributedSampler`` (the same indices in the
     same order for every length, rank, seed and epoch) that remembers how far an epoch
     went. Per epoch ``with sampler.in_epoch(epoch):``; :meth:`advance` with each batch's
     size; save :meth:`state_dict` in the checkpoint; after :meth:`load_state_dict` the
-    epoch goes on where it stopped.
+    epoch goes on where it stopped. Its length is the epoch's (as cycling_utils' and
+    torch's), though a resumed epoch yields only what is left: a ``DataLoader``'s length,
+    and the learning-rate schedules and progress bars built on it, stay those of a whole
+    epoch. A ``DistributedSampler``, so Lightning and other trainers keep it as it is.
     """
 
     def __init__(
@@ -115,11 +118,17 @@ class InterruptableDistributedSampler(Sampler[int]):
         self._inner.advance(n)
         self._has_reset_progress = False
 
+    @property
+    def total_size(self) -> int:
+        """Indices in an epoch over all ranks (``DistributedSampler``'s)."""
+        return self._inner.num_samples * self.num_replicas
+
     def __iter__(self) -> Iterator[int]:
         return iter(self._inner.remaining())
 
     def __len__(self) -> int:
-        return self._inner.num_samples - self._inner.progress
+        """Samples in a whole epoch for this rank (a resumed one yields fewer)."""
+        return self._inner.num_samples
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"epoch", "progress"}`` as cycling_utils saves them, and what they mean
