@@ -841,13 +841,13 @@ fn all_jobs(records: &Path) -> Result<Vec<Job>> {
 
 /// The job records of a directory as `jobs` shows them.
 #[derive(Default)]
-struct Scan {
+pub(crate) struct Scan {
     /// Believed records, oldest first.
-    jobs: Vec<Job>,
+    pub(crate) jobs: Vec<Job>,
     /// Records not believed.
-    ignored: Vec<tt_lock::Ignored>,
+    pub(crate) ignored: Vec<tt_lock::Ignored>,
     /// Records that cannot be read, with why.
-    damaged: Vec<String>,
+    pub(crate) damaged: Vec<String>,
 }
 
 fn scan(records: &Path) -> Result<Scan> {
@@ -976,6 +976,44 @@ pub(crate) fn live_jobs(locks: &LockDir, queue: &[tt_lock::Waiter]) -> Result<Ve
         .collect())
 }
 
+/// A job as `jobs --json` shows it (and `serve`'s page): its record, its state now,
+/// and the GPUs it holds now with the bytes reserved on each.
+#[derive(Debug, Serialize)]
+pub(crate) struct Row {
+    #[serde(flatten)]
+    pub(crate) job: Job,
+    pub(crate) state: String,
+    /// The GPUs it holds now, and the bytes reserved on each.
+    pub(crate) gpus: Vec<String>,
+    pub(crate) bytes: Option<u64>,
+}
+
+/// `jobs` as rows, given the pids waiting in the queue and the GPUs' holders (read
+/// once by the caller).
+pub(crate) fn rows(jobs: Vec<Job>, waiting: &[u32], held: &[tt_lock::LockState]) -> Vec<Row> {
+    jobs.into_iter()
+        .map(|job| {
+            let (gpus, bytes) = held_by(&job, held);
+            Row {
+                state: state(&job, waiting),
+                job,
+                gpus,
+                bytes,
+            }
+        })
+        .collect()
+}
+
+/// Every user's jobs as rows, from the lock directory (`jobs --all --json`'s), with
+/// the records not believed and those damaged.
+pub(crate) fn all_rows(locks: &LockDir, queue: &[tt_lock::Waiter]) -> Result<(Vec<Row>, Scan)> {
+    let waiting: Vec<u32> = queue.iter().map(|w| w.pid).collect();
+    let held = locks.list()?;
+    let mut scan = scan(&records_dir_in(locks)?)?;
+    let jobs = std::mem::take(&mut scan.jobs);
+    Ok((rows(jobs, &waiting, &held), scan))
+}
+
 pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
     let locks = LockDir::from_env()?;
     let waiting: Vec<u32> = locks
@@ -998,27 +1036,7 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
         }
     }
     if json {
-        #[derive(Serialize)]
-        struct Row<'a> {
-            #[serde(flatten)]
-            job: &'a Job,
-            state: String,
-            /// The GPUs it holds now, and the bytes reserved on each.
-            gpus: Vec<String>,
-            bytes: Option<u64>,
-        }
-        let rows: Vec<Row<'_>> = jobs
-            .iter()
-            .map(|job| {
-                let (gpus, bytes) = held_by(job, &held);
-                Row {
-                    job,
-                    state: state(job, &waiting),
-                    gpus,
-                    bytes,
-                }
-            })
-            .collect();
+        let rows = rows(jobs, &waiting, &held);
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(ExitCode::SUCCESS);
     }

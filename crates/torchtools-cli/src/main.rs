@@ -26,6 +26,7 @@ mod probe;
 mod queue;
 mod reserve;
 mod run;
+mod serve;
 mod subtrack;
 mod top;
 mod track;
@@ -134,6 +135,14 @@ enum Command {
     /// byte-seconds (the usage records), queued requests, running and waiting jobs; per
     /// running job: its GPUs and budget. Labels: gpu, uuid, user, job_id.
     Metrics(metrics::Args),
+    /// The whole server on one page, in a browser: every GPU's memory, holder or
+    /// sharers, the queue in serving order and why, jobs, each user's use over the
+    /// last day and week, each GPU's memory over the last hour; live, read-only.
+    ///
+    /// Serves the page at http://ADDR/, its data as JSON at /api/state, and /metrics
+    /// (as `metrics --listen`), until stopped. What it shows is what `locks`, `queue`,
+    /// `jobs --all` and `usage` show every user of the machine.
+    Serve(serve::Args),
     /// Show the requests waiting for GPUs, in the order they will be served (first
     /// come, first served, or by the machine's fair-share policy with each request's
     /// priority and why): user, pid, how long, GPUs asked, bytes, command.
@@ -299,6 +308,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Usage(args) => usage::run(args),
         Command::Queue(args) => queue::run(args),
         Command::Metrics(args) => metrics::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Top(args) => top::run(args),
     }
 }

@@ -76,20 +76,11 @@ fn serve(dir: &LockDir, gpus: &Gpus, addr: SocketAddr) -> Result<ExitCode> {
         other => format!("{other:?}"),
     };
     eprintln!("torchtools: serving metrics at http://{bound}/metrics");
-    let header = |name: &str, value: &str| {
-        tiny_http::Header::from_bytes(name.as_bytes(), value.as_bytes())
-            .unwrap_or_else(|()| unreachable!("a constant header is valid"))
-    };
     for request in server.incoming_requests() {
         let path = request.url().split('?').next().unwrap_or_default();
         let response = match path {
             "/metrics" => match render(dir, gpus) {
-                // OpenMetrics to those who ask for it (Prometheus does), else the text
-                // format every scraper reads.
-                Ok(text) if accepts_openmetrics(&request) => tiny_http::Response::from_string(text)
-                    .with_header(header("Content-Type", OPENMETRICS)),
-                Ok(text) => tiny_http::Response::from_string(text_format(&text))
-                    .with_header(header("Content-Type", TEXT_FORMAT)),
+                Ok(text) => response(text, &request),
                 Err(e) => {
                     tiny_http::Response::from_string(format!("{e:#}\n")).with_status_code(500)
                 }
@@ -102,6 +93,25 @@ fn serve(dir: &LockDir, gpus: &Gpus, addr: SocketAddr) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The answer to a scrape: OpenMetrics to those who ask for it (Prometheus does), else
+/// the text format every scraper reads (`serve`'s `/metrics` too).
+pub(crate) fn response(
+    openmetrics: String,
+    request: &tiny_http::Request,
+) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+    let header = |name: &str, value: &str| {
+        tiny_http::Header::from_bytes(name.as_bytes(), value.as_bytes())
+            .unwrap_or_else(|()| unreachable!("a constant header is valid"))
+    };
+    if accepts_openmetrics(request) {
+        tiny_http::Response::from_string(openmetrics)
+            .with_header(header("Content-Type", OPENMETRICS))
+    } else {
+        tiny_http::Response::from_string(text_format(&openmetrics))
+            .with_header(header("Content-Type", TEXT_FORMAT))
+    }
 }
 
 /// Writes `dir/torchtools.prom` every `interval`, each time whole (a temporary file

@@ -18,7 +18,7 @@ pub(crate) enum By {
 }
 
 /// One row: a user's (or a GPU's) use.
-#[derive(Debug, Default, Serialize, PartialEq)]
+#[derive(Debug, Default, Clone, Serialize, PartialEq)]
 pub(crate) struct Row {
     /// The user or the GPU.
     pub(crate) name: String,

@@ -1,0 +1,320 @@
+//! `torchtools serve`: the whole server on one page. The page at `/`, the machine's
+//! state as JSON at `/api/state` (the data the page draws), and `/metrics` (as
+//! `metrics --listen`), from one process a user or root starts; no daemon beside it.
+//!
+//! One thread reads the state every half second (the same readers as `top --json`,
+//! `jobs --all --json` and `usage --json`; the usage log every 30 s) and keeps it as
+//! JSON, with each GPU's memory over the last hour; requests are answered from that
+//! copy, each on its own thread (at most [`MAX_IN_FLIGHT`]), so a slow client never
+//! holds another. Read-only: no request changes anything.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use serde::Serialize;
+use tt_lock::LockDir;
+
+use crate::child::Exit;
+use crate::top::{Gpus, Snapshot};
+use crate::usage::{By, Row};
+
+/// The page: HTML, CSS and JavaScript in one file, embedded (no external asset).
+const PAGE: &str = include_str!("serve.html");
+/// The default address: loopback only (`--listen 0.0.0.0:9836` for every interface).
+pub(crate) const DEFAULT_LISTEN: &str = "127.0.0.1:9836";
+/// Requests answered at once; past it, `503` at once (never a queue of threads).
+pub(crate) const MAX_IN_FLIGHT: usize = 64;
+/// The longest request target taken.
+const MAX_URL: usize = 2048;
+/// How often the state is read.
+const REFRESH: Duration = Duration::from_millis(500);
+/// How often the usage log is read (it can be long).
+const USAGE_REFRESH: Duration = Duration::from_secs(30);
+/// How often a point is added to each GPU's memory chart, and how long it reaches back.
+const HISTORY_STEP: Duration = Duration::from_secs(10);
+const HISTORY_SPAN: Duration = Duration::from_secs(3600);
+/// The version of `/api/state`'s schema (README: "The page and its API").
+pub(crate) const SCHEMA: u32 = 1;
+
+/// `serve`'s options.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Where to listen (0.0.0.0:PORT for every interface; what the page shows is what
+    /// `locks`, `queue`, `jobs --all` and `usage` show every user of the machine).
+    #[arg(long, value_name = "ADDR", default_value = DEFAULT_LISTEN)]
+    pub(crate) listen: SocketAddr,
+}
+
+/// `/api/state`: everything the page shows.
+#[derive(Serialize)]
+pub(crate) struct State {
+    /// [`SCHEMA`].
+    pub(crate) schema: u32,
+    /// This machine's name.
+    pub(crate) host: String,
+    /// The user serving the page (the page puts their jobs first unless `?user=`).
+    pub(crate) served_by: String,
+    /// `top --json`'s snapshot: GPUs with holders, sharers and processes, the queue in
+    /// serving order, the policy, each user's standing, ignored records.
+    #[serde(flatten)]
+    pub(crate) snapshot: Snapshot,
+    /// Every user's jobs (`jobs --all --json`'s rows), oldest first.
+    pub(crate) jobs: Vec<crate::jobs::Row>,
+    /// Job records not believed, and those that cannot be read.
+    pub(crate) jobs_ignored: Vec<tt_lock::Ignored>,
+    pub(crate) jobs_damaged: Vec<String>,
+    /// Each user's use over the last day and week (`usage --since 1d/7d --json`'s rows).
+    pub(crate) usage: UsageView,
+    /// Each GPU's memory over the last hour, oldest first.
+    pub(crate) history: Vec<History>,
+}
+
+/// Each user's use, as `usage --by user` counts it.
+#[derive(Serialize, Clone, Default)]
+pub(crate) struct UsageView {
+    pub(crate) day: Vec<Row>,
+    pub(crate) week: Vec<Row>,
+    /// Damaged usage lines skipped.
+    pub(crate) skipped: usize,
+    /// When the log was read, in seconds since the Unix epoch.
+    pub(crate) read_unix: f64,
+}
+
+/// One GPU's memory over time.
+#[derive(Serialize, Clone)]
+pub(crate) struct History {
+    /// The GPU, as its lock file names it (`GpuKey`'s display).
+    pub(crate) gpu: String,
+    /// `[time_unix, used_bytes, total_bytes]`, oldest first.
+    pub(crate) points: VecDeque<[u64; 3]>,
+}
+
+/// The served copy of the state, and what the reader keeps between reads.
+struct Shared {
+    json: RwLock<Arc<String>>,
+}
+
+/// `torchtools serve`.
+pub(crate) fn run(args: Args) -> Result<ExitCode> {
+    let dir = LockDir::from_env()?;
+    let server = tiny_http::Server::http(args.listen).map_err(|e| {
+        Exit(
+            2,
+            format!(
+                "--listen {}: cannot listen there: {e} (another port, or another address)",
+                args.listen
+            ),
+        )
+    })?;
+    let bound = match server.server_addr() {
+        tiny_http::ListenAddr::IP(a) => a.to_string(),
+        #[allow(unreachable_patterns)]
+        other => format!("{other:?}"),
+    };
+    let mut reader = Reader::new(dir.clone());
+    let shared = Arc::new(Shared {
+        json: RwLock::new(Arc::new(reader.read())),
+    });
+    {
+        let shared = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("state".into())
+            .spawn(move || loop {
+                std::thread::sleep(REFRESH);
+                let json = Arc::new(reader.read());
+                *shared.json.write().unwrap_or_else(|e| e.into_inner()) = json;
+            })?;
+    }
+    eprintln!("torchtools: serving the page at http://{bound}/ (its data at /api/state, /metrics)");
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let metrics_gpus = Arc::new(Gpus::open());
+    for request in server.incoming_requests() {
+        if in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_IN_FLIGHT {
+            in_flight.fetch_sub(1, Ordering::AcqRel);
+            let busy = tiny_http::Response::from_string("torchtools serve: busy, retry\n")
+                .with_status_code(503);
+            let _ = request.respond(busy);
+            continue;
+        }
+        let (shared, in_flight, dir, gpus) = (
+            Arc::clone(&shared),
+            Arc::clone(&in_flight),
+            dir.clone(),
+            Arc::clone(&metrics_gpus),
+        );
+        let spawned = std::thread::Builder::new()
+            .name("request".into())
+            .spawn(move || {
+                answer(request, &shared, &dir, &gpus);
+                in_flight.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("cannot start a thread for a request: {e}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn header(name: &str, value: &str) -> tiny_http::Header {
+    tiny_http::Header::from_bytes(name.as_bytes(), value.as_bytes())
+        .unwrap_or_else(|()| unreachable!("a constant header is valid"))
+}
+
+/// One request: `GET` (or `HEAD`) of `/`, `/api/state` or `/metrics`; anything else
+/// is refused with its status, before any work.
+fn answer(request: tiny_http::Request, shared: &Shared, dir: &LockDir, gpus: &Gpus) {
+    use tiny_http::Method;
+    let refuse = |status: u16, why: &str| {
+        tiny_http::Response::from_string(format!("torchtools serve: {why}\n"))
+            .with_status_code(status)
+            .with_header(header("Content-Type", "text/plain; charset=utf-8"))
+    };
+    let response = if !matches!(request.method(), Method::Get | Method::Head) {
+        refuse(405, "read-only: GET only")
+    } else if request.body_length().is_some_and(|n| n > 0) {
+        refuse(413, "a GET has no body")
+    } else if request.url().len() > MAX_URL {
+        refuse(414, "the address is too long")
+    } else {
+        let path = request.url().split('?').next().unwrap_or_default();
+        match path {
+            "/" | "/index.html" => tiny_http::Response::from_string(PAGE)
+                .with_header(header("Content-Type", "text/html; charset=utf-8")),
+            "/api/state" => {
+                let json = Arc::clone(&shared.json.read().unwrap_or_else(|e| e.into_inner()));
+                tiny_http::Response::from_string(json.as_str())
+                    .with_header(header("Content-Type", "application/json"))
+            }
+            "/metrics" => match crate::metrics::render(dir, gpus) {
+                Ok(text) => crate::metrics::response(text, &request),
+                Err(e) => refuse(500, &format!("{e:#}")),
+            },
+            _ => refuse(
+                404,
+                "the page is at /, its data at /api/state, metrics at /metrics",
+            ),
+        }
+    };
+    // Never cached: each load is the machine as it is; nothing framed elsewhere.
+    let response = response
+        .with_header(header("Cache-Control", "no-store"))
+        .with_header(header("X-Content-Type-Options", "nosniff"))
+        .with_header(header("X-Frame-Options", "DENY"))
+        .with_header(header(
+            "Content-Security-Policy",
+            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+             connect-src 'self'; img-src 'self' data:",
+        ));
+    if let Err(e) = request.respond(response) {
+        tracing::debug!("a client's connection failed: {e}");
+    }
+}
+
+/// Reads the state: the snapshot and jobs each time, the usage log every 30 s, a
+/// history point per GPU every 10 s.
+pub(crate) struct Reader {
+    dir: LockDir,
+    gpus: Gpus,
+    me: tt_lock::Holder,
+    usage: UsageView,
+    usage_read: Option<Instant>,
+    history: BTreeMap<String, VecDeque<[u64; 3]>>,
+    history_added: Option<Instant>,
+}
+
+impl Reader {
+    pub(crate) fn new(dir: LockDir) -> Reader {
+        Reader::with_gpus(dir, Gpus::open())
+    }
+
+    pub(crate) fn with_gpus(dir: LockDir, gpus: Gpus) -> Reader {
+        Reader {
+            dir,
+            gpus,
+            me: tt_lock::Holder::current(),
+            usage: UsageView::default(),
+            usage_read: None,
+            history: BTreeMap::new(),
+            history_added: None,
+        }
+    }
+
+    /// The state as JSON; a failure to read it is `{"schema", "error"}` (the page says it).
+    pub(crate) fn read(&mut self) -> String {
+        let json = self
+            .state()
+            .and_then(|state| Ok(serde_json::to_string(&state)?));
+        json.unwrap_or_else(|e| {
+            serde_json::json!({"schema": SCHEMA, "error": format!("{e:#}")}).to_string()
+        })
+    }
+
+    pub(crate) fn state(&mut self) -> Result<State> {
+        let snapshot = Snapshot::take(&self.dir, &self.gpus)?;
+        let (jobs, scan) = crate::jobs::all_rows(&self.dir, &snapshot.queue)?;
+        if self.usage_read.is_none_or(|t| t.elapsed() >= USAGE_REFRESH) {
+            self.usage = self.read_usage()?;
+            self.usage_read = Some(Instant::now());
+        }
+        if self
+            .history_added
+            .is_none_or(|t| t.elapsed() >= HISTORY_STEP)
+        {
+            self.add_history(&snapshot);
+            self.history_added = Some(Instant::now());
+        }
+        Ok(State {
+            schema: SCHEMA,
+            host: self.me.host.clone(),
+            served_by: self.me.user.clone(),
+            jobs,
+            jobs_ignored: scan.ignored,
+            jobs_damaged: scan.damaged,
+            usage: self.usage.clone(),
+            history: self
+                .history
+                .iter()
+                .map(|(gpu, points)| History {
+                    gpu: gpu.clone(),
+                    points: points.clone(),
+                })
+                .collect(),
+            snapshot,
+        })
+    }
+
+    fn read_usage(&self) -> Result<UsageView> {
+        let log = self.dir.usage()?;
+        let now = tt_device::now_unix();
+        let since =
+            |days: f64| crate::usage::rows(&log.records, By::User, now - days * 86_400.0, now);
+        Ok(UsageView {
+            day: since(1.0),
+            week: since(7.0),
+            skipped: log.skipped.len(),
+            read_unix: now,
+        })
+    }
+
+    fn add_history(&mut self, snapshot: &Snapshot) {
+        let now = snapshot.time_unix;
+        for g in &snapshot.gpus {
+            let (Some(used), Some(total)) = (g.used, g.total) else {
+                continue;
+            };
+            let points = self.history.entry(g.key.to_string()).or_default();
+            points.push_back([now, used.0, total.0]);
+            while points
+                .front()
+                .is_some_and(|p| p[0] + HISTORY_SPAN.as_secs() < now)
+            {
+                points.pop_front();
+            }
+        }
+    }
+}
