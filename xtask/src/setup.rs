@@ -193,6 +193,18 @@ pub(crate) fn setup() -> Result<Libtorch> {
         "prometheus",
         "the Prometheus server and promtool that `torchtools metrics`' test scrapes and checks with",
     );
+    ensure_package(
+        "chromium",
+        "--version",
+        "chromium",
+        "the browser `torchtools serve`'s page is tested in",
+    );
+    ensure_package(
+        "chromedriver",
+        "--version",
+        "chromium-driver",
+        "the WebDriver server that drives Chromium in `torchtools serve`'s page test",
+    );
     // Cargo's [env] sets LIBTORCH to our link for processes it runs, this one included;
     // any other value was set by the user.
     if let Ok(v) = std::env::var("LIBTORCH_USE_PYTORCH") {

@@ -1,0 +1,453 @@
+//! `torchtools serve` in a real browser: Debian's Chromium, headless, driven through
+//! WebDriver (chromedriver, installed by `cargo xtask setup`). A held GPU, a share, a
+//! waiting request and a detached job appear on the page and leave it when they end,
+//! read from the DOM; a job whose command holds markup shows it as text and adds no
+//! element. `/api/state` holds what the command's own `--json` views hold.
+#![allow(clippy::unwrap_used)] // a panic is how a test reports
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fantoccini::{Client, ClientBuilder, Locator};
+
+mod common;
+use common::{detach, ok, tt, until};
+
+/// How long the page may take to show a change: generous (the page itself is read
+/// every 0.5 s and redrawn every 1 s; the latency seen is printed, not asserted).
+const PAGE_PATIENCE: Duration = Duration::from_secs(60);
+
+/// Ends a child when the test ends, however it ends: SIGTERM (a `reserve` passes it to
+/// its command and releases), SIGKILL if it lingers.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) of our own child's pid, which we have not reaped yet.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(30) {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Stops a detached job when the test ends, however it ends.
+struct Stopped<'a>(&'a Path, String);
+
+impl Drop for Stopped<'_> {
+    fn drop(&mut self) {
+        let _ = tt(self.0).args(["stop", &self.1, "--grace", "1s"]).output();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A request's status line and body.
+fn request(port: u16, head: &str) -> (String, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(s, "{head}\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let (headers, body) = text.split_once("\r\n\r\n").unwrap();
+    (headers.lines().next().unwrap().to_owned(), body.to_owned())
+}
+
+fn state(port: u16) -> serde_json::Value {
+    let (status, body) = request(port, "GET /api/state HTTP/1.1");
+    assert!(status.contains(" 200 "), "{status}: {body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// `torchtools serve` on a port of its choosing (it says which).
+fn serve(dir: &Path) -> (Killed, u16) {
+    let mut server = tt(dir)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(server.stderr.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let server = Killed(server);
+    let port = line
+        .trim()
+        .strip_prefix("torchtools: serving the page at http://127.0.0.1:")
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("{line}"))
+        .parse()
+        .unwrap();
+    (server, port)
+}
+
+/// A reservation held by a process of the test (`reserve ... -- sleep 600`), once its
+/// command runs.
+fn hold(dir: &Path, args: &[&str]) -> Killed {
+    let ready = dir.join(format!("ready-{}", args.join("-")));
+    let child = tt(dir)
+        .arg("reserve")
+        .args(args)
+        .args(["--no-fence", "--", "sh", "-c"])
+        .arg(format!("touch '{}'; exec sleep 600", ready.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let child = Killed(child);
+    until("the reservation's command runs", || ready.exists());
+    child
+}
+
+/// Whether a job of this test holds `gpu` (`jobs --json`'s `gpus`).
+fn job_holds(dir: &Path, gpu: &str) -> bool {
+    let rows: serde_json::Value =
+        serde_json::from_str(&ok(tt(dir).args(["jobs", "--json"]).output().unwrap())).unwrap();
+    rows.as_array()
+        .unwrap()
+        .iter()
+        .any(|j| j["gpus"].as_array().unwrap().iter().any(|g| g == gpu))
+}
+
+/// The target directory (where the screenshot goes): this test binary's
+/// `target/debug/deps/..`.
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.ancestors().nth(3).unwrap().to_owned()
+}
+
+/// Chromium headless through chromedriver (the flags a closed network needs).
+async fn browser(dir: &Path) -> (Killed, Client) {
+    assert!(
+        Command::new("chromedriver")
+            .arg("--version")
+            .output()
+            .is_ok()
+            && Command::new("chromium").arg("--version").output().is_ok(),
+        "Chromium and chromedriver are not installed: `cargo xtask setup` installs Debian's \
+         chromium and chromium-driver (or `apt-get install chromium chromium-driver`)"
+    );
+    let port = free_port();
+    let mut driver = Command::new("chromedriver")
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(driver.stdout.take().unwrap());
+    let driver = Killed(driver);
+    let mut line = String::new();
+    while !line.contains("started successfully") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "chromedriver ended");
+    }
+    std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+    let profile = dir.join("chromium-profile");
+    let mut caps = serde_json::Map::new();
+    caps.insert(
+        "goog:chromeOptions".into(),
+        serde_json::json!({
+            "binary": "/usr/bin/chromium",
+            "args": [
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+                "--window-size=1280,1000", format!("--user-data-dir={}", profile.display()),
+            ],
+        }),
+    );
+    let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    let client = ClientBuilder::new(connector)
+        .capabilities(caps)
+        .connect(&format!("http://127.0.0.1:{port}"))
+        .await
+        .unwrap();
+    (driver, client)
+}
+
+/// Waits until the page has `css` (or, with `present == false`, no longer has it): the
+/// time it took.
+async fn page_shows(client: &Client, css: &str, present: bool) -> Duration {
+    let start = Instant::now();
+    loop {
+        let found = !client.find_all(Locator::Css(css)).await.unwrap().is_empty();
+        if found == present {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < PAGE_PATIENCE,
+            "the page still {} {css}",
+            if present { "lacks" } else { "shows" }
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn text_of(client: &Client, css: &str) -> String {
+    client
+        .find(Locator::Css(css))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_page_shows_holders_sharers_the_queue_and_jobs_live_and_markup_as_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let (_server, port) = serve(dir);
+    let (_driver, client) = browser(dir).await;
+    client
+        .goto(&format!("http://127.0.0.1:{port}/"))
+        .await
+        .unwrap();
+    page_shows(&client, "[data-gpu]", false).await;
+    let mut seen = Vec::new();
+
+    // A GPU held alone, a share of another, a request waiting behind the holder.
+    let holder = hold(dir, &["--gpu", "0", "--bytes", "3GiB"]);
+    let css = format!("[data-gpu='0'] [data-pid='{}']", holder.0.id());
+    seen.push(("holder appears", page_shows(&client, &css, true).await));
+    let card = text_of(&client, "[data-gpu='0']").await;
+    assert!(
+        card.contains("held by") && card.contains("3.0 GiB"),
+        "{card}"
+    );
+    // (A share through tt-lock itself, held by this test's process: `reserve --share`
+    // needs the GPU's memory from NVML, which this machine may lack.)
+    let shared_gpu = "GPU-00000000-0000-4000-8000-0000000000aa";
+    let sharer = tt_lock::LockDir::open(dir.join("locks"))
+        .unwrap()
+        .lock_shared(
+            &tt_lock::GpuKey::of_uuid(shared_gpu),
+            tt_device::Bytes(2 << 30),
+            tt_device::Bytes(80 << 30),
+            tt_lock::Wait::Try,
+            tt_lock::Holder::current(),
+        )
+        .unwrap();
+    let share_css = format!(
+        "[data-gpu='{shared_gpu}'] [data-pid='{}']",
+        std::process::id()
+    );
+    seen.push(("share appears", page_shows(&client, &share_css, true).await));
+    let card = text_of(&client, &format!("[data-gpu='{shared_gpu}']")).await;
+    assert!(
+        card.contains("shared by") && card.contains("budget 2.0 GiB"),
+        "{card}"
+    );
+    let waiter = Killed(
+        tt(dir)
+            .args(["reserve", "--gpu", "0", "--no-fence", "--", "true"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let css = format!("#queue tr[data-pid='{}']", waiter.0.id());
+    seen.push(("waiter appears", page_shows(&client, &css, true).await));
+    assert!(text_of(&client, &css).await.contains("#1"));
+
+    // A detached job whose command line holds markup: shown as text, no element added.
+    let markup = "<b>x</b><script>document.title='pwned'</script><img src=x onerror=alert(1)>";
+    let job = detach(
+        dir,
+        &[
+            "reserve",
+            "--detach",
+            "--gpu",
+            "2",
+            "--no-fence",
+            "--",
+            "sh",
+            "-c",
+            &format!("exec sleep 600 # {markup}"),
+        ],
+    );
+    let _stop = Stopped(dir, job.clone());
+    let row = format!("tr[data-job='{job}']");
+    until("the job holds GPU 2", || job_holds(dir, "2"));
+    seen.push(("job appears", page_shows(&client, &row, true).await));
+    let text = text_of(&client, &row).await;
+    assert!(text.contains(markup), "{text}");
+    for tag in ["b", "script", "img"] {
+        let inside = client
+            .find_all(Locator::Css(&format!("{row} {tag}")))
+            .await
+            .unwrap();
+        assert!(
+            inside.is_empty(),
+            "the job's command added a <{tag}> element"
+        );
+    }
+    let scripts = client
+        .execute("return document.scripts.length", vec![])
+        .await
+        .unwrap();
+    assert_eq!(scripts, serde_json::json!(1), "only the page's own script");
+    assert_eq!(client.title().await.unwrap(), "torchtools");
+    page_shows(&client, "[data-gpu='2'] [data-pid]", true).await;
+
+    // The page, written for the README.
+    let png = client.screenshot().await.unwrap();
+    std::fs::write(target_dir().join("serve-page.png"), png).unwrap();
+
+    // Each leaves the page when it ends: the holder (the waiter then holds GPU 0 and
+    // ends), the sharer, the job (its row says it ended).
+    let holder_pid = holder.0.id();
+    drop(holder);
+    let css = format!("[data-gpu='0'] [data-pid='{holder_pid}']");
+    seen.push(("holder leaves", page_shows(&client, &css, false).await));
+    let css = format!("#queue tr[data-pid='{}']", waiter.0.id());
+    seen.push(("waiter leaves", page_shows(&client, &css, false).await));
+    drop(sharer);
+    seen.push(("share leaves", page_shows(&client, &share_css, false).await));
+    ok(tt(dir)
+        .args(["stop", &job, "--grace", "1s"])
+        .output()
+        .unwrap());
+    let start = Instant::now();
+    while text_of(&client, &row).await.contains("running") {
+        assert!(
+            start.elapsed() < PAGE_PATIENCE,
+            "the job still shows running"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    seen.push(("job shows ended", start.elapsed()));
+    page_shows(&client, "[data-gpu='2'] [data-pid]", false).await;
+    client.close().await.unwrap();
+    for (what, took) in seen {
+        eprintln!("{what}: {:.2} s after it happened", took.as_secs_f64());
+    }
+}
+
+#[test]
+fn api_state_holds_what_the_commands_json_views_hold() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let _holder = hold(dir, &["--gpu", "0", "--bytes", "1GiB"]);
+    let _waiter = Killed(
+        tt(dir)
+            .args(["reserve", "--gpu", "0", "--no-fence", "--", "true"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    until("the waiter queues", || {
+        ok(tt(dir).args(["queue", "--json"]).output().unwrap()).contains("\"pid\"")
+    });
+    let job = detach(
+        dir,
+        &[
+            "reserve",
+            "--detach",
+            "--gpu",
+            "1",
+            "--no-fence",
+            "--",
+            "sleep",
+            "600",
+        ],
+    );
+    let _stop = Stopped(dir, job.clone());
+    until("the job holds GPU 1", || job_holds(dir, "1"));
+    let (_server, port) = serve(dir);
+    let json = |args: &[&str]| -> serde_json::Value {
+        serde_json::from_str(&ok(tt(dir).args(args).output().unwrap())).unwrap()
+    };
+    // Read until both sides agree (the server reads every 0.5 s), then compare.
+    let holders = |gpus: &serde_json::Value| -> Vec<(String, u64)> {
+        let mut v: Vec<(String, u64)> = gpus
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|g| {
+                let h = g.get("holder")?.as_object()?;
+                Some((h["gpu"].as_str()?.to_owned(), h["pid"].as_u64()?))
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let pids = |queue: &serde_json::Value| -> Vec<u64> {
+        queue
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["pid"].as_u64().unwrap())
+            .collect()
+    };
+    let jobs = |rows: &serde_json::Value| -> Vec<(String, String)> {
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .map(|j| {
+                (
+                    j["id"].as_str().unwrap().to_owned(),
+                    j["state"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect()
+    };
+    let locks = json(&["locks", "--json"]);
+    let queue = json(&["queue", "--json"]);
+    let all_jobs = json(&["jobs", "--all", "--json"]);
+    let locks_holders = holders(&locks["locks"]);
+    assert_eq!(locks_holders.len(), 2, "{locks}");
+    // The server reads every 0.5 s: its copy may be older than the views' for a moment.
+    let start = Instant::now();
+    let mut served = state(port);
+    while (
+        holders(&served["gpus"]),
+        pids(&served["queue"]),
+        jobs(&served["jobs"]),
+    ) != (
+        locks_holders.clone(),
+        pids(&queue["waiters"]),
+        jobs(&all_jobs),
+    ) && start.elapsed() < PAGE_PATIENCE
+    {
+        std::thread::sleep(Duration::from_millis(100));
+        served = state(port);
+    }
+    assert_eq!(served["schema"], 1);
+    assert_eq!(holders(&served["gpus"]), locks_holders);
+    assert_eq!(pids(&served["queue"]), pids(&queue["waiters"]));
+    assert_eq!(jobs(&served["jobs"]), jobs(&all_jobs));
+    assert!(jobs(&served["jobs"]).contains(&(job, "running".to_owned())));
+
+    // Read-only and bounded: anything but a GET is refused before any work.
+    let (status, _) = request(port, "POST /api/state HTTP/1.1\r\nContent-Length: 0");
+    assert!(status.contains(" 405 "), "{status}");
+    let long = format!("GET /{} HTTP/1.1", "a".repeat(4096));
+    assert!(request(port, &long).0.contains(" 414 "));
+    let (status, page) = request(port, "GET / HTTP/1.1");
+    assert!(
+        status.contains(" 200 ") && page.contains("/api/state"),
+        "{status}"
+    );
+    let (status, metrics) = request(port, "GET /metrics HTTP/1.1");
+    assert!(
+        status.contains(" 200 ") && metrics.contains("torchtools_gpu_locked"),
+        "{status}"
+    );
+}
