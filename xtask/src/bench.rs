@@ -19,10 +19,11 @@ use crate::steps::{self, cargo};
 /// The crates' own benchmarks in the table: (crate, bench, the optional feature it
 /// needs). Each crate's README shows its rows (the root package's, `torchtools`, are in
 /// README.md's table alone).
-pub(crate) const BENCHES: [(&str, &str, Option<&str>); 9] = [
+pub(crate) const BENCHES: [(&str, &str, Option<&str>); 10] = [
     ("tt-sampler", "sampler", None),
     ("tt-ckpt", "ckpt", None),
     ("tt-lock", "lock", None),
+    ("torchtools-cli", "serve", None),
     ("tt-tracker", "tracker", None),
     ("tt-adaptive", "adaptive", None),
     ("tt-probe", "probe", None),

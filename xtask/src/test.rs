@@ -410,6 +410,11 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     ),
     (
         "test -p torchtools-cli (default features)",
+        "tests/serve.rs",
+        2,
+    ),
+    (
+        "test -p torchtools-cli (default features)",
         "tests/probe.rs",
         7,
     ),
@@ -481,6 +486,11 @@ const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
     (
         "test -p torchtools-cli --no-default-features",
         "tests/metrics.rs",
+        2,
+    ),
+    (
+        "test -p torchtools-cli --no-default-features",
+        "tests/serve.rs",
         2,
     ),
     (
