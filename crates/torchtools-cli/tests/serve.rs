@@ -363,6 +363,8 @@ fn api_state_holds_what_the_commands_json_views_hold() {
             "--gpu",
             "1",
             "--no-fence",
+            "--on-end",
+            "echo hook-s3cret",
             "--",
             "sleep",
             "600",
@@ -434,6 +436,8 @@ fn api_state_holds_what_the_commands_json_views_hold() {
     assert_eq!(pids(&served["queue"]), pids(&queue["waiters"]));
     assert_eq!(jobs(&served["jobs"]), jobs(&all_jobs));
     assert!(jobs(&served["jobs"]).contains(&(job, "running".to_owned())));
+    // A job's hook command is nowhere in the page's data.
+    assert!(!served.to_string().contains("hook-s3cret"), "{served}");
 
     // Read-only and bounded: anything but a GET is refused before any work.
     let (status, _) = request(port, "POST /api/state HTTP/1.1\r\nContent-Length: 0");
