@@ -8,7 +8,7 @@
 //! copy, each on its own thread (at most [`MAX_IN_FLIGHT`]), so a slow client never
 //! holds another. Read-only: no request changes anything.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -88,8 +88,8 @@ pub(crate) struct UsageView {
 /// One GPU's memory over time.
 #[derive(Serialize, Clone)]
 pub(crate) struct History {
-    /// The GPU, as its lock file names it (`GpuKey`'s display).
-    pub(crate) gpu: String,
+    /// The GPU, keyed as in `gpus` (`{"uuid": ...}`, or `{"index": N}` without NVML).
+    pub(crate) gpu: tt_lock::GpuKey,
     /// `[time_unix, used_bytes, total_bytes]`, oldest first.
     pub(crate) points: VecDeque<[u64; 3]>,
 }
@@ -223,7 +223,7 @@ pub(crate) struct Reader {
     me: tt_lock::Holder,
     usage: UsageView,
     usage_read: Option<Instant>,
-    history: BTreeMap<String, VecDeque<[u64; 3]>>,
+    history: Vec<History>,
     history_added: Option<Instant>,
 }
 
@@ -239,7 +239,7 @@ impl Reader {
             me: tt_lock::Holder::current(),
             usage: UsageView::default(),
             usage_read: None,
-            history: BTreeMap::new(),
+            history: Vec::new(),
             history_added: None,
         }
     }
@@ -276,14 +276,7 @@ impl Reader {
             jobs_ignored: scan.ignored,
             jobs_damaged: scan.damaged,
             usage: self.usage.clone(),
-            history: self
-                .history
-                .iter()
-                .map(|(gpu, points)| History {
-                    gpu: gpu.clone(),
-                    points: points.clone(),
-                })
-                .collect(),
+            history: self.history.clone(),
             snapshot,
         })
     }
@@ -307,7 +300,17 @@ impl Reader {
             let (Some(used), Some(total)) = (g.used, g.total) else {
                 continue;
             };
-            let points = self.history.entry(g.key.to_string()).or_default();
+            let at = match self.history.iter().position(|h| h.gpu == g.key) {
+                Some(at) => at,
+                None => {
+                    self.history.push(History {
+                        gpu: g.key.clone(),
+                        points: VecDeque::new(),
+                    });
+                    self.history.len() - 1
+                }
+            };
+            let points = &mut self.history[at].points;
             points.push_back([now, used.0, total.0]);
             while points
                 .front()
@@ -316,5 +319,76 @@ impl Reader {
                 points.pop_front();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a panic is how a test reports
+    use super::*;
+    use tt_device::{Bytes, GpuInfo, Inventory, NvmlStatus};
+
+    /// A GPU from an injected driver answer (this machine may have none): 20 of 80 GiB
+    /// used.
+    fn one_gpu() -> Gpus {
+        Gpus::with_backend(Box::new(Inventory {
+            nvml: NvmlStatus::Available {
+                driver_version: "test".into(),
+            },
+            gpus: vec![GpuInfo {
+                nvml_index: 0,
+                uuid: "GPU-00000000-1111-2222-3333-444444444444".into(),
+                name: "Test GPU".into(),
+                total: Bytes::gib(80),
+                free: Bytes::gib(60),
+                used: Bytes::gib(20),
+                utilization: Some(50),
+                processes: Vec::new(),
+                mig: Vec::new(),
+            }],
+            errors: Vec::new(),
+        }))
+    }
+
+    #[test]
+    fn each_gpus_memory_is_kept_for_an_hour_one_point_every_ten_seconds() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        let mut reader = Reader::with_gpus(dir.clone(), one_gpu());
+        let state = reader.state().unwrap();
+        assert_eq!(state.history.len(), 1);
+        assert_eq!(state.history[0].gpu, state.snapshot.gpus[0].key);
+        let first = state.history[0].points[0];
+        assert_eq!(&first[1..], &[Bytes::gib(20).0, Bytes::gib(80).0]);
+        // Read again at once: no second point before ten seconds.
+        assert_eq!(reader.state().unwrap().history[0].points.len(), 1);
+        // 400 points ten seconds apart: the last hour's are kept, the older dropped.
+        let mut snapshot = Snapshot::take(&dir, &reader.gpus).unwrap();
+        let base = snapshot.time_unix + 10;
+        for step in 0..400 {
+            snapshot.time_unix = base + step * 10;
+            reader.add_history(&snapshot);
+        }
+        let points = &reader.history[0].points;
+        assert_eq!(points.len(), 361);
+        assert_eq!(points.front().unwrap()[0], base + 39 * 10);
+        assert_eq!(points.back().unwrap()[0], base + 399 * 10);
+        // The JSON the page reads: the same key object as the GPU's.
+        let json: serde_json::Value = serde_json::from_str(&reader.read()).unwrap();
+        assert_eq!(json["history"][0]["gpu"], json["gpus"][0]["key"]);
+        assert_eq!(json["schema"], SCHEMA);
+    }
+
+    #[test]
+    fn a_lock_directory_that_cannot_be_read_is_said_in_the_state() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        let mut reader = Reader::with_gpus(dir, one_gpu());
+        std::fs::remove_dir_all(tmp.path().join("locks")).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&reader.read()).unwrap();
+        assert!(
+            json["error"].as_str().is_some_and(|e| !e.is_empty()),
+            "{json}"
+        );
     }
 }

@@ -102,9 +102,12 @@ pub(crate) struct Gpus {
 
 impl Gpus {
     pub(crate) fn open() -> Gpus {
-        Gpus {
-            backend: Box::new(NvmlBackend::open()),
-        }
+        Gpus::with_backend(Box::new(NvmlBackend::open()))
+    }
+
+    /// The GPUs as `backend` answers (a test's injected driver answer).
+    pub(crate) fn with_backend(backend: Box<dyn GpuBackend>) -> Gpus {
+        Gpus { backend }
     }
 }
 

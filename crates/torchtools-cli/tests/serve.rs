@@ -308,6 +308,24 @@ async fn the_page_shows_holders_sharers_the_queue_and_jobs_live_and_markup_as_te
     // The page, written for the README.
     let png = client.screenshot().await.unwrap();
     std::fs::write(target_dir().join("serve-page.png"), png).unwrap();
+    // On a phone's width the page fits: no sideways scrolling of the whole page (a
+    // wide table scrolls inside its own section).
+    client.set_window_size(390, 844).await.unwrap();
+    let fits = client
+        .execute(
+            "return document.documentElement.scrollWidth <= window.innerWidth",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        fits,
+        serde_json::json!(true),
+        "the page is wider than a phone"
+    );
+    let png = client.screenshot().await.unwrap();
+    std::fs::write(target_dir().join("serve-page-phone.png"), png).unwrap();
+    client.set_window_size(1280, 1000).await.unwrap();
 
     // Each leaves the page when it ends: the holder (the waiter then holds GPU 0 and
     // ends), the sharer, the job (its row says it ended).
