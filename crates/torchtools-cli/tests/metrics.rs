@@ -7,31 +7,12 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 mod common;
-use common::{ok, tt, until};
-
-/// Kills a child when the test ends, however it ends.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Stops a detached job when the test ends, however it ends.
-struct Stopped<'a>(&'a Path, String);
-
-impl Drop for Stopped<'_> {
-    fn drop(&mut self) {
-        let _ = tt(self.0).args(["stop", &self.1, "--grace", "1s"]).output();
-    }
-}
+use common::{free_port, ok, tt, until, Killed, Stopped};
 
 /// A GET of `path` on `127.0.0.1:port`: the body.
 fn get(port: u16, path: &str) -> Option<String> {
@@ -68,14 +49,6 @@ fn query(port: u16, promql: &str) -> Vec<(serde_json::Value, f64)> {
             (r["metric"].clone(), value)
         })
         .collect()
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[test]

@@ -6,56 +6,19 @@
 #![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
 
 mod common;
-use common::{detach, ok, tt, until};
+use common::{detach, free_port, ok, tt, until, Killed, Stopped};
 
 /// How long the page may take to show a change: generous (the page itself is read
 /// every 0.5 s and redrawn every 1 s; the latency seen is printed, not asserted).
 const PAGE_PATIENCE: Duration = Duration::from_secs(60);
-
-/// Ends a child when the test ends, however it ends: SIGTERM (a `reserve` passes it to
-/// its command and releases), SIGKILL if it lingers.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) of our own child's pid, which we have not reaped yet.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(30) {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Stops a detached job when the test ends, however it ends.
-struct Stopped<'a>(&'a Path, String);
-
-impl Drop for Stopped<'_> {
-    fn drop(&mut self) {
-        let _ = tt(self.0).args(["stop", &self.1, "--grace", "1s"]).output();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// A request's status line and body.
 fn request(port: u16, head: &str) -> (String, String) {
@@ -122,6 +85,18 @@ fn job_holds(dir: &Path, gpu: &str) -> bool {
         .unwrap()
         .iter()
         .any(|j| j["gpus"].as_array().unwrap().iter().any(|g| g == gpu))
+}
+
+/// A request for GPU 0 that waits (`reserve --gpu 0 -- true`), ended with the test.
+fn wait_for_gpu_0(dir: &Path) -> Killed {
+    Killed(
+        tt(dir)
+            .args(["reserve", "--gpu", "0", "--no-fence", "--", "true"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
 }
 
 /// The target directory (where the screenshot goes): this test binary's
@@ -253,14 +228,7 @@ async fn the_page_shows_holders_sharers_the_queue_and_jobs_live_and_markup_as_te
         card.contains("shared by") && card.contains("budget 2.0 GiB"),
         "{card}"
     );
-    let waiter = Killed(
-        tt(dir)
-            .args(["reserve", "--gpu", "0", "--no-fence", "--", "true"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let waiter = wait_for_gpu_0(dir);
     let css = format!("#queue tr[data-pid='{}']", waiter.0.id());
     seen.push(("waiter appears", page_shows(&client, &css, true).await));
     assert!(text_of(&client, &css).await.contains("#1"));
@@ -362,14 +330,7 @@ fn api_state_holds_what_the_commands_json_views_hold() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let _holder = hold(dir, &["--gpu", "0", "--bytes", "1GiB"]);
-    let _waiter = Killed(
-        tt(dir)
-            .args(["reserve", "--gpu", "0", "--no-fence", "--", "true"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let _waiter = wait_for_gpu_0(dir);
     until("the waiter queues", || {
         ok(tt(dir).args(["queue", "--json"]).output().unwrap()).contains("\"pid\"")
     });

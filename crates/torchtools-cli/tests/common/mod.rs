@@ -133,3 +133,43 @@ pub(crate) fn in_container(dir: &Path) -> Option<Command> {
     .stdin(Stdio::null());
     Some(cmd)
 }
+
+/// Ends a child when the test ends, however it ends: SIGTERM (a `reserve` passes it to
+/// its command and releases; a server stops), SIGKILL if it lingers past 30 s.
+pub(crate) struct Killed(pub(crate) std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let Ok(pid) = i32::try_from(self.0.id()) else {
+            return;
+        };
+        // SAFETY: kill(2) of our own child's pid, which we have not reaped yet.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(30) {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Stops a detached job (`dir`, its id) when the test ends, however it ends.
+pub(crate) struct Stopped<'a>(pub(crate) &'a Path, pub(crate) String);
+
+impl Drop for Stopped<'_> {
+    fn drop(&mut self) {
+        let _ = tt(self.0).args(["stop", &self.1, "--grace", "1s"]).output();
+    }
+}
+
+/// A TCP port free on loopback now.
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("no free port: {e}"))
+}
