@@ -80,7 +80,18 @@ fn serve(dir: &LockDir, gpus: &Gpus, addr: SocketAddr) -> Result<ExitCode> {
         let path = request.url().split('?').next().unwrap_or_default();
         let response = match path {
             "/metrics" => match render(dir, gpus) {
-                Ok(text) => response(text, &request),
+                Ok(text) => {
+                    let accept = request
+                        .headers()
+                        .iter()
+                        .find(|h| h.field.equiv("Accept"))
+                        .map(|h| h.value.as_str());
+                    let (kind, body) = negotiate(text, accept);
+                    tiny_http::Response::from_string(body).with_header(
+                        tiny_http::Header::from_bytes(&b"Content-Type"[..], kind.as_bytes())
+                            .unwrap_or_else(|()| unreachable!("a constant header is valid")),
+                    )
+                }
                 Err(e) => {
                     tiny_http::Response::from_string(format!("{e:#}\n")).with_status_code(500)
                 }
@@ -95,22 +106,14 @@ fn serve(dir: &LockDir, gpus: &Gpus, addr: SocketAddr) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The answer to a scrape: OpenMetrics to those who ask for it (Prometheus does), else
-/// the text format every scraper reads (`serve`'s `/metrics` too).
-pub(crate) fn response(
-    openmetrics: String,
-    request: &tiny_http::Request,
-) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
-    let header = |name: &str, value: &str| {
-        tiny_http::Header::from_bytes(name.as_bytes(), value.as_bytes())
-            .unwrap_or_else(|()| unreachable!("a constant header is valid"))
-    };
-    if accepts_openmetrics(request) {
-        tiny_http::Response::from_string(openmetrics)
-            .with_header(header("Content-Type", OPENMETRICS))
+/// The answer to a scrape, given its `Accept` header: OpenMetrics to those who ask for
+/// it (Prometheus does), else the text format every scraper reads (`serve`'s
+/// `/metrics` too). Its content type and body.
+pub(crate) fn negotiate(openmetrics: String, accept: Option<&str>) -> (&'static str, String) {
+    if accept.is_some_and(|a| a.contains("application/openmetrics-text")) {
+        (OPENMETRICS, openmetrics)
     } else {
-        tiny_http::Response::from_string(text_format(&openmetrics))
-            .with_header(header("Content-Type", TEXT_FORMAT))
+        (TEXT_FORMAT, text_format(&openmetrics))
     }
 }
 
@@ -181,13 +184,6 @@ fn new_textfile(temp: &Path) -> std::io::Result<std::fs::File> {
 /// encoder escapes `\`, `"` and newlines as the format requires; this is for the rest).
 fn label(text: &str) -> String {
     tt_device::printable(text).into_owned()
-}
-
-/// Whether a scrape asks for OpenMetrics (its `Accept` header names it).
-fn accepts_openmetrics(request: &tiny_http::Request) -> bool {
-    request.headers().iter().any(|h| {
-        h.field.equiv("Accept") && h.value.as_str().contains("application/openmetrics-text")
-    })
 }
 
 /// The encoder's OpenMetrics text in Prometheus's text format (0.0.4), which

@@ -5,17 +5,17 @@
 //! One thread reads the state every half second (the same readers as `top --json`,
 //! `jobs --all --json` and `usage --json`; the usage log every 30 s) and keeps it as
 //! JSON, with each GPU's memory over the last hour; requests are answered from that
-//! copy, each on its own thread (at most [`MAX_IN_FLIGHT`]), so a slow client never
-//! holds another. Read-only: no request changes anything.
+//! copy by hyper's HTTP/1 server, each connection on its own task (a slow client never
+//! holds another), its head bounded in size and time. Read-only: no request changes
+//! anything.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use serde::Serialize;
 use tt_lock::LockDir;
 
@@ -27,8 +27,12 @@ use crate::usage::{By, Row};
 const PAGE: &str = include_str!("serve.html");
 /// The default address: loopback only (`--listen 0.0.0.0:9836` for every interface).
 pub(crate) const DEFAULT_LISTEN: &str = "127.0.0.1:9836";
-/// Requests answered at once; past it, `503` at once (never a queue of threads).
-pub(crate) const MAX_IN_FLIGHT: usize = 64;
+/// Connections served at once; more wait to be accepted.
+pub(crate) const MAX_CONNECTIONS: usize = 256;
+/// The most bytes of a request's head (request line and headers) read.
+const MAX_HEAD: usize = 16 * 1024;
+/// How long a client may take to send a request's head (a slow one is dropped).
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest request target taken.
 const MAX_URL: usize = 2048;
 /// How often the state is read.
@@ -94,15 +98,18 @@ pub(crate) struct History {
     pub(crate) points: VecDeque<[u64; 3]>,
 }
 
-/// The served copy of the state, and what the reader keeps between reads.
+/// What every request reads: the state's latest JSON, and for `/metrics` the lock
+/// directory and the GPUs.
 struct Shared {
     json: RwLock<Arc<String>>,
+    dir: LockDir,
+    gpus: Gpus,
 }
 
 /// `torchtools serve`.
 pub(crate) fn run(args: Args) -> Result<ExitCode> {
     let dir = LockDir::from_env()?;
-    let server = tiny_http::Server::http(args.listen).map_err(|e| {
+    let listener = std::net::TcpListener::bind(args.listen).map_err(|e| {
         Exit(
             2,
             format!(
@@ -111,14 +118,13 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
             ),
         )
     })?;
-    let bound = match server.server_addr() {
-        tiny_http::ListenAddr::IP(a) => a.to_string(),
-        #[allow(unreachable_patterns)]
-        other => format!("{other:?}"),
-    };
+    listener.set_nonblocking(true)?;
+    let bound = listener.local_addr()?;
     let mut reader = Reader::new(dir.clone());
     let shared = Arc::new(Shared {
         json: RwLock::new(Arc::new(reader.read())),
+        dir,
+        gpus: Gpus::open(),
     });
     {
         let shared = Arc::clone(&shared);
@@ -130,88 +136,129 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
                 *shared.json.write().unwrap_or_else(|e| e.into_inner()) = json;
             })?;
     }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the server's threads")?;
     eprintln!("torchtools: serving the page at http://{bound}/ (its data at /api/state, /metrics)");
-    let in_flight = Arc::new(AtomicUsize::new(0));
-    let metrics_gpus = Arc::new(Gpus::open());
-    for request in server.incoming_requests() {
-        if in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_IN_FLIGHT {
-            in_flight.fetch_sub(1, Ordering::AcqRel);
-            let busy = tiny_http::Response::from_string("torchtools serve: busy, retry\n")
-                .with_status_code(503);
-            let _ = request.respond(busy);
-            continue;
-        }
-        let (shared, in_flight, dir, gpus) = (
-            Arc::clone(&shared),
-            Arc::clone(&in_flight),
-            dir.clone(),
-            Arc::clone(&metrics_gpus),
-        );
-        let spawned = std::thread::Builder::new()
-            .name("request".into())
-            .spawn(move || {
-                answer(request, &shared, &dir, &gpus);
-                in_flight.fetch_sub(1, Ordering::AcqRel);
-            });
-        if let Err(e) = spawned {
-            tracing::warn!("cannot start a thread for a request: {e}");
-        }
-    }
+    runtime.block_on(accept(listener, shared))?;
     Ok(ExitCode::SUCCESS)
 }
 
-fn header(name: &str, value: &str) -> tiny_http::Header {
-    tiny_http::Header::from_bytes(name.as_bytes(), value.as_bytes())
-        .unwrap_or_else(|()| unreachable!("a constant header is valid"))
+/// Accepts connections until stopped: each served on its own task by hyper's HTTP/1
+/// server, at most [`MAX_CONNECTIONS`] at once (more wait to be accepted), a request's
+/// head bounded to [`MAX_HEAD`] bytes and read within [`HEAD_TIMEOUT`].
+async fn accept(listener: std::net::TcpListener, shared: Arc<Shared>) -> Result<()> {
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let slot = Arc::clone(&slots)
+            .acquire_owned()
+            .await
+            .context("the connection limit closed")?;
+        let (stream, _) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Out of descriptors or a connection reset before it was accepted: say
+                // it, breathe, go on.
+                tracing::warn!("accepting a connection: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let shared = Arc::clone(&shared);
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request| {
+                let shared = Arc::clone(&shared);
+                async move { Ok::<_, std::convert::Infallible>(answer(request, shared).await) }
+            });
+            let served = hyper::server::conn::http1::Builder::new()
+                .max_buf_size(MAX_HEAD)
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEAD_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
+            if let Err(e) = served {
+                tracing::debug!("a client's connection ended: {e}");
+            }
+            drop(slot);
+        });
+    }
+}
+
+type Response = hyper::Response<http_body_util::Full<hyper::body::Bytes>>;
+
+fn response(status: u16, kind: &str, body: impl Into<hyper::body::Bytes>) -> Response {
+    let mut response = hyper::Response::new(http_body_util::Full::new(body.into()));
+    *response.status_mut() =
+        hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+    let headers = response.headers_mut();
+    let mut set = |name: &'static str, value: &str| {
+        if let Ok(value) = hyper::header::HeaderValue::from_str(value) {
+            headers.insert(name, value);
+        }
+    };
+    set("content-type", kind);
+    // Never cached: each load is the machine as it is; nothing framed elsewhere.
+    set("cache-control", "no-store");
+    set("x-content-type-options", "nosniff");
+    set("x-frame-options", "DENY");
+    set(
+        "content-security-policy",
+        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+         connect-src 'self'; img-src 'self' data:",
+    );
+    response
 }
 
 /// One request: `GET` (or `HEAD`) of `/`, `/api/state` or `/metrics`; anything else
 /// is refused with its status, before any work.
-fn answer(request: tiny_http::Request, shared: &Shared, dir: &LockDir, gpus: &Gpus) {
-    use tiny_http::Method;
-    let refuse = |status: u16, why: &str| {
-        tiny_http::Response::from_string(format!("torchtools serve: {why}\n"))
-            .with_status_code(status)
-            .with_header(header("Content-Type", "text/plain; charset=utf-8"))
-    };
-    let response = if !matches!(request.method(), Method::Get | Method::Head) {
-        refuse(405, "read-only: GET only")
-    } else if request.body_length().is_some_and(|n| n > 0) {
-        refuse(413, "a GET has no body")
-    } else if request.url().len() > MAX_URL {
-        refuse(414, "the address is too long")
-    } else {
-        let path = request.url().split('?').next().unwrap_or_default();
-        match path {
-            "/" | "/index.html" => tiny_http::Response::from_string(PAGE)
-                .with_header(header("Content-Type", "text/html; charset=utf-8")),
-            "/api/state" => {
-                let json = Arc::clone(&shared.json.read().unwrap_or_else(|e| e.into_inner()));
-                tiny_http::Response::from_string(json.as_str())
-                    .with_header(header("Content-Type", "application/json"))
-            }
-            "/metrics" => match crate::metrics::render(dir, gpus) {
-                Ok(text) => crate::metrics::response(text, &request),
-                Err(e) => refuse(500, &format!("{e:#}")),
-            },
-            _ => refuse(
-                404,
-                "the page is at /, its data at /api/state, metrics at /metrics",
-            ),
+async fn answer(request: hyper::Request<hyper::body::Incoming>, shared: Arc<Shared>) -> Response {
+    use hyper::body::Body;
+    const TEXT: &str = "text/plain; charset=utf-8";
+    let refuse =
+        |status: u16, why: &str| response(status, TEXT, format!("torchtools serve: {why}\n"));
+    if !matches!(*request.method(), hyper::Method::GET | hyper::Method::HEAD) {
+        return refuse(405, "read-only: GET only");
+    }
+    if request.body().size_hint().lower() > 0 || request.body().size_hint().upper().is_none() {
+        return refuse(413, "a GET has no body");
+    }
+    let target = request.uri().to_string();
+    if target.len() > MAX_URL {
+        return refuse(414, "the address is too long");
+    }
+    match request.uri().path() {
+        "/" | "/index.html" => response(200, "text/html; charset=utf-8", PAGE),
+        "/api/state" => {
+            let json = Arc::clone(&shared.json.read().unwrap_or_else(|e| e.into_inner()));
+            response(200, "application/json", json.as_bytes().to_vec())
         }
-    };
-    // Never cached: each load is the machine as it is; nothing framed elsewhere.
-    let response = response
-        .with_header(header("Cache-Control", "no-store"))
-        .with_header(header("X-Content-Type-Options", "nosniff"))
-        .with_header(header("X-Frame-Options", "DENY"))
-        .with_header(header(
-            "Content-Security-Policy",
-            "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
-             connect-src 'self'; img-src 'self' data:",
-        ));
-    if let Err(e) = request.respond(response) {
-        tracing::debug!("a client's connection failed: {e}");
+        "/metrics" => {
+            let accept = request
+                .headers()
+                .get("accept")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
+            // Read afresh per scrape, off the threads that answer the others.
+            let rendered = tokio::task::spawn_blocking(move || {
+                crate::metrics::render(&shared.dir, &shared.gpus)
+            })
+            .await;
+            match rendered {
+                Ok(Ok(text)) => {
+                    let (kind, body) = crate::metrics::negotiate(text, accept.as_deref());
+                    response(200, kind, body)
+                }
+                Ok(Err(e)) => refuse(500, &format!("{e:#}")),
+                Err(e) => refuse(500, &format!("reading the metrics: {e}")),
+            }
+        }
+        _ => refuse(
+            404,
+            "the page is at /, its data at /api/state, metrics at /metrics",
+        ),
     }
 }
 
