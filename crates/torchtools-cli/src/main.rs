@@ -27,6 +27,7 @@ mod queue;
 mod reserve;
 mod run;
 mod serve;
+mod snapshot;
 mod subtrack;
 mod top;
 mod track;

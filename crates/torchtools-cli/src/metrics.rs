@@ -22,7 +22,7 @@ use prometheus_client::registry::{Registry, Unit};
 use tt_lock::{GpuKey, LockDir};
 
 use crate::child::Exit;
-use crate::top::{Gpus, Snapshot};
+use crate::snapshot::{Gpus, Snapshot};
 
 /// OpenMetrics' content type, which Prometheus asks for first.
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";

@@ -20,7 +20,7 @@ use serde::Serialize;
 use tt_lock::LockDir;
 
 use crate::child::Exit;
-use crate::top::{Gpus, Snapshot};
+use crate::snapshot::{Gpus, Snapshot};
 use crate::usage::{By, Row};
 
 /// The page: HTML, CSS and JavaScript in one file, embedded (no external asset).

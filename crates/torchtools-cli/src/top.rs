@@ -5,7 +5,6 @@
 //! prints the snapshot itself.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -17,235 +16,14 @@ use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Paragraph, Row, Table, Widget};
 use ratatui::Frame;
-use serde::Serialize;
-use tt_device::{descends_from, Bytes, GpuBackend, NvmlBackend, NvmlStatus};
-use tt_lock::{utc, GpuKey, Holder, LockDir, Waiter};
+use tt_device::{Bytes, NvmlStatus};
+use tt_lock::{utc, GpuKey, Holder, LockDir};
 
-use crate::queue::{age, now_unix, wants_text};
+use crate::queue::{age, wants_text};
+use crate::snapshot::{GpuView, Gpus, Snapshot};
 
 /// How often the view refreshes.
 const REFRESH: Duration = Duration::from_secs(1);
-
-/// Everything one frame shows.
-#[derive(Debug, Serialize)]
-pub(crate) struct Snapshot {
-    /// The lock directory.
-    pub(crate) lock_dir: PathBuf,
-    /// When it was taken, in seconds since the Unix epoch.
-    pub(crate) time_unix: u64,
-    /// Whether NVML could be read, and why not.
-    pub(crate) nvml: NvmlStatus,
-    /// NVML's GPUs in its order, then lock files of GPUs NVML does not list.
-    pub(crate) gpus: Vec<GpuView>,
-    /// The requests waiting, first served first.
-    pub(crate) queue: Vec<Waiter>,
-    /// The queueing policy in force, as one line (`torchtools policy`).
-    pub(crate) policy: String,
-    /// Whether the policy orders the queue (fair share or per-user limits).
-    pub(crate) policy_orders: bool,
-    /// Whether a policy file is there but ignored (said under the title).
-    pub(crate) policy_ignored: bool,
-    /// Each user's standing under the policy (recent use, GPUs held, requests
-    /// waiting), most recent use first; empty without a policy that orders the queue.
-    pub(crate) users: Vec<tt_lock::Standing>,
-    /// Records in the lock directory not believed: each names another user than its
-    /// file's owner.
-    pub(crate) ignored: Vec<tt_lock::Ignored>,
-}
-
-/// One GPU: NVML's view of it and its lock.
-#[derive(Debug, Serialize)]
-pub(crate) struct GpuView {
-    pub(crate) key: GpuKey,
-    /// NVML's index, when NVML lists it.
-    pub(crate) index: Option<u32>,
-    pub(crate) name: Option<String>,
-    pub(crate) total: Option<Bytes>,
-    pub(crate) used: Option<Bytes>,
-    pub(crate) free: Option<Bytes>,
-    /// Percent of time a kernel ran over the driver's last sample period.
-    pub(crate) utilization: Option<u32>,
-    /// The lock's holder, when held.
-    pub(crate) holder: Option<Holder>,
-    /// The jobs sharing it by memory budget (`reserve --share`), oldest first.
-    pub(crate) shares: Vec<Holder>,
-    /// Processes holding its lock with no reservation record (a bare `flock` on the
-    /// lock file): no request for the whole GPU is granted while they do.
-    pub(crate) unrecorded: Vec<tt_lock::Locker>,
-    /// Queue positions of the requests waiting for this GPU.
-    pub(crate) waiting: Vec<usize>,
-    processes: Vec<ProcessView>,
-}
-
-/// A process using a GPU, as NVML lists it.
-#[derive(Debug, Serialize)]
-struct ProcessView {
-    pid: u32,
-    user: String,
-    /// Its GPU memory, when the driver can say.
-    used: Option<Bytes>,
-    command: String,
-    /// Whether it is the holder of this GPU's lock or runs under it (or under a job
-    /// sharing the GPU).
-    in_reservation: bool,
-    /// The budget of the sharing job it runs under, if it does.
-    share: Option<Bytes>,
-    /// Whether that job's processes use more GPU memory than its budget.
-    over_share: bool,
-}
-
-/// The GPUs, from NVML opened once for the whole session (a test may give any
-/// backend).
-pub(crate) struct Gpus {
-    backend: Box<dyn GpuBackend>,
-}
-
-impl Gpus {
-    pub(crate) fn open() -> Gpus {
-        Gpus::with_backend(Box::new(NvmlBackend::open()))
-    }
-
-    /// The GPUs as `backend` answers (a test's injected driver answer).
-    pub(crate) fn with_backend(backend: Box<dyn GpuBackend>) -> Gpus {
-        Gpus { backend }
-    }
-}
-
-impl Snapshot {
-    /// One frame: the lock directory's view of every GPU (`LockDir::status`: NVML's
-    /// GPUs in its order, then lock files of GPUs NVML does not list) with each GPU's
-    /// memory, use and processes from the same inventory, and the queue.
-    pub(crate) fn take(dir: &LockDir, gpus: &Gpus) -> Result<Snapshot> {
-        let inventory = gpus.backend.inventory();
-        let queue = dir.queue()?;
-        let policy = dir.policy();
-        let policy_orders = matches!(policy.status, tt_lock::PolicyStatus::InForce)
-            && policy.policy.orders_the_queue();
-        let mut users: Vec<tt_lock::Standing> = if policy_orders {
-            dir.standings(&policy.policy, &queue)?
-                .into_values()
-                .collect()
-        } else {
-            Vec::new()
-        };
-        users.sort_by(|a, b| {
-            b.use_gpu_s
-                .total_cmp(&a.use_gpu_s)
-                .then(a.user.cmp(&b.user))
-        });
-        let views = dir
-            .status(&inventory)?
-            .into_iter()
-            .map(|state| {
-                let gpu = inventory
-                    .gpus
-                    .iter()
-                    .find(|g| GpuKey::of_uuid(&g.uuid) == state.gpu);
-                let holder = state.holder.filter(|_| state.held);
-                let roots_of = |h: &Holder| -> Vec<u32> {
-                    std::iter::once(h.pid).chain(h.command_pid).collect()
-                };
-                let roots: Vec<u32> = holder.iter().flat_map(roots_of).collect();
-                let on_gpu = gpu.map(|g| g.processes.as_slice()).unwrap_or_default();
-                // Which sharing job each process runs under, if any (one walk of its
-                // ancestry per process).
-                let owners: Vec<Option<usize>> = on_gpu
-                    .iter()
-                    .map(|p| {
-                        state
-                            .shares
-                            .iter()
-                            .position(|h| descends_from(p.pid, &roots_of(h)))
-                    })
-                    .collect();
-                let processes: Vec<ProcessView> = on_gpu
-                    .iter()
-                    .zip(&owners)
-                    .map(|(p, &sharer)| ProcessView {
-                        pid: p.pid,
-                        user: process_user(p.pid),
-                        used: p.used,
-                        command: process_command(p.pid),
-                        in_reservation: sharer.is_some() || descends_from(p.pid, &roots),
-                        share: sharer.and_then(|i| state.shares[i].share),
-                        over_share: false,
-                    })
-                    .collect();
-                let processes = flag_over_share(processes, &owners, &state.shares);
-                GpuView {
-                    waiting: queue
-                        .iter()
-                        .filter(|w| w.wants.gpus().contains(&state.gpu))
-                        .map(|w| w.position)
-                        .collect(),
-                    key: state.gpu,
-                    index: state.nvml_index,
-                    name: state.name,
-                    total: gpu.map(|g| g.total),
-                    used: gpu.map(|g| g.used),
-                    free: gpu.map(|g| g.free),
-                    utilization: gpu.and_then(|g| g.utilization),
-                    processes,
-                    holder,
-                    shares: state.shares,
-                    unrecorded: state.unrecorded,
-                }
-            })
-            .collect();
-        Ok(Snapshot {
-            lock_dir: dir.path().to_owned(),
-            time_unix: now_unix(),
-            nvml: inventory.nvml,
-            gpus: views,
-            queue,
-            policy: policy.summary(),
-            policy_orders,
-            policy_ignored: matches!(policy.status, tt_lock::PolicyStatus::Ignored(_)),
-            users,
-            ignored: dir.ignored()?,
-        })
-    }
-}
-
-/// Marks the processes of every sharing job whose processes together use more GPU
-/// memory than its budget (`owners[k]`: the job process `k` runs under, if any).
-fn flag_over_share(
-    mut processes: Vec<ProcessView>,
-    owners: &[Option<usize>],
-    shares: &[Holder],
-) -> Vec<ProcessView> {
-    for (i, h) in shares.iter().enumerate() {
-        let used: u64 = processes
-            .iter()
-            .zip(owners)
-            .filter(|(_, o)| **o == Some(i))
-            .filter_map(|(p, _)| p.used)
-            .map(|b| b.0)
-            .sum();
-        if h.share.is_some_and(|budget| used > budget.0) {
-            for (p, o) in processes.iter_mut().zip(owners) {
-                if *o == Some(i) {
-                    p.over_share = true;
-                }
-            }
-        }
-    }
-    processes
-}
-
-fn process_command(pid: u32) -> String {
-    match tt_device::procfs::cmdline(pid) {
-        Some(args) if !args.is_empty() => crate::args::shown(&args),
-        _ => "?".to_owned(),
-    }
-}
-
-fn process_user(pid: u32) -> String {
-    match tt_device::procfs::uid(pid) {
-        Some(uid) => tt_lock::user_name_of(uid).unwrap_or_else(|| uid.to_string()),
-        None => "?".to_owned(),
-    }
-}
 
 /// What the user changed with keys.
 #[derive(Debug, Default)]
@@ -806,8 +584,8 @@ mod tests {
     #[test]
     fn commands_and_users_are_read_from_proc() {
         let me = std::process::id();
-        assert!(!process_command(me).is_empty());
-        assert_ne!(process_user(me), "?");
+        assert!(!crate::snapshot::process_command(me).is_empty());
+        assert_ne!(crate::snapshot::process_user(me), "?");
     }
 
     /// The view of a machine given as an inventory (two GPUs, one held by this
@@ -846,9 +624,7 @@ mod tests {
         let _held = dir
             .lock(&GpuKey::of_uuid(&uuid(0)), Wait::Try, Holder::current())
             .unwrap();
-        let gpus = Gpus {
-            backend: Box::new(inventory),
-        };
+        let gpus = Gpus::with_backend(Box::new(inventory));
         let frame = Snapshot::take(&dir, &gpus).unwrap();
         assert_eq!(frame.gpus.len(), 2);
         let (a, b) = (&frame.gpus[0], &frame.gpus[1]);
@@ -893,9 +669,7 @@ mod tests {
             }],
             errors: Vec::new(),
         };
-        let gpus = Gpus {
-            backend: Box::new(inventory),
-        };
+        let gpus = Gpus::with_backend(Box::new(inventory));
         let tmp = tempfile::tempdir().unwrap();
         let dir = LockDir::open(tmp.path().join("locks")).unwrap();
         let key = GpuKey::of_uuid(uuid);
