@@ -118,9 +118,13 @@ fn a_job_outlives_the_terminal_that_started_it() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let id_file = dir.join("id");
+    // The job runs until the test says (after the terminal is gone), not for a time a
+    // busy machine could outlast.
+    let go = dir.join("go");
     let script = format!(
-        "{} reserve --detach --gpu 0 --no-fence -- sh -c 'echo started; sleep 2; echo finished' > {}; sleep 600",
+        "{} reserve --detach --gpu 0 --no-fence -- sh -c 'echo started; while [ ! -e {} ]; do sleep 0.05; done; echo finished' > {}; sleep 600",
         env!("CARGO_BIN_EXE_torchtools"),
+        go.display(),
         id_file.display()
     );
     let mut terminal = Command::new("sh");
@@ -154,6 +158,12 @@ fn a_job_outlives_the_terminal_that_started_it() {
         libc::kill(-session, libc::SIGKILL);
     }
     terminal.wait().unwrap();
+    assert_eq!(
+        job(dir, &id)["state"],
+        "running",
+        "the job ended with its terminal"
+    );
+    std::fs::write(&go, "").unwrap();
     let log = ok(tt(dir).args(["logs", &id, "-f"]).output().unwrap());
     assert!(log.contains("finished"), "{log}");
     assert_eq!(job(dir, &id)["status"], 0);
@@ -463,6 +473,7 @@ fn a_detached_launch_survives_its_terminal_and_trains_as_an_attached_one() {
 fn a_job_seen_from_another_pid_namespace_is_not_lost() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
+    let go = dir.join("go");
     let Some(_) = common::in_container(&dir.join("locks")) else {
         return;
     };
@@ -485,7 +496,10 @@ fn a_job_seen_from_another_pid_namespace_is_not_lost() {
             "--",
             "sh",
             "-c",
-            "echo ready; sleep 2; echo end",
+            &format!(
+                "echo ready; while [ ! -e {} ]; do sleep 0.05; done; echo end",
+                go.display()
+            ),
         ],
     );
     until("the job runs", || {
@@ -503,6 +517,7 @@ fn a_job_seen_from_another_pid_namespace_is_not_lost() {
         String::from_utf8_lossy(&out.stderr).contains("another PID namespace"),
         "{out:?}"
     );
+    std::fs::write(&go, "").unwrap();
     let log = ok(container(&["logs", &id, "-f"]));
     assert!(log.contains("end"), "followed to its end: {log}");
     assert_eq!(job(dir, &id)["status"], 0);

@@ -103,6 +103,12 @@ def test_another_process_waits_its_turn_and_ctrl_c_gives_up(lock_dir, command, c
     assert waiters(command) == []
 
 
+def queued(command):
+    """The requests `torchtools queue --json` lists (this test's lock directory)."""
+    out = subprocess.run([command, "queue", "--json"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)["waiters"]
+
+
 def test_the_waiter_gets_the_gpu_when_it_is_released(lock_dir, command, clean_env):
     r = reserve_gpu_for_training(gpu=0, fence=False).acquire()
     waiter = python(
@@ -115,6 +121,11 @@ def test_the_waiter_gets_the_gpu_when_it_is_released(lock_dir, command, clean_en
         clean_env,
     )
     assert waiter.stdout.readline() == "waiting\n"
+    # Released only once the waiter is in the queue (else it may never have waited).
+    deadline = time.monotonic() + 120
+    while not any(w["pid"] == waiter.pid for w in queued(command)):
+        assert time.monotonic() < deadline, "the waiter never queued"
+        time.sleep(0.02)
     r.release()
     out, err = waiter.communicate(timeout=120)
     assert out == "got ['0']\n" and waiter.returncode == 0, err

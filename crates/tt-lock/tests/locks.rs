@@ -10,6 +10,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tt_lock::{Error, GpuKey, Holder, LockDir, Wait};
 
+mod common;
+use common::PATIENCE;
+
 const ROLE: &str = "TT_LOCK_TEST_ROLE";
 const DIR: &str = "TT_LOCK_TEST_DIR";
 
@@ -243,18 +246,24 @@ fn a_blocked_waiter_gets_the_lock_when_the_holder_is_killed() {
             (lock.map(|l| l.holder().pid), Instant::now())
         })
     };
-    std::thread::sleep(Duration::from_millis(200));
+    // Queued (its ticket is in the queue), and still waiting for the holder.
+    let start = Instant::now();
+    while dir.queue().unwrap().is_empty() {
+        assert!(start.elapsed() < PATIENCE, "the waiter never queued");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     assert!(!waiter.is_finished(), "the waiter must wait for the holder");
+    let killing = Instant::now();
     // SAFETY: kill with a child's pid.
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-    let killed = Instant::now();
     child.wait().unwrap();
     let (got, when) = waiter.join().unwrap();
     assert_eq!(got.unwrap(), std::process::id());
+    // Granted after the kill, never before (a wait that is not one would pass early).
     assert!(
-        when.duration_since(killed) < Duration::from_secs(5),
-        "hand-off took {:?}",
-        when.duration_since(killed)
+        when > killing,
+        "granted {:?} before the holder was killed",
+        killing - when
     );
 }
 
@@ -297,21 +306,14 @@ fn timeout_and_try_name_the_holder_and_timeout_is_never_early() {
             took >= limit,
             "returned after {took:?}, before the deadline {limit:?}"
         );
-        assert!(
-            took < limit + Duration::from_secs(1),
-            "{took:?} for {limit:?}"
-        );
+        // Not stuck: a bound far past the deadline, whatever the machine's load.
+        assert!(took < limit + PATIENCE, "{took:?} for {limit:?}");
     }
     child.kill().unwrap();
     child.wait().unwrap();
-    // Free now: a timed lock succeeds at once.
-    let start = Instant::now();
-    let lock = dir.lock(
-        &key,
-        Wait::Timeout(Duration::from_secs(30)),
-        Holder::current(),
-    );
-    assert!(lock.is_ok() && start.elapsed() < Duration::from_secs(5));
+    // Free now: a lock that may not wait at all is granted.
+    let lock = dir.lock(&key, Wait::Try, Holder::current());
+    assert!(lock.is_ok(), "{lock:?}");
 }
 
 #[test]
