@@ -406,7 +406,8 @@ mod tests {
                             .take_while(|c| c.is_alphanumeric() || *c == '_')
                             .collect();
                         let attrs = words[i.saturating_sub(8)..i].join(" ");
-                        if in_xtask || attrs.contains("#[test]") {
+                        // `#[test]`, or an async runtime's (`#[tokio::test]`).
+                        if in_xtask || attrs.contains("#[test]") || attrs.contains("::test]") {
                             names.insert(name);
                         }
                     }

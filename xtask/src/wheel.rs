@@ -234,6 +234,10 @@ fn install_and_run_in(wheel: &Path, tmp: &Path) -> Result<()> {
     pytest(&venv)
 }
 
+/// The Python package's tests that must pass (skipped ones do not count): a test file
+/// that stopped being collected fails the step. Raise it when tests are added.
+const PYTEST_MIN_PASSED: u64 = 47;
+
 /// How long the Python package's tests may take (they take about 2 minutes).
 const PYTEST_LIMIT: std::time::Duration = std::time::Duration::from_secs(15 * 60);
 
@@ -265,8 +269,11 @@ fn pytest(venv: &Path) -> Result<()> {
         ours.join("torchtools-reference-torch.pth"),
         format!("{site_packages}\n"),
     )?;
+    let report = venv.join("pytest-report.xml");
+    let _ = std::fs::remove_file(&report);
     let mut pytest = Command::new(venv.join("bin/python"))
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .arg(format!("--junitxml={}", report.display()))
         .arg(crate::root().join("crates/torchtools-py/tests"))
         // What users' machines do: Python's output is buffered unless they say not.
         .env_remove("PYTHONUNBUFFERED")
@@ -293,7 +300,38 @@ fn pytest(venv: &Path) -> Result<()> {
     if !status.success() {
         bail!("the Python package's tests failed ({status}): see pytest's report above");
     }
+    let xml = std::fs::read_to_string(&report)
+        .with_context(|| format!("pytest wrote no report at {}", report.display()))?;
+    let passed = junit_passed(&xml).context("pytest's report has no test counts")?;
+    if passed < PYTEST_MIN_PASSED {
+        bail!(
+            "the Python package's tests: {passed} passed, fewer than the {PYTEST_MIN_PASSED} \
+             expected (skipped ones do not count): a test file is no longer collected, or \
+             tests skip; lower PYTEST_MIN_PASSED in xtask/src/wheel.rs only for tests removed \
+             on purpose"
+        );
+    }
+    eprintln!("pytest: {passed} passed (at least {PYTEST_MIN_PASSED} expected)");
     Ok(())
+}
+
+/// Tests passed in a JUnit XML report (pytest's `--junitxml`): its test suites'
+/// `tests` less their `failures`, `errors` and `skipped`.
+fn junit_passed(xml: &str) -> Option<u64> {
+    let mut passed = 0u64;
+    let mut found = false;
+    for suite in xml.split("<testsuite ").skip(1) {
+        let head = suite.split('>').next()?;
+        let attribute = |name: &str| -> Option<u64> {
+            let at = head.find(&format!(" {name}=\""))? + name.len() + 3;
+            head[at..].split('"').next()?.parse().ok()
+        };
+        let tests = attribute("tests")?;
+        let lost = attribute("failures")? + attribute("errors")? + attribute("skipped")?;
+        passed += tests.saturating_sub(lost);
+        found = true;
+    }
+    found.then_some(passed)
 }
 
 /// The workspace's version (`[workspace.package]` of the root Cargo.toml).
@@ -308,4 +346,16 @@ fn workspace_version() -> Result<String> {
         .find_map(|l| l.strip_prefix("version = "))
         .map(|v| v.trim().trim_matches('"').to_owned())
         .context("no version in [workspace.package]")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::junit_passed;
+
+    #[test]
+    fn skipped_failed_and_errored_tests_do_not_count_as_passed() {
+        let xml = r#"<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite name="pytest" errors="1" failures="2" skipped="3" tests="50" time="1.0" timestamp="x" hostname="h"><testcase/></testsuite></testsuites>"#;
+        assert_eq!(junit_passed(xml), Some(44));
+        assert_eq!(junit_passed("<testsuites/>"), None);
+    }
 }
