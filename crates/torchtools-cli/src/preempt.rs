@@ -57,7 +57,7 @@ fn decision(dir: &LockDir, user: &str, gpus: &[GpuKey]) -> Option<(String, Durat
         return None;
     }
     let standings = dir.standings(&in_force.policy, &queue).ok()?;
-    let now = tt_device::now_unix() as u64;
+    let now = tt_device::now_unix_secs();
     tt_lock::preemptor(&in_force.policy, &queue, &standings, user, gpus, now)
         .map(|(_, why)| (why, grace))
 }

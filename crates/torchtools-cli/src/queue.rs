@@ -25,7 +25,7 @@ fn queue(json: bool) -> Result<ExitCode> {
     let inventory = Inventory::query();
     let waiters = dir.queue()?;
     let policy = dir.policy();
-    let now = now_unix();
+    let now = tt_device::now_unix_secs();
     if json {
         let mut list = Vec::with_capacity(waiters.len());
         for w in &waiters {
@@ -49,12 +49,6 @@ fn queue(json: bool) -> Result<ExitCode> {
     print!("{}", queue_text(&dir, &waiters, &inventory, now, &policy));
     crate::ignored::say(&dir.ignored()?);
     Ok(ExitCode::SUCCESS)
-}
-
-/// Whole seconds since the Unix epoch ([`tt_device::now_unix`]), as the queue's
-/// records count them.
-pub(crate) fn now_unix() -> u64 {
-    tt_device::now_unix() as u64
 }
 
 /// The queue as a table, one line per request; under a fair-share policy each with its

@@ -10,8 +10,6 @@ use serde::Serialize;
 use tt_device::{descends_from, Bytes, GpuBackend, NvmlBackend, NvmlStatus};
 use tt_lock::{GpuKey, Holder, LockDir, Waiter};
 
-use crate::queue::now_unix;
-
 /// Everything one frame shows.
 #[derive(Debug, Serialize)]
 pub(crate) struct Snapshot {
@@ -180,7 +178,7 @@ impl Snapshot {
             .collect();
         Ok(Snapshot {
             lock_dir: dir.path().to_owned(),
-            time_unix: now_unix(),
+            time_unix: tt_device::now_unix_secs(),
             nvml: inventory.nvml,
             gpus: views,
             queue,

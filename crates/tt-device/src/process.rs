@@ -80,6 +80,13 @@ pub fn now_unix() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// [`now_unix`] in whole seconds, as the lock records (`since_unix`) count time.
+pub fn now_unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// The status a shell gives a process that ended with exit `code` or by `signal`: the
 /// code, 128 + the signal's number, else 1. The one rule behind every exit status the
 /// command passes on (a launch's, a job's, a tracked command's).

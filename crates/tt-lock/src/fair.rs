@@ -302,12 +302,7 @@ impl LockDir {
             return Ok(waiters);
         }
         let standings = self.standings(policy, &waiters)?;
-        serve_order(
-            &mut waiters,
-            policy,
-            &standings,
-            tt_device::now_unix() as u64,
-        );
+        serve_order(&mut waiters, policy, &standings, tt_device::now_unix_secs());
         Ok(waiters)
     }
 }

@@ -66,7 +66,7 @@ impl Holder {
             pid: std::process::id(),
             user: user_name(),
             host: host_name(),
-            since_unix: tt_device::now_unix() as u64,
+            since_unix: tt_device::now_unix_secs(),
             reserved: None,
             command: std::env::args_os()
                 .map(|a| a.to_string_lossy().into_owned())

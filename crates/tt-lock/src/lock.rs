@@ -463,7 +463,7 @@ impl LockDir {
         me.ticket = mine;
         all.push(me);
         let standings = self.standings(policy, &all)?;
-        crate::fair::serve_order(&mut all, policy, &standings, tt_device::now_unix() as u64);
+        crate::fair::serve_order(&mut all, policy, &standings, tt_device::now_unix_secs());
         let at = all
             .iter()
             .position(|w| w.ticket == mine)

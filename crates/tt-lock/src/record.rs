@@ -246,7 +246,7 @@ pub(crate) fn believable(mut holder: Holder, meta: &fs::Metadata) -> Holder {
     use std::os::unix::fs::MetadataExt;
     // The clock read in whole seconds: a record written now may say the next second.
     const SLACK: u64 = 2;
-    let now = tt_device::now_unix() as u64;
+    let now = tt_device::now_unix_secs();
     let here = holder.host == crate::holder::host_name()
         && holder
             .pid_ns

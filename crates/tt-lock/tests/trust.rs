@@ -538,7 +538,7 @@ fn values_in_ones_own_records_neither_make_it_the_oldest_sharer_nor_claim_others
     assert_eq!(lines_until(&mut first, "shared"), ["shared"]);
     // The second sharer starts seconds later (records say whole seconds).
     let since = shared.dir.sharers(&GpuKey::Index(3)).unwrap()[0].since_unix;
-    while (tt_device::now_unix() as u64) < since + 3 {
+    while tt_device::now_unix_secs() < since + 3 {
         std::thread::sleep(Duration::from_millis(50));
     }
     let mut steering = shared.as_user(b, "share3-steering", 0o077);
@@ -559,7 +559,7 @@ fn values_in_ones_own_records_neither_make_it_the_oldest_sharer_nor_claim_others
         sharers[1].command_pid, None,
         "init is not tt-test-b's: {sharers:?}"
     );
-    let now = tt_device::now_unix() as u64;
+    let now = tt_device::now_unix_secs();
     let later = shared.dir.sharers(&GpuKey::Index(4)).unwrap();
     assert!(
         later.len() == 1 && later[0].since_unix <= now + 2,
