@@ -151,6 +151,11 @@ def test_bad_arguments_are_refused_before_waiting(lock_dir):
         reserve_gpu_for_training(gpu=1.5)
     with pytest.raises(torchtools.BadRequestError):
         reserve_gpu_for_training(gpu="GPU-not-hex!", fence=False).acquire()
+    # What Python code expects of a wrong argument: a ValueError (and still ours).
+    with pytest.raises(ValueError, match="timeout") as raised:
+        reserve_gpu_for_training(gpu=0, timeout="soon")
+    assert isinstance(raised.value, torchtools.TorchtoolsError)
+    assert issubclass(torchtools.BadRequestError, (RuntimeError,))
 
 
 def test_probe_then_reserve_then_train(lock_dir, command):
