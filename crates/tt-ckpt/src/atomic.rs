@@ -14,12 +14,10 @@ pub(crate) const TEMP_PREFIX: &str = ".tt-tmp-";
 /// A temp file of another host is removed only when older than this.
 const FOREIGN_TEMP_AGE: Duration = Duration::from_secs(24 * 3600);
 
+/// The host's name ([`tt_device::host_name`]) as a temp file's name part: no `-` (the
+/// name's separator) and no `/`.
 pub(crate) fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().replace(['-', '/'], "_"))
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "localhost".to_owned())
+    tt_device::host_name().replace(['-', '/'], "_")
 }
 
 fn parent_of(path: &Path) -> PathBuf {

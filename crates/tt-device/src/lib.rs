@@ -31,8 +31,8 @@ pub use inventory::{
 #[cfg(feature = "tch")]
 pub use libtorch::{availability, report, select, select_device};
 pub use process::{
-    descends_from, in_a_pid_namespace, now_unix, now_unix_secs, own_pid_namespace, parent_of,
-    shell_status, EX_TEMPFAIL, INITIAL_PID_NAMESPACE,
+    descends_from, host_name, host_name_if_known, in_a_pid_namespace, now_unix, now_unix_secs,
+    own_pid_namespace, parent_of, shell_status, EX_TEMPFAIL, INITIAL_PID_NAMESPACE,
 };
 pub use report::{Backend, DeviceReport, LibtorchInfo, View};
 pub use select::{select_with, Availability, CudaCandidate, Device, Selection};

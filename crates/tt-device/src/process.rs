@@ -80,6 +80,26 @@ pub fn now_unix() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// This machine's name (`gethostname`, the kernel's), or `None` when it cannot be
+/// read. The one reader of it: records, checkpoints' temporary files, TensorBoard's
+/// file names and the network interface choice all name the host by it.
+pub fn host_name_if_known() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: buf is writable for its length. (A name cut at its end may lack the NUL:
+    // the search below then takes the whole buffer.)
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    Some(String::from_utf8_lossy(&buf[..end]).into_owned()).filter(|h| !h.is_empty())
+}
+
+/// [`host_name_if_known`], or `localhost` when it cannot be read.
+pub fn host_name() -> String {
+    host_name_if_known().unwrap_or_else(|| "localhost".to_owned())
+}
+
 /// [`now_unix`] in whole seconds, as the lock records (`since_unix`) count time.
 pub fn now_unix_secs() -> u64 {
     std::time::SystemTime::now()

@@ -75,9 +75,7 @@ fn resolve(host: &str) -> Option<IpAddr> {
 
 /// This host's name (`gethostname`).
 pub(crate) fn host_name() -> Option<String> {
-    nix::unistd::gethostname()
-        .ok()
-        .map(|n| n.to_string_lossy().into_owned())
+    tt_device::host_name_if_known()
 }
 
 /// Whether this host's name resolves to a loopback address (or does not resolve).

@@ -208,15 +208,7 @@ fn user_name() -> String {
 }
 
 pub(crate) fn host_name() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: buf is writable for its length. (A name cut at its end may lack the NUL:
-    // the search below then takes the whole buffer.)
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return "unknown-host".to_owned();
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
+    tt_device::host_name()
 }
 
 #[cfg(test)]

@@ -122,11 +122,7 @@ impl Drop for EventWriter {
 
 /// The host name for the file name (`localhost` if unknown), with no path separator.
 fn hostname() -> String {
-    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().replace(['/', '\\'], "_"))
-        .filter(|h| !h.is_empty());
-    name.unwrap_or_else(|| "localhost".into())
+    tt_device::host_name().replace(['/', '\\'], "_")
 }
 
 /// A protobuf field key: field number and wire type.
