@@ -103,7 +103,7 @@ pub(crate) struct History {
 struct Shared {
     json: RwLock<Arc<String>>,
     dir: LockDir,
-    gpus: Gpus,
+    gpus: Arc<Gpus>,
 }
 
 /// `torchtools serve`.
@@ -120,11 +120,13 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
     })?;
     listener.set_nonblocking(true)?;
     let bound = listener.local_addr()?;
-    let mut reader = Reader::new(dir.clone());
+    // NVML opened once, for the state's reader and `/metrics` both.
+    let gpus = Arc::new(Gpus::open());
+    let mut reader = Reader::new(dir.clone(), Arc::clone(&gpus));
     let shared = Arc::new(Shared {
         json: RwLock::new(Arc::new(reader.read())),
         dir,
-        gpus: Gpus::open(),
+        gpus,
     });
     {
         let shared = Arc::clone(&shared);
@@ -266,7 +268,7 @@ async fn answer(request: hyper::Request<hyper::body::Incoming>, shared: Arc<Shar
 /// history point per GPU every 10 s.
 pub(crate) struct Reader {
     dir: LockDir,
-    gpus: Gpus,
+    gpus: Arc<Gpus>,
     me: tt_lock::Holder,
     usage: UsageView,
     usage_read: Option<Instant>,
@@ -275,11 +277,7 @@ pub(crate) struct Reader {
 }
 
 impl Reader {
-    pub(crate) fn new(dir: LockDir) -> Reader {
-        Reader::with_gpus(dir, Gpus::open())
-    }
-
-    pub(crate) fn with_gpus(dir: LockDir, gpus: Gpus) -> Reader {
+    pub(crate) fn new(dir: LockDir, gpus: Arc<Gpus>) -> Reader {
         Reader {
             dir,
             gpus,
@@ -401,7 +399,7 @@ mod tests {
     fn each_gpus_memory_is_kept_for_an_hour_one_point_every_ten_seconds() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = LockDir::open(tmp.path().join("locks")).unwrap();
-        let mut reader = Reader::with_gpus(dir.clone(), one_gpu());
+        let mut reader = Reader::new(dir.clone(), Arc::new(one_gpu()));
         let state = reader.state().unwrap();
         assert_eq!(state.history.len(), 1);
         assert_eq!(state.history[0].gpu, state.snapshot.gpus[0].key);
@@ -430,7 +428,7 @@ mod tests {
     fn a_lock_directory_that_cannot_be_read_is_said_in_the_state() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = LockDir::open(tmp.path().join("locks")).unwrap();
-        let mut reader = Reader::with_gpus(dir, one_gpu());
+        let mut reader = Reader::new(dir, Arc::new(one_gpu()));
         std::fs::remove_dir_all(tmp.path().join("locks")).unwrap();
         let json: serde_json::Value = serde_json::from_str(&reader.read()).unwrap();
         assert!(

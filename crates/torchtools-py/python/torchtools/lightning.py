@@ -21,6 +21,7 @@ install for you.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Dict, Optional
 
@@ -37,6 +38,9 @@ except ImportError:  # pragma: no cover - only where just pytorch_lightning is i
             "torchtools.lightning needs Lightning: `pip install lightning` "
             "(or `pytorch_lightning`)"
         ) from e
+
+# Lightning's own rule for a batch's size, from whichever package was imported.
+_extract_batch_size = importlib.import_module(_pl.__name__ + ".utilities.data").extract_batch_size
 
 __all__ = ["EpochHandler"]
 
@@ -161,9 +165,7 @@ class EpochHandler(_pl.Callback):
     def _count(self, batch: Any) -> int:
         if self._batch_size is not None:
             return int(self._batch_size(batch))
-        from lightning.pytorch.utilities.data import extract_batch_size
-
-        return int(extract_batch_size(batch))
+        return int(_extract_batch_size(batch))
 
 
 def _writer(path: str, is_global_zero: bool) -> Optional["_native.AtomicWriter"]:
