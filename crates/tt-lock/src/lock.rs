@@ -794,47 +794,81 @@ fn take_exclusive(
         Wants::Auto { count, .. } => *count,
     };
     let mut taken = Vec::with_capacity(count);
-    let mut first_busy: Option<Busy> = None;
+    // The slots passed over, in the order of preference. Who holds them is read only
+    // after the pass: a pass of lock attempts alone takes microseconds, so an `auto`
+    // request that finds its first choice busy does not find a later one let go by
+    // the same holder an instant after.
+    let mut passed = Vec::new();
     for (i, slot) in slots.iter().enumerate() {
-        let waiting = waiting_for(&slot.key);
-        let free = waiting == 0 && try_flock(&slot.file, &slot.path)?;
-        if free {
+        if waiting_for(&slot.key) == 0 && try_flock(&slot.file, &slot.path)? {
             taken.push(i);
             if taken.len() == count {
+                if matches!(wants, Wants::Auto { .. }) {
+                    prefer_let_go(slots, &mut taken, &passed, waiting_for)?;
+                }
                 return Ok(Taken::All(taken));
             }
             continue;
         }
-        if first_busy.is_none() {
-            // Who is in the way, read from the records and the kernel's lock table:
-            // never by probing the lock itself, whose shared lock, however brief, would
-            // make an earlier request's try-lock fail at that instant (an `auto`
-            // request then took another GPU than the one it was first in line for).
-            let holder = match (dir.holder_of(&slot.key), waiting) {
-                (Some(h), _) => Some(h),
-                // Not held exclusively, yet not free: shared (the oldest sharer shown).
-                (None, 0) => dir.sharers(&slot.key)?.into_iter().next(),
-                // Free, but earlier requests wait for it.
-                (None, _) => None,
-            };
-            first_busy = Some(Busy {
-                gpu: slot.key.clone(),
-                holder: holder.map(Box::new),
-                waiting,
-                held: None,
-            });
-        }
+        passed.push(i);
         if matches!(wants, Wants::Gpus { .. }) {
             break; // all or nothing: one busy GPU is enough to wait
         }
     }
     release(slots, &taken);
-    Ok(Taken::Busy(first_busy.unwrap_or(Busy {
-        gpu: slots.first().map_or(GpuKey::Index(0), |s| s.key.clone()),
-        holder: None,
-        waiting: 0,
+    let Some(slot) = passed.first().map(|&i| &slots[i]) else {
+        return Ok(Taken::Busy(Busy {
+            gpu: slots.first().map_or(GpuKey::Index(0), |s| s.key.clone()),
+            holder: None,
+            waiting: 0,
+            held: None,
+        }));
+    };
+    let waiting = waiting_for(&slot.key);
+    // Who is in the way, read from the records and the kernel's lock table: never by
+    // probing the lock itself, whose shared lock, however brief, would make an earlier
+    // request's try-lock fail at that instant (an `auto` request then took another GPU
+    // than the one it was first in line for).
+    let holder = match (dir.holder_of(&slot.key), waiting) {
+        (Some(h), _) => Some(h),
+        // Not held exclusively, yet not free: shared (the oldest sharer shown).
+        (None, 0) => dir.sharers(&slot.key)?.into_iter().next(),
+        // Free, but earlier requests wait for it.
+        (None, _) => None,
+    };
+    Ok(Taken::Busy(Busy {
+        gpu: slot.key.clone(),
+        holder: holder.map(Box::new),
+        waiting,
         held: None,
-    })))
+    }))
+}
+
+/// An `auto` request's last look at the GPUs it preferred but found busy (`passed`):
+/// one let go since (a holder of several lets them go one after the other) replaces
+/// the least preferred GPU taken, so that the request gets the GPUs with the most free
+/// memory whenever they are free together.
+fn prefer_let_go(
+    slots: &[Slot],
+    taken: &mut Vec<usize>,
+    passed: &[usize],
+    waiting_for: &dyn Fn(&GpuKey) -> usize,
+) -> Result<()> {
+    for &better in passed {
+        let Some(&worst) = taken.last() else { break };
+        if better > worst {
+            break;
+        }
+        let slot = &slots[better];
+        if waiting_for(&slot.key) == 0 && try_flock(&slot.file, &slot.path)? {
+            // SAFETY: the fd is open for as long as the slot lives.
+            unsafe { libc::flock(slots[worst].file.as_raw_fd(), libc::LOCK_UN) };
+            taken.pop();
+            taken.push(better);
+            taken.sort_unstable();
+        }
+    }
+    Ok(())
 }
 
 /// Unlocks the slots of a failed attempt (their files stay open), and removes the

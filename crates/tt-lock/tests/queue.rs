@@ -255,7 +255,7 @@ fn mixed_requests_are_served_in_arrival_order_round_after_round() {
                 "r5" | "r6" => "1",
                 _ => "0",
             };
-            assert_eq!(g.gpus.join(","), want, "{g:?}");
+            assert_eq!(g.gpus.join(","), want, "round {round}: {g:?} in {grants:?}");
         }
         // Two requests that got a GPU in common held it one after the other, in the
         // order they arrived.
