@@ -645,85 +645,162 @@ mod tests {
         text
     }
 
-    /// The modules of one crate that each module names, through `crate::module::`,
-    /// `super::` (a module of the crate's root), or the items `lib.rs` re-exports from
-    /// a module (`crate::{Item}`): re-exports behind attributes and in `pub use { .. }`
-    /// blocks too.
-    fn module_graph(src: &Path) -> std::collections::BTreeMap<String, BTreeSet<String>> {
-        let lib = code(&std::fs::read_to_string(src.join("lib.rs")).unwrap_or_default());
-        let mut modules = BTreeSet::new();
-        for stmt in lib.split(';').map(str::trim) {
-            let stmt = stmt
-                .trim_start_matches("pub(crate) ")
-                .trim_start_matches("pub ");
-            if let Some(m) = stmt.strip_prefix("mod ") {
-                if m.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                    modules.insert(m.to_owned());
-                }
-            }
-        }
-        let mut item_of = std::collections::BTreeMap::new();
-        for stmt in lib.split(';').map(str::trim) {
-            let Some(tree) = stmt
-                .strip_prefix("pub use ")
-                .or_else(|| stmt.strip_prefix("pub(crate) use "))
-            else {
-                continue;
-            };
-            for path in use_tree(tree) {
-                let path = path
-                    .trim_start_matches("self::")
-                    .trim_start_matches("crate::");
-                let mut parts = path.split("::");
-                let (Some(module), Some(item)) = (parts.next(), parts.last()) else {
-                    continue;
-                };
-                if modules.contains(module) {
-                    item_of.insert(item.to_owned(), module.to_owned());
-                }
-            }
-        }
-        let mut graph = std::collections::BTreeMap::new();
-        for module in &modules {
-            let text = std::fs::read_to_string(src.join(format!("{module}.rs")))
-                .or_else(|_| std::fs::read_to_string(src.join(module).join("mod.rs")))
-                .unwrap_or_default();
+    /// The modules a crate root declares, at every depth: each module's path (`a::b`;
+    /// the root is ``), and its code without comments, attributes and test module.
+    /// A root's modules sit beside it (`src/lib.rs`, `src/main.rs`, `src/bin/x.rs`,
+    /// `examples/x.rs`); a module `a.rs` or `a/mod.rs` keeps its own in `a/`.
+    fn modules_of(root: &Path) -> std::collections::BTreeMap<String, String> {
+        fn walk(
+            file: &Path,
+            children: &Path,
+            path: &str,
+            out: &mut std::collections::BTreeMap<String, String>,
+        ) {
+            let text = std::fs::read_to_string(file).unwrap_or_default();
             // Tests may use anything; a doc link is not a dependency.
             let text = text
                 .split("#[cfg(test)]\nmod tests")
                 .next()
                 .unwrap_or_default();
             let text = code(text);
-            let mut uses = BTreeSet::new();
-            for root in ["crate::", "super::"] {
-                for (at, _) in text.match_indices(root) {
-                    // `super::` inside a module's own child module is that module.
-                    if at > 0 && text[..at].ends_with("::") {
-                        continue;
-                    }
-                    for path in use_tree(&text[at + root.len()..]) {
-                        let name: String = path
-                            .chars()
-                            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                            .collect();
-                        if modules.contains(&name) {
-                            uses.insert(name);
-                        } else if let Some(m) = item_of.get(&name) {
-                            uses.insert(m.clone());
+            for line in text.lines().map(str::trim) {
+                let line = ["pub(crate) ", "pub(super) ", "pub "]
+                    .iter()
+                    .fold(line, |l, p| l.trim_start_matches(p));
+                let Some(name) = line.strip_prefix("mod ").and_then(|m| m.strip_suffix(';')) else {
+                    continue;
+                };
+                if !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                    continue;
+                }
+                let child = if path.is_empty() {
+                    name.to_owned()
+                } else {
+                    format!("{path}::{name}")
+                };
+                let flat = children.join(format!("{name}.rs"));
+                let nested = children.join(name).join("mod.rs");
+                let found = if flat.is_file() { flat } else { nested };
+                walk(&found, &children.join(name), &child, out);
+            }
+            out.insert(path.to_owned(), text);
+        }
+        let mut out = std::collections::BTreeMap::new();
+        let beside = root.parent().unwrap_or(Path::new("."));
+        walk(root, beside, "", &mut out);
+        out
+    }
+
+    /// The items each module re-exports (`pub use m::Item;`, groups and aliases too):
+    /// `(module, item)` to the module the item comes from.
+    fn reexports(
+        modules: &std::collections::BTreeMap<String, String>,
+    ) -> std::collections::BTreeMap<(String, String), String> {
+        let mut item_of = std::collections::BTreeMap::new();
+        for (module, text) in modules {
+            for head in ["pub use ", "pub(crate) use "] {
+                for (at, _) in text.match_indices(head) {
+                    for path in use_tree(&text[at + head.len()..]) {
+                        let path = path.trim_start_matches("self::");
+                        let (base, rest) = match path.strip_prefix("crate::") {
+                            Some(rest) => (String::new(), rest),
+                            None => (module.clone(), path),
+                        };
+                        let Some(item) = rest.rsplit("::").next() else {
+                            continue;
+                        };
+                        let from = resolve(modules, &base, rest, &Default::default());
+                        if from != *module {
+                            item_of.insert((module.clone(), item.to_owned()), from);
                         }
                     }
                 }
             }
-            uses.remove(module);
-            uses.remove("error"); // every module's error type: a leaf
+        }
+        item_of
+    }
+
+    /// The module a path names, read from `base`: through its child modules as far as
+    /// they go, then through an item one of them re-exports.
+    fn resolve(
+        modules: &std::collections::BTreeMap<String, String>,
+        base: &str,
+        path: &str,
+        item_of: &std::collections::BTreeMap<(String, String), String>,
+    ) -> String {
+        let mut at = base.to_owned();
+        for segment in path.split("::") {
+            let name: String = segment
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            let child = if at.is_empty() {
+                name.clone()
+            } else {
+                format!("{at}::{name}")
+            };
+            if modules.contains_key(&child) {
+                at = child;
+            } else {
+                if let Some(from) = item_of.get(&(at.clone(), name)) {
+                    at = from.clone();
+                }
+                break;
+            }
+        }
+        at
+    }
+
+    /// Which modules each module of a crate root names, through `crate::`, `super::`
+    /// (as often as written) or an item a module re-exports. A module naming its own
+    /// ancestor or descendant is not counted (that is what holds it, or what it holds),
+    /// nor is a crate's `error` module, every module's error type.
+    fn module_graph(root: &Path) -> std::collections::BTreeMap<String, BTreeSet<String>> {
+        let modules = modules_of(root);
+        let item_of = reexports(&modules);
+        let related = |a: &str, b: &str| {
+            a.is_empty()
+                || b.is_empty()
+                || a == b
+                || a.starts_with(&format!("{b}::"))
+                || b.starts_with(&format!("{a}::"))
+        };
+        let mut graph = std::collections::BTreeMap::new();
+        for (module, text) in &modules {
+            let mut uses = BTreeSet::new();
+            for (at, _) in text.match_indices("crate::") {
+                if at > 0 && text[..at].ends_with("::") {
+                    continue; // `$crate::` or a path's middle
+                }
+                for path in use_tree(&text[at + "crate::".len()..]) {
+                    uses.insert(resolve(&modules, "", &path, &item_of));
+                }
+            }
+            for (at, _) in text.match_indices("super::") {
+                if at > 0 && text[..at].ends_with("::") {
+                    continue; // counted from the first `super::`
+                }
+                let mut rest = &text[at..];
+                let mut base = module.as_str();
+                while let Some(after) = rest.strip_prefix("super::") {
+                    base = base.rsplit_once("::").map_or("", |(parent, _)| parent);
+                    rest = after;
+                }
+                for path in use_tree(rest) {
+                    uses.insert(resolve(&modules, base, &path, &item_of));
+                }
+            }
+            uses.retain(|m| !related(module, m) && m != "error");
             graph.insert(module.clone(), uses);
         }
+        graph.remove("");
         graph
     }
 
-    /// The circles of one crate's `src` (see `module_graph`), each as `a -> b -> a`.
-    fn circles_in(src: &Path) -> Vec<String> {
-        let graph = module_graph(src);
+    /// The circles among one crate root's modules (see `module_graph`), each as
+    /// `a -> b -> a`.
+    fn circles_in(root: &Path) -> Vec<String> {
+        let graph = module_graph(root);
         let mut circles = Vec::new();
         for start in graph.keys() {
             // Depth-first from `start`: does a path lead back to it?
@@ -742,6 +819,29 @@ mod tests {
             }
         }
         circles
+    }
+
+    /// Every crate root of a package: its library, its binary, each `src/bin/` binary
+    /// and each example.
+    fn crate_roots(package: &Path) -> Vec<std::path::PathBuf> {
+        let mut roots: Vec<_> = ["src/lib.rs", "src/main.rs"]
+            .iter()
+            .map(|r| package.join(r))
+            .filter(|r| r.is_file())
+            .collect();
+        for dir in ["src/bin", "examples"] {
+            let Ok(entries) = std::fs::read_dir(package.join(dir)) else {
+                continue;
+            };
+            let mut files: Vec<_> = entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+                .collect();
+            files.sort();
+            roots.extend(files);
+        }
+        roots
     }
 
     /// The check sees a module named back however the naming is written: a re-export
@@ -768,7 +868,7 @@ mod tests {
             ("use crate::{b::{Beta}};", "use crate::{Alpha, a};"),
         ] {
             let dir = tree(lib, &[("a", a), ("b", b)]);
-            let circles = circles_in(dir.path());
+            let circles = circles_in(&dir.path().join("lib.rs"));
             assert!(
                 circles.contains(&"a -> b -> a".to_owned()),
                 "{a:?} / {b:?}: {circles:?}"
@@ -784,9 +884,47 @@ mod tests {
         ] {
             let dir = tree(lib, &[("a", a), ("b", b)]);
             assert_eq!(
-                circles_in(dir.path()),
+                circles_in(&dir.path().join("lib.rs")),
                 Vec::<String>::new(),
                 "{a:?} / {b:?}"
+            );
+        }
+    }
+
+    /// The check reads a binary's root as a library's, and modules at every depth: a
+    /// circle between a nested module and a top one is seen, through the nested
+    /// module's parent's re-export too; a module naming its parent (`super::`) or its
+    /// child is not a circle.
+    #[test]
+    fn the_module_check_reads_binaries_and_nested_modules() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| {
+            let path = dir.path().join(name);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        };
+        write("main.rs", "mod commands;\nmod store;\nfn main() {}\n");
+        write(
+            "commands/mod.rs",
+            "pub(crate) mod jobs;\npub(crate) use jobs::Args;\nfn f() -> jobs::Args { todo!() }\n",
+        );
+        write(
+            "commands/jobs.rs",
+            "use super::Args;\nuse crate::store::Store;\n",
+        );
+        write("store.rs", "pub struct Store;\n");
+        let main = dir.path().join("main.rs");
+        assert_eq!(circles_in(&main), Vec::<String>::new());
+        for back in [
+            "use crate::commands::jobs::Args;",
+            "use crate::commands::Args;",
+            "use super::commands::jobs;",
+        ] {
+            write("store.rs", &format!("{back}\npub struct Store;\n"));
+            let circles = circles_in(&main);
+            assert!(
+                circles.contains(&"commands::jobs -> store -> commands::jobs".to_owned()),
+                "{back}: {circles:?}"
             );
         }
     }
@@ -795,15 +933,29 @@ mod tests {
     /// means a helper sits in the wrong file: move it to a leaf.
     #[test]
     fn no_crate_has_modules_that_import_each_other_in_circles() {
+        let root = crate::root();
+        let mut packages = vec![root.clone(), root.join("xtask")];
+        packages.extend(
+            std::fs::read_dir(root.join("crates"))
+                .unwrap()
+                .flatten()
+                .map(|e| e.path()),
+        );
         let mut circles = Vec::new();
-        for entry in std::fs::read_dir(crate::root().join("crates"))
-            .unwrap()
-            .flatten()
-        {
-            for circle in circles_in(&entry.path().join("src")) {
-                circles.push(format!("{}: {circle}", entry.file_name().to_string_lossy()));
+        let mut roots = 0;
+        for package in packages {
+            for file in crate_roots(&package) {
+                roots += 1;
+                let rel = file
+                    .strip_prefix(&root)
+                    .unwrap_or(&file)
+                    .display()
+                    .to_string();
+                circles.extend(circles_in(&file).into_iter().map(|c| format!("{rel}: {c}")));
             }
         }
+        // Every library and binary, the CLI's included, and the examples.
+        assert!(roots >= 25, "only {roots} crate roots found");
         assert!(circles.is_empty(), "modules in circles: {circles:#?}");
     }
 

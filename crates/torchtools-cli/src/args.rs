@@ -1,5 +1,6 @@
 //! Parsing of the values users type: sizes and durations, with errors that say what
-//! was wrong and what is accepted.
+//! was wrong and what is accepted; and the paths of reports, checked before a command
+//! starts.
 
 use std::time::Duration;
 
@@ -136,4 +137,53 @@ mod tests {
             assert!(e.contains(says), "{bad:?}: {e}");
         }
     }
+}
+
+/// A report or plot path, checked before the command starts: an existing directory
+/// to write in, not a directory itself, writable.
+pub(crate) fn check_output(option: &str, path: &std::path::Path) -> anyhow::Result<()> {
+    let bad = |message: String| anyhow::Error::from(crate::exit::Exit(2, message));
+    // `reports/` names a directory even when it does not exist (yet).
+    if path.as_os_str().as_encoded_bytes().ends_with(b"/") && !path.is_dir() {
+        return Err(bad(format!(
+            "{option} {} ends with / (a directory): give a file name, e.g. {}",
+            path.display(),
+            path.join("report.txt").display()
+        )));
+    }
+    if path.is_dir() {
+        return Err(bad(format!(
+            "{option} {} is a directory: give a file name, e.g. {}",
+            path.display(),
+            path.join("report.txt").display()
+        )));
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    if !parent.is_dir() {
+        return Err(bad(format!(
+            "{option} {}: the directory {} does not exist: create it first, or choose \
+             another path",
+            path.display(),
+            parent.display()
+        )));
+    }
+    let target = if path.exists() { path } else { parent };
+    let c_path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()).map_err(|_| {
+        bad(format!(
+            "{option} {}: a path with a NUL byte",
+            path.display()
+        ))
+    })?;
+    // SAFETY: access(2) reads the NUL-terminated path, which lives across the call.
+    if unsafe { libc::access(c_path.as_ptr(), libc::W_OK) } != 0 {
+        return Err(bad(format!(
+            "{option} {}: cannot write there ({})",
+            path.display(),
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(())
 }

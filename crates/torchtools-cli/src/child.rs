@@ -12,20 +12,11 @@ use signal_hook::iterator::exfiltrator::WithOrigin;
 use signal_hook::iterator::{Handle, SignalsInfo};
 use signal_hook::low_level::siginfo::Cause;
 
-/// A failure that has its own exit status.
-#[derive(Debug)]
-pub(crate) struct Exit(pub(crate) u8, pub(crate) String);
-
-impl std::fmt::Display for Exit {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.1)
-    }
-}
-
-impl std::error::Error for Exit {}
+use crate::exit::Exit;
 
 /// Exit status of a command that cannot be found, as shells use it.
 const EXIT_NOT_FOUND: u8 = 127;
+
 /// Exit status of a command that cannot be executed, as shells use it.
 const EXIT_NOT_EXECUTABLE: u8 = 126;
 

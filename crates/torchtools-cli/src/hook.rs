@@ -22,43 +22,29 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::child::Exit;
+use crate::arg_groups::HookArgs;
+use crate::exit::Exit;
 
 /// The hook of a detached job, from its starter to its keeper and from an owner to its
 /// guardian: in the environment, readable by the user alone (`/proc/PID/environ`).
 const HOOK_ENV: &str = "TORCHTOOLS_JOB_ON_END";
+
 /// Its time limit, in seconds, beside it.
 const TIMEOUT_ENV: &str = "TORCHTOOLS_JOB_ON_END_TIMEOUT";
+
 /// A detached job's id, in the environment of its torchtools and command.
 pub(crate) const JOB_ID_ENV: &str = "TORCHTOOLS_JOB_ID";
+
 /// A detached job's log, beside its id.
 pub(crate) const JOB_LOG_ENV: &str = "TORCHTOOLS_JOB_LOG";
+
 /// A hook's time limit when neither `--on-end-timeout` nor the config gives one.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// How many of the log's last lines the hook reads on standard input (at most 64 KiB).
 const TAIL_LINES: usize = 50;
-const TAIL_BYTES: u64 = 64 * 1024;
 
-/// `--on-end`, `--no-on-end` and `--on-end-timeout`, on `reserve`, `run` and `launch`.
-#[derive(clap::Args, Debug, Clone, Default)]
-pub(crate) struct HookArgs {
-    /// Run CMD (with `sh -c`) once when the job ends, however it ends: exit, signal,
-    /// `stop`, cancelled, or lost (torchtools or the job's keeper killed). It gets
-    /// TORCHTOOLS_JOB_ID, _COMMAND, _USER, _HOST, _GPUS, _STATUS, _STATE, _STARTED,
-    /// _ENDED, _SECONDS and _LOG, and the log's last 50 lines on standard input
-    /// (detached jobs). A hook that fails or overruns is a warning; the job's status
-    /// never changes. Default: `[on_end] command` of
-    /// $XDG_CONFIG_HOME/torchtools/config.toml.
-    #[arg(long, value_name = "CMD")]
-    pub(crate) on_end: Option<String>,
-    /// Run no hook for this job, not even the config's default.
-    #[arg(long, conflicts_with = "on_end")]
-    pub(crate) no_on_end: bool,
-    /// How long the hook may run before it is killed (default: the config's
-    /// `[on_end] timeout`, else 60s).
-    #[arg(long, value_name = "TIME", value_parser = crate::args::duration)]
-    pub(crate) on_end_timeout: Option<Duration>,
-}
+const TAIL_BYTES: u64 = 64 * 1024;
 
 /// A hook to run when a job ends.
 #[derive(Debug, Clone, PartialEq)]

@@ -27,42 +27,9 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tt_lock::LockDir;
 
-use crate::child::Exit;
+use crate::arg_groups::DetachArgs;
+use crate::exit::Exit;
 use crate::hook::{Guardian, Hook};
-
-/// `--detach` and `--log-dir`, on `reserve`, `run` and `launch`.
-#[derive(clap::Args, Debug, Clone, Default)]
-pub(crate) struct DetachArgs {
-    /// Start the command in a session of its own, immune to the terminal's hang-up and
-    /// to logging out, with its output in a log file; print its job id at once (see
-    /// `torchtools jobs`, `logs`, `stop`).
-    #[arg(long)]
-    pub(crate) detach: bool,
-    /// Where a detached job's log goes (default: $XDG_STATE_HOME/torchtools/logs, or
-    /// ~/.local/state/torchtools/logs).
-    #[arg(long, value_name = "DIR", requires = "detach")]
-    pub(crate) log_dir: Option<PathBuf>,
-    /// Start only after these jobs have ended, however they ended (ids, unique
-    /// prefixes or `last`; comma-separated or repeated). Meanwhile `jobs` says
-    /// "waiting for job ID", and the job takes its place in the GPU queue only then.
-    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
-    pub(crate) after: Vec<String>,
-    /// Start only after these jobs have ended, and only if every one succeeded (exit
-    /// 0); otherwise the job ends as "cancelled: job ID failed" without running.
-    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
-    pub(crate) after_ok: Vec<String>,
-    /// When the job exits 75 (its time limit, preemption, or its own choice: a
-    /// torchtools trainer checkpoints on SIGTERM and exits 75), put it back in the
-    /// queue and run the same command again, which resumes from its checkpoint.
-    /// `torchtools stop` ends it for good. `jobs` shows how many times it ran.
-    #[arg(long, requires = "detach")]
-    pub(crate) requeue: bool,
-    /// Start one job per index (0-9, 1,4,7, or 0-99%4: at most 4 at once), each with
-    /// TORCHTOOLS_ARRAY_TASK_ID set to its index; the array's id is printed (`stop` and
-    /// `jobs wait` take it for every task, ID_N for one).
-    #[arg(long, value_name = "INDICES", value_parser = crate::args::array, requires = "detach")]
-    pub(crate) array: Option<crate::args::ArraySpec>,
-}
 
 /// A job's record: `job-ID.json` in the lock directory.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

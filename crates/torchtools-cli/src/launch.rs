@@ -10,7 +10,7 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
 use signal_hook::iterator::Signals;
 use tt_dist::{launch as launch_group, LaunchConfig};
 
-use crate::child::Exit;
+use crate::exit::Exit;
 
 /// How many ranks per node: a number, or torchrun's `auto`, `gpu`, `cpu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +85,7 @@ pub(crate) struct LaunchArgs {
     #[arg(long, value_name = "INDICES", value_parser = crate::args::array, requires = "detach")]
     array: Option<crate::args::ArraySpec>,
     #[command(flatten)]
-    pub(crate) hook: crate::hook::HookArgs,
+    pub(crate) hook: crate::arg_groups::HookArgs,
     /// Processes on this node: a number, `gpu` (one per visible GPU), `cpu` (one per
     /// CPU) or `auto` (GPUs if there are any, else CPUs).
     #[arg(long = "nproc-per-node", visible_alias = "nproc_per_node", default_value = "1", value_parser = nproc)]
@@ -147,9 +147,9 @@ pub(crate) struct LaunchArgs {
     #[arg(long, requires = "gpu", value_parser = crate::args::budget)]
     bytes: Option<crate::args::Budget>,
     #[command(flatten)]
-    probing: crate::probe::ProbeArgs,
+    probing: crate::arg_groups::ProbeArgs,
     /// Extra memory left free on top of --bytes.
-    #[arg(long, requires = "gpu", value_parser = crate::args::size, default_value = crate::reserve::DEFAULT_MARGIN)]
+    #[arg(long, requires = "gpu", value_parser = crate::args::size, default_value = crate::arg_groups::DEFAULT_MARGIN)]
     margin: tt_device::Bytes,
     /// Take the GPUs' locks alone, without a memory fence.
     #[arg(long, requires = "gpu", conflicts_with = "bytes")]
@@ -158,7 +158,7 @@ pub(crate) struct LaunchArgs {
     #[arg(long, requires = "gpu", value_parser = crate::args::duration)]
     timeout: Option<std::time::Duration>,
     #[command(flatten)]
-    time: crate::limit::TimeArgs,
+    time: crate::arg_groups::TimeArgs,
     /// torch.distributed.launch's --use-env: the local rank in LOCAL_RANK only, which
     /// is always so here (as under torchrun); accepted so that its command lines run.
     #[arg(
@@ -258,8 +258,8 @@ impl LaunchArgs {
     }
 
     /// `--detach` (and its `--log-dir`), when given.
-    pub(crate) fn detached(&self) -> Option<crate::jobs::DetachArgs> {
-        self.detach.then(|| crate::jobs::DetachArgs {
+    pub(crate) fn detached(&self) -> Option<crate::arg_groups::DetachArgs> {
+        self.detach.then(|| crate::arg_groups::DetachArgs {
             detach: true,
             log_dir: self
                 .unsupported

@@ -10,34 +10,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
-use crate::child::Exit;
+use crate::arg_groups::TimeArgs;
+use crate::exit::Exit;
 
 /// From the limit's SIGTERM to SIGKILL when `--grace` is not given.
 pub(crate) const DEFAULT_GRACE: Duration = Duration::from_secs(60);
-
-/// The time-limit options.
-#[derive(clap::Args, Debug, Clone, Default)]
-pub(crate) struct TimeArgs {
-    /// End the command after this long (30m, 8h, 2d): SIGTERM (a torchtools trainer
-    /// then checkpoints and exits 75), SIGKILL after --grace. Counted from the
-    /// command's start, once the GPUs are held. Default: the machine policy's
-    /// time_default (`torchtools policy`), else no limit; at most its time_max.
-    #[arg(long, value_parser = crate::args::duration)]
-    pub(crate) time: Option<Duration>,
-    /// From the time limit's SIGTERM to SIGKILL [default: 60s].
-    #[arg(long, value_parser = crate::args::duration)]
-    pub(crate) grace: Option<Duration>,
-    /// Send SIGUSR1 this long before the time limit, for a script that checkpoints
-    /// on its own signal.
-    #[arg(long, value_parser = crate::args::duration)]
-    pub(crate) signal_before: Option<Duration>,
-    /// Let the machine's policy preempt the job (its `[preemption]`, `torchtools policy`):
-    /// when a request of a user below their fair share has waited long enough for its
-    /// GPU, the job gets SIGTERM (a torchtools trainer checkpoints and exits 75) and,
-    /// detached, goes back into the queue (--preemptible implies --requeue).
-    #[arg(long)]
-    pub(crate) preemptible: bool,
-}
 
 /// The machine's policy for the lock directory `TORCHTOOLS_LOCK_DIR` names (or the
 /// default), read without opening the directory: a check made before anything starts,

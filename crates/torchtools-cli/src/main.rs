@@ -10,9 +10,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod arg_groups;
 mod args;
 mod child;
 mod devices;
+mod exit;
 mod hook;
 mod ignored;
 mod jobs;
@@ -197,11 +199,11 @@ fn main() -> ExitCode {
     }
 }
 
-/// Says a command's error and gives its exit status: its own (`child::Exit`), else 1.
+/// Says a command's error and gives its exit status: its own (`exit::Exit`), else 1.
 fn failed(e: &anyhow::Error) -> u8 {
     eprintln!("torchtools: error: {e:#}");
-    match e.downcast_ref::<child::Exit>() {
-        Some(child::Exit(code, _)) => *code,
+    match e.downcast_ref::<exit::Exit>() {
+        Some(exit::Exit(code, _)) => *code,
         None => 1,
     }
 }
@@ -219,7 +221,7 @@ impl Command {
     /// `--detach` (with its `--log-dir`) and how many of the command line's last words
     /// are the user's command, for the commands that run one: decided once, from the
     /// parsed arguments, before any command runs.
-    fn detached(&self) -> Option<(jobs::DetachArgs, usize)> {
+    fn detached(&self) -> Option<(arg_groups::DetachArgs, usize)> {
         let mut detach = match self {
             Command::Reserve(a) if a.detach.detach => a.detach.clone(),
             Command::Run(a) if a.detach.detach => a.detach.clone(),
@@ -247,7 +249,7 @@ impl Command {
     }
 
     /// The `--on-end` options of the commands that run one.
-    fn hook(&self) -> Option<&hook::HookArgs> {
+    fn hook(&self) -> Option<&arg_groups::HookArgs> {
         match self {
             Command::Reserve(a) => Some(&a.hook),
             Command::Run(a) => Some(&a.hook),

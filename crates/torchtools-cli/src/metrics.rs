@@ -21,7 +21,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
 use tt_lock::{GpuKey, LockDir};
 
-use crate::child::Exit;
+use crate::exit::Exit;
 use crate::snapshot::{Gpus, Snapshot};
 
 /// OpenMetrics' content type, which Prometheus asks for first.

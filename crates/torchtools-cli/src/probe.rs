@@ -9,7 +9,8 @@ use tt_device::{Bytes, Inventory};
 use tt_lock::GpuSpec;
 use tt_probe::{probe_command, BatchSearch, CommandProbe, EstimatePolicy, ProbeError};
 
-use crate::child::Exit;
+use crate::arg_groups::ProbeArgs;
+use crate::exit::Exit;
 
 /// The UUID `--gpu` names, for CUDA_VISIBLE_DEVICES (an index when there is no NVML).
 fn visible(gpu: &GpuSpec, inventory: &Inventory) -> Result<Option<String>> {
@@ -79,17 +80,6 @@ pub(crate) fn probe(
         println!("estimate: reserve {estimate} ({} bytes)", estimate.0);
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// How `run --probe` and `--bytes auto` probe: steps and a time limit.
-#[derive(clap::Args, Debug, Clone)]
-pub(crate) struct ProbeArgs {
-    /// Steps of the probe run (--probe, --bytes auto).
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
-    pub(crate) probe_steps: u64,
-    /// Time limit of the probe run (--probe, --bytes auto).
-    #[arg(long, value_parser = crate::args::duration, default_value = "60s")]
-    pub(crate) probe_timeout: Duration,
 }
 
 /// `run --probe` and `--bytes auto` (`asked`: which of them, for the messages): the

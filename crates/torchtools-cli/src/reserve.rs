@@ -9,10 +9,13 @@ use tt_device::Bytes;
 use tt_lock::{GpuSpec, Holder};
 use tt_reserve::ReserveOptions;
 
-use crate::child::{self, Exit};
+use crate::arg_groups::ReserveArgs;
+use crate::child;
+use crate::exit::Exit;
 
 /// Exit status when the GPUs stay locked past `--timeout` (sysexits' EX_TEMPFAIL).
 pub(crate) const EXIT_LOCKED: u8 = tt_device::EX_TEMPFAIL as u8;
+
 /// What `reserve` was asked for.
 pub(crate) struct Request {
     pub(crate) gpus: Vec<GpuSpec>,
@@ -157,47 +160,6 @@ pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
     Ok(reservation)
 }
 
-/// `--margin`'s default: tt-fence's `DEFAULT_SAFETY_MARGIN` (a test checks they agree).
-pub(crate) const DEFAULT_MARGIN: &str = "50MiB";
-
-/// How `reserve` and `run` reserve: everything but the bytes and the command.
-#[derive(clap::Args)]
-pub(crate) struct ReserveArgs {
-    /// The GPU(s): an index as nvidia-smi shows it, a UUID (GPU-..., a prefix is
-    /// enough), or auto (the free GPU(s) with the most free memory). Repeat or
-    /// separate with commas for several.
-    #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = crate::args::gpu_spec)]
-    pub(crate) gpu: Vec<tt_lock::GpuSpec>,
-    /// How many GPUs --gpu auto takes.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub(crate) count: Option<u32>,
-    /// Extra memory left free on top of the bytes.
-    #[arg(long, value_parser = crate::args::size, default_value = crate::reserve::DEFAULT_MARGIN)]
-    pub(crate) margin: tt_device::Bytes,
-    /// Take the lock alone, without a memory fence (works without a GPU).
-    #[arg(long)]
-    pub(crate) no_fence: bool,
-    /// Share one GPU with other jobs by memory budget instead of taking it alone:
-    /// --bytes is this job's budget, granted (in the same queue) when it fits beside the
-    /// other sharers' budgets within the GPU's memory; a job that asks for the GPU
-    /// alone waits for every sharer to leave. The memory no sharer budgeted is fenced
-    /// (--no-fence: not); PyTorch's allocator in the command is capped at the budget
-    /// (PYTORCH_CUDA_ALLOC_CONF).
-    #[arg(long)]
-    pub(crate) share: bool,
-    /// With --share: leave PYTORCH_CUDA_ALLOC_CONF alone (for a PyTorch too old to know
-    /// its per_process_memory_fraction option, which it refuses); the command reads its
-    /// share from TORCHTOOLS_SHARE_FRACTION instead.
-    #[arg(long, requires = "share")]
-    pub(crate) no_cap: bool,
-    /// Give up (exit 75) when the GPUs are still locked after this long: 30s, 10m,
-    /// 1h. Default: wait as long as it takes.
-    #[arg(long, value_parser = crate::args::duration)]
-    pub(crate) timeout: Option<std::time::Duration>,
-    #[command(flatten)]
-    pub(crate) time: crate::limit::TimeArgs,
-}
-
 impl ReserveArgs {
     /// The time limit these options and the machine's policy give (checked before
     /// anything starts).
@@ -237,13 +199,13 @@ pub(crate) struct Args {
     #[arg(long, value_parser = crate::args::budget)]
     pub(crate) bytes: Option<crate::args::Budget>,
     #[command(flatten)]
-    pub(crate) probing: crate::probe::ProbeArgs,
+    pub(crate) probing: crate::arg_groups::ProbeArgs,
     #[command(flatten)]
-    pub(crate) reservation: crate::reserve::ReserveArgs,
+    pub(crate) reservation: crate::arg_groups::ReserveArgs,
     #[command(flatten)]
-    pub(crate) detach: crate::jobs::DetachArgs,
+    pub(crate) detach: crate::arg_groups::DetachArgs,
     #[command(flatten)]
-    pub(crate) hook: crate::hook::HookArgs,
+    pub(crate) hook: crate::arg_groups::HookArgs,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub(crate) command: Vec<std::ffi::OsString>,
@@ -266,7 +228,7 @@ pub(crate) fn run(args: Args) -> Result<u8> {
 pub(crate) fn budget(
     bytes: Option<crate::args::Budget>,
     gpus: &[GpuSpec],
-    probing: &crate::probe::ProbeArgs,
+    probing: &crate::arg_groups::ProbeArgs,
     command: &[OsString],
 ) -> Result<Option<Bytes>> {
     Ok(match bytes {

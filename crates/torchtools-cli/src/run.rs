@@ -12,13 +12,13 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) probe: bool,
     #[command(flatten)]
-    pub(crate) probing: crate::probe::ProbeArgs,
+    pub(crate) probing: crate::arg_groups::ProbeArgs,
     #[command(flatten)]
-    pub(crate) reservation: crate::reserve::ReserveArgs,
+    pub(crate) reservation: crate::arg_groups::ReserveArgs,
     #[command(flatten)]
-    pub(crate) detach: crate::jobs::DetachArgs,
+    pub(crate) detach: crate::arg_groups::DetachArgs,
     #[command(flatten)]
-    pub(crate) hook: crate::hook::HookArgs,
+    pub(crate) hook: crate::arg_groups::HookArgs,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub(crate) command: Vec<std::ffi::OsString>,

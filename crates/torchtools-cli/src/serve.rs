@@ -19,7 +19,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 use tt_lock::LockDir;
 
-use crate::child::Exit;
+use crate::exit::Exit;
 use crate::snapshot::{Gpus, Snapshot};
 use crate::usage::{By, Row};
 

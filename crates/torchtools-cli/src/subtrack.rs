@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use anyhow::Result;
 use tt_tracker::subtrack::{self, OrderedMap, Statistic, SubTrackingResults};
 
-use crate::child::Exit;
-use crate::track::check_output;
+use crate::args::check_output;
+use crate::exit::Exit;
 
 fn bad(message: impl Into<String>) -> anyhow::Error {
     Exit(2, message.into()).into()

@@ -13,7 +13,8 @@ use std::time::Duration;
 use anyhow::Result;
 use tt_tracker::{RamUnit, Target, TimeUnit, Tracker, TrackerConfig};
 
-use crate::child::{self, Exit};
+use crate::child;
+use crate::exit::Exit;
 
 /// The tracker options as typed (absent when not given): the command line wins
 /// over `--tconfig`, which wins over the defaults.
@@ -127,54 +128,6 @@ fn apply_tconfig(given: &mut Given, path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A report or plot path, checked before the command starts: an existing directory
-/// to write in, not a directory itself, writable.
-pub(crate) fn check_output(option: &str, path: &Path) -> Result<()> {
-    // `reports/` names a directory even when it does not exist (yet).
-    if path.as_os_str().as_encoded_bytes().ends_with(b"/") && !path.is_dir() {
-        return Err(bad(format!(
-            "{option} {} ends with / (a directory): give a file name, e.g. {}",
-            path.display(),
-            path.join("report.txt").display()
-        )));
-    }
-    if path.is_dir() {
-        return Err(bad(format!(
-            "{option} {} is a directory: give a file name, e.g. {}",
-            path.display(),
-            path.join("report.txt").display()
-        )));
-    }
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    if !parent.is_dir() {
-        return Err(bad(format!(
-            "{option} {}: the directory {} does not exist: create it first, or choose \
-             another path",
-            path.display(),
-            parent.display()
-        )));
-    }
-    let target = if path.exists() { path } else { parent };
-    let c_path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()).map_err(|_| {
-        bad(format!(
-            "{option} {}: a path with a NUL byte",
-            path.display()
-        ))
-    })?;
-    // SAFETY: access(2) reads the NUL-terminated path, which lives across the call.
-    if unsafe { libc::access(c_path.as_ptr(), libc::W_OK) } != 0 {
-        return Err(bad(format!(
-            "{option} {}: cannot write there ({})",
-            path.display(),
-            std::io::Error::last_os_error()
-        )));
-    }
-    Ok(())
-}
-
 /// Everything `track` needs, every value checked: nothing runs before this is `Ok`.
 pub(crate) fn request(
     mut given: Given,
@@ -215,10 +168,10 @@ pub(crate) fn request(
         })?;
     }
     if let Some(path) = &output {
-        check_output("--output", path)?;
+        crate::args::check_output("--output", path)?;
     }
     if let Some(path) = &plot {
-        check_output("--plot", path)?;
+        crate::args::check_output("--plot", path)?;
     }
     let command = match execute {
         Some(line) => {

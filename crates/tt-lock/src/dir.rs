@@ -22,11 +22,6 @@ pub struct LockDir {
     /// The usage log, opened for appending at its first record and kept (each record is
     /// then one `write`).
     pub(crate) usage_log: std::sync::Arc<std::sync::OnceLock<Option<crate::file::OwnLog>>>,
-    /// Every user's usage log as read so far, for the fair share's recent use (read on
-    /// from where it stopped at each decision: logs only grow).
-    pub(crate) usage_tally: std::sync::Arc<
-        std::sync::Mutex<std::collections::HashMap<PathBuf, crate::usage::LogState>>,
-    >,
     /// A handle on the directory kept open for listing it (see [`LockDir::names`]).
     listing: std::sync::Arc<std::sync::Mutex<Option<nix::dir::Dir>>>,
     /// Whether the queue is known to be empty without listing the directory (see
@@ -104,7 +99,6 @@ impl LockDir {
             path,
             origin,
             usage_log: Default::default(),
-            usage_tally: Default::default(),
             listing: Default::default(),
             queue_watch: Default::default(),
         };
@@ -340,7 +334,6 @@ mod tests {
     fn given(path: &Path) -> LockDir {
         LockDir {
             usage_log: Default::default(),
-            usage_tally: Default::default(),
             listing: Default::default(),
             queue_watch: Default::default(),
             path: path.to_owned(),

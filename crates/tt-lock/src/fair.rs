@@ -262,10 +262,18 @@ impl LockDir {
     /// Each user's recent use now, decayed with `half_life` seconds, from every user's
     /// usage log as [`LockDir::usage`] reads it (a holder that died holding its GPU is
     /// counted until the GPU's next holder took it, else until now). The logs are read
-    /// on from where this directory's last reading stopped: a decision reads only the
-    /// records written since.
+    /// on from where this process's last reading of this directory stopped: a decision
+    /// reads only the records written since.
     fn recent_use(&self, half_life: f64) -> Result<HashMap<String, f64>> {
-        let mut tally = self.usage_tally.lock().unwrap_or_else(|e| e.into_inner());
+        crate::usage::with_tally(self.path(), |tally| self.recent_use_from(tally, half_life))
+    }
+
+    /// [`LockDir::recent_use`] with `tally`, this directory's logs as read so far.
+    fn recent_use_from(
+        &self,
+        tally: &mut HashMap<std::path::PathBuf, crate::usage::LogState>,
+        half_life: f64,
+    ) -> Result<HashMap<String, f64>> {
         let mut present = std::collections::HashSet::new();
         for name in self.names()? {
             let Some(uid) = name.to_str().and_then(crate::usage::log_uid) else {

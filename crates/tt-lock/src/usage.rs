@@ -419,6 +419,21 @@ fn read(path: &Path, uid: u32, log: &mut UsageLog) -> Result<()> {
     Ok(())
 }
 
+/// Every lock directory's usage logs as read so far by this process, for the fair
+/// share's recent use (read on from where it stopped at each decision: logs only grow).
+static TALLY: std::sync::LazyLock<
+    std::sync::Mutex<HashMap<std::path::PathBuf, HashMap<std::path::PathBuf, LogState>>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// Runs `f` with the logs of the lock directory at `dir` as read so far (by path).
+pub(crate) fn with_tally<R>(
+    dir: &Path,
+    f: impl FnOnce(&mut HashMap<std::path::PathBuf, LogState>) -> R,
+) -> R {
+    let mut all = TALLY.lock().unwrap_or_else(|e| e.into_inner());
+    f(all.entry(dir.to_owned()).or_default())
+}
+
 /// One user's log as read so far: a reader that keeps it reads only what was appended
 /// since ([`read_more`]; logs only grow, a record per line).
 #[derive(Debug, Default)]
