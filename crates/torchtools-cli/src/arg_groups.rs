@@ -137,3 +137,16 @@ pub(crate) struct HookArgs {
 
 /// `--margin`'s default: tt-fence's `DEFAULT_SAFETY_MARGIN` (a test checks they agree).
 pub(crate) const DEFAULT_MARGIN: &str = "50MiB";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_margin_is_tt_fences() {
+        assert_eq!(
+            crate::args::size(DEFAULT_MARGIN),
+            Ok(tt_fence::DEFAULT_SAFETY_MARGIN)
+        );
+    }
+}

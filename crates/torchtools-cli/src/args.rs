@@ -96,49 +96,6 @@ pub(crate) fn array(text: &str) -> Result<ArraySpec, String> {
     Ok(ArraySpec { indices, at_once })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn durations() {
-        // tt-device's parser (tested there): the CLI's options take its forms.
-        assert_eq!(duration("1.5h"), Ok(Duration::from_secs(5400)));
-        assert!(duration("10 minutes").is_err_and(|e| e.contains("is not a duration")));
-    }
-
-    #[test]
-    fn sizes() {
-        assert_eq!(size("6GiB"), Ok(Bytes::gib(6)));
-        assert_eq!(size("6G"), Ok(Bytes::gib(6)));
-        assert_eq!(size("1.5GB"), Ok(Bytes(1_500_000_000)));
-        assert_eq!(size("512MiB"), Ok(Bytes::mib(512)));
-        assert!(size("6XB").is_err_and(|e| e.contains("is not a size")));
-        assert_eq!(budget("auto"), Ok(Budget::Auto));
-        assert_eq!(budget("2GiB"), Ok(Budget::Size(Bytes::gib(2))));
-        assert!(budget("lots").is_err_and(|e| e.contains("is not a size") && e.contains("auto")));
-    }
-
-    #[test]
-    fn array_indices_read_as_slurm_writes_them() {
-        let spec = array("0-3,8%2").unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(spec.indices, [0, 1, 2, 3, 8]);
-        assert_eq!(spec.at_once, Some(2));
-        assert_eq!(array("5").map(|s| s.indices), Ok(vec![5]));
-        assert_eq!(array("1,1,0-1").map(|s| s.indices), Ok(vec![1, 0]));
-        for (bad, says) in [
-            ("3-1", "counts down"),
-            ("0-9%0", "above 0"),
-            ("a-b", "not an index"),
-            ("0-99999", "more than 10000"),
-            ("", "not an index"),
-        ] {
-            let e = array(bad).err().unwrap_or_default();
-            assert!(e.contains(says), "{bad:?}: {e}");
-        }
-    }
-}
-
 /// A report or plot path, checked before the command starts: an existing directory
 /// to write in, not a directory itself, writable.
 pub(crate) fn check_output(option: &str, path: &std::path::Path) -> anyhow::Result<()> {
@@ -186,4 +143,47 @@ pub(crate) fn check_output(option: &str, path: &std::path::Path) -> anyhow::Resu
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        // tt-device's parser (tested there): the CLI's options take its forms.
+        assert_eq!(duration("1.5h"), Ok(Duration::from_secs(5400)));
+        assert!(duration("10 minutes").is_err_and(|e| e.contains("is not a duration")));
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(size("6GiB"), Ok(Bytes::gib(6)));
+        assert_eq!(size("6G"), Ok(Bytes::gib(6)));
+        assert_eq!(size("1.5GB"), Ok(Bytes(1_500_000_000)));
+        assert_eq!(size("512MiB"), Ok(Bytes::mib(512)));
+        assert!(size("6XB").is_err_and(|e| e.contains("is not a size")));
+        assert_eq!(budget("auto"), Ok(Budget::Auto));
+        assert_eq!(budget("2GiB"), Ok(Budget::Size(Bytes::gib(2))));
+        assert!(budget("lots").is_err_and(|e| e.contains("is not a size") && e.contains("auto")));
+    }
+
+    #[test]
+    fn array_indices_read_as_slurm_writes_them() {
+        let spec = array("0-3,8%2").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(spec.indices, [0, 1, 2, 3, 8]);
+        assert_eq!(spec.at_once, Some(2));
+        assert_eq!(array("5").map(|s| s.indices), Ok(vec![5]));
+        assert_eq!(array("1,1,0-1").map(|s| s.indices), Ok(vec![1, 0]));
+        for (bad, says) in [
+            ("3-1", "counts down"),
+            ("0-9%0", "above 0"),
+            ("a-b", "not an index"),
+            ("0-99999", "more than 10000"),
+            ("", "not an index"),
+        ] {
+            let e = array(bad).err().unwrap_or_default();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
+    }
 }

@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::arg_groups::HookArgs;
 use crate::exit::Exit;
+use crate::jobs::store::{JOB_ID_ENV, JOB_LOG_ENV};
 
 /// The hook of a detached job, from its starter to its keeper and from an owner to its
 /// guardian: in the environment, readable by the user alone (`/proc/PID/environ`).
@@ -31,12 +32,6 @@ const HOOK_ENV: &str = "TORCHTOOLS_JOB_ON_END";
 
 /// Its time limit, in seconds, beside it.
 const TIMEOUT_ENV: &str = "TORCHTOOLS_JOB_ON_END_TIMEOUT";
-
-/// A detached job's id, in the environment of its torchtools and command.
-pub(crate) const JOB_ID_ENV: &str = "TORCHTOOLS_JOB_ID";
-
-/// A detached job's log, beside its id.
-pub(crate) const JOB_LOG_ENV: &str = "TORCHTOOLS_JOB_LOG";
 
 /// A hook's time limit when neither `--on-end-timeout` nor the config gives one.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -376,15 +371,8 @@ impl Guardian {
     }
 }
 
-/// `job-hook ID`'s arguments: the guardian (internal).
-#[derive(clap::Args)]
-pub(crate) struct GuardianArgs {
-    /// The job's id (`attached` for an attached job): for `ps`.
-    pub(crate) id: String,
-}
-
 /// The guardian: reads the owner's events until the pipe closes, then runs the hook.
-pub(crate) fn guard(_args: &GuardianArgs) -> Result<std::process::ExitCode> {
+pub(crate) fn guard() -> Result<std::process::ExitCode> {
     let Some(hook) = Hook::take_passed() else {
         return Err(Exit(2, "job-hook is internal: use --on-end".into()).into());
     };
@@ -411,7 +399,9 @@ pub(crate) fn guard(_args: &GuardianArgs) -> Result<std::process::ExitCode> {
         return Ok(std::process::ExitCode::FAILURE);
     };
     let (status, state) = match end {
-        Some(Event::Ended { status }) => (status.to_string(), crate::jobs::status_text(status)),
+        Some(Event::Ended { status }) => {
+            (status.to_string(), crate::jobs::store::status_text(status))
+        }
         Some(Event::Cancelled { why }) => (String::new(), format!("cancelled: {why}")),
         _ if id.is_empty() => (String::new(), "lost (torchtools was killed)".into()),
         _ => (String::new(), "lost (its keeper was killed)".into()),
@@ -460,7 +450,7 @@ fn gpus_of(pid: u32, host: &str, started: f64) -> String {
 
 /// The last lines of `log` (at most [`TAIL_LINES`] and [`TAIL_BYTES`]).
 fn tail(log: &Path) -> Vec<u8> {
-    let Ok(mut file) = crate::jobs::open_log(log) else {
+    let Ok(mut file) = crate::jobs::store::open_log(log) else {
         return Vec::new();
     };
     let len = file.metadata().map_or(0, |m| m.len());

@@ -179,9 +179,9 @@ pub(crate) fn timer(limit: TimeLimit, send: impl Fn(i32) + Send + 'static) -> Be
 pub(crate) fn ended_by_limit(code: u8) {
     eprintln!(
         "torchtools: the command was ended by its time limit ({})",
-        crate::jobs::status_text(i32::from(code))
+        crate::jobs::store::status_text(i32::from(code))
     );
-    crate::jobs::mark_timed_out();
+    crate::jobs::store::mark_timed_out();
 }
 
 #[cfg(test)]

@@ -7,7 +7,9 @@ use anyhow::Result;
 use tt_device::Inventory;
 use tt_lock::{GpuKey, LockDir};
 
-/// `queue`'s options.
+/// Show the requests waiting for GPUs, in the order they will be served (first
+/// come, first served, or by the machine's fair-share policy with each request's
+/// priority and why): user, pid, how long, GPUs asked, bytes, command.
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// Print JSON instead of text.

@@ -421,14 +421,26 @@ pub(crate) enum TrackCommand {
     /// gpu_tracker's sub-tracking commands, with its options and outputs, on both tools'
     /// files: per code block statistics, sub-tracking files combined, sessions compared.
     #[command(name = "sub-track", subcommand)]
-    SubTrack(crate::subtrack::SubTrackCommand),
+    SubTrack(crate::commands::subtrack::SubTrackCommand),
 }
 
-/// `track`'s options (gpu_tracker's too), or one of its subcommands.
+/// Track a command's resources: RAM of it and its descendants (total, private,
+/// shared), GPU RAM, CPU and GPU use, energy, time, as gpu_tracker does, with exact
+/// kernel peaks.
+///
+/// The report goes to stdout (or --output), as gpu_tracker's; messages go to
+/// stderr. The exit status is the command's (128+N when killed by signal N; 127
+/// when not found; 2 for bad arguments or output paths, checked before the
+/// command starts). gpu_tracker's options work too (-e, --st, --ru, --gru, --tu,
+/// --nec, --guuids, --gb, --tf, --disable-logs, --tconfig): put `torchtools track`
+/// in front of a `gpu-tracker` line. `track compare A.json B.json` compares reports
+/// written with --format json; `track sub-track analyze|combine|compare` are
+/// gpu_tracker's sub-tracking commands.
 #[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub(crate) struct Args {
     #[command(subcommand)]
-    pub(crate) compare: Option<Box<crate::track::TrackCommand>>,
+    pub(crate) compare: Option<Box<crate::commands::track::TrackCommand>>,
     /// Time between samples (gpu_tracker's --st, in seconds): 100ms by default,
     /// at least 10ms. gpu_tracker samples every second; our peaks are exact
     /// whatever the interval (the kernel's high-water marks), the interval only
@@ -497,7 +509,7 @@ pub(crate) struct Args {
 pub(crate) fn run(args: Args) -> Result<ExitCode> {
     match args.compare.map(|c| *c) {
         Some(TrackCommand::Compare { files, json }) => compare(&files, json),
-        Some(TrackCommand::SubTrack(sub)) => crate::subtrack::run(sub),
+        Some(TrackCommand::SubTrack(sub)) => crate::commands::subtrack::run(sub),
         None => {
             let given = Given {
                 interval: args.interval,

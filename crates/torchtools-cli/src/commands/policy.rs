@@ -6,7 +6,13 @@ use std::process::ExitCode;
 use anyhow::Result;
 use tt_lock::{LockDir, PolicyInForce, PolicyStatus, Standing};
 
-/// `policy`'s options.
+/// Show the machine's queueing policy (/etc/torchtools/policy.toml, or the file
+/// TORCHTOOLS_POLICY names) and why it is in force or ignored, and each user's
+/// recent use, GPUs held and requests waiting under it.
+///
+/// Exits with 1 when a policy file is there but ignored: not owned by root (or,
+/// for TORCHTOOLS_POLICY's file, by the lock directory's owner), writable by
+/// others, or not valid (the message names the key).
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// Print JSON instead of text.

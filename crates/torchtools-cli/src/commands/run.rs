@@ -2,8 +2,10 @@
 
 use anyhow::Result;
 
-/// `run`'s options.
+/// Probe, reserve, run: probe CMD in probe mode (as `probe` does) or take --bytes,
+/// reserve GPU(s) leaving that much free (as `reserve` does), then run CMD for real.
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("size").required(true).args(["bytes", "probe"])))]
 pub(crate) struct Args {
     /// Memory the command needs, instead of probing it (`auto`: probe it, as --probe).
     #[arg(long, value_parser = crate::args::budget)]
@@ -29,18 +31,18 @@ pub(crate) fn run(args: Args) -> Result<u8> {
     let limit = args.reservation.time_limit()?;
     let bytes = match args.bytes {
         Some(crate::args::Budget::Size(b)) => b,
-        Some(crate::args::Budget::Auto) => crate::probe::estimate_for_run(
+        Some(crate::args::Budget::Auto) => crate::commands::probe::estimate_for_run(
             &args.reservation.gpu,
             &args.probing,
             "--bytes auto",
             &args.command,
         )?,
-        None => crate::probe::estimate_for_run(
+        None => crate::commands::probe::estimate_for_run(
             &args.reservation.gpu,
             &args.probing,
             "--probe",
             &args.command,
         )?,
     };
-    crate::reserve::reserve(args.reservation.request(Some(bytes), args.command, limit))
+    crate::commands::reserve::reserve(args.reservation.request(Some(bytes), args.command, limit))
 }

@@ -19,9 +19,9 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 use tt_lock::LockDir;
 
+use crate::commands::usage::{By, Row};
 use crate::exit::Exit;
 use crate::snapshot::{Gpus, Snapshot};
-use crate::usage::{By, Row};
 
 /// The page: HTML, CSS and JavaScript in one file, embedded (no external asset).
 const PAGE: &str = include_str!("serve.html");
@@ -45,7 +45,13 @@ const HISTORY_SPAN: Duration = Duration::from_secs(3600);
 /// The version of `/api/state`'s schema (README: "The page and its API").
 pub(crate) const SCHEMA: u32 = 1;
 
-/// `serve`'s options.
+/// The whole server on one page, in a browser: every GPU's memory, holder or
+/// sharers, the queue in serving order and why, jobs, each user's use over the
+/// last day and week, each GPU's memory over the last hour; live, read-only.
+///
+/// Serves the page at http://ADDR/, its data as JSON at /api/state, and /metrics
+/// (as `metrics --listen`), until stopped. What it shows is what `locks`, `queue`,
+/// `jobs --all` and `usage` show every user of the machine.
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// Where to listen (0.0.0.0:PORT for every interface; what the page shows is what
@@ -68,7 +74,7 @@ pub(crate) struct State {
     #[serde(flatten)]
     pub(crate) snapshot: Snapshot,
     /// Every user's jobs (`jobs --all --json`'s rows), oldest first.
-    pub(crate) jobs: Vec<crate::jobs::Row>,
+    pub(crate) jobs: Vec<crate::jobs::store::Row>,
     /// Job records not believed, and those that cannot be read.
     pub(crate) jobs_ignored: Vec<tt_lock::Ignored>,
     pub(crate) jobs_damaged: Vec<String>,
@@ -245,12 +251,12 @@ async fn answer(request: hyper::Request<hyper::body::Incoming>, shared: Arc<Shar
                 .map(str::to_owned);
             // Read afresh per scrape, off the threads that answer the others.
             let rendered = tokio::task::spawn_blocking(move || {
-                crate::metrics::render(&shared.dir, &shared.gpus)
+                crate::commands::metrics::render(&shared.dir, &shared.gpus)
             })
             .await;
             match rendered {
                 Ok(Ok(text)) => {
-                    let (kind, body) = crate::metrics::negotiate(text, accept.as_deref());
+                    let (kind, body) = crate::commands::metrics::negotiate(text, accept.as_deref());
                     response(200, kind, body)
                 }
                 Ok(Err(e)) => refuse(500, &format!("{e:#}")),
@@ -301,7 +307,7 @@ impl Reader {
 
     pub(crate) fn state(&mut self) -> Result<State> {
         let snapshot = Snapshot::take(&self.dir, &self.gpus)?;
-        let (jobs, scan) = crate::jobs::all_rows(&self.dir, &snapshot.queue)?;
+        let (jobs, scan) = crate::jobs::store::all_rows(&self.dir, &snapshot.queue)?;
         if self.usage_read.is_none_or(|t| t.elapsed() >= USAGE_REFRESH) {
             self.usage = self.read_usage()?;
             self.usage_read = Some(Instant::now());
@@ -329,8 +335,9 @@ impl Reader {
     fn read_usage(&self) -> Result<UsageView> {
         let log = self.dir.usage()?;
         let now = tt_device::now_unix();
-        let since =
-            |days: f64| crate::usage::rows(&log.records, By::User, now - days * 86_400.0, now);
+        let since = |days: f64| {
+            crate::commands::usage::rows(&log.records, By::User, now - days * 86_400.0, now)
+        };
         Ok(UsageView {
             day: since(1.0),
             week: since(7.0),

@@ -6,7 +6,8 @@ use anyhow::Result;
 use tt_device::Inventory;
 use tt_lock::LockDir;
 
-/// `locks`' options.
+/// Show every GPU's lock: free, or held by whom, since when, reserving how much,
+/// and how many requests wait for it.
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// Print JSON instead of text.
@@ -46,6 +47,6 @@ fn locks(json: bool) -> Result<ExitCode> {
         println!("  {state}");
     }
     crate::ignored::say(&ignored);
-    crate::policy::say_if_ignored(&dir);
+    crate::commands::policy::say_if_ignored(&dir);
     Ok(ExitCode::SUCCESS)
 }

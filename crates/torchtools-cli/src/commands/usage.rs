@@ -112,7 +112,7 @@ pub(crate) fn usage(since: Option<Duration>, by: By, json: bool) -> Result<ExitC
     }
     print!("{}", text(&rows, by));
     crate::ignored::say(&log.ignored);
-    crate::policy::say_if_ignored(&dir);
+    crate::commands::policy::say_if_ignored(&dir);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -158,15 +158,18 @@ fn text(rows: &[Row], by: By) -> String {
     out
 }
 
-/// `usage`'s options.
+/// Who used the GPUs, and how much: GPU-hours and reserved GiB-hours per user (or
+/// per GPU) from the lock directory's usage log, which every reservation writes
+/// (`reserve`, `run`, `launch --gpu`, the API). A holder that died holding its GPU
+/// is counted until the GPU's next holder took it (or until now), marked lost.
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// Only reservations that ended in this last while (or still run): 7d, 24h, 30m.
     #[arg(long, value_parser = crate::args::duration)]
     pub(crate) since: Option<std::time::Duration>,
     /// Group by user (default) or by GPU.
-    #[arg(long, value_enum, default_value_t = crate::usage::By::User)]
-    pub(crate) by: crate::usage::By,
+    #[arg(long, value_enum, default_value_t = crate::commands::usage::By::User)]
+    pub(crate) by: crate::commands::usage::By,
     /// Print JSON instead of text.
     #[arg(long)]
     pub(crate) json: bool,

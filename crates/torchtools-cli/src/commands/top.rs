@@ -19,7 +19,7 @@ use ratatui::Frame;
 use tt_device::{Bytes, NvmlStatus};
 use tt_lock::{utc, GpuKey, Holder, LockDir};
 
-use crate::queue::{age, wants_text};
+use crate::commands::queue::{age, wants_text};
 use crate::snapshot::{GpuView, Gpus, Snapshot};
 
 /// How often the view refreshes.
@@ -558,7 +558,13 @@ fn render_processes(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buff
         .render(area, buf);
 }
 
-/// `top`'s options.
+/// A live view of the GPUs, refreshed every second: memory used, free and fenced,
+/// use, the lock's holder and the requests waiting, and the processes on each GPU
+/// (marked when they run outside the holder's reservation).
+///
+/// Keys: q quits, the arrow keys select a GPU, c toggles a compact view for narrow
+/// terminals. Without NVML it shows the locks and the queue and says why the GPU
+/// columns are empty.
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// Print one frame as text and exit (for scripts; width from COLUMNS).

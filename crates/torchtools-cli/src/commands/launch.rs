@@ -61,9 +61,23 @@ fn nnodes(text: &str) -> std::result::Result<usize, String> {
     }
 }
 
-/// `torchtools launch`'s options: torchrun's, in both its spellings.
+/// Launch N processes of CMD with torchrun's variables and command line: a drop-in
+/// for `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+/// ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*; OMP_NUM_THREADS=1 when unset and
+/// N > 1), each output line prefixed with its rank as it is printed
+/// (PYTHONUNBUFFERED=1 when unset, so that Python's print reaches you at once).
+///
+/// torchrun's options work as torchrun spells them (`--nproc_per_node=2` and
+/// `--nproc-per-node 2`, `--standalone`, `--rdzv-endpoint`, `-m`, `--no-python`,
+/// `--run-path`), and a script path runs with Python: `torchtools launch
+/// --nproc_per_node=4 train.py --lr 3e-4`. Without torchrun's forms: `launch
+/// --nproc-per-node 2 -- ./my_rust_binary`.
+///
+/// When a rank fails, the others get SIGTERM, then SIGKILL after 10 s, and
+/// torchtools exits with the failed rank's status, naming it and the exception
+/// it recorded (PyTorch's `@record`).
 #[derive(clap::Args)]
-pub(crate) struct LaunchArgs {
+pub(crate) struct Args {
     /// Start the launch in a session of its own, immune to the terminal's hang-up and
     /// to logging out, its ranks' prefixed output in a log file (in `--log-dir DIR`,
     /// default $XDG_STATE_HOME/torchtools/logs); print its job id at once (see
@@ -251,7 +265,7 @@ fn python() -> OsString {
         .map_or_else(|| "python3".into(), PathBuf::into_os_string)
 }
 
-impl LaunchArgs {
+impl Args {
     /// Whether the policy may preempt the group (`--preemptible`).
     pub(crate) fn preemptible(&self) -> bool {
         self.time.preemptible
@@ -423,7 +437,7 @@ impl LaunchArgs {
 }
 
 /// Returns the group's exit status: 0, or the failed rank's.
-pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
+pub(crate) fn run(args: Args) -> Result<u8> {
     if args.time.preemptible && args.gpu.is_none() {
         return Err(Exit(
             2,
@@ -516,7 +530,7 @@ pub(crate) fn launch(args: LaunchArgs) -> Result<u8> {
 /// The group's GPUs (`--gpu`), reserved before any rank starts, with the variables
 /// every rank inherits them through (`CUDA_VISIBLE_DEVICES`, the held locks).
 fn reserve_for(
-    args: &LaunchArgs,
+    args: &Args,
     gpus: &[tt_lock::GpuSpec],
     cfg: &mut LaunchConfig,
 ) -> Result<tt_reserve::Reservation> {
@@ -534,8 +548,8 @@ fn reserve_for(
         }
         _ => Vec::new(),
     };
-    let bytes = crate::reserve::budget(args.bytes, gpus, &args.probing, &probed)?;
-    let request = crate::reserve::Request {
+    let bytes = crate::commands::reserve::budget(args.bytes, gpus, &args.probing, &probed)?;
+    let request = crate::commands::reserve::Request {
         gpus: gpus.to_vec(),
         count: args
             .count
@@ -553,7 +567,7 @@ fn reserve_for(
             .chain(cfg.args.iter().cloned())
             .collect(),
     };
-    let reservation = crate::reserve::take(&request)?;
+    let reservation = crate::commands::reserve::take(&request)?;
     if !reservation.is_empty() {
         cfg.env.push((
             "CUDA_VISIBLE_DEVICES".into(),

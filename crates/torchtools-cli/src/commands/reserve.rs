@@ -63,7 +63,7 @@ pub(crate) fn reserve(req: Request) -> Result<u8> {
     if ended.preempted {
         eprintln!(
             "torchtools: the command was preempted by the machine's policy ({})",
-            crate::jobs::status_text(i32::from(ended.code))
+            crate::jobs::store::status_text(i32::from(ended.code))
         );
     }
     reservation.set_exit_status(i32::from(ended.code));
@@ -189,8 +189,20 @@ impl ReserveArgs {
     }
 }
 
-/// `reserve`'s options: the bytes, the reservation, `--detach`, the command.
+/// Reserve GPU(s), then run a command on them: take each GPU's lock (waiting for
+/// it), raise a memory fence that leaves --bytes free for the command, run it with
+/// CUDA_VISIBLE_DEVICES set to the GPUs' UUIDs, and release everything when it ends.
+///
+/// The command inherits the locks: they are held as long as it or torchtools lives.
+/// Exit status: the command's (128+N when killed by signal N); 75 when the GPUs stay
+/// locked past --timeout; 127 when the command is not found; 2 for bad arguments.
 #[derive(clap::Args)]
+#[command(arg_required_else_help = true)]
+// --bytes or --no-fence is required (checked where the request is made, whose
+// message says why: a fence leaves free what --bytes says); the usage says so.
+#[command(
+    override_usage = "torchtools reserve (--bytes <BYTES> | --no-fence) [OPTIONS] -- <CMD>..."
+)]
 pub(crate) struct Args {
     /// Memory the command needs on each GPU: the fence leaves this much (plus
     /// --margin) free. Sizes: 6GiB, 512MiB, 6G, 1.5GB, bytes; or auto: probe the
@@ -234,24 +246,11 @@ pub(crate) fn budget(
     Ok(match bytes {
         None => None,
         Some(crate::args::Budget::Size(b)) => Some(b),
-        Some(crate::args::Budget::Auto) => Some(crate::probe::estimate_for_run(
+        Some(crate::args::Budget::Auto) => Some(crate::commands::probe::estimate_for_run(
             gpus,
             probing,
             "--bytes auto",
             command,
         )?),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_default_margin_is_tt_fences() {
-        assert_eq!(
-            crate::args::size(DEFAULT_MARGIN),
-            Ok(tt_fence::DEFAULT_SAFETY_MARGIN)
-        );
-    }
 }

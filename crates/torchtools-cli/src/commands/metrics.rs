@@ -31,7 +31,14 @@ const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// The file `--textfile DIR` writes (node_exporter reads `*.prom`).
 const TEXTFILE: &str = "torchtools.prom";
 
-/// `metrics`' options.
+/// The GPUs, reservations, queue, users and jobs as OpenMetrics text for Prometheus:
+/// printed once, served at http://ADDR/metrics (--listen ADDR), or written for
+/// node_exporter's textfile collector (--textfile DIR).
+///
+/// Per GPU: memory used and total, use, fenced bytes, who reserved how much (holder
+/// or sharers), waiters and the oldest wait; per user: GPU-seconds and reserved
+/// byte-seconds (the usage records), queued requests, running and waiting jobs; per
+/// running job: its GPUs and budget. Labels: gpu, uuid, user, job_id.
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// Serve the metrics at http://ADDR/metrics (e.g. 127.0.0.1:9835; 0.0.0.0:9835 for
@@ -285,7 +292,7 @@ fn gpu_labels(key: &GpuKey, index: Option<u32>) -> GpuLabels {
 pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
     let snapshot = Snapshot::take(dir, gpus)?;
     let usage = dir.usage()?;
-    let jobs = crate::jobs::live_jobs(dir, &snapshot.queue)?;
+    let jobs = crate::jobs::store::live_jobs(dir, &snapshot.queue)?;
     let mut registry = Registry::with_prefix("torchtools");
     gpu_series(&mut registry, &snapshot);
     queue_series(&mut registry, &snapshot);
@@ -508,7 +515,9 @@ fn usage_series(registry: &mut Registry, usage: &tt_lock::UsageLog, now: f64) {
         Unit::Other("byte_seconds".into()),
         byte_seconds.clone(),
     );
-    for row in crate::usage::rows(&usage.records, crate::usage::By::User, 0.0, now) {
+    for row in
+        crate::commands::usage::rows(&usage.records, crate::commands::usage::By::User, 0.0, now)
+    {
         let user = UserLabels {
             user: label(&row.name),
         };
@@ -522,7 +531,7 @@ fn usage_series(registry: &mut Registry, usage: &tt_lock::UsageLog, now: f64) {
 }
 
 /// Per user, the detached jobs by state; per running job, its GPUs and bytes.
-fn job_series(registry: &mut Registry, jobs: &[crate::jobs::LiveJob]) {
+fn job_series(registry: &mut Registry, jobs: &[crate::jobs::store::LiveJob]) {
     let user_jobs = gauges::<UserStateLabels>(
         registry,
         "user_jobs",

@@ -221,7 +221,10 @@ pub(crate) struct MaxBatchArgs {
     pub(crate) capacity: Option<tt_device::Bytes>,
 }
 
-/// `probe`'s options.
+/// Probe a command's peak memory: run it with TORCHTOOLS_PROBE=1 and
+/// TORCHTOOLS_PROBE_STEPS=N (so a script can opt into a short run) until it exits or
+/// the timeout, sampling its whole process tree (NVML GPU memory, else RSS), and print
+/// the peak and the bytes to reserve.
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// Run it on this GPU only (index as nvidia-smi shows it, or UUID).
@@ -237,7 +240,7 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) json: bool,
     #[command(flatten)]
-    pub(crate) max_batch: crate::probe::MaxBatchArgs,
+    pub(crate) max_batch: crate::commands::probe::MaxBatchArgs,
     /// The command and its arguments, after `--`.
     #[arg(last = true, required = true, value_name = "CMD")]
     pub(crate) command: Vec<std::ffi::OsString>,

@@ -2,7 +2,11 @@
 
 use std::process::ExitCode;
 
-/// `devices`' options.
+/// List the GPUs (NVML) and show which device TORCHTOOLS_DEVICE, LOCAL_RANK and
+/// CUDA_VISIBLE_DEVICES select.
+///
+/// Exits with 2 when a variable is invalid or asks for a device that is not
+/// there, after printing the report.
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// Print JSON instead of text.

@@ -1,0 +1,149 @@
+//! `torchtools jobs`: your detached jobs (every user's with `--all`), and `jobs wait`.
+
+use crate::jobs::keeper::DEPENDENCY_POLL;
+use crate::jobs::store::{
+    all_jobs, ended, held_by, load, outcome, record_path, records_dir, records_dir_in, resolve,
+    rows, scan, state, uid, Job,
+};
+use anyhow::Result;
+use std::process::ExitCode;
+use tt_device::now_unix;
+use tt_lock::LockDir;
+
+pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
+    let locks = LockDir::from_env()?;
+    let waiting: Vec<u32> = locks
+        .queue()
+        .map(|q| q.iter().map(|w| w.pid).collect())
+        .unwrap_or_default();
+    let held = locks.list().unwrap_or_default();
+    let mine = uid();
+    let scan = scan(&records_dir_in(&locks)?)?;
+    let jobs: Vec<Job> = scan
+        .jobs
+        .into_iter()
+        .filter(|j| all || j.uid == mine)
+        .collect();
+    if !json {
+        crate::ignored::say(&scan.ignored);
+        crate::commands::policy::say_if_ignored(&locks);
+        for why in &scan.damaged {
+            println!("damaged job record (not a job torchtools wrote): {why}");
+        }
+    }
+    if json {
+        let rows = rows(jobs, &waiting, &held);
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if jobs.is_empty() {
+        println!(
+            "no job{}",
+            if all {
+                ""
+            } else {
+                " of yours (--all: everyone's)"
+            }
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    let now = now_unix();
+    for job in &jobs {
+        let took = job.ended_unix.unwrap_or(now) - job.started_unix;
+        let (gpus, bytes) = held_by(job, &held);
+        let gpus = if gpus.is_empty() {
+            "-".to_owned()
+        } else {
+            let each = bytes.map_or(String::new(), |b| {
+                format!(" ({} each)", tt_device::Bytes(b))
+            });
+            format!("GPU {}{each}", gpus.join(","))
+        };
+        println!(
+            "{}  {:<8}  {:<24}  {:>7}  {}  {}  {}",
+            tt_device::printable(&job.id),
+            tt_device::printable(&job.user),
+            tt_device::printable(&state(job, &waiting)),
+            format!("{:.0}s", took.max(0.0)),
+            gpus,
+            crate::args::shown(&job.command),
+            tt_device::printable(&job.log.to_string_lossy())
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Your detached jobs (`--detach` on reserve, run, launch): id, state (waiting,
+/// running, finished or failed with its status, lost when the machine rebooted),
+/// how long, the command and its log.
+#[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub(crate) struct Args {
+    #[command(subcommand)]
+    pub(crate) wait: Option<JobsCommand>,
+    /// Everyone's jobs, not only yours.
+    #[arg(long)]
+    pub(crate) all: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// `jobs wait`.
+#[derive(clap::Subcommand)]
+pub(crate) enum JobsCommand {
+    /// Wait until these jobs have ended; exit with the worst status among them (a
+    /// cancelled or lost job counts as 1).
+    Wait {
+        /// The jobs (ids, unique prefixes, or `last`).
+        #[arg(required_unless_present = "all_mine", conflicts_with = "all_mine")]
+        jobs: Vec<String>,
+        /// Every job of yours that has not ended yet.
+        #[arg(long)]
+        all_mine: bool,
+    },
+}
+
+/// `torchtools jobs` and `jobs wait`.
+pub(crate) fn run(args: Args) -> Result<ExitCode> {
+    match args.wait {
+        Some(JobsCommand::Wait { jobs, all_mine }) => wait(&jobs, all_mine),
+        None => self::jobs(args.json, args.all),
+    }
+}
+
+/// `torchtools jobs wait`: returns when every job named has ended, with the worst
+/// status (the largest), each job's end said on its line.
+fn wait(ids: &[String], all_mine: bool) -> Result<ExitCode> {
+    let records = records_dir()?;
+    let ids: Vec<String> = if all_mine {
+        all_jobs(&records)?
+            .into_iter()
+            .filter(|j| j.uid == uid() && !ended(j))
+            .map(|j| j.id)
+            .collect()
+    } else {
+        let mut all = Vec::new();
+        for id in ids {
+            all.extend(resolve(&records, id)?.into_iter().map(|j| j.id));
+        }
+        all
+    };
+    let mut worst = 0;
+    for id in &ids {
+        let job = loop {
+            match load(&record_path(&records, id)) {
+                Some(job) if ended(&job) => break Some(job),
+                Some(_) => std::thread::sleep(DEPENDENCY_POLL),
+                None => break None,
+            }
+        };
+        let (code, said) = match &job {
+            Some(job) => (outcome(job), state(job, &[])),
+            None => (1, "its record is gone".to_owned()),
+        };
+        println!("{id}  {said}");
+        worst = worst.max(code);
+    }
+    Ok(ExitCode::from(u8::try_from(worst).unwrap_or(1)))
+}

@@ -1,0 +1,55 @@
+//! `torchtools logs`: a detached job's log.
+
+use crate::exit::Exit;
+use crate::jobs::store::{ended, find, load, open_log, record_path, records_dir};
+use anyhow::Result;
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::Duration;
+
+pub(crate) fn logs(id: &str, follow: bool) -> Result<ExitCode> {
+    let records = records_dir()?;
+    let job = find(&records, id)?;
+    let mut file = open_log(&job.log).map_err(|e| {
+        Exit(
+            1,
+            format!(
+                "job {}: cannot read its log {}: {e}",
+                job.id,
+                job.log.display()
+            ),
+        )
+    })?;
+    let mut out = std::io::stdout().lock();
+    loop {
+        // Copied in pieces, never held whole.
+        std::io::copy(&mut file, &mut out)?;
+        out.flush()?;
+        if !follow {
+            return Ok(ExitCode::SUCCESS);
+        }
+        let now = load(&record_path(&records, &job.id)).unwrap_or(job.clone());
+        if ended(&now) {
+            // The rest written before it ended.
+            std::io::copy(&mut file, &mut out)?;
+            out.flush()?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A detached job's log (its id, a unique prefix of it, or `last`).
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// The job.
+    pub(crate) job: String,
+    /// Follow the log while the job runs; end when it ends.
+    #[arg(short, long)]
+    pub(crate) follow: bool,
+}
+
+/// Runs `torchtools logs`.
+pub(crate) fn run(args: Args) -> Result<ExitCode> {
+    logs(&args.job, args.follow)
+}

@@ -1,0 +1,590 @@
+//! The records of detached jobs: `job-ID.json` in the lock directory, each written by
+//! its job's user (mode 0644: every user's jobs are visible with `--all`, and only
+//! their owner can change them); a record whose user is not its file's owner is ignored
+//! and said, and one that cannot be read is listed as damaged. What a job's state is
+//! (waiting, running, finished, lost), found from its record, its processes and the
+//! GPU locks; and its log, in the user's own state directory.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use tt_lock::LockDir;
+
+use crate::exit::Exit;
+
+/// A job's record: `job-ID.json` in the lock directory.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub(crate) struct Job {
+    pub(crate) id: String,
+    pub(crate) user: String,
+    pub(crate) uid: u32,
+    pub(crate) host: String,
+    /// The kernel's boot id when it started: another one now means the machine
+    /// rebooted and the job is lost.
+    pub(crate) boot_id: String,
+    /// `torchtools` and its arguments, as the job runs them.
+    pub(crate) command: Vec<String>,
+    pub(crate) log: PathBuf,
+    pub(crate) started_unix: f64,
+    /// The keeper (`job-run`), leader of the job's session.
+    pub(crate) keeper_pid: u32,
+    /// The PID namespace its pids mean something in (a container's, or the host's).
+    #[serde(default)]
+    pub(crate) pid_ns: Option<u64>,
+    /// The job's `torchtools`, once started.
+    #[serde(default)]
+    pub(crate) pid: Option<u32>,
+    #[serde(default)]
+    pub(crate) ended_unix: Option<f64>,
+    /// The exit status (128 + a signal's number when killed).
+    #[serde(default)]
+    pub(crate) status: Option<i32>,
+    /// The jobs it starts after, however they end (`--after`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) after: Vec<String>,
+    /// The jobs it starts after, only if they all succeed (`--after-ok`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) after_ok: Vec<String>,
+    /// While it waits for one of those: that job's id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) waiting_for: Option<String>,
+    /// Why it ended without running ("job ID failed"), when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) cancelled: Option<String>,
+    /// Its (last) run was ended by its time limit (`--time`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) timed_out: bool,
+    /// Run again when it exits 75 (`--requeue`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) requeue: bool,
+    /// How many times its command has started (more than once when requeued).
+    #[serde(default)]
+    pub(crate) runs: u32,
+    /// Its place in a job array (`--array`), when it is one of its tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) array: Option<ArrayTask>,
+}
+
+/// A task of a job array: the array's id and this task's index.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub(crate) struct ArrayTask {
+    pub(crate) id: String,
+    pub(crate) index: u32,
+}
+
+/// The variable that tells an array's task its index (`--array`).
+pub(crate) const ARRAY_TASK_ENV: &str = "TORCHTOOLS_ARRAY_TASK_ID";
+
+pub(crate) fn boot_id() -> String {
+    fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
+pub(crate) fn uid() -> u32 {
+    nix::unistd::geteuid().as_raw()
+}
+
+/// Sends `signal` to `pid` (a process of a job, found in its record).
+pub(crate) fn signal(pid: u32, signal: nix::sys::signal::Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);
+}
+
+/// The directory of job records: the lock directory itself (`TORCHTOOLS_LOCK_DIR`),
+/// sticky, where only a record's owner (and the directory's owner, root on a server
+/// set up well) can change or remove it. Not a subdirectory: whoever created that
+/// could remove every user's records in it.
+pub(crate) fn records_dir() -> Result<PathBuf> {
+    records_dir_in(&LockDir::from_env()?)
+}
+
+/// [`records_dir`] of a lock directory already open.
+pub(crate) fn records_dir_in(locks: &LockDir) -> Result<PathBuf> {
+    Ok(locks.path().to_owned())
+}
+
+/// The most a job record's file is read (a record is a few hundred bytes).
+pub(crate) const MAX_RECORD: u64 = 1 << 20;
+
+/// What job records are named: `job-ID.json`.
+pub(crate) const RECORD_PREFIX: &str = "job-";
+
+pub(crate) fn record_path(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{RECORD_PREFIX}{id}.json"))
+}
+
+/// `id`, or `id-2`, `id-3`... when a file of that name is there already (an id is
+/// predictable: another user may have put a file under its name first, which this
+/// user could then neither replace nor remove).
+pub(crate) fn free_id(records: &Path, id: &str) -> String {
+    (1..)
+        .map(|n| match n {
+            1 => id.to_owned(),
+            n => format!("{id}-{n}"),
+        })
+        .find(|id| fs::symlink_metadata(record_path(records, id)).is_err())
+        .unwrap_or_else(|| id.to_owned())
+}
+
+/// Writes `job` atomically (a temporary file renamed over the record), readable by all.
+pub(crate) fn save(dir: &Path, job: &Job) -> Result<()> {
+    let path = record_path(dir, &job.id);
+    let temp = dir.join(format!(".{}.{}.tmp", job.id, std::process::id()));
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&temp)
+        .with_context(|| format!("writing {}", temp.display()))?;
+    // Readable by every user whatever the umask (`jobs --all`).
+    file.set_permissions(fs::Permissions::from_mode(0o644))?;
+    file.write_all(&serde_json::to_vec_pretty(job)?)?;
+    file.sync_all()?;
+    fs::rename(&temp, &path).with_context(|| format!("placing {}", path.display()))?;
+    Ok(())
+}
+
+pub(crate) fn load(path: &Path) -> Option<Job> {
+    match read_record(path) {
+        Record::Job(job) => Some(*job),
+        _ => None,
+    }
+}
+
+/// What a job record file holds, as a reader finds it.
+pub(crate) enum Record {
+    /// A job, written by its own user.
+    Job(Box<Job>),
+    /// A record naming another user than its file's owner: not believed.
+    Ignored(tt_lock::Ignored),
+    /// Not a job record (not JSON, cut short): listed as damaged, not dropped.
+    Damaged(String),
+    /// Gone, a symbolic link, or not a regular file: no record.
+    None,
+}
+
+/// Reads a job record: never through a symbolic link, and believed only when the user
+/// and uid it names are its file's owner.
+pub(crate) fn read_record(path: &Path) -> Record {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(file) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    else {
+        return Record::None;
+    };
+    let Ok(meta) = file.metadata() else {
+        return Record::None;
+    };
+    if !meta.file_type().is_file() {
+        return Record::None;
+    }
+    let mut text = Vec::new();
+    // A record is a few hundred bytes: a file of any size costs at most this much.
+    if let Err(e) =
+        std::io::Read::read_to_end(&mut std::io::Read::take(&file, MAX_RECORD + 1), &mut text)
+    {
+        return Record::Damaged(format!("{}: {e}", path.display()));
+    }
+    if text.len() as u64 > MAX_RECORD {
+        return Record::Damaged(format!(
+            "{}: larger than {MAX_RECORD} bytes, not a job record (only its owner can \
+             remove it)",
+            path.display()
+        ));
+    }
+    let job: Job = match serde_json::from_slice(&text) {
+        Ok(job) => job,
+        Err(e) => return Record::Damaged(format!("{}: {e}", path.display())),
+    };
+    // Its id is its name: a record of one's own naming another job's id never takes
+    // that job's place in `stop`, `logs`, `jobs wait` or `--after`.
+    if path.file_name() != record_path(Path::new(""), &job.id).file_name() {
+        return Record::Damaged(format!(
+            "{}: it names job {:?}, not the job of its file name",
+            path.display(),
+            job.id
+        ));
+    }
+    // The user it names must own the file (tt-lock's rule), and so must its uid.
+    let owner = meta.uid();
+    let believed = tt_lock::check_owner(path, owner, &job.user).and_then(|()| {
+        match job.uid == owner {
+            true => Ok(()),
+            // Never a user name: refused, saying the uid it claims.
+            false => tt_lock::check_owner(path, owner, &format!("uid {}", job.uid)),
+        }
+    });
+    match believed {
+        Ok(()) => Record::Job(Box::new(job)),
+        Err(why) => Record::Ignored(why),
+    }
+}
+
+/// The variable that tells a detached job's command which run it is: 1, then 2 after
+/// a first requeue, ...
+pub(crate) const JOB_RUN_ENV: &str = "TORCHTOOLS_JOB_RUN";
+
+/// Marks the detached job this process runs in (its `TORCHTOOLS_JOB_ID`, this user's
+/// record) as ended by its time limit; nothing outside a job.
+pub(crate) fn mark_timed_out() {
+    let Some(id) = std::env::var_os(crate::jobs::store::JOB_ID_ENV) else {
+        return;
+    };
+    let id = id.to_string_lossy();
+    let Ok(records) = records_dir() else {
+        return;
+    };
+    let path = record_path(&records, &id);
+    if let Some(mut job) = load(&path).filter(|j| j.uid == uid() && j.id == id) {
+        job.timed_out = true;
+        if let Err(e) = save(&records, &job) {
+            tracing::warn!("cannot mark job {id} as timed out: {e}");
+        }
+    }
+}
+
+/// How an ended job ended, as one status: its exit status; 1 when it was cancelled or
+/// lost (its keeper killed, the machine rebooted).
+pub(crate) fn outcome(job: &Job) -> i32 {
+    match (job.status, &job.cancelled) {
+        (Some(code), _) => code,
+        _ => 1,
+    }
+}
+
+/// An ended job's state, from its exit status: "finished", "failed (3)", "killed by
+/// signal 9", "preempted (75)" (`jobs` and the `--on-end` hook's TORCHTOOLS_JOB_STATE).
+pub(crate) fn status_text(code: i32) -> String {
+    match code {
+        0 => "finished".into(),
+        75 => "preempted (75)".into(),
+        c if c > 128 => format!("killed by signal {}", c - 128),
+        c => format!("failed ({c})"),
+    }
+}
+
+/// A job's state, as `jobs` says it, with the run it is in when it was requeued:
+/// `running (run 2)`.
+pub(crate) fn state(job: &Job, waiting_pids: &[u32]) -> String {
+    let base = base_state(job, waiting_pids);
+    match job.runs {
+        0 | 1 => base,
+        n => format!("{base} (run {n})"),
+    }
+}
+
+/// [`state`] without the run.
+pub(crate) fn base_state(job: &Job, waiting_pids: &[u32]) -> String {
+    if let Some(why) = &job.cancelled {
+        return format!("cancelled: {why}");
+    }
+    if let Some(code) = job.status {
+        // (A command that met its limit but exited 0 all the same finished.)
+        return match job.timed_out && code != 0 {
+            true => format!("timeout: {}", status_text(code)),
+            false => status_text(code),
+        };
+    }
+    if job.boot_id != boot_id() {
+        return "lost (the machine rebooted)".into();
+    }
+    if elsewhere(job) {
+        return "started in another PID namespace".into();
+    }
+    if !alive(job) {
+        return "lost (its keeper was killed)".into();
+    }
+    if let Some(other) = &job.waiting_for {
+        return format!("waiting for job {other}");
+    }
+    match job.pid {
+        Some(pid) if waiting_pids.contains(&pid) => "waiting".into(),
+        Some(_) => "running".into(),
+        None => "starting".into(),
+    }
+}
+
+/// Whether `job` was started in another PID namespace (a container, or the host seen
+/// from one), where its pids mean other processes than here.
+pub(crate) fn elsewhere(job: &Job) -> bool {
+    job.pid_ns.is_some() && job.pid_ns != tt_lock::own_pid_namespace()
+}
+
+/// Whether `job` has ended: its status is recorded, or (in its own PID namespace) its
+/// keeper is gone. From another namespace only the record can say.
+pub(crate) fn ended(job: &Job) -> bool {
+    job.status.is_some()
+        || job.cancelled.is_some()
+        || job.boot_id != boot_id()
+        || (!elsewhere(job) && !alive(job))
+}
+
+/// Whether `job`'s keeper still runs: its pid is a `job-run` of this id (a pid alone
+/// could be another process's by now).
+pub(crate) fn alive(job: &Job) -> bool {
+    // Its user's (another user's process named so is not it); no start time check:
+    // the id in its arguments already names this job.
+    of_jobs_user(job, job.keeper_pid)
+        && tt_device::procfs::cmdline(job.keeper_pid)
+            .is_some_and(|args| args.windows(2).any(|w| w[0] == "job-run" && w[1] == job.id))
+}
+
+/// Whether `pid` is a process of `job`'s user.
+pub(crate) fn of_jobs_user(job: &Job, pid: u32) -> bool {
+    tt_device::procfs::uid(pid) == Some(job.uid)
+}
+
+/// Whether `pid` can be one of `job`'s processes: it belongs to the job's user and
+/// started no earlier than the job (a pid is reused: an older process, or another
+/// user's, under a pid the record names is not the job's, and is never signalled).
+pub(crate) fn is_jobs(job: &Job, pid: u32) -> bool {
+    // btime is whole seconds: a process may seem to start up to a second early.
+    const SLACK: f64 = 2.0;
+    of_jobs_user(job, pid)
+        && tt_device::procfs::started_unix(pid).is_some_and(|t| t >= job.started_unix - SLACK)
+}
+
+/// Every job's record in `records`, oldest first.
+pub(crate) fn all_jobs(records: &Path) -> Result<Vec<Job>> {
+    Ok(scan(records)?.jobs)
+}
+
+/// The job records of a directory as `jobs` shows them.
+#[derive(Default)]
+pub(crate) struct Scan {
+    /// Believed records, oldest first.
+    pub(crate) jobs: Vec<Job>,
+    /// Records not believed.
+    pub(crate) ignored: Vec<tt_lock::Ignored>,
+    /// Records that cannot be read, with why.
+    pub(crate) damaged: Vec<String>,
+}
+
+pub(crate) fn scan(records: &Path) -> Result<Scan> {
+    let mut scan = Scan::default();
+    for entry in fs::read_dir(records)
+        .with_context(|| format!("reading {}", records.display()))?
+        .flatten()
+    {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !(name.starts_with(RECORD_PREFIX) && name.ends_with(".json")) {
+            continue;
+        }
+        match read_record(&entry.path()) {
+            Record::Job(job) => scan.jobs.push(*job),
+            Record::Ignored(why) => scan.ignored.push(why),
+            Record::Damaged(why) => scan.damaged.push(why),
+            Record::None => {}
+        }
+    }
+    // An array's tasks (one start) together, by index.
+    scan.jobs.sort_by(|a, b| {
+        a.started_unix.total_cmp(&b.started_unix).then_with(|| {
+            a.array
+                .as_ref()
+                .map(|t| t.index)
+                .cmp(&b.array.as_ref().map(|t| t.index))
+        })
+    });
+    Ok(scan)
+}
+
+/// The job `id` names: exactly, or by a unique prefix; `last`: the user's latest.
+pub(crate) fn find(records: &Path, id: &str) -> Result<Job> {
+    let jobs = all_jobs(records)?;
+    if id == "last" {
+        return jobs
+            .into_iter()
+            .rev()
+            .find(|j| j.uid == uid())
+            .ok_or_else(|| Exit(2, "you have no job yet".into()).into());
+    }
+    // Exactly the id, else a prefix; among the caller's own jobs first, so that nobody
+    // else's record can make the caller's id ambiguous.
+    let (mine, others): (Vec<Job>, Vec<Job>) = jobs.into_iter().partition(|j| j.uid == uid());
+    let pick = |jobs: &[Job]| -> Vec<Job> {
+        let exact: Vec<Job> = jobs.iter().filter(|j| j.id == id).cloned().collect();
+        match exact.is_empty() {
+            true => jobs
+                .iter()
+                .filter(|j| j.id.starts_with(id))
+                .cloned()
+                .collect(),
+            false => exact,
+        }
+    };
+    let mut matches = pick(&mine);
+    if matches.is_empty() {
+        matches = pick(&others);
+    }
+    match matches.len() {
+        1 => Ok(matches.into_iter().next().unwrap_or_else(|| unreachable!())),
+        0 => Err(Exit(
+            2,
+            format!("no job {id:?}: `torchtools jobs --all` lists them"),
+        )
+        .into()),
+        n => Err(Exit(
+            2,
+            format!("{n} jobs start with {id:?}: give more of the id"),
+        )
+        .into()),
+    }
+}
+
+/// The GPUs a running job holds and the bytes it reserved on them: the locks whose
+/// holder is the job's torchtools.
+pub(crate) fn held_by(job: &Job, locks: &[tt_lock::LockState]) -> (Vec<String>, Option<u64>) {
+    let Some(pid) = job.pid else {
+        return (Vec::new(), None);
+    };
+    let mut gpus = Vec::new();
+    let mut bytes = None;
+    for state in locks.iter().filter(|s| s.held) {
+        if let Some(h) = state
+            .holder
+            .as_ref()
+            .filter(|h| h.pid == pid && h.host == job.host)
+        {
+            gpus.push(h.gpu.clone());
+            bytes = h.reserved.map(|b| b.0).or(bytes);
+        }
+    }
+    (gpus, bytes)
+}
+
+/// A job that has not ended, as `metrics` counts it.
+pub(crate) struct LiveJob {
+    pub(crate) id: String,
+    pub(crate) user: String,
+    /// Waiting for jobs (`--after`) or in the GPU queue; else running.
+    pub(crate) waiting: bool,
+    /// The GPUs it holds, and the bytes reserved on each.
+    pub(crate) gpus: Vec<String>,
+    pub(crate) bytes: Option<u64>,
+}
+
+/// Every user's jobs that have not ended, given the requests waiting in `locks`' queue
+/// (read once by the caller).
+pub(crate) fn live_jobs(locks: &LockDir, queue: &[tt_lock::Waiter]) -> Result<Vec<LiveJob>> {
+    let waiting: Vec<u32> = queue.iter().map(|w| w.pid).collect();
+    let held = locks.list()?;
+    Ok(all_jobs(&records_dir_in(locks)?)?
+        .into_iter()
+        .filter(|job| !ended(job))
+        .map(|job| {
+            let (gpus, bytes) = held_by(&job, &held);
+            LiveJob {
+                waiting: state(&job, &waiting).starts_with("waiting"),
+                id: job.id,
+                user: job.user,
+                gpus,
+                bytes,
+            }
+        })
+        .collect())
+}
+
+/// A job as `jobs --json` shows it (and `serve`'s page): its record, its state now,
+/// and the GPUs it holds now with the bytes reserved on each.
+#[derive(Debug, Serialize)]
+pub(crate) struct Row {
+    #[serde(flatten)]
+    pub(crate) job: Job,
+    pub(crate) state: String,
+    /// The GPUs it holds now, and the bytes reserved on each.
+    pub(crate) gpus: Vec<String>,
+    pub(crate) bytes: Option<u64>,
+}
+
+/// `jobs` as rows, given the pids waiting in the queue and the GPUs' holders (read
+/// once by the caller).
+pub(crate) fn rows(jobs: Vec<Job>, waiting: &[u32], held: &[tt_lock::LockState]) -> Vec<Row> {
+    jobs.into_iter()
+        .map(|job| {
+            let (gpus, bytes) = held_by(&job, held);
+            Row {
+                state: state(&job, waiting),
+                job,
+                gpus,
+                bytes,
+            }
+        })
+        .collect()
+}
+
+/// Every user's jobs as rows, from the lock directory (`jobs --all --json`'s), with
+/// the records not believed and those damaged.
+pub(crate) fn all_rows(locks: &LockDir, queue: &[tt_lock::Waiter]) -> Result<(Vec<Row>, Scan)> {
+    let waiting: Vec<u32> = queue.iter().map(|w| w.pid).collect();
+    let held = locks.list()?;
+    let mut scan = scan(&records_dir_in(locks)?)?;
+    let jobs = std::mem::take(&mut scan.jobs);
+    Ok((rows(jobs, &waiting, &held), scan))
+}
+
+/// A job's log for reading: never through a link at its name's end, never blocking on
+/// a FIFO (a reader of another user's planted FIFO would wait for ever), and only a
+/// regular file.
+pub(crate) fn open_log(path: &Path) -> std::io::Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other(
+            "not a regular file (a FIFO, a device or a directory): not read",
+        ));
+    }
+    Ok(file)
+}
+
+/// The jobs `id` names: every task of the array `id` (the caller's own first), else the
+/// one job [`find`] finds.
+pub(crate) fn resolve(records: &Path, id: &str) -> Result<Vec<Job>> {
+    let jobs = all_jobs(records)?;
+    let of_array = |mine: bool| -> Vec<Job> {
+        let mut tasks: Vec<Job> = jobs
+            .iter()
+            .filter(|j| (j.uid == uid()) == mine)
+            .filter(|j| j.array.as_ref().is_some_and(|a| a.id == id))
+            .cloned()
+            .collect();
+        tasks.sort_by_key(|j| j.array.as_ref().map(|a| a.index));
+        tasks
+    };
+    for mine in [true, false] {
+        let tasks = of_array(mine);
+        if !tasks.is_empty() {
+            return Ok(tasks);
+        }
+    }
+    Ok(vec![find(records, id)?])
+}
+
+/// The processes of session `sid` (field 6 of `/proc/PID/stat`).
+pub(crate) fn session_members(sid: u32) -> Vec<u32> {
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| tt_device::procfs::stat(pid).is_some_and(|s| s.session == sid))
+        .collect()
+}
+
+/// A detached job's id, in the environment of its torchtools and command.
+pub(crate) const JOB_ID_ENV: &str = "TORCHTOOLS_JOB_ID";
+
+/// A detached job's log, beside its id.
+pub(crate) const JOB_LOG_ENV: &str = "TORCHTOOLS_JOB_LOG";
