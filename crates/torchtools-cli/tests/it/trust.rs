@@ -2,15 +2,13 @@
 //! `locks`, `queue` and `usage` as ignored, never taken for real, and a second user's
 //! `reserve` still names the real holder. (tt-lock's `tests/trust.rs` tries every
 //! record kind through the API; this is what users of the command see.)
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-mod common;
-use common::{ok, torchtools};
+use crate::common::{ok, torchtools};
 
 /// A request for GPU 0 that gives up after a second (exit 75 when it is taken).
 const TRY_GPU0: [&str; 8] = [
@@ -35,7 +33,7 @@ fn first_line(child: &mut std::process::Child) -> String {
 
 #[test]
 fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
         return;
     };
     let dir = tmp.path().join("locks");
@@ -91,7 +89,7 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
         .unwrap();
     assert_eq!(first_line(&mut forger), "forged");
     let view = |args: &[&str]| {
-        common::until("the forged records locked", || {
+        crate::common::until("the forged records locked", || {
             let out = torchtools(&dir).arg("locks").output().unwrap();
             String::from_utf8_lossy(&out.stdout).contains("records ignored")
         });
@@ -182,12 +180,12 @@ fn home_of(tmp: &Path, user: &str) -> std::path::PathBuf {
     home
 }
 
-/// Waits for `child` for up to [`common::PATIENCE`]: `None` (the child killed) when it
+/// Waits for `child` for up to [`crate::common::PATIENCE`]: `None` (the child killed) when it
 /// is still running then.
 fn wait_bounded(mut child: std::process::Child) -> Option<std::process::Output> {
     let start = std::time::Instant::now();
     while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > common::PATIENCE {
+        if start.elapsed() > crate::common::PATIENCE {
             let _ = child.kill();
             let _ = child.wait();
             return None;
@@ -214,7 +212,7 @@ fn job_record(id: &str, user: &str, uid: u32, pid: u32, keeper: u32, log: &Path)
 
 #[test]
 fn another_users_job_records_never_take_a_jobs_id_and_stop_and_logs_touch_only_the_job() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
         return;
     };
     let [a, _] = tt_testkit::users::two_users().unwrap();
@@ -267,7 +265,7 @@ fn another_users_job_records_never_take_a_jobs_id_and_stop_and_logs_touch_only_t
         .unwrap();
     // runuser forks: the sleep is its child, A's.
     let mut victim = 0;
-    common::until("A's sleep runs", || {
+    crate::common::until("A's sleep runs", || {
         victim = pgrep(innocent.id(), a.uid);
         victim != 0
     });
@@ -331,7 +329,7 @@ fn pgrep(parent: u32, uid: u32) -> u32 {
 
 #[test]
 fn metrics_textfile_never_writes_through_a_planted_link() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
         return;
     };
     // A collector directory others can write (not sticky: the kernel's
@@ -379,7 +377,7 @@ fn metrics_textfile_never_writes_through_a_planted_link() {
 
 #[test]
 fn a_lock_directory_or_lock_file_another_user_created_is_said_with_roots_fix() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
         return;
     };
     tt_testkit::users::two_users().unwrap();
@@ -429,7 +427,7 @@ fn a_lock_directory_or_lock_file_another_user_created_is_said_with_roots_fix() {
 
 #[test]
 fn a_bare_shared_flock_on_a_gpus_lock_is_shown_in_every_view_not_called_free() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
         return;
     };
     let dir = tmp.path().join("locks");
@@ -485,7 +483,7 @@ fn a_bare_shared_flock_on_a_gpus_lock_is_shown_in_every_view_not_called_free() {
 
 #[test]
 fn terminal_escapes_in_records_are_shown_as_text_by_every_view() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
         return;
     };
     tt_testkit::users::two_users().unwrap();
@@ -539,7 +537,7 @@ fn terminal_escapes_in_records_are_shown_as_text_by_every_view() {
 
 #[test]
 fn an_on_end_command_is_never_in_the_arguments_other_users_read_and_still_runs() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
         return;
     };
     let [a, _] = tt_testkit::users::two_users().unwrap();
@@ -587,7 +585,7 @@ fn an_on_end_command_is_never_in_the_arguments_other_users_read_and_still_runs()
     // The hook still runs when the job ends.
     // SAFETY: kill(2) of a process this test started (through runuser).
     unsafe { libc::kill(torchtools as i32, libc::SIGTERM) };
-    common::until("the hook ran", || {
+    crate::common::until("the hook ran", || {
         std::fs::read_to_string(&ran).is_ok_and(|s| s.ends_with('\n'))
     });
     // SAFETY: kill(2) of a process group this test started.
@@ -612,7 +610,7 @@ impl Drop for Groups {
 /// scratch directory (None, said, without root), its lock directory (root's) and the
 /// policy file.
 fn under_policy(text: &str) -> Option<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf)> {
-    let tmp = common::shared_dir_for_two_users()?;
+    let tmp = crate::common::shared_dir_for_two_users()?;
     tt_testkit::users::two_users().unwrap();
     let dir = tmp.path().join("locks");
     ok(torchtools(&dir).arg("locks").output().unwrap());
@@ -637,7 +635,7 @@ fn policy_file(tmp: &Path, text: &str, owner: &str, mode: u32) -> std::path::Pat
 
 #[test]
 fn a_policy_file_another_user_could_write_is_ignored_and_said_by_every_view() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
         return;
     };
     tt_testkit::users::two_users().unwrap();
@@ -737,7 +735,7 @@ fn a_request_past_its_users_limit_waits_marked_held_and_blocks_nobody() {
             .unwrap();
         serde_json::from_str(&ok(out)).unwrap()
     };
-    common::until("A's second request in the queue", || {
+    crate::common::until("A's second request in the queue", || {
         queue()["waiters"].as_array().is_some_and(|w| w.len() == 1)
     });
     let q = queue();
@@ -851,7 +849,7 @@ fn with_fair_share_one_users_twenty_queued_jobs_no_longer_stand_before_the_other
         .collect();
     groups.0.extend(loops.iter().map(std::process::Child::id));
     groups.0.push(gate.id());
-    common::until(
+    crate::common::until(
         "twenty of root's requests and two each of A's and B's waiting",
         || {
             let out = torchtools(&dir).args(["queue", "--json"]).output().unwrap();
@@ -1007,7 +1005,7 @@ fn a_preemptible_job_above_its_share_yields_to_a_long_wait_and_is_requeued() {
         "-c",
         "exec sleep 600",
     ]);
-    common::until("both of root's jobs run", || {
+    crate::common::until("both of root's jobs run", || {
         job(&preemptible)["state"] == "running" && job(&steady)["state"] == "running"
     });
     // A asks for GPU 0: after a second of waiting, root's job yields it.
@@ -1032,7 +1030,7 @@ fn a_preemptible_job_above_its_share_yields_to_a_long_wait_and_is_requeued() {
         .spawn()
         .unwrap();
     let log = std::path::PathBuf::from(job(&preemptible)["log"].as_str().unwrap());
-    common::until("root's job preempted", || {
+    crate::common::until("root's job preempted", || {
         std::fs::read_to_string(&log).is_ok_and(|l| l.contains("torchtools: preempted: pid"))
     });
     let decided = tt_device::now_unix();

@@ -1,5 +1,4 @@
 //! The real binary, in real processes, with controlled environments.
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::process::{Command, Output};
 

@@ -1,6 +1,5 @@
 //! `torchtools usage`: the usage log every reservation writes, read back as GPU-hours,
 //! with real reservations, a `kill -9` in the middle and a damaged record.
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
@@ -8,8 +7,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-mod common;
-use common::torchtools;
+use crate::common::torchtools;
 
 fn usage(dir: &Path, args: &[&str]) -> serde_json::Value {
     let out = torchtools(dir)
@@ -169,14 +167,14 @@ fn reservations_are_counted_and_a_killed_holder_is_closed_by_the_next_reader() {
     let started = Instant::now();
     let recent = usage(dir, &["--since", "1h"]);
     assert!(!recent["rows"].as_array().unwrap().is_empty(), "{recent}");
-    assert!(started.elapsed() < common::PATIENCE);
+    assert!(started.elapsed() < crate::common::PATIENCE);
 }
 
 /// Two Unix users (this test's, root in CI, and `nobody` through `runuser`) share one
 /// log: each appends to it, and `usage --by user` counts both.
 #[test]
 fn two_users_share_the_usage_log() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
         return;
     };
     let dir = tmp.path().join("locks");

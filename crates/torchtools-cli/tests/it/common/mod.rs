@@ -1,5 +1,4 @@
-//! Helpers shared by the command's test files (each includes this module).
-#![allow(dead_code)] // not every test file uses every helper
+//! Helpers shared by the command's test modules.
 
 use std::path::Path;
 use std::process::{Command, Stdio};

@@ -2,15 +2,13 @@
 //! cancelled, its keeper or torchtools killed with SIGKILL), attached and detached,
 //! with the job's variables and the end of its log; a hook that fails or hangs never
 //! changes the job's status; the config's default hook, and a bad config refused.
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-mod common;
-use common::{detach, ok, tt, until};
+use crate::common::{detach, ok, tt, until};
 
 /// A hook that appends, to `dir/hooks/<name>`, its `TORCHTOOLS_JOB_*` variables, a
 /// `--- stdin` line and what it read (one block per run); `name` is the job's id, or

@@ -1,13 +1,11 @@
 //! Detached runs as users run them: `--detach`, `jobs`, `logs -f`, `stop`, a terminal
 //! that goes away, and jobs of another user.
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-mod common;
-use common::{detach, ok, tt, until};
+use crate::common::{detach, ok, tt, until};
 
 fn job(dir: &Path, id: &str) -> serde_json::Value {
     let all: serde_json::Value = serde_json::from_str(&ok(tt(dir)
@@ -151,6 +149,9 @@ fn a_job_outlives_the_terminal_that_started_it() {
     until("the job started", || {
         ok(tt(dir).args(["logs", &id]).output().unwrap()).contains("started")
     });
+    // The keeper records the command's pid just after starting it: the command may
+    // print before `jobs` can say "running".
+    until("the job running", || job(dir, &id)["state"] == "running");
     let session = terminal.id() as i32;
     // SAFETY: kill(2) of the test's own child session group.
     unsafe {
@@ -227,7 +228,7 @@ fn jobs_show_waiting_running_and_lost() {
     let locks = tt_lock::LockDir::open(dir.join("locks")).unwrap();
     let held = locks
         .lock(
-            &common::key0(),
+            &crate::common::key0(),
             tt_lock::Wait::Try,
             tt_lock::Holder::current(),
         )
@@ -285,7 +286,7 @@ fn jobs_show_waiting_running_and_lost() {
 /// jobs with `--all`; nobody cannot stop root's job.
 #[test]
 fn another_users_jobs_are_listed_but_not_stopped() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
         return;
     };
     let dir = tmp.path();
@@ -362,7 +363,7 @@ fn another_users_jobs_are_listed_but_not_stopped() {
             "true",
         ],
     );
-    common::until("it waits for nobody's job", || {
+    crate::common::until("it waits for nobody's job", || {
         job(dir, &after)["state"] == format!("waiting for job {theirs}")
     });
     // ...root can stop both.
@@ -474,11 +475,11 @@ fn a_job_seen_from_another_pid_namespace_is_not_lost() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let go = dir.join("go");
-    let Some(_) = common::in_container(&dir.join("locks")) else {
+    let Some(_) = crate::common::in_container(&dir.join("locks")) else {
         return;
     };
     let container = |args: &[&str]| {
-        common::in_container(&dir.join("locks"))
+        crate::common::in_container(&dir.join("locks"))
             .unwrap()
             .args(args)
             .env("XDG_STATE_HOME", dir.join("state"))
@@ -528,7 +529,7 @@ fn a_job_seen_from_another_pid_namespace_is_not_lost() {
 /// symbolic link planted in the lock directory is never followed.
 #[test]
 fn forged_and_damaged_job_records_are_said_and_a_planted_symlink_is_not_followed() {
-    let Some(tmp) = common::shared_dir_for_two_users() else {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
         return;
     };
     let dir = tmp.path();

@@ -1,5 +1,4 @@
 //! `torchtools probe` and `torchtools run` as users run them.
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::process::{Command, Output};
 

@@ -1,7 +1,6 @@
 //! `torchtools track sub-track analyze | combine | compare` against gpu_tracker 5.0.1's
 //! own commands on the same files: a tracked Python program (two processes) whose
 //! code blocks are written by gpu_tracker's `SubTracker`, our CSV and SQLite timelines.
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

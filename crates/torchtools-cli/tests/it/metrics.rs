@@ -3,7 +3,6 @@
 //! and another waits for it, and the test reads the GPU, user, queue and job series
 //! back through Prometheus's HTTP API; `--textfile`'s file passes `promtool check
 //! metrics`.
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -11,8 +10,7 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-mod common;
-use common::{free_port, ok, tt, until, Killed, Stopped};
+use crate::common::{free_port, ok, tt, until, Killed, Stopped};
 
 /// A GET of `path` on `127.0.0.1:port`: the body.
 fn get(port: u16, path: &str) -> Option<String> {

@@ -1,7 +1,6 @@
 //! `torchtools top` as users see it: `--once` and `--json` as text, and the live view in
 //! a real terminal (tmux: keys sent, the screen read back), on a scenario of real
 //! locks and real waiting `torchtools reserve` processes.
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -9,8 +8,7 @@ use std::time::{Duration, Instant};
 
 use tt_lock::{GpuKey, GpuLock, Holder, LockDir, Wait};
 
-mod common;
-use common::{key0, pids_of, torchtools, until, PATIENCE};
+use crate::common::{key0, pids_of, torchtools, until, PATIENCE};
 
 fn run(dir: &Path, args: &[&str], columns: &str) -> Output {
     torchtools(dir)

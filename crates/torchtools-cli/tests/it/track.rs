@@ -1,5 +1,4 @@
 //! `torchtools track` as users run it: real commands, exit statuses, reports.
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::path::Path;
 use std::process::{Command, Output, Stdio};

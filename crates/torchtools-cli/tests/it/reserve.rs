@@ -1,6 +1,5 @@
 //! `torchtools reserve` and `locks` as users run them: real processes, real locks,
 //! signals and `kill -9`. On a machine without NVML the locks are index-keyed.
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -9,8 +8,7 @@ use std::time::{Duration, Instant};
 
 use tt_lock::{Holder, LockDir, Wait};
 
-mod common;
-use common::{in_container, key0, pids_of, torchtools, until};
+use crate::common::{in_container, key0, pids_of, torchtools, until};
 
 fn run(dir: &Path, args: &[&str]) -> Output {
     torchtools(dir).args(args).output().unwrap()
@@ -341,7 +339,7 @@ fn a_program_under_reserve_uses_the_inherited_lock_instead_of_waiting_for_itself
         .arg(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "child_locking_under_reserve",
+            "reserve::child_locking_under_reserve",
             "--include-ignored",
             "--nocapture",
         ])

@@ -1,5 +1,4 @@
 //! `torchtools launch` with real processes.
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};

@@ -3,7 +3,6 @@
 //! waiting request and a detached job appear on the page and leave it when they end,
 //! read from the DOM; a job whose command holds markup shows it as text and adds no
 //! element. `/api/state` holds what the command's own `--json` views hold.
-#![allow(clippy::unwrap_used)] // a panic is how a test reports
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -13,8 +12,7 @@ use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
 
-mod common;
-use common::{detach, free_port, ok, tt, until, Killed, Stopped};
+use crate::common::{detach, free_port, ok, tt, until, Killed, Stopped};
 
 /// How long the page may take to show a change: generous (the page itself is read
 /// every 0.5 s and redrawn every 1 s; the latency seen is printed, not asserted).
