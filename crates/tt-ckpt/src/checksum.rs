@@ -14,29 +14,6 @@ pub(crate) fn stored(digest: u64) -> String {
     format!("xxh3:{digest:016x}")
 }
 
-/// `Builder::spawn_scoped`, which this crate's tests can make fail as a container's
-/// memory or pids limit does (a real limit cannot be aimed at one call: glibc reuses
-/// cached thread stacks, and Rust's own start-up allocations then fail in the thread).
-pub(crate) fn spawn_scoped<'scope, T: Send + 'scope>(
-    scope: &'scope std::thread::Scope<'scope, '_>,
-    name: &str,
-    f: impl FnOnce() -> T + Send + 'scope,
-) -> std::io::Result<std::thread::ScopedJoinHandle<'scope, T>> {
-    #[cfg(test)]
-    if REFUSE_THREADS.with(std::cell::Cell::get) {
-        return Err(std::io::Error::other("this test refuses threads"));
-    }
-    std::thread::Builder::new()
-        .name(name.into())
-        .spawn_scoped(scope, f)
-}
-
-#[cfg(test)]
-thread_local! {
-    /// Set by a test: this thread's spawns fail.
-    pub(crate) static REFUSE_THREADS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
 /// A tensor's name and bytes.
 type Named<'a> = (&'a str, &'a [u8]);
 
@@ -100,7 +77,8 @@ pub(crate) fn checksums_gated<'a>(
             .map(|share| {
                 // Where no thread can be had, this share is done here, after the first.
                 let here = share.clone();
-                spawn_scoped(scope, "tt-ckpt-sums", move || work(share)).map_err(|_| here)
+                tt_device::spawn_scoped(scope, "tt-ckpt-sums", move || work(share))
+                    .map_err(|_| here)
             })
             .collect();
         let mut sums = work(mine)?;

@@ -16,7 +16,7 @@ use std::sync::{Condvar, Mutex, PoisonError};
 
 use memmap2::{Advice, Mmap, MmapOptions};
 
-use crate::checksum::spawn_scoped;
+use tt_device::spawn_scoped;
 
 /// Bytes populated by one request.
 const CHUNK: usize = 8 << 20;
@@ -177,7 +177,6 @@ fn populate<T>(map: &Mmap, front: &Front, during: impl Fn(&[u8], &Front) -> T) -
 mod tests {
     #![allow(clippy::unwrap_used)] // a panic is how a test reports
     use super::*;
-    use crate::checksum::REFUSE_THREADS;
     use std::io::Write;
     use std::os::fd::AsRawFd;
 
@@ -226,7 +225,7 @@ mod tests {
             let (before, pages) = resident(&cold);
             assert!(before < pages / 2, "not cold: {before} of {pages} pages");
             drop(cold);
-            REFUSE_THREADS.with(|r| r.set(refuse));
+            tt_device::refuse_threads(refuse);
             // What runs while the pages arrive sees each byte once the front passed it.
             let during = |bytes: &[u8], front: &Front| {
                 (0..len)
@@ -235,7 +234,7 @@ mod tests {
                     .all(|i| front.wait(i + 1) && bytes[i] == (i % 251) as u8)
             };
             let map = map_populated(&file, len as u64, during);
-            REFUSE_THREADS.with(|r| r.set(false));
+            tt_device::refuse_threads(false);
             let (map, seen) = map.unwrap();
             assert!(seen, "threads refused: {refuse}");
             assert_eq!(resident(&map), (pages, pages), "threads refused: {refuse}");

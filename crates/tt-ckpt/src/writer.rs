@@ -18,7 +18,9 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
-use crate::checksum::{checksum, spawn_scoped};
+use tt_device::spawn_scoped;
+
+use crate::checksum::checksum;
 use crate::tensor::TensorData;
 use crate::{Error, Result};
 
@@ -445,7 +447,7 @@ fn dtype_name(d: safetensors::Dtype) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checksum::{checksums_gated, checksums_parallel, REFUSE_THREADS};
+    use crate::checksum::{checksums_gated, checksums_parallel};
     use safetensors::Dtype;
 
     #[test]
@@ -500,9 +502,9 @@ mod tests {
             "the page-cache path writes the same bytes"
         );
         // Where no thread can be had (a container's limits), the same bytes, no panic.
-        REFUSE_THREADS.with(|r| r.set(true));
+        tt_device::refuse_threads(true);
         let alone = write_file("alone.safetensors", true);
-        REFUSE_THREADS.with(|r| r.set(false));
+        tt_device::refuse_threads(false);
         assert!(alone == ours, "without threads the file differs");
         let sums: BTreeMap<String, String> = tensors
             .iter()
@@ -572,9 +574,9 @@ mod tests {
             .map(|(n, bytes)| ((*n).to_owned(), checksum(bytes)))
             .collect();
         assert_eq!(par, seq);
-        REFUSE_THREADS.with(|r| r.set(true));
+        tt_device::refuse_threads(true);
         let alone = checksums_parallel(items.iter().copied());
-        REFUSE_THREADS.with(|r| r.set(false));
+        tt_device::refuse_threads(false);
         assert_eq!(alone, seq, "without threads");
     }
 }

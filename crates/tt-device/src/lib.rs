@@ -15,6 +15,7 @@ pub mod procfs;
 mod report;
 mod select;
 mod text;
+mod thread;
 
 pub use bytes::Bytes;
 pub use cpu::{omp_num_threads, CpuBudget};
@@ -37,3 +38,6 @@ pub use process::{
 pub use report::{Backend, DeviceReport, LibtorchInfo, View};
 pub use select::{select_with, Availability, CudaCandidate, Device, Selection};
 pub use text::printable;
+#[cfg(feature = "test-hooks")]
+pub use thread::refuse_threads;
+pub use thread::spawn_scoped;

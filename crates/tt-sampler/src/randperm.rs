@@ -116,7 +116,7 @@ fn small_pipelined<T: PermIndex>(n: usize, last: usize, gen: &mut Mt19937, r: &m
         let _ = empty_tx.send(Vec::with_capacity(CHUNK));
     }
     std::thread::scope(|scope| {
-        let helper = spawn_scoped(scope, "tt-sampler-draws", move || {
+        let helper = tt_device::spawn_scoped(scope, "tt-sampler-draws", move || {
             let mut i = 0;
             while i < last {
                 let Ok(mut buf) = empty_rx.recv() else { return };
@@ -150,29 +150,6 @@ fn small_pipelined<T: PermIndex>(n: usize, last: usize, gen: &mut Mt19937, r: &m
         }
         true
     })
-}
-
-/// `Builder::spawn_scoped`, which this crate's tests can make fail as a container's
-/// memory or pids limit does (a real limit cannot be aimed at one call: glibc reuses
-/// cached thread stacks, and Rust's own start-up allocations then fail in the thread).
-fn spawn_scoped<'scope, T: Send + 'scope>(
-    scope: &'scope std::thread::Scope<'scope, '_>,
-    name: &str,
-    f: impl FnOnce() -> T + Send + 'scope,
-) -> std::io::Result<std::thread::ScopedJoinHandle<'scope, T>> {
-    #[cfg(test)]
-    if REFUSE_THREADS.with(std::cell::Cell::get) {
-        return Err(std::io::Error::other("this test refuses threads"));
-    }
-    std::thread::Builder::new()
-        .name(name.into())
-        .spawn_scoped(scope, f)
-}
-
-#[cfg(test)]
-thread_local! {
-    /// Set by a test: this thread's spawns fail.
-    static REFUSE_THREADS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 fn large<T: PermIndex>(n: usize, gen: &mut Mt19937, out: &mut Vec<T>) {
@@ -242,9 +219,9 @@ mod tests {
     fn without_a_thread_the_permutation_is_made_here_and_is_the_same() {
         let n = PIPELINE_MIN as u64 + 7;
         let threaded = perm(n, 11);
-        REFUSE_THREADS.with(|r| r.set(true));
+        tt_device::refuse_threads(true);
         let here = perm(n, 11);
-        REFUSE_THREADS.with(|r| r.set(false));
+        tt_device::refuse_threads(false);
         assert!(
             here == threaded,
             "another permutation without the helper thread"
