@@ -4,6 +4,9 @@
 //! cargo xtask setup                 install libtorch 2.11.0 once (cached), link it for cargo
 //! cargo xtask demo                  setup, then run the main job (examples/demo.rs)
 //! cargo xtask test                  setup, then the CPU test matrix
+//! cargo xtask test --record-minimums
+//!                                   the matrix, then each step's and test binary's
+//!                                   passed tests recorded as their minimums
 //! cargo xtask test-gpu              the GPU bundle built and run here; fails without a GPU
 //! cargo xtask test-gpu --bundle DIR the GPU tests, demo, trainer, CLI, bench + run.sh in DIR
 //! cargo xtask bench                 run the benchmarks, print one table
@@ -15,6 +18,7 @@ mod bench;
 mod docs;
 mod downstream;
 mod gpu;
+mod minimums;
 mod mutants;
 mod setup;
 mod steps;
@@ -24,7 +28,7 @@ mod wheel;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: cargo xtask <setup [--print-env] | demo | test | downstream | wheel [--dev | --test] | test-gpu [--bundle DIR] | bench | \
+const USAGE: &str = "usage: cargo xtask <setup [--print-env] | demo | test [--record-minimums] | downstream | wheel [--dev | --test] | test-gpu [--bundle DIR] | bench | \
                      mutants [CRATE..] [--shard K/N | --full] [--again]>";
 
 fn main() -> ExitCode {
@@ -34,7 +38,8 @@ fn main() -> ExitCode {
         ["setup"] => setup::setup().map(|_| ()),
         ["setup", "--print-env"] => setup::print_env(),
         ["demo"] => demo(),
-        ["test"] => test::cpu_matrix(),
+        ["test"] => test::cpu_matrix(false),
+        ["test", "--record-minimums"] => test::cpu_matrix(true),
         ["wheel"] => wheel::run(false),
         ["wheel", "--dev"] => wheel::run(true),
         ["wheel", "--test"] => wheel::install_and_run(),

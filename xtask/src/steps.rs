@@ -267,26 +267,6 @@ pub(crate) fn run_counted(name: &str, mut cmd: Command) -> StepResult {
     }
 }
 
-/// [`run_counted`] for a step that must run tests: one that passed fewer than
-/// `minimum` (a filter that matches nothing, a target left out by its features, tests
-/// lost) fails instead of reading ok. `u64::MAX`: the step has no expected figure yet,
-/// which fails too, saying so.
-pub(crate) fn run_tests_counted(name: &str, cmd: Command, minimum: u64) -> StepResult {
-    let mut result = run_counted(name, cmd);
-    // Tests skipped knowingly (listed apart) count against the minimum, which guards
-    // against tests that vanished; a step must still have run one.
-    let passed = result.counts.map_or(0, |c| c.passed + c.not_run);
-    if result.ok && (result.counts.map_or(0, |c| c.passed) == 0 || passed < minimum) {
-        if minimum == u64::MAX {
-            eprintln!("{name}: no expected minimum: add it to MIN_PASSED in xtask/src/test.rs");
-        } else {
-            eprintln!("{name}: passed {passed} tests, expected at least {minimum}");
-        }
-        result.ok = false;
-    }
-    result
-}
-
 /// Prints the table of a matrix and the closing `N passed, N failed` line.
 pub(crate) fn summarize(title: &str, results: &[StepResult]) -> Counts {
     let mut total = Counts::default();
@@ -312,7 +292,7 @@ pub(crate) fn summarize(title: &str, results: &[StepResult]) -> Counts {
             total.add(c);
         }
     }
-    // Each test binary's passed tests, for the minimums of `xtask/src/test.rs`.
+    // Each test binary's passed tests (what `--record-minimums` records).
     for r in results {
         for (binary, c) in &r.binaries {
             println!("binary: {} | {binary} | {}", r.name, c.passed);

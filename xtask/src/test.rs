@@ -2,7 +2,8 @@
 
 use anyhow::{bail, Result};
 
-use crate::steps::{cargo, run_counted, run_tests_counted, summarize, StepResult};
+use crate::minimums::Minimums;
+use crate::steps::{cargo, run_counted, summarize, StepResult};
 
 /// The publishable crates, each tested on its own.
 pub(crate) const CRATES: [&str; 15] = [
@@ -23,9 +24,10 @@ pub(crate) const CRATES: [&str; 15] = [
     "torchtools",
 ];
 /// Crates whose default and `--no-default-features` builds are the same (no libtorch
-/// feature), so they are tested once, and not again in the workspace run (tt-sampler's
-/// PyTorch comparisons take half a minute; tt-lock's tests spawn processes).
-const FEATURELESS: [&str; 6] = [
+/// feature), so they are tested once (tt-sampler's PyTorch comparisons take half a
+/// minute; tt-lock's and the CLI's tests spawn processes).
+const FEATURELESS: [&str; 7] = [
+    "torchtools-cli",
     "tt-sampler",
     "tt-lock",
     "tt-fence",
@@ -95,807 +97,17 @@ pub(crate) fn gpu_test_args<'a>(krate: &'a str, extra: &[&'a str]) -> Vec<&'a st
     args
 }
 
-/// The tests each step must pass at least (from the last full run): a step that
-/// passes fewer lost tests (a target left out by its features, a renamed file, a test
-/// that stopped being selected), even when it reads ok. Raise a figure when tests are
-/// added; a step without a figure fails, so that every new step gets one.
-/// The tests each test binary of each step must pass at least (from the last full
-/// run; `binary:` lines after the matrix's summary): a whole test file can no longer
-/// vanish while its step still passes on the others' count.
-const MIN_PER_BINARY: &[(&str, &str, u64)] = &[
-    ("test -p tt-sys (default features)", "tt_sys src/lib.rs", 2),
-    ("test -p tt-sys (default features)", "tests/cpu.rs", 5),
-    ("test -p tt-sys (default features)", "tt_sys doc-tests", 8),
-    (
-        "test -p tt-sys --no-default-features",
-        "tt_sys src/lib.rs",
-        1,
-    ),
-    (
-        "test -p tt-device (default features)",
-        "tt_device src/lib.rs",
-        12,
-    ),
-    ("test -p tt-device (default features)", "tests/env.rs", 5),
-    (
-        "test -p tt-device (default features)",
-        "tests/inventory.rs",
-        5,
-    ),
-    ("test -p tt-device (default features)", "tests/select.rs", 5),
-    ("test -p tt-device (default features)", "tests/tch.rs", 3),
-    (
-        "test -p tt-device (default features)",
-        "tt_device doc-tests",
-        4,
-    ),
-    (
-        "test -p tt-device --no-default-features",
-        "tt_device src/lib.rs",
-        12,
-    ),
-    ("test -p tt-device --no-default-features", "tests/env.rs", 5),
-    (
-        "test -p tt-device --no-default-features",
-        "tests/inventory.rs",
-        5,
-    ),
-    (
-        "test -p tt-device --no-default-features",
-        "tests/select.rs",
-        5,
-    ),
-    ("test -p tt-device --no-default-features", "tests/tch.rs", 0),
-    ("test -p tt-lock (no features)", "tt_lock src/lib.rs", 42),
-    ("test -p tt-lock (no features)", "tests/locks.rs", 25),
-    ("test -p tt-lock (no features)", "tests/queue.rs", 9),
-    ("test -p tt-lock (no features)", "tests/share.rs", 3),
-    ("test -p tt-lock (no features)", "tests/trust.rs", 8),
-    ("test -p tt-lock (no features)", "tt_lock doc-tests", 1),
-    ("test -p tt-fence (no features)", "tt_fence src/lib.rs", 0),
-    ("test -p tt-fence (no features)", "tests/cpu.rs", 1),
-    ("test -p tt-fence (no features)", "tt_fence doc-tests", 1),
-    (
-        "test -p tt-tracker (no features)",
-        "tt_tracker src/lib.rs",
-        35,
-    ),
-    ("test -p tt-tracker (no features)", "tests/report.rs", 8),
-    ("test -p tt-tracker (no features)", "tests/subtrack.rs", 12),
-    ("test -p tt-tracker (no features)", "tests/track.rs", 21),
-    (
-        "test -p tt-tracker (no features)",
-        "tt_tracker doc-tests",
-        2,
-    ),
-    (
-        "test -p tt-adaptive (default features)",
-        "tt_adaptive src/lib.rs",
-        2,
-    ),
-    (
-        "test -p tt-adaptive (default features)",
-        "tests/adaptive.rs",
-        14,
-    ),
-    (
-        "test -p tt-adaptive (default features)",
-        "tests/defaults.rs",
-        2,
-    ),
-    ("test -p tt-adaptive (default features)", "tests/tch.rs", 4),
-    (
-        "test -p tt-adaptive (default features)",
-        "tt_adaptive doc-tests",
-        6,
-    ),
-    (
-        "test -p tt-adaptive --no-default-features",
-        "tt_adaptive src/lib.rs",
-        2,
-    ),
-    (
-        "test -p tt-adaptive --no-default-features",
-        "tests/adaptive.rs",
-        14,
-    ),
-    (
-        "test -p tt-adaptive --no-default-features",
-        "tests/defaults.rs",
-        1,
-    ),
-    (
-        "test -p tt-adaptive --no-default-features",
-        "tests/tch.rs",
-        0,
-    ),
-    (
-        "test -p tt-probe (default features)",
-        "tt_probe src/lib.rs",
-        7,
-    ),
-    ("test -p tt-probe (default features)", "tests/probe.rs", 10),
-    ("test -p tt-probe (default features)", "tests/run.rs", 3),
-    (
-        "test -p tt-probe (default features)",
-        "tt_probe doc-tests",
-        5,
-    ),
-    (
-        "test -p tt-probe --no-default-features",
-        "tt_probe src/lib.rs",
-        7,
-    ),
-    (
-        "test -p tt-probe --no-default-features",
-        "tests/probe.rs",
-        4,
-    ),
-    ("test -p tt-probe --no-default-features", "tests/run.rs", 0),
-    ("test -p tt-dist (no features)", "tt_dist src/lib.rs", 12),
-    ("test -p tt-dist (no features)", "tests/launch.rs", 3),
-    (
-        "test -p tt-sampler (no features)",
-        "tt_sampler src/lib.rs",
-        6,
-    ),
-    ("test -p tt-sampler (no features)", "tests/resume.rs", 13),
-    (
-        "test -p tt-sampler (no features)",
-        "tests/torch_parity.rs",
-        2,
-    ),
-    (
-        "test -p tt-sampler (no features)",
-        "tt_sampler doc-tests",
-        1,
-    ),
-    (
-        "test -p tt-ckpt (default features)",
-        "tt_ckpt src/lib.rs",
-        12,
-    ),
-    ("test -p tt-ckpt (default features)", "tests/crash.rs", 1),
-    ("test -p tt-ckpt (default features)", "tests/dir.rs", 16),
-    (
-        "test -p tt-ckpt (default features)",
-        "tests/full_disk.rs",
-        2,
-    ),
-    (
-        "test -p tt-ckpt (default features)",
-        "tests/load_memory.rs",
-        1,
-    ),
-    ("test -p tt-ckpt (default features)", "tests/python.rs", 2),
-    ("test -p tt-ckpt (default features)", "tests/tch.rs", 5),
-    (
-        "test -p tt-ckpt (default features)",
-        "tests/torch_weights.rs",
-        4,
-    ),
-    ("test -p tt-ckpt (default features)", "tt_ckpt doc-tests", 5),
-    (
-        "test -p tt-ckpt --no-default-features",
-        "tt_ckpt src/lib.rs",
-        12,
-    ),
-    ("test -p tt-ckpt --no-default-features", "tests/crash.rs", 1),
-    ("test -p tt-ckpt --no-default-features", "tests/dir.rs", 16),
-    (
-        "test -p tt-ckpt --no-default-features",
-        "tests/full_disk.rs",
-        2,
-    ),
-    (
-        "test -p tt-ckpt --no-default-features",
-        "tests/load_memory.rs",
-        0,
-    ),
-    (
-        "test -p tt-ckpt --no-default-features",
-        "tests/python.rs",
-        2,
-    ),
-    ("test -p tt-ckpt --no-default-features", "tests/tch.rs", 0),
-    (
-        "test -p tt-ckpt --no-default-features",
-        "tests/torch_weights.rs",
-        0,
-    ),
-    (
-        "test -p tt-ckpt --no-default-features",
-        "tt_ckpt doc-tests",
-        3,
-    ),
-    (
-        "test -p tt-optim (default features)",
-        "tt_optim src/lib.rs",
-        2,
-    ),
-    ("test -p tt-optim (default features)", "tests/resume.rs", 3),
-    (
-        "test -p tt-optim (default features)",
-        "tests/torch_parity.rs",
-        3,
-    ),
-    (
-        "test -p tt-optim (default features)",
-        "tt_optim doc-tests",
-        2,
-    ),
-    (
-        "test -p tt-optim --no-default-features",
-        "tt_optim src/lib.rs",
-        2,
-    ),
-    (
-        "test -p tt-optim --no-default-features",
-        "tests/resume.rs",
-        0,
-    ),
-    (
-        "test -p tt-optim --no-default-features",
-        "tests/torch_parity.rs",
-        0,
-    ),
-    (
-        "test -p tt-reserve (no features)",
-        "tt_reserve src/lib.rs",
-        2,
-    ),
-    ("test -p tt-reserve (no features)", "tests/backend.rs", 1),
-    ("test -p tt-reserve (no features)", "tests/reserve.rs", 1),
-    (
-        "test -p tt-reserve (no features)",
-        "tt_reserve doc-tests",
-        2,
-    ),
-    (
-        "test -p tt-train (default features)",
-        "tt_train src/lib.rs",
-        12,
-    ),
-    ("test -p tt-train (default features)", "tests/heap.rs", 3),
-    ("test -p tt-train (default features)", "tests/state.rs", 2),
-    (
-        "test -p tt-train (default features)",
-        "tests/trainer.rs",
-        28,
-    ),
-    (
-        "test -p tt-train (default features)",
-        "tt_train doc-tests",
-        14,
-    ),
-    (
-        "test -p tt-train --no-default-features",
-        "tt_train src/lib.rs",
-        7,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "gpu_tracker src/bin/gpu-tracker.rs",
-        0,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "torchtools src/main.rs",
-        18,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/cli.rs",
-        6,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/hooks.rs",
-        4,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/jobs.rs",
-        13,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/launch.rs",
-        20,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/metrics.rs",
-        2,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/serve.rs",
-        2,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/probe.rs",
-        7,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/readme.rs",
-        7,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/reserve.rs",
-        14,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/subtrack.rs",
-        2,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/top.rs",
-        4,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/track.rs",
-        15,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/trust.rs",
-        11,
-    ),
-    (
-        "test -p torchtools-cli (default features)",
-        "tests/usage.rs",
-        2,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "gpu_tracker src/bin/gpu-tracker.rs",
-        0,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "torchtools src/main.rs",
-        18,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/cli.rs",
-        6,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/hooks.rs",
-        4,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/jobs.rs",
-        13,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/launch.rs",
-        20,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/metrics.rs",
-        2,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/serve.rs",
-        2,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/probe.rs",
-        7,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/readme.rs",
-        7,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/reserve.rs",
-        14,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/subtrack.rs",
-        2,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/top.rs",
-        4,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/track.rs",
-        15,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/trust.rs",
-        11,
-    ),
-    (
-        "test -p torchtools-cli --no-default-features",
-        "tests/usage.rs",
-        2,
-    ),
-    (
-        "test -p torchtools (default features)",
-        "torchtools src/lib.rs",
-        0,
-    ),
-    ("test -p torchtools (default features)", "tests/demo.rs", 4),
-    (
-        "test -p torchtools (default features)",
-        "tests/examples.rs",
-        11,
-    ),
-    (
-        "test -p torchtools (default features)",
-        "torchtools doc-tests",
-        2,
-    ),
-    (
-        "test -p torchtools --no-default-features",
-        "torchtools src/lib.rs",
-        0,
-    ),
-    (
-        "test -p torchtools --no-default-features",
-        "tests/demo.rs",
-        0,
-    ),
-    (
-        "test -p torchtools --no-default-features",
-        "torchtools doc-tests",
-        2,
-    ),
-    ("test -p tt-sys --features c10d", "tt_sys src/lib.rs", 2),
-    ("test -p tt-sys --features c10d", "tests/c10d.rs", 3),
-    ("test -p tt-sys --features c10d", "tests/cpu.rs", 5),
-    ("test -p tt-sys --features c10d", "tt_sys doc-tests", 8),
-    ("test -p tt-dist --features c10d", "tt_dist src/lib.rs", 14),
-    ("test -p tt-dist --features c10d", "tests/c10d.rs", 15),
-    ("test -p tt-dist --features c10d", "tests/launch.rs", 3),
-    ("test -p tt-dist --features c10d", "tt_dist doc-tests", 4),
-    (
-        "test -p tt-reserve --features tch",
-        "tt_reserve src/lib.rs",
-        2,
-    ),
-    ("test -p tt-reserve --features tch", "tests/backend.rs", 1),
-    ("test -p tt-reserve --features tch", "tests/reserve.rs", 1),
-    (
-        "test -p tt-reserve --features tch",
-        "tt_reserve doc-tests",
-        2,
-    ),
-    (
-        "test -p tt-tracker --features sqlite,plot",
-        "tt_tracker src/lib.rs",
-        36,
-    ),
-    (
-        "test -p tt-tracker --features sqlite,plot",
-        "tests/report.rs",
-        8,
-    ),
-    (
-        "test -p tt-tracker --features sqlite,plot",
-        "tests/subtrack.rs",
-        13,
-    ),
-    (
-        "test -p tt-tracker --features sqlite,plot",
-        "tests/track.rs",
-        21,
-    ),
-    (
-        "test -p tt-tracker --features sqlite,plot",
-        "tt_tracker doc-tests",
-        2,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "torchtools src/lib.rs",
-        0,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/demo.rs",
-        4,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/examples.rs",
-        11,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_adaptive src/lib.rs",
-        2,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/adaptive.rs",
-        14,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/defaults.rs",
-        2,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/tch.rs",
-        12,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_ckpt src/lib.rs",
-        12,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/crash.rs",
-        1,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/dir.rs",
-        16,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/full_disk.rs",
-        2,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/load_memory.rs",
-        1,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/python.rs",
-        2,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/torch_weights.rs",
-        4,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_device src/lib.rs",
-        12,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/env.rs",
-        5,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/inventory.rs",
-        5,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/select.rs",
-        5,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_optim src/lib.rs",
-        2,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/resume.rs",
-        3,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/torch_parity.rs",
-        3,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_probe src/lib.rs",
-        7,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/probe.rs",
-        10,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/run.rs",
-        3,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_sys src/lib.rs",
-        2,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/c10d.rs",
-        3,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/cpu.rs",
-        5,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_testkit src/lib.rs",
-        5,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_train src/lib.rs",
-        12,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/heap.rs",
-        3,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/state.rs",
-        2,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tests/trainer.rs",
-        28,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "xtask src/main.rs",
-        23,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "torchtools doc-tests",
-        2,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_adaptive doc-tests",
-        6,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_ckpt doc-tests",
-        5,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_device doc-tests",
-        4,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_optim doc-tests",
-        2,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_probe doc-tests",
-        5,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_sys doc-tests",
-        8,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_testkit doc-tests",
-        0,
-    ),
-    (
-        "test --workspace (all CPU features, doc tests)",
-        "tt_train doc-tests",
-        14,
-    ),
-];
-
-const MIN_PASSED: [(&str, u64); 29] = [
-    ("test -p tt-sys (default features)", 13),
-    ("test -p tt-sys --no-default-features", 1),
-    ("test -p tt-device (default features)", 30),
-    ("test -p tt-device --no-default-features", 23),
-    ("test -p tt-lock (no features)", 69),
-    ("test -p tt-fence (no features)", 2),
-    ("test -p tt-tracker (no features)", 76),
-    ("test -p tt-adaptive (default features)", 27),
-    ("test -p tt-adaptive --no-default-features", 17),
-    ("test -p tt-probe (default features)", 24),
-    ("test -p tt-probe --no-default-features", 11),
-    ("test -p tt-dist (no features)", 14),
-    ("test -p tt-sampler (no features)", 22),
-    ("test -p tt-ckpt (default features)", 41),
-    ("test -p tt-ckpt --no-default-features", 31),
-    ("test -p tt-optim (default features)", 10),
-    ("test -p tt-optim --no-default-features", 2),
-    ("test -p tt-reserve (no features)", 6),
-    ("test -p tt-train (default features)", 54),
-    ("test -p tt-train --no-default-features", 6),
-    ("test -p torchtools-cli (default features)", 98),
-    ("test -p torchtools-cli --no-default-features", 98),
-    ("test -p torchtools (default features)", 16),
-    ("test -p torchtools --no-default-features", 2),
-    ("test -p tt-sys --features c10d", 16),
-    ("test -p tt-dist --features c10d", 35),
-    ("test -p tt-reserve --features tch", 5),
-    ("test -p tt-tracker --features sqlite,plot", 78),
-    ("test --workspace (all CPU features, doc tests)", 211),
-];
-
-/// What is wrong with a test step's binaries against `minimums` (step, binary, tests it
-/// must pass at least): a binary below its figure or gone (a test file lost, a target
-/// left out by its features), or one without a figure (add it).
-pub(crate) fn binary_problems(result: &StepResult, minimums: &[(&str, &str, u64)]) -> Vec<String> {
-    let passed = |binary: &str| {
-        result
-            .binaries
-            .iter()
-            .find(|(b, _)| b == binary)
-            // A test skipped knowingly (listed apart) still exists: a minimum guards
-            // against tests that vanished.
-            .map(|(_, c)| c.passed + c.not_run)
-    };
-    let mut problems = Vec::new();
-    for (_, binary, minimum) in minimums.iter().filter(|(s, _, _)| *s == result.name) {
-        match passed(binary) {
-            None if *minimum > 0 => problems.push(format!(
-                "the test binary {binary} did not run (expected at least {minimum} tests)"
-            )),
-            Some(n) if n < *minimum => problems.push(format!(
-                "the test binary {binary} passed {n} tests, expected at least {minimum}"
-            )),
-            _ => {}
-        }
-    }
-    for (binary, _) in &result.binaries {
-        if !minimums
-            .iter()
-            .any(|(s, b, _)| *s == result.name && b == binary)
-        {
-            problems.push(format!(
-                "the test binary {binary} has no expected minimum: add it to MIN_PER_BINARY \
-                 in xtask/src/test.rs"
-            ));
-        }
-    }
-    problems
-}
-
-pub(crate) fn cpu_matrix() -> Result<()> {
+/// `record`: write what each test step and binary passed as their minimums
+/// (`xtask/minimums.tsv`), once the whole run has passed, instead of holding the run
+/// to the figures there.
+pub(crate) fn cpu_matrix(record: bool) -> Result<()> {
     crate::setup::setup()?;
+    let minimums = match record {
+        true => None,
+        false => Some(Minimums::read()?),
+    };
     let mut results: Vec<StepResult> = Vec::new();
-    test_steps(&mut results);
+    test_steps(&mut results, minimums.as_ref());
     // The README's "Using it from your project", in a new crate outside the repository.
     results.push(crate::downstream::check());
     // The command as Python users get it: a wheel, installed into a fresh venv.
@@ -914,70 +126,84 @@ pub(crate) fn cpu_matrix() -> Result<()> {
     if total.passed == 0 {
         bail!("the CPU matrix ran no test");
     }
+    if record {
+        let order: Vec<String> = results.iter().map(|r| r.name.clone()).collect();
+        let path = crate::minimums::path();
+        std::fs::write(&path, Minimums::of(&results).render(&order))?;
+        println!("recorded the minimums in {}", path.display());
+    }
     Ok(())
 }
 
-/// A step that runs tests (its name starts with "test "): held to its minimum, and each
-/// of its test binaries to theirs.
-fn test_step(name: String, args: &[&str]) -> StepResult {
-    let minimum = MIN_PASSED
-        .iter()
-        .find(|(step, _)| *step == name)
-        .map_or(u64::MAX, |(_, n)| *n);
-    let mut result = run_tests_counted(&name, cargo(args), minimum);
-    for problem in binary_problems(&result, MIN_PER_BINARY) {
+/// A step that runs tests: held to its recorded minimum, and each of its test binaries
+/// to theirs (`minimums`; `None` while recording: it must still pass a test).
+fn test_step(name: String, args: &[&str], minimums: Option<&Minimums>) -> StepResult {
+    let mut result = run_counted(&name, cargo(args));
+    let problems = match minimums {
+        Some(m) => m.problems(&result),
+        None if result.counts.map_or(0, |c| c.passed) == 0 => vec!["passed no test".to_owned()],
+        None => Vec::new(),
+    };
+    for problem in problems {
         eprintln!("{name}: {problem}");
         result.ok = false;
     }
     result
 }
 
-/// The format check and the tests: each crate with and without its default features,
-/// the extra features, then the workspace with every CPU feature and its doc tests.
-fn test_steps(results: &mut Vec<StepResult>) {
-    let mut step = |name: String, args: &[&str]| {
-        results.push(if name.starts_with("test ") {
-            test_step(name, args)
-        } else {
-            run_counted(&name, cargo(args))
-        })
-    };
-    step("fmt --check".into(), &["fmt", "--all", "--check"]);
+/// The test steps, in order, with their cargo arguments: each crate with and without
+/// its default features (once where they are the same), the extra features, then the
+/// project's own tools. (Each crate's doc tests run in its step with the features
+/// they need.)
+fn test_plan() -> Vec<(String, Vec<&'static str>)> {
+    let mut plan = Vec::new();
     for krate in CRATES {
         if FEATURELESS.contains(&krate) {
             let mut args = vec!["test", "-p", krate];
             if DOCTESTS_NEED_A_FEATURE.contains(&krate) {
                 args.extend(NO_DOCTESTS);
             }
-            step(format!("test -p {krate} (no features)"), &args);
+            plan.push((format!("test -p {krate} (no features)"), args));
             continue;
         }
-        step(
+        plan.push((
             format!("test -p {krate} (default features)"),
-            &["test", "-p", krate],
-        );
+            vec!["test", "-p", krate],
+        ));
         let mut args = vec!["test", "-p", krate, "--no-default-features"];
         if DOCTESTS_NEED_A_FEATURE.contains(&krate) {
             args.extend(NO_DOCTESTS);
         }
-        step(format!("test -p {krate} --no-default-features"), &args);
+        plan.push((format!("test -p {krate} --no-default-features"), args));
     }
     for (krate, feature) in EXTRA_FEATURES {
-        step(
+        plan.push((
             format!("test -p {krate} --features {feature}"),
-            &["test", "-p", krate, "--features", feature],
-        );
+            vec!["test", "-p", krate, "--features", feature],
+        ));
     }
-    // The CLI is tested on its own above: in a workspace-wide build, feature
-    // unification would hand it tt-device's `tch` and test a binary users never get.
-    let mut workspace = vec!["test", "--workspace", "--exclude", "torchtools-cli"];
-    for krate in FEATURELESS {
-        workspace.extend(["--exclude", krate]);
+    plan.push((
+        "test -p xtask -p tt-testkit (the project's own tools)".into(),
+        vec!["test", "-p", "xtask", "-p", "tt-testkit"],
+    ));
+    plan
+}
+
+/// The names of the test steps (each has a recorded minimum).
+#[cfg(test)]
+pub(crate) fn test_step_names() -> Vec<String> {
+    test_plan().into_iter().map(|(name, _)| name).collect()
+}
+
+/// The format check, then the test steps of [`test_plan`].
+fn test_steps(results: &mut Vec<StepResult>, minimums: Option<&Minimums>) {
+    results.push(run_counted(
+        "fmt --check",
+        cargo(&["fmt", "--all", "--check"]),
+    ));
+    for (name, args) in test_plan() {
+        results.push(test_step(name, &args, minimums));
     }
-    step(
-        "test --workspace (all CPU features, doc tests)".into(),
-        &workspace,
-    );
 }
 
 /// Clippy (the workspace with the GPU test targets, then each crate without its
@@ -1206,53 +432,5 @@ mod tests {
         assert!(!is_unpacked("torchtools-cli-0.1.0", "torchtools"));
         assert!(!is_unpacked("tt-lockfree-1.0.0", "tt-lock"));
         assert!(!is_unpacked("tt-lock", "tt-lock"));
-    }
-}
-
-#[cfg(test)]
-mod binary_tests {
-    use super::binary_problems;
-    use crate::steps::{Counts, StepResult};
-
-    fn result(binaries: &[(&str, u64)]) -> StepResult {
-        StepResult {
-            name: "test -p k".into(),
-            ok: true,
-            time: std::time::Duration::ZERO,
-            counts: None,
-            binaries: binaries
-                .iter()
-                .map(|(b, n)| {
-                    let c = Counts {
-                        passed: *n,
-                        ..Counts::default()
-                    };
-                    ((*b).to_owned(), c)
-                })
-                .collect(),
-            skipped: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn a_binary_gone_below_its_minimum_or_without_one_is_a_problem() {
-        let minimums = [
-            ("test -p k", "k src/lib.rs", 3),
-            ("test -p k", "tests/a.rs", 2),
-            ("test -p other", "tests/b.rs", 9),
-        ];
-        let all = result(&[("k src/lib.rs", 3), ("tests/a.rs", 5)]);
-        assert_eq!(binary_problems(&all, &minimums), Vec::<String>::new());
-        // tests/a.rs vanished: the step's own count could still be high.
-        let gone = result(&[("k src/lib.rs", 30)]);
-        let p = binary_problems(&gone, &minimums);
-        assert_eq!(p.len(), 1);
-        assert!(p[0].contains("tests/a.rs did not run"), "{p:?}");
-        let below = result(&[("k src/lib.rs", 2), ("tests/a.rs", 2)]);
-        assert!(
-            binary_problems(&below, &minimums)[0].contains("passed 2 tests, expected at least 3")
-        );
-        let new = result(&[("k src/lib.rs", 3), ("tests/a.rs", 2), ("tests/c.rs", 1)]);
-        assert!(binary_problems(&new, &minimums)[0].contains("tests/c.rs has no expected minimum"));
     }
 }
