@@ -196,17 +196,42 @@ pub fn not_run(why: &str) {
 /// (which should say how to run it, or how to skip it knowingly). The line is written
 /// past libtest's capture, so that `cargo xtask test` sees it whether the test passes or
 /// not: it lists each one and counts it apart, never as passed.
+///
+/// Run as root, a test has what these tests need: a skip there means its set-up failed
+/// (a leftover interface, a missing `ip`), and fails the test whatever the variable
+/// says, unless the test is one of [`ROOT_MAY_SKIP`].
 pub fn skip_knowingly(needs: &str, failure: &str) {
+    let thread = std::thread::current();
+    let name = thread.name().unwrap_or("test");
+    if is_root() && !ROOT_MAY_SKIP.iter().any(|(test, _)| *test == name) {
+        panic!("{failure} (run as root, where nothing may skip: the set-up failed)");
+    }
     match std::env::var(NO_MOUNT_ENV) {
         Ok(why) if !why.trim().is_empty() => {
-            let thread = std::thread::current();
-            let name = thread.name().unwrap_or("test");
             let line = format!("SKIPPED: {name}: {needs}: {}\n", why.trim());
             // One write: the line stays whole beside the other tests' output.
             let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
         }
         _ => panic!("{failure}"),
     }
+}
+
+/// The tests that may skip knowingly even when run as root (by their name in their test
+/// binary), each with its reason: the one list of them.
+pub const ROOT_MAY_SKIP: [(&str, &str); 1] = [(
+    "tests::skipping_child",
+    "tt-testkit's own test of a knowing skip, which CI runs as root",
+)];
+
+/// Whether this process runs as root (effective user 0), from `/proc/self/status`.
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|ids| ids.split_whitespace().nth(1))
+            == Some("0")
+    })
 }
 
 /// Runs the selected `tests` (see [`Selection`]) one after the other, printing libtest's
@@ -308,6 +333,34 @@ mod tests {
             "a thing this machine lacks",
             "not skipped: the variable is unset",
         );
+    }
+
+    #[test]
+    #[ignore = "a child's entry point, run by the skip test"]
+    fn skipping_child_not_allowed_as_root() {
+        super::skip_knowingly("a thing this machine lacks", "not skipped");
+    }
+
+    /// As root, a test not on the list fails even with the variable set: its set-up
+    /// failed, since root has what the skipping tests need. (Not as root, it skips.)
+    #[test]
+    fn as_root_only_the_listed_tests_may_skip() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "tests::skipping_child_not_allowed_as_root",
+                "--include-ignored",
+            ])
+            .env(super::NO_MOUNT_ENV, "no root in this container")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if super::is_root() {
+            assert!(!out.status.success(), "{stdout}");
+            assert!(stdout.contains("nothing may skip"), "{stdout}");
+        } else {
+            assert!(out.status.success(), "{stdout}");
+        }
     }
 
     /// The skip line shows through libtest's capture (a passing test's output is
