@@ -532,6 +532,40 @@ mod tests {
         long
     }
 
+    /// An error's text that is no error value is its `reason`, in every crate: a field
+    /// named `message` in a library's source is the other word for it.
+    #[test]
+    fn error_text_fields_are_named_reason() {
+        let root = crate::root();
+        let mut files = Vec::new();
+        walk(&root.join("crates"), &mut files);
+        let mut found = Vec::new();
+        for file in files {
+            let rel = file
+                .strip_prefix(&root)
+                .unwrap_or(&file)
+                .display()
+                .to_string();
+            if !rel.ends_with(".rs") || !rel.contains("/src/") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).unwrap();
+            for (n, line) in text.lines().enumerate() {
+                let field = line.trim_start();
+                if line.starts_with("        ")
+                    && (field.starts_with("message: String,")
+                        || field.starts_with("message: &'static str,"))
+                {
+                    found.push(format!("{rel}:{}", n + 1));
+                }
+            }
+        }
+        assert!(
+            found.is_empty(),
+            "error fields named message, not reason: {found:#?}"
+        );
+    }
+
     /// No function outside tests is 100 lines or longer: a long one is cut where a
     /// reader would (the issue that set the rule found 192-line ones).
     #[test]

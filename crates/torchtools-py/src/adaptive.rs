@@ -47,7 +47,7 @@ fn raise(e: AdaptiveError<Failure>) -> PyErr {
     match e {
         AdaptiveError::Failed(Failure::Raised(e) | Failure::Oom(e)) => e,
         AdaptiveError::NoFit {
-            last_error: Some(Failure::Oom(e) | Failure::Raised(e)),
+            cause: Some(Failure::Oom(e) | Failure::Raised(e)),
             ..
         } => e,
         e @ AdaptiveError::NoFit { .. } => crate::errors::error(e),

@@ -78,10 +78,11 @@ pub enum AdaptiveError<E> {
     NoFit {
         /// The minimum size.
         min: usize,
-        /// The last OOM error (absent when it was a caught panic); the message says it.
-        last_error: Option<E>,
+        /// The last out-of-memory error (absent when it was a caught panic); the message
+        /// says it.
+        cause: Option<E>,
         /// What kind of out-of-memory it was, or the caught panic's message.
-        message: String,
+        reason: String,
     },
 }
 
@@ -89,17 +90,13 @@ impl<E: fmt::Display> fmt::Display for AdaptiveError<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             AdaptiveError::Failed(e) => e.fmt(f),
-            AdaptiveError::NoFit {
-                min,
-                message,
-                last_error,
-            } => {
+            AdaptiveError::NoFit { min, reason, cause } => {
                 write!(f, "out of memory even at the minimum size {min}: ")?;
                 // The last error's own words (what it says is its cause: never also
                 // given as `source()`), else the caught panic's message.
-                match last_error {
+                match cause {
                     Some(e) => e.fmt(f)?,
-                    None => f.write_str(message)?,
+                    None => f.write_str(reason)?,
                 }
                 f.write_str("; free memory (smaller model, other processes) or lower the minimum")
             }
@@ -117,10 +114,7 @@ impl<E: std::error::Error + 'static> std::error::Error for AdaptiveError<E> {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             AdaptiveError::Failed(e) => e.source(),
-            AdaptiveError::NoFit {
-                last_error: Some(e),
-                ..
-            } => e.source(),
+            AdaptiveError::NoFit { cause: Some(e), .. } => e.source(),
             AdaptiveError::NoFit { .. } => None,
         }
     }
@@ -652,12 +646,12 @@ impl Adaptive {
             if next < self.min || next >= size {
                 return Err(AdaptiveError::NoFit {
                     min: self.min,
-                    message: if message.is_empty() {
+                    reason: if message.is_empty() {
                         kind.to_string()
                     } else {
                         message
                     },
-                    last_error: error,
+                    cause: error,
                 });
             }
             return Ok(Err(next));

@@ -91,11 +91,9 @@ fn below_the_minimum_is_no_fit_with_the_last_error() {
     let calls = AtomicUsize::new(0);
     let a = Adaptive::new().policy(Policy::Halve).min(600);
     match a.batch(4096, budget(500, &calls)) {
-        Err(AdaptiveError::NoFit {
-            min, last_error, ..
-        }) => {
+        Err(AdaptiveError::NoFit { min, cause, .. }) => {
             assert_eq!(min, 600);
-            assert_eq!(last_error.as_deref(), Some(CUDA_OOM));
+            assert_eq!(cause.as_deref(), Some(CUDA_OOM));
         }
         other => panic!("{other:?}"),
     }

@@ -28,12 +28,12 @@ pub enum CudaError {
         count: usize,
     },
     /// A driver call failed.
-    #[error("{call} failed: {message}")]
+    #[error("{call} failed: {reason}")]
     Call {
         /// The call, with its argument.
         call: String,
         /// What the driver said.
-        message: String,
+        reason: String,
     },
 }
 
@@ -64,7 +64,7 @@ impl CudaDriver {
     pub fn device_count(&self) -> Result<usize, CudaError> {
         let count = result::device::get_count().map_err(|e| CudaError::Call {
             call: "cuDeviceGetCount".into(),
-            message: e.to_string(),
+            reason: e.to_string(),
         })?;
         Ok(usize::try_from(count).unwrap_or(0))
     }
@@ -79,7 +79,7 @@ impl CudaDriver {
         let call = |call: String| {
             move |e: result::DriverError| CudaError::Call {
                 call,
-                message: e.to_string(),
+                reason: e.to_string(),
             }
         };
         let dev =

@@ -75,7 +75,9 @@ impl std::fmt::Debug for Ddp<'_> {
 }
 
 fn tch_err(e: tch::TchError) -> Error {
-    Error::Tensor(e.to_string())
+    Error::Tensor {
+        reason: e.to_string(),
+    }
 }
 
 /// The trainable variables of `vs` in the order of PyTorch's `named_parameters()` for
@@ -163,16 +165,18 @@ impl<'g> Ddp<'g> {
     pub fn with_options(pg: &'g ProcessGroup, vs: &VarStore, opts: &DdpOptions) -> Result<Ddp<'g>> {
         // Checked here too for the group of one, which builds no Reducer.
         opts.sizes().map_err(|e| match e {
-            tt_sys::Error::Torch { message, .. } => Error::Tensor(message),
-            other => Error::Tensor(other.to_string()),
+            tt_sys::Error::Torch {
+                reason: message, ..
+            } => Error::Tensor { reason: message },
+            other => Error::Tensor {
+                reason: other.to_string(),
+            },
         })?;
         let (params, buffers) = parameters_and_buffers(vs);
         if params.is_empty() {
-            return Err(Error::Tensor(
-                "DDP over a VarStore with no trainable variable: build the model in the VarStore \
+            return Err(Error::Tensor { reason: "DDP over a VarStore with no trainable variable: build the model in the VarStore \
                  first (or unfreeze it)"
-                    .into(),
-            ));
+                    .into() });
         }
         let reducer = match pg.raw_backend() {
             Some(backend) => Some(
@@ -250,9 +254,9 @@ impl<'g> Ddp<'g> {
 fn explain(e: Error) -> Error {
     let text = e.to_string();
     if text.contains("find_unused_parameters") {
-        Error::Tensor(format!(
+        Error::Tensor { reason: format!(
             "{text}\n(in torchtools: Ddp::with_options(.., &DdpOptions::default().find_unused_parameters(true)))"
-        ))
+        ) }
     } else {
         e
     }

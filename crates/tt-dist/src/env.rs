@@ -129,17 +129,19 @@ impl Place {
             source,
         };
         if place.world_size == 0 {
-            return Err(Error::Inconsistent(format!(
-                "{world_var}=0: there must be at least one process"
-            )));
+            return Err(Error::Inconsistent {
+                reason: format!("{world_var}=0: there must be at least one process"),
+            });
         }
         if place.rank >= place.world_size {
-            return Err(Error::Inconsistent(format!(
-                "{rank_var}={} but {world_var}={}: ranks go from 0 to {}",
-                place.rank,
-                place.world_size,
-                place.world_size - 1
-            )));
+            return Err(Error::Inconsistent {
+                reason: format!(
+                    "{rank_var}={} but {world_var}={}: ranks go from 0 to {}",
+                    place.rank,
+                    place.world_size,
+                    place.world_size - 1
+                ),
+            });
         }
         Ok(place)
     }
@@ -301,10 +303,12 @@ impl DistEnv {
         let (_, world_var, local_var) = rank_variables(self.source);
         if let Some(lws) = self.local_world_size {
             if self.local_rank >= lws || lws > self.world_size {
-                return Err(Error::Inconsistent(format!(
-                    "{local_var}={} with {lws} process(es) per node and {world_var}={}",
-                    self.local_rank, self.world_size
-                )));
+                return Err(Error::Inconsistent {
+                    reason: format!(
+                        "{local_var}={} with {lws} process(es) per node and {world_var}={}",
+                        self.local_rank, self.world_size
+                    ),
+                });
             }
         }
         if self.local_rank > self.rank

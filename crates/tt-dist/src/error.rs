@@ -21,25 +21,35 @@ pub enum Error {
         reason: String,
     },
     /// The variables contradict each other.
-    #[error("inconsistent distributed environment: {0}")]
-    Inconsistent(String),
-    /// A launch argument is wrong.
-    #[error("{0}")]
-    Launch(String),
+    #[error("inconsistent distributed environment: {reason}")]
+    Inconsistent {
+        /// Which variables, and how they disagree.
+        reason: String,
+    },
+    /// A launch argument is wrong, or the launch cannot reach the first node: nothing
+    /// was started.
+    #[error("{reason}")]
+    Launch {
+        /// What is wrong, and the fix.
+        reason: String,
+    },
     /// A job of several nodes ended without a rank to blame: a node never joined, or a
     /// node's launcher was lost.
-    #[error("{0}")]
-    Job(String),
+    #[error("{reason}")]
+    Job {
+        /// How the job ended.
+        reason: String,
+    },
     /// Forming the process group failed (store or backend); the message says what
     /// to check.
-    #[error("rendezvous at {addr}:{port} failed: {message}")]
+    #[error("rendezvous at {addr}:{port} failed: {reason}")]
     Rendezvous {
         /// `MASTER_ADDR`.
         addr: String,
         /// `MASTER_PORT`.
         port: u16,
         /// What c10d said, and the hint.
-        message: String,
+        reason: String,
     },
     /// The backend asked for is not in this build; nothing was contacted.
     #[error("the {backend} backend was asked for but this build has none: {fix}")]
@@ -51,18 +61,21 @@ pub enum Error {
     },
     /// A collective failed: a peer died or hung past the timeout, or the tensors were
     /// wrong. The process group is unusable afterwards.
-    #[error("{op} failed on rank {rank}: {message}")]
+    #[error("{op} failed on rank {rank}: {reason}")]
     Collective {
         /// The collective.
         op: &'static str,
         /// This process's rank.
         rank: usize,
         /// What c10d said.
-        message: String,
+        reason: String,
     },
     /// A tensor operation around a collective failed (tch's error).
-    #[error("{0}")]
-    Tensor(String),
+    #[error("{reason}")]
+    Tensor {
+        /// What libtorch said.
+        reason: String,
+    },
     /// A rank's program could not be started (not found, not executable, ...).
     #[error("cannot start rank {rank} ({program:?}): {cause}")]
     Spawn {

@@ -124,7 +124,7 @@ fn rendezvous_error(env: &DistEnv, message: String) -> Error {
     Error::Rendezvous {
         addr: env.master_addr.clone(),
         port: env.master_port,
-        message: format!("{message}{hint}"),
+        reason: format!("{message}{hint}"),
     }
 }
 
@@ -308,7 +308,7 @@ impl ProcessGroup {
             return Err(Error::Collective {
                 op: name,
                 rank: self.env.rank,
-                message: format!(
+                reason: format!(
                     "average of a {:?} tensor: use a floating-point tensor, or Sum and divide",
                     tensor.kind()
                 ),
@@ -386,7 +386,7 @@ impl ProcessGroup {
             return Err(Error::Collective {
                 op,
                 rank: self.env.rank,
-                message: format!(
+                reason: format!(
                     "root rank {root} is not in this group of {}",
                     self.env.world_size
                 ),
@@ -419,7 +419,7 @@ impl ProcessGroup {
             return Err(Error::Collective {
                 op: "reduce_scatter",
                 rank: self.env.rank,
-                message: format!(
+                reason: format!(
                     "{} input tensors for a group of {}: give one per rank",
                     inputs.len(),
                     self.env.world_size
@@ -431,7 +431,9 @@ impl ProcessGroup {
             return output
                 .shallow_clone()
                 .f_copy_(&inputs[0])
-                .map_err(|e| Error::Tensor(e.to_string()));
+                .map_err(|e| Error::Tensor {
+                    reason: e.to_string(),
+                });
         };
         let raw = engine
             .backend
@@ -460,8 +462,9 @@ impl ProcessGroup {
     pub fn all_reduce_f64(&self, value: f64, op: ReduceOp) -> Result<f64> {
         let t = Tensor::from_slice(&[value]).to_device(self.scalar_device());
         self.all_reduce(&t, op)?;
-        t.f_double_value(&[0])
-            .map_err(|e| Error::Tensor(e.to_string()))
+        t.f_double_value(&[0]).map_err(|e| Error::Tensor {
+            reason: e.to_string(),
+        })
     }
 
     /// The smallest of every rank's `value`: how ranks agree on one batch size when
@@ -472,9 +475,9 @@ impl ProcessGroup {
             .to_kind(Kind::Int64)
             .to_device(self.scalar_device());
         self.all_reduce(&t, ReduceOp::Min)?;
-        let out = t
-            .f_int64_value(&[0])
-            .map_err(|e| Error::Tensor(e.to_string()))?;
+        let out = t.f_int64_value(&[0]).map_err(|e| Error::Tensor {
+            reason: e.to_string(),
+        })?;
         Ok(u64::try_from(out).unwrap_or(0))
     }
 }
@@ -484,8 +487,10 @@ fn collective_error(op: &'static str, rank: usize, e: tt_sys::Error) -> Error {
     Error::Collective {
         op,
         rank,
-        message: match e {
-            tt_sys::Error::Torch { message, .. } => message,
+        reason: match e {
+            tt_sys::Error::Torch {
+                reason: message, ..
+            } => message,
             other => other.to_string(),
         },
     }
@@ -587,9 +592,9 @@ impl Work {
                 .map_err(|e| collective_error(self.op, self.rank, e))?;
         }
         if let Some((mut t, n)) = self.divide {
-            let _ = t
-                .f_div_scalar_(n as f64)
-                .map_err(|e| Error::Tensor(e.to_string()))?;
+            let _ = t.f_div_scalar_(n as f64).map_err(|e| Error::Tensor {
+                reason: e.to_string(),
+            })?;
         }
         Ok(())
     }

@@ -45,21 +45,21 @@ pub fn socket_interface_for(master_addr: &str) -> Result<Option<SocketInterface>
     if user_set(SOCKET_IFNAME_VARS[0]) {
         return Ok(None);
     }
-    let master = resolve(master_addr).ok_or_else(|| {
-        Error::Launch(format!(
+    let master = resolve(master_addr).ok_or_else(|| Error::Launch {
+        reason: format!(
             "MASTER_ADDR {master_addr:?} does not resolve to an address: give the first \
              node's address or a name this host resolves"
-        ))
+        ),
     })?;
     if master.is_loopback() || !hostname_is_loopback() {
         return Ok(None);
     }
-    let (name, local) = route_to(master).ok_or_else(|| {
-        Error::Launch(format!(
+    let (name, local) = route_to(master).ok_or_else(|| Error::Launch {
+        reason: format!(
             "no network interface of this host reaches MASTER_ADDR {master_addr} ({master}): \
              check the address and this host's routes (`ip route get {master}`), or name the \
              interface with GLOO_SOCKET_IFNAME"
-        ))
+        ),
     })?;
     let set = SOCKET_IFNAME_VARS
         .iter()

@@ -484,11 +484,13 @@ impl Link {
                 Err(e) => e.to_string(),
             };
             if Instant::now() >= deadline {
-                return Err(Error::Job(format!(
-                    "node 0's launcher at {addr}:{port} did not answer within {timeout:?} \
+                return Err(Error::Job {
+                    reason: format!(
+                        "node 0's launcher at {addr}:{port} did not answer within {timeout:?} \
                      (TORCHTOOLS_DIST_TIMEOUT): {error}. Start `torchtools launch --node-rank 0` \
                      there with the same --nnodes and --master-port"
-                )));
+                    ),
+                });
             }
             std::thread::sleep(Duration::from_millis(100));
         };
@@ -563,9 +565,11 @@ impl Link {
 }
 
 fn lost_coordinator(how: &str) -> Error {
-    Error::Job(format!(
-        "lost node 0's launcher, which runs the job ({how}): this node's ranks were stopped"
-    ))
+    Error::Job {
+        reason: format!(
+            "lost node 0's launcher, which runs the job ({how}): this node's ranks were stopped"
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -154,32 +154,36 @@ pub const MAX_NPROC_PER_NODE: usize = 1024;
 /// Launches the group, waits for it, restarts it on failure up to `max_restarts`.
 pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
     if cfg.nproc_per_node == 0 || cfg.nnodes == 0 {
-        return Err(Error::Launch(
-            "--nproc-per-node and --nnodes must be at least 1".into(),
-        ));
+        return Err(Error::Launch {
+            reason: "--nproc-per-node and --nnodes must be at least 1".into(),
+        });
     }
     if cfg.nproc_per_node > MAX_NPROC_PER_NODE {
-        return Err(Error::Launch(format!(
+        return Err(Error::Launch {
+            reason: format!(
             "--nproc-per-node {}: at most {MAX_NPROC_PER_NODE} ranks per node (one per GPU, or a \
              few per CPU core, is the usual count)",
             cfg.nproc_per_node
-        )));
+        ),
+        });
     }
     if cfg.node_rank >= cfg.nnodes {
-        return Err(Error::Launch(format!(
-            "--node-rank {} but --nnodes {}: node ranks go from 0 to {}",
-            cfg.node_rank,
-            cfg.nnodes,
-            cfg.nnodes - 1
-        )));
+        return Err(Error::Launch {
+            reason: format!(
+                "--node-rank {} but --nnodes {}: node ranks go from 0 to {}",
+                cfg.node_rank,
+                cfg.nnodes,
+                cfg.nnodes - 1
+            ),
+        });
     }
     let port = match cfg.master_port {
         Some(p) => p,
         None if cfg.nnodes == 1 => crate::port::free_port(&cfg.master_addr)?,
         None => {
-            return Err(Error::Launch(
-                "with several nodes every node needs the same --master-port".into(),
-            ))
+            return Err(Error::Launch {
+                reason: "with several nodes every node needs the same --master-port".into(),
+            })
         }
     };
     // Ranks on other hosts must reach ours: name the interface when the host's name
@@ -415,7 +419,7 @@ fn launch_nodes(
                 drop(coordinator);
                 return job_outcome(end, port);
             }
-            Down::Refused { reason } => return Err(Error::Launch(reason)),
+            Down::Refused { reason } => return Err(Error::Launch { reason }),
             Down::Stop { .. } | Down::Alive => continue,
         };
         if let Some(after) = after {
@@ -478,7 +482,7 @@ fn job_outcome(end: crate::job::JobEnd, port: u16) -> Result<LaunchOutcome> {
             master_port: port,
             error: end.error,
         }),
-        (_, None) => Err(Error::Job(end.how)),
+        (_, None) => Err(Error::Job { reason: end.how }),
     }
 }
 

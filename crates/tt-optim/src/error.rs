@@ -6,12 +6,12 @@ pub enum Error {
     #[error("invalid optimizer configuration: {0}")]
     InvalidConfig(String),
     /// libtorch failed in an update.
-    #[error("tensor operation failed for {param:?}: {message}")]
+    #[error("tensor operation failed for {param:?}: {reason}")]
     Torch {
         /// The parameter.
         param: String,
         /// libtorch's message.
-        message: String,
+        reason: String,
     },
     /// A saved state that does not fit this optimizer.
     #[error("the saved optimizer state does not fit: {0}")]

@@ -63,7 +63,7 @@ pub struct Optimizer {
 fn torch(param: &str) -> impl Fn(tch::TchError) -> Error + '_ {
     move |e| Error::Torch {
         param: param.to_owned(),
-        message: e.to_string(),
+        reason: e.to_string(),
     }
 }
 
@@ -268,7 +268,7 @@ impl Optimizer {
         };
         tt_sys::foreach_adam(&params, &grads, &m, &v, &steps, &step).map_err(|e| Error::Torch {
             param: format!("{n} parameters at once"),
-            message: e.to_string(),
+            reason: e.to_string(),
         })?;
         Ok(true)
     }

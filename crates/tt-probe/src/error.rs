@@ -13,10 +13,10 @@ pub enum ProbeError {
         reason: String,
     },
     /// The probe ran out of memory.
-    #[error("the probe ran out of memory: {message}; the job cannot run at this size on this device\n--- last stderr ---\n{stderr_tail}")]
+    #[error("the probe ran out of memory: {reason}; the job cannot run at this size on this device\n--- last stderr ---\n{stderr_tail}")]
     OutOfMemory {
-        /// The error.
-        message: String,
+        /// The out-of-memory error's text.
+        reason: String,
         /// The end of the child's stderr.
         stderr_tail: String,
     },

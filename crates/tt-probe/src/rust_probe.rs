@@ -315,7 +315,7 @@ pub fn probe(name: &str, opts: &ProbeOptions) -> Result<ProbeReport> {
             .unwrap_or("out of memory")
             .to_owned();
         return Err(ProbeError::OutOfMemory {
-            message,
+            reason: message,
             stderr_tail: ended.stderr_tail,
         });
     }

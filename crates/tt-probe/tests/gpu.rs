@@ -160,7 +160,9 @@ fn a_model_larger_than_the_gpu_is_reported_as_out_of_memory() {
         ..ProbeOptions::in_test("probe_child")
     };
     match probe("huge", &opts) {
-        Err(ProbeError::OutOfMemory { message, .. }) => {
+        Err(ProbeError::OutOfMemory {
+            reason: message, ..
+        }) => {
             assert!(message.contains("out of memory"), "{message}");
             println!("huge: {message}");
         }

@@ -15,8 +15,11 @@ pub enum Error {
     },
     /// The launcher's variables (torchrun's `RANK` / `WORLD_SIZE`, or Slurm's) are
     /// wrong: the message names the variable, its value and the fix.
-    #[error("{0}")]
-    Environment(String),
+    #[error("{reason}")]
+    Environment {
+        /// The variable, its value and the fix.
+        reason: String,
+    },
     /// A batch size of zero.
     #[error("batch_size is 0: give a positive batch size")]
     ZeroBatchSize,

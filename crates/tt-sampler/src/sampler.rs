@@ -134,7 +134,9 @@ impl DistributedSampler {
     pub fn from_env(len: u64) -> Result<Self> {
         Self::from_place(
             len,
-            tt_dist::Place::from_env().map_err(|e| Error::Environment(e.to_string()))?,
+            tt_dist::Place::from_env().map_err(|e| Error::Environment {
+                reason: e.to_string(),
+            })?,
         )
     }
 

@@ -3,7 +3,7 @@
 
 use tch::{Device, Kind};
 
-use crate::cuda::{Error, Result};
+use crate::error::{Error, Result};
 use crate::ffi::{self, check};
 
 /// The c10::ScalarType code of the autocast dtypes.
@@ -21,7 +21,7 @@ fn device_type(device: Device) -> Result<i32> {
         Device::Cuda(_) => Ok(1),
         other => Err(Error::Torch {
             op: "autocast",
-            message: format!("autocast on {other:?}: only the CPU and CUDA are supported"),
+            reason: format!("autocast on {other:?}: only the CPU and CUDA are supported"),
         }),
     }
 }
@@ -70,14 +70,14 @@ pub fn autocast<R>(device: Device, dtype: Kind, f: impl FnOnce() -> R) -> Result
     let Some(code) = code(dtype) else {
         return Err(Error::Torch {
             op: "autocast",
-            message: format!("autocast to {dtype:?}: use Kind::BFloat16 or Kind::Half"),
+            reason: format!("autocast to {dtype:?}: use Kind::BFloat16 or Kind::Half"),
         });
     };
     let (mut prev_enabled, mut prev_dtype) = (false, 0);
     // SAFETY: plain values and out-pointers to locals.
     unsafe { check(ffi::tt_autocast_nesting(true)) }.map_err(|message| Error::Torch {
         op: "autocast",
-        message,
+        reason: message,
     })?;
     // SAFETY: as above.
     let set = unsafe {
@@ -96,7 +96,7 @@ pub fn autocast<R>(device: Device, dtype: Kind, f: impl FnOnce() -> R) -> Result
         }
         return Err(Error::Torch {
             op: "autocast",
-            message,
+            reason: message,
         });
     }
     let _region = Region {

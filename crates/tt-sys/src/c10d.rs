@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tch::Tensor;
 
-use crate::cuda::{Error, Result};
+use crate::error::{Error, Result};
 use crate::ffi::check;
 
 #[allow(non_camel_case_types)]
@@ -158,13 +158,16 @@ mod raw {
 }
 
 fn torch_err(op: &'static str) -> impl Fn(String) -> Error {
-    move |message| Error::Torch { op, message }
+    move |message| Error::Torch {
+        op,
+        reason: message,
+    }
 }
 
 fn c_string(what: &'static str, s: &str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::Torch {
         op: what,
-        message: format!("{s:?} contains a NUL byte"),
+        reason: format!("{s:?} contains a NUL byte"),
     })
 }
 
@@ -175,7 +178,7 @@ fn millis(d: Duration) -> i64 {
 fn int(what: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::Torch {
         op: what,
-        message: format!("{v} does not fit a c10d rank (i32)"),
+        reason: format!("{v} does not fit a c10d rank (i32)"),
     })
 }
 
@@ -433,7 +436,7 @@ impl Backend {
             .map(|i| {
                 std::ffi::CString::new(i).map_err(|_| Error::Torch {
                     op: "ProcessGroupGloo",
-                    message: format!("the interface list {i:?} holds a NUL byte"),
+                    reason: format!("the interface list {i:?} holds a NUL byte"),
                 })
             })
             .transpose()?;
@@ -477,7 +480,7 @@ impl Backend {
         if size == 0 || rank >= size {
             return Err(Error::Torch {
                 op: "ProcessGroup",
-                message: format!("rank {rank} is not in a group of {size}"),
+                reason: format!("rank {rank} is not in a group of {size}"),
             });
         }
         let (r, s) = (int("ProcessGroup", rank)?, int("ProcessGroup", size)?);
@@ -663,7 +666,7 @@ impl ReducerOptions {
                 .filter(|&b| b > 0)
                 .ok_or_else(|| Error::Torch {
                     op: "Reducer",
-                    message: format!(
+                    reason: format!(
                         "DDP {what} of {v} bytes: give at least one element's worth \
                          (defaults: 25 MiB, 1 MiB)"
                     ),
@@ -852,7 +855,7 @@ impl Work {
         // SAFETY: live handle.
         unsafe { check(raw::tt_work_wait(self.raw.as_ptr(), ms)) }.map_err(|message| Error::Torch {
             op: self.op,
-            message,
+            reason: message,
         })
     }
 

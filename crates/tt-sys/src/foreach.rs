@@ -2,7 +2,7 @@
 
 use tch::Tensor;
 
-use crate::cuda::{Error, Result};
+use crate::error::{Error, Result};
 use crate::ffi::{self, check};
 
 /// Adam's hyper-parameters for [`foreach_adam`], as torch.optim names them.
@@ -50,7 +50,7 @@ pub fn set_grads_none(tensors: &[Tensor]) -> Result<()> {
     unsafe { check(ffi::tt_set_grads_none(ps.as_ptr(), ps.len())) }.map_err(|message| {
         Error::Torch {
             op: "set_grads_none",
-            message,
+            reason: message,
         }
     })
 }
@@ -86,7 +86,7 @@ pub fn foreach_adam(
     if [grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()] != [n; 4] {
         return Err(Error::Torch {
             op: "foreach_adam",
-            message: format!(
+            reason: format!(
                 "{n} parameters but {} gradients, {} first moments, {} second moments and {} \
                  step counts: give one of each per parameter",
                 grads.len(),
@@ -132,6 +132,6 @@ pub fn foreach_adam(
     }
     .map_err(|message| Error::Torch {
         op: "foreach_adam",
-        message,
+        reason: message,
     })
 }

@@ -14,6 +14,8 @@ pub mod c10d;
 #[cfg(feature = "tch")]
 mod cuda;
 #[cfg(feature = "tch")]
+mod error;
+#[cfg(feature = "tch")]
 mod ffi;
 #[cfg(feature = "tch")]
 mod foreach;
@@ -25,9 +27,10 @@ pub use autocast::autocast;
 #[cfg(feature = "tch")]
 pub use cuda::{
     device_stats, empty_cache, ensure_cuda_loaded, libtorch_lib_dir, libtorch_version,
-    mem_get_info, reset_peak_stats, CudaInfo, CudaUnavailable, DeviceStats, Error, MemInfo, Result,
-    Stat,
+    mem_get_info, reset_peak_stats, CudaInfo, DeviceStats, MemInfo, Stat,
 };
+#[cfg(feature = "tch")]
+pub use error::{CudaUnavailable, Error, Result};
 #[cfg(feature = "tch")]
 pub use foreach::{foreach_adam, set_grads_none, AdamStep};
 #[cfg(feature = "tch")]

@@ -8,7 +8,7 @@ use std::ptr::NonNull;
 
 use tch::{Device, Tensor};
 
-use crate::cuda::{Error, Result};
+use crate::error::{Error, Result};
 use crate::ffi::{self, check};
 
 /// Host copies of CUDA tensors, queued on the device's current stream; their bytes are
@@ -46,8 +46,12 @@ impl Event {
     /// error.
     fn synchronize(&self, op: &'static str) -> Result<()> {
         // SAFETY: a live event from the shim, owned by `self`.
-        unsafe { check(ffi::tt_event_synchronize(self.0.as_ptr())) }
-            .map_err(|message| Error::Torch { op, message })
+        unsafe { check(ffi::tt_event_synchronize(self.0.as_ptr())) }.map_err(|message| {
+            Error::Torch {
+                op,
+                reason: message,
+            }
+        })
     }
 }
 
@@ -71,7 +75,7 @@ impl HostCopies {
                 if let Some(t) = tensors.iter().find(|t| t.device() != Device::Cpu) {
                     return Err(Error::Torch {
                         op: "copy_to_host_async",
-                        message: format!("the tensors are on several devices ({:?})", t.device()),
+                        reason: format!("the tensors are on several devices ({:?})", t.device()),
                     });
                 }
                 return Ok(HostCopies {
@@ -85,7 +89,7 @@ impl HostCopies {
         let mut event: *mut c_void = std::ptr::null_mut();
         let device = i32::try_from(device).map_err(|_| Error::Torch {
             op: "copy_to_host_async",
-            message: format!("device index {device} is out of range"),
+            reason: format!("device index {device} is out of range"),
         })?;
         // SAFETY: the pointers are live tensors borrowed for the call; `out` has one
         // slot per tensor; the shim catches every C++ exception and writes the outputs
@@ -101,7 +105,7 @@ impl HostCopies {
         }
         .map_err(|message| Error::Torch {
             op: "copy_to_host_async",
-            message,
+            reason: message,
         })?;
         let tensors = out
             .into_iter()
@@ -188,7 +192,7 @@ impl DeviceUploads {
             }),
             other => Err(Error::Torch {
                 op: "upload",
-                message: format!(
+                reason: format!(
                     "the target {other:?} is not a CUDA device: host memory needs no upload \
                      (build a CPU tensor from the bytes instead)"
                 ),
@@ -205,7 +209,7 @@ impl DeviceUploads {
     pub fn copy_into(&mut self, dst: &Tensor, bytes: &[u8]) -> Result<()> {
         let err = |message: String| Error::Torch {
             op: "upload",
-            message,
+            reason: message,
         };
         if dst.device() != Device::Cuda(self.device) {
             return Err(err(format!(
@@ -285,7 +289,7 @@ impl DeviceUploads {
             unsafe { check(ffi::tt_empty_pinned(Self::CHUNK as i64, &mut out)) }.map_err(
                 |message| Error::Torch {
                     op: "upload (pinned buffer)",
-                    message,
+                    reason: message,
                 },
             )?;
             self.slots.push(Slot {

@@ -67,15 +67,11 @@ fn search(
                 cause,
             })
         }
-        Err(AdaptiveError::NoFit {
-            last_error,
-            message,
-            ..
-        }) => {
+        Err(AdaptiveError::NoFit { cause, reason, .. }) => {
             return Err(TrainError::MicroBatch {
                 step,
                 no_fit: true,
-                cause: last_error.unwrap_or_else(|| message.into()),
+                cause: cause.unwrap_or_else(|| reason.into()),
             })
         }
     };

@@ -485,8 +485,8 @@ pub(crate) fn run(args: Args) -> Result<u8> {
     };
     cfg.forward = Some(forward);
     let outcome = launch_group(&cfg).map_err(|e| match e {
-        tt_dist::Error::Launch(m) => anyhow::Error::from(Exit(2, m)),
-        tt_dist::Error::Job(m) => anyhow::Error::from(Exit(1, m)),
+        tt_dist::Error::Launch { reason: m } => anyhow::Error::from(Exit(2, m)),
+        tt_dist::Error::Job { reason: m } => anyhow::Error::from(Exit(1, m)),
         tt_dist::Error::Spawn { program, cause, .. } => anyhow::Error::from(
             crate::child::spawn_failure(&program.to_string_lossy(), &cause),
         ),
