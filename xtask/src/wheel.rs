@@ -236,7 +236,7 @@ fn install_and_run_in(wheel: &Path, tmp: &Path) -> Result<()> {
 
 /// The Python package's tests that must pass (skipped ones do not count): a test file
 /// that stopped being collected fails the step. Raise it when tests are added.
-const PYTEST_MIN_PASSED: u64 = 48;
+const PYTEST_MIN_PASSED: u64 = 49;
 
 /// How long the Python package's tests may take (they take about 2 minutes).
 const PYTEST_LIMIT: std::time::Duration = std::time::Duration::from_secs(15 * 60);

@@ -1,9 +1,24 @@
 //! toma's `batch`, `range` and `chunked`: tt-adaptive's engine, driving Python
-//! callables. Python decides what is an out-of-memory (toma's rule) and frees memory
-//! after one; the engine decides the next size and remembers it per key.
+//! callables. Which exception is an out-of-memory is tt-adaptive's classifier's answer
+//! (`oom_kind`, which the Python side asks of an exception's message); Python frees
+//! memory after one; the engine decides the next size and remembers it per key.
 
 use pyo3::prelude::*;
 use tt_adaptive::{Adaptive as Engine, AdaptiveError, Cache, OomClassify, OomKind, Policy};
+
+/// The kind of out-of-memory `message` reports, by tt-adaptive's one classifier
+/// (`tt_adaptive::classify_message`): `"cuda"`, `"cudnn"`, `"cublas"`, `"cpu"`, `"mps"`,
+/// or `None` for any other message.
+#[pyfunction]
+pub fn oom_kind(message: &str) -> Option<&'static str> {
+    tt_adaptive::classify_message(message).map(|kind| match kind {
+        OomKind::Cuda => "cuda",
+        OomKind::Cudnn => "cudnn",
+        OomKind::Cublas => "cublas",
+        OomKind::Cpu => "cpu",
+        OomKind::Mps => "mps",
+    })
+}
 
 /// How one attempt failed: an out-of-memory (the exception, retried smaller), or any
 /// other exception (raised as it is).

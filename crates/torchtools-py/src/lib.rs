@@ -23,6 +23,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device::parse_duration, m)?)?;
     m.add_class::<reserve::Reservation>()?;
     m.add_class::<adaptive::Adaptive>()?;
+    m.add_function(wrap_pyfunction!(adaptive::oom_kind, m)?)?;
     m.add_class::<ckpt::AtomicWriter>()?;
     m.add_class::<ckpt::PendingSave>()?;
     m.add_function(wrap_pyfunction!(ckpt::save_checkpoint, m)?)?;

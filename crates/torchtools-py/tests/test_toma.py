@@ -149,6 +149,35 @@ def test_other_errors_pass_through_and_size_one_raises_the_oom():
     assert tried == [8, 4, 2, 1]
 
 
+def test_out_of_memory_is_the_rust_classifiers_answer():
+    """One rule: the toma module asks torchtools' Rust classifier (tt-adaptive's), so an
+    out-of-memory it knows beyond toma's three (cuBLAS's, MPS's) is retried smaller too,
+    and toma's type check stays (a ValueError saying "out of memory" is not one)."""
+    from torchtools import _native
+    from torchtools.toma import should_reduce_batch_size
+    from torchtools.toma.cpu_memory import is_out_of_cpu_memory
+    from torchtools.toma.torch_cuda_memory import is_cuda_out_of_memory, is_cudnn_snafu
+
+    cases = {
+        "CUDA out of memory. Tried to allocate 2.00 GiB": "cuda",
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if": "cudnn",
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`": "cublas",
+        "[enforce fail at alloc_cpu.cpp:114] DefaultCPUAllocator: can't allocate memory": "cpu",
+        "MPS backend out of memory (MPS allocated: 1.2 GB)": "mps",
+        "mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)": None,
+    }
+    for message, kind in cases.items():
+        assert _native.oom_kind(message) == kind, message
+        error = RuntimeError(message)
+        assert should_reduce_batch_size(error) == (kind is not None), message
+        assert is_cuda_out_of_memory(error) == (kind == "cuda"), message
+        assert is_cudnn_snafu(error) == (kind == "cudnn"), message
+        assert is_out_of_cpu_memory(error) == (kind == "cpu"), message
+    assert should_reduce_batch_size(torch.OutOfMemoryError("CUDA out of memory."))
+    assert not should_reduce_batch_size(ValueError("CUDA out of memory."))
+    assert not should_reduce_batch_size(RuntimeError("CUDA out of memory.", 2))
+
+
 def test_each_call_site_remembers_its_own_size():
     from torchtools.toma import toma
 

@@ -35,6 +35,7 @@ from torchtools.toma.batchsize_cache import (
     StacktraceMemoryBatchsizeCache,
 )
 from torchtools.toma.cpu_memory import get_available_cpu_memory, is_out_of_cpu_memory
+from torchtools.toma._oom import oom_kind
 from torchtools.toma.stacktrace import get_simple_traceback
 from torchtools.toma.torch_cuda_memory import (
     gc_cuda,
@@ -79,9 +80,11 @@ def _engine(cache_type: Type[BatchsizeCache], policy: Optional[str]) -> "_native
 
 
 def should_reduce_batch_size(exception: BaseException) -> bool:
-    """toma's rule: CUDA's out-of-memory (``torch.OutOfMemoryError`` included), cuDNN's
-    ``CUDNN_STATUS_NOT_SUPPORTED``, the CPU allocator's "can't allocate memory"."""
-    return is_cuda_out_of_memory(exception) or is_cudnn_snafu(exception) or is_out_of_cpu_memory(exception)
+    """Whether a smaller batch may avoid ``exception``: toma's rule (CUDA's out-of-memory,
+    ``torch.OutOfMemoryError`` included; cuDNN's ``CUDNN_STATUS_NOT_SUPPORTED``; the CPU
+    allocator's "can't allocate memory"), asked of torchtools' one classifier, which
+    also knows cuDNN's and cuBLAS's allocation failures and MPS's out-of-memory."""
+    return oom_kind(exception) is not None
 
 
 def _context_key(context: Any) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import resource
 
+from torchtools.toma._oom import oom_kind
+
 __all__ = ["get_available_cpu_memory", "set_cpu_memory_limit", "is_out_of_cpu_memory"]
 
 
@@ -46,10 +48,6 @@ def set_cpu_memory_limit(num_gigabytes: float) -> None:
 
 
 def is_out_of_cpu_memory(exception: BaseException) -> bool:
-    """Whether ``exception`` is PyTorch's CPU allocator running out of memory."""
-    return (
-        isinstance(exception, RuntimeError)
-        and len(exception.args) == 1
-        and isinstance(exception.args[0], str)
-        and "DefaultCPUAllocator: can't allocate memory" in exception.args[0]
-    )
+    """Whether ``exception`` is PyTorch's CPU allocator running out of memory, by
+    torchtools' one classifier."""
+    return oom_kind(exception) == "cpu"

@@ -7,6 +7,8 @@ import gc
 
 import torch
 
+from torchtools.toma._oom import oom_kind
+
 __all__ = [
     "gc_cuda",
     "get_cuda_total_memory",
@@ -58,25 +60,16 @@ def get_cuda_available_memory() -> int:
     return 0
 
 
-def _says(exception: BaseException, text: str) -> bool:
-    return (
-        isinstance(exception, RuntimeError)
-        and len(exception.args) == 1
-        and isinstance(exception.args[0], str)
-        and text in exception.args[0]
-    )
-
-
 def is_cuda_out_of_memory(exception: BaseException) -> bool:
     """Whether ``exception`` is CUDA's out-of-memory (``torch.OutOfMemoryError``
-    included)."""
-    return _says(exception, "CUDA out of memory.")
+    included), by torchtools' one classifier."""
+    return oom_kind(exception) == "cuda"
 
 
 def is_cudnn_snafu(exception: BaseException) -> bool:
     """Whether ``exception`` is cuDNN's ``CUDNN_STATUS_NOT_SUPPORTED`` (which a smaller
-    batch avoids; PyTorch issue 4107)."""
-    return _says(exception, "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.")
+    batch avoids; PyTorch issue 4107) or ``CUDNN_STATUS_ALLOC_FAILED``."""
+    return oom_kind(exception) == "cudnn"
 
 
 def cuda_meminfo() -> None:
