@@ -10,7 +10,7 @@ use tt_adaptive::{Adaptive as Engine, AdaptiveError, Cache, OomClassify, OomKind
 /// (`tt_adaptive::classify_message`): `"cuda"`, `"cudnn"`, `"cublas"`, `"cpu"`, `"mps"`,
 /// or `None` for any other message.
 #[pyfunction]
-pub fn oom_kind(message: &str) -> Option<&'static str> {
+pub(crate) fn oom_kind(message: &str) -> Option<&'static str> {
     tt_adaptive::classify_message(message).map(|kind| match kind {
         OomKind::Cuda => "cuda",
         OomKind::Cudnn => "cudnn",
