@@ -21,6 +21,7 @@ mod child;
 mod commands;
 mod exit;
 mod hook;
+mod http;
 mod ignored;
 mod jobs;
 mod limit;

@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -22,6 +23,7 @@ use prometheus_client::registry::{Registry, Unit};
 use tt_lock::{GpuKey, LockDir};
 
 use crate::exit::Exit;
+use crate::http::Get;
 use crate::snapshot::{Gpus, Snapshot};
 
 /// OpenMetrics' content type, which Prometheus asks for first.
@@ -59,7 +61,7 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
     let dir = LockDir::from_env()?;
     let gpus = Gpus::open();
     match (args.listen, &args.textfile) {
-        (Some(addr), _) => serve(&dir, &gpus, addr),
+        (Some(addr), _) => serve(dir, gpus, addr),
         (None, Some(out)) => textfile(&dir, &gpus, out, args.interval),
         (None, None) => {
             print!("{}", render(&dir, &gpus)?);
@@ -68,49 +70,43 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
     }
 }
 
-/// Serves `/metrics` at `addr`, one request at a time, until killed.
-fn serve(dir: &LockDir, gpus: &Gpus, addr: SocketAddr) -> Result<ExitCode> {
-    let server = tiny_http::Server::http(addr).map_err(|e| {
-        Exit(
-            2,
-            format!("--listen {addr}: cannot listen there: {e} (another port, or another address)"),
-        )
-    })?;
-    // The address bound (port 0 asks for a free one).
-    let bound = match server.server_addr() {
-        tiny_http::ListenAddr::IP(a) => a.to_string(),
-        #[allow(unreachable_patterns)]
-        other => format!("{other:?}"),
-    };
-    eprintln!("torchtools: serving metrics at http://{bound}/metrics");
-    for request in server.incoming_requests() {
-        let path = request.url().split('?').next().unwrap_or_default();
-        let response = match path {
-            "/metrics" => match render(dir, gpus) {
-                Ok(text) => {
-                    let accept = request
-                        .headers()
-                        .iter()
-                        .find(|h| h.field.equiv("Accept"))
-                        .map(|h| h.value.as_str());
-                    let (kind, body) = negotiate(text, accept);
-                    tiny_http::Response::from_string(body).with_header(
-                        tiny_http::Header::from_bytes(&b"Content-Type"[..], kind.as_bytes())
-                            .unwrap_or_else(|()| unreachable!("a constant header is valid")),
-                    )
-                }
-                Err(e) => {
-                    tiny_http::Response::from_string(format!("{e:#}\n")).with_status_code(500)
-                }
-            },
-            _ => tiny_http::Response::from_string("torchtools: the metrics are at /metrics\n")
-                .with_status_code(404),
-        };
-        if let Err(e) = request.respond(response) {
-            tracing::debug!("a scrape's connection failed: {e}");
+/// Serves `/metrics` at `addr` until stopped, each scrape on its own connection (a
+/// slow scraper never holds up another), with `serve`'s bounds on requests.
+fn serve(dir: LockDir, gpus: Gpus, addr: SocketAddr) -> Result<ExitCode> {
+    let listener = crate::http::bind(addr)?;
+    eprintln!(
+        "torchtools: serving metrics at http://{}/metrics",
+        listener.local_addr()?
+    );
+    let gpus = Arc::new(gpus);
+    crate::http::run(listener, "torchtools metrics", move |get: Get| {
+        let (dir, gpus) = (dir.clone(), Arc::clone(&gpus));
+        async move {
+            match get.path.as_str() {
+                "/metrics" => scrape(dir, gpus, get.accept, "torchtools metrics").await,
+                _ => crate::http::text(404, "torchtools", "the metrics are at /metrics"),
+            }
         }
-    }
+    })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// A scrape of `/metrics`: read afresh, off the threads that answer the others, in the
+/// format `accept` asks for.
+pub(crate) async fn scrape(
+    dir: LockDir,
+    gpus: Arc<Gpus>,
+    accept: Option<String>,
+    who: &str,
+) -> crate::http::Response {
+    match tokio::task::spawn_blocking(move || render(&dir, &gpus)).await {
+        Ok(Ok(text)) => {
+            let (kind, body) = negotiate(text, accept.as_deref());
+            crate::http::response(200, kind, body)
+        }
+        Ok(Err(e)) => crate::http::text(500, who, &format!("{e:#}")),
+        Err(e) => crate::http::text(500, who, &format!("reading the metrics: {e}")),
+    }
 }
 
 /// The answer to a scrape, given its `Accept` header: OpenMetrics to those who ask for

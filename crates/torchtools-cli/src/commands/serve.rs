@@ -15,26 +15,18 @@ use std::process::ExitCode;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde::Serialize;
 use tt_lock::LockDir;
 
 use crate::commands::usage::{By, Row};
-use crate::exit::Exit;
+use crate::http::{response, text, Get, Response};
 use crate::snapshot::{Gpus, Snapshot};
 
 /// The page: HTML, CSS and JavaScript in one file, embedded (no external asset).
 const PAGE: &str = include_str!("serve.html");
 /// The default address: loopback only (`--listen 0.0.0.0:9836` for every interface).
 pub(crate) const DEFAULT_LISTEN: &str = "127.0.0.1:9836";
-/// Connections served at once; more wait to be accepted.
-pub(crate) const MAX_CONNECTIONS: usize = 256;
-/// The most bytes of a request's head (request line and headers) read.
-const MAX_HEAD: usize = 16 * 1024;
-/// How long a client may take to send a request's head (a slow one is dropped).
-const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
-/// The longest request target taken.
-const MAX_URL: usize = 2048;
 /// How often the state is read.
 const REFRESH: Duration = Duration::from_millis(500);
 /// How often the usage log is read (it can be long).
@@ -115,16 +107,7 @@ struct Shared {
 /// `torchtools serve`.
 pub(crate) fn run(args: Args) -> Result<ExitCode> {
     let dir = LockDir::from_env()?;
-    let listener = std::net::TcpListener::bind(args.listen).map_err(|e| {
-        Exit(
-            2,
-            format!(
-                "--listen {}: cannot listen there: {e} (another port, or another address)",
-                args.listen
-            ),
-        )
-    })?;
-    listener.set_nonblocking(true)?;
+    let listener = crate::http::bind(args.listen)?;
     let bound = listener.local_addr()?;
     // NVML opened once, for the state's reader and `/metrics` both.
     let gpus = Arc::new(Gpus::open());
@@ -144,127 +127,29 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
                 *shared.json.write().unwrap_or_else(|e| e.into_inner()) = json;
             })?;
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the server's threads")?;
     eprintln!("torchtools: serving the page at http://{bound}/ (its data at /api/state, /metrics)");
-    runtime.block_on(accept(listener, shared))?;
+    crate::http::run(listener, "torchtools serve", move |get| {
+        answer(get, Arc::clone(&shared))
+    })?;
     Ok(ExitCode::SUCCESS)
 }
 
-/// Accepts connections until stopped: each served on its own task by hyper's HTTP/1
-/// server, at most [`MAX_CONNECTIONS`] at once (more wait to be accepted), a request's
-/// head bounded to [`MAX_HEAD`] bytes and read within [`HEAD_TIMEOUT`].
-async fn accept(listener: std::net::TcpListener, shared: Arc<Shared>) -> Result<()> {
-    let listener = tokio::net::TcpListener::from_std(listener)?;
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        let slot = Arc::clone(&slots)
-            .acquire_owned()
-            .await
-            .context("the connection limit closed")?;
-        let (stream, _) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                // Out of descriptors or a connection reset before it was accepted: say
-                // it, breathe, go on.
-                tracing::warn!("accepting a connection: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let shared = Arc::clone(&shared);
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |request| {
-                let shared = Arc::clone(&shared);
-                async move { Ok::<_, std::convert::Infallible>(answer(request, shared).await) }
-            });
-            let served = hyper::server::conn::http1::Builder::new()
-                .max_buf_size(MAX_HEAD)
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(HEAD_TIMEOUT)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                .await;
-            if let Err(e) = served {
-                tracing::debug!("a client's connection ended: {e}");
-            }
-            drop(slot);
-        });
-    }
-}
-
-type Response = hyper::Response<http_body_util::Full<hyper::body::Bytes>>;
-
-fn response(status: u16, kind: &str, body: impl Into<hyper::body::Bytes>) -> Response {
-    let mut response = hyper::Response::new(http_body_util::Full::new(body.into()));
-    *response.status_mut() =
-        hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
-    let headers = response.headers_mut();
-    let mut set = |name: &'static str, value: &str| {
-        if let Ok(value) = hyper::header::HeaderValue::from_str(value) {
-            headers.insert(name, value);
-        }
-    };
-    set("content-type", kind);
-    // Never cached: each load is the machine as it is; nothing framed elsewhere.
-    set("cache-control", "no-store");
-    set("x-content-type-options", "nosniff");
-    set("x-frame-options", "DENY");
-    set(
-        "content-security-policy",
-        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
-         connect-src 'self'; img-src 'self' data:",
-    );
-    response
-}
-
-/// One request: `GET` (or `HEAD`) of `/`, `/api/state` or `/metrics`; anything else
-/// is refused with its status, before any work.
-async fn answer(request: hyper::Request<hyper::body::Incoming>, shared: Arc<Shared>) -> Response {
-    use hyper::body::Body;
-    const TEXT: &str = "text/plain; charset=utf-8";
-    let refuse =
-        |status: u16, why: &str| response(status, TEXT, format!("torchtools serve: {why}\n"));
-    if !matches!(*request.method(), hyper::Method::GET | hyper::Method::HEAD) {
-        return refuse(405, "read-only: GET only");
-    }
-    if request.body().size_hint().lower() > 0 || request.body().size_hint().upper().is_none() {
-        return refuse(413, "a GET has no body");
-    }
-    let target = request.uri().to_string();
-    if target.len() > MAX_URL {
-        return refuse(414, "the address is too long");
-    }
-    match request.uri().path() {
+/// One request (checked by the server: `GET` or `HEAD`, no body, a short target): `/`,
+/// `/api/state` or `/metrics`.
+async fn answer(get: Get, shared: Arc<Shared>) -> Response {
+    match get.path.as_str() {
         "/" | "/index.html" => response(200, "text/html; charset=utf-8", PAGE),
         "/api/state" => {
             let json = Arc::clone(&shared.json.read().unwrap_or_else(|e| e.into_inner()));
             response(200, "application/json", json.as_bytes().to_vec())
         }
         "/metrics" => {
-            let accept = request
-                .headers()
-                .get("accept")
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned);
-            // Read afresh per scrape, off the threads that answer the others.
-            let rendered = tokio::task::spawn_blocking(move || {
-                crate::commands::metrics::render(&shared.dir, &shared.gpus)
-            })
-            .await;
-            match rendered {
-                Ok(Ok(text)) => {
-                    let (kind, body) = crate::commands::metrics::negotiate(text, accept.as_deref());
-                    response(200, kind, body)
-                }
-                Ok(Err(e)) => refuse(500, &format!("{e:#}")),
-                Err(e) => refuse(500, &format!("reading the metrics: {e}")),
-            }
+            let (dir, gpus) = (shared.dir.clone(), Arc::clone(&shared.gpus));
+            crate::commands::metrics::scrape(dir, gpus, get.accept, "torchtools serve").await
         }
-        _ => refuse(
+        _ => text(
             404,
+            "torchtools serve",
             "the page is at /, its data at /api/state, metrics at /metrics",
         ),
     }

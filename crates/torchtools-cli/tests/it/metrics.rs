@@ -243,3 +243,47 @@ fn bad_places_are_refused_before_anything_is_served() {
     let text = ok(tt(tmp.path()).arg("metrics").output().unwrap());
     assert!(text.ends_with("# EOF\n"), "{text}");
 }
+
+/// A raw request's status line (`head` is the request line and any headers).
+fn status_of(port: u16, head: &str) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let _ = write!(s, "{head}\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    text.lines().next().unwrap_or_default().to_owned()
+}
+
+/// `metrics --listen` answers as `serve` does: a client that sends half a request holds
+/// no scrape back, a request head past 16 KiB is refused without being read, and
+/// anything but a GET is refused; scrapes go on.
+#[test]
+fn the_exporter_is_read_only_and_bounded_and_a_slow_client_holds_nobody() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut exporter = tt(tmp.path())
+        .args(["metrics", "--listen", "127.0.0.1:0"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(exporter.stderr.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let _exporter = Killed(exporter);
+    let port: u16 = line
+        .trim()
+        .strip_suffix("/metrics")
+        .and_then(|a| a.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    let mut slow = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(slow, "GET /metrics HTTP/1.1\r\nHost: 127.").unwrap();
+    assert!(status_of(port, "GET /metrics HTTP/1.1").contains(" 200 "));
+    drop(slow);
+    let big = format!("GET /metrics HTTP/1.1\r\nX-Big: {}", "a".repeat(64 * 1024));
+    assert!(!status_of(port, &big).contains(" 200 "));
+    let post = status_of(port, "POST /metrics HTTP/1.1\r\nContent-Length: 0");
+    assert!(post.contains(" 405 "), "{post}");
+    assert!(status_of(port, "GET /elsewhere HTTP/1.1").contains(" 404 "));
+    assert!(get(port, "/metrics").is_some_and(|b| b.contains("torchtools_")));
+}
