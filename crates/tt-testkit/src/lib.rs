@@ -67,16 +67,35 @@ fn run_checked(what: &[&str], args: &[&str]) -> String {
 /// process. Set the child's role through an environment variable the test reads, and
 /// mark a test that is only a child's entry point `#[ignore = "..."]`, so that a
 /// normal run reports it ignored instead of counting an empty pass.
+///
+/// A test binary made of modules (`tests/it/main.rs`) names its tests `module::test`:
+/// an unqualified `test` is looked for in the module of the calling test (the child's
+/// entry point sits beside the test that runs it).
 pub fn rerun(test: &str) -> Command {
+    let test = in_callers_module(test);
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([
         "--exact",
-        test,
+        &test,
         "--include-ignored",
         "--test-threads=1",
         "--nocapture",
     ]);
     cmd
+}
+
+/// `test` in the module of the test running on this thread (libtest names each test's
+/// thread after its path): `a::child` when called from `a::parent`; as given when it
+/// is qualified already or the caller is not in a module.
+fn in_callers_module(test: &str) -> String {
+    if test.contains("::") {
+        return test.to_owned();
+    }
+    let thread = std::thread::current();
+    match thread.name().and_then(|name| name.rsplit_once("::")) {
+        Some((module, _)) => format!("{module}::{test}"),
+        None => test.to_owned(),
+    }
 }
 
 /// Reads `from` (a child's stdout or stderr) line by line until a line contains
@@ -389,6 +408,15 @@ mod tests {
         let out = child(None);
         assert!(!out.status.success());
         assert!(String::from_utf8_lossy(&out.stdout).contains("not skipped: the variable is unset"));
+    }
+
+    #[test]
+    fn a_child_is_looked_for_in_the_module_of_the_test_that_runs_it() {
+        // This test's thread is `tests::a_child_is_...`: its children are `tests::...`.
+        assert_eq!(super::in_callers_module("child"), "tests::child");
+        assert_eq!(super::in_callers_module("other::child"), "other::child");
+        let unnamed = std::thread::spawn(|| super::in_callers_module("child"));
+        assert_eq!(unnamed.join().unwrap(), "child");
     }
 
     fn sel(args: &[&str]) -> Selection {
