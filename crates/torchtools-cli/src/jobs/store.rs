@@ -171,7 +171,50 @@ pub(crate) enum Record {
 
 /// Reads a job record: never through a symbolic link, and believed only when the user
 /// and uid it names are its file's owner.
+///
+/// A job whose keeper is gone although its record says neither how it ended nor that
+/// it was cancelled is read a second time: the keeper saves its outcome before it
+/// exits, so a record read just before that save and a keeper seen gone just after it
+/// would otherwise make a finished or cancelled job read as lost (`jobs wait` said
+/// "lost" and exited 1 for a job cancelled at that instant).
 pub(crate) fn read_record(path: &Path) -> Record {
+    let first = read_record_once(path);
+    match &first {
+        Record::Job(job) if looks_lost(job) => {
+            #[cfg(test)]
+            BETWEEN_READS.with(|hook| {
+                if let Some(hook) = hook.take() {
+                    hook(path);
+                }
+            });
+            read_record_once(path)
+        }
+        _ => first,
+    }
+}
+
+/// Whether `job` would read as lost: no outcome, this boot, this PID namespace, and no
+/// keeper.
+fn looks_lost(job: &Job) -> bool {
+    job.status.is_none()
+        && job.cancelled.is_none()
+        && job.boot_id == boot_id()
+        && !elsewhere(job)
+        && !alive(job)
+}
+
+/// A test's stand-in for a keeper that saves its outcome between the two reads.
+#[cfg(test)]
+type BetweenReads = Box<dyn FnOnce(&Path)>;
+
+#[cfg(test)]
+thread_local! {
+    static BETWEEN_READS: std::cell::Cell<Option<BetweenReads>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// One reading of a record (see [`read_record`]).
+fn read_record_once(path: &Path) -> Record {
     use std::os::unix::fs::MetadataExt;
     let Ok(file) = OpenOptions::new()
         .read(true)
@@ -588,3 +631,52 @@ pub(crate) const JOB_ID_ENV: &str = "TORCHTOOLS_JOB_ID";
 
 /// A detached job's log, beside its id.
 pub(crate) const JOB_LOG_ENV: &str = "TORCHTOOLS_JOB_LOG";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A keeper that saved its outcome and exited between a reader's reading of the
+    /// record and its look for the keeper: the job reads as cancelled, not lost.
+    #[test]
+    fn a_job_whose_keeper_saved_and_left_between_two_looks_is_not_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = tt_lock::Holder::current();
+        let job = Job {
+            id: "123-4".into(),
+            user: me.user.clone(),
+            uid: uid(),
+            host: me.host,
+            boot_id: boot_id(),
+            command: vec!["true".into()],
+            log: dir.path().join("log"),
+            started_unix: 0.0,
+            // No process of ours runs `job-run 123-4`: the keeper is gone.
+            keeper_pid: std::process::id(),
+            pid_ns: tt_lock::own_pid_namespace(),
+            pid: None,
+            ended_unix: None,
+            status: None,
+            after: Vec::new(),
+            after_ok: vec!["123-3".into()],
+            waiting_for: Some("123-3".into()),
+            cancelled: None,
+            timed_out: false,
+            requeue: false,
+            runs: 0,
+            array: None,
+        };
+        save(dir.path(), &job).unwrap();
+        let records = dir.path().to_owned();
+        let mut cancelled = job.clone();
+        cancelled.cancelled = Some("job 123-3 failed".into());
+        BETWEEN_READS.with(|hook| {
+            hook.set(Some(Box::new(move |_: &Path| {
+                save(&records, &cancelled).unwrap();
+            })))
+        });
+        let read = load(&record_path(dir.path(), "123-4")).unwrap();
+        assert_eq!(read.cancelled.as_deref(), Some("job 123-3 failed"));
+        assert_eq!(state(&read, &[]), "cancelled: job 123-3 failed");
+    }
+}
