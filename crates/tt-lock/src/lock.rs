@@ -849,7 +849,7 @@ fn take_exclusive(
 /// the least preferred GPU taken, so that the request gets the GPUs with the most free
 /// memory whenever they are free together.
 fn prefer_let_go(
-    slots: &[Slot],
+    slots: &mut [Slot],
     taken: &mut Vec<usize>,
     passed: &[usize],
     waiting_for: &dyn Fn(&GpuKey) -> usize,
@@ -861,8 +861,7 @@ fn prefer_let_go(
         }
         let slot = &slots[better];
         if waiting_for(&slot.key) == 0 && try_flock(&slot.file, &slot.path)? {
-            // SAFETY: the fd is open for as long as the slot lives.
-            unsafe { libc::flock(slots[worst].file.as_raw_fd(), libc::LOCK_UN) };
+            release(slots, &[worst]);
             taken.pop();
             taken.push(better);
             taken.sort_unstable();

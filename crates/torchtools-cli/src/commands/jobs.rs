@@ -1,14 +1,16 @@
 //! `torchtools jobs`: your detached jobs (every user's with `--all`), and `jobs wait`.
 
+use std::process::ExitCode;
+
+use anyhow::Result;
+use tt_device::now_unix;
+use tt_lock::LockDir;
+
 use crate::jobs::keeper::DEPENDENCY_POLL;
 use crate::jobs::store::{
     all_jobs, ended, held_by, load, outcome, record_path, records_dir, records_dir_in, resolve,
     rows, scan, state, uid, Job,
 };
-use anyhow::Result;
-use std::process::ExitCode;
-use tt_device::now_unix;
-use tt_lock::LockDir;
 
 pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
     let locks = LockDir::from_env()?;

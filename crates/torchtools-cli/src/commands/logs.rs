@@ -1,15 +1,19 @@
 //! `torchtools logs`: a detached job's log.
 
-use crate::exit::Exit;
-use crate::jobs::store::{ended, find, load, open_log, record_path, records_dir};
-use anyhow::Result;
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
-pub(crate) fn logs(id: &str, follow: bool) -> Result<ExitCode> {
+use anyhow::Result;
+
+use crate::exit::Exit;
+use crate::jobs::store::{ended, find, load, open_log, record_path, records_dir};
+
+/// `torchtools logs`: the log copied out, and with `--follow` on until the job ends.
+pub(crate) fn run(args: Args) -> Result<ExitCode> {
+    let follow = args.follow;
     let records = records_dir()?;
-    let job = find(&records, id)?;
+    let job = find(&records, &args.job)?;
     let mut file = open_log(&job.log).map_err(|e| {
         Exit(
             1,
@@ -47,9 +51,4 @@ pub(crate) struct Args {
     /// Follow the log while the job runs; end when it ends.
     #[arg(short, long)]
     pub(crate) follow: bool,
-}
-
-/// Runs `torchtools logs`.
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
-    logs(&args.job, args.follow)
 }

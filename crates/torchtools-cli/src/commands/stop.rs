@@ -1,23 +1,25 @@
 //! `torchtools stop`: SIGTERM to a detached job, SIGKILL to all of it after `--grace`.
 
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+
 use crate::exit::Exit;
 use crate::jobs::store::{
     alive, elsewhere, ended, is_jobs, load, record_path, records_dir, resolve, session_members,
     signal, state, uid, Job,
 };
-use anyhow::Result;
-use std::path::Path;
-use std::process::ExitCode;
-use std::time::{Duration, Instant};
 
 /// `torchtools stop ID`: the job, or every task of the array `ID` (those still
 /// waiting to start first, so that none starts meanwhile).
-pub(crate) fn stop(id: &str, grace: Duration) -> Result<ExitCode> {
+pub(crate) fn run(args: Args) -> Result<ExitCode> {
     let records = records_dir()?;
-    let mut jobs = resolve(&records, id)?;
+    let mut jobs = resolve(&records, &args.job)?;
     jobs.sort_by_key(|j| j.pid.is_some());
     for job in jobs {
-        stop_one(&records, job, grace)?;
+        stop_one(&records, job, args.grace)?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -104,9 +106,4 @@ pub(crate) struct Args {
     /// How long it has to end after SIGTERM.
     #[arg(long, value_parser = crate::args::duration, default_value = "10s")]
     pub(crate) grace: std::time::Duration,
-}
-
-/// Runs `torchtools stop`.
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
-    stop(&args.job, args.grace)
 }

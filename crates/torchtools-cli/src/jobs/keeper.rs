@@ -4,14 +4,6 @@
 //! ignores the signals meant for the job, waits for the jobs it comes `--after`,
 //! requeues it (`--requeue`), and writes how it ended into its record.
 
-use crate::arg_groups::DetachArgs;
-use crate::exit::Exit;
-use crate::hook::{Guardian, Hook};
-use crate::jobs::store::{
-    boot_id, ended, find, free_id, load, outcome, record_path, records_dir, save, uid, ArrayTask,
-    Job, ARRAY_TASK_ENV, JOB_RUN_ENV,
-};
-use anyhow::{bail, Context, Result};
 use std::ffi::OsString;
 use std::fs::{self, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
@@ -21,7 +13,17 @@ use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
 use tt_device::now_unix;
+
+use crate::arg_groups::DetachArgs;
+use crate::exit::Exit;
+use crate::hook::{Guardian, Hook};
+use crate::jobs::store::{
+    boot_id, ended, find, free_id, load, outcome, record_path, records_dir, save, uid, ArrayTask,
+    Job, ARRAY_TASK_ENV, JOB_RUN_ENV,
+};
 
 /// The user's default log directory: `$XDG_STATE_HOME/torchtools/logs`, else
 /// `~/.local/state/torchtools/logs`.

@@ -196,11 +196,7 @@ pub(crate) fn read_record(path: &Path) -> Record {
 /// Whether `job` would read as lost: no outcome, this boot, this PID namespace, and no
 /// keeper.
 fn looks_lost(job: &Job) -> bool {
-    job.status.is_none()
-        && job.cancelled.is_none()
-        && job.boot_id == boot_id()
-        && !elsewhere(job)
-        && !alive(job)
+    !said_ended(job) && !elsewhere(job) && !alive(job)
 }
 
 /// A test's stand-in for a keeper that saves its outcome between the two reads.
@@ -364,10 +360,13 @@ pub(crate) fn elsewhere(job: &Job) -> bool {
 /// Whether `job` has ended: its status is recorded, or (in its own PID namespace) its
 /// keeper is gone. From another namespace only the record can say.
 pub(crate) fn ended(job: &Job) -> bool {
-    job.status.is_some()
-        || job.cancelled.is_some()
-        || job.boot_id != boot_id()
-        || (!elsewhere(job) && !alive(job))
+    said_ended(job) || (!elsewhere(job) && !alive(job))
+}
+
+/// Whether `job`'s record alone says it ended: its status, its cancellation, or a boot
+/// since it started.
+fn said_ended(job: &Job) -> bool {
+    job.status.is_some() || job.cancelled.is_some() || job.boot_id != boot_id()
 }
 
 /// Whether `job`'s keeper still runs: its pid is a `job-run` of this id (a pid alone
