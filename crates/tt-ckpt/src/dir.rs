@@ -85,9 +85,11 @@ type PendingSave = JoinHandle<Result<Option<PathBuf>>>;
 fn join_save(handle: Option<PendingSave>) -> Result<Option<PathBuf>> {
     match handle {
         None => Ok(None),
-        Some(h) => h
-            .join()
-            .unwrap_or_else(|_| Err(Error::SaveThread("the save thread panicked".into()))),
+        Some(h) => h.join().unwrap_or_else(|_| {
+            Err(Error::SaveThread {
+                reason: "the save thread panicked".into(),
+            })
+        }),
     }
 }
 
@@ -202,10 +204,9 @@ impl CheckpointDir {
     /// Makes room for a save of `step` in the timeline: later steps are damaged
     /// files moved aside, superseded ones moved aside, or a refusal.
     fn prepare(&self, step: u64) -> Result<()> {
-        let mut damaged = self
-            .damaged
-            .lock()
-            .map_err(|_| Error::SaveThread("a thread panicked while loading".into()))?;
+        let mut damaged = self.damaged.lock().map_err(|_| Error::SaveThread {
+            reason: "a thread panicked while loading".into(),
+        })?;
         self.rules.prepare(step, &damaged)?;
         damaged.clear();
         Ok(())
@@ -274,9 +275,9 @@ impl CheckpointDir {
     }
 
     fn lock_pending(&self) -> Result<std::sync::MutexGuard<'_, Option<PendingSave>>> {
-        self.pending
-            .lock()
-            .map_err(|_| Error::SaveThread("a save thread panicked while registering".into()))
+        self.pending.lock().map_err(|_| Error::SaveThread {
+            reason: "a save thread panicked while registering".into(),
+        })
     }
 
     /// The checkpoint files, oldest first.

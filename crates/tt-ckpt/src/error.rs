@@ -33,12 +33,18 @@ pub enum Error {
         reason: String,
     },
     /// The safetensors layer refused the tensors (bad shape/size, duplicate name...).
-    #[error("cannot write the tensors: {0}")]
-    Tensors(String),
+    #[error("cannot write the tensors: {reason}")]
+    Tensors {
+        /// What was refused, and why.
+        reason: String,
+    },
     /// A tensor of the file cannot be read as asked (a dtype tch has no kind for, a
     /// copy to a device that failed).
-    #[error("cannot read the tensors: {0}")]
-    Unreadable(String),
+    #[error("cannot read the tensors: {reason}")]
+    Unreadable {
+        /// Which tensor, and what failed.
+        reason: String,
+    },
     /// A safetensors file does not fit a VarStore (`TensorFile::load_var_store`); the
     /// VarStore was left unchanged.
     #[error("cannot load {} into the VarStore: {}", path.display(), state_dict_text(missing, unexpected, mismatched, *strict))]
@@ -102,11 +108,17 @@ pub enum Error {
     #[error("the previous background save failed (nothing else was done; save again): {0}")]
     PreviousSaveFailed(Box<Error>),
     /// A background save thread could not run to its end.
-    #[error("background save: {0}")]
-    SaveThread(String),
+    #[error("background save: {reason}")]
+    SaveThread {
+        /// What the thread was doing.
+        reason: String,
+    },
     /// A tensor name the format cannot hold.
-    #[error("tensor name {0:?} is reserved or empty: use another name")]
-    BadName(String),
+    #[error("tensor name {name:?} is reserved or empty: use another name")]
+    BadName {
+        /// The name.
+        name: String,
+    },
 }
 
 fn state_dict_text(

@@ -87,9 +87,13 @@ impl<'a> Checkpoint<'a> {
         for copies in &self.staged {
             copies
                 .lock()
-                .map_err(|_| Error::SaveThread("a thread panicked while copying tensors".into()))?
+                .map_err(|_| Error::SaveThread {
+                    reason: "a thread panicked while copying tensors".into(),
+                })?
                 .synchronize()
-                .map_err(|e| Error::Tensors(format!("copying CUDA tensors to host memory: {e}")))?;
+                .map_err(|e| Error::Tensors {
+                    reason: format!("copying CUDA tensors to host memory: {e}"),
+                })?;
         }
         Ok(())
     }
@@ -167,7 +171,9 @@ impl<'a> Checkpoint<'a> {
     /// Adds a tensor; names are unique (a second one replaces the first).
     pub fn add_tensor(&mut self, name: &str, tensor: TensorData<'a>) -> Result<()> {
         if name.is_empty() || name == "__metadata__" {
-            return Err(Error::BadName(name.to_owned()));
+            return Err(Error::BadName {
+                name: name.to_owned(),
+            });
         }
         self.tensors.insert(name.to_owned(), tensor);
         Ok(())

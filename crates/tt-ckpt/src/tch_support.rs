@@ -12,11 +12,15 @@ use crate::{
 };
 
 fn torch_err(what: String) -> impl FnOnce(tch::TchError) -> Error {
-    move |e| Error::Tensors(format!("{what}: {e}"))
+    move |e| Error::Tensors {
+        reason: format!("{what}: {e}"),
+    }
 }
 
 fn read_err(what: String) -> impl FnOnce(tch::TchError) -> Error {
-    move |e| Error::Unreadable(format!("{what}: {e}"))
+    move |e| Error::Unreadable {
+        reason: format!("{what}: {e}"),
+    }
 }
 
 /// The safetensors dtype of a tch kind.
@@ -36,10 +40,12 @@ pub fn dtype_of(kind: Kind) -> Result<Dtype> {
         Kind::Float8e4m3fn => Dtype::F8_E4M3,
         Kind::ComplexFloat => Dtype::C64,
         other => {
-            return Err(Error::Tensors(format!(
-                "tch kind {other:?} has no safetensors dtype (convert it, e.g. with to_kind, \
+            return Err(Error::Tensors {
+                reason: format!(
+                    "tch kind {other:?} has no safetensors dtype (convert it, e.g. with to_kind, \
                  before saving)"
-            )))
+                ),
+            })
         }
     })
 }
@@ -62,11 +68,13 @@ pub fn kind_of(dtype: Dtype) -> Result<Kind> {
         Dtype::F8_E4M3 => Kind::Float8e4m3fn,
         Dtype::C64 => Kind::ComplexFloat,
         other => {
-            return Err(Error::Unreadable(format!(
-                "safetensors dtype {other:?} has no tch kind (tch 0.24 has none for it): \
+            return Err(Error::Unreadable {
+                reason: format!(
+                    "safetensors dtype {other:?} has no tch kind (tch 0.24 has none for it): \
                  convert the tensor in Python before saving, or read its bytes with \
                  TensorFile::tensor"
-            )))
+                ),
+            })
         }
     })
 }
@@ -149,8 +157,9 @@ impl Checkpoint<'_> {
                 .map(|(_, t)| dtype_of(t.kind()))
                 .collect::<Result<Vec<_>>>()?;
             let src: Vec<Tensor> = batch.iter().map(|(_, t)| t.shallow_clone()).collect();
-            let copies = tt_sys::HostCopies::start(&src)
-                .map_err(|e| Error::Tensors(format!("copy to host: {e}")))?;
+            let copies = tt_sys::HostCopies::start(&src).map_err(|e| Error::Tensors {
+                reason: format!("copy to host: {e}"),
+            })?;
             for (((name, _), dtype), host) in batch.iter().zip(dtypes).zip(copies.host_tensors()) {
                 let shape: Vec<usize> = host.size().iter().map(|&d| d as usize).collect();
                 let len = host.numel() * host.kind().elt_size_in_bytes();
@@ -186,12 +195,13 @@ struct Uploads(Vec<(usize, tt_sys::DeviceUploads)>);
 impl Uploads {
     /// Queues `bytes` into `dst` (contiguous, on a CUDA device).
     fn copy_into(&mut self, dst: &Tensor, bytes: &[u8], name: &str) -> Result<()> {
-        let err = |e: tt_sys::Error| Error::Unreadable(format!("tensor {name:?}: {e}"));
+        let err = |e: tt_sys::Error| Error::Unreadable {
+            reason: format!("tensor {name:?}: {e}"),
+        };
         let Device::Cuda(index) = dst.device() else {
-            return Err(Error::Unreadable(format!(
-                "tensor {name:?}: an upload to {:?}, not CUDA",
-                dst.device()
-            )));
+            return Err(Error::Unreadable {
+                reason: format!("tensor {name:?}: an upload to {:?}, not CUDA", dst.device()),
+            });
         };
         let at = match self.0.iter().position(|(i, _)| *i == index) {
             Some(at) => at,
@@ -207,9 +217,9 @@ impl Uploads {
     /// Waits until every upload has landed.
     fn finish(self) -> Result<()> {
         for (_, uploads) in self.0 {
-            uploads
-                .finish()
-                .map_err(|e| Error::Unreadable(format!("loading onto the GPU: {e}")))?;
+            uploads.finish().map_err(|e| Error::Unreadable {
+                reason: format!("loading onto the GPU: {e}"),
+            })?;
         }
         Ok(())
     }
@@ -279,7 +289,9 @@ impl TensorFile {
     fn tch_with(&self, name: &str, device: Device, uploads: &mut Uploads) -> Result<Tensor> {
         let view = self.tensor(name)?;
         let kind = kind_of(view.dtype()).map_err(|e| match e {
-            Error::Unreadable(why) => Error::Unreadable(format!("tensor {name:?}: {why}")),
+            Error::Unreadable { reason: why } => Error::Unreadable {
+                reason: format!("tensor {name:?}: {why}"),
+            },
             other => other,
         })?;
         on_device(&view, kind, name, device, uploads)

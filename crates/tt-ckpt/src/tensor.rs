@@ -21,10 +21,12 @@ impl<'a> TensorData<'a> {
         let elements: usize = shape.iter().product();
         let expected = elements * dtype.bitsize() / 8;
         if data.len() != expected {
-            return Err(Error::Tensors(format!(
-                "{dtype:?} tensor of shape {shape:?} needs {expected} bytes, got {}",
-                data.len()
-            )));
+            return Err(Error::Tensors {
+                reason: format!(
+                    "{dtype:?} tensor of shape {shape:?} needs {expected} bytes, got {}",
+                    data.len()
+                ),
+            });
         }
         Ok(TensorData { dtype, shape, data })
     }

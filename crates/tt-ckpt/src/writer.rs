@@ -155,10 +155,12 @@ where
     .map_err(io_err)?;
     let final_header = header(&order, metadata_key, &metadata(&sums)?)?;
     if final_header.len() != reserved {
-        return Err(Error::Tensors(format!(
+        return Err(Error::Tensors {
+            reason: format!(
             "the header changed length ({reserved} bytes reserved, {} written): please report this",
             final_header.len()
-        )));
+        ),
+        });
     }
     match (&direct, head) {
         (Some(d), Some(head)) => {

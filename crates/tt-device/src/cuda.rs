@@ -17,8 +17,11 @@ pub enum CudaError {
     NoDriver,
     /// The driver is there but `cuInit` failed (a driver/library mismatch, no device
     /// node, a container without the GPU).
-    #[error("the CUDA driver failed to initialise: {0}")]
-    Init(String),
+    #[error("the CUDA driver failed to initialise: {reason}")]
+    Init {
+        /// The driver's error.
+        reason: String,
+    },
     /// A logical ordinal beyond what this process sees.
     #[error("cuda:{ordinal} does not exist: this process sees {count} CUDA device(s)")]
     NoSuchDevice {
@@ -54,7 +57,9 @@ impl CudaDriver {
             if !unsafe { sys::is_culib_present() } {
                 return Err(CudaError::NoDriver);
             }
-            result::init().map_err(|e| CudaError::Init(e.to_string()))
+            result::init().map_err(|e| CudaError::Init {
+                reason: e.to_string(),
+            })
         })
         .clone()
         .map(|()| CudaDriver { _private: () })
@@ -143,7 +148,7 @@ mod tests {
             }
             Err(e) => {
                 assert!(
-                    matches!(e, CudaError::NoDriver | CudaError::Init(_)),
+                    matches!(e, CudaError::NoDriver | CudaError::Init { reason: _ }),
                     "{e:?}"
                 );
                 assert!(e.to_string().contains("CUDA driver"), "{e}");

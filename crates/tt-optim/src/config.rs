@@ -88,7 +88,9 @@ fn check(ok: bool, what: &str, value: f64) -> Result<()> {
     if ok && value.is_finite() {
         Ok(())
     } else {
-        Err(Error::InvalidConfig(format!("{what} = {value} is invalid")))
+        Err(Error::InvalidConfig {
+            reason: format!("{what} = {value} is invalid"),
+        })
     }
 }
 
@@ -115,10 +117,11 @@ impl Algorithm {
                 )?;
                 check(c.dampening.is_finite(), "dampening", c.dampening)?;
                 if c.nesterov && (c.momentum <= 0.0 || c.dampening != 0.0) {
-                    return Err(Error::InvalidConfig(
-                        "nesterov momentum needs momentum > 0 and dampening = 0 (as in torch)"
-                            .into(),
-                    ));
+                    return Err(Error::InvalidConfig {
+                        reason:
+                            "nesterov momentum needs momentum > 0 and dampening = 0 (as in torch)"
+                                .into(),
+                    });
                 }
                 Ok(())
             }
@@ -182,7 +185,7 @@ mod tests {
         ];
         for alg in bad {
             assert!(
-                matches!(alg.validate(), Err(Error::InvalidConfig(_))),
+                matches!(alg.validate(), Err(Error::InvalidConfig { reason: _ })),
                 "{alg:?}"
             );
         }

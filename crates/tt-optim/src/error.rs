@@ -3,8 +3,11 @@
 #[non_exhaustive]
 pub enum Error {
     /// A hyper-parameter torch would refuse.
-    #[error("invalid optimizer configuration: {0}")]
-    InvalidConfig(String),
+    #[error("invalid optimizer configuration: {reason}")]
+    InvalidConfig {
+        /// Which hyper-parameter, and why torch refuses it.
+        reason: String,
+    },
     /// libtorch failed in an update.
     #[error("tensor operation failed for {param:?}: {reason}")]
     Torch {
@@ -14,8 +17,11 @@ pub enum Error {
         reason: String,
     },
     /// A saved state that does not fit this optimizer.
-    #[error("the saved optimizer state does not fit: {0}")]
-    StateMismatch(String),
+    #[error("the saved optimizer state does not fit: {reason}")]
+    StateMismatch {
+        /// What differs.
+        reason: String,
+    },
     /// Reading or writing the checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] tt_ckpt::Error),

@@ -107,10 +107,12 @@ impl Optimizer {
         if params.is_empty() && !vs.variables().is_empty() {
             let mut names: Vec<String> = vs.variables().into_keys().collect();
             names.sort();
-            return Err(Error::InvalidConfig(format!(
-                "no trainable variable of the VarStore is in this group (its variables: \
+            return Err(Error::InvalidConfig {
+                reason: format!(
+                    "no trainable variable of the VarStore is in this group (its variables: \
                  {names:?}): check the group's names"
-            )));
+                ),
+            });
         }
         let state = params.iter().map(|_| ParamState::default()).collect();
         Ok(Optimizer {
@@ -302,10 +304,12 @@ impl Optimizer {
         let names: Vec<&String> = self.params.iter().map(|(n, _)| n).collect();
         if meta.params.iter().collect::<Vec<_>>() != names || meta.param_steps.len() != names.len()
         {
-            return Err(Error::StateMismatch(format!(
-                "saved for parameters {:?}, this optimizer has {names:?}",
-                meta.params
-            )));
+            return Err(Error::StateMismatch {
+                reason: format!(
+                    "saved for parameters {:?}, this optimizer has {names:?}",
+                    meta.params
+                ),
+            });
         }
         meta.algorithm.validate()?;
         let saved: std::collections::HashSet<String> =
@@ -321,11 +325,13 @@ impl Optimizer {
                 if saved.contains(&key) {
                     let t = loaded.tch(&key, param.device())?;
                     if t.size() != param.size() {
-                        return Err(Error::StateMismatch(format!(
-                            "{key} has shape {:?}, the parameter {:?}",
-                            t.size(),
-                            param.size()
-                        )));
+                        return Err(Error::StateMismatch {
+                            reason: format!(
+                                "{key} has shape {:?}, the parameter {:?}",
+                                t.size(),
+                                param.size()
+                            ),
+                        });
                     }
                     if let Some(slot) = s.buffer_mut(buffer) {
                         *slot = Some(t);

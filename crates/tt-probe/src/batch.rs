@@ -32,22 +32,26 @@ impl MemoryLine {
         let (b0, m0) = (a.0 as f64, a.1 .0 as f64);
         let (b1, m1) = (b.0 as f64, b.1 .0 as f64);
         if b.0 <= a.0 {
-            return Err(ProbeError::NoBatchGrowth(format!(
-                "probes at batches {} and {} cannot make a line: the second must be larger",
-                a.0, b.0
-            )));
+            return Err(ProbeError::NoBatchGrowth {
+                reason: format!(
+                    "probes at batches {} and {} cannot make a line: the second must be larger",
+                    a.0, b.0
+                ),
+            });
         }
         let per_sample = (m1 - m0) / (b1 - b0);
         // Growth below 1% of the peak is measurement noise (an interpreter's RSS from
         // run to run), not a slope: real models grow by more than 10% from the first
         // probe to the second.
         if m1 - m0 <= 0.01 * m1.max(m0) {
-            return Err(ProbeError::NoBatchGrowth(format!(
-                "peak memory did not grow measurably from batch {} ({}) to batch {} ({}): \
+            return Err(ProbeError::NoBatchGrowth {
+                reason: format!(
+                    "peak memory did not grow measurably from batch {} ({}) to batch {} ({}): \
                  does the command read its batch size from {PROBE_BATCH_ENV}? If it does, \
                  start at a larger batch (--batch-start)",
-                a.0, a.1, b.0, b.1
-            )));
+                    a.0, a.1, b.0, b.1
+                ),
+            });
         }
         Ok(MemoryLine {
             fixed: m0 - per_sample * b0,
@@ -216,10 +220,12 @@ pub fn max_batch(
     let mut run = |batch: u64, probes: &mut Vec<(u64, ProbeReport)>| -> Result<Bytes> {
         let report = probe(batch)?;
         if report.ended_by_timeout {
-            return Err(ProbeError::NoBatchGrowth(format!(
-                "the probe at batch {batch} was ended by its timeout: the command does not \
+            return Err(ProbeError::NoBatchGrowth {
+                reason: format!(
+                    "the probe at batch {batch} was ended by its timeout: the command does not \
                  answer the probe (run TORCHTOOLS_PROBE_STEPS steps, then exit)"
-            )));
+                ),
+            });
         }
         let peak = needed(&report);
         probes.push((batch, report));
@@ -246,11 +252,11 @@ pub fn max_batch(
     let batch = line
         .largest_batch(search.capacity, &search.policy)
         .map(|b| b.min(limit))
-        .ok_or_else(|| {
-            ProbeError::NoBatchGrowth(format!(
+        .ok_or_else(|| ProbeError::NoBatchGrowth {
+            reason: format!(
                 "not even a batch of 1 fits in {}: memory = {line}",
                 search.capacity
-            ))
+            ),
         })?;
     let peak = line.at(batch);
     Ok(MaxBatch {

@@ -55,8 +55,11 @@ pub enum ProbeError {
         stderr_tail: String,
     },
     /// The largest batch cannot be predicted from the probes (named in the text).
-    #[error("cannot predict the largest batch: {0}")]
-    NoBatchGrowth(String),
+    #[error("cannot predict the largest batch: {reason}")]
+    NoBatchGrowth {
+        /// What the probes showed.
+        reason: String,
+    },
 }
 
 /// `Result` with tt-probe's [`ProbeError`].

@@ -13,8 +13,11 @@ pub enum Error {
     #[error("reserving a GPU: {0}")]
     Fence(tt_fence::Error),
     /// The options contradict each other; nothing was taken.
-    #[error("reserving a GPU: {0}")]
-    Options(String),
+    #[error("reserving a GPU: {reason}")]
+    Options {
+        /// Which options, and how to fix them.
+        reason: String,
+    },
     /// The fence needs to know which physical GPU to fence.
     #[error(
         "reserving a GPU: cannot fence {gpu}: without NVML the GPU's identity is unknown; \
@@ -73,7 +76,7 @@ impl Error {
     pub fn is_bad_request(&self) -> bool {
         matches!(
             self,
-            Error::Options(_)
+            Error::Options { .. }
                 | Error::Lock(
                     tt_lock::Error::InvalidGpu { .. }
                         | tt_lock::Error::UnknownGpu { .. }

@@ -82,43 +82,46 @@ impl ReserveOptions {
     pub(crate) fn check(&self) -> Result<Request, Error> {
         let auto = self.gpus.contains(&GpuSpec::Auto);
         if self.gpus.is_empty() {
-            return Err(Error::Options(
-                "no GPU named: give one or more, or GpuSpec::Auto".into(),
-            ));
+            return Err(Error::Options {
+                reason: "no GPU named: give one or more, or GpuSpec::Auto".into(),
+            });
         }
         if auto && self.gpus.len() > 1 {
-            return Err(Error::Options(
-                "auto cannot be combined with named GPUs".into(),
-            ));
+            return Err(Error::Options {
+                reason: "auto cannot be combined with named GPUs".into(),
+            });
         }
         let count = match self.count {
             Some(0) => {
-                return Err(Error::Options(
-                    "a count of 0 reserves nothing: ask for 1 or more".into(),
-                ))
+                return Err(Error::Options {
+                    reason: "a count of 0 reserves nothing: ask for 1 or more".into(),
+                })
             }
             Some(n) if !auto && n != self.gpus.len() => {
-                return Err(Error::Options(format!(
-                    "a count of {n} but {} GPU(s) named: give a count only with auto",
-                    self.gpus.len()
-                )))
+                return Err(Error::Options {
+                    reason: format!(
+                        "a count of {n} but {} GPU(s) named: give a count only with auto",
+                        self.gpus.len()
+                    ),
+                })
             }
             Some(n) => n,
             None => 1,
         };
         if self.share && (count != 1 || self.gpus.len() != 1) {
-            return Err(Error::Options(
-                "a shared reservation takes one GPU: name one, or auto with a count of 1".into(),
-            ));
+            return Err(Error::Options {
+                reason: "a shared reservation takes one GPU: name one, or auto with a count of 1"
+                    .into(),
+            });
         }
         if self.share && self.training_reserved_bytes.0 == 0 {
-            return Err(Error::Options(
-                "a shared reservation needs its budget, the bytes the job needs: --share \
+            return Err(Error::Options {
+                reason: "a shared reservation needs its budget, the bytes the job needs: --share \
                  --bytes 20GiB, or --bytes auto to measure it with a probe run (the API: \
                  training_reserved_bytes); sharers are admitted while their budgets fit in \
                  the GPU's memory"
                     .into(),
-            ));
+            });
         }
         Ok(Request { auto, count })
     }

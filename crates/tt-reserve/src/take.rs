@@ -44,8 +44,9 @@ pub(crate) fn take_locks(
         !matches!(inventory.nvml, NvmlStatus::Available { .. }) || inventory.gpus.is_empty();
     // `auto` chooses among the GPUs this process may use.
     let candidates = if auto {
-        let visible = tt_device::CudaVisibleDevices::from_env()
-            .map_err(|e| Error::Options(format!("CUDA_VISIBLE_DEVICES: {e}")))?;
+        let visible = tt_device::CudaVisibleDevices::from_env().map_err(|e| Error::Options {
+            reason: format!("CUDA_VISIBLE_DEVICES: {e}"),
+        })?;
         usable(&inventory, &visible)
     } else {
         inventory.clone()
@@ -143,9 +144,9 @@ fn share_target(
     };
     if let Some(key) = keys.first() {
         let capacity = capacity_of(key).ok_or_else(|| {
-            Error::Options(format!(
+            Error::Options { reason: format!(
                 "cannot share {key} by memory: its memory is unknown without NVML; reserve it whole instead"
-            ))
+            ) }
         })?;
         return Ok((key.clone(), capacity));
     }
@@ -161,5 +162,7 @@ fn share_target(
         .iter()
         .max_by_key(|g| room(g))
         .map(|g| (GpuKey::of_uuid(&g.uuid), g.total))
-        .ok_or_else(|| Error::Options("no GPU to share on this machine".into()))
+        .ok_or_else(|| Error::Options {
+            reason: "no GPU to share on this machine".into(),
+        })
 }

@@ -82,7 +82,9 @@ fn load_cuda() -> Result<CudaInfo, CudaUnavailable> {
             return Err(CudaUnavailable::BadPreload { value });
         }
     }
-    let dir = libtorch_lib_dir().map_err(|e| CudaUnavailable::Torch(e.to_string()))?;
+    let dir = libtorch_lib_dir().map_err(|e| CudaUnavailable::Torch {
+        reason: e.to_string(),
+    })?;
     let library = dir.join("libtorch_cuda.so");
     if !library.exists() {
         return Err(CudaUnavailable::CpuOnlyLibtorch { dir });
@@ -103,7 +105,8 @@ fn load_cuda() -> Result<CudaInfo, CudaUnavailable> {
     unsafe { libc::dlclose(driver) };
     let mut count: i32 = 0;
     // SAFETY: valid out-pointer; errors are returned, not thrown.
-    unsafe { ffi::check(ffi::tt_cuda_device_count(&mut count)) }.map_err(CudaUnavailable::Torch)?;
+    unsafe { ffi::check(ffi::tt_cuda_device_count(&mut count)) }
+        .map_err(|reason| CudaUnavailable::Torch { reason })?;
     let mut runtime_version: i64 = 0;
     // SAFETY: valid out-pointer; errors are returned, not thrown.
     if let Err(message) = unsafe { ffi::check(ffi::tt_cuda_runtime_version(&mut runtime_version)) }
@@ -114,7 +117,7 @@ fn load_cuda() -> Result<CudaInfo, CudaUnavailable> {
             Some((_, devices)) if devices > 0 && count <= 0 => CudaUnavailable::QueriedTooEarly {
                 driver_devices: devices as usize,
             },
-            _ => CudaUnavailable::Torch(message),
+            _ => CudaUnavailable::Torch { reason: message },
         });
     }
     if count <= 0 {

@@ -77,8 +77,11 @@ pub enum CudaUnavailable {
         driver_devices: usize,
     },
     /// libtorch raised an error while CUDA was being set up.
-    #[error("libtorch could not set up CUDA: {0}")]
-    Torch(String),
+    #[error("libtorch could not set up CUDA: {reason}")]
+    Torch {
+        /// libtorch's message.
+        reason: String,
+    },
 }
 
 /// Errors of this crate.

@@ -81,8 +81,11 @@ pub enum Error {
         reason: String,
     },
     /// The sampler thread panicked or could not start.
-    #[error("the tracker's sampling thread failed: {0}")]
-    Sampler(String),
+    #[error("the tracker's sampling thread failed: {reason}")]
+    Sampler {
+        /// What failed.
+        reason: String,
+    },
 }
 
 /// `Result` with tt-tracker's [`Error`].

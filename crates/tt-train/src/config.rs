@@ -266,7 +266,7 @@ impl TrainConfig {
 
     /// Every option checked, with an error that names the option and the fix.
     pub(crate) fn validate(&self) -> Result<(), TrainError> {
-        let wrong = |what: String| Err(TrainError::Config(what));
+        let wrong = |what: String| Err(TrainError::Config { reason: what });
         if self.dataset_len == 0 {
             return wrong("dataset_len is 0: give the number of samples".into());
         }

@@ -5,8 +5,11 @@
 #[non_exhaustive]
 pub enum TrainError {
     /// A configuration value is unusable.
-    #[error("trainer configuration: {0}")]
-    Config(String),
+    #[error("trainer configuration: {reason}")]
+    Config {
+        /// Which value, and what to use instead.
+        reason: String,
+    },
     /// An operating-system error: opening the metrics file or the TensorBoard
     /// directory, starting the batch loader.
     #[error("{what}: {cause}")]

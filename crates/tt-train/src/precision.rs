@@ -42,9 +42,9 @@ impl std::str::FromStr for Precision {
             "full" | "fp32" | "float32" => Ok(Precision::Full),
             "bf16" | "bfloat16" => Ok(Precision::Bf16),
             "fp16" | "float16" | "half" => Ok(Precision::Fp16),
-            _ => Err(TrainError::Config(format!(
-                "precision {s:?}: use full, bf16 or fp16"
-            ))),
+            _ => Err(TrainError::Config {
+                reason: format!("precision {s:?}: use full, bf16 or fp16"),
+            }),
         }
     }
 }
@@ -102,7 +102,11 @@ impl GradScaler {
         backoff_factor: f64,
         growth_interval: u64,
     ) -> Result<GradScaler, TrainError> {
-        let bad = |what: String| Err(TrainError::Config(format!("GradScaler: {what}")));
+        let bad = |what: String| {
+            Err(TrainError::Config {
+                reason: format!("GradScaler: {what}"),
+            })
+        };
         if !(init_scale.is_finite() && init_scale > 0.0) {
             return bad(format!("init_scale {init_scale} must be a positive number"));
         }

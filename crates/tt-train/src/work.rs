@@ -284,11 +284,13 @@ impl<'f> Eval<'f> {
     /// The schedule checked (before any step runs).
     pub(crate) fn validate(&self) -> Result<(), crate::TrainError> {
         if self.every == 0 || self.batch_size == 0 || self.held_out.is_empty() {
-            return Err(crate::TrainError::Config(format!(
-                "eval: every {} steps, batch {} over {:?}: give every > 0, batch_size > 0 \
+            return Err(crate::TrainError::Config {
+                reason: format!(
+                    "eval: every {} steps, batch {} over {:?}: give every > 0, batch_size > 0 \
                  and a non-empty range of held-out indices",
-                self.every, self.batch_size, self.held_out
-            )));
+                    self.every, self.batch_size, self.held_out
+                ),
+            });
         }
         Ok(())
     }
@@ -336,18 +338,20 @@ impl Optimizers<'_> {
     /// No parameter in two optimizers, and at least one optimizer.
     pub(crate) fn validate(&self) -> Result<(), crate::TrainError> {
         if self.0.is_empty() {
-            return Err(crate::TrainError::Config(
-                "no optimizer: give one, or one per parameter group".into(),
-            ));
+            return Err(crate::TrainError::Config {
+                reason: "no optimizer: give one, or one per parameter group".into(),
+            });
         }
         let mut seen = std::collections::HashMap::new();
         for (i, opt) in self.0.iter().enumerate() {
             for name in opt.params() {
                 if let Some(j) = seen.insert(name.to_owned(), i) {
-                    return Err(crate::TrainError::Config(format!(
-                        "the parameter {name:?} is in optimizers {j} and {i}: give each \
+                    return Err(crate::TrainError::Config {
+                        reason: format!(
+                            "the parameter {name:?} is in optimizers {j} and {i}: give each \
                          parameter group to one optimizer (Optimizer::with_params)"
-                    )));
+                        ),
+                    });
                 }
             }
         }

@@ -533,7 +533,7 @@ fn bad_config() -> TestResult {
         (TrainConfig::new(10, 0, 1), "batch_size"),
     ] {
         match Trainer::with_group(cfg, tt_dist::ProcessGroup::single(), tch::Device::Cpu) {
-            Err(TrainError::Config(m)) if m.contains(word) => {}
+            Err(TrainError::Config { reason: m }) if m.contains(word) => {}
             other => return Err(format!("{word}: {other:?}")),
         }
     }
@@ -551,7 +551,7 @@ fn bad_config() -> TestResult {
     for (every, held_out, batch) in [(0, 64..72, 4), (4, 64..64, 4), (4, 64..72, 0)] {
         let work = Steps::new(loss).eval(Eval::lower_is_better(every, held_out, batch, loss));
         match trainer.fit(&mut vs, &mut opt, work) {
-            Err(TrainError::Config(m)) if m.contains("eval: every") => {}
+            Err(TrainError::Config { reason: m }) if m.contains("eval: every") => {}
             other => return Err(format!("eval every {every}, batch {batch}: {other:?}")),
         }
     }
@@ -772,7 +772,7 @@ fn two_optimizers() -> TestResult {
         |vs: &nn::VarStore| Optimizer::sgd(vs, SgdConfig::default()).map_err(|e| e.to_string());
     let mut both = [all(&vs)?, all(&vs)?];
     match trainer.fit(&mut vs, &mut both, Steps::new(|ctx| loss(ctx.indices))) {
-        Err(TrainError::Config(m)) if m.contains("in optimizers 0 and 1") => Ok(()),
+        Err(TrainError::Config { reason: m }) if m.contains("in optimizers 0 and 1") => Ok(()),
         other => Err(format!("overlapping groups: {other:?}")),
     }
 }

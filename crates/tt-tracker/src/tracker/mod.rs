@@ -81,7 +81,9 @@ impl Tracker {
         let thread = std::thread::Builder::new()
             .name("tt-tracker".into())
             .spawn(move || sampler.run(&thread_shared))
-            .map_err(|e| Error::Sampler(e.to_string()))?;
+            .map_err(|e| Error::Sampler {
+                reason: e.to_string(),
+            })?;
         Ok(Tracker {
             shared,
             thread: Some(thread),
@@ -159,8 +161,12 @@ impl Tracker {
         }
         self.shared.wake.notify_all();
         match self.thread.take() {
-            Some(t) => t.join().map_err(|_| Error::Sampler("it panicked".into()))?,
-            None => Err(Error::Sampler("already stopped".into())),
+            Some(t) => t.join().map_err(|_| Error::Sampler {
+                reason: "it panicked".into(),
+            })?,
+            None => Err(Error::Sampler {
+                reason: "already stopped".into(),
+            }),
         }
     }
 }
