@@ -6,6 +6,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -104,8 +105,24 @@ fn target_dir() -> PathBuf {
     exe.ancestors().nth(3).unwrap().to_owned()
 }
 
+/// chromedriver and the Chromium it started, in a process group of their own, ended
+/// together: a browser whose session was not closed (a failed assertion), or that
+/// outlived its closed session, would otherwise run on after the test (one was found
+/// half an hour after a CI run's page test).
+struct Browser(Killed);
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        if let Ok(group) = i32::try_from(self.0 .0.id()) {
+            // SAFETY: kill(2) of the process group this test created for chromedriver
+            // (its leader not reaped yet: the group id is still ours).
+            unsafe { libc::kill(-group, libc::SIGKILL) };
+        }
+    }
+}
+
 /// Chromium headless through chromedriver (the flags a closed network needs).
-async fn browser(dir: &Path) -> (Killed, Client) {
+async fn browser(dir: &Path) -> (Browser, Client) {
     assert!(
         Command::new("chromedriver")
             .arg("--version")
@@ -118,12 +135,13 @@ async fn browser(dir: &Path) -> (Killed, Client) {
     let port = free_port();
     let mut driver = Command::new("chromedriver")
         .arg(format!("--port={port}"))
+        .process_group(0)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let mut out = BufReader::new(driver.stdout.take().unwrap());
-    let driver = Killed(driver);
+    let driver = Browser(Killed(driver));
     let mut line = String::new();
     while !line.contains("started successfully") {
         line.clear();
@@ -171,14 +189,21 @@ async fn page_shows(client: &Client, css: &str, present: bool) -> Duration {
     }
 }
 
+/// The text `css` shows, read by one script in the page: the page re-renders as the
+/// machine changes, so an element found by one WebDriver request may be gone by the
+/// next (a "stale element" failed the test so once).
 async fn text_of(client: &Client, css: &str) -> String {
-    client
-        .find(Locator::Css(css))
+    let text = client
+        .execute(
+            "const e = document.querySelector(arguments[0]); return e ? e.innerText : null;",
+            vec![serde_json::json!(css)],
+        )
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+        .unwrap();
+    match text.as_str() {
+        Some(text) => text.to_owned(),
+        None => panic!("the page has no {css}"),
+    }
 }
 
 #[tokio::test]
@@ -186,7 +211,7 @@ async fn the_page_shows_holders_sharers_the_queue_and_jobs_live_and_markup_as_te
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let (_server, port) = serve(dir);
-    let (_driver, client) = browser(dir).await;
+    let (driver, client) = browser(dir).await;
     client
         .goto(&format!("http://127.0.0.1:{port}/"))
         .await
@@ -318,6 +343,15 @@ async fn the_page_shows_holders_sharers_the_queue_and_jobs_live_and_markup_as_te
     seen.push(("job shows ended", start.elapsed()));
     page_shows(&client, "[data-gpu='2'] [data-pid]", false).await;
     client.close().await.unwrap();
+    // No browser process outlives the test.
+    drop(driver);
+    let profile = format!("--user-data-dir={}", dir.join("chromium-profile").display());
+    until("Chromium's processes are gone", || {
+        !std::fs::read_dir("/proc").unwrap().flatten().any(|p| {
+            std::fs::read(p.path().join("cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&profile))
+        })
+    });
     for (what, took) in seen {
         eprintln!("{what}: {:.2} s after it happened", took.as_secs_f64());
     }
