@@ -490,6 +490,74 @@ mod tests {
         );
     }
 
+    /// Integration test files that are a test binary of their own beside their crate's
+    /// one (`tests/it/main.rs` or a single file), each with its reason: the one list.
+    /// GPU tests (`tests/gpu.rs`) and harness-less targets are apart by their nature.
+    const TESTS_APART: [(&str, &str); 6] = [
+        (
+            "crates/tt-ckpt/tests/load_memory.rs",
+            "measures its own process's memory",
+        ),
+        (
+            "crates/tt-tracker/tests/track.rs",
+            "its trackers measure the test process and its descendants",
+        ),
+        (
+            "crates/tt-train/tests/heap.rs",
+            "sets its process's allocator",
+        ),
+        (
+            "crates/tt-lock/tests/trust.rs",
+            "changes the process's umask and copies its binary for other users to run",
+        ),
+        (
+            "crates/tt-reserve/tests/backend.rs",
+            "owns its process's TORCHTOOLS_LOCK_DIR (so does reserve.rs)",
+        ),
+        (
+            "crates/tt-sys/tests/c10d.rs",
+            "needs the c10d feature, which cpu.rs's default build lacks",
+        ),
+    ];
+
+    /// Each package links at most one ordinary integration test binary beyond the
+    /// listed ones: every binary links the crate's whole dependency tree again, and CI
+    /// runs on two cores.
+    #[test]
+    fn each_crate_has_one_integration_test_binary_beyond_the_listed_ones() {
+        let root = crate::root();
+        let mut problems = Vec::new();
+        for (name, dir) in packages() {
+            let manifest = std::fs::read_to_string(dir.join("Cargo.toml")).unwrap();
+            let mut binaries = Vec::new();
+            if dir.join("tests/it/main.rs").exists() {
+                binaries.push("tests/it/main.rs".to_owned());
+            }
+            for entry in std::fs::read_dir(dir.join("tests")).into_iter().flatten() {
+                let file = entry.unwrap().file_name().to_string_lossy().into_owned();
+                let rel = format!("tests/{file}");
+                let path = dir.join(&rel);
+                let listed = TESTS_APART
+                    .iter()
+                    .any(|(apart, _)| root.join(apart) == path);
+                let harnessless = manifest.split("[[test]]").any(|t| {
+                    t.contains(&format!("path = \"{rel}\"")) && t.contains("harness = false")
+                });
+                if file.ends_with(".rs") && file != "gpu.rs" && !listed && !harnessless {
+                    binaries.push(rel);
+                }
+            }
+            if binaries.len() > 1 {
+                problems.push(format!("{name}: {binaries:?}"));
+            }
+        }
+        assert!(
+            problems.is_empty(),
+            "test binaries to merge into tests/it/ (one module per file), or to list in \
+             TESTS_APART with the reason they need a process of their own: {problems:#?}"
+        );
+    }
+
     /// The functions of `text` (a Rust file, its `#[cfg(test)]` module cut off) longer
     /// than `limit` lines, from their `fn` line to their closing brace, as `name (N)`.
     /// Braces are counted as written (the format strings of this code base pair them).

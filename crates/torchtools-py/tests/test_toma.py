@@ -178,12 +178,21 @@ def test_out_of_memory_is_the_rust_classifiers_answer():
     assert not should_reduce_batch_size(RuntimeError("CUDA out of memory.", 2))
 
 
-def test_each_call_site_remembers_its_own_size():
-    from torchtools.toma import toma
+def test_each_call_site_remembers_its_own_size(monkeypatch):
+    import torchtools.toma
+    from torchtools.toma import StacktraceMemoryBatchsizeCache, toma
 
+    class ByCallSite(StacktraceMemoryBatchsizeCache):
+        # Keyed by call stack alone: free CPU memory (counted in 256 MiB steps) moves
+        # between calls on a busy machine and starts a call over from 64 (a CI run
+        # failed so; below, the free memory changes at every call, as the worst case).
+        TRACK_RAM = False
+
+    free = iter(range(1 << 30, 1 << 40, 1 << 30))
+    monkeypatch.setattr(torchtools.toma, "get_available_cpu_memory", lambda: next(free))
     calls = []
 
-    @toma.batch(initial_batchsize=64, policy="halve")
+    @toma.batch(initial_batchsize=64, policy="halve", cache_type=ByCallSite)
     def run(batchsize, capacity):
         calls.append(batchsize)
         if batchsize > capacity:
