@@ -162,12 +162,7 @@ fn use_allowed_threads_follows_the_affinity_mask_and_omp_num_threads() {
         let mut cmd = Command::new("taskset");
         cmd.args(["-c", "0"])
             .arg(exe)
-            .args([
-                "--exact",
-                "demo::threads_child",
-                "--include-ignored",
-                "--nocapture",
-            ])
+            .args(tt_testkit::rerun_args("threads_child"))
             .env("TT_THREADS_CHILD", "1")
             .env_remove("OMP_NUM_THREADS");
         if let Some(v) = omp {

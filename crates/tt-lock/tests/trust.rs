@@ -688,8 +688,7 @@ impl Shared {
     /// `role` as `user` under `umask`, its output piped.
     fn as_user(&self, user: TestUser, role: &str, umask: u32) -> Child {
         let mut cmd = Command::new(&self.program);
-        cmd.args(["--exact", "child", "--include-ignored", "--nocapture"])
-            .args(["--test-threads=1"])
+        cmd.args(tt_testkit::rerun_args("child"))
             .env(ROLE, role)
             .env(DIR, &self.path)
             .current_dir("/")

@@ -72,16 +72,21 @@ fn run_checked(what: &[&str], args: &[&str]) -> String {
 /// an unqualified `test` is looked for in the module of the calling test (the child's
 /// entry point sits beside the test that runs it).
 pub fn rerun(test: &str) -> Command {
-    let test = in_callers_module(test);
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "--exact",
-        &test,
-        "--include-ignored",
-        "--test-threads=1",
-        "--nocapture",
-    ]);
+    cmd.args(rerun_args(test));
     cmd
+}
+
+/// [`rerun`]'s arguments, for a child of this test binary started another way: through
+/// a copy another user may run, or under a wrapper such as `taskset`.
+pub fn rerun_args(test: &str) -> [String; 5] {
+    [
+        "--exact".into(),
+        in_callers_module(test),
+        "--include-ignored".into(),
+        "--test-threads=1".into(),
+        "--nocapture".into(),
+    ]
 }
 
 /// `test` in the module of the test running on this thread (libtest names each test's

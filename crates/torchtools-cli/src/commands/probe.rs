@@ -188,9 +188,7 @@ pub(crate) fn max_batch(
     });
     let found = match found {
         Ok(f) => f,
-        Err(e @ ProbeError::NoBatchGrowth { reason: _ }) => {
-            return Err(Exit(1, e.to_string()).into())
-        }
+        Err(e @ ProbeError::NoBatchGrowth { .. }) => return Err(Exit(1, e.to_string()).into()),
         Err(e @ ProbeError::Spawn { .. }) => return Err(Exit(127, e.to_string()).into()),
         Err(e) => return Err(e.into()),
     };

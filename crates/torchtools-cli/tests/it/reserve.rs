@@ -337,12 +337,7 @@ fn a_program_under_reserve_uses_the_inherited_lock_instead_of_waiting_for_itself
     let out = torchtools(tmp.path())
         .args(["reserve", "--gpu", "0", "--no-fence", "--"])
         .arg(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "reserve::child_locking_under_reserve",
-            "--include-ignored",
-            "--nocapture",
-        ])
+        .args(tt_testkit::rerun_args("child_locking_under_reserve"))
         .env("TT_CLI_TEST_CHILD", "1")
         .output()
         .unwrap();

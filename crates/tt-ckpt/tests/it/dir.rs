@@ -417,7 +417,7 @@ fn bad_tensors_are_refused_before_anything_is_written() {
             "__metadata__",
             TensorData::from_f32(vec![1], &[1.0]).unwrap()
         ),
-        Err(Error::BadName { name: _ })
+        Err(Error::BadName { .. })
     ));
 }
 

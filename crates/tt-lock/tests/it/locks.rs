@@ -477,16 +477,10 @@ fn open_as_unprivileged(dir: &Path) -> String {
         (None, exe)
     };
     let mut cmd = Command::new(&program);
-    cmd.args([
-        "--exact",
-        "locks::child",
-        "--include-ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(ROLE, "open")
-    .env(DIR, dir)
-    .current_dir("/");
+    cmd.args(tt_testkit::rerun_args("child"))
+        .env(ROLE, "open")
+        .env(DIR, dir)
+        .current_dir("/");
     if root {
         use std::os::unix::process::CommandExt;
         cmd.uid(65534).gid(65534);
