@@ -3,6 +3,15 @@
 //! script and `src/main.rs` (the clone's path put in for `/path/to/torchtools`), the
 //! `.cargo/config.toml` block that `cargo xtask setup --print-env` prints, built, then
 //! run from another directory without `LD_LIBRARY_PATH`.
+//!
+//! It shares the workspace's build cache: the workspace's `[profile]` sections are
+//! appended to its manifest, and when the printed libtorch is the directory the
+//! workspace's `.torchtools/libtorch` link points to (checked), the block names it by
+//! the workspace's `LIBTORCH` string. torch-sys's build script reruns whenever that
+//! string changes, and everything above it with it: named by the other spelling of the
+//! same directory, this step rebuilt libtorch's C++ bindings and the crates on them
+//! (about three minutes of CI); the program still finds libtorch through the rpath
+//! `tt_sys::build` gives it, which is the canonical directory either way.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -65,6 +74,51 @@ pub(crate) fn build_and_run() -> Result<()> {
     result
 }
 
+/// The `[profile...]` sections of a manifest, comments included: the downstream
+/// project builds its dependencies as the workspace does, so they come from its cache.
+fn profiles(manifest: &str) -> String {
+    let mut out = String::new();
+    let mut inside = false;
+    for line in manifest.lines() {
+        let trimmed = line.trim_start();
+        if trimmed.starts_with('[') {
+            inside = trimmed.starts_with("[profile.");
+        }
+        if inside {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The libtorch directory `--print-env` prints, spelled as the workspace's `LIBTORCH`
+/// when both name the same directory (see the module's doc).
+fn libtorch_sharing_the_workspaces_build() -> Result<PathBuf> {
+    let printed = crate::setup::libtorch_for_other_projects()?;
+    let Some(workspace) = std::env::var_os("LIBTORCH").map(PathBuf::from) else {
+        return Ok(printed);
+    };
+    let real = |p: &Path| {
+        p.canonicalize()
+            .with_context(|| format!("libtorch directory {} does not resolve", p.display()))
+    };
+    if real(&printed)? != real(&workspace)? {
+        bail!(
+            "`cargo xtask setup --print-env` prints LIBTORCH={} but the workspace builds with LIBTORCH={}: \
+             they are different libtorch directories; run `cargo xtask setup` again",
+            printed.display(),
+            workspace.display()
+        );
+    }
+    println!(
+        "downstream: LIBTORCH={} (the printed {}, by the workspace's spelling)",
+        workspace.display(),
+        printed.display()
+    );
+    Ok(workspace)
+}
+
 fn write_build_run(
     root: &Path,
     dir: &Path,
@@ -82,12 +136,13 @@ fn write_build_run(
     write(
         "Cargo.toml",
         &format!(
-            "[package]\nname = \"my-training-job\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n{manifest}"
+            "[package]\nname = \"my-training-job\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n{manifest}\n{}",
+            profiles(&std::fs::read_to_string(root.join("Cargo.toml")).context("reading Cargo.toml")?)
         ),
     )?;
     write("build.rs", build_rs)?;
     write("src/main.rs", main_rs)?;
-    let libtorch = crate::setup::libtorch_for_other_projects()?;
+    let libtorch = libtorch_sharing_the_workspaces_build()?;
     let gloo = std::env::var("GLOO_INCLUDE").ok();
     write(
         ".cargo/config.toml",
@@ -144,4 +199,32 @@ fn write_build_run(
         bail!("the README's program computed the wrong sum");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_downstream_project_gets_the_workspaces_profiles_and_nothing_else() {
+        let manifest = std::fs::read_to_string(crate::root().join("Cargo.toml")).unwrap();
+        let profiles = profiles(&manifest);
+        let headers: Vec<&str> = profiles.lines().filter(|l| l.starts_with('[')).collect();
+        assert!(headers.contains(&"[profile.dev]"), "{profiles}");
+        assert!(
+            headers.contains(&"[profile.dev.package.\"*\"]"),
+            "{profiles}"
+        );
+        assert!(
+            headers.iter().all(|h| h.starts_with("[profile.")),
+            "{headers:?}"
+        );
+        // Every profile section of the workspace, every key of each.
+        let all = manifest
+            .lines()
+            .filter(|l| l.starts_with("[profile."))
+            .count();
+        assert_eq!(headers.len(), all, "{profiles}");
+        assert!(profiles.contains("\nopt-level = 1\n"), "{profiles}");
+    }
 }
