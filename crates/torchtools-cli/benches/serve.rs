@@ -55,7 +55,7 @@ fn lab(path: &std::path::Path) -> Vec<tt_lock::GpuLock> {
             "{{\"event\":\"start\",\"id\":\"r{i}\",\"user\":\"{u}\",\"host\":\"h\",\"pid\":{i},\
              \"gpu\":\"index {g}\",\"bytes\":1073741824,\"time\":{start},\"command\":[\"python\",\"train.py\"]}}\n\
              {{\"event\":\"end\",\"id\":\"r{i}\",\"time\":{end},\"status\":0}}\n",
-            u = me.user,
+            u = me.who.user,
             g = i % GPUS,
             end = start + 5.0
         ));
@@ -64,7 +64,7 @@ fn lab(path: &std::path::Path) -> Vec<tt_lock::GpuLock> {
     for j in 0..JOBS {
         let id = format!("1700000000-{j}");
         let record = serde_json::json!({
-            "id": id, "user": me.user, "uid": uid, "host": me.host, "boot_id": "bench",
+            "id": id, "user": me.who.user, "uid": uid, "host": me.who.host, "boot_id": "bench",
             "command": ["torchtools", "run", "--", "python", "train.py", format!("--seed={j}")],
             "log": format!("/tmp/bench-{j}.log"), "started_unix": now - 3600.0,
             "keeper_pid": 1, "pid": 1, "ended_unix": now - 60.0, "status": 0, "runs": 1,

@@ -407,12 +407,12 @@ pub(crate) fn guard() -> Result<std::process::ExitCode> {
         _ => (String::new(), "lost (its keeper was killed)".into()),
     };
     let me = tt_lock::Holder::current();
-    let gpus = pid.map_or_else(String::new, |pid| gpus_of(pid, &me.host, started));
+    let gpus = pid.map_or_else(String::new, |pid| gpus_of(pid, &me.who.host, started));
     let vars: Vec<(&str, String)> = vec![
         (JOB_ID_ENV, id),
         ("TORCHTOOLS_JOB_COMMAND", shell_words(&command)),
-        ("TORCHTOOLS_JOB_USER", me.user),
-        ("TORCHTOOLS_JOB_HOST", me.host),
+        ("TORCHTOOLS_JOB_USER", me.who.user),
+        ("TORCHTOOLS_JOB_HOST", me.who.host),
         ("TORCHTOOLS_JOB_GPUS", gpus),
         ("TORCHTOOLS_JOB_STATUS", status),
         ("TORCHTOOLS_JOB_STATE", state),

@@ -127,7 +127,7 @@ impl Snapshot {
                     .find(|g| GpuKey::of_uuid(&g.uuid) == state.gpu);
                 let holder = state.holder.filter(|_| state.held);
                 let roots_of = |h: &Holder| -> Vec<u32> {
-                    std::iter::once(h.pid).chain(h.command_pid).collect()
+                    std::iter::once(h.who.pid).chain(h.command_pid).collect()
                 };
                 let roots: Vec<u32> = holder.iter().flat_map(roots_of).collect();
                 let on_gpu = gpu.map(|g| g.processes.as_slice()).unwrap_or_default();

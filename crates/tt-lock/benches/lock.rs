@@ -137,7 +137,7 @@ fn crowded(path: &std::path::Path) -> Vec<std::fs::File> {
             "{{\"event\":\"start\",\"id\":\"r{i}\",\"user\":\"{u}\",\"host\":\"h\",\"pid\":{i},\
              \"gpu\":\"index {g}\",\"bytes\":null,\"time\":{start},\"command\":[\"python\",\"train.py\"]}}\n\
              {{\"event\":\"end\",\"id\":\"r{i}\",\"time\":{end},\"status\":0}}\n",
-            u = me.user,
+            u = me.who.user,
             g = i % 8,
             end = start + 4.0
         ));
@@ -151,8 +151,8 @@ fn crowded(path: &std::path::Path) -> Vec<std::fs::File> {
             "{{\"ticket\":{t},\"pid\":{},\"user\":\"{}\",\"host\":\"h\",\"since_unix\":{},\
              \"wants\":{{\"kind\":\"gpus\",\"gpus\":[{{\"index\":0}}]}}}}\n",
             std::process::id(),
-            me.user,
-            me.since_unix
+            me.who.user,
+            me.who.since_unix
         );
         std::fs::write(&path, line).expect("ticket");
         let file = std::fs::OpenOptions::new()

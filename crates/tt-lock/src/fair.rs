@@ -131,18 +131,18 @@ pub(crate) fn serve_order(
 ) {
     let empty = Standing::default();
     for w in waiters.iter_mut() {
-        let standing = standings.get(&w.user).unwrap_or(&empty);
+        let standing = standings.get(&w.who.user).unwrap_or(&empty);
         w.held = held_by(&policy.limits, standing, &w.wants);
         if let Some(fs) = &policy.fair_share {
-            let waited = now.saturating_sub(w.since_unix) as f64;
+            let waited = now.saturating_sub(w.who.since_unix) as f64;
             let priority = waited / fs.aging.as_secs_f64() - standing.fraction;
             w.priority = Some(priority);
             w.why = Some(format!(
                 "{}: {}, waited {}",
-                w.user,
+                w.who.user,
                 standing.use_text(),
                 tt_device::format_duration(std::time::Duration::from_secs(
-                    now.saturating_sub(w.since_unix)
+                    now.saturating_sub(w.who.since_unix)
                 ))
             ));
         }
@@ -181,14 +181,14 @@ pub fn preemptor<'q>(
         .max(1);
     let equal = 1.0 / active as f64;
     queue.iter().find_map(|w| {
-        let waited = now.saturating_sub(w.since_unix);
-        let theirs = standings.get(&w.user).unwrap_or(&empty);
+        let waited = now.saturating_sub(w.who.since_unix);
+        let theirs = standings.get(&w.who.user).unwrap_or(&empty);
         let wanted = w.wants.gpus().iter().find(|k| gpus.contains(k))?;
         let above = match policy.fair_share {
             Some(_) => mine.fraction > equal && mine.fraction > theirs.fraction,
             None => mine.gpus > theirs.gpus,
         };
-        let eligible = w.held.is_none() && w.user != user && waited > after.as_secs() && above;
+        let eligible = w.held.is_none() && w.who.user != user && waited > after.as_secs() && above;
         eligible.then(|| {
             let standing = match policy.fair_share {
                 Some(_) => format!(
@@ -196,19 +196,19 @@ pub fn preemptor<'q>(
                      is {:.0}%; {} {:.0}%)",
                     mine.fraction * 100.0,
                     equal * 100.0,
-                    w.user,
+                    w.who.user,
                     theirs.fraction * 100.0
                 ),
                 None => format!(
                     "{user} holds {} GPU(s), {} {}",
-                    mine.gpus, w.user, theirs.gpus
+                    mine.gpus, w.who.user, theirs.gpus
                 ),
             };
             let why = format!(
                 "pid {} ({}) has waited {} for {wanted} (the policy preempts after {}), and \
                  {standing}",
-                w.pid,
-                w.user,
+                w.who.pid,
+                w.who.user,
                 tt_device::format_duration(std::time::Duration::from_secs(waited)),
                 tt_device::format_duration(after),
             );
@@ -241,7 +241,7 @@ impl LockDir {
             let names = self.names()?;
             let (held, _) = crate::record::live(self.path(), names.iter().cloned(), "held-");
             for found in held {
-                standing_of(&mut standings, &found.holder.user).gpus += 1;
+                standing_of(&mut standings, &found.holder.who.user).gpus += 1;
             }
             let (shares, _) = crate::record::live(self.path(), names, "share-");
             for h in shares
@@ -249,12 +249,12 @@ impl LockDir {
                 .map(|f| f.holder)
                 .filter(|h| !h.admitting)
             {
-                let s = standing_of(&mut standings, &h.user);
+                let s = standing_of(&mut standings, &h.who.user);
                 s.shared = Bytes(s.shared.0.saturating_add(h.share.map_or(0, |b| b.0)));
             }
         }
         for w in queue {
-            standing_of(&mut standings, &w.user).waiting += 1;
+            standing_of(&mut standings, &w.who.user).waiting += 1;
         }
         Ok(standings)
     }
@@ -373,8 +373,8 @@ mod tests {
 
     fn waiter(ticket: u64, user: &str, since_unix: u64, gpus: usize) -> Waiter {
         let mut holder = Holder::example();
-        holder.user = user.into();
-        holder.since_unix = since_unix;
+        holder.who.user = user.into();
+        holder.who.since_unix = since_unix;
         let mut w = Waiter::new(
             ticket,
             &holder,
@@ -414,7 +414,10 @@ mod tests {
         let mut queue: Vec<Waiter> = (1..=20).map(|t| waiter(t, "heavy", now - 60, 1)).collect();
         queue.push(waiter(21, "light", now - 1, 1));
         serve_order(&mut queue, &policy, &standings, now);
-        assert_eq!((queue[0].user.as_str(), queue[0].position), ("light", 1));
+        assert_eq!(
+            (queue[0].who.user.as_str(), queue[0].position),
+            ("light", 1)
+        );
         // heavy's keep their arrival order among themselves.
         let tickets: Vec<u64> = queue[1..].iter().map(|w| w.ticket).collect();
         assert_eq!(tickets, (1..=20).collect::<Vec<_>>());
@@ -429,7 +432,7 @@ mod tests {
             waiter(2, "light", now, 1),
         ];
         serve_order(&mut queue, &policy, &standings, now);
-        assert_eq!(queue[0].user, "heavy");
+        assert_eq!(queue[0].who.user, "heavy");
     }
 
     #[test]

@@ -3,6 +3,39 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use tt_device::Bytes;
 
+/// Who asked for a GPU: what a lock's [`Holder`] record and a waiting request's
+/// [`crate::Waiter`] ticket both say about the process behind them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Requester {
+    /// The process.
+    pub pid: u32,
+    /// Its user name (or uid when the name is unknown).
+    pub user: String,
+    /// Host name.
+    pub host: String,
+    /// When it took the lock (a holder) or started waiting (a waiter), in seconds since
+    /// the Unix epoch.
+    pub since_unix: u64,
+    /// GPU memory it said its job needs, when it said.
+    #[serde(default)]
+    pub reserved: Option<Bytes>,
+    /// Command line of the job.
+    #[serde(default)]
+    pub command: Vec<String>,
+    /// Its PID namespace (the inode of `/proc/self/ns/pid`): its `pid` means something
+    /// only there. A view from another namespace (a container, or the host looking at
+    /// one) says so instead of showing a PID of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid_ns: Option<u64>,
+}
+
+impl Requester {
+    /// The start time as `YYYY-MM-DD HH:MM:SS UTC`.
+    pub fn since_utc(&self) -> String {
+        utc(self.since_unix)
+    }
+}
+
 /// Who holds a GPU lock: written as one JSON line into the lock file while it is held.
 ///
 /// The kernel, not this record, decides whether a lock is held: a holder killed by
@@ -10,20 +43,10 @@ use tt_device::Bytes;
 /// free.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Holder {
-    /// Process that took the lock.
-    pub pid: u32,
-    /// Its user name (or uid when the name is unknown).
-    pub user: String,
-    /// Host name.
-    pub host: String,
-    /// When the lock was taken, in seconds since the Unix epoch.
-    pub since_unix: u64,
-    /// GPU memory the holder said its job needs, when it said.
-    #[serde(default)]
-    pub reserved: Option<Bytes>,
-    /// Command line of the job.
-    #[serde(default)]
-    pub command: Vec<String>,
+    /// Who took the lock: process, user, host, since when, for what. In the record its
+    /// fields sit beside the others (`"pid": 42, "user": "ada", ..., "gpu": ...`).
+    #[serde(flatten)]
+    pub who: Requester,
     /// The GPU: its UUID, or `index N` without NVML. Filled in by the lock.
     #[serde(default)]
     pub gpu: String,
@@ -35,11 +58,6 @@ pub struct Holder {
     /// keeps it current), so that others see memory set aside that no process uses yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fenced: Option<Bytes>,
-    /// The holder's PID namespace (the inode of `/proc/self/ns/pid`): its `pid` means
-    /// something only there. A view from another namespace (a container, or the host
-    /// looking at one) says so instead of showing a PID of its own.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pid_ns: Option<u64>,
     /// The id of this holding's record in its user's usage log (`usage-UID.jsonl`), set by the
     /// lock: how a reader of the log tells a holder still holding from one that died.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -63,18 +81,20 @@ impl Holder {
     /// A record for this process, now: pid, user, host, this process's command line.
     pub fn current() -> Holder {
         Holder {
-            pid: std::process::id(),
-            user: user_name(),
-            host: host_name(),
-            since_unix: tt_device::now_unix_secs(),
-            reserved: None,
-            command: std::env::args_os()
-                .map(|a| a.to_string_lossy().into_owned())
-                .collect(),
+            who: Requester {
+                pid: std::process::id(),
+                user: user_name(),
+                host: host_name(),
+                since_unix: tt_device::now_unix_secs(),
+                reserved: None,
+                command: std::env::args_os()
+                    .map(|a| a.to_string_lossy().into_owned())
+                    .collect(),
+                pid_ns: own_pid_namespace(),
+            },
             gpu: String::new(),
             command_pid: None,
             fenced: None,
-            pid_ns: own_pid_namespace(),
             usage: None,
             share: None,
             admitting: false,
@@ -84,13 +104,13 @@ impl Holder {
 
     /// Sets the memory the job needs.
     pub fn reserving(mut self, bytes: Bytes) -> Holder {
-        self.reserved = Some(bytes);
+        self.who.reserved = Some(bytes);
         self
     }
 
     /// Sets the command line recorded (for a lock taken on behalf of another command).
     pub fn running(mut self, command: impl IntoIterator<Item = impl Into<String>>) -> Holder {
-        self.command = command.into_iter().map(Into::into).collect();
+        self.who.command = command.into_iter().map(Into::into).collect();
         self
     }
 
@@ -98,16 +118,18 @@ impl Holder {
     #[cfg(test)]
     pub(crate) fn example() -> Holder {
         Holder {
-            pid: 42,
-            user: "ada".into(),
-            host: "gpu1".into(),
-            since_unix: 0,
-            reserved: None,
-            command: vec![],
+            who: Requester {
+                pid: 42,
+                user: "ada".into(),
+                host: "gpu1".into(),
+                since_unix: 0,
+                reserved: None,
+                command: vec![],
+                pid_ns: None,
+            },
             gpu: String::new(),
             command_pid: None,
             fenced: None,
-            pid_ns: None,
             usage: None,
             share: None,
             admitting: false,
@@ -117,7 +139,7 @@ impl Holder {
 
     /// The start time as `YYYY-MM-DD HH:MM:SS UTC`.
     pub fn since_utc(&self) -> String {
-        utc(self.since_unix)
+        self.who.since_utc()
     }
 }
 
@@ -136,16 +158,16 @@ impl Holder {
         write!(
             f,
             "pid {}{} ({}@{}) since {}",
-            self.pid,
-            namespace_note(self.pid_ns),
-            self.user,
-            self.host,
+            self.who.pid,
+            namespace_note(self.who.pid_ns),
+            self.who.user,
+            self.who.host,
             self.since_utc()
         )?;
         if let Some(pid) = self.command_pid {
             write!(f, ", command pid {pid}")?;
         }
-        match (self.share, self.reserved) {
+        match (self.share, self.who.reserved) {
             (Some(bytes), _) => write!(f, ", sharing the GPU with a budget of {bytes}")?,
             (None, Some(bytes)) => write!(f, ", reserving {bytes}")?,
             (None, None) => {}
@@ -153,8 +175,8 @@ impl Holder {
         if let Some(bytes) = self.fenced.filter(|b| b.0 > 0) {
             write!(f, ", fencing {bytes}")?;
         }
-        if !self.command.is_empty() {
-            let mut command = self.command.join(" ");
+        if !self.who.command.is_empty() {
+            let mut command = self.who.command.join(" ");
             if command.chars().count() > 80 {
                 command = command.chars().take(77).collect::<String>() + "...";
             }
@@ -225,13 +247,42 @@ mod tests {
     #[test]
     fn current_names_this_process() {
         let h = Holder::current().reserving(Bytes::gib(6));
-        assert_eq!(h.pid, std::process::id());
-        assert!(!h.user.is_empty() && !h.host.is_empty());
+        assert_eq!(h.who.pid, std::process::id());
+        assert!(!h.who.user.is_empty() && !h.who.host.is_empty());
         let text = h.to_string();
         assert!(text.contains("reserving 6.00 GiB"), "{text}");
         let json = serde_json::to_string(&h).unwrap_or_default();
         let back: Holder = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
         assert_eq!(back, h);
+    }
+
+    /// Records and tickets written by other versions (and read by other tools) are one
+    /// flat JSON object: who asked sits beside the rest, never under a key of its own.
+    #[test]
+    fn who_asked_is_part_of_the_records_flat_json() {
+        let written = r#"{"pid":7,"user":"ada","host":"gpu1","since_unix":951782400,"reserved":1024,"command":["python","train.py"],"gpu":"index 0","pid_ns":4026531836,"share":512}"#;
+        let holder: Holder = serde_json::from_str(written).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(holder.who.pid, 7);
+        assert_eq!(holder.who.user, "ada");
+        assert_eq!(holder.who.since_utc(), "2000-02-29 00:00:00 UTC");
+        assert_eq!(holder.who.reserved, Some(Bytes(1024)));
+        assert_eq!(holder.who.command, ["python", "train.py"]);
+        assert_eq!(holder.who.pid_ns, Some(4_026_531_836));
+        assert_eq!(holder.share, Some(Bytes(512)));
+        let again: serde_json::Value = serde_json::to_value(&holder).unwrap_or_default();
+        assert_eq!(
+            again,
+            serde_json::from_str::<serde_json::Value>(written).unwrap_or_default()
+        );
+
+        let ticket = r#"{"ticket":3,"pid":8,"user":"bo","host":"h","since_unix":5,"wants":{"kind":"gpus","gpus":[{"index":0}]}}"#;
+        let waiter: crate::Waiter = serde_json::from_str(ticket).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (waiter.ticket, waiter.who.pid, waiter.who.user.as_str()),
+            (3, 8, "bo")
+        );
+        let again = serde_json::to_value(&waiter).unwrap_or_default();
+        assert!(again.get("who").is_none() && again["pid"] == 8, "{again}");
     }
 }
 
@@ -303,20 +354,20 @@ mod display_tests {
     #[test]
     fn the_current_holder_is_this_process_user_and_host() {
         let h = Holder::current();
-        assert_eq!(h.pid, std::process::id());
+        assert_eq!(h.who.pid, std::process::id());
         // The user: the passwd entry of this uid, as `id -un` prints it.
         let id = std::process::Command::new("id")
             .arg("-un")
             .output()
             .unwrap();
-        assert_eq!(h.user, String::from_utf8_lossy(&id.stdout).trim());
+        assert_eq!(h.who.user, String::from_utf8_lossy(&id.stdout).trim());
         // The host: the kernel's host name.
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
-        assert_eq!(h.host, host.trim());
+        assert_eq!(h.who.host, host.trim());
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_secs();
-        assert!(h.since_unix <= now && h.since_unix + 60 > now);
+        assert!(h.who.since_unix <= now && h.who.since_unix + 60 > now);
     }
 }

@@ -21,7 +21,7 @@ pub use dir::{LockDir, DEFAULT_LOCK_DIR, LOCK_DIR_ENV};
 pub use error::{Error, Result};
 pub use fair::{preemptor, Standing};
 pub use gpu::{GpuKey, GpuSpec};
-pub use holder::{own_pid_namespace, utc, Holder};
+pub use holder::{own_pid_namespace, utc, Holder, Requester};
 pub use list::{LockState, Locker};
 pub use lock::{inheritance, share_with, GpuLock, Wait, HELD_LOCKS_ENV};
 pub use owner::{

@@ -231,7 +231,7 @@ impl LockDir {
                 continue;
             }
             let claims = crate::file::read_record::<Holder>(&file)
-                .map_or_else(|| crate::owner::name_of_uid(meta.uid()), |h| h.user);
+                .map_or_else(|| crate::owner::name_of_uid(meta.uid()), |h| h.who.user);
             for &pid in pids {
                 let Some(uid) = tt_device::procfs::uid(pid) else {
                     continue;
@@ -304,7 +304,10 @@ fn pick_holder(
         return found.into_iter().next().map(|f| f.holder);
     };
     let mut theirs: Vec<Found> = found.into_iter().filter(|f| f.owner_uid == uid).collect();
-    let at = theirs.iter().position(|f| f.holder.pid == pid).unwrap_or(0);
+    let at = theirs
+        .iter()
+        .position(|f| f.holder.who.pid == pid)
+        .unwrap_or(0);
     (at < theirs.len()).then(|| theirs.swap_remove(at).holder)
 }
 
@@ -312,7 +315,7 @@ fn pick_holder(
 /// (the holder's, the sharers' pids, in this PID namespace), each with its user.
 fn unrecorded_lockers(state: &mut LockState) {
     let ours = tt_device::own_pid_namespace();
-    let elsewhere = |h: &Holder| h.pid_ns.is_some() && h.pid_ns != ours;
+    let elsewhere = |h: &Holder| h.who.pid_ns.is_some() && h.who.pid_ns != ours;
     if state.holder.iter().chain(&state.shares).any(elsewhere) {
         // Its pids are another namespace's: which lock is whose cannot be told here.
         state.unrecorded.clear();
@@ -322,7 +325,7 @@ fn unrecorded_lockers(state: &mut LockState) {
         .holder
         .iter()
         .chain(&state.shares)
-        .map(|h| h.pid)
+        .map(|h| h.who.pid)
         .collect();
     state.unrecorded.retain(|l| !recorded.contains(&l.pid));
     for l in &mut state.unrecorded {

@@ -313,7 +313,7 @@ impl LockDir {
             )));
         }
         holder.share = Some(bytes);
-        holder.reserved = Some(bytes);
+        holder.who.reserved = Some(bytes);
         let wants = Wants::Share {
             gpu: key.clone(),
             bytes,
@@ -328,7 +328,7 @@ impl LockDir {
         let start = Instant::now();
         // Records name the user who writes them, whatever the caller put there: a
         // reader believes a record only when it names its file's owner.
-        holder.user = crate::owner::name_of_uid(crate::owner::euid());
+        holder.who.user = crate::owner::name_of_uid(crate::owner::euid());
         // Only an admission marks its record as being admitted (see `share.rs`).
         holder.admitting = false;
         let (mut granted, wants) = self.take_inherited(wants, &holder)?;
@@ -349,7 +349,10 @@ impl LockDir {
         loop {
             let own = ticket.as_ref().map(Ticket::number);
             let queue = self.scan_queue(own)?;
-            let queued = queue.iter().filter(|w| w.user == holder.user).count();
+            let queued = queue
+                .iter()
+                .filter(|w| w.who.user == holder.who.user)
+                .count();
             let (earlier, held) = self.earlier(queue, own, &slots, &policy.policy, &me)?;
             let taken = match held {
                 Some(why) => Taken::Busy(Busy::held(&wants, why)),
@@ -391,7 +394,7 @@ impl LockDir {
                                 reason: format!(
                                     "{} has {queued} request(s) waiting, and may have at most \
                                      {limit} at once: wait for one to be served, or stop one",
-                                    holder.user
+                                    holder.who.user
                                 ),
                             });
                         }

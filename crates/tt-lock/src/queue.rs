@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use tt_device::Bytes;
 
 use crate::file::{open_to_read, record_live};
-use crate::{GpuKey, Holder, LockDir, Result};
+use crate::{GpuKey, Holder, LockDir, Requester, Result};
 
 /// What a request waits for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -104,25 +104,12 @@ pub struct Waiter {
     pub position: usize,
     /// Its ticket: the order of arrival (larger is later).
     pub ticket: u64,
-    /// The waiting process.
-    pub pid: u32,
-    /// Its user.
-    pub user: String,
-    /// Its host.
-    pub host: String,
-    /// When it started waiting, in seconds since the Unix epoch.
-    pub since_unix: u64,
-    /// GPU memory the job said it needs, when it said.
-    #[serde(default)]
-    pub reserved: Option<Bytes>,
-    /// Command line of the job.
-    #[serde(default)]
-    pub command: Vec<String>,
+    /// The waiting process: who, since when, for what. In the ticket its fields sit
+    /// beside the others, as in a [`Holder`]'s record.
+    #[serde(flatten)]
+    pub who: Requester,
     /// What it waits for.
     pub wants: Wants,
-    /// Its PID namespace (see [`Holder::pid_ns`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pid_ns: Option<u64>,
     /// Under a fair-share policy, its priority: higher is served first (see
     /// [`LockDir::queue`]); `None` when served first come, first served. Computed by
     /// the reader, never read from the ticket.
@@ -143,14 +130,8 @@ impl Waiter {
         Waiter {
             position: 0,
             ticket,
-            pid: holder.pid,
-            user: holder.user.clone(),
-            host: holder.host.clone(),
-            since_unix: holder.since_unix,
-            reserved: holder.reserved,
-            command: holder.command.clone(),
+            who: holder.who.clone(),
             wants,
-            pid_ns: holder.pid_ns,
             priority: None,
             why: None,
             held: None,
@@ -159,7 +140,7 @@ impl Waiter {
 
     /// The start of the wait as `YYYY-MM-DD HH:MM:SS UTC`.
     pub fn since_utc(&self) -> String {
-        crate::holder::utc(self.since_unix)
+        self.who.since_utc()
     }
 }
 
@@ -168,10 +149,10 @@ impl fmt::Display for Waiter {
         let line = format!(
             "#{} pid {}{} ({}@{}) since {} wants {}",
             self.position,
-            self.pid,
-            crate::holder::namespace_note(self.pid_ns),
-            self.user,
-            self.host,
+            self.who.pid,
+            crate::holder::namespace_note(self.who.pid_ns),
+            self.who.user,
+            self.who.host,
             self.since_utc(),
             self.wants
         );
@@ -290,7 +271,7 @@ impl LockDir {
             let Some(mut waiter) = crate::file::read_record::<Waiter>(&file) else {
                 continue;
             };
-            if let Err(why) = crate::owner::check(&path, meta.uid(), &waiter.user) {
+            if let Err(why) = crate::owner::check(&path, meta.uid(), &waiter.who.user) {
                 ignored.push(why);
                 continue;
             }
@@ -298,7 +279,7 @@ impl LockDir {
                 ignored.push(crate::Ignored::because(
                     &path,
                     meta.uid(),
-                    &waiter.user,
+                    &waiter.who.user,
                     format!("its number {ticket} is above any real queue's ({MAX_TICKET})"),
                 ));
                 continue;
@@ -352,8 +333,9 @@ impl LockDir {
         let mut number = match last.map_or(Some(1), |w| w.ticket.checked_add(1)) {
             Some(n) if n <= MAX_TICKET => n,
             _ => {
-                let w =
-                    last.map_or_else(String::new, |w| format!(" by pid {} ({})", w.pid, w.user));
+                let w = last.map_or_else(String::new, |w| {
+                    format!(" by pid {} ({})", w.who.pid, w.who.user)
+                });
                 return Err(self.error(format!(
                     "its queue numbers are used up{w}, whose ticket holds the largest \
                      number believed ({MAX_TICKET}); that request must end first"
@@ -501,13 +483,10 @@ mod tests {
         let waiter = Waiter {
             position: 2,
             ticket: 9,
-            pid: 42,
-            user: "ada".into(),
-            host: "gpu1".into(),
-            since_unix: 951_782_400,
-            reserved: None,
-            command: vec![],
-            pid_ns: None,
+            who: Requester {
+                since_unix: 951_782_400,
+                ..Holder::example().who
+            },
             priority: None,
             why: None,
             held: None,
@@ -584,8 +563,8 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec![(1, a.number()), (2, b.number())]
         );
-        assert_eq!(queue[0].reserved, Some(Bytes::gib(3)));
-        assert_eq!(queue[0].pid, std::process::id());
+        assert_eq!(queue[0].who.reserved, Some(Bytes::gib(3)));
+        assert_eq!(queue[0].who.pid, std::process::id());
         assert_eq!(queue[0].wants, wants);
         // This process's own ticket is left out when it asks for the others.
         assert_eq!(dir.scan_queue(Some(a.number())).unwrap().len(), 1);

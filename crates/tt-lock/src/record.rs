@@ -61,7 +61,10 @@ impl OwnRecord {
         let pid = std::process::id();
         let temp = dir.join(format!(".record-{pid}-{n}.tmp"));
         let ns = crate::holder::own_pid_namespace().unwrap_or(0);
-        let path = dir.join(format!("{prefix}{}-{ns}-{pid}-{n}.json", holder.since_unix));
+        let path = dir.join(format!(
+            "{prefix}{}-{ns}-{pid}-{n}.json",
+            holder.who.since_unix
+        ));
         let mut text = serde_json::to_vec(holder).unwrap_or_default();
         text.push(b'\n');
         let file = crate::file::create_locked(&temp, &path, &text, "creating the holder record")?;
@@ -200,7 +203,7 @@ pub(crate) fn live(
         if let Some(named) = kept_for(name).filter(|&uid| uid != meta.uid()) {
             // Another user's file under the name a user keeps its record in: never
             // that user's record, live or not (the user writes one of its own).
-            let claims = read_holder(&file).map_or_else(String::new, |h| h.user);
+            let claims = read_holder(&file).map_or_else(String::new, |h| h.who.user);
             ignored.push(Ignored::because(
                 &path,
                 meta.uid(),
@@ -224,7 +227,7 @@ pub(crate) fn live(
         let Some(holder) = read_holder(&file) else {
             continue;
         };
-        match crate::owner::check(&path, meta.uid(), &holder.user) {
+        match crate::owner::check(&path, meta.uid(), &holder.who.user) {
             Ok(()) => found.push(Found {
                 holder: believable(holder, &meta),
                 owner_uid: meta.uid(),
@@ -232,7 +235,7 @@ pub(crate) fn live(
             Err(why) => ignored.push(why),
         }
     }
-    found.sort_by_key(|f| (f.holder.since_unix, f.holder.pid));
+    found.sort_by_key(|f| (f.holder.who.since_unix, f.holder.who.pid));
     (found, ignored)
 }
 
@@ -247,12 +250,13 @@ pub(crate) fn believable(mut holder: Holder, meta: &fs::Metadata) -> Holder {
     // The clock read in whole seconds: a record written now may say the next second.
     const SLACK: u64 = 2;
     let now = tt_device::now_unix_secs();
-    let here = holder.host == crate::holder::host_name()
+    let here = holder.who.host == crate::holder::host_name()
         && holder
+            .who
             .pid_ns
             .is_none_or(|ns| Some(ns) == crate::holder::own_pid_namespace());
     let started = here
-        .then(|| tt_device::procfs::started_unix(holder.pid))
+        .then(|| tt_device::procfs::started_unix(holder.who.pid))
         .flatten()
         .map(|t| t as u64);
     let created = || {
@@ -264,9 +268,9 @@ pub(crate) fn believable(mut holder: Holder, meta: &fs::Metadata) -> Holder {
     // (A process's start, from btime's whole seconds, is read up to a second early:
     // never later than a record it wrote says.)
     if let Some(floor) = started.or_else(created) {
-        holder.since_unix = holder.since_unix.max(floor);
+        holder.who.since_unix = holder.who.since_unix.max(floor);
     }
-    holder.since_unix = holder.since_unix.min(now + SLACK);
+    holder.who.since_unix = holder.who.since_unix.min(now + SLACK);
     if let Some(pid) = holder.command_pid {
         let owners = here.then(|| tt_device::procfs::uid(pid)).flatten();
         if owners.is_some_and(|uid| uid != meta.uid()) {

@@ -147,9 +147,9 @@ pub(crate) fn new_id(holder: &Holder) -> String {
         .map_or(0, |d| d.as_nanos());
     format!(
         "{}/{}/{}/{}/{ns}",
-        holder.host,
-        holder.pid_ns.unwrap_or(0),
-        holder.pid,
+        holder.who.host,
+        holder.who.pid_ns.unwrap_or(0),
+        holder.who.pid,
         holder.gpu
     )
 }
@@ -198,13 +198,13 @@ impl LockDir {
     pub(crate) fn record_start(&self, holder: &Holder, id: &str, share_of: Option<u64>) {
         self.record(&StartLine {
             id,
-            user: &holder.user,
-            host: &holder.host,
-            pid: holder.pid,
+            user: &holder.who.user,
+            host: &holder.who.host,
+            pid: holder.who.pid,
             gpu: &holder.gpu,
-            bytes: holder.reserved.map(|b| b.0),
+            bytes: holder.who.reserved.map(|b| b.0),
             time: now_unix(),
-            command: &holder.command,
+            command: &holder.who.command,
             share_of,
         });
     }
@@ -242,7 +242,7 @@ impl LockDir {
         Ok(held
             .into_iter()
             .chain(shared)
-            .filter_map(|f| f.holder.usage.map(|id| (f.holder.user, id)))
+            .filter_map(|f| f.holder.usage.map(|id| (f.holder.who.user, id)))
             .collect())
     }
 }

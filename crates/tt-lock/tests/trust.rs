@@ -66,13 +66,13 @@ fn child() {
         // Who waits, as this user reads the queue.
         "see-queue" => {
             let queue = LockDir::open(&dir).unwrap().queue().unwrap();
-            let users: Vec<&str> = queue.iter().map(|w| w.user.as_str()).collect();
+            let users: Vec<&str> = queue.iter().map(|w| w.who.user.as_str()).collect();
             println!("@@queue: {}@@", users.join(" "));
         }
         // The name root keeps its GPU 5 record under, taken first, claiming root.
         "squat" => {
             let mut claim = Holder::current();
-            claim.user = "root".into();
+            claim.who.user = "root".into();
             let path = dir.join("held-gpu-5.user-0.json");
             std::fs::write(&path, serde_json::to_string(&claim).unwrap() + "\n").unwrap();
             // Not locked: what keeps root out of it is the owner check alone.
@@ -172,7 +172,7 @@ fn vandalize(dir: &Path) {
     }
     // Forgeries: records of its own, claiming root, locked as live records are.
     let mut claim = Holder::current();
-    claim.user = "root".into();
+    claim.who.user = "root".into();
     claim.gpu = "0".into();
     let mut forged = Vec::new();
     let mut place = |name: &str, text: String| {
@@ -282,13 +282,13 @@ fn jam_role(role: &str, dir: &Path) {
         // GPU 4 that says it begins in the far future.
         "share3-steering" => {
             let mut claim = Holder::current();
-            claim.since_unix = 0;
+            claim.who.since_unix = 0;
             claim.command_pid = Some(1);
             let share =
                 locks.lock_shared(&GpuKey::Index(3), Bytes(GIB), CAPACITY, Wait::Try, claim);
             let _share = share.unwrap();
             let mut later = Holder::current();
-            later.since_unix = u64::MAX;
+            later.who.since_unix = u64::MAX;
             let share =
                 locks.lock_shared(&GpuKey::Index(4), Bytes(GIB), CAPACITY, Wait::Try, later);
             let _later = share.unwrap();
@@ -394,7 +394,7 @@ fn jam_role(role: &str, dir: &Path) {
                 .lock(&GpuKey::Index(3), Wait::Try, Holder::current())
                 .unwrap();
             drop(lock);
-            let me = Holder::current().user;
+            let me = Holder::current().who.user;
             let usage = locks.usage().unwrap();
             let mine = usage
                 .records
@@ -537,7 +537,9 @@ fn values_in_ones_own_records_neither_make_it_the_oldest_sharer_nor_claim_others
     let mut first = shared.as_user(a, "share3", 0o077);
     assert_eq!(lines_until(&mut first, "shared"), ["shared"]);
     // The second sharer starts seconds later (records say whole seconds).
-    let since = shared.dir.sharers(&GpuKey::Index(3)).unwrap()[0].since_unix;
+    let since = shared.dir.sharers(&GpuKey::Index(3)).unwrap()[0]
+        .who
+        .since_unix;
     while tt_device::now_unix_secs() < since + 3 {
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -546,13 +548,13 @@ fn values_in_ones_own_records_neither_make_it_the_oldest_sharer_nor_claim_others
     let sharers = shared.dir.sharers(&GpuKey::Index(3)).unwrap();
     assert_eq!(sharers.len(), 2, "{sharers:?}");
     assert_eq!(
-        sharers[0].pid,
+        sharers[0].who.pid,
         first.id(),
         "the first sharer stays first: {sharers:?}"
     );
-    assert_eq!(sharers[1].pid, steering.id(), "{sharers:?}");
+    assert_eq!(sharers[1].who.pid, steering.id(), "{sharers:?}");
     assert!(
-        sharers[1].since_unix >= sharers[0].since_unix,
+        sharers[1].who.since_unix >= sharers[0].who.since_unix,
         "{sharers:?}"
     );
     assert_eq!(
@@ -562,7 +564,7 @@ fn values_in_ones_own_records_neither_make_it_the_oldest_sharer_nor_claim_others
     let now = tt_device::now_unix_secs();
     let later = shared.dir.sharers(&GpuKey::Index(4)).unwrap();
     assert!(
-        later.len() == 1 && later[0].since_unix <= now + 2,
+        later.len() == 1 && later[0].who.since_unix <= now + 2,
         "{later:?}"
     );
     end([first, steering]);
@@ -584,7 +586,7 @@ fn forged_ticket_numbers_neither_crash_nor_push_another_users_request() {
     let _dog = watchdog(&waiter, Duration::from_secs(150));
     let queue = queued(&shared.dir);
     assert_eq!(
-        (queue.len(), queue[0].ticket, queue[0].user.as_str()),
+        (queue.len(), queue[0].ticket, queue[0].who.user.as_str()),
         (1, 1, "tt-test-b"),
         "{queue:?}"
     );
@@ -776,7 +778,7 @@ fn another_user_can_neither_erase_nor_forge_records_and_forgeries_are_reported()
         let gpu0 = states.iter().find(|s| s.gpu == GpuKey::Index(0)).unwrap();
         let holder = gpu0.holder.as_ref().unwrap();
         assert_eq!(
-            (holder.pid, holder.user.as_str()),
+            (holder.who.pid, holder.who.user.as_str()),
             (std::process::id(), "root")
         );
         let gpu1 = states.iter().find(|s| s.gpu == GpuKey::Index(1)).unwrap();
@@ -884,7 +886,7 @@ fn a_record_name_taken_first_by_another_user_is_neither_used_nor_believed() {
         .unwrap();
     let states = shared.dir.list().unwrap();
     let holder = states[0].holder.as_ref().unwrap();
-    assert_eq!(holder.pid, std::process::id(), "{states:?}");
+    assert_eq!(holder.who.pid, std::process::id(), "{states:?}");
     let ignored = shared.dir.ignored().unwrap();
     assert_eq!(ignored.len(), 1, "{ignored:?}");
     assert!(

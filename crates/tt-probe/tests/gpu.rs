@@ -218,7 +218,7 @@ fn run_training_with_reservation_reserves_the_probes_estimate_on_the_gpu() {
                 .iter()
                 .find(|s| s.held)
                 .unwrap_or_else(|| panic!("no lock held: {states:?}"));
-            assert_eq!(held.holder.as_ref().map(|h| h.pid), Some(me), "{held}");
+            assert_eq!(held.holder.as_ref().map(|h| h.who.pid), Some(me), "{held}");
             // The fence leaves the estimate (and the margin) free: training fits in it.
             let free = nvml_free(&uuid);
             println!("{plan}; {free} bytes free with the fence up");

@@ -87,7 +87,9 @@ fn step(
     fences: &mut Vec<Fence>,
 ) -> Result<(), String> {
     let sharers = dir.sharers(&target.key).map_err(|e| e.to_string())?;
-    let is_me = |h: &Holder| h.pid == me.pid && h.host == me.host && h.pid_ns == me.pid_ns;
+    let is_me = |h: &Holder| {
+        h.who.pid == me.who.pid && h.who.host == me.who.host && h.who.pid_ns == me.who.pid_ns
+    };
     if !sharers.first().is_some_and(is_me) {
         fences.clear();
         return Ok(());
@@ -100,7 +102,7 @@ fn step(
     let used_by = |h: &Holder| -> u64 {
         let roots: Vec<u32> = match h.command_pid {
             Some(pid) => vec![pid],
-            None => vec![h.pid],
+            None => vec![h.who.pid],
         };
         let used: u64 = gpu
             .processes

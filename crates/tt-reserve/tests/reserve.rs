@@ -117,7 +117,7 @@ fn reserve_on_this_machine() {
         .find(|s| s.gpu == key)
         .unwrap();
     assert!(state.held);
-    assert_eq!(state.holder.unwrap().reserved, Some(Bytes::gib(6)));
+    assert_eq!(state.holder.unwrap().who.reserved, Some(Bytes::gib(6)));
     drop(r);
     assert!(
         dir.list().unwrap().iter().all(|s| !s.held),

@@ -16,7 +16,7 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
     let locks = LockDir::from_env()?;
     let waiting: Vec<u32> = locks
         .queue()
-        .map(|q| q.iter().map(|w| w.pid).collect())
+        .map(|q| q.iter().map(|w| w.who.pid).collect())
         .unwrap_or_default();
     let held = locks.list().unwrap_or_default();
     let mine = uid();

@@ -397,13 +397,13 @@ fn gpu_reservation_series(registry: &mut Registry, snapshot: &Snapshot) {
         for (h, bytes) in g
             .holder
             .iter()
-            .map(|h| (h, h.reserved))
+            .map(|h| (h, h.who.reserved))
             .chain(g.shares.iter().map(|h| (h, h.share)))
         {
             let user = GpuUserLabels {
                 gpu: labels.gpu.clone(),
                 uuid: labels.uuid.clone(),
-                user: label(&h.user),
+                user: label(&h.who.user),
             };
             reserved
                 .get_or_create(&user)
@@ -415,7 +415,7 @@ fn gpu_reservation_series(registry: &mut Registry, snapshot: &Snapshot) {
             .queue
             .iter()
             .filter(|w| g.waiting.contains(&w.position))
-            .map(|w| w.since_unix)
+            .map(|w| w.who.since_unix)
             .min();
         oldest
             .get_or_create(&labels)
@@ -439,10 +439,10 @@ fn queue_series(registry: &mut Registry, snapshot: &Snapshot) {
     );
     for w in &snapshot.queue {
         let user = UserLabels {
-            user: label(&w.user),
+            user: label(&w.who.user),
         };
         queued.get_or_create(&user).inc();
-        let waited = snapshot.time_unix.saturating_sub(w.since_unix) as f64;
+        let waited = snapshot.time_unix.saturating_sub(w.who.since_unix) as f64;
         let oldest = queued_oldest.get_or_create(&user);
         if waited > oldest.get() {
             oldest.set(waited);

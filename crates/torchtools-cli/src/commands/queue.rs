@@ -33,7 +33,10 @@ fn queue(json: bool) -> Result<ExitCode> {
         for w in &waiters {
             let mut value = serde_json::to_value(w)?;
             if let Some(map) = value.as_object_mut() {
-                map.insert("waiting_s".into(), now.saturating_sub(w.since_unix).into());
+                map.insert(
+                    "waiting_s".into(),
+                    now.saturating_sub(w.who.since_unix).into(),
+                );
             }
             list.push(value);
         }
@@ -89,9 +92,9 @@ pub(crate) fn queue_text(
         .map(|w| {
             let mut row = vec![
                 w.position.to_string(),
-                tt_device::printable(&w.user).into_owned(),
-                w.pid.to_string(),
-                age(now.saturating_sub(w.since_unix)),
+                tt_device::printable(&w.who.user).into_owned(),
+                w.who.pid.to_string(),
+                age(now.saturating_sub(w.who.since_unix)),
                 wants_text(&w.wants, |key| {
                     inventory
                         .gpus
@@ -99,7 +102,7 @@ pub(crate) fn queue_text(
                         .find(|g| GpuKey::of_uuid(&g.uuid) == *key)
                         .map(|g| g.nvml_index)
                 }),
-                w.reserved.map_or("-".into(), |b| b.to_string()),
+                w.who.reserved.map_or("-".into(), |b| b.to_string()),
             ];
             if fair {
                 row.push(w.priority.map_or("-".into(), |p| format!("{p:+.2}")));
@@ -110,7 +113,7 @@ pub(crate) fn queue_text(
                     .join("; ");
                 row.push(tt_device::printable(&why).into_owned());
             }
-            row.push(crate::args::shown(&w.command));
+            row.push(crate::args::shown(&w.who.command));
             row
         })
         .collect();

@@ -206,8 +206,8 @@ impl Reader {
         }
         Ok(State {
             schema: SCHEMA,
-            host: self.me.host.clone(),
-            served_by: self.me.user.clone(),
+            host: self.me.who.host.clone(),
+            served_by: self.me.who.user.clone(),
             jobs,
             jobs_ignored: scan.ignored,
             jobs_damaged: scan.damaged,

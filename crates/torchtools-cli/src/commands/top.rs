@@ -243,12 +243,12 @@ fn gpu_name(g: &GpuView) -> String {
 }
 
 fn holder_cell(h: &Holder, compact: bool) -> String {
-    let command = crate::args::shown(&h.command);
-    let user = tt_device::printable(&h.user);
+    let command = crate::args::shown(&h.who.command);
+    let user = tt_device::printable(&h.who.user);
     if compact {
-        format!("{user} {}", h.pid)
+        format!("{user} {}", h.who.pid)
     } else {
-        format!("{user} pid {}: {command}", h.pid)
+        format!("{user} pid {}: {command}", h.who.pid)
     }
 }
 
@@ -278,7 +278,7 @@ fn gpu_cells(snapshot: &Snapshot, g: &GpuView, compact: bool) -> Vec<String> {
         (None, shares) => format!("shared by {} job(s)", shares.len()),
     };
     let since = g.holder.as_ref().map_or_else(dash, |h| {
-        age(snapshot.time_unix.saturating_sub(h.since_unix))
+        age(snapshot.time_unix.saturating_sub(h.who.since_unix))
     });
     let budgets: u64 = g.shares.iter().filter_map(|h| h.share).map(|b| b.0).sum();
     let reserving = match (&g.holder, budgets) {
@@ -286,7 +286,7 @@ fn gpu_cells(snapshot: &Snapshot, g: &GpuView, compact: bool) -> Vec<String> {
         _ => g
             .holder
             .as_ref()
-            .and_then(|h| h.reserved)
+            .and_then(|h| h.who.reserved)
             .map_or_else(dash, |b| format!("{} GiB", gib(b))),
     };
     if compact {
@@ -424,10 +424,10 @@ fn render_detail(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer)
             lines.push(Line::from(format!(
                 "  #{} {} pid {} for {}: {}",
                 w.position,
-                tt_device::printable(&w.user),
-                w.pid,
-                age(snapshot.time_unix.saturating_sub(w.since_unix)),
-                crate::args::shown(&w.command)
+                tt_device::printable(&w.who.user),
+                w.who.pid,
+                age(snapshot.time_unix.saturating_sub(w.who.since_unix)),
+                crate::args::shown(&w.who.command)
             )));
         }
     }
@@ -450,14 +450,14 @@ fn render_queue(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buffer) 
         .map(|w| {
             let mut cells = vec![
                 w.position.to_string(),
-                tt_device::printable(&w.user).into_owned(),
-                w.pid.to_string(),
-                age(snapshot.time_unix.saturating_sub(w.since_unix)),
+                tt_device::printable(&w.who.user).into_owned(),
+                w.who.pid.to_string(),
+                age(snapshot.time_unix.saturating_sub(w.who.since_unix)),
                 wants_text(&w.wants, nvml_index),
             ];
             if !view.compact {
-                cells.push(w.reserved.map_or("-".into(), |b| b.to_string()));
-                cells.push(crate::args::shown(&w.command));
+                cells.push(w.who.reserved.map_or("-".into(), |b| b.to_string()));
+                cells.push(crate::args::shown(&w.who.command));
             }
             Row::new(cells)
         })
@@ -638,7 +638,7 @@ mod tests {
         assert_eq!(a.name.as_deref(), Some("Test GPU 0"));
         assert_eq!(a.free, Some(Bytes::gib(60)));
         assert_eq!(a.utilization, Some(40));
-        assert_eq!(a.holder.as_ref().map(|h| h.pid), Some(me));
+        assert_eq!(a.holder.as_ref().map(|h| h.who.pid), Some(me));
         assert!(b.holder.is_none());
         // This process runs on the GPU it holds; the other GPU's process is outside.
         assert!(a.processes[0].in_reservation);

@@ -252,9 +252,9 @@ pub(crate) fn start_job(start: &Start<'_>) -> Result<Job> {
     let me = tt_lock::Holder::current();
     let job = Job {
         id: id.clone(),
-        user: me.user,
+        user: me.who.user,
         uid: uid(),
-        host: me.host,
+        host: me.who.host,
         boot_id: boot_id(),
         command: std::iter::once("torchtools".to_owned())
             .chain(

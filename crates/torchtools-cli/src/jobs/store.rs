@@ -495,10 +495,10 @@ pub(crate) fn held_by(job: &Job, locks: &[tt_lock::LockState]) -> (Vec<String>, 
         if let Some(h) = state
             .holder
             .as_ref()
-            .filter(|h| h.pid == pid && h.host == job.host)
+            .filter(|h| h.who.pid == pid && h.who.host == job.host)
         {
             gpus.push(h.gpu.clone());
-            bytes = h.reserved.map(|b| b.0).or(bytes);
+            bytes = h.who.reserved.map(|b| b.0).or(bytes);
         }
     }
     (gpus, bytes)
@@ -518,7 +518,7 @@ pub(crate) struct LiveJob {
 /// Every user's jobs that have not ended, given the requests waiting in `locks`' queue
 /// (read once by the caller).
 pub(crate) fn live_jobs(locks: &LockDir, queue: &[tt_lock::Waiter]) -> Result<Vec<LiveJob>> {
-    let waiting: Vec<u32> = queue.iter().map(|w| w.pid).collect();
+    let waiting: Vec<u32> = queue.iter().map(|w| w.who.pid).collect();
     let held = locks.list()?;
     Ok(all_jobs(&records_dir_in(locks)?)?
         .into_iter()
@@ -567,7 +567,7 @@ pub(crate) fn rows(jobs: Vec<Job>, waiting: &[u32], held: &[tt_lock::LockState])
 /// Every user's jobs as rows, from the lock directory (`jobs --all --json`'s), with
 /// the records not believed and those damaged.
 pub(crate) fn all_rows(locks: &LockDir, queue: &[tt_lock::Waiter]) -> Result<(Vec<Row>, Scan)> {
-    let waiting: Vec<u32> = queue.iter().map(|w| w.pid).collect();
+    let waiting: Vec<u32> = queue.iter().map(|w| w.who.pid).collect();
     let held = locks.list()?;
     let mut scan = scan(&records_dir_in(locks)?)?;
     let jobs = std::mem::take(&mut scan.jobs);
@@ -643,9 +643,9 @@ mod tests {
         let me = tt_lock::Holder::current();
         let job = Job {
             id: "123-4".into(),
-            user: me.user.clone(),
+            user: me.who.user.clone(),
             uid: uid(),
-            host: me.host,
+            host: me.who.host,
             boot_id: boot_id(),
             command: vec!["true".into()],
             log: dir.path().join("log"),

@@ -389,7 +389,7 @@ fn a_command_that_is_not_executable_exits_126_and_an_unusable_lock_directory_exi
 /// Waits until a request of `pid` is in the queue of `dir`.
 fn until_queued(dir: &LockDir, pid: u32) {
     until(&format!("pid {pid} in the queue"), || {
-        dir.queue().unwrap().iter().any(|w| w.pid == pid)
+        dir.queue().unwrap().iter().any(|w| w.who.pid == pid)
     });
 }
 

@@ -53,7 +53,7 @@ impl Scenario {
                 .unwrap();
             let pid = child.id();
             until("a waiter in the queue", || {
-                dir.queue().unwrap().iter().any(|w| w.pid == pid)
+                dir.queue().unwrap().iter().any(|w| w.who.pid == pid)
             });
             waiters.push(child);
         }

@@ -242,7 +242,7 @@ fn a_blocked_waiter_gets_the_lock_when_the_holder_is_killed() {
         let dir = dir.clone();
         std::thread::spawn(move || {
             let lock = dir.lock(&GpuKey::Index(0), Wait::Block, Holder::current());
-            (lock.map(|l| l.holder().pid), Instant::now())
+            (lock.map(|l| l.holder().who.pid), Instant::now())
         })
     };
     // Queued (its ticket is in the queue), and still waiting for the holder.
@@ -275,7 +275,7 @@ fn timeout_and_try_name_the_holder_and_timeout_is_never_early() {
     match dir.lock(&key, Wait::Try, Holder::current()) {
         Err(Error::WouldBlock { gpu, holder, .. }) => {
             assert_eq!(gpu, key);
-            assert_eq!(holder.unwrap().pid, child.id());
+            assert_eq!(holder.unwrap().who.pid, child.id());
         }
         other => panic!("expected WouldBlock, got {other:?}"),
     }
@@ -323,9 +323,9 @@ fn list_shows_holders_and_a_dead_holders_record_as_free() {
     assert_eq!(held.len(), 1);
     assert!(held[0].held);
     let record = held[0].holder.clone().unwrap();
-    assert_eq!(record.pid, child.id());
+    assert_eq!(record.who.pid, child.id());
     assert_eq!(record.gpu, "2");
-    assert!(!record.command.is_empty());
+    assert!(!record.who.command.is_empty());
 
     child.kill().unwrap(); // SIGKILL: no cleanup ran, the record file stays
     child.wait().unwrap();
@@ -905,7 +905,7 @@ fn on_overlayfs_a_held_lock_is_listed_as_held() {
     let lock = dir.lock(&key, Wait::Try, Holder::current()).unwrap();
     let state = state_of(&dir, &key);
     assert!(state.held, "{state:?}");
-    assert_eq!(state.holder.map(|h| h.pid), Some(std::process::id()));
+    assert_eq!(state.holder.map(|h| h.who.pid), Some(std::process::id()));
     drop(lock);
     assert!(!state_of(&dir, &key).held, "released");
 }
@@ -1057,7 +1057,7 @@ fn a_shorter_record_replaces_a_longer_one_whole() {
     let text = std::fs::read_to_string(holder_record(dir.path(), "gpu-0")).unwrap();
     assert_eq!(text.lines().count(), 1, "{text}");
     let record: Holder = serde_json::from_str(text.trim_end()).unwrap();
-    assert_eq!(record.command, ["y"]);
+    assert_eq!(record.who.command, ["y"]);
     assert!(!text.contains("xxx"), "{text}");
     // Nothing is written into the lock file itself.
     assert_eq!(std::fs::read_to_string(lock.path()).unwrap(), "");

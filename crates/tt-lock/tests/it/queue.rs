@@ -127,7 +127,7 @@ impl Scene {
     fn arrive(&mut self, name: &str, mode: &str, gpus: &str, hold_ms: u64) -> u32 {
         let pid = self.start(name, mode, gpus, hold_ms);
         self.until(&format!("{name} (pid {pid}) queued"), |s| {
-            s.dir.queue().unwrap().iter().any(|w| w.pid == pid)
+            s.dir.queue().unwrap().iter().any(|w| w.who.pid == pid)
         });
         pid
     }
@@ -338,7 +338,7 @@ fn a_waiter_killed_in_the_middle_leaves_the_queue_by_itself() {
     assert_eq!(unsafe { libc::kill(b as i32, libc::SIGKILL) }, 0);
     scene.until("b gone from the queue", |s| {
         let q = s.dir.queue().unwrap();
-        q.len() == 2 && q.iter().all(|w| w.pid != b)
+        q.len() == 2 && q.iter().all(|w| w.who.pid != b)
     });
     let queue = scene.dir.queue().unwrap();
     assert_eq!(queue.iter().map(|w| w.position).collect::<Vec<_>>(), [1, 2]);
@@ -375,7 +375,7 @@ fn a_timeout_leaves_the_queue_at_its_deadline_and_the_next_is_served() {
             .queue()
             .unwrap()
             .iter()
-            .any(|w| w.pid == std::process::id())
+            .any(|w| w.who.pid == std::process::id())
     });
     scene.arrive("after", "block", "0", 10);
     let (waited, result) = timed.join().unwrap();
@@ -386,7 +386,7 @@ fn a_timeout_leaves_the_queue_at_its_deadline_and_the_next_is_served() {
     }
     let queue = scene.dir.queue().unwrap();
     assert!(
-        queue.iter().all(|w| w.pid != std::process::id()) && queue.len() == 1,
+        queue.iter().all(|w| w.who.pid != std::process::id()) && queue.len() == 1,
         "the timed request left the queue: {queue:?}"
     );
     // SAFETY: as above.
@@ -403,7 +403,7 @@ fn hold_in_child(scene: &mut Scene, i: u32) -> u32 {
             .list()
             .unwrap()
             .iter()
-            .any(|l| l.gpu == key(i) && l.holder.as_ref().is_some_and(|h| h.pid == pid))
+            .any(|l| l.gpu == key(i) && l.holder.as_ref().is_some_and(|h| h.who.pid == pid))
     });
     pid
 }
@@ -417,14 +417,14 @@ fn try_never_queues_and_the_queue_lists_who_waits_for_what() {
     let auto = scene.arrive("auto", "auto", "", 10);
     let queue = scene.dir.queue().unwrap();
     assert_eq!(queue.len(), 2);
-    assert_eq!((queue[0].position, queue[0].pid), (1, pid));
+    assert_eq!((queue[0].position, queue[0].who.pid), (1, pid));
     assert_eq!(
         queue[0].wants,
         Wants::Gpus {
             gpus: vec![key(0), key(1)]
         }
     );
-    assert_eq!(queue[1].pid, auto);
+    assert_eq!(queue[1].who.pid, auto);
     assert_eq!(
         queue[1].wants,
         Wants::Auto {
@@ -432,8 +432,8 @@ fn try_never_queues_and_the_queue_lists_who_waits_for_what() {
             among: vec![key(0), key(1)]
         }
     );
-    assert!(queue[0].since_unix <= queue[1].since_unix);
-    assert!(!queue[0].user.is_empty() && !queue[0].command.is_empty());
+    assert!(queue[0].who.since_unix <= queue[1].who.since_unix);
+    assert!(!queue[0].who.user.is_empty() && !queue[0].who.command.is_empty());
     for _ in 0..3 {
         match scene.dir.lock(&key(0), Wait::Try, Holder::current()) {
             Err(Error::WouldBlock {
@@ -441,7 +441,7 @@ fn try_never_queues_and_the_queue_lists_who_waits_for_what() {
                 holder: Some(h),
                 ..
             }) => {
-                assert_eq!(h.pid, zero);
+                assert_eq!(h.who.pid, zero);
             }
             other => panic!("expected WouldBlock naming the holder, got {other:?}"),
         }

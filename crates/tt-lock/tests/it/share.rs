@@ -140,7 +140,7 @@ impl Scene {
         let granted = format!("granted {name} ");
         self.until(&format!("{name} (pid {pid}) granted or queued"), |s| {
             s.lines().iter().any(|l| l.starts_with(&granted))
-                || s.dir.queue().unwrap().iter().any(|w| w.pid == pid)
+                || s.dir.queue().unwrap().iter().any(|w| w.who.pid == pid)
         });
     }
 
