@@ -24,8 +24,7 @@ const GIB: u64 = 1 << 30;
 const CAPACITY: Bytes = Bytes(80 * GIB);
 const NOBODY: u32 = 65_534;
 
-/// The umask is the process's, and a copy of this binary being written while another
-/// test forks would make its `exec` fail (ETXTBSY): the tests of this binary take turns.
+/// The umask is the process's: the tests of this binary take turns.
 static UMASK: Mutex<()> = Mutex::new(());
 
 /// The child side, run as `nobody`.
@@ -655,8 +654,7 @@ fn second_user_possible() -> bool {
 /// A lock directory two users share, in a 0755 parent (as /tmp is reachable).
 struct Shared {
     _tmp: tempfile::TempDir,
-    _bin: tempfile::TempDir,
-    program: PathBuf,
+    program: tt_testkit::users::RunnableCopy,
     path: PathBuf,
     dir: LockDir,
 }
@@ -667,15 +665,10 @@ impl Shared {
         std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let path = tmp.path().join("locks");
         let dir = LockDir::open(&path).unwrap();
-        // nobody may not reach target/: a copy of this test binary in a 0755 dir.
-        let bin = tempfile::tempdir().unwrap();
-        std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let program = bin.path().join("tt-lock-trust");
-        std::fs::copy(std::env::current_exe().unwrap(), &program).unwrap();
-        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // The test users and nobody may not reach target/: they run a copy.
+        let program = tt_testkit::users::RunnableCopy::new("tt-lock-trust");
         Shared {
             _tmp: tmp,
-            _bin: bin,
             program,
             path,
             dir,
@@ -689,7 +682,7 @@ impl Shared {
 
     /// `role` as `user` under `umask`, its output piped.
     fn as_user(&self, user: TestUser, role: &str, umask: u32) -> Child {
-        let mut cmd = Command::new(&self.program);
+        let mut cmd = Command::new(self.program.path());
         cmd.args(tt_testkit::rerun_args("child"))
             .env(ROLE, role)
             .env(DIR, &self.path)
@@ -705,7 +698,7 @@ impl Shared {
                 Ok(())
             });
         }
-        cmd.spawn().unwrap()
+        tt_testkit::users::retry_while_busy(|| cmd.spawn()).unwrap()
     }
 }
 

@@ -464,17 +464,11 @@ fn a_new_directory_is_sticky_and_writable_by_all_and_files_are_0644_whatever_the
 fn open_as_unprivileged(dir: &Path) -> String {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    let exe = std::env::current_exe().unwrap();
-    let (bin_dir, program) = if root {
-        // The unprivileged user may not reach target/: run a copy from a 0755 dir.
-        let bin_dir = tempfile::tempdir().unwrap();
-        std::fs::set_permissions(bin_dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let copy = bin_dir.path().join("tt-lock-test");
-        std::fs::copy(&exe, &copy).unwrap();
-        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
-        (Some(bin_dir), copy)
-    } else {
-        (None, exe)
+    // The unprivileged user may not reach target/: it runs a copy.
+    let copy = root.then(|| tt_testkit::users::RunnableCopy::new("tt-lock-test"));
+    let program = match &copy {
+        Some(copy) => copy.path().to_path_buf(),
+        None => std::env::current_exe().unwrap(),
     };
     let mut cmd = Command::new(&program);
     cmd.args(tt_testkit::rerun_args("child"))
@@ -485,19 +479,8 @@ fn open_as_unprivileged(dir: &Path) -> String {
         use std::os::unix::process::CommandExt;
         cmd.uid(65534).gid(65534);
     }
-    // The copy was just written: a child another test forked meanwhile may still hold
-    // it open until its own exec (ETXTBSY), briefly.
-    let mut tries = 0;
-    let out = loop {
-        match cmd.output() {
-            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) && tries < 500 => {
-                tries += 1;
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            out => break out.unwrap(),
-        }
-    };
-    drop(bin_dir);
+    let out = tt_testkit::users::retry_while_busy(|| cmd.output()).unwrap();
+    drop(copy);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
