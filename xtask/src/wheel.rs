@@ -272,7 +272,14 @@ fn pytest(venv: &Path) -> Result<()> {
     let report = venv.join("pytest-report.xml");
     let _ = std::fs::remove_file(&report);
     let mut pytest = Command::new(venv.join("bin/python"))
-        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .args([
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--durations=12",
+        ])
         .arg(format!("--junitxml={}", report.display()))
         .arg(crate::root().join("crates/torchtools-py/tests"))
         // What users' machines do: Python's output is buffered unless they say not.

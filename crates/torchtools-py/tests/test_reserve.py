@@ -184,7 +184,10 @@ from torchtools.checkpoint import load_state_dict, save_state_dict
 from torchtools.cycling_utils import InterruptableDistributedSampler
 
 ckpt, out = sys.argv[1], sys.argv[2]
-slow = float(os.environ.get("TT_SLOW", "0"))
+# Steps a run trains before it waits for its time limit's SIGTERM (0: no wait): each
+# run then moves the job on by as many steps, whatever the machine's speed.
+per_run = int(os.environ.get("TT_STEPS_PER_RUN", "0"))
+done_here = 0
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 torch.manual_seed(0)
@@ -209,23 +212,30 @@ def save():
         state[f"momentum.{i}"] = opt.state[p]["momentum_buffer"]
     save_state_dict(state, ckpt, values={"sampler": sampler.state_dict()})
 
+def cut():
+    save()
+    print("checkpointed on SIGTERM", flush=True)
+    sys.exit(75)
+
 while sampler.epoch < 3:
     batch = []
     for i in sampler:
         batch.append(i)
         if len(batch) < 4:
             continue
+        while per_run and done_here >= per_run and not stop:
+            time.sleep(0.05)
+        if stop:
+            cut()  # the batch drawn is not counted: the next run draws it again
         x, y = data[batch], target[batch]
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         sampler.advance(len(batch))
         batch = []
-        time.sleep(slow)
+        done_here += 1
         if stop:
-            save()
-            print("checkpointed on SIGTERM", flush=True)
-            sys.exit(75)
+            cut()
     sampler.reset_progress()  # the epoch is done (cycling_utils' API)
     sampler.set_epoch(sampler.epoch + 1)
 # Trained: a SIGTERM from here on (the time limit while Python shuts down) has nothing
@@ -245,9 +255,9 @@ def test_a_requeued_job_cut_by_its_time_limit_resumes_bit_for_bit(lock_dir, comm
         check=True,
         env=clean_env,
     )
-    # Detached, cut by --time every 6 s (30 steps of 0.5 s: at least 15 s of training),
-    # requeued after each cut.
-    env = dict(clean_env, TT_SLOW="0.5", XDG_STATE_HOME=str(tmp_path / "state"))
+    # Detached, cut by --time every 6 s and requeued after each cut; each run trains
+    # at most 10 of the 30 steps and then waits for the cut, so there are at least 3 runs.
+    env = dict(clean_env, TT_STEPS_PER_RUN="10", XDG_STATE_HOME=str(tmp_path / "state"))
     job = subprocess.run(
         [command, "reserve", "--detach", "--requeue", "--time", "6s", "--grace", "60s",
          "--gpu", "0", "--no-fence", "--",
