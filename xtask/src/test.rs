@@ -425,9 +425,71 @@ fn no_libtorch_in_cores() -> StepResult {
     }
 }
 
+/// The external crates the matrix's steps build with different features on the target
+/// side (what the tests link; `cargo tree` without build scripts and proc-macros):
+/// crate and version, and each feature list seen. Each list is a build of that crate
+/// and of every crate above it, torch-sys's C++ and tch included; the
+/// `tt-workspace-hack` crate gives every step the union.
+#[cfg(test)]
+fn external_feature_variants(
+) -> Result<std::collections::BTreeMap<String, std::collections::BTreeSet<String>>> {
+    use anyhow::Context;
+    let mut seen: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+        Default::default();
+    for (_, args) in test_plan() {
+        let mut tree = vec![
+            "tree",
+            "-q",
+            "-e",
+            "normal,dev,no-proc-macro",
+            "--prefix",
+            "none",
+        ];
+        tree.extend(["--format", "{p} [{f}]"]);
+        // What `cargo test` selects beyond packages and features is not the graph's.
+        tree.extend(args.iter().skip(1).filter(|a| !NO_DOCTESTS.contains(a)));
+        let out = cargo(&tree).output().context("running cargo tree")?;
+        if !out.status.success() {
+            bail!(
+                "cargo {}: {}",
+                tree.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let Some((package, features)) = line.split_once(" [") else {
+                continue;
+            };
+            // The workspace's own crates (named with their path) vary by design.
+            if package.contains(" (") {
+                continue;
+            }
+            let features = features.trim_end_matches(" (*)").trim_end_matches(']');
+            seen.entry(package.to_owned())
+                .or_default()
+                .insert(features.to_owned());
+        }
+    }
+    seen.retain(|_, lists| lists.len() > 1);
+    Ok(seen)
+}
+
 #[cfg(test)]
 mod tests {
     use super::is_unpacked;
+
+    /// Seen failing with libc's `extra_traits` taken out of the hack crate: libc with
+    /// `default,std` in some steps and `default,extra_traits,std` in others.
+    #[test]
+    fn every_step_builds_the_external_crates_with_the_same_features() {
+        let varying = super::external_feature_variants().unwrap();
+        assert!(
+            varying.is_empty(),
+            "the matrix's steps build these crates with different features, so each and \
+             everything above it is built once per list: add the union to \
+             crates/tt-workspace-hack/Cargo.toml: {varying:#?}"
+        );
+    }
 
     #[test]
     fn only_the_crates_own_unpacked_packages_are_recognised() {

@@ -387,17 +387,8 @@ impl LockDir {
             match &ticket {
                 Some(t) if t.is_in_place() => {}
                 lost => {
-                    if let (None, Some(limit)) = (lost, policy.policy.limits.queued) {
-                        if queued >= limit {
-                            return Err(Error::Policy {
-                                path: policy.path,
-                                reason: format!(
-                                    "{} has {queued} request(s) waiting, and may have at most \
-                                     {limit} at once: wait for one to be served, or stop one",
-                                    holder.who.user
-                                ),
-                            });
-                        }
+                    if lost.is_none() {
+                        queue_room(&policy, &holder.who.user, queued)?;
                     }
                     if lost.is_some() {
                         tracing::warn!(
@@ -674,6 +665,21 @@ struct Slot {
     registered: Option<Registered>,
     /// The ledger record of a shared request admitted by the current attempt.
     share: Option<OwnRecord>,
+}
+
+/// Refuses a new request of `user`, who has `queued` requests waiting, when the
+/// policy's per-user limit on waiting requests is reached.
+fn queue_room(policy: &crate::PolicyInForce, user: &str, queued: usize) -> Result<()> {
+    match policy.policy.limits.queued {
+        Some(limit) if queued >= limit => Err(Error::Policy {
+            path: policy.path.clone(),
+            reason: format!(
+                "{user} has {queued} request(s) waiting, and may have at most {limit} at \
+                 once: wait for one to be served, or stop one"
+            ),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// How much longer a request that found `busy` may wait, having waited `waited`: none

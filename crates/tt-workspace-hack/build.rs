@@ -1,0 +1,3 @@
+//! Nothing to build: the crate exists for its [build-dependencies]' features (see
+//! Cargo.toml).
+fn main() {}
