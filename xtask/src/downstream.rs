@@ -5,7 +5,8 @@
 //! run from another directory without `LD_LIBRARY_PATH`.
 //!
 //! It shares the workspace's build cache: the workspace's `[profile]` sections are
-//! appended to its manifest, and when the printed libtorch is the directory the
+//! appended to its manifest and `tt-workspace-hack` added to its dependencies (the
+//! external crates' features of the workspace's test builds), and when the printed libtorch is the directory the
 //! workspace's `.torchtools/libtorch` link points to (checked), the block names it by
 //! the workspace's `LIBTORCH` string. torch-sys's build script reruns whenever that
 //! string changes, and everything above it with it: named by the other spelling of the
@@ -64,6 +65,7 @@ pub(crate) fn build_and_run() -> Result<()> {
     let blocks = blocks(&readme, "## Using it from your project")?;
     let repo = root.display().to_string();
     let manifest = block(&blocks, "toml", "# Cargo.toml")?.replace("/path/to/torchtools", &repo);
+    let manifest = with_the_workspaces_features(&manifest, &repo)?;
     let build_rs = block(&blocks, "rust", "// build.rs")?;
     let main_rs = block(&blocks, "rust", "// src/main.rs")?;
     // Outside the repository, so that its .cargo/config.toml is not found by walking up.
@@ -72,6 +74,22 @@ pub(crate) fn build_and_run() -> Result<()> {
     let result = write_build_run(&root, &dir, &manifest, build_rs, main_rs);
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+/// The README's manifest with the workspace's one set of external features added
+/// (`tt-workspace-hack`, which every test build of the workspace depends on): without
+/// it the project's external crates, and tch and torch-sys above them, are built again
+/// with the subset of features its own graph enables.
+fn with_the_workspaces_features(manifest: &str, repo: &str) -> Result<String> {
+    let table = "[dependencies]\n";
+    if !manifest.contains(table) {
+        bail!("README's \"Using it from your project\" manifest has no {table:?} table");
+    }
+    Ok(manifest.replacen(
+        table,
+        &format!("{table}tt-workspace-hack = {{ path = \"{repo}/crates/tt-workspace-hack\" }}\n"),
+        1,
+    ))
 }
 
 /// The `[profile...]` sections of a manifest, comments included: the downstream
