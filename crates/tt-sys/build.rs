@@ -10,6 +10,10 @@ mod helper;
 #[path = "src/nccl_header.rs"]
 mod nccl_header;
 
+#[cfg(feature = "tch")]
+#[path = "src/cxx_cache.rs"]
+mod cxx_cache;
+
 fn main() {
     // Without `tch` this is a libtorch-free build: only `tt_sys::build` is compiled.
     #[cfg(feature = "tch")]
@@ -49,9 +53,9 @@ mod shim {
         let abi = std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
         println!("cargo:rerun-if-changed=csrc/shim.cpp");
         println!("cargo:rerun-if-changed=csrc/shim.h");
-        cxx(&include_root, &abi)
-            .file("csrc/shim.cpp")
-            .compile("torchtools_shim");
+        let mut shim = cxx(&include_root, &abi);
+        shim.file("csrc/shim.cpp");
+        compile(&shim, "torchtools_shim", &libtorch_config(&include_root));
         #[cfg(feature = "c10d")]
         c10d(&include_root, &abi, &lib);
         // The shim's own references to libtorch, after the static lib in link order (torch-sys
@@ -80,10 +84,75 @@ mod shim {
             .include(include_root.join("torch/csrc/api/include"))
             .define("_GLIBCXX_USE_CXX11_ABI", abi)
             .define("GLOG_USE_GLOG_EXPORT", None);
-        if std::env::var("DEBUG").is_ok_and(|d| d != "false" && d != "0" && d != "none") {
+        if std::env::var("DEBUG").is_ok_and(|d| !matches!(d.as_str(), "" | "false" | "0" | "none"))
+        {
             build.debug(false).flag("-g1");
         }
         build
+    }
+
+    /// libtorch's headers that say which libtorch they are (its version and build
+    /// options): part of the cache key, with the paths in the compiler's `-I` flags.
+    fn libtorch_config(include_root: &std::path::Path) -> Vec<PathBuf> {
+        [
+            "torch/csrc/api/include/torch/version.h",
+            "ATen/Config.h",
+            "c10/macros/cmake_macros.h",
+        ]
+        .iter()
+        .map(|h| include_root.join(h))
+        .collect()
+    }
+
+    /// Compiles `build` into `lib{name}.a` and links it, or links the archive an earlier
+    /// run compiled from the same inputs (see `src/cxx_cache.rs`): the compiler with
+    /// every flag and its version, the archiver, the target, every file in `csrc/`, and
+    /// `headers` (the contents of those outside it that name their library's version).
+    fn compile(build: &cc::Build, name: &str, headers: &[PathBuf]) {
+        let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
+        let Some(root) = crate::cxx_cache::cache_root(&out) else {
+            build.compile(name);
+            return;
+        };
+        let key = cache_key(build, headers);
+        let made = crate::cxx_cache::archive(&root, name, key, |dir| {
+            build
+                .clone()
+                .out_dir(dir)
+                .cargo_metadata(false)
+                .try_compile(name)
+                .map_err(|e| std::io::Error::other(format!("{e:?}")))
+        });
+        match made {
+            Ok((lib, _)) => cc::emit_link_directives(build, lib),
+            Err(e) => panic!("tt-sys: compiling {name}: {e}"),
+        }
+    }
+
+    fn cache_key(build: &cc::Build, headers: &[PathBuf]) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        // Reading them also tells cargo to run this script again when CXX, CXXFLAGS,
+        // AR, ... change, as `compile` does.
+        let compiler = build.get_compiler();
+        compiler.path().hash(&mut h);
+        compiler.args().hash(&mut h);
+        let version = compiler.to_command().arg("--version").output();
+        version.map(|o| o.stdout).unwrap_or_default().hash(&mut h);
+        let archiver = build.get_archiver();
+        archiver.get_program().hash(&mut h);
+        archiver.get_args().for_each(|a| a.hash(&mut h));
+        std::env::var("TARGET").unwrap_or_default().hash(&mut h);
+        let mut files: Vec<PathBuf> = std::fs::read_dir("csrc")
+            .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+            .unwrap_or_default();
+        files.sort();
+        files.extend(headers.iter().cloned());
+        for file in files {
+            file.hash(&mut h);
+            std::fs::read(&file).unwrap_or_default().hash(&mut h);
+        }
+        h.finish()
     }
 
     /// libtorch's distributed engine: Gloo always, NCCL with the `nccl` feature.
@@ -113,8 +182,10 @@ mod shim {
             .define("USE_C10D_GLOO", None)
             .file("csrc/c10d.cpp")
             .file("csrc/reducer.cpp");
-        nccl(&mut build, lib);
-        build.compile("torchtools_c10d");
+        let mut inputs = libtorch_config(include_root);
+        inputs.push(gloo.join("gloo/config.h"));
+        inputs.extend(nccl(&mut build, lib));
+        compile(&build, "torchtools_c10d", &inputs);
     }
 
     /// ProcessGroupNCCL when CUDA's and NCCL's headers are there: `CUDA_INCLUDE` /
@@ -122,7 +193,8 @@ mod shim {
     /// with `crt/` from cuda-toolkit[nvcc], `nvidia/nccl/include`). Without them it is
     /// left out (`tt_sys::c10d::nccl_built()` says so), unless feature `nccl` demands it.
     #[cfg(feature = "c10d")]
-    fn nccl(build: &mut cc::Build, lib: &std::path::Path) {
+    /// Returns the headers that name the CUDA and NCCL versions it built with.
+    fn nccl(build: &mut cc::Build, lib: &std::path::Path) -> Vec<PathBuf> {
         println!("cargo:rerun-if-env-changed=CUDA_INCLUDE");
         println!("cargo:rerun-if-env-changed=NCCL_INCLUDE");
         let required = cfg!(feature = "nccl");
@@ -174,24 +246,25 @@ mod shim {
                 panic!("tt-sys (feature nccl): {why}");
             }
             println!("cargo:warning=tt-sys: NCCL left out: {why}");
-            return;
+            return Vec::new();
         }
         match found {
             Ok((cuda, nccl)) => {
                 build
-                    .include(cuda)
-                    .include(nccl)
+                    .include(&cuda)
+                    .include(&nccl)
                     .define("USE_C10D_NCCL", None)
                     .define("USE_CUDA", None);
                 // ProcessGroupNCCL lives in libtorch_cuda.
                 println!("cargo:rustc-link-lib=torch_cuda");
+                vec![cuda.join("cuda.h"), nccl.join("nccl.h")]
             }
             Err(why) if required => panic!(
                 "tt-sys (feature nccl): {why}: install CUDA's headers into the torch venv \
                  (`pip install \"cuda-toolkit[cccl,nvcc]==13.0.2\"`, which `cargo xtask setup` does; \
                  NCCL's come with torch's nvidia-nccl wheel)"
             ),
-            Err(_) => {}
+            Err(_) => Vec::new(),
         }
     }
 }

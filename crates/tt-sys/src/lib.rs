@@ -5,6 +5,8 @@
 
 pub mod build;
 #[cfg(test)]
+mod cxx_cache;
+#[cfg(test)]
 mod nccl_header;
 
 #[cfg(feature = "tch")]
