@@ -19,6 +19,10 @@
 //! stopped; a preempted run exits with status 75 (`torchtools::train::EXIT_PREEMPTED`),
 //! which `torchtools launch` passes on without restarting. `TORCHTOOLS_TRAIN_EPOCHS`
 //! (default 3) sets the epochs; `TORCHTOOLS_LOG=debug` shows more of what happens.
+//! `TORCHTOOLS_TRAIN_STEPS_PER_RUN=N` trains at most N steps in one run and then waits
+//! for SIGTERM, to watch a time limit (`torchtools reserve --time 10s --requeue`) or
+//! `torchtools stop` cut the job and the next run resume it, whatever the machine's
+//! speed; the result is the uninterrupted run's, bit for bit.
 
 use std::error::Error;
 use std::path::PathBuf;
@@ -29,6 +33,8 @@ use torchtools::tch::{nn, nn::Module, Kind, Reduction, TchError, Tensor};
 use torchtools::train::{Eval, FitOutcome, Precision, StepContext, Steps, TrainConfig, Trainer};
 
 const SAMPLES: u64 = 2048;
+/// Micro-batches per step.
+const ACCUMULATE: u64 = 2;
 /// Held-out samples, after the training ones.
 const HELD_OUT: std::ops::Range<u64> = SAMPLES..SAMPLES + 256;
 
@@ -55,6 +61,17 @@ fn epochs() -> Result<u64, String> {
     n.ok_or_else(|| format!("TORCHTOOLS_TRAIN_EPOCHS={v:?} is not a positive integer (e.g. 3)"))
 }
 
+/// `TORCHTOOLS_TRAIN_STEPS_PER_RUN`: the steps one run trains before it waits to be stopped.
+fn steps_per_run() -> Result<Option<u64>, String> {
+    let Ok(v) = std::env::var("TORCHTOOLS_TRAIN_STEPS_PER_RUN") else {
+        return Ok(None);
+    };
+    let n = v.trim().parse::<u64>().ok().filter(|&n| n > 0);
+    n.map(Some).ok_or_else(|| {
+        format!("TORCHTOOLS_TRAIN_STEPS_PER_RUN={v:?} is not a positive integer (e.g. 20)")
+    })
+}
+
 /// Sample i: a point t in [0, 1) spread by the golden ratio (so held-out indices are
 /// drawn like the others), 16 features of t and a target (a stand-in for a dataset).
 fn batch(ctx: &StepContext<'_>) -> Result<(Tensor, Tensor), TchError> {
@@ -72,9 +89,10 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
     // full, bf16 or fp16
     let precision =
         std::env::var("TORCHTOOLS_TRAIN_PRECISION").unwrap_or_else(|_| "full".to_owned());
+    let per_run = steps_per_run()?;
     let mut config = TrainConfig::new(SAMPLES, 32, epochs()?)
         .seed(1)
-        .accumulate(2)
+        .accumulate(ACCUMULATE as usize)
         .clip_grad_norm(1.0)
         .precision(precision.parse::<Precision>()?)
         .log_every(20);
@@ -121,7 +139,21 @@ fn run() -> Result<ExitCode, Box<dyn Error>> {
     // Batches from `batch` on a loader thread; the same loss held out, without
     // gradients, every 20 steps, 64 samples a batch.
     let eval = Eval::lower_is_better(20, HELD_OUT, 64, |ctx| loss(batch(ctx)?));
-    let work = Steps::prefetched(batch, |_, xy| loss(xy)).eval(eval);
+    // With TORCHTOOLS_TRAIN_STEPS_PER_RUN, the first micro-batch after that many steps
+    // waits for SIGTERM (the flag the trainer's own handler sets), then goes on: the
+    // trainer finishes the step, checkpoints and exits preempted.
+    let stop = torchtools::train::install_signal_handlers()?;
+    let mut micro_batches = 0u64;
+    let work = Steps::prefetched(batch, move |_, xy| {
+        micro_batches += 1;
+        if per_run.is_some_and(|n| micro_batches > n * ACCUMULATE) {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        }
+        loss(xy)
+    })
+    .eval(eval);
     let report = trainer.fit(&mut vs, &mut opt, work)?;
     if main {
         let kind = forward_kind.get().map_or("-".into(), |k| format!("{k:?}"));
