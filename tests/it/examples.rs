@@ -383,7 +383,10 @@ fn final_parameters(ckpt: &Path, steps: u64) -> [Vec<u8>; 4] {
 }
 
 /// The `torchtools` command of this workspace (built here if a test run has not built
-/// it yet: cargo does not hold its build lock while tests run).
+/// it yet: cargo does not hold its build lock while tests run). With `--tests`, its
+/// dependencies have the features of the CLI's own test build, so the command that
+/// build made is used as it is: without, cargo built the CLI and half its dependencies
+/// again inside this test (a minute and a half on 2 cores).
 fn torchtools_command() -> std::path::PathBuf {
     let status = Command::new(env!("CARGO"))
         .args([
@@ -393,6 +396,7 @@ fn torchtools_command() -> std::path::PathBuf {
             "torchtools-cli",
             "--bin",
             "torchtools",
+            "--tests",
         ])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status()
@@ -406,7 +410,9 @@ fn torchtools_command() -> std::path::PathBuf {
 }
 
 /// `torchtools stop` of a detached two-rank training job: the trainer checkpoints and
-/// the job ends preempted (75); the same command run again resumes and finishes.
+/// the job ends preempted (75); the same command run again resumes and finishes. The
+/// detached run trains 20 steps and then waits for the stop (the example's
+/// `TORCHTOOLS_TRAIN_STEPS_PER_RUN`), so the stop always finds it training.
 #[test]
 fn a_stopped_detached_training_job_checkpoints_and_resumes() {
     let example = train_example();
@@ -418,14 +424,16 @@ fn a_stopped_detached_training_job_checkpoints_and_resumes() {
         c.args(args)
             .env("TORCHTOOLS_LOCK_DIR", tmp.path().join("locks"))
             .env("XDG_STATE_HOME", tmp.path().join("state"))
-            .env("TORCHTOOLS_TRAIN_EPOCHS", "50")
+            .env("TORCHTOOLS_TRAIN_EPOCHS", "3")
             .env("TORCHTOOLS_TRAIN_CKPT", &ckpt)
             .env("TORCHTOOLS_DEVICE", "cpu")
-            .env_remove("TORCHTOOLS_HELD_LOCKS");
+            .env_remove("TORCHTOOLS_HELD_LOCKS")
+            .env_remove("TORCHTOOLS_TRAIN_STEPS_PER_RUN");
         c
     };
     let train = example.to_str().unwrap();
     let out = tt(&["launch", "--detach", "--nproc-per-node", "2", "--", train])
+        .env("TORCHTOOLS_TRAIN_STEPS_PER_RUN", "20")
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
@@ -453,8 +461,10 @@ fn a_stopped_detached_training_job_checkpoints_and_resumes() {
         .unwrap();
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
+    // Stopped after step 20's checkpoint: at the end of step 20, or of step 21 where it waited.
     assert!(
-        said.contains("finished: 1600 steps (resumed from step"),
+        said.contains("finished: 96 steps (resumed from step 20)")
+            || said.contains("finished: 96 steps (resumed from step 21)"),
         "{said}"
     );
 }
@@ -462,7 +472,9 @@ fn a_stopped_detached_training_job_checkpoints_and_resumes() {
 /// The `train` example as a detached job with a time limit that requeues it
 /// (`reserve --detach --requeue --time 3s`): cut again and again by SIGTERM (it
 /// checkpoints and exits 75), run again from its checkpoint each time, it ends with the
-/// parameters of an uninterrupted run, bit for bit.
+/// parameters of an uninterrupted run, bit for bit. Each run trains at most 64 of the
+/// 192 steps and then waits for its cut (`TORCHTOOLS_TRAIN_STEPS_PER_RUN`), so there
+/// are at least 3 runs whatever the machine's speed.
 #[test]
 fn a_requeued_training_job_cut_by_its_time_limit_ends_as_an_uninterrupted_run() {
     let example = train_example();
@@ -472,14 +484,15 @@ fn a_requeued_training_job_cut_by_its_time_limit_ends_as_an_uninterrupted_run() 
         let mut c = Command::new(&torchtools);
         c.env("TORCHTOOLS_LOCK_DIR", tmp.path().join("locks"))
             .env("XDG_STATE_HOME", tmp.path().join("state"))
-            .env("TORCHTOOLS_TRAIN_EPOCHS", "200")
+            .env("TORCHTOOLS_TRAIN_EPOCHS", "3")
             .env("TORCHTOOLS_TRAIN_CKPT", ckpt)
             .env("TORCHTOOLS_DEVICE", "cpu")
             .env_remove("TORCHTOOLS_HELD_LOCKS")
-            .env_remove("TORCHTOOLS_JOB_ID");
+            .env_remove("TORCHTOOLS_JOB_ID")
+            .env_remove("TORCHTOOLS_TRAIN_STEPS_PER_RUN");
         c
     };
-    let parameters = |ckpt: &Path| final_parameters(ckpt, 12_800); // 200 epochs of 64 steps
+    let parameters = |ckpt: &Path| final_parameters(ckpt, 192); // 3 epochs of 64 steps
     let whole = tmp.path().join("whole");
     let out = run(&whole)
         .args(["reserve", "--gpu", "0", "--no-fence", "--"])
@@ -500,6 +513,7 @@ fn a_requeued_training_job_cut_by_its_time_limit_ends_as_an_uninterrupted_run() 
         ])
         .args(["--no-fence", "--"])
         .arg(&example)
+        .env("TORCHTOOLS_TRAIN_STEPS_PER_RUN", "64")
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
