@@ -210,18 +210,16 @@ fn test_steps(results: &mut Vec<StepResult>, minimums: Option<&Minimums>) {
     }
 }
 
-/// Clippy (the workspace with the GPU test targets, then each crate without its
-/// features), the GPU tests linked, the docs with warnings denied.
-fn lint_steps(results: &mut Vec<StepResult>) {
-    let mut step = |name: String, args: &[&str]| {
-        results.push(run_counted(&name, cargo(args)));
-    };
+/// The clippy commands: the workspace with the GPU test targets, then each crate
+/// without its features (clippy's own arguments after `--`).
+fn clippy_plan() -> Vec<(String, Vec<String>)> {
+    let owned = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
     // One workspace-wide lint, GPU test targets included: every configuration of
     // features costs a rebuild of torch-sys's C++ (about 2.5 minutes on 2 cores).
     let gpu_features = GPU_CRATES.map(|(k, _)| format!("{k}/gpu-tests")).join(",");
-    step(
+    let mut plan = vec![(
         "clippy --workspace --all-targets (+ GPU tests) -D warnings".into(),
-        &[
+        owned(&[
             "clippy",
             "--workspace",
             "--all-targets",
@@ -230,12 +228,12 @@ fn lint_steps(results: &mut Vec<StepResult>) {
             "--",
             "-D",
             "warnings",
-        ],
-    );
+        ]),
+    )];
     for krate in CRATES {
-        step(
+        plan.push((
             format!("clippy -p {krate} --no-default-features"),
-            &[
+            owned(&[
                 "clippy",
                 "-p",
                 krate,
@@ -244,28 +242,41 @@ fn lint_steps(results: &mut Vec<StepResult>) {
                 "--",
                 "-D",
                 "warnings",
-            ],
-        );
+            ]),
+        ));
+    }
+    plan
+}
+
+/// The docs of every crate, with tt-dist's c10d (`RUSTDOCFLAGS=-D warnings`).
+const DOC_ARGS: [&str; 5] = [
+    "doc",
+    "--workspace",
+    "--no-deps",
+    "--features",
+    "tt-dist/c10d",
+];
+
+/// Clippy ([`clippy_plan`]), the GPU tests linked, the docs with warnings denied.
+fn lint_steps(results: &mut Vec<StepResult>) {
+    for (name, args) in clippy_plan() {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        results.push(run_counted(&name, cargo(&args)));
     }
     for (krate, _) in GPU_CRATES {
-        step(
-            format!("build GPU tests of {krate} (link only)"),
-            &gpu_test_args(krate, &["--no-run"]),
-        );
+        results.push(run_counted(
+            &format!("build GPU tests of {krate} (link only)"),
+            cargo(&gpu_test_args(krate, &["--no-run"])),
+        ));
     }
-    let doc = {
-        let mut cmd = cargo(&[
-            "doc",
-            "--workspace",
-            "--no-deps",
-            "--features",
-            "tt-dist/c10d",
-        ]);
-        cmd.env("RUSTDOCFLAGS", "-D warnings");
-        run_counted("doc --workspace (warnings denied)", cmd)
-    };
-    results.push(doc);
+    let mut doc = cargo(&DOC_ARGS);
+    doc.env("RUSTDOCFLAGS", "-D warnings");
+    results.push(run_counted("doc --workspace (warnings denied)", doc));
 }
+
+/// The CLI's programs built with its tests' features (what the invariant inspects, and
+/// what the facade's tests run).
+const CLI_WITH_TEST_FEATURES: [&str; 5] = ["build", "-p", "torchtools-cli", "--bins", "--tests"];
 
 /// crates.io readiness, the fuzz target's lockfile, and the cores built without libtorch.
 fn package_steps(results: &mut Vec<StepResult>) {
@@ -283,6 +294,8 @@ fn package_steps(results: &mut Vec<StepResult>) {
             "xtask",
             "--exclude",
             "tt-testkit",
+            "--exclude",
+            "tt-workspace-hack",
             // The Python extension ships in the wheel, never on crates.io.
             "--exclude",
             "torchtools-py",
@@ -387,8 +400,10 @@ fn no_libtorch_in_cores() -> StepResult {
             _ => ok = false,
         }
     }
-    // And the CLI, built as users build it, does not even link libtorch.
-    let built = cargo(&["build", "-p", "torchtools-cli"])
+    // And the CLI does not even link libtorch. Built with its tests' features (a
+    // superset of what users build, so no libtorch here means none there), it is the
+    // command the CLI's test step already built.
+    let built = cargo(&CLI_WITH_TEST_FEATURES)
         .status()
         .is_ok_and(|s| s.success());
     let exe = crate::root().join("target/debug/torchtools");
@@ -425,69 +440,172 @@ fn no_libtorch_in_cores() -> StepResult {
     }
 }
 
-/// The external crates the matrix's steps build with different features on the target
-/// side (what the tests link; `cargo tree` without build scripts and proc-macros):
-/// crate and version, and each feature list seen. Each list is a build of that crate
-/// and of every crate above it, torch-sys's C++ and tch included; the
-/// `tt-workspace-hack` crate gives every step the union.
+/// Every cargo command of `cargo xtask test` that builds into the workspace's
+/// `target/debug`: the test steps, clippy, the GPU tests' link, the docs, the CLI of
+/// the facade's tests and of the test wheel, and the wheel's extension (cargo's own
+/// arguments only).
 #[cfg(test)]
-fn external_feature_variants(
-) -> Result<std::collections::BTreeMap<String, std::collections::BTreeSet<String>>> {
+fn builds_sharing_target_debug() -> Vec<(String, Vec<String>)> {
+    let owned = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let mut all: Vec<(String, Vec<String>)> = test_plan()
+        .into_iter()
+        .map(|(name, args)| (name, owned(&args)))
+        .collect();
+    for (name, mut args) in clippy_plan() {
+        if let Some(end) = args.iter().position(|a| a == "--") {
+            args.truncate(end);
+        }
+        all.push((name, args));
+    }
+    for (krate, _) in GPU_CRATES {
+        all.push((
+            format!("build GPU tests of {krate}"),
+            owned(&gpu_test_args(krate, &["--no-run"])),
+        ));
+    }
+    all.push(("doc".into(), owned(&DOC_ARGS)));
+    all.push((
+        "the CLI for the facade's tests and the test wheel".into(),
+        owned(&CLI_WITH_TEST_FEATURES),
+    ));
+    // The test wheel's extension (maturin runs `cargo rustc` for it with these).
+    all.push((
+        "the wheel's extension".into(),
+        owned(&[
+            "build",
+            "-p",
+            "torchtools-py",
+            "--lib",
+            "--features",
+            "workspace-hack",
+        ]),
+    ));
+    all
+}
+
+/// The external crates that [`builds_sharing_target_debug`] build more than once: the
+/// same crate, target and mode with other features, or above another build of one of
+/// its dependencies (a build script's libc, ...), and so built again with everything
+/// above it (torch-sys's C++, tch). Read from cargo's unit graph (`--unit-graph`, an
+/// unstable flag: `RUSTC_BOOTSTRAP=1` for this check only; nothing is built). A crate
+/// may have two builds within one command (one for build scripts and proc-macros, one
+/// for the tests); more across the commands than within any one is reported, with
+/// each build's features and the first commands that use it. The `tt-workspace-hack`
+/// crate gives every command the same features, build side included.
+#[cfg(test)]
+fn external_feature_variants() -> Result<std::collections::BTreeMap<String, Vec<String>>> {
     use anyhow::Context;
-    let mut seen: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
-        Default::default();
-    for (_, args) in test_plan() {
-        let mut tree = vec![
-            "tree",
-            "-q",
-            "-e",
-            "normal,dev,no-proc-macro",
-            "--prefix",
-            "none",
-        ];
-        tree.extend(["--format", "{p} [{f}]"]);
-        // What `cargo test` selects beyond packages and features is not the graph's.
-        tree.extend(args.iter().skip(1).filter(|a| !NO_DOCTESTS.contains(a)));
-        let out = cargo(&tree).output().context("running cargo tree")?;
+    use std::collections::{BTreeMap, BTreeSet, HashMap};
+    use std::hash::{Hash, Hasher};
+    // crate, target and mode -> build -> (features, commands); and the most builds of
+    // it that one command has.
+    type Builds = BTreeMap<u64, (String, Vec<String>)>;
+    let mut seen: BTreeMap<String, Builds> = BTreeMap::new();
+    let mut most_in_one: HashMap<String, usize> = HashMap::new();
+    for (name, args) in builds_sharing_target_debug() {
+        let out = cargo(&args.iter().map(String::as_str).collect::<Vec<_>>())
+            .args(["--unit-graph", "-Z", "unstable-options"])
+            .env("RUSTC_BOOTSTRAP", "1")
+            .output()
+            .context("running cargo --unit-graph")?;
         if !out.status.success() {
             bail!(
-                "cargo {}: {}",
-                tree.join(" "),
+                "cargo {args:?} --unit-graph: {}",
                 String::from_utf8_lossy(&out.stderr)
             );
         }
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            let Some((package, features)) = line.split_once(" [") else {
-                continue;
-            };
-            // The workspace's own crates (named with their path) vary by design.
-            if package.contains(" (") {
+        let graph: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let units = graph["units"].as_array().context("no units")?;
+        // A build's identity: what it is, its features and profile (but the profile's
+        // name: cargo test and cargo build share them), and its dependencies' identities.
+        fn identity(units: &[serde_json::Value], i: usize, memo: &mut HashMap<usize, u64>) -> u64 {
+            if let Some(&id) = memo.get(&i) {
+                return id;
+            }
+            let unit = &units[i];
+            let mut profile = unit["profile"].clone();
+            if let Some(p) = profile.as_object_mut() {
+                p.remove("name");
+            }
+            let mut deps: Vec<u64> = unit["dependencies"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|d| d["index"].as_u64())
+                .map(|d| identity(units, d as usize, memo))
+                .collect();
+            deps.sort_unstable();
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            for key in ["pkg_id", "mode", "features", "platform"] {
+                unit[key].to_string().hash(&mut h);
+            }
+            unit["target"]["kind"].to_string().hash(&mut h);
+            unit["target"]["name"].to_string().hash(&mut h);
+            profile.to_string().hash(&mut h);
+            deps.hash(&mut h);
+            let id = h.finish();
+            memo.insert(i, id);
+            id
+        }
+        let mut memo = HashMap::new();
+        let mut here: HashMap<String, BTreeSet<u64>> = HashMap::new();
+        for (i, unit) in units.iter().enumerate() {
+            let pkg = unit["pkg_id"].as_str().unwrap_or_default();
+            let mode = unit["mode"].as_str().unwrap_or_default();
+            // Only what is built (clippy's checks are its own), of crates.io's crates.
+            if !pkg.starts_with("registry+") || !["build", "run-custom-build"].contains(&mode) {
                 continue;
             }
-            let features = features.trim_end_matches(" (*)").trim_end_matches(']');
-            seen.entry(package.to_owned())
-                .or_default()
-                .insert(features.to_owned());
+            let id = identity(units, i, &mut memo);
+            let what = format!(
+                "{} {} {mode}",
+                pkg.rsplit('#').next().unwrap_or(pkg),
+                unit["target"]["kind"]
+            );
+            here.entry(what.clone()).or_default().insert(id);
+            let build = seen.entry(what).or_default().entry(id).or_default();
+            build.0 = unit["features"].to_string();
+            if build.1.len() < 3 {
+                build.1.push(name.clone());
+            }
+        }
+        for (what, ids) in here {
+            let most = most_in_one.entry(what).or_default();
+            *most = (*most).max(ids.len());
         }
     }
-    seen.retain(|_, lists| lists.len() > 1);
-    Ok(seen)
+    Ok(seen
+        .into_iter()
+        .filter(|(what, builds)| builds.len() > most_in_one.get(what).copied().unwrap_or(0))
+        .map(|(what, builds)| {
+            let lists = builds
+                .into_values()
+                .map(|(features, commands)| format!("{features} in {}", commands.join(", ")))
+                .collect();
+            (what, lists)
+        })
+        .collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::is_unpacked;
 
-    /// Seen failing with libc's `extra_traits` taken out of the hack crate: libc with
-    /// `default,std` in some steps and `default,extra_traits,std` in others.
+    /// Seen failing with libc's `extra_traits` taken out of the hack crate's
+    /// dependencies (libc with `default,std` in some steps and
+    /// `default,extra_traits,std` in others), and with it taken out of its
+    /// build-dependencies (clippy's build scripts' libc: jobserver, cc and torch-sys's
+    /// build script built again).
     #[test]
     fn every_step_builds_the_external_crates_with_the_same_features() {
         let varying = super::external_feature_variants().unwrap();
         assert!(
             varying.is_empty(),
-            "the matrix's steps build these crates with different features, so each and \
-             everything above it is built once per list: add the union to \
-             crates/tt-workspace-hack/Cargo.toml: {varying:#?}"
+            "`cargo xtask test`'s commands build these crates more than once, and each \
+             time everything above them: add the union of their features to \
+             crates/tt-workspace-hack/Cargo.toml ([dependencies], or \
+             [build-dependencies] for builds that scripts and proc-macros use): \
+             {varying:#?}"
         );
     }
 

@@ -47,8 +47,16 @@ fn maturin() -> Result<PathBuf> {
 pub(crate) fn build(profile: &str, out: &Path) -> Result<PathBuf> {
     let maturin = maturin()?;
     let _ = std::fs::remove_dir_all(out);
+    // The test wheel (dev) is built with the test builds' features (the CLI's tests
+    // and tt-workspace-hack), so cargo builds only what they have not.
+    let test_wheel = profile == "dev";
     let status = Command::new(env!("CARGO"))
         .args(["build", "-q", "-p", "torchtools-cli", "--profile", profile])
+        .args(if test_wheel {
+            &["--bins", "--tests"][..]
+        } else {
+            &[]
+        })
         .current_dir(crate::root())
         .status()
         .context("starting cargo")?;
@@ -79,6 +87,11 @@ pub(crate) fn build(profile: &str, out: &Path) -> Result<PathBuf> {
             "-m",
         ])
         .arg(&manifest)
+        .args(if test_wheel {
+            &["--features", "workspace-hack"][..]
+        } else {
+            &[]
+        })
         .arg("-o")
         .arg(out)
         .current_dir(crate::root())
