@@ -123,8 +123,15 @@ mod shim {
                 .try_compile(name)
                 .map_err(|e| std::io::Error::other(format!("{e:?}")))
         });
-        match made {
-            Ok((lib, _)) => cc::emit_link_directives(build, lib),
+        // Linked from OUT_DIR, as `compile` does: a kept archive evicted later (see
+        // `cxx_cache::KEEP`) cannot break a build whose script is not run again.
+        let local = out.join(format!("lib{name}.a"));
+        let placed = made.and_then(|(lib, _)| {
+            let _ = std::fs::remove_file(&local);
+            std::fs::hard_link(&lib, &local).or_else(|_| std::fs::copy(&lib, &local).map(drop))
+        });
+        match placed {
+            Ok(()) => cc::emit_link_directives(build, &local),
             Err(e) => panic!("tt-sys: compiling {name}: {e}"),
         }
     }
@@ -192,8 +199,8 @@ mod shim {
     /// `NCCL_INCLUDE`, else the pip packages beside the wheel (`nvidia/cu13/include`
     /// with `crt/` from cuda-toolkit[nvcc], `nvidia/nccl/include`). Without them it is
     /// left out (`tt_sys::c10d::nccl_built()` says so), unless feature `nccl` demands it.
-    #[cfg(feature = "c10d")]
     /// Returns the headers that name the CUDA and NCCL versions it built with.
+    #[cfg(feature = "c10d")]
     fn nccl(build: &mut cc::Build, lib: &std::path::Path) -> Vec<PathBuf> {
         println!("cargo:rerun-if-env-changed=CUDA_INCLUDE");
         println!("cargo:rerun-if-env-changed=NCCL_INCLUDE");
