@@ -6,6 +6,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+/// Selects the CLI's tests beside its programs, so the programs are built with its
+/// tests' features (what the CLI's test step already built): for the invariant's CLI
+/// and the test wheel's (the facade's tests pass `--tests` too).
+pub(crate) const CLI_TEST_FEATURES: [&str; 2] = ["--bins", "--tests"];
+
 /// `cargo ARGS` in the workspace root.
 pub(crate) fn cargo(args: &[&str]) -> Command {
     let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));

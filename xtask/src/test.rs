@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 
 use crate::minimums::Minimums;
-use crate::steps::{cargo, run_counted, summarize, StepResult};
+use crate::steps::{cargo, run_counted, summarize, StepResult, CLI_TEST_FEATURES};
 
 /// The publishable crates, each tested on its own.
 pub(crate) const CRATES: [&str; 15] = [
@@ -213,7 +213,6 @@ fn test_steps(results: &mut Vec<StepResult>, minimums: Option<&Minimums>) {
 /// The clippy commands: the workspace with the GPU test targets, then each crate
 /// without its features (clippy's own arguments after `--`).
 fn clippy_plan() -> Vec<(String, Vec<String>)> {
-    let owned = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
     // One workspace-wide lint, GPU test targets included: every configuration of
     // features costs a rebuild of torch-sys's C++ (about 2.5 minutes on 2 cores).
     let gpu_features = GPU_CRATES.map(|(k, _)| format!("{k}/gpu-tests")).join(",");
@@ -274,9 +273,10 @@ fn lint_steps(results: &mut Vec<StepResult>) {
     results.push(run_counted("doc --workspace (warnings denied)", doc));
 }
 
-/// The CLI's programs built with its tests' features (what the invariant inspects, and
-/// what the facade's tests run).
-const CLI_WITH_TEST_FEATURES: [&str; 5] = ["build", "-p", "torchtools-cli", "--bins", "--tests"];
+/// Command-line arguments as owned strings.
+fn owned(args: &[&str]) -> Vec<String> {
+    args.iter().map(|a| a.to_string()).collect()
+}
 
 /// crates.io readiness, the fuzz target's lockfile, and the cores built without libtorch.
 fn package_steps(results: &mut Vec<StepResult>) {
@@ -403,7 +403,8 @@ fn no_libtorch_in_cores() -> StepResult {
     // And the CLI does not even link libtorch. Built with its tests' features (a
     // superset of what users build, so no libtorch here means none there), it is the
     // command the CLI's test step already built.
-    let built = cargo(&CLI_WITH_TEST_FEATURES)
+    let built = cargo(&["build", "-p", "torchtools-cli"])
+        .args(CLI_TEST_FEATURES)
         .status()
         .is_ok_and(|s| s.success());
     let exe = crate::root().join("target/debug/torchtools");
@@ -446,7 +447,6 @@ fn no_libtorch_in_cores() -> StepResult {
 /// arguments only).
 #[cfg(test)]
 fn builds_sharing_target_debug() -> Vec<(String, Vec<String>)> {
-    let owned = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
     let mut all: Vec<(String, Vec<String>)> = test_plan()
         .into_iter()
         .map(|(name, args)| (name, owned(&args)))
@@ -464,22 +464,16 @@ fn builds_sharing_target_debug() -> Vec<(String, Vec<String>)> {
         ));
     }
     all.push(("doc".into(), owned(&DOC_ARGS)));
+    let mut cli = owned(&["build", "-p", "torchtools-cli"]);
+    cli.extend(owned(&CLI_TEST_FEATURES));
     all.push((
         "the CLI for the facade's tests and the test wheel".into(),
-        owned(&CLI_WITH_TEST_FEATURES),
+        cli,
     ));
     // The test wheel's extension (maturin runs `cargo rustc` for it with these).
-    all.push((
-        "the wheel's extension".into(),
-        owned(&[
-            "build",
-            "-p",
-            "torchtools-py",
-            "--lib",
-            "--features",
-            "workspace-hack",
-        ]),
-    ));
+    let mut extension = owned(&["build", "-p", "torchtools-py", "--lib"]);
+    extension.extend(owned(&crate::wheel::EXTENSION_TEST_FEATURES));
+    all.push(("the wheel's extension".into(), extension));
     all
 }
 
@@ -496,7 +490,6 @@ fn builds_sharing_target_debug() -> Vec<(String, Vec<String>)> {
 fn external_feature_variants() -> Result<std::collections::BTreeMap<String, Vec<String>>> {
     use anyhow::Context;
     use std::collections::{BTreeMap, BTreeSet, HashMap};
-    use std::hash::{Hash, Hasher};
     // crate, target and mode -> build -> (features, commands); and the most builds of
     // it that one command has.
     type Builds = BTreeMap<u64, (String, Vec<String>)>;
@@ -516,37 +509,6 @@ fn external_feature_variants() -> Result<std::collections::BTreeMap<String, Vec<
         }
         let graph: serde_json::Value = serde_json::from_slice(&out.stdout)?;
         let units = graph["units"].as_array().context("no units")?;
-        // A build's identity: what it is, its features and profile (but the profile's
-        // name: cargo test and cargo build share them), and its dependencies' identities.
-        fn identity(units: &[serde_json::Value], i: usize, memo: &mut HashMap<usize, u64>) -> u64 {
-            if let Some(&id) = memo.get(&i) {
-                return id;
-            }
-            let unit = &units[i];
-            let mut profile = unit["profile"].clone();
-            if let Some(p) = profile.as_object_mut() {
-                p.remove("name");
-            }
-            let mut deps: Vec<u64> = unit["dependencies"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|d| d["index"].as_u64())
-                .map(|d| identity(units, d as usize, memo))
-                .collect();
-            deps.sort_unstable();
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            for key in ["pkg_id", "mode", "features", "platform"] {
-                unit[key].to_string().hash(&mut h);
-            }
-            unit["target"]["kind"].to_string().hash(&mut h);
-            unit["target"]["name"].to_string().hash(&mut h);
-            profile.to_string().hash(&mut h);
-            deps.hash(&mut h);
-            let id = h.finish();
-            memo.insert(i, id);
-            id
-        }
         let mut memo = HashMap::new();
         let mut here: HashMap<String, BTreeSet<u64>> = HashMap::new();
         for (i, unit) in units.iter().enumerate() {
@@ -556,7 +518,7 @@ fn external_feature_variants() -> Result<std::collections::BTreeMap<String, Vec<
             if !pkg.starts_with("registry+") || !["build", "run-custom-build"].contains(&mode) {
                 continue;
             }
-            let id = identity(units, i, &mut memo);
+            let id = unit_identity(units, i, &mut memo);
             let what = format!(
                 "{} {} {mode}",
                 pkg.rsplit('#').next().unwrap_or(pkg),
@@ -585,6 +547,45 @@ fn external_feature_variants() -> Result<std::collections::BTreeMap<String, Vec<
             (what, lists)
         })
         .collect())
+}
+
+/// A build's identity in cargo's unit graph: what it is, its features and profile (but
+/// the profile's name: cargo test and cargo build share them), and its dependencies'
+/// identities.
+#[cfg(test)]
+fn unit_identity(
+    units: &[serde_json::Value],
+    i: usize,
+    memo: &mut std::collections::HashMap<usize, u64>,
+) -> u64 {
+    use std::hash::{Hash, Hasher};
+    if let Some(&id) = memo.get(&i) {
+        return id;
+    }
+    let unit = &units[i];
+    let mut profile = unit["profile"].clone();
+    if let Some(p) = profile.as_object_mut() {
+        p.remove("name");
+    }
+    let mut deps: Vec<u64> = unit["dependencies"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| d["index"].as_u64())
+        .map(|d| unit_identity(units, d as usize, memo))
+        .collect();
+    deps.sort_unstable();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for key in ["pkg_id", "mode", "features", "platform"] {
+        unit[key].to_string().hash(&mut h);
+    }
+    unit["target"]["kind"].to_string().hash(&mut h);
+    unit["target"]["name"].to_string().hash(&mut h);
+    profile.to_string().hash(&mut h);
+    deps.hash(&mut h);
+    let id = h.finish();
+    memo.insert(i, id);
+    id
 }
 
 #[cfg(test)]

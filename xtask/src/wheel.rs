@@ -41,6 +41,10 @@ fn maturin() -> Result<PathBuf> {
     Ok(bin)
 }
 
+/// The test wheel's extension gets tt-workspace-hack's features (torchtools-py's
+/// `workspace-hack`), the features of the workspace's test builds.
+pub(crate) const EXTENSION_TEST_FEATURES: [&str; 2] = ["--features", "workspace-hack"];
+
 /// Builds the wheel with cargo's `profile` into `out`; returns its path: the command
 /// first (cargo), put where the extension's pyproject takes the wheel's scripts from
 /// (`target/wheel-data/scripts`), then the extension and the package (maturin).
@@ -53,7 +57,7 @@ pub(crate) fn build(profile: &str, out: &Path) -> Result<PathBuf> {
     let status = Command::new(env!("CARGO"))
         .args(["build", "-q", "-p", "torchtools-cli", "--profile", profile])
         .args(if test_wheel {
-            &["--bins", "--tests"][..]
+            &crate::steps::CLI_TEST_FEATURES[..]
         } else {
             &[]
         })
@@ -88,7 +92,7 @@ pub(crate) fn build(profile: &str, out: &Path) -> Result<PathBuf> {
         ])
         .arg(&manifest)
         .args(if test_wheel {
-            &["--features", "workspace-hack"][..]
+            &EXTENSION_TEST_FEATURES[..]
         } else {
             &[]
         })
