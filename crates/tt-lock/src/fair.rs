@@ -149,7 +149,7 @@ pub(crate) fn serve_order(
     }
     waiters.sort_by(|a, b| {
         let (pa, pb) = (a.priority.unwrap_or(0.0), b.priority.unwrap_or(0.0));
-        pb.total_cmp(&pa).then(a.ticket.cmp(&b.ticket))
+        pb.total_cmp(&pa).then(a.arrival().cmp(&b.arrival()))
     });
     for (i, w) in waiters.iter_mut().enumerate() {
         w.position = i + 1;

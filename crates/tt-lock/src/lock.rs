@@ -353,7 +353,8 @@ impl LockDir {
                 .iter()
                 .filter(|w| w.who.user == holder.who.user)
                 .count();
-            let (earlier, held) = self.earlier(queue, own, &slots, &policy.policy, &me)?;
+            let arrival = ticket.as_ref().map(Ticket::arrival);
+            let (earlier, held) = self.earlier(queue, arrival, &slots, &policy.policy, &me)?;
             let taken = match held {
                 Some(why) => Taken::Busy(Busy::held(&wants, why)),
                 None => self.take(&mut slots, &wants, &earlier, &holder)?,
@@ -418,8 +419,8 @@ impl LockDir {
         }
     }
 
-    /// The requests of `queue` served before this one (`me`, with ticket `own`, none
-    /// yet: after all of them by arrival), but for those waiting for a GPU this process
+    /// The requests of `queue` served before this one (`me`, arrived at `own` with its
+    /// ticket, none yet: after all of them by arrival), but for those waiting for a GPU this process
     /// holds: they cannot be served before we let go, and waiting behind them would wait
     /// for ourselves. Under a `policy` that orders the queue, the order is the policy's,
     /// requests it holds back are left out (they block nobody), and the second value is
@@ -427,7 +428,7 @@ impl LockDir {
     fn earlier(
         &self,
         queue: Vec<Waiter>,
-        own: Option<u64>,
+        own: Option<(crate::queue::Placed, u64)>,
         slots: &[Slot],
         policy: &crate::Policy,
         me: &Waiter,
@@ -446,15 +447,16 @@ impl LockDir {
         if !ordering {
             let earlier = queue
                 .into_iter()
-                .filter(|w| own.is_none_or(|n| w.ticket < n))
+                .filter(|w| own.is_none_or(|a| w.arrival() < a))
                 .filter(not_ours)
                 .collect();
             return Ok((earlier, None));
         }
-        let mine = own.unwrap_or(u64::MAX);
+        let (placed, mine) = own.unwrap_or(((i64::MAX, 0), u64::MAX));
         let mut all = queue;
         let mut me = me.clone();
         me.ticket = mine;
+        me.placed = placed;
         all.push(me);
         let standings = self.standings(policy, &all)?;
         crate::fair::serve_order(&mut all, policy, &standings, tt_device::now_unix_secs());

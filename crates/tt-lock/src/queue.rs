@@ -6,6 +6,10 @@
 //! keep a dead request alive). Its number is one more than every live, believed ticket
 //! present, and the file is placed under it with `renameat2(RENAME_NOREPLACE)`: when
 //! two requests pick the same number, the second finds it taken and takes the next one.
+//! The number is only a name: readers order requests by when the kernel placed each
+//! ticket (its status change time, set by that rename, which nobody can set back) and
+//! count a request's wait from then or from its process's start, whichever is later,
+//! never from what the ticket says (`record::bound_who`).
 //! No directory-wide lock is taken, so nobody's lock can stop tickets from being
 //! numbered. The kernel drops a waiter's lock when the waiter dies however it dies, so a
 //! ticket without its lock is a dead request and is ignored (and removed by its owner's
@@ -30,6 +34,7 @@ use serde::{Deserialize, Serialize};
 use tt_device::Bytes;
 
 use crate::file::{open_to_read, record_live};
+use crate::record::Floor;
 use crate::{GpuKey, Holder, LockDir, Requester, Result};
 
 /// What a request waits for.
@@ -123,6 +128,21 @@ pub struct Waiter {
     /// served once its user holds less. Computed by the reader.
     #[serde(default, skip_deserializing, skip_serializing_if = "Option::is_none")]
     pub held: Option<String>,
+    /// When its ticket was placed, as the kernel stamped it (its status change time):
+    /// the order of arrival. Set by the reader, never read from the ticket.
+    #[serde(skip)]
+    pub(crate) placed: Placed,
+}
+
+/// A ticket's placing time, `(seconds, nanoseconds)` since the epoch.
+pub(crate) type Placed = (i64, i64);
+
+impl Waiter {
+    /// Its order of arrival: when its ticket was placed, then (for two placed in the
+    /// same nanosecond) its number.
+    pub(crate) fn arrival(&self) -> (Placed, u64) {
+        (self.placed, self.ticket)
+    }
 }
 
 impl Waiter {
@@ -135,6 +155,7 @@ impl Waiter {
             priority: None,
             why: None,
             held: None,
+            placed: (0, 0),
         }
     }
 
@@ -199,11 +220,17 @@ pub(crate) struct Ticket {
     file: File,
     path: PathBuf,
     number: u64,
+    placed: Placed,
 }
 
 impl Ticket {
     pub(crate) fn number(&self) -> u64 {
         self.number
+    }
+
+    /// Its order of arrival, as readers see it ([`Waiter::arrival`]).
+    pub(crate) fn arrival(&self) -> (Placed, u64) {
+        (self.placed, self.number)
     }
 
     /// Whether the ticket is still in the directory (a `/tmp` cleaner may delete it).
@@ -271,7 +298,13 @@ impl LockDir {
             let Some(mut waiter) = crate::file::read_record::<Waiter>(&file) else {
                 continue;
             };
-            if let Err(why) = crate::owner::check(&path, meta.uid(), &waiter.who.user) {
+            // Its place and its waiting time come from the kernel, not from the
+            // ticket's text: its owner writes that.
+            let believed =
+                crate::owner::check(&path, meta.uid(), &waiter.who.user).and_then(|()| {
+                    crate::record::bound_who(&mut waiter.who, &path, &meta, Floor::Placed)
+                });
+            if let Err(why) = believed {
                 ignored.push(why);
                 continue;
             }
@@ -285,9 +318,12 @@ impl LockDir {
                 continue;
             }
             waiter.ticket = ticket;
+            waiter.placed = (meta.ctime(), meta.ctime_nsec());
             waiters.push(waiter);
         }
-        waiters.sort_by_key(|w| w.ticket);
+        // Arrival is when the ticket was placed, as the kernel stamped it; the number
+        // (its writer's choice of a free name) only breaks a tie.
+        waiters.sort_by_key(Waiter::arrival);
         for (i, w) in waiters.iter_mut().enumerate() {
             w.position = i + 1;
         }
@@ -324,24 +360,24 @@ impl LockDir {
         crate::file::own_locked(&path).map(|(file, _)| file)
     }
 
-    /// Takes a place at the end of the queue: the number after every live, believed
-    /// ticket's, or the next free one after it when a request placed meanwhile (or a
-    /// file someone put there) has it.
+    /// Takes a place at the end of the queue: a ticket placed now (readers order by the
+    /// kernel's placing time), under the number after every live, believed ticket's (the
+    /// lowest free one when that is past [`MAX_TICKET`]), or the next free one after it
+    /// when a request placed meanwhile (or a file someone put there) has it.
     pub(crate) fn enqueue(&self, holder: &Holder, wants: &Wants) -> Result<Ticket> {
         let (live, _) = self.scan_queue_checked(None)?;
-        let last = live.iter().max_by_key(|w| w.ticket);
-        let mut number = match last.map_or(Some(1), |w| w.ticket.checked_add(1)) {
-            Some(n) if n <= MAX_TICKET => n,
-            _ => {
-                let w = last.map_or_else(String::new, |w| {
-                    format!(" by pid {} ({})", w.who.pid, w.who.user)
-                });
-                return Err(self.error(format!(
-                    "its queue numbers are used up{w}, whose ticket holds the largest \
-                     number believed ({MAX_TICKET}); that request must end first"
-                )));
-            }
-        };
+        // The number is only a free name (arrival is the kernel's placing time): after
+        // the largest believed one, or where a ticket took the largest number believed,
+        // the lowest free one, so that nobody's ticket can use up the numbers.
+        let mut number = live
+            .iter()
+            .map(|w| w.ticket)
+            .max()
+            .map_or(1, |n| n.saturating_add(1));
+        if number > MAX_TICKET {
+            let taken: std::collections::HashSet<u64> = live.iter().map(|w| w.ticket).collect();
+            number = (1..=MAX_TICKET).find(|n| !taken.contains(n)).unwrap_or(1);
+        }
         let waiter = Waiter::new(number, holder, wants.clone());
         let mut text = serde_json::to_vec(&waiter).unwrap_or_default();
         text.push(b'\n');
@@ -358,7 +394,21 @@ impl LockDir {
         for _ in 0..PLACING_TRIES {
             let path = self.path().join(ticket_name(number));
             match crate::file::place_new(&temp, &path) {
-                Ok(true) => return Ok(Ticket { file, path, number }),
+                Ok(true) => {
+                    // Stamped by the rename that placed it: what every reader reads.
+                    let meta = file.metadata().map_err(|cause| crate::Error::Io {
+                        op: "reading the placed queue ticket",
+                        path: path.clone(),
+                        cause,
+                    })?;
+                    let placed = (meta.ctime(), meta.ctime_nsec());
+                    return Ok(Ticket {
+                        file,
+                        path,
+                        number,
+                        placed,
+                    });
+                }
                 Ok(false) => {}
                 Err(e) => {
                     let _ = fs::remove_file(&temp);
@@ -490,6 +540,7 @@ mod tests {
             priority: None,
             why: None,
             held: None,
+            placed: (0, 0),
             wants: Wants::Auto {
                 count: 2,
                 among: vec![],

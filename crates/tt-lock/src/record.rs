@@ -227,9 +227,11 @@ pub(crate) fn live(
         let Some(holder) = read_holder(&file) else {
             continue;
         };
-        match crate::owner::check(&path, meta.uid(), &holder.who.user) {
-            Ok(()) => found.push(Found {
-                holder: believable(holder, &meta),
+        let believed = crate::owner::check(&path, meta.uid(), &holder.who.user)
+            .and_then(|()| believe(holder, &path, &meta, Floor::Birth));
+        match believed {
+            Ok(holder) => found.push(Found {
+                holder,
                 owner_uid: meta.uid(),
             }),
             Err(why) => ignored.push(why),
@@ -239,45 +241,101 @@ pub(crate) fn live(
     (found, ignored)
 }
 
-/// A believed record's values that steer others, bounded by what the machine knows: its
-/// `since_unix` not in the future and not before its process started (where its pid
-/// means something here: same host, same PID namespace) or, elsewhere, before its file
-/// was created; its `command_pid` dropped unless that process is its owner's. A record
-/// is written by its owner, who could otherwise claim to be the oldest sharer (whose
-/// keeper alone fences) or have `top` put another user's process under its name.
-pub(crate) fn believable(mut holder: Holder, meta: &fs::Metadata) -> Holder {
+/// Where a record's age starts at the earliest, as the kernel says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Floor {
+    /// A holder's or sharer's record: its file's birth and its process's start.
+    Birth,
+    /// A queue ticket: when its file was placed in the directory (its status change
+    /// time: the rename or link that placed it set it, and nobody can set it back).
+    Placed,
+}
+
+/// A believed record's values that steer others, bounded by what the machine knows. A
+/// record is written by its owner, who could otherwise claim to be the oldest sharer
+/// (whose keeper alone fences), to have waited longest (and preempt), or have `top` put
+/// another user's process under its name:
+/// - its `pid`, where it means something here (same host, same PID namespace), must be
+///   a process of the file's owner or gone (a lock inherited by a child outlives its
+///   first process); naming another user's process, the record is ignored and
+///   reported;
+/// - its `since_unix` is raised to the kernel's floor: the later of `floor`'s time of
+///   the file and its process's start; where the process cannot be checked (gone, or
+///   in another namespace or host), the file's last status change, which only its
+///   owner's writes move, and only later; and lowered to now;
+/// - its `command_pid` is dropped unless that process is its owner's.
+pub(crate) fn believe(
+    mut holder: Holder,
+    path: &Path,
+    meta: &fs::Metadata,
+    floor: Floor,
+) -> std::result::Result<Holder, Ignored> {
+    bound_who(&mut holder.who, path, meta, floor)?;
+    if let Some(pid) = holder.command_pid {
+        let owners = here(&holder.who)
+            .then(|| tt_device::procfs::uid(pid))
+            .flatten();
+        if owners.is_some_and(|uid| uid != meta.uid()) {
+            holder.command_pid = None;
+        }
+    }
+    Ok(holder)
+}
+
+/// Whether `who`'s pid means something in this process's view (same host, same PID
+/// namespace).
+fn here(who: &crate::Requester) -> bool {
+    who.host == crate::holder::host_name()
+        && who
+            .pid_ns
+            .is_none_or(|ns| Some(ns) == crate::holder::own_pid_namespace())
+}
+
+/// [`believe`]'s rule for who asked: the pid checked against the file's owner, the
+/// start bounded by the kernel's times (see there).
+pub(crate) fn bound_who(
+    who: &mut crate::Requester,
+    path: &Path,
+    meta: &fs::Metadata,
+    floor: Floor,
+) -> std::result::Result<(), Ignored> {
     use std::os::unix::fs::MetadataExt;
     // The clock read in whole seconds: a record written now may say the next second.
     const SLACK: u64 = 2;
     let now = tt_device::now_unix_secs();
-    let here = holder.who.host == crate::holder::host_name()
-        && holder
-            .who
-            .pid_ns
-            .is_none_or(|ns| Some(ns) == crate::holder::own_pid_namespace());
-    let started = here
-        .then(|| tt_device::procfs::started_unix(holder.who.pid))
-        .flatten()
+    let process_uid = here(who).then(|| tt_device::procfs::uid(who.pid)).flatten();
+    if let Some(uid) = process_uid.filter(|&uid| uid != meta.uid()) {
+        return Err(Ignored::because(
+            path,
+            meta.uid(),
+            &who.user,
+            format!(
+                "it names pid {} as its process, which is {}'s (uid {uid}), not its \
+                 owner's: not believed",
+                who.pid,
+                crate::owner::name_of_uid(uid)
+            ),
+        ));
+    }
+    // (A process's start, from btime's whole seconds, is read up to a second early:
+    // never later than a record it wrote says.)
+    let started = process_uid
+        .and_then(|_| tt_device::procfs::started_unix(who.pid))
         .map(|t| t as u64);
-    let created = || {
+    let changed = u64::try_from(meta.ctime()).unwrap_or(0);
+    let born = || {
         meta.created()
             .ok()
             .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
             .map(|d| d.as_secs())
     };
-    // (A process's start, from btime's whole seconds, is read up to a second early:
-    // never later than a record it wrote says.)
-    if let Some(floor) = started.or_else(created) {
-        holder.who.since_unix = holder.who.since_unix.max(floor);
-    }
-    holder.who.since_unix = holder.who.since_unix.min(now + SLACK);
-    if let Some(pid) = holder.command_pid {
-        let owners = here.then(|| tt_device::procfs::uid(pid)).flatten();
-        if owners.is_some_and(|uid| uid != meta.uid()) {
-            holder.command_pid = None;
-        }
-    }
-    holder
+    let floor = match (floor, started) {
+        (Floor::Placed, started) => changed.max(started.unwrap_or(0)),
+        (Floor::Birth, Some(started)) => born().unwrap_or(changed).max(started),
+        (Floor::Birth, None) => changed,
+    };
+    who.since_unix = who.since_unix.max(floor).min(now + SLACK);
+    Ok(())
 }
 
 #[cfg(test)]

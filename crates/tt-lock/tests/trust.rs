@@ -68,6 +68,25 @@ fn child() {
             let users: Vec<&str> = queue.iter().map(|w| w.who.user.as_str()).collect();
             println!("@@queue: {}@@", users.join(" "));
         }
+        // The queue as this user reads it, with each request's waiting start.
+        "see-queue-since" => {
+            let queue = LockDir::open(&dir).unwrap().queue().unwrap();
+            let said: Vec<String> = queue
+                .iter()
+                .map(|w| format!("{}:{}", w.who.user, w.who.since_unix))
+                .collect();
+            println!("@@queue: {}@@", said.join(" "));
+        }
+        // GPU 3's sharers as this user reads them, oldest first, and what it ignores.
+        "see-sharers3" => {
+            let locks = LockDir::open(&dir).unwrap();
+            let sharers = locks.sharers(&GpuKey::Index(3)).unwrap();
+            let pids: Vec<String> = sharers.iter().map(|h| h.who.pid.to_string()).collect();
+            for i in locks.ignored().unwrap() {
+                println!("@@ignored: {i}@@");
+            }
+            println!("@@sharers: {}@@", pids.join(" "));
+        }
         // The name root keeps its GPU 5 record under, taken first, claiming root.
         "squat" => {
             let mut claim = Holder::current();
@@ -292,6 +311,31 @@ fn jam_role(role: &str, dir: &Path) {
                 locks.lock_shared(&GpuKey::Index(4), Bytes(GIB), CAPACITY, Wait::Try, later);
             let _later = share.unwrap();
             println!("@@shared@@");
+            hold_until_stdin_closes();
+        }
+        // A share of GPU 3 whose record names init (root's process) as its own: init
+        // started at boot, so its age would make it the oldest sharer.
+        "share3-as-init" => {
+            let mut claim = Holder::current();
+            claim.who.pid = 1;
+            claim.who.since_unix = 0;
+            let share = locks.lock_shared(&GpuKey::Index(3), Bytes(1), CAPACITY, Wait::Try, claim);
+            let _share = share.unwrap();
+            println!("@@shared@@");
+            hold_until_stdin_closes();
+        }
+        // A live ticket for GPU 0 placed now, but numbered 0 and claiming to wait since
+        // the epoch: first in every reader's order and preempting at once, if believed.
+        "forge-first" => {
+            let path = dir.join("wait-00000000000000000000.json");
+            let ticket = serde_json::json!({
+                "ticket": 0, "pid": std::process::id(), "user": "nobody",
+                "host": tt_device::host_name(), "since_unix": 0,
+                "wants": {"kind": "gpus", "gpus": [{"index": 0}]}
+            });
+            std::fs::write(&path, format!("{ticket}\n")).unwrap();
+            let _live = lock_as_live(&path);
+            println!("@@forged@@");
             hold_until_stdin_closes();
         }
         "share-then-queue" => {
@@ -565,6 +609,80 @@ fn values_in_ones_own_records_neither_make_it_the_oldest_sharer_nor_claim_others
     assert!(
         later.len() == 1 && later[0].who.since_unix <= now + 2,
         "{later:?}"
+    );
+    end([first, steering]);
+}
+
+/// A ticket numbered 0 that claims to wait since the epoch, placed after another
+/// user's request, neither jumps the queue nor counts a long wait: every reader (here
+/// the holder's user) orders the queue by when the kernel placed each ticket and
+/// counts the wait from then, and the GPU goes to the request that came first.
+#[test]
+fn a_forged_number_or_waiting_time_neither_jumps_the_queue_nor_ages_a_ticket() {
+    let _turn = UMASK.lock().unwrap_or_else(|e| e.into_inner());
+    let Some([a, b]) = two_users() else { return };
+    let shared = Shared::new();
+    let mut holder = shared.as_user(a, "hold0", 0o077);
+    assert_eq!(lines_until(&mut holder, "held"), ["held"]);
+    let mut waiter = shared.as_user(b, "wait0", 0o077);
+    let _dog = watchdog(&waiter, Duration::from_secs(150));
+    let first = queued(&shared.dir);
+    // Placed a second later, so that whole seconds tell the two apart.
+    while tt_device::now_unix_secs() <= first[0].who.since_unix {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut vandal = shared.as_nobody("forge-first", 0o022);
+    assert_eq!(lines_until(&mut vandal, "forged"), ["forged"]);
+    let mut reader = shared.as_user(a, "see-queue-since", 0o077);
+    let said = lines_until(&mut reader, "queue");
+    reader.wait().unwrap();
+    let order: Vec<(&str, u64)> = said[0]
+        .trim_start_matches("queue: ")
+        .split(' ')
+        .map(|w| {
+            let (user, since) = w.split_once(':').unwrap();
+            (user, since.parse().unwrap())
+        })
+        .collect();
+    assert_eq!(
+        order.iter().map(|(u, _)| *u).collect::<Vec<_>>(),
+        ["tt-test-b", "nobody"],
+        "{said:?}"
+    );
+    assert!(
+        order[1].1 > order[0].1,
+        "the forged ticket's wait starts when it was placed: {said:?}"
+    );
+    end([holder]);
+    assert_eq!(lines_until(&mut waiter, "gpu0"), ["gpu0: granted"]);
+    waiter.wait().unwrap();
+    end([vandal]);
+}
+
+/// A share record whose own process is said to be init (root's, started at boot) is
+/// not believed: it is not the oldest sharer (whose keeper alone fences), every reader
+/// reports it, and the honest sharer stays first.
+#[test]
+fn a_record_naming_another_users_process_is_not_believed() {
+    let _turn = UMASK.lock().unwrap_or_else(|e| e.into_inner());
+    let Some([a, b]) = two_users() else { return };
+    let shared = Shared::new();
+    let mut first = shared.as_user(a, "share3", 0o077);
+    assert_eq!(lines_until(&mut first, "shared"), ["shared"]);
+    let mut steering = shared.as_user(b, "share3-as-init", 0o077);
+    assert_eq!(lines_until(&mut steering, "shared"), ["shared"]);
+    let mut reader = shared.as_user(a, "see-sharers3", 0o077);
+    let said = lines_until(&mut reader, "sharers");
+    reader.wait().unwrap();
+    assert_eq!(
+        said.last().unwrap(),
+        &format!("sharers: {}", first.id()),
+        "{said:?}"
+    );
+    assert!(
+        said.iter()
+            .any(|l| l.starts_with("ignored:") && l.contains("names pid 1 ")),
+        "{said:?}"
     );
     end([first, steering]);
 }
