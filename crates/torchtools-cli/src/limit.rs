@@ -18,8 +18,22 @@ pub(crate) const DEFAULT_GRACE: Duration = Duration::from_secs(60);
 
 /// The machine's policy for the lock directory `TORCHTOOLS_LOCK_DIR` names (or the
 /// default), read without opening the directory: a check made before anything starts,
-/// whose directory's own errors are the reservation's to say.
+/// whose directory's own errors are the reservation's to say. Says on stderr when
+/// `TORCHTOOLS_POLICY` is not read because the machine has a policy of its own.
 pub(crate) fn machine_policy() -> tt_lock::PolicyInForce {
+    let in_force = policy_of_env_dir();
+    if let Some(named) = &in_force.variable_ignored {
+        eprintln!(
+            "torchtools: {}={} is not read: the machine's policy {} is the policy",
+            tt_lock::POLICY_ENV,
+            tt_device::printable(&named.display().to_string()),
+            in_force.path.display()
+        );
+    }
+    in_force
+}
+
+fn policy_of_env_dir() -> tt_lock::PolicyInForce {
     let dir = std::env::var_os(tt_lock::LOCK_DIR_ENV)
         .filter(|v| !v.is_empty())
         .map_or_else(
@@ -194,6 +208,7 @@ mod tests {
             path: "/etc/torchtools/policy.toml".into(),
             status: tt_lock::PolicyStatus::InForce,
             policy: tt_lock::Policy::parse(text).unwrap_or_default(),
+            variable_ignored: None,
         }
     }
 

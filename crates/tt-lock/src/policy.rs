@@ -213,6 +213,10 @@ pub struct PolicyInForce {
     pub status: PolicyStatus,
     /// The policy applied: the file's when believed, else first come, first served.
     pub policy: Policy,
+    /// The file [`POLICY_ENV`] named and that was not read because the machine has a
+    /// policy of its own ([`DEFAULT_POLICY`] exists): no variable replaces it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub variable_ignored: Option<PathBuf>,
 }
 
 /// Whether a policy file is in force, and why not.
@@ -232,7 +236,7 @@ impl PolicyInForce {
     /// The policy's state as one line for users: what is in force and why.
     pub fn summary(&self) -> String {
         let path = self.path.display();
-        match &self.status {
+        let summary = match &self.status {
             PolicyStatus::Absent => {
                 format!("no policy ({path} does not exist): served first come, first served")
             }
@@ -240,6 +244,14 @@ impl PolicyInForce {
             PolicyStatus::Ignored(why) => {
                 format!("the policy {path} is ignored: {why}; served first come, first served")
             }
+        };
+        match &self.variable_ignored {
+            Some(named) => format!(
+                "{summary} ({POLICY_ENV}={} is not read: the machine's policy {path} \
+                 is the policy)",
+                named.display()
+            ),
+            None => summary,
         }
     }
 }
@@ -290,8 +302,9 @@ impl fmt::Display for Policy {
 }
 
 impl LockDir {
-    /// The policy in force for this lock directory: [`POLICY_ENV`]'s file, else
-    /// [`DEFAULT_POLICY`]; believed only when it belongs to root (or, for a file named by
+    /// The policy in force for this lock directory: [`DEFAULT_POLICY`] where it exists
+    /// (no variable replaces the machine's policy), else [`POLICY_ENV`]'s file when
+    /// given; believed only when it belongs to root (or, for a file named by
     /// the variable, to this directory's owner) and nobody else can write it. A file not
     /// believed or not valid is ignored, with the reason in [`PolicyInForce::status`].
     pub fn policy(&self) -> PolicyInForce {
@@ -302,9 +315,22 @@ impl LockDir {
 /// [`LockDir::policy`] for the lock directory at `dir`, without opening (or creating)
 /// it: for a check made before anything starts.
 pub fn policy_for(dir: &Path) -> PolicyInForce {
-    let (path, given) = match std::env::var_os(POLICY_ENV).filter(|v| !v.is_empty()) {
-        Some(p) => (PathBuf::from(p), true),
-        None => (PathBuf::from(DEFAULT_POLICY), false),
+    let named = std::env::var_os(POLICY_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from);
+    policy_at(dir, Path::new(DEFAULT_POLICY), named)
+}
+
+/// [`policy_for`] with the machine's policy file at `machine` and `named` the file
+/// [`POLICY_ENV`] names.
+fn policy_at(dir: &Path, machine: &Path, named: Option<PathBuf>) -> PolicyInForce {
+    // The machine's file, whatever it holds (even one not believed), is the policy
+    // where it exists: a variable that any user sets never leaves it behind.
+    let machine_has_one = std::fs::symlink_metadata(machine).is_ok();
+    let (path, given, variable_ignored) = match named {
+        Some(p) if machine_has_one && p != machine => (machine.to_owned(), false, Some(p)),
+        Some(p) => (p, true, None),
+        None => (machine.to_owned(), false, None),
     };
     let dir_owner = std::fs::metadata(dir).ok().map(|m| m.uid());
     let trusted: &[u32] = match (given, dir_owner) {
@@ -323,6 +349,7 @@ pub fn policy_for(dir: &Path) -> PolicyInForce {
         path,
         status,
         policy,
+        variable_ignored,
     }
 }
 
@@ -391,6 +418,29 @@ mod tests {
         );
         assert!(policy.orders_the_queue());
         assert!(!Policy::parse("").unwrap().orders_the_queue());
+    }
+
+    #[test]
+    fn no_variable_replaces_the_machines_policy() {
+        let tmp = tempfile::tempdir().unwrap();
+        let machine = tmp.path().join("machine.toml");
+        let other = tmp.path().join("other.toml");
+        std::fs::write(&other, "[limits]\ngpus = 3\n").unwrap();
+        let without = policy_at(tmp.path(), &machine, Some(other.clone()));
+        std::fs::write(&machine, "[limits]\ngpus = 1\n").unwrap();
+        let with = policy_at(tmp.path(), &machine, Some(other.clone()));
+        assert_eq!(
+            (without.path.as_path(), without.policy.limits.gpus),
+            (other.as_path(), Some(3))
+        );
+        assert_eq!(without.variable_ignored, None);
+        assert_eq!(
+            (with.path.as_path(), with.policy.limits.gpus),
+            (machine.as_path(), Some(1)),
+            "{with:?}"
+        );
+        assert_eq!(with.variable_ignored.as_deref(), Some(other.as_path()));
+        assert!(with.summary().contains("is not read"), "{}", with.summary());
     }
 
     #[test]

@@ -6,8 +6,8 @@ use std::process::ExitCode;
 use anyhow::Result;
 use tt_lock::{LockDir, PolicyInForce, PolicyStatus, Standing};
 
-/// Show the machine's queueing policy (/etc/torchtools/policy.toml, or the file
-/// TORCHTOOLS_POLICY names) and why it is in force or ignored, and each user's
+/// Show the machine's queueing policy (/etc/torchtools/policy.toml; where the
+/// machine has none, the file TORCHTOOLS_POLICY names) and why it is in force or ignored, and each user's
 /// recent use, GPUs held and requests waiting under it.
 ///
 /// Exits with 1 when a policy file is there but ignored: not owned by root (or,
@@ -118,6 +118,7 @@ mod tests {
             path: "/etc/torchtools/policy.toml".into(),
             status: PolicyStatus::InForce,
             policy,
+            variable_ignored: None,
         };
         let tt2 = Standing {
             user: "tt2".into(),

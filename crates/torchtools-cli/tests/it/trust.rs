@@ -1088,3 +1088,113 @@ fn a_preemptible_job_above_its_share_yields_to_a_long_wait_and_is_requeued() {
     assert_eq!(job(&steady)["state"], "running");
     ok(root().args(["stop", &steady]).output().unwrap());
 }
+
+/// `torchtools ARGS` as `user` with `TORCHTOOLS_POLICY` naming `named`, in a mount
+/// namespace whose `/etc` (an overlay of the real one, nothing written to it) holds the
+/// machine's policy `/etc/torchtools/policy.toml`, root's, holding `machine`.
+fn beside_machine_policy(
+    tmp: &Path,
+    machine: &str,
+    user: &str,
+    named: &Path,
+    dir: &Path,
+    args: &[&str],
+) -> std::process::Output {
+    let layers = tempfile::tempdir().unwrap();
+    let script = r#"set -e
+mkdir -p "$LAYERS/up" "$LAYERS/work"
+mount -t overlay overlay -o "lowerdir=/etc,upperdir=$LAYERS/up,workdir=$LAYERS/work" /etc
+mkdir -p /etc/torchtools
+printf '%s' "$MACHINE" > /etc/torchtools/policy.toml
+chmod 644 /etc/torchtools/policy.toml
+user=$1; shift
+exec runuser -u "$user" -- "$@""#;
+    let home = home_of(tmp, user);
+    let out = Command::new("unshare")
+        .args([
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+        ])
+        .arg(user)
+        .arg(env!("CARGO_BIN_EXE_torchtools"))
+        .args(args)
+        .env("LAYERS", layers.path())
+        .env("MACHINE", machine)
+        .env("TORCHTOOLS_POLICY", named)
+        .env("TORCHTOOLS_LOCK_DIR", dir)
+        .env("XDG_STATE_HOME", home.join("state"))
+        .env("XDG_CONFIG_HOME", home.join("config"))
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env_remove("TORCHTOOLS_HELD_LOCKS")
+        .env_remove("TORCHTOOLS_JOB_ID")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("mount:"),
+        "the overlay of /etc could not be made: {out:?}"
+    );
+    out
+}
+
+/// Where the machine has a policy (`/etc/torchtools/policy.toml`), no variable leaves
+/// it behind: `TORCHTOOLS_POLICY` naming a file that does not exist (no policy) or a
+/// laxer one of the user's, a request past the machine's `time_max` is still refused
+/// before anything runs, and `policy` says which file is the policy and that the
+/// variable is not read.
+#[test]
+fn no_variable_leaves_the_machines_policy_behind() {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
+        return;
+    };
+    tt_testkit::users::two_users().unwrap();
+    let [user_a, user_b] = tt_testkit::users::USER_NAMES;
+    let dir = tmp.path().join("locks");
+    ok(torchtools(&dir).arg("locks").output().unwrap()); // root's directory
+    let machine = "[limits]\ngpus = 1\ntime_max = \"1h\"\n";
+    let laxer = policy_file(tmp.path(), "[limits]\ntime_max = \"1d\"\n", user_b, 0o644);
+    let cases = [
+        (user_b, Path::new("/nonexistent/policy.toml")),
+        (user_b, laxer.as_path()),
+    ];
+    for (user, named) in cases {
+        let reserve = [
+            "reserve",
+            "--time",
+            "2h",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "true",
+        ];
+        let out = beside_machine_policy(tmp.path(), machine, user, named, &dir, &reserve);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{named:?}: {out:?}");
+        assert!(
+            err.contains("/etc/torchtools/policy.toml")
+                && err.contains("1h")
+                && err.contains("TORCHTOOLS_POLICY=")
+                && err.contains("is not read"),
+            "{named:?}: {err}"
+        );
+        let _ = std::fs::remove_dir_all(tmp.path().join(user));
+    }
+    let out = beside_machine_policy(tmp.path(), machine, user_a, &laxer, &dir, &["policy"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert!(
+        text.starts_with("policy /etc/torchtools/policy.toml: ")
+            && text.contains("--time at most 1h")
+            && text.contains(&format!(
+                "TORCHTOOLS_POLICY={} is not read",
+                laxer.display()
+            )),
+        "{text}"
+    );
+}
