@@ -47,6 +47,11 @@ pub(crate) struct Args {
     /// every interface), each scrape read afresh, until stopped.
     #[arg(long, value_name = "ADDR", conflicts_with = "textfile")]
     pub(crate) listen: Option<SocketAddr>,
+    /// With --listen: another name scrapers reach this server by (repeatable):
+    /// requests are answered only for its addresses, localhost, this machine's name
+    /// and these.
+    #[arg(long = "host", value_name = "NAME", requires = "listen")]
+    pub(crate) hosts: Vec<String>,
     /// Write DIR/torchtools.prom for node_exporter's textfile collector
     /// (--collector.textfile.directory), atomically, every --interval, until stopped.
     #[arg(long, value_name = "DIR")]
@@ -61,7 +66,7 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
     let dir = LockDir::from_env()?;
     let gpus = Gpus::open();
     match (args.listen, &args.textfile) {
-        (Some(addr), _) => serve(dir, gpus, addr),
+        (Some(addr), _) => serve(dir, gpus, addr, &args.hosts),
         (None, Some(out)) => textfile(&dir, &gpus, out, args.interval),
         (None, None) => {
             print!("{}", render(&dir, &gpus)?);
@@ -72,14 +77,13 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
 
 /// Serves `/metrics` at `addr` until stopped, each scrape on its own connection (a
 /// slow scraper never holds up another), with `serve`'s bounds on requests.
-fn serve(dir: LockDir, gpus: Gpus, addr: SocketAddr) -> Result<ExitCode> {
+fn serve(dir: LockDir, gpus: Gpus, addr: SocketAddr, hosts: &[String]) -> Result<ExitCode> {
     let listener = crate::http::bind(addr)?;
-    eprintln!(
-        "torchtools: serving metrics at http://{}/metrics",
-        listener.local_addr()?
-    );
+    let bound = listener.local_addr()?;
+    eprintln!("torchtools: serving metrics at http://{bound}/metrics");
     let gpus = Arc::new(gpus);
-    crate::http::run(listener, "torchtools metrics", move |get: Get| {
+    let names = crate::http::Names::of(bound, hosts);
+    crate::http::run(listener, "torchtools metrics", names, move |get: Get| {
         let (dir, gpus) = (dir.clone(), Arc::clone(&gpus));
         async move {
             match get.path.as_str() {

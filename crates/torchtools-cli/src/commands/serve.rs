@@ -50,6 +50,10 @@ pub(crate) struct Args {
     /// `locks`, `queue`, `jobs --all` and `usage` show every user of the machine).
     #[arg(long, value_name = "ADDR", default_value = DEFAULT_LISTEN)]
     pub(crate) listen: SocketAddr,
+    /// Another name browsers reach this server by (repeatable): requests are answered
+    /// only for its addresses, localhost, this machine's name and these.
+    #[arg(long = "host", value_name = "NAME")]
+    pub(crate) hosts: Vec<String>,
 }
 
 /// `/api/state`: everything the page shows.
@@ -128,7 +132,8 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
             })?;
     }
     eprintln!("torchtools: serving the page at http://{bound}/ (its data at /api/state, /metrics)");
-    crate::http::run(listener, "torchtools serve", move |get| {
+    let names = crate::http::Names::of(bound, &args.hosts);
+    crate::http::run(listener, "torchtools serve", names, move |get| {
         answer(get, Arc::clone(&shared))
     })?;
     Ok(ExitCode::SUCCESS)

@@ -1198,3 +1198,121 @@ fn no_variable_leaves_the_machines_policy_behind() {
         "{text}"
     );
 }
+
+/// The vandal's flood (Debian's Python, which every user may run): 300 connections to
+/// the server at `port` on loopback, each sending 2,000 pipelined `GET /` and never
+/// reading an answer; says `ready` once all are open, and holds them until its
+/// standard input closes.
+const FLOOD: &str = r#"
+import socket, sys
+port = int(sys.argv[1])
+ask = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 2000
+held = []
+for _ in range(300):
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.setblocking(False)
+        try:
+            s.send(ask)
+        except OSError:
+            pass
+        held.append(s)
+    except OSError:
+        pass
+print("ready", flush=True)
+sys.stdin.read()
+"#;
+
+/// `curl`'s status for `url` as `user` with `Host: host`, giving up after 60 s
+/// (`000`: no answer).
+fn status_as(user: &str, url: &str, host: &str) -> String {
+    let out = Command::new("runuser")
+        .args([
+            "-u",
+            user,
+            "--",
+            "curl",
+            "-s",
+            "-m",
+            "60",
+            "-o",
+            "/dev/null",
+        ])
+        .args(["-w", "%{http_code}", "-H"])
+        .arg(format!("Host: {host}"))
+        .arg(url)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `serve` as an ordinary user stays up for the others while the vandal holds 300
+/// connections that never read their answers (each client has at most its share of
+/// the slots, and a connection ends after its lifetime), and answers only requests for
+/// its own names: a page that rebinds another name to its address reads nothing.
+#[test]
+fn a_client_that_never_reads_holds_no_one_out_and_other_names_get_nothing() {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
+        return;
+    };
+    tt_testkit::users::two_users().unwrap();
+    let [user_a, user_b] = tt_testkit::users::USER_NAMES;
+    let dir = tmp.path().join("locks");
+    ok(torchtools(&dir).arg("locks").output().unwrap()); // root's directory
+    let home_a = home_of(tmp.path(), user_a);
+    let mut server = as_user(user_a, &dir, &home_a)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--host",
+            "gpu1.lab.example",
+        ])
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let _groups = Groups(vec![server.id()]);
+    let mut line = String::new();
+    BufReader::new(server.stderr.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let port: u16 = line
+        .trim()
+        .strip_prefix("torchtools: serving the page at http://127.0.0.1:")
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    let url = format!("http://127.0.0.1:{port}/api/state");
+    assert_eq!(status_as(user_b, &url, "127.0.0.1"), "200");
+
+    let mut flood = Command::new("runuser")
+        .args(["-u", "nobody", "--", "/usr/bin/python3", "-c", FLOOD])
+        .arg(port.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let _flood_group = Groups(vec![flood.id()]);
+    let mut said = String::new();
+    BufReader::new(flood.stdout.take().unwrap())
+        .read_line(&mut said)
+        .unwrap();
+    assert_eq!(said.trim(), "ready");
+    // Another user's request, while the flood holds its connections: answered.
+    assert_eq!(status_as(user_b, &url, "127.0.0.1"), "200");
+    assert_eq!(status_as(user_b, &url, &format!("localhost:{port}")), "200");
+    assert_eq!(status_as(user_b, &url, "gpu1.lab.example"), "200");
+    // A name that is not this server's (a page rebinding its own name): refused.
+    assert_eq!(
+        status_as(user_b, &url, &format!("attacker.example:{port}")),
+        "421"
+    );
+    drop(flood.stdin.take());
+    let _ = flood.wait();
+    // SAFETY: kill(2) of the server's process group, which this test started.
+    unsafe { libc::kill(-(server.id() as i32), libc::SIGKILL) };
+    let _ = server.wait();
+}
