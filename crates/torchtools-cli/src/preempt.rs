@@ -57,7 +57,16 @@ fn decision(dir: &LockDir, user: &str, gpus: &[GpuKey]) -> Option<(String, Durat
         return None;
     }
     let standings = dir.standings(&in_force.policy, &queue).ok()?;
+    let states = dir.list().ok()?;
     let now = tt_device::now_unix_secs();
-    tt_lock::preemptor(&in_force.policy, &queue, &standings, user, gpus, now)
-        .map(|(_, why)| (why, grace))
+    tt_lock::preemptor(
+        &in_force.policy,
+        &queue,
+        &standings,
+        user,
+        gpus,
+        &states,
+        now,
+    )
+    .map(|(_, why)| (why, grace))
 }

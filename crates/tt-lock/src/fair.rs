@@ -159,28 +159,54 @@ pub(crate) fn serve_order(
 /// The waiting request that preempts a `--preemptible` job of `user` holding `gpus`
 /// under `policy`'s `[preemption]`, with why; `None` when none may. In serving order,
 /// the first request that has waited longer than `after`, is not held back by a limit,
-/// is another user's, wants one of `gpus`, and whose user stands below `user`: with
-/// fair share, `user`'s part of recent use is above an equal share (one over the users
-/// using or asking for GPUs) and above the waiting user's; without, `user` holds more
-/// GPUs than the waiting user.
+/// is another user's, wants one of `gpus`, whose user stands below `user` (with fair
+/// share, `user`'s part of recent use is above an equal share, one over the users using
+/// or asking for GPUs, and above the waiting user's; without, `user` holds more GPUs
+/// than the waiting user), and that can then be served: every GPU it waits for (`count`
+/// of them for an `auto` request) is, in `states`, free or held by a preemptible job
+/// that yields to it by this same rule. A request that would wait on after the job
+/// yields (a GPU it wants held by a job that is not preemptible) preempts nobody.
 pub fn preemptor<'q>(
     policy: &Policy,
     queue: &'q [Waiter],
     standings: &HashMap<String, Standing>,
     user: &str,
     gpus: &[crate::GpuKey],
+    states: &[crate::LockState],
     now: u64,
 ) -> Option<(&'q Waiter, String)> {
-    let after = policy.preemption.as_ref()?.after;
-    let empty = Standing::default();
-    let mine = standings.get(user).unwrap_or(&empty);
-    let active = standings
-        .values()
-        .filter(|s| s.use_gpu_s > 0.0 || s.waiting > 0 || s.gpus > 0)
-        .count()
-        .max(1);
-    let equal = 1.0 / active as f64;
+    let rule = Yield {
+        policy,
+        standings,
+        now,
+    };
     queue.iter().find_map(|w| {
+        let why = rule.why(w, user, gpus)?;
+        rule.served_after(w, states).then_some((w, why))
+    })
+}
+
+/// [`preemptor`]'s rule for one waiting request and one job.
+struct Yield<'a> {
+    policy: &'a Policy,
+    standings: &'a HashMap<String, Standing>,
+    now: u64,
+}
+
+impl Yield<'_> {
+    /// Why the job of `user` holding `gpus` yields to `w`, if it does (the whole rule
+    /// but whether `w` can then be served).
+    fn why(&self, w: &Waiter, user: &str, gpus: &[crate::GpuKey]) -> Option<String> {
+        let (policy, standings, now) = (self.policy, self.standings, self.now);
+        let after = policy.preemption.as_ref()?.after;
+        let empty = Standing::default();
+        let mine = standings.get(user).unwrap_or(&empty);
+        let active = standings
+            .values()
+            .filter(|s| s.use_gpu_s > 0.0 || s.waiting > 0 || s.gpus > 0)
+            .count()
+            .max(1);
+        let equal = 1.0 / active as f64;
         let waited = now.saturating_sub(w.who.since_unix);
         let theirs = standings.get(&w.who.user).unwrap_or(&empty);
         let wanted = w.wants.gpus().iter().find(|k| gpus.contains(k))?;
@@ -204,17 +230,46 @@ pub fn preemptor<'q>(
                     mine.gpus, w.who.user, theirs.gpus
                 ),
             };
-            let why = format!(
+            format!(
                 "pid {} ({}) has waited {} for {wanted} (the policy preempts after {}), and \
                  {standing}",
                 w.who.pid,
                 w.who.user,
                 tt_device::format_duration(std::time::Duration::from_secs(waited)),
                 tt_device::format_duration(after),
-            );
-            (w, why)
+            )
         })
-    })
+    }
+
+    /// Whether `w` can be served once every preemptible job that yields to it has
+    /// yielded: enough of the GPUs it waits for are free or held only by such jobs.
+    fn served_after(&self, w: &Waiter, states: &[crate::LockState]) -> bool {
+        let yields = |h: &crate::Holder, key: &crate::GpuKey| {
+            h.preemptible
+                && self
+                    .why(w, &h.who.user, std::slice::from_ref(key))
+                    .is_some()
+        };
+        let servable = |key: &crate::GpuKey| {
+            let Some(state) = states.iter().find(|s| &s.gpu == key) else {
+                return true; // never locked: free
+            };
+            // A share asks for room beside the sharers, which the grant checks; an
+            // exclusive request needs every sharer gone.
+            let sharers_ok = matches!(w.wants, Wants::Share { .. })
+                || state.shares.iter().all(|h| yields(h, key));
+            let holder_ok = match &state.holder {
+                Some(h) => yields(h, key),
+                None => !state.held,
+            };
+            holder_ok && sharers_ok && state.unrecorded.is_empty()
+        };
+        let free = w.wants.gpus().iter().filter(|k| servable(k)).count();
+        match &w.wants {
+            Wants::Auto { count, .. } => free >= *count,
+            other => free == other.gpus().len(),
+        }
+    }
 }
 
 impl LockDir {
@@ -445,7 +500,7 @@ mod tests {
         let now = 10_000;
         let gpu0 = [GpuKey::Index(0)];
         let long = [waiter(1, "light", now - 1900, 1)];
-        let (w, why) = preemptor(&policy, &long, &standings, "heavy", &gpu0, now).unwrap();
+        let (w, why) = preemptor(&policy, &long, &standings, "heavy", &gpu0, &[], now).unwrap();
         assert_eq!(w.ticket, 1);
         assert!(
             why.contains("has waited 1900s") && why.contains("90% of recent use"),
@@ -453,25 +508,90 @@ mod tests {
         );
         // Not yet 30 minutes; not a GPU it holds; its own request; a lighter holder.
         let short = [waiter(1, "light", now - 60, 1)];
-        assert!(preemptor(&policy, &short, &standings, "heavy", &gpu0, now).is_none());
+        assert!(preemptor(&policy, &short, &standings, "heavy", &gpu0, &[], now).is_none());
         assert!(preemptor(
             &policy,
             &long,
             &standings,
             "heavy",
             &[GpuKey::Index(7)],
+            &[],
             now
         )
         .is_none());
         let own = [waiter(1, "heavy", now - 1900, 1)];
-        assert!(preemptor(&policy, &own, &standings, "heavy", &gpu0, now).is_none());
-        assert!(preemptor(&policy, &long, &standings, "light", &gpu0, now).is_none());
+        assert!(preemptor(&policy, &own, &standings, "heavy", &gpu0, &[], now).is_none());
+        assert!(preemptor(&policy, &long, &standings, "light", &gpu0, &[], now).is_none());
         // A request the limits hold back preempts nobody; no [preemption], nothing.
         let mut held = long.clone();
         held[0].held = Some("held by policy".into());
-        assert!(preemptor(&policy, &held, &standings, "heavy", &gpu0, now).is_none());
+        assert!(preemptor(&policy, &held, &standings, "heavy", &gpu0, &[], now).is_none());
         policy.preemption = None;
-        assert!(preemptor(&policy, &long, &standings, "heavy", &gpu0, now).is_none());
+        assert!(preemptor(&policy, &long, &standings, "heavy", &gpu0, &[], now).is_none());
+    }
+
+    /// GPU `index`'s state: held by a job of `user` (preemptible or not), or free.
+    fn state(index: u32, held_by: Option<(&str, bool)>) -> crate::LockState {
+        let holder = held_by.map(|(user, preemptible)| {
+            let mut h = Holder::example();
+            h.who.user = user.into();
+            h.preemptible = preemptible;
+            h
+        });
+        crate::LockState {
+            gpu: GpuKey::Index(index),
+            nvml_index: None,
+            name: None,
+            path: format!("gpu-{index}.lock").into(),
+            held: holder.is_some(),
+            holder,
+            waiting: 1,
+            shares: Vec::new(),
+            ignored: Vec::new(),
+            unrecorded: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_job_is_preempted_only_for_a_request_that_can_then_be_served() {
+        let policy =
+            Policy::parse("[fair_share]\nhalf_life = \"1h\"\n[preemption]\nafter = \"2s\"\n")
+                .unwrap();
+        let standings: HashMap<_, _> =
+            [standing("heavy", 0.9, 2), standing("light", 0.1, 0)].into();
+        let now = 10_000;
+        let mut both = waiter(1, "light", now - 60, 2);
+        both.wants = Wants::Gpus {
+            gpus: vec![GpuKey::Index(0), GpuKey::Index(3)],
+        };
+        let queue = [both];
+        let gpu0 = [GpuKey::Index(0)];
+        // GPU 3 held by a job that is not preemptible: the request would still wait.
+        let states = [
+            state(0, Some(("heavy", true))),
+            state(3, Some(("heavy", false))),
+        ];
+        assert!(preemptor(&policy, &queue, &standings, "heavy", &gpu0, &states, now).is_none());
+        // Held by a bare lock with no record: the same.
+        let mut bare = states.clone();
+        bare[1] = state(3, None);
+        bare[1].held = true;
+        assert!(preemptor(&policy, &queue, &standings, "heavy", &gpu0, &bare, now).is_none());
+        // GPU 3 free, or held by a preemptible job that yields too: preempted.
+        for other in [state(3, None), state(3, Some(("heavy", true)))] {
+            let states = [state(0, Some(("heavy", true))), other];
+            assert!(
+                preemptor(&policy, &queue, &standings, "heavy", &gpu0, &states, now).is_some(),
+                "{states:?}"
+            );
+        }
+        // An auto request for one of the two: one servable GPU is enough.
+        let mut one = waiter(1, "light", now - 60, 1);
+        one.wants = Wants::Auto {
+            count: 1,
+            among: vec![GpuKey::Index(0), GpuKey::Index(3)],
+        };
+        assert!(preemptor(&policy, &[one], &standings, "heavy", &gpu0, &states, now).is_some());
     }
 
     #[test]

@@ -1316,3 +1316,74 @@ fn a_client_that_never_reads_holds_no_one_out_and_other_names_get_nothing() {
     unsafe { libc::kill(-(server.id() as i32), libc::SIGKILL) };
     let _ = server.wait();
 }
+
+/// A request that could not run even once a preemptible job yields (it also wants a GPU
+/// held by a job that is not preemptible) preempts nobody: root's preemptible job on
+/// GPU 0 runs on while tt-test-a's request for GPUs 0 and 3 waits past the policy's
+/// `after` and runs out, and GPU 0 never sits idle for it.
+#[test]
+fn a_request_that_cannot_then_be_served_preempts_nobody() {
+    let Some((tmp, dir, policy)) = under_policy(
+        "[fair_share]\nhalf_life = \"1h\"\n[preemption]\nafter = \"1s\"\ngrace = \"60s\"\n",
+    ) else {
+        return;
+    };
+    let [user_a, _] = tt_testkit::users::USER_NAMES;
+    // (The home `Stopped` stops root's jobs from.)
+    let root_home = tmp.path().to_owned();
+    let root = || {
+        let mut c = torchtools(&dir);
+        c.env("TORCHTOOLS_POLICY", &policy)
+            .env("XDG_STATE_HOME", root_home.join("state"))
+            .env("XDG_CONFIG_HOME", root_home.join("config"))
+            .env_remove("TORCHTOOLS_JOB_ID");
+        c
+    };
+    let detach = |args: &[&str]| {
+        let id = ok(root()
+            .args(["reserve", "--detach"])
+            .args(args)
+            .args(["--no-fence", "--", "sleep", "600"])
+            .output()
+            .unwrap())
+        .trim()
+        .to_owned();
+        crate::common::Stopped(tmp.path(), id)
+    };
+    let preemptible = detach(&["--preemptible", "--gpu", "0"]);
+    let steady = detach(&["--gpu", "3"]);
+    let job = |id: &str| -> serde_json::Value {
+        let all: serde_json::Value =
+            serde_json::from_str(&ok(root().args(["jobs", "--json"]).output().unwrap())).unwrap();
+        all.as_array()
+            .unwrap()
+            .iter()
+            .find(|j| j["id"] == id)
+            .cloned()
+            .unwrap()
+    };
+    crate::common::until("both of root's jobs run", || {
+        job(&preemptible.1)["state"] == "running" && job(&steady.1)["state"] == "running"
+    });
+    let home_a = home_of(tmp.path(), user_a);
+    // Waits 8 s: past `after` for 7 s, 14 of the job's looks at the queue.
+    let out = as_user(user_a, &dir, &home_a)
+        .env("TORCHTOOLS_POLICY", &policy)
+        .args([
+            "reserve",
+            "--gpu",
+            "0,3",
+            "--timeout",
+            "8s",
+            "--no-fence",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(75), "{out:?}");
+    let log = std::path::PathBuf::from(job(&preemptible.1)["log"].as_str().unwrap());
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(!said.contains("preempted"), "{said}");
+    assert_eq!(job(&preemptible.1)["state"], "running");
+}
