@@ -278,14 +278,12 @@ pub(crate) fn log_uid(name: &str) -> Option<u32> {
         .flatten()
 }
 
-/// How many names beside `usage-<uid>.jsonl` a user's log may take when files are
-/// planted under the first ones.
-const LOG_NAMES: u32 = 16;
-
 /// This user's log in `dir`: `usage-<uid>.jsonl`, or, when another user planted a
-/// file under that name first (a FIFO, a file of their own), the first of
-/// `usage-<uid>.<k>.jsonl` that is this user's or free, with a warning that names the
-/// planted file. Readers find every one of these names.
+/// file under that name first (a FIFO, a file of their own), a log of this user's own
+/// beside it, `usage-<uid>.<k>.jsonl`: the first such file this user already owns, else
+/// a new one under a number nobody can guess (a planted file can take a name only
+/// before it is chosen), with a warning that names the planted file. Readers find every
+/// one of these names, and believe each only when this user owns it.
 fn own_log(dir: &Path, uid: u32) -> std::io::Result<OwnLog> {
     let first = dir.join(format!("{USAGE_PREFIX}{uid}.jsonl"));
     let planted = match open_log(&first) {
@@ -293,18 +291,48 @@ fn own_log(dir: &Path, uid: u32) -> std::io::Result<OwnLog> {
         Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => e,
         Err(e) => return Err(e),
     };
-    for k in 2..=LOG_NAMES {
-        let path = dir.join(format!("{USAGE_PREFIX}{uid}.{k}.jsonl"));
+    let beside = |path: &Path| {
+        tracing::warn!(
+            "the GPU usage log {}: {planted}; recording in {} instead",
+            first.display(),
+            path.display()
+        );
+    };
+    // A log of this user's own made beside an earlier planted file.
+    let own = std::fs::read_dir(dir)?.flatten().filter(|e| {
+        let name = e.file_name();
+        let is_log = name.to_str().and_then(log_uid) == Some(uid)
+            && name != first.file_name().unwrap_or_default();
+        is_log && e.metadata().is_ok_and(|m| m.is_file() && m.uid() == uid)
+    });
+    for entry in own {
+        if let Ok(log) = open_log(&entry.path()) {
+            beside(&entry.path());
+            return Ok(log);
+        }
+    }
+    for _ in 0..8 {
+        let path = dir.join(format!("{USAGE_PREFIX}{uid}.{}.jsonl", unguessable()));
         if let Ok(log) = open_log(&path) {
-            tracing::warn!(
-                "the GPU usage log {}: {planted}; recording in {} instead",
-                first.display(),
-                path.display()
-            );
+            beside(&path);
             return Ok(log);
         }
     }
     Err(planted)
+}
+
+/// A number nobody can guess in advance: the standard library's randomly keyed hash
+/// (seeded from the system's randomness) of the time and this process.
+fn unguessable() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
 }
 
 /// `event` as one line, in one `write` (a record is far below what one write of an
@@ -501,6 +529,7 @@ pub(crate) fn read_more(
     // Streamed a line at a time, each line at most MAX_LINE bytes: a log grown huge
     // (`truncate -s 1T`) costs its owner's records past the first over-long line, never
     // a reader's memory or patience.
+    let now = now_unix();
     let mut reader = std::io::BufReader::with_capacity(64 * 1024, &file);
     let mut line = Vec::with_capacity(512);
     loop {
@@ -537,14 +566,21 @@ pub(crate) fn read_more(
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        take_line(line, path, meta.uid(), n, state);
+        take_line(line, path, meta.uid(), n, state, now);
     }
     Ok(())
 }
 
+/// A record's times are read into `[0, now + TIME_SLACK]` (an end no earlier than its
+/// start): a log's owner writes them, and whatever they write, every sum and ratio of
+/// them stays finite and no record says it lasted longer than the epoch.
+const TIME_SLACK: f64 = 60.0;
+
 /// One line of a log into `state`: a start recorded, an end matched with its start, a
-/// damaged line counted, a record not its log's owner's ignored.
-fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, state: &mut LogState) {
+/// damaged line counted, a record not its log's owner's ignored; times bounded (see
+/// [`TIME_SLACK`]) at `now`.
+fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, state: &mut LogState, now: f64) {
+    let latest = now + TIME_SLACK;
     let log = &mut state.log;
     match serde_json::from_slice::<UsageEvent>(line) {
         Ok(UsageEvent::Start {
@@ -572,7 +608,7 @@ fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, state: &mut Log
                 bytes,
                 command,
                 share_of,
-                start: time,
+                start: time.clamp(0.0, latest),
                 end: None,
                 status: None,
                 lost: false,
@@ -586,7 +622,7 @@ fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, state: &mut Log
         }) => {
             if let Some(r) = state.by_id.get(&id).map(|i| &mut log.records[*i]) {
                 if r.end.is_none() {
-                    r.end = Some(time);
+                    r.end = Some(time.clamp(r.start, latest.max(r.start)));
                     r.status = status;
                     r.lost = lost;
                 }
@@ -686,6 +722,46 @@ mod tests {
             });
             assert!(opened.iter().all(|&ok| ok), "{opened:?}");
         }
+    }
+
+    #[test]
+    fn times_a_log_says_are_read_within_the_epoch_and_now() {
+        let tmp = tempfile::tempdir().unwrap();
+        let uid = crate::owner::euid();
+        let path = tmp.path().join(format!("{USAGE_PREFIX}{uid}.jsonl"));
+        let user = crate::owner::name_of_uid(uid);
+        for (id, start, end) in [("a", -1e300, 1e300), ("b", 1e300, -1e300), ("c", 5.0, 1.0)] {
+            let line = format!(
+                "{{\"event\":\"start\",\"id\":\"{id}\",\"user\":\"{user}\",\"host\":\"h\",\
+                 \"pid\":1,\"gpu\":\"g\",\"bytes\":null,\"time\":{start:e},\"command\":[]}}\n\
+                 {{\"event\":\"end\",\"id\":\"{id}\",\"time\":{end:e},\"status\":0}}\n"
+            );
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .unwrap()
+                .write_all(line.as_bytes())
+                .unwrap();
+        }
+        let mut log = UsageLog::default();
+        read(&path, uid, &mut log).unwrap();
+        let now = now_unix();
+        assert_eq!(log.records.len(), 3, "{log:?}");
+        for r in &log.records {
+            let end = r.end.unwrap();
+            assert!(
+                (0.0..=now + TIME_SLACK + 1.0).contains(&r.start) && end >= r.start,
+                "{r:?}"
+            );
+            assert!(end <= now + TIME_SLACK + 1.0, "{r:?}");
+        }
+        assert_eq!((log.records[2].start, log.records[2].end), (5.0, Some(5.0)));
+        let total: f64 = log.records.iter().map(|r| r.seconds(now)).sum();
+        assert!(
+            total.is_finite() && total <= now + TIME_SLACK + 1.0,
+            "{total}"
+        );
     }
 
     #[test]

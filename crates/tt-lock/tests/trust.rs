@@ -419,14 +419,17 @@ fn jam_role(role: &str, dir: &Path) {
         // that anyone may write.
         "plant-logs" => {
             let [a, b] = tt_testkit::users::two_users_known().unwrap();
-            let fifo = std::ffi::CString::new(
-                dir.join(format!("usage-{}.jsonl", a.uid))
-                    .into_os_string()
-                    .into_encoded_bytes(),
-            )
-            .unwrap();
-            // SAFETY: the path is a NUL-terminated string alive for the call.
-            assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
+            // The first user's log name and every name beside it that a log was once
+            // tried under (`usage-<uid>.2.jsonl` to `.16.`), FIFOs all.
+            let names = std::iter::once(format!("usage-{}.jsonl", a.uid))
+                .chain((2..=16).map(|k| format!("usage-{}.{k}.jsonl", a.uid)));
+            for name in names {
+                let fifo =
+                    std::ffi::CString::new(dir.join(name).into_os_string().into_encoded_bytes())
+                        .unwrap();
+                // SAFETY: the path is a NUL-terminated string alive for the call.
+                assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o666) }, 0);
+            }
             let file = dir.join(format!("usage-{}.jsonl", b.uid));
             std::fs::write(&file, "").unwrap();
             std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o666)).unwrap();
@@ -720,9 +723,11 @@ fn forged_ticket_numbers_neither_crash_nor_push_another_users_request() {
     end([vandal]);
 }
 
-/// Files the vandal put first under both users' usage logs' names (a FIFO, a file
-/// anyone may write) cost neither user their accounting: each records in a log of its
-/// own beside it, reads its reservation back, and sees the planted file reported.
+/// Files the vandal put first under both users' usage logs' names (FIFOs under the
+/// first user's name and the next 15 names beside it, a file anyone may write under the
+/// second's) cost neither user their accounting: each records in a log of its own
+/// beside it, under a name nobody could guess, reads its reservation back, and sees the
+/// planted file reported.
 #[test]
 fn usage_log_names_planted_by_another_user_cost_no_accounting() {
     let _turn = UMASK.lock().unwrap_or_else(|e| e.into_inner());
