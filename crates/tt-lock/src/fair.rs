@@ -20,7 +20,6 @@ use serde::Serialize;
 use tt_device::Bytes;
 
 use crate::policy::{Limits, Policy};
-use crate::usage::Usage;
 use crate::{LockDir, Result, Waiter, Wants};
 
 /// One user's standing under the policy: recent use and what they hold and ask now.
@@ -51,33 +50,6 @@ impl Standing {
             self.fraction * 100.0
         )
     }
-}
-
-/// Each user's recent use in GPU-seconds at `now`, decayed with `half_life` seconds.
-pub(crate) fn decayed_use<'r>(
-    records: impl IntoIterator<Item = &'r Usage>,
-    now: f64,
-    half_life: f64,
-) -> HashMap<String, f64> {
-    let k = std::f64::consts::LN_2 / half_life.max(1e-9);
-    let mut uses: HashMap<&'r str, f64> = HashMap::new();
-    for r in records {
-        let end = r.end.unwrap_or(now).min(now);
-        let start = r.start.min(end);
-        if !(start.is_finite() && end.is_finite()) {
-            continue;
-        }
-        let weight = match (r.share_of, r.bytes) {
-            (Some(capacity), Some(bytes)) if capacity > 0 => {
-                (bytes as f64 / capacity as f64).min(1.0)
-            }
-            _ => 1.0,
-        };
-        // The integral of 2^(-(now - t) / half_life) from start to end.
-        let used = ((-k * (now - end)).exp() - (-k * (now - start)).exp()) / k;
-        *uses.entry(r.user.as_str()).or_default() += weight * used;
-    }
-    uses.into_iter().map(|(u, v)| (u.to_owned(), v)).collect()
 }
 
 /// Why a request is held back by `limits`, given its user's standing; `None` when it
@@ -320,43 +292,14 @@ impl LockDir {
     /// on from where this process's last reading of this directory stopped: a decision
     /// reads only the records written since.
     fn recent_use(&self, half_life: f64) -> Result<HashMap<String, f64>> {
-        crate::usage::with_tally(self.path(), |tally| self.recent_use_from(tally, half_life))
-    }
-
-    /// [`LockDir::recent_use`] with `tally`, this directory's logs as read so far.
-    fn recent_use_from(
-        &self,
-        tally: &mut HashMap<std::path::PathBuf, crate::usage::LogState>,
-        half_life: f64,
-    ) -> Result<HashMap<String, f64>> {
-        let mut present = std::collections::HashSet::new();
-        for name in self.names()? {
-            let Some(uid) = name.to_str().and_then(crate::usage::log_uid) else {
-                continue;
-            };
-            let path = self.path().join(&name);
-            crate::usage::read_more(&path, uid, tally.entry(path.clone()).or_default(), true)?;
-            present.insert(path);
-        }
-        tally.retain(|path, _| present.contains(path));
-        let mut records: Vec<&Usage> = tally.values().flat_map(|s| &s.log.records).collect();
-        // Open records of holders no longer alive: ended when the GPU's next holder took
-        // it, as `usage` shows them lost.
-        let live = self.live_usage_ids()?;
-        let now = tt_device::now_unix();
-        let open_dead =
-            |r: &Usage| r.end.is_none() && !live.contains(&(r.user.clone(), r.id.clone()));
-        let mut ended: Vec<Usage> = Vec::new();
-        if records.iter().any(|r| open_dead(r)) {
-            records.sort_by(|a, b| a.start.total_cmp(&b.start));
-            for (i, end) in crate::usage::lost_ends(&records, &live, now) {
-                let mut r = records[i].clone();
-                r.end = Some(end);
-                ended.push(r);
-            }
-        }
-        let open_or_done = records.into_iter().filter(|r| !open_dead(r));
-        Ok(decayed_use(open_or_done.chain(&ended), now, half_life))
+        let (logs, _) = self.usage_logs()?;
+        crate::tally::recent_use(
+            self.path(),
+            &logs,
+            half_life,
+            || self.live_usage_ids(),
+            tt_device::now_unix(),
+        )
     }
 
     /// The queue as `policy` serves it (see [`LockDir::queue`]).
@@ -384,6 +327,7 @@ fn standing_of<'m>(standings: &'m mut HashMap<String, Standing>, user: &str) -> 
 mod tests {
     use super::*;
     use crate::policy::FairShare;
+    use crate::Usage;
     use crate::{GpuKey, Holder};
     use std::time::Duration;
 
@@ -409,20 +353,20 @@ mod tests {
         let day = 86_400.0;
         let now = 100.0 * day;
         // One GPU-hour that ended one half-life ago counts about half an hour.
-        let old = decayed_use(
+        let old = crate::tally::decayed_use(
             &[usage("ada", now - day - 3600.0, Some(now - day))],
             now,
             day,
         );
         assert!((old["ada"] / 1800.0 - 1.0).abs() < 0.02, "{old:?}");
         // A fresh hour counts nearly whole; one still held counts up to now.
-        let fresh = decayed_use(&[usage("bob", now - 3600.0, None)], now, day);
+        let fresh = crate::tally::decayed_use(&[usage("bob", now - 3600.0, None)], now, day);
         assert!((fresh["bob"] / 3600.0 - 1.0).abs() < 0.02, "{fresh:?}");
         // A share of a quarter of the GPU counts a quarter.
         let mut share = usage("cy", now - 3600.0, Some(now));
         share.bytes = Some(20);
         share.share_of = Some(80);
-        let quarter = decayed_use(&[share], now, day);
+        let quarter = crate::tally::decayed_use(&[share], now, day);
         assert!((quarter["cy"] / 900.0 - 1.0).abs() < 0.02, "{quarter:?}");
     }
 

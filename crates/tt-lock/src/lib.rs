@@ -14,6 +14,7 @@ mod policy;
 mod queue;
 mod record;
 mod share;
+mod tally;
 mod usage;
 mod watch;
 

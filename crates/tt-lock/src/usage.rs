@@ -154,6 +154,12 @@ pub(crate) fn new_id(holder: &Holder) -> String {
     )
 }
 
+/// Logs read per user: the plain name and the ones beside names others planted.
+pub(crate) const MAX_LOGS: usize = 4;
+
+/// A usage log to read: its path and the uid it is for.
+pub(crate) type LogFile = (std::path::PathBuf, u32);
+
 impl LockDir {
     /// The usage log of the user `uid`: `usage-<uid>.jsonl` in the directory.
     pub fn usage_log_path(&self, uid: u32) -> std::path::PathBuf {
@@ -215,11 +221,10 @@ impl LockDir {
     /// GPU, and is shown lost (see the module's documentation). Nothing is written.
     pub fn usage(&self) -> Result<UsageLog> {
         let mut log = UsageLog::default();
-        for name in self.names()? {
-            let Some(uid) = name.to_str().and_then(log_uid) else {
-                continue;
-            };
-            read(&self.path().join(&name), uid, &mut log)?;
+        let (logs, ignored) = self.usage_logs()?;
+        log.ignored = ignored;
+        for (path, uid) in logs {
+            read(&path, uid, &mut log)?;
         }
         log.records.sort_by(|a, b| a.start.total_cmp(&b.start));
         let live = self.live_usage_ids()?;
@@ -230,6 +235,45 @@ impl LockDir {
             log.records[i].lost = true;
         }
         Ok(log)
+    }
+
+    /// The usage logs to read, each with the uid it is for: every `usage-<uid>*.jsonl`,
+    /// but at most [`MAX_LOGS`] of those each uid owns (its plain name
+    /// first, then by name; the others are reported, not read). A file under a log's
+    /// name that its uid does not own is listed, to be reported by its reading.
+    pub(crate) fn usage_logs(&self) -> Result<(Vec<LogFile>, Vec<Ignored>)> {
+        let mut by_uid: HashMap<u32, Vec<String>> = HashMap::new();
+        for name in self.names()? {
+            let Some(name) = name.to_str() else { continue };
+            if let Some(uid) = log_uid(name) {
+                by_uid.entry(uid).or_default().push(name.to_owned());
+            }
+        }
+        let mut logs = Vec::new();
+        let mut ignored = Vec::new();
+        for (uid, mut names) in by_uid {
+            let plain = format!("{USAGE_PREFIX}{uid}.jsonl");
+            names.sort_by_key(|n| (n != &plain, n.clone()));
+            let mut owned = 0;
+            for name in names {
+                let path = self.path().join(&name);
+                let owner = std::fs::symlink_metadata(&path).ok().map(|m| m.uid());
+                if owner == Some(uid) {
+                    owned += 1;
+                    if owned > MAX_LOGS {
+                        ignored.push(Ignored::because(
+                            &path,
+                            uid,
+                            &crate::owner::name_of_uid(uid),
+                            format!("more than {} usage logs of one user: not read", MAX_LOGS),
+                        ));
+                        continue;
+                    }
+                }
+                logs.push((path, uid));
+            }
+        }
+        Ok((logs, ignored))
     }
 
     /// The usage ids of the live, believed holder and sharer records, each with the
@@ -439,33 +483,34 @@ const MAX_RECORDS: usize = 16_000_000;
 /// this log only: nobody closes another user's reservation), damaged lines skipped
 /// and counted, a log or record not its owner's ignored.
 fn read(path: &Path, uid: u32, log: &mut UsageLog) -> Result<()> {
-    let mut state = LogState::default();
+    let mut state = Tailed::<Records>::default();
     read_more(path, uid, &mut state, false)?;
-    log.records.append(&mut state.log.records);
-    log.skipped.append(&mut state.log.skipped);
-    log.ignored.append(&mut state.log.ignored);
+    log.records.append(&mut state.sink.log.records);
+    log.skipped.append(&mut state.sink.log.skipped);
+    log.ignored.append(&mut state.sink.log.ignored);
     Ok(())
 }
 
-/// Every lock directory's usage logs as read so far by this process, for the fair
-/// share's recent use (read on from where it stopped at each decision: logs only grow).
-static TALLY: std::sync::LazyLock<
-    std::sync::Mutex<HashMap<std::path::PathBuf, HashMap<std::path::PathBuf, LogState>>>,
-> = std::sync::LazyLock::new(Default::default);
-
-/// Runs `f` with the logs of the lock directory at `dir` as read so far (by path).
-pub(crate) fn with_tally<R>(
-    dir: &Path,
-    f: impl FnOnce(&mut HashMap<std::path::PathBuf, LogState>) -> R,
-) -> R {
-    let mut all = TALLY.lock().unwrap_or_else(|e| e.into_inner());
-    f(all.entry(dir.to_owned()).or_default())
+/// What a log's lines are read into ([`read_more`]): each start and end, each
+/// damaged line, each record not believed. Its times are already bounded (see
+/// [`TIME_SLACK`]).
+pub(crate) trait Sink {
+    /// A reservation started.
+    fn start(&mut self, record: Usage);
+    /// The reservation `id` of this log ended at `time` (no earlier than its start).
+    fn end(&mut self, id: &str, time: f64, status: Option<i32>, lost: bool);
+    /// A line that could not be read, or the reason the rest of the log is not read.
+    fn skipped(&mut self, why: String);
+    /// A log or record not believed.
+    fn ignored(&mut self, why: Ignored);
+    /// Everything read is forgotten: the log is another file now.
+    fn reset(&mut self);
 }
 
-/// One user's log as read so far: a reader that keeps it reads only what was appended
-/// since ([`read_more`]; logs only grow, a record per line).
+/// A log as read so far by a reader that keeps it, reading only what was appended
+/// since ([`read_more`]; logs only grow, a record per line), into its sink.
 #[derive(Debug, Default)]
-pub(crate) struct LogState {
+pub(crate) struct Tailed<S> {
     /// The file read (device and inode): another file under the name is read anew.
     file: (u64, u64),
     /// Bytes read, through the last whole line.
@@ -475,27 +520,91 @@ pub(crate) struct LogState {
     /// Reading stopped for good (an over-long line, too many records).
     stopped: bool,
     /// What was read.
-    pub(crate) log: UsageLog,
+    pub(crate) sink: S,
+}
+
+impl<S: Sink> Tailed<S> {
+    /// A log not read yet, into `sink`.
+    pub(crate) fn new(sink: S) -> Tailed<S> {
+        Tailed {
+            file: (0, 0),
+            offset: 0,
+            lines: 0,
+            stopped: false,
+            sink,
+        }
+    }
+
+    fn reset(&mut self, file: (u64, u64)) {
+        self.file = file;
+        self.offset = 0;
+        self.lines = 0;
+        self.stopped = false;
+        self.sink.reset();
+    }
+}
+
+/// Every record of a log, as `usage` lists them.
+#[derive(Debug, Default)]
+pub(crate) struct Records {
+    log: UsageLog,
     /// Where each start's record is in `log.records`.
     by_id: HashMap<String, usize>,
+}
+
+#[cfg(test)]
+impl Records {
+    /// The records read.
+    pub(crate) fn into_records(self) -> Vec<Usage> {
+        self.log.records
+    }
+}
+
+impl Sink for Records {
+    fn start(&mut self, record: Usage) {
+        self.by_id.insert(record.id.clone(), self.log.records.len());
+        self.log.records.push(record);
+    }
+
+    fn end(&mut self, id: &str, time: f64, status: Option<i32>, lost: bool) {
+        if let Some(r) = self.by_id.get(id).map(|i| &mut self.log.records[*i]) {
+            if r.end.is_none() {
+                r.end = Some(time.max(r.start));
+                r.status = status;
+                r.lost = lost;
+            }
+        }
+    }
+
+    fn skipped(&mut self, why: String) {
+        self.log.skipped.push(why);
+    }
+
+    fn ignored(&mut self, why: Ignored) {
+        self.log.ignored.push(why);
+    }
+
+    fn reset(&mut self) {
+        *self = Records::default();
+    }
 }
 
 /// Reads on in the log of `uid` at `path` from where `state` stopped (from its start
 /// when it is another file now). `whole_lines`: a last line without its newline (being
 /// written) is left for the next read, rather than read as damaged.
-pub(crate) fn read_more(
+pub(crate) fn read_more<S: Sink>(
     path: &Path,
     uid: u32,
-    state: &mut LogState,
+    state: &mut Tailed<S>,
     whole_lines: bool,
 ) -> Result<()> {
     use std::io::{Seek, SeekFrom};
     let Some((file, meta)) = crate::file::open_to_read(path) else {
         // Gone since, or something else under a log's name (a FIFO, a symbolic link):
         // not a log, and reported when it is there.
-        *state = LogState::default();
+        state.reset((0, 0));
         if let Ok(meta) = std::fs::symlink_metadata(path) {
-            state.log.ignored.push(Ignored::because(
+            state.sink.ignored(Ignored::because(
                 path,
                 meta.uid(),
                 &crate::owner::name_of_uid(uid),
@@ -506,14 +615,11 @@ pub(crate) fn read_more(
     };
     let owner = crate::owner::name_of_uid(uid);
     if state.file != (meta.dev(), meta.ino()) || meta.len() < state.offset {
-        *state = LogState {
-            file: (meta.dev(), meta.ino()),
-            ..LogState::default()
-        };
+        state.reset((meta.dev(), meta.ino()));
     }
     if let Err(why) = crate::owner::check(path, meta.uid(), &owner) {
-        state.log = UsageLog::default();
-        state.log.ignored.push(why);
+        state.sink.reset();
+        state.sink.ignored(why);
         state.stopped = true;
         return Ok(());
     }
@@ -558,7 +664,7 @@ pub(crate) fn read_more(
                 }
             );
             tracing::warn!("skipping a damaged usage log: {why}");
-            state.log.skipped.push(why);
+            state.sink.skipped(why);
             state.stopped = true;
             break;
         }
@@ -566,7 +672,7 @@ pub(crate) fn read_more(
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        take_line(line, path, meta.uid(), n, state, now);
+        take_line(line, path, meta.uid(), n, &mut state.sink, now);
     }
     Ok(())
 }
@@ -576,12 +682,11 @@ pub(crate) fn read_more(
 /// them stays finite and no record says it lasted longer than the epoch.
 const TIME_SLACK: f64 = 60.0;
 
-/// One line of a log into `state`: a start recorded, an end matched with its start, a
+/// One line of a log into `sink`: a start recorded, an end matched with its start, a
 /// damaged line counted, a record not its log's owner's ignored; times bounded (see
 /// [`TIME_SLACK`]) at `now`.
-fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, state: &mut LogState, now: f64) {
+fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, sink: &mut impl Sink, now: f64) {
     let latest = now + TIME_SLACK;
-    let log = &mut state.log;
     match serde_json::from_slice::<UsageEvent>(line) {
         Ok(UsageEvent::Start {
             id,
@@ -595,11 +700,10 @@ fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, state: &mut Log
             share_of,
         }) => {
             if let Err(why) = crate::owner::check(path, owner_uid, &user) {
-                log.ignored.push(why);
+                sink.ignored(why);
                 return;
             }
-            state.by_id.insert(id.clone(), log.records.len());
-            log.records.push(Usage {
+            sink.start(Usage {
                 id,
                 user,
                 host,
@@ -619,19 +723,11 @@ fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, state: &mut Log
             time,
             status,
             lost,
-        }) => {
-            if let Some(r) = state.by_id.get(&id).map(|i| &mut log.records[*i]) {
-                if r.end.is_none() {
-                    r.end = Some(time.clamp(r.start, latest.max(r.start)));
-                    r.status = status;
-                    r.lost = lost;
-                }
-            }
-        }
+        }) => sink.end(&id, time.clamp(0.0, latest), status, lost),
         Err(e) => {
             let why = format!("{}: line {}: {e}", path.display(), n + 1);
             tracing::warn!("skipping a damaged usage record: {why}");
-            log.skipped.push(why);
+            sink.skipped(why);
         }
     }
 }

@@ -1,0 +1,485 @@
+//! Each user's recent use for the fair share, folded as the usage logs are read, so
+//! that a decision costs the same whatever the history and whatever one user wrote
+//! into a log of their own.
+//!
+//! A process keeps, per lock directory, each log's place and what its records add up
+//! to: a reservation that ended is folded into its user's decayed sum at once and
+//! forgotten; one still open is kept (at most [`MAX_OPEN`] per log: past that, the
+//! oldest is folded in as ended when the log's next reservation started, charged to the
+//! log's owner, who wrote them); the starts of each GPU's reservations are kept only
+//! from the oldest reservation still open on it (the next start after a holder that
+//! died holding its GPU is when it ended at the latest). A decision then reads what was
+//! appended since, and sums a few numbers per user and per open reservation.
+//!
+//! The sums are kept as `w * exp(k * (t - origin))` integrals (`k = ln 2 / half_life`)
+//! and decayed to `now` when read: exactly the integral `decayed_use` computes from the
+//! records, without them. `origin` moves forward before the exponent could overflow.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::{Path, PathBuf};
+
+use crate::usage::{read_more, Sink, Tailed, Usage};
+use crate::Ignored;
+
+/// Open reservations kept per log; an honest user has as many as they hold now plus
+/// those of holders that died holding a GPU.
+pub(crate) const MAX_OPEN: usize = 4096;
+
+/// `k * (t - origin)` past which the sums are moved to a later origin.
+const REBASE_AT: f64 = 200.0;
+
+/// One reservation still open.
+#[derive(Debug, Clone)]
+struct Open {
+    user: String,
+    gpu: String,
+    start: f64,
+    weight: f64,
+    /// A decision already found its holder dead (its end, if it is ever written, came
+    /// before that decision's reading).
+    seen_dead: bool,
+}
+
+/// One log as folded so far (see the module's documentation).
+#[derive(Debug, Default)]
+pub(crate) struct Folded {
+    k: f64,
+    origin: f64,
+    /// Ended reservations: per user, the sum of `w * (g(end) - g(start)) / k`, where
+    /// `g(t) = exp(k * (t - origin))`.
+    closed: HashMap<String, f64>,
+    /// Open reservations by id, and their ids in the order read.
+    open: HashMap<String, Open>,
+    order: VecDeque<String>,
+    /// Each GPU's starts read from this log (kept from the oldest open one on).
+    starts: HashMap<String, Vec<f64>>,
+    /// The latest start read.
+    latest: f64,
+}
+
+/// The weight of a reservation's seconds: a sharer's part of its GPU, else 1.
+fn weight(r: &Usage) -> f64 {
+    match (r.share_of, r.bytes) {
+        (Some(capacity), Some(bytes)) if capacity > 0 => (bytes as f64 / capacity as f64).min(1.0),
+        _ => 1.0,
+    }
+}
+
+impl Folded {
+    fn g(&self, t: f64) -> f64 {
+        (self.k * (t - self.origin)).exp()
+    }
+
+    fn fold(&mut self, open: Open, end: f64) {
+        let end = end.max(open.start);
+        let add = open.weight * (self.g(end) - self.g(open.start)) / self.k;
+        *self.closed.entry(open.user).or_default() += add;
+    }
+
+    /// Moves the sums to `origin`.
+    fn rebase(&mut self, origin: f64) {
+        let factor = (-self.k * (origin - self.origin)).exp();
+        for v in self.closed.values_mut() {
+            *v *= factor;
+        }
+        self.origin = origin;
+    }
+}
+
+impl Sink for Folded {
+    fn start(&mut self, r: Usage) {
+        let start = r.start;
+        self.starts.entry(r.gpu.clone()).or_default().push(start);
+        self.latest = self.latest.max(start);
+        let open = Open {
+            weight: weight(&r),
+            user: r.user,
+            gpu: r.gpu,
+            start,
+            seen_dead: false,
+        };
+        match self.open.insert(r.id.clone(), open) {
+            // The same id again: the first is taken to have ended when this began.
+            Some(earlier) => self.fold(earlier, start),
+            None => self.order.push_back(r.id),
+        }
+        while self.open.len() > MAX_OPEN {
+            let Some(id) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(oldest) = self.open.remove(&id) {
+                let at = self.latest;
+                self.fold(oldest, at);
+            }
+        }
+    }
+
+    fn end(&mut self, id: &str, time: f64, _status: Option<i32>, _lost: bool) {
+        if let Some(open) = self.open.remove(id) {
+            self.fold(open, time);
+        }
+    }
+
+    // What a log holds that is not believed or cannot be read counts for nothing here;
+    // `usage` and `policy` report it.
+    fn skipped(&mut self, _why: String) {}
+
+    fn ignored(&mut self, _why: Ignored) {}
+
+    fn reset(&mut self) {
+        *self = Folded {
+            k: self.k,
+            origin: self.origin,
+            ..Folded::default()
+        };
+    }
+}
+
+/// A lock directory's logs as folded so far by this process.
+#[derive(Debug, Default)]
+pub(crate) struct DirTally {
+    half_life: f64,
+    origin: f64,
+    logs: HashMap<PathBuf, Tailed<Folded>>,
+}
+
+/// Every lock directory's tally in this process (read on from where it stopped at each
+/// decision: logs only grow).
+static TALLY: std::sync::LazyLock<std::sync::Mutex<HashMap<PathBuf, DirTally>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// Each user's recent use at `now`, in GPU-seconds decayed with `half_life` seconds,
+/// from the logs of `dir` named `logs` (path and uid, at most [`crate::usage::MAX_LOGS`] per uid), read
+/// on from where this process stopped; `live` gives the usage ids (with their users) of
+/// live holder and sharer records, read once the logs are: an open reservation not among them belonged to a
+/// holder that died holding its GPU, and ended at the latest when the GPU's next
+/// reservation started, else now.
+pub(crate) fn recent_use(
+    dir: &Path,
+    logs: &[crate::usage::LogFile],
+    half_life: f64,
+    live: impl FnOnce() -> crate::Result<HashSet<(String, String)>>,
+    now: f64,
+) -> crate::Result<HashMap<String, f64>> {
+    let mut all = TALLY.lock().unwrap_or_else(|e| e.into_inner());
+    let tally = all.entry(dir.to_owned()).or_default();
+    let k = std::f64::consts::LN_2 / half_life.max(1e-9);
+    if tally.half_life != half_life || tally.logs.is_empty() {
+        // A new policy (or the first read): folded anew.
+        *tally = DirTally {
+            half_life,
+            origin: now,
+            logs: HashMap::new(),
+        };
+    }
+    if k * (now - tally.origin) > REBASE_AT {
+        tally.origin = now;
+        for log in tally.logs.values_mut() {
+            log.sink.rebase(now);
+        }
+    }
+    let present: HashSet<&PathBuf> = logs.iter().map(|(p, _)| p).collect();
+    tally.logs.retain(|path, _| present.contains(path));
+    for (path, uid) in logs {
+        let origin = tally.origin;
+        let log = tally.logs.entry(path.clone()).or_insert_with(|| {
+            Tailed::new(Folded {
+                k,
+                origin,
+                ..Folded::default()
+            })
+        });
+        read_more(path, *uid, log, true)?;
+    }
+    // After the reading: a start read has its live record already (it is written
+    // first), so only a holder that let go or died since is taken for dead.
+    let live = live()?;
+    let live = &live;
+    settle(tally, live, now);
+    let decay = (-k * (now - tally.origin)).exp();
+    let mut uses: HashMap<String, f64> = HashMap::new();
+    for log in tally.logs.values() {
+        for (user, v) in &log.sink.closed {
+            *uses.entry(user.clone()).or_default() += v * decay;
+        }
+        for (id, open) in &log.sink.open {
+            // Live (settle folded the dead ones whose end is known): until now.
+            let end = if live.contains(&(open.user.clone(), id.clone())) {
+                now
+            } else {
+                next_start(tally, &open.gpu, open.start).unwrap_or(now)
+            }
+            .clamp(open.start.min(now), now);
+            let start = open.start.min(end);
+            let used = ((-k * (now - end)).exp() - (-k * (now - start)).exp()) / k;
+            *uses.entry(open.user.clone()).or_default() += open.weight * used;
+        }
+    }
+    Ok(uses)
+}
+
+/// The first start of a reservation of `gpu` after `start`, in any log.
+fn next_start(tally: &DirTally, gpu: &str, start: f64) -> Option<f64> {
+    tally
+        .logs
+        .values()
+        .filter_map(|log| {
+            let starts = log.sink.starts.get(gpu)?;
+            let at = starts.partition_point(|&s| s <= start);
+            starts.get(at).copied()
+        })
+        .min_by(f64::total_cmp)
+}
+
+/// Sorts each GPU's starts, folds in every open reservation of a holder found dead by
+/// an earlier decision too (so no end of its own is still to be read) whose GPU was
+/// taken since (its end is known), and drops the starts no open reservation can still
+/// need: those before the oldest open one on their GPU.
+fn settle(tally: &mut DirTally, live: &HashSet<(String, String)>, now: f64) {
+    for log in tally.logs.values_mut() {
+        for starts in log.sink.starts.values_mut() {
+            if !starts.is_sorted() {
+                starts.sort_by(f64::total_cmp);
+            }
+        }
+    }
+    let mut ended: Vec<(PathBuf, String, f64)> = Vec::new();
+    let mut dead: Vec<(PathBuf, String)> = Vec::new();
+    for (path, log) in &tally.logs {
+        for (id, open) in &log.sink.open {
+            if live.contains(&(open.user.clone(), id.clone())) {
+                continue;
+            }
+            match next_start(tally, &open.gpu, open.start) {
+                Some(next) if open.seen_dead => {
+                    ended.push((path.clone(), id.clone(), next.min(now)));
+                }
+                _ => dead.push((path.clone(), id.clone())),
+            }
+        }
+    }
+    for (path, id) in dead {
+        if let Some(open) = tally
+            .logs
+            .get_mut(&path)
+            .and_then(|log| log.sink.open.get_mut(&id))
+        {
+            open.seen_dead = true;
+        }
+    }
+    for (path, id, end) in ended {
+        if let Some(log) = tally.logs.get_mut(&path) {
+            if let Some(open) = log.sink.open.remove(&id) {
+                log.sink.fold(open, end);
+            }
+        }
+    }
+    // The oldest open reservation on each GPU, in any log.
+    let mut pins: HashMap<String, f64> = HashMap::new();
+    for log in tally.logs.values() {
+        for open in log.sink.open.values() {
+            let pin = pins.entry(open.gpu.clone()).or_insert(open.start);
+            *pin = pin.min(open.start);
+        }
+    }
+    for log in tally.logs.values_mut() {
+        log.sink.order.retain(|id| log.sink.open.contains_key(id));
+        for (gpu, starts) in log.sink.starts.iter_mut() {
+            // A start before every open one is nobody's next start any more; the
+            // latest is kept (reservations still to be read start after it).
+            let keep_from = pins.get(gpu).copied().unwrap_or(f64::INFINITY);
+            let cut = starts
+                .partition_point(|&s| s < keep_from)
+                .min(starts.len().saturating_sub(1));
+            starts.drain(..cut);
+        }
+    }
+}
+
+/// Each user's recent use in GPU-seconds at `now`, decayed with `half_life` seconds,
+/// from whole records: what the fold computes without keeping them (the tests compare the
+/// two).
+#[cfg(test)]
+pub(crate) fn decayed_use<'r>(
+    records: impl IntoIterator<Item = &'r Usage>,
+    now: f64,
+    half_life: f64,
+) -> HashMap<String, f64> {
+    let k = std::f64::consts::LN_2 / half_life.max(1e-9);
+    let mut uses: HashMap<&'r str, f64> = HashMap::new();
+    for r in records {
+        let end = r.end.unwrap_or(now).min(now);
+        let start = r.start.min(end);
+        if !(start.is_finite() && end.is_finite()) {
+            continue;
+        }
+        let weight = match (r.share_of, r.bytes) {
+            (Some(capacity), Some(bytes)) if capacity > 0 => {
+                (bytes as f64 / capacity as f64).min(1.0)
+            }
+            _ => 1.0,
+        };
+        // The integral of 2^(-(now - t) / half_life) from start to end.
+        let used = ((-k * (now - end)).exp() - (-k * (now - start)).exp()) / k;
+        *uses.entry(r.user.as_str()).or_default() += weight * used;
+    }
+    uses.into_iter().map(|(u, v)| (u.to_owned(), v)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// Appends `lines` (JSON records) to the log at `path`.
+    fn append(path: &Path, lines: &[String]) {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .unwrap();
+        for l in lines {
+            writeln!(f, "{l}").unwrap();
+        }
+    }
+
+    fn start(id: &str, user: &str, gpu: &str, t: f64, share: Option<(u64, u64)>) -> String {
+        let (bytes, of) = share.map_or(("null".into(), String::new()), |(b, c)| {
+            (b.to_string(), format!(",\"share_of\":{c}"))
+        });
+        format!(
+            "{{\"event\":\"start\",\"id\":\"{id}\",\"user\":\"{user}\",\"host\":\"h\",\"pid\":1,\
+             \"gpu\":\"{gpu}\",\"bytes\":{bytes},\"time\":{t},\"command\":[]{of}}}"
+        )
+    }
+
+    fn end(id: &str, t: f64) -> String {
+        format!("{{\"event\":\"end\",\"id\":\"{id}\",\"time\":{t},\"status\":0}}")
+    }
+
+    /// What a fresh reader computes from the whole records (`decayed_use`, with dead
+    /// holders ended as `usage` ends them).
+    fn from_records(
+        path: &Path,
+        uid: u32,
+        live: &HashSet<(String, String)>,
+        now: f64,
+        half_life: f64,
+    ) -> HashMap<String, f64> {
+        let mut log = crate::UsageLog::default();
+        let mut state = Tailed::<crate::usage::Records>::default();
+        read_more(path, uid, &mut state, true).unwrap();
+        let _ = &mut log;
+        let mut records: Vec<Usage> = state.sink.into_records();
+        records.sort_by(|a, b| a.start.total_cmp(&b.start));
+        let sorted: Vec<&Usage> = records.iter().collect();
+        let lost = crate::usage::lost_ends(&sorted, live, now);
+        let mut records = records.clone();
+        for (i, e) in lost {
+            records[i].end = Some(e);
+        }
+        decayed_use(&records, now, half_life)
+    }
+
+    fn close(a: &HashMap<String, f64>, b: &HashMap<String, f64>) -> bool {
+        a.len() == b.len()
+            && a.iter().all(|(u, v)| {
+                b.get(u)
+                    .is_some_and(|w| (v - w).abs() <= 1e-6 * v.abs().max(1.0))
+            })
+    }
+
+    #[test]
+    fn the_fold_computes_what_the_records_give_at_every_decision() {
+        let tmp = tempfile::tempdir().unwrap();
+        let uid = crate::owner::euid();
+        let me = crate::owner::name_of_uid(uid);
+        let path = tmp.path().join(format!("usage-{uid}.jsonl"));
+        let now = tt_device::now_unix();
+        let half_life = 3600.0;
+        // Closed, a sharer's, a dead holder's (GPU taken later), a dead holder's with
+        // nothing after it, a live one.
+        append(
+            &path,
+            &[
+                start("a", &me, "g0", now - 9000.0, None),
+                end("a", now - 5000.0),
+                start("s", &me, "g1", now - 8000.0, Some((20, 80))),
+                end("s", now - 7000.0),
+                start("dead", &me, "g0", now - 4000.0, None),
+                start("next", &me, "g0", now - 3000.0, None),
+                end("next", now - 2500.0),
+                start("lost", &me, "g2", now - 2000.0, None),
+                start("live", &me, "g3", now - 1000.0, None),
+            ],
+        );
+        let live: HashSet<(String, String)> = [(me.clone(), "live".to_owned())].into();
+        let dir = tmp.path().join("one");
+        let logs = [(path.clone(), uid)];
+        for round in 0..3 {
+            let t = now + round as f64;
+            let folded = recent_use(&dir, &logs, half_life, || Ok(live.clone()), t).unwrap();
+            let fresh = from_records(&path, uid, &live, t, half_life);
+            assert!(
+                close(&folded, &fresh),
+                "round {round}: {folded:?} != {fresh:?}"
+            );
+            // Appended between decisions: read on, the same as a fresh reading.
+            append(
+                &path,
+                &[
+                    start(
+                        &format!("r{round}"),
+                        &me,
+                        "g2",
+                        t - 500.0 + round as f64,
+                        None,
+                    ),
+                    end(&format!("r{round}"), t),
+                ],
+            );
+        }
+        // The dead holder's record was folded and its GPU's older starts dropped.
+        let all = TALLY.lock().unwrap();
+        let log = &all[&dir].logs[&path].sink;
+        assert!(!log.open.contains_key("dead"), "{:?}", log.open.keys());
+        assert!(log.starts["g0"].len() <= 1, "{:?}", log.starts);
+    }
+
+    #[test]
+    fn one_users_junk_keeps_a_bounded_tally() {
+        let tmp = tempfile::tempdir().unwrap();
+        let uid = crate::owner::euid();
+        let me = crate::owner::name_of_uid(uid);
+        let junk = tmp.path().join(format!("usage-{uid}.jsonl"));
+        let now = tt_device::now_unix();
+        let lines: Vec<String> = (0..3 * MAX_OPEN)
+            .map(|i| {
+                start(
+                    &format!("j{i}"),
+                    &me,
+                    "g0",
+                    now - 10_000.0 + i as f64 * 0.1,
+                    None,
+                )
+            })
+            .collect();
+        append(&junk, &lines);
+        let dir = tmp.path().join("two");
+        let logs = [(junk.clone(), uid)];
+        let live = HashSet::new();
+        let used = recent_use(&dir, &logs, 3600.0, || Ok(live.clone()), now).unwrap();
+        let again = recent_use(&dir, &logs, 3600.0, || Ok(live.clone()), now + 1.0).unwrap();
+        assert!(used[&me] > 0.0 && used[&me].is_finite(), "{used:?}");
+        assert!(again[&me].is_finite(), "{again:?}");
+        let all = TALLY.lock().unwrap();
+        let log = &all[&dir].logs[&junk].sink;
+        assert!(log.open.len() <= MAX_OPEN, "{}", log.open.len());
+        assert!(log.order.len() <= MAX_OPEN, "{}", log.order.len());
+        assert!(
+            log.starts["g0"].len() <= MAX_OPEN,
+            "{}",
+            log.starts["g0"].len()
+        );
+    }
+}
