@@ -220,8 +220,134 @@ fn queue_decision(tmp: &std::path::Path) {
     );
 }
 
+/// Records of a year of a busy lab (ten users' reservations of eight GPUs), and the
+/// open records one user's junk holds (issue 76's attack: 400,000, 44 MB).
+const YEAR_RECORDS: usize = 1_000_000;
+const JUNK_RECORDS: usize = 400_000;
+
+/// Writes `records` reservations (start and end, or open with `open`) into the log
+/// at `path`, in this user's name, spread over the `span` seconds before now.
+fn write_log(path: &std::path::Path, records: usize, span: f64, open: bool) {
+    use std::io::Write as _;
+    let me = Holder::current().who.user;
+    let now = tt_device::now_unix();
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path).expect("log"));
+    for i in 0..records {
+        let start = now - span + span * i as f64 / records as f64;
+        writeln!(
+            out,
+            "{{\"event\":\"start\",\"id\":\"h/0/{i}/g/{i}\",\"user\":\"{me}\",\"host\":\"h\",\
+             \"pid\":{i},\"gpu\":\"index {g}\",\"bytes\":null,\"time\":{start},\
+             \"command\":[\"python\",\"train.py\",\"--lr\",\"0.1\"]}}",
+            g = i % 8
+        )
+        .expect("log");
+        if !open {
+            writeln!(
+                out,
+                "{{\"event\":\"end\",\"id\":\"h/0/{i}/g/{i}\",\"time\":{},\"status\":0}}",
+                start + 0.9 * span / records as f64
+            )
+            .expect("log");
+        }
+    }
+}
+
+/// The child side of [`history_decision`]: one process's decisions in the lock
+/// directory `TT_LOCK_BENCH_DIR` under the fair-share policy of `TORCHTOOLS_POLICY`;
+/// prints the first's and the median later one's time (ms) and the peak memory (KiB).
+fn decide() {
+    let dir = LockDir::open(std::env::var("TT_LOCK_BENCH_DIR").expect("dir")).expect("dir");
+    let first = decision_us(&dir, 1) / 1e3;
+    let later = decision_us(&dir, 20) / 1e3;
+    // SAFETY: getrusage with a valid struct to fill.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    println!("{first} {later} {}", usage.ru_maxrss);
+}
+
+/// A request's decision under a fair-share policy in a fresh process (which reads the
+/// usage logs once) and later ones, with a year of history, and with one user's junk
+/// beside a small history: each in a process of its own, for its peak memory.
+fn history_decision(tmp: &std::path::Path) {
+    let uid = nix::unistd::geteuid().as_raw();
+    let policy = tmp.join("history-policy.toml");
+    // Limits too: a request then reads the standings even with nobody waiting.
+    std::fs::write(
+        &policy,
+        "[fair_share]\nhalf_life = \"7d\"\n[limits]\ngpus = 8\n",
+    )
+    .expect("policy");
+    let year = LockDir::open(tmp.join("year")).expect("dir");
+    write_log(
+        &year.usage_log_path(uid),
+        YEAR_RECORDS,
+        365.0 * 86_400.0,
+        false,
+    );
+    let junk = LockDir::open(tmp.join("junk")).expect("dir");
+    write_log(&junk.usage_log_path(uid), 1_000, 7.0 * 86_400.0, false);
+    write_log(
+        &junk.path().join(format!("usage-{uid}.7.jsonl")),
+        JUNK_RECORDS,
+        86_400.0,
+        true,
+    );
+    let small = LockDir::open(tmp.join("small")).expect("dir");
+    write_log(&small.usage_log_path(uid), 1_000, 7.0 * 86_400.0, false);
+    let measure = |dir: &LockDir| -> (f64, f64, f64) {
+        let out = Command::new(std::env::current_exe().expect("exe"))
+            .arg("--decide")
+            .env("TT_LOCK_BENCH_DIR", dir.path())
+            .env(tt_lock::POLICY_ENV, &policy)
+            .stderr(Stdio::null())
+            .output()
+            .expect("decide");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let v: Vec<f64> = text
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        assert_eq!(v.len(), 3, "{text}");
+        (v[0], v[1], v[2] / 1024.0)
+    };
+    let (s_first, s_later, s_mib) = measure(&small);
+    let (y_first, y_later, y_mib) = measure(&year);
+    let (j_first, j_later, j_mib) = measure(&junk);
+    println!(
+        "  a process's decisions under fair share (first, which reads the logs; later, \
+         median; peak memory): 1,000 records {s_first:.1} ms, {s_later:.2} ms, {s_mib:.0} MiB; \
+         a year ({YEAR_RECORDS} records) {y_first:.0} ms, {y_later:.2} ms, {y_mib:.0} MiB; \
+         one user's {JUNK_RECORDS} open records of junk {j_first:.0} ms, {j_later:.2} ms, {j_mib:.0} MiB"
+    );
+    for (what, first, later, mib) in [
+        (
+            format!("a year of history ({YEAR_RECORDS} usage records)"),
+            y_first,
+            y_later,
+            y_mib,
+        ),
+        (
+            format!("one user's junk ({JUNK_RECORDS} open records)"),
+            j_first,
+            j_later,
+            j_mib,
+        ),
+    ] {
+        println!("row|a process's first decision, {what} (ms)|{first:.1}|goal|20.0|ms|lower");
+        println!("row|a process's first decision, {what} (ms)|{first:.1}|the same, 1,000 records|{s_first:.1}|ms|lower");
+        println!("row|a later decision, {what} (ms)|{later:.2}|the same, 1,000 records|{s_later:.2}|ms|lower");
+        println!("row|peak memory of a deciding process, {what} (MiB)|{mib:.0}|goal|64|MiB|lower");
+    }
+}
+
 fn main() {
     let tmp = tempfile::tempdir().expect("tempdir");
+    if std::env::args().any(|a| a == "--decide") {
+        decide();
+        return;
+    }
     if std::env::args().any(|a| a == "--waiter") {
         let dir = LockDir::open(std::env::var("TT_LOCK_BENCH_DIR").expect("dir")).expect("dir");
         waiter(&dir);
@@ -255,4 +381,5 @@ fn main() {
         "row|lock hand-off to the next timed waiter in line (µs)|{timed:.1}|goal|1000.0|µs|lower"
     );
     queue_decision(tmp.path());
+    history_decision(tmp.path());
 }
