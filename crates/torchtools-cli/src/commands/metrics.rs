@@ -293,13 +293,35 @@ pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
     let snapshot = Snapshot::take(dir, gpus)?;
     let usage = dir.usage()?;
     let jobs = crate::jobs::store::live_jobs(dir, &snapshot.queue)?;
+    let per_user = per_user_use(&usage, tt_device::now_unix());
+    render_from(&snapshot, &per_user, &usage.ignored, &jobs)
+}
+
+/// Each user's use over all the usage records, up to `now` (the `user_gpu` and
+/// `user_reserved` counters).
+pub(crate) fn per_user_use(
+    usage: &tt_lock::UsageLog,
+    now: f64,
+) -> Vec<crate::commands::usage::Row> {
+    crate::commands::usage::rows(&usage.records, crate::commands::usage::By::User, 0.0, now)
+}
+
+/// Every metric as OpenMetrics text, from what was read: the snapshot, each user's use
+/// ([`per_user_use`]), the usage records not believed and the jobs that have not ended
+/// (`serve` renders its `/metrics` from the state it already holds).
+pub(crate) fn render_from(
+    snapshot: &Snapshot,
+    per_user: &[crate::commands::usage::Row],
+    usage_ignored: &[tt_lock::Ignored],
+    jobs: &[crate::jobs::store::LiveJob],
+) -> Result<String> {
     let mut registry = Registry::with_prefix("torchtools");
-    gpu_series(&mut registry, &snapshot);
-    queue_series(&mut registry, &snapshot);
-    fair_share_series(&mut registry, &snapshot);
-    usage_series(&mut registry, &usage, tt_device::now_unix());
-    job_series(&mut registry, &jobs);
-    ignored_series(&mut registry, &snapshot, &usage);
+    gpu_series(&mut registry, snapshot);
+    queue_series(&mut registry, snapshot);
+    fair_share_series(&mut registry, snapshot);
+    usage_series(&mut registry, per_user);
+    job_series(&mut registry, jobs);
+    ignored_series(&mut registry, snapshot, usage_ignored);
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry)
         .context("encoding the metrics")?;
@@ -498,8 +520,8 @@ fn fair_share_series(registry: &mut Registry, snapshot: &Snapshot) {
     }
 }
 
-/// Per user: GPU-seconds and reserved byte-seconds from the usage records, up to `now`.
-fn usage_series(registry: &mut Registry, usage: &tt_lock::UsageLog, now: f64) {
+/// Per user: GPU-seconds and reserved byte-seconds from the usage records.
+fn usage_series(registry: &mut Registry, per_user: &[crate::commands::usage::Row]) {
     let gpu_seconds = Family::<UserLabels, CounterF>::default();
     registry.register_with_unit(
         "user_gpu",
@@ -515,9 +537,7 @@ fn usage_series(registry: &mut Registry, usage: &tt_lock::UsageLog, now: f64) {
         Unit::Other("byte_seconds".into()),
         byte_seconds.clone(),
     );
-    for row in
-        crate::commands::usage::rows(&usage.records, crate::commands::usage::By::User, 0.0, now)
-    {
+    for row in per_user {
         let user = UserLabels {
             user: label(&row.name),
         };
@@ -565,7 +585,11 @@ fn job_series(registry: &mut Registry, jobs: &[crate::jobs::store::LiveJob]) {
 }
 
 /// Per owner, the records of the lock directory not believed.
-fn ignored_series(registry: &mut Registry, snapshot: &Snapshot, usage: &tt_lock::UsageLog) {
+fn ignored_series(
+    registry: &mut Registry,
+    snapshot: &Snapshot,
+    usage_ignored: &[tt_lock::Ignored],
+) {
     let ignored = gauges::<UserLabels>(
         registry,
         "records_ignored",
@@ -573,7 +597,7 @@ fn ignored_series(registry: &mut Registry, snapshot: &Snapshot, usage: &tt_lock:
          file's owner), per owner",
         None,
     );
-    for why in snapshot.ignored.iter().chain(&usage.ignored) {
+    for why in snapshot.ignored.iter().chain(usage_ignored) {
         ignored
             .get_or_create(&UserLabels {
                 user: why

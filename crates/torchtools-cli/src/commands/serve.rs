@@ -100,12 +100,17 @@ pub(crate) struct History {
     pub(crate) points: VecDeque<[u64; 3]>,
 }
 
-/// What every request reads: the state's latest JSON, and for `/metrics` the lock
-/// directory and the GPUs.
+/// What every request reads: the state's latest JSON, and the metrics rendered from
+/// the same state (a scrape reads nothing afresh).
 struct Shared {
-    json: RwLock<Arc<String>>,
-    dir: LockDir,
-    gpus: Arc<Gpus>,
+    latest: RwLock<Arc<Read>>,
+}
+
+/// One reading of the state: its JSON and its metrics (OpenMetrics text, or why they
+/// could not be rendered).
+pub(crate) struct Read {
+    pub(crate) json: String,
+    pub(crate) metrics: std::result::Result<String, String>,
 }
 
 /// `torchtools serve`.
@@ -115,11 +120,9 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
     let bound = listener.local_addr()?;
     // NVML opened once, for the state's reader and `/metrics` both.
     let gpus = Arc::new(Gpus::open());
-    let mut reader = Reader::new(dir.clone(), Arc::clone(&gpus));
+    let mut reader = Reader::new(dir, gpus);
     let shared = Arc::new(Shared {
-        json: RwLock::new(Arc::new(reader.read())),
-        dir,
-        gpus,
+        latest: RwLock::new(Arc::new(reader.read_all())),
     });
     {
         let shared = Arc::clone(&shared);
@@ -127,8 +130,8 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
             .name("state".into())
             .spawn(move || loop {
                 std::thread::sleep(REFRESH);
-                let json = Arc::new(reader.read());
-                *shared.json.write().unwrap_or_else(|e| e.into_inner()) = json;
+                let latest = Arc::new(reader.read_all());
+                *shared.latest.write().unwrap_or_else(|e| e.into_inner()) = latest;
             })?;
     }
     eprintln!("torchtools: serving the page at http://{bound}/ (its data at /api/state, /metrics)");
@@ -145,12 +148,19 @@ async fn answer(get: Get, shared: Arc<Shared>) -> Response {
     match get.path.as_str() {
         "/" | "/index.html" => response(200, "text/html; charset=utf-8", PAGE),
         "/api/state" => {
-            let json = Arc::clone(&shared.json.read().unwrap_or_else(|e| e.into_inner()));
-            response(200, "application/json", json.as_bytes().to_vec())
+            let latest = Arc::clone(&shared.latest.read().unwrap_or_else(|e| e.into_inner()));
+            response(200, "application/json", latest.json.as_bytes().to_vec())
         }
         "/metrics" => {
-            let (dir, gpus) = (shared.dir.clone(), Arc::clone(&shared.gpus));
-            crate::commands::metrics::scrape(dir, gpus, get.accept, "torchtools serve").await
+            let latest = Arc::clone(&shared.latest.read().unwrap_or_else(|e| e.into_inner()));
+            match &latest.metrics {
+                Ok(text) => {
+                    let (kind, body) =
+                        crate::commands::metrics::negotiate(text.clone(), get.accept.as_deref());
+                    response(200, kind, body)
+                }
+                Err(why) => text(500, "torchtools serve", why),
+            }
         }
         _ => text(
             404,
@@ -167,6 +177,10 @@ pub(crate) struct Reader {
     gpus: Arc<Gpus>,
     me: tt_lock::Holder,
     usage: UsageView,
+    /// Each user's use over all the records, and the usage records not believed, from
+    /// the same reading as `usage` (for the metrics).
+    per_user: Vec<Row>,
+    usage_ignored: Vec<tt_lock::Ignored>,
     usage_read: Option<Instant>,
     history: Vec<History>,
     history_added: Option<Instant>,
@@ -179,6 +193,8 @@ impl Reader {
             gpus,
             me: tt_lock::Holder::current(),
             usage: UsageView::default(),
+            per_user: Vec::new(),
+            usage_ignored: Vec::new(),
             usage_read: None,
             history: Vec::new(),
             history_added: None,
@@ -186,20 +202,44 @@ impl Reader {
     }
 
     /// The state as JSON; a failure to read it is `{"schema", "error"}` (the page says it).
+    #[cfg(test)]
     pub(crate) fn read(&mut self) -> String {
-        let json = self
-            .state()
-            .and_then(|state| Ok(serde_json::to_string(&state)?));
-        json.unwrap_or_else(|e| {
-            serde_json::json!({"schema": SCHEMA, "error": format!("{e:#}")}).to_string()
-        })
+        self.read_all().json
+    }
+
+    /// The state as JSON (as [`Reader::read`]) and its metrics, rendered from it.
+    pub(crate) fn read_all(&mut self) -> Read {
+        let state = self.state();
+        let metrics = match &state {
+            Ok(state) => {
+                let jobs: Vec<_> = state
+                    .jobs
+                    .iter()
+                    .filter_map(crate::jobs::store::LiveJob::of)
+                    .collect();
+                crate::commands::metrics::render_from(
+                    &state.snapshot,
+                    &self.per_user,
+                    &self.usage_ignored,
+                    &jobs,
+                )
+                .map_err(|e| format!("{e:#}"))
+            }
+            Err(e) => Err(format!("{e:#}")),
+        };
+        let json = state
+            .and_then(|state| Ok(serde_json::to_string(&state)?))
+            .unwrap_or_else(|e| {
+                serde_json::json!({"schema": SCHEMA, "error": format!("{e:#}")}).to_string()
+            });
+        Read { json, metrics }
     }
 
     pub(crate) fn state(&mut self) -> Result<State> {
         let snapshot = Snapshot::take(&self.dir, &self.gpus)?;
         let (jobs, scan) = crate::jobs::store::all_rows(&self.dir, &snapshot.queue)?;
         if self.usage_read.is_none_or(|t| t.elapsed() >= USAGE_REFRESH) {
-            self.usage = self.read_usage()?;
+            self.read_usage()?;
             self.usage_read = Some(Instant::now());
         }
         if self
@@ -222,18 +262,23 @@ impl Reader {
         })
     }
 
-    fn read_usage(&self) -> Result<UsageView> {
+    /// Reads the usage logs: each user's use over the last day and week (the page), and
+    /// over all the records (the metrics).
+    fn read_usage(&mut self) -> Result<()> {
         let log = self.dir.usage()?;
         let now = tt_device::now_unix();
         let since = |days: f64| {
             crate::commands::usage::rows(&log.records, By::User, now - days * 86_400.0, now)
         };
-        Ok(UsageView {
+        self.usage = UsageView {
             day: since(1.0),
             week: since(7.0),
             skipped: log.skipped.len(),
             read_unix: now,
-        })
+        };
+        self.per_user = crate::commands::metrics::per_user_use(&log, now);
+        self.usage_ignored = log.ignored;
+        Ok(())
     }
 
     fn add_history(&mut self, snapshot: &Snapshot) {
@@ -319,6 +364,38 @@ mod tests {
         let json: serde_json::Value = serde_json::from_str(&reader.read()).unwrap();
         assert_eq!(json["history"][0]["gpu"], json["gpus"][0]["key"]);
         assert_eq!(json["schema"], SCHEMA);
+    }
+
+    #[test]
+    fn the_metrics_are_rendered_from_the_state_read_as_the_metrics_command_reads_them() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        let gpus = Arc::new(one_gpu());
+        let key = Snapshot::take(&dir, &gpus).unwrap().gpus[0].key.clone();
+        let lock = dir
+            .lock(&key, tt_lock::Wait::Try, tt_lock::Holder::current())
+            .unwrap();
+        let mut reader = Reader::new(dir.clone(), Arc::clone(&gpus));
+        let read = reader.read_all();
+        let served = read.metrics.unwrap();
+        let fresh = crate::commands::metrics::render(&dir, &gpus).unwrap();
+        // The same series, and the same values but for the clock's (ages in seconds).
+        let steady = |text: &str| -> Vec<String> {
+            text.lines()
+                .filter(|l| !l.contains("_seconds") && !l.contains("user_gpu"))
+                .map(str::to_owned)
+                .collect()
+        };
+        assert_eq!(steady(&served), steady(&fresh));
+        assert!(served.contains("torchtools_gpu_locked{"), "{served}");
+        drop(lock);
+        // Rendered from each reading: the next one shows the lock let go.
+        let after = reader.read_all();
+        assert_ne!(
+            steady(&after.metrics.unwrap()),
+            steady(&served),
+            "the reading after the lock was let go"
+        );
     }
 
     #[test]

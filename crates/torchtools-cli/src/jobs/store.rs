@@ -520,20 +520,24 @@ pub(crate) struct LiveJob {
 pub(crate) fn live_jobs(locks: &LockDir, queue: &[tt_lock::Waiter]) -> Result<Vec<LiveJob>> {
     let waiting: Vec<u32> = queue.iter().map(|w| w.who.pid).collect();
     let held = locks.list()?;
-    Ok(all_jobs(&records_dir_in(locks)?)?
-        .into_iter()
-        .filter(|job| !ended(job))
-        .map(|job| {
-            let (gpus, bytes) = held_by(&job, &held);
-            LiveJob {
-                waiting: state(&job, &waiting).starts_with("waiting"),
-                id: job.id,
-                user: job.user,
-                gpus,
-                bytes,
-            }
-        })
+    let jobs = all_jobs(&records_dir_in(locks)?)?;
+    Ok(rows(jobs, &waiting, &held)
+        .iter()
+        .filter_map(LiveJob::of)
         .collect())
+}
+
+impl LiveJob {
+    /// The job of `row`, when it has not ended.
+    pub(crate) fn of(row: &Row) -> Option<LiveJob> {
+        (!ended(&row.job)).then(|| LiveJob {
+            waiting: row.state.starts_with("waiting"),
+            id: row.job.id.clone(),
+            user: row.job.user.clone(),
+            gpus: row.gpus.clone(),
+            bytes: row.bytes,
+        })
+    }
 }
 
 /// A job as `jobs --json` shows it (and `serve`'s page): its record, its state now,
