@@ -38,9 +38,44 @@ pub struct Standing {
     pub shared: Bytes,
     /// Their requests waiting in the queue.
     pub waiting: usize,
+    /// The processes of their live holder and sharer records (pids as this PID
+    /// namespace numbers them; in another, as their records say).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub pids: Vec<u32>,
+    /// Why they hold more than the policy's per-user limits let one user have at once
+    /// (`holds 2 GPU(s), over the policy's limit of 1`), whatever their processes
+    /// believed the policy was; `None` within them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub over: Option<String>,
 }
 
 impl Standing {
+    /// Why this user holds more than `limits` allow, if they do.
+    pub fn over_limits(&self, limits: &Limits) -> Option<String> {
+        let mut over = Vec::new();
+        if let Some(max) = limits.gpus.filter(|&max| self.gpus > max) {
+            over.push(format!(
+                "holds {} GPU(s), over the policy's limit of {max}",
+                self.gpus
+            ));
+        }
+        if let Some(max) = limits.share.filter(|&max| self.shared > max) {
+            over.push(format!(
+                "has budgeted {} on shared GPUs, over the policy's limit of {max}",
+                self.shared
+            ));
+        }
+        (!over.is_empty()).then(|| over.join("; "))
+    }
+
+    /// The line a view says for a user over the policy's limits:
+    /// `tt2 holds 2 GPU(s), over the policy's limit of 1 (pids 7, 8)`.
+    pub fn over_text(&self) -> Option<String> {
+        let over = self.over.as_ref()?;
+        let pids: Vec<String> = self.pids.iter().map(u32::to_string).collect();
+        Some(format!("{} {over} (pids {})", self.user, pids.join(", ")))
+    }
+
     /// Recent use and its part of everyone's as users read it:
     /// `0.4 GPU-h recent use (12% of all)`.
     pub fn use_text(&self) -> String {
@@ -268,7 +303,9 @@ impl LockDir {
             let names = self.names()?;
             let (held, _) = crate::record::live(self.path(), names.iter().cloned(), "held-");
             for found in held {
-                standing_of(&mut standings, &found.holder.who.user).gpus += 1;
+                let s = standing_of(&mut standings, &found.holder.who.user);
+                s.gpus += 1;
+                s.pids.push(found.holder.who.pid);
             }
             let (shares, _) = crate::record::live(self.path(), names, "share-");
             for h in shares
@@ -278,6 +315,12 @@ impl LockDir {
             {
                 let s = standing_of(&mut standings, &h.who.user);
                 s.shared = Bytes(s.shared.0.saturating_add(h.share.map_or(0, |b| b.0)));
+                s.pids.push(h.who.pid);
+            }
+            for s in standings.values_mut() {
+                s.pids.sort_unstable();
+                s.pids.dedup();
+                s.over = s.over_limits(&policy.limits);
             }
         }
         for w in queue {

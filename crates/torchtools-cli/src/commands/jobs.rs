@@ -28,7 +28,7 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
         .collect();
     if !json {
         crate::ignored::say(&scan.ignored);
-        crate::commands::policy::say_if_ignored(&locks);
+        crate::commands::policy::say_notes(&locks);
         for why in &scan.damaged {
             println!("damaged job record (not a job torchtools wrote): {why}");
         }

@@ -47,6 +47,6 @@ fn locks(json: bool) -> Result<ExitCode> {
         println!("  {state}");
     }
     crate::ignored::say(&ignored);
-    crate::commands::policy::say_if_ignored(&dir);
+    crate::commands::policy::say_notes(&dir);
     Ok(ExitCode::SUCCESS)
 }

@@ -510,6 +510,14 @@ fn fair_share_series(registry: &mut Registry, snapshot: &Snapshot) {
         "GPUs each user holds now, counted against the policy's per-user limit",
         None,
     );
+    let over = gauges::<UserLabels>(
+        registry,
+        "user_over_limit",
+        "1 for each user who holds more than the policy's per-user limits let one user \
+         have at once (GPUs or shared bytes), whatever their processes believed the \
+         policy was",
+        None,
+    );
     for u in &snapshot.users {
         let user = UserLabels {
             user: label(&u.user),
@@ -517,6 +525,8 @@ fn fair_share_series(registry: &mut Registry, snapshot: &Snapshot) {
         used.get_or_create(&user).set(u.use_gpu_s);
         fraction.get_or_create(&user).set(u.fraction);
         held.get_or_create(&user).set(u.gpus as f64);
+        over.get_or_create(&user)
+            .set(if u.over.is_some() { 1.0 } else { 0.0 });
     }
 }
 

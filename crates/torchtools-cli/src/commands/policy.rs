@@ -93,16 +93,48 @@ fn policy_text(in_force: &PolicyInForce, standings: &[Standing]) -> String {
             s.waiting
         ));
     }
+    for over in standings.iter().filter_map(Standing::over_text) {
+        out.push_str(&format!(
+            "over the policy: {}\n",
+            tt_device::printable(&over)
+        ));
+    }
     out
 }
 
-/// The line every view prints under its listing when a policy file is there but
-/// ignored (requests are then served first come, first served); none otherwise.
-pub(crate) fn say_if_ignored(dir: &LockDir) {
+/// The lines every view prints under its listing: that a policy file is there but
+/// ignored (requests are then served first come, first served), and each user over the
+/// policy's limits ([`over_limits`]); none otherwise.
+pub(crate) fn say_notes(dir: &LockDir) {
     let in_force = dir.policy();
     if let PolicyStatus::Ignored(_) = in_force.status {
         println!("{}", tt_device::printable(&in_force.summary()));
     }
+    for line in over_limits(dir, &in_force) {
+        println!("{line}");
+    }
+}
+
+/// A line for each user who holds more than the policy in force lets one user have at
+/// once (`over the policy: tt2 holds 2 GPU(s), over the policy's limit of 1 (pids 7,
+/// 8)`), whatever their processes believed the policy was; none without limits.
+pub(crate) fn over_limits(dir: &LockDir, in_force: &PolicyInForce) -> Vec<String> {
+    if !matches!(in_force.status, PolicyStatus::InForce) || !in_force.policy.limits_apply() {
+        return Vec::new();
+    }
+    let Ok(standings) = dir
+        .queue()
+        .and_then(|queue| dir.standings(&in_force.policy, &queue))
+    else {
+        return Vec::new();
+    };
+    let mut lines: Vec<String> = standings
+        .values()
+        .filter_map(Standing::over_text)
+        .map(|t| format!("over the policy: {}", tt_device::printable(&t)))
+        .collect();
+    lines.sort();
+    lines
 }
 
 #[cfg(test)]

@@ -53,6 +53,9 @@ fn queue(json: bool) -> Result<ExitCode> {
     }
     print!("{}", queue_text(&dir, &waiters, &inventory, now, &policy));
     crate::ignored::say(&dir.ignored()?);
+    for line in crate::commands::policy::over_limits(&dir, &policy) {
+        println!("{line}");
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -180,7 +180,13 @@ fn note_text(snapshot: &Snapshot) -> String {
         true => format!("; {}", tt_device::printable(&snapshot.policy)),
         false => String::new(),
     };
-    note + &ignored + &policy
+    let over: String = snapshot
+        .users
+        .iter()
+        .filter_map(tt_lock::Standing::over_text)
+        .map(|t| format!("; over the policy: {}", tt_device::printable(&t)))
+        .collect();
+    note + &ignored + &policy + &over
 }
 
 /// How many lines `text` takes wrapped at `width` (at most 4).

@@ -112,7 +112,7 @@ pub(crate) fn usage(since: Option<Duration>, by: By, json: bool) -> Result<ExitC
     }
     print!("{}", text(&rows, by));
     crate::ignored::say(&log.ignored);
-    crate::commands::policy::say_if_ignored(&dir);
+    crate::commands::policy::say_notes(&dir);
     Ok(ExitCode::SUCCESS)
 }
 

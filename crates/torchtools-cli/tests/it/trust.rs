@@ -1387,3 +1387,76 @@ fn a_request_that_cannot_then_be_served_preempts_nobody() {
     assert!(!said.contains("preempted"), "{said}");
     assert_eq!(job(&preemptible.1)["state"], "running");
 }
+
+/// A user whose processes ran under another policy (here `TORCHTOOLS_POLICY` naming no
+/// file, on a machine without `/etc/torchtools/policy.toml`) and so hold more than the
+/// machine's per-user limit is shown over it by every view another user reads, naming
+/// the user and the processes.
+#[test]
+fn a_user_over_the_policys_limits_is_shown_by_every_view() {
+    let Some((tmp, dir, policy)) = under_policy("[limits]\ngpus = 1\n") else {
+        return;
+    };
+    let [user_a, user_b] = tt_testkit::users::USER_NAMES;
+    let home_b = home_of(tmp.path(), user_b);
+    let mut groups = Groups(Vec::new());
+    let mut children = Vec::new();
+    for gpu in ["0", "1"] {
+        let ready = home_b.join(format!("ready-{gpu}"));
+        let child = as_user(user_b, &dir, &home_b)
+            .env("TORCHTOOLS_POLICY", "/nonexistent/policy.toml")
+            .args(["reserve", "--gpu", gpu, "--no-fence", "--", "sh", "-c"])
+            .arg(format!("touch '{}'; exec sleep 600", ready.display()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        groups.0.push(child.id());
+        children.push(child);
+        crate::common::until("tt-test-b's reservation runs", || ready.exists());
+    }
+    let home_a = home_of(tmp.path(), user_a);
+    let view = |args: &[&str]| -> String {
+        let out = as_user(user_a, &dir, &home_a)
+            .env("TORCHTOOLS_POLICY", &policy)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let said = format!("{user_b} holds 2 GPU(s), over the policy's limit of 1 (pids ");
+    for args in [
+        &["locks"][..],
+        &["queue"],
+        &["policy"],
+        &["usage"],
+        &["jobs", "--all"],
+    ] {
+        let out = view(args);
+        assert!(
+            out.contains(&format!("over the policy: {said}")),
+            "{args:?}: {out}"
+        );
+    }
+    let top: serde_json::Value = serde_json::from_str(&view(&["top", "--json"])).unwrap();
+    let users = top["users"].as_array().unwrap();
+    let b = users.iter().find(|u| u["user"] == user_b).unwrap();
+    assert_eq!(
+        b["over"], "holds 2 GPU(s), over the policy's limit of 1",
+        "{top}"
+    );
+    assert_eq!(b["pids"].as_array().map(Vec::len), Some(2), "{top}");
+    let metrics = view(&["metrics"]);
+    assert!(
+        metrics.contains(&format!(
+            "torchtools_user_over_limit{{user=\"{user_b}\"}} 1"
+        )),
+        "{metrics}"
+    );
+    drop(groups);
+    for mut child in children {
+        let _ = child.wait();
+    }
+}
