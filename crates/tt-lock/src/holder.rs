@@ -27,9 +27,21 @@ pub struct Requester {
     /// one) says so instead of showing a PID of its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pid_ns: Option<u64>,
+    /// The policy file it was made under when that is not the machine's
+    /// ([`crate::DEFAULT_POLICY`]: `TORCHTOOLS_POLICY` on a machine without one): every
+    /// view says it was made outside the machine's policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
 }
 
 impl Requester {
+    /// `made outside the machine's policy (under FILE)` when it was, as views say it.
+    pub fn outside_policy(&self) -> Option<String> {
+        self.policy
+            .as_ref()
+            .map(|p| format!("made outside the machine's policy (under {p})"))
+    }
+
     /// The start time as `YYYY-MM-DD HH:MM:SS UTC`.
     pub fn since_utc(&self) -> String {
         utc(self.since_unix)
@@ -91,6 +103,7 @@ impl Holder {
                     .map(|a| a.to_string_lossy().into_owned())
                     .collect(),
                 pid_ns: own_pid_namespace(),
+                policy: None,
             },
             gpu: String::new(),
             command_pid: None,
@@ -126,6 +139,7 @@ impl Holder {
                 reserved: None,
                 command: vec![],
                 pid_ns: None,
+                policy: None,
             },
             gpu: String::new(),
             command_pid: None,
@@ -166,6 +180,9 @@ impl Holder {
         )?;
         if let Some(pid) = self.command_pid {
             write!(f, ", command pid {pid}")?;
+        }
+        if let Some(note) = self.who.outside_policy() {
+            write!(f, ", {note}")?;
         }
         match (self.share, self.who.reserved) {
             (Some(bytes), _) => write!(f, ", sharing the GPU with a budget of {bytes}")?,

@@ -336,6 +336,10 @@ impl LockDir {
             return Ok(granted);
         };
         let policy = self.policy();
+        // Marked in its records when made under another policy file than the
+        // machine's: every view says so.
+        holder.who.policy = (policy.path != std::path::Path::new(crate::DEFAULT_POLICY))
+            .then(|| policy.path.display().to_string());
         if let Some(reason) = crate::fair::never_served(&policy.policy.limits, &wants) {
             return Err(Error::Policy {
                 path: policy.path,
@@ -776,7 +780,7 @@ impl LockDir {
                 }
             };
             let holder = match refused {
-                NotAdmitted::Exclusive(h) => h,
+                NotAdmitted::Exclusive(h) => h.map(|h| *h),
                 NotAdmitted::Full { sharers } => sharers
                     .into_iter()
                     .next()

@@ -167,7 +167,7 @@ impl Waiter {
 
 impl fmt::Display for Waiter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let line = format!(
+        let mut line = format!(
             "#{} pid {}{} ({}@{}) since {} wants {}",
             self.position,
             self.who.pid,
@@ -177,6 +177,9 @@ impl fmt::Display for Waiter {
             self.since_utc(),
             self.wants
         );
+        if let Some(note) = self.who.outside_policy() {
+            line.push_str(&format!(", {note}"));
+        }
         // Its user and host are its writer's text (see Holder's Display).
         f.write_str(&tt_device::printable(&line))
     }

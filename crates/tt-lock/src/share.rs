@@ -31,7 +31,7 @@ use crate::{Error, GpuKey, Holder, Ignored, LockDir, Result};
 /// Why a shared request cannot be admitted now.
 pub(crate) enum NotAdmitted {
     /// Someone holds the GPU exclusively (its record, when readable).
-    Exclusive(Option<Holder>),
+    Exclusive(Option<Box<Holder>>),
     /// The live sharers' budgets leave less than asked.
     Full {
         /// The live sharers, oldest first.
@@ -92,9 +92,9 @@ impl LockDir {
         if unsafe { libc::flock(lock_file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } != 0 {
             let e = io::Error::last_os_error();
             return match e.raw_os_error() {
-                Some(libc::EWOULDBLOCK | libc::EINTR) => {
-                    Ok(Err(NotAdmitted::Exclusive(self.holder_of(key))))
-                }
+                Some(libc::EWOULDBLOCK | libc::EINTR) => Ok(Err(NotAdmitted::Exclusive(
+                    self.holder_of(key).map(Box::new),
+                ))),
                 _ => Err(Error::Io {
                     op: "share-locking",
                     path: lock_path.to_owned(),

@@ -319,6 +319,7 @@ pub(crate) fn render_from(
     gpu_series(&mut registry, snapshot);
     queue_series(&mut registry, snapshot);
     fair_share_series(&mut registry, snapshot);
+    outside_policy_series(&mut registry, snapshot);
     usage_series(&mut registry, per_user);
     job_series(&mut registry, jobs);
     ignored_series(&mut registry, snapshot, usage_ignored);
@@ -450,6 +451,33 @@ fn gpu_reservation_series(registry: &mut Registry, snapshot: &Snapshot) {
 }
 
 /// Per user: the requests in the GPU queue and the oldest one's wait.
+/// Per user, the live requests (holders, sharers, waiters) made under another policy
+/// file than the machine's.
+fn outside_policy_series(registry: &mut Registry, snapshot: &Snapshot) {
+    let outside = gauges::<UserLabels>(
+        registry,
+        "requests_outside_policy",
+        "Live requests per user (held, shared or waiting) made under another policy file \
+         than the machine's (TORCHTOOLS_POLICY on a machine without \
+         /etc/torchtools/policy.toml)",
+        None,
+    );
+    let holders = snapshot
+        .gpus
+        .iter()
+        .flat_map(|g| g.holder.iter().chain(&g.shares))
+        .map(|h| &h.who);
+    for who in holders.chain(snapshot.queue.iter().map(|w| &w.who)) {
+        if who.policy.is_some() {
+            outside
+                .get_or_create(&UserLabels {
+                    user: label(&who.user),
+                })
+                .inc();
+        }
+    }
+}
+
 fn queue_series(registry: &mut Registry, snapshot: &Snapshot) {
     let queued = gauges::<UserLabels>(
         registry,

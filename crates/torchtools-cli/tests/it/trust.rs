@@ -1391,7 +1391,8 @@ fn a_request_that_cannot_then_be_served_preempts_nobody() {
 /// A user whose processes ran under another policy (here `TORCHTOOLS_POLICY` naming no
 /// file, on a machine without `/etc/torchtools/policy.toml`) and so hold more than the
 /// machine's per-user limit is shown over it by every view another user reads, naming
-/// the user and the processes.
+/// the user and the processes; their records say they were made outside the machine's
+/// policy, and `locks` and `metrics` say it.
 #[test]
 fn a_user_over_the_policys_limits_is_shown_by_every_view() {
     let Some((tmp, dir, policy)) = under_policy("[limits]\ngpus = 1\n") else {
@@ -1452,6 +1453,16 @@ fn a_user_over_the_policys_limits_is_shown_by_every_view() {
     assert!(
         metrics.contains(&format!(
             "torchtools_user_over_limit{{user=\"{user_b}\"}} 1"
+        )),
+        "{metrics}"
+    );
+    // Their records say the policy they were made under, and the views say it.
+    let outside = "made outside the machine's policy (under /nonexistent/policy.toml)";
+    let locks = view(&["locks"]);
+    assert_eq!(locks.matches(outside).count(), 2, "{locks}");
+    assert!(
+        metrics.contains(&format!(
+            "torchtools_requests_outside_policy{{user=\"{user_b}\"}} 2"
         )),
         "{metrics}"
     );
