@@ -170,6 +170,68 @@ async fn answer(get: Get, shared: Arc<Shared>) -> Response {
     }
 }
 
+/// The most bytes of `/api/state`: whatever the records hold (a record is at most 64
+/// KiB, but a user may keep thousands live), the page's data stays this small.
+pub(crate) const MAX_STATE: usize = 4 << 20;
+/// The longest text of the state shown whole (a command line, a user or host name).
+const MAX_TEXT: usize = 4096;
+/// The most items of a list shown before the state is found too large (the hour of a
+/// GPU's memory is 361 points).
+const MAX_ITEMS: usize = 512;
+
+/// `state` as JSON of at most [`MAX_STATE`] bytes: texts past [`MAX_TEXT`] bytes are
+/// cut (ending `…`), lists past a bound keep their first items (halved until the whole
+/// fits), and `truncated` says what was left out, for the page to say.
+pub(crate) fn bounded_json(state: serde_json::Value) -> String {
+    let mut items = MAX_ITEMS;
+    loop {
+        let mut value = state.clone();
+        let mut cut = Vec::new();
+        bound(&mut value, items, "", &mut cut);
+        if !cut.is_empty() {
+            if let Some(map) = value.as_object_mut() {
+                cut.truncate(64);
+                map.insert("truncated".into(), cut.into());
+            }
+        }
+        let json = value.to_string();
+        if json.len() <= MAX_STATE || items <= 1 {
+            return json;
+        }
+        items /= 2;
+    }
+}
+
+/// Cuts the texts and lists of `value` (at `path`) to their bounds, saying each list cut.
+fn bound(value: &mut serde_json::Value, items: usize, path: &str, cut: &mut Vec<String>) {
+    use serde_json::Value;
+    match value {
+        Value::String(text) if text.len() > MAX_TEXT => {
+            let mut end = MAX_TEXT;
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            text.truncate(end);
+            text.push('…');
+        }
+        Value::Array(list) => {
+            if list.len() > items {
+                cut.push(format!("{path}: {items} of {} shown", list.len()));
+                list.truncate(items);
+            }
+            for v in list {
+                bound(v, items, path, cut);
+            }
+        }
+        Value::Object(map) => {
+            for (key, v) in map.iter_mut() {
+                bound(v, items, &format!("{path}/{key}"), cut);
+            }
+        }
+        _ => {}
+    }
+}
+
 /// Reads the state: the snapshot and jobs each time, the usage log every 30 s, a
 /// history point per GPU every 10 s.
 pub(crate) struct Reader {
@@ -228,7 +290,7 @@ impl Reader {
             Err(e) => Err(format!("{e:#}")),
         };
         let json = state
-            .and_then(|state| Ok(serde_json::to_string(&state)?))
+            .and_then(|state| Ok(bounded_json(serde_json::to_value(&state)?)))
             .unwrap_or_else(|e| {
                 serde_json::json!({"schema": SCHEMA, "error": format!("{e:#}")}).to_string()
             });
@@ -396,6 +458,37 @@ mod tests {
             steady(&served),
             "the reading after the lock was let go"
         );
+    }
+
+    #[test]
+    fn the_state_stays_small_whatever_the_records_hold() {
+        // Thousands of sharers, each with a command of 60 KiB: 240 MB as it is.
+        let sharer =
+            serde_json::json!({"user": "tt2", "pid": 7, "command": ["x".repeat(60 << 10)]});
+        let state = serde_json::json!({
+            "schema": SCHEMA,
+            "gpus": [{"shares": vec![sharer; 4000], "history": vec![[1, 2, 3]; 361]}],
+            "queue": [],
+        });
+        let json = bounded_json(state);
+        assert!(json.len() <= MAX_STATE, "{}", json.len());
+        let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let shares = value["gpus"][0]["shares"].as_array().unwrap();
+        assert!(
+            !shares.is_empty() && shares.len() < 4000,
+            "{}",
+            shares.len()
+        );
+        let command = shares[0]["command"][0].as_str().unwrap();
+        assert!(command.len() <= MAX_TEXT + 3 && command.ends_with('…'));
+        let said = value["truncated"].to_string();
+        assert!(
+            said.contains("/gpus/shares: ") && said.contains("of 4000 shown"),
+            "{said}"
+        );
+        // A state within the bounds is left whole, with nothing said.
+        let small = serde_json::json!({"schema": SCHEMA, "queue": [1, 2, 3]});
+        assert_eq!(bounded_json(small.clone()), small.to_string());
     }
 
     #[test]

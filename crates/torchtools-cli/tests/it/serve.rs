@@ -489,3 +489,81 @@ fn api_state_holds_what_the_commands_json_views_hold() {
         "{status}"
     );
 }
+
+/// Whatever the live records hold (here 600 sharers of one GPU, each with a command
+/// line of 60 KB: 36 MB of records), `/api/state` stays within its bound (each command
+/// cut, the list cut and said), the page is served, and `top --json` still reads the
+/// machine.
+#[test]
+fn the_state_stays_bounded_whatever_the_records_hold() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let locks = tt_lock::LockDir::open(dir.join("locks")).unwrap();
+    // GPU 0's lock file, then 600 live share records written as a sharer writes its
+    // own: each locked for writing by this process (one process shares a GPU once
+    // through the API, so the records are made by hand).
+    drop(
+        locks
+            .lock(
+                &tt_lock::GpuKey::Index(0),
+                tt_lock::Wait::Try,
+                tt_lock::Holder::current(),
+            )
+            .unwrap(),
+    );
+    let mut holder = tt_lock::Holder::current().running(["x".repeat(60_000)]);
+    holder.share = Some(tt_device::Bytes(1));
+    let record = serde_json::to_string(&holder).unwrap() + "\n";
+    let shares: Vec<std::fs::File> = (0..600)
+        .map(|i| {
+            let path = dir.join(format!("locks/share-gpu-0.{i}.json"));
+            std::fs::write(&path, &record).unwrap();
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .unwrap();
+            // An open-file-description write lock, as a live record's.
+            // SAFETY: an all-zero flock is valid (the whole file from offset 0).
+            let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+            lock.l_type = libc::F_WRLCK as libc::c_short;
+            // SAFETY: the fd is open and `lock` lives for the call.
+            let rc = unsafe {
+                libc::fcntl(
+                    std::os::fd::AsRawFd::as_raw_fd(&file),
+                    libc::F_OFD_SETLK,
+                    &lock,
+                )
+            };
+            assert_eq!(rc, 0);
+            file
+        })
+        .collect();
+    let (_server, port) = serve(dir);
+    let (status, body) = request(port, "GET /api/state HTTP/1.1");
+    assert!(status.contains(" 200 "), "{status}");
+    assert!(body.len() <= 4 << 20, "{} bytes", body.len());
+    let state: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(
+        state["truncated"].to_string().contains("of 600 shown"),
+        "{}",
+        state["truncated"]
+    );
+    let shown = &state["gpus"][0]["shares"][0]["command"][0];
+    assert!(
+        shown
+            .as_str()
+            .is_some_and(|c| c.len() < 60_000 && c.ends_with('…')),
+        "{}",
+        shown.to_string().len()
+    );
+    let (status, page) = request(port, "GET / HTTP/1.1");
+    assert!(
+        status.contains(" 200 ") && page.contains("/api/state"),
+        "{status}"
+    );
+    let top = ok(tt(dir).args(["top", "--json"]).output().unwrap());
+    let top: serde_json::Value = serde_json::from_str(&top).unwrap();
+    assert_eq!(top["gpus"][0]["shares"].as_array().map(Vec::len), Some(600));
+    drop(shares);
+}
