@@ -342,6 +342,7 @@ impl LockDir {
             half_life,
             || self.live_usage_ids(),
             tt_device::now_unix(),
+            crate::tally::cache_file(self.path()).as_deref(),
         )
     }
 

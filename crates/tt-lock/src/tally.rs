@@ -18,6 +18,8 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
+
 use crate::usage::{read_more, Sink, Tailed, Usage};
 use crate::Ignored;
 
@@ -29,7 +31,7 @@ pub(crate) const MAX_OPEN: usize = 4096;
 const REBASE_AT: f64 = 200.0;
 
 /// One reservation still open.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct Open {
     user: String,
     gpu: String,
@@ -41,7 +43,7 @@ struct Open {
 }
 
 /// One log as folded so far (see the module's documentation).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub(crate) struct Folded {
     k: f64,
     origin: f64,
@@ -135,8 +137,9 @@ impl Sink for Folded {
     }
 }
 
-/// A lock directory's logs as folded so far by this process.
-#[derive(Debug, Default)]
+/// A lock directory's logs as folded so far by this process (and, through the reading
+/// user's cache, by their earlier processes).
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub(crate) struct DirTally {
     half_life: f64,
     origin: f64,
@@ -154,15 +157,24 @@ static TALLY: std::sync::LazyLock<std::sync::Mutex<HashMap<PathBuf, DirTally>>> 
 /// live holder and sharer records, read once the logs are: an open reservation not among them belonged to a
 /// holder that died holding its GPU, and ended at the latest when the GPU's next
 /// reservation started, else now.
+///
+/// A process's first decision starts from the tally its user's last process kept in
+/// `cache` (this user's file, see [`cache_file`]), when there is one for this directory
+/// and half-life, and reads on from there; a decision that read much saves it again.
 pub(crate) fn recent_use(
     dir: &Path,
     logs: &[crate::usage::LogFile],
     half_life: f64,
     live: impl FnOnce() -> crate::Result<HashSet<(String, String)>>,
     now: f64,
+    cache: Option<&Path>,
 ) -> crate::Result<HashMap<String, f64>> {
     let mut all = TALLY.lock().unwrap_or_else(|e| e.into_inner());
-    let tally = all.entry(dir.to_owned()).or_default();
+    let tally = all.entry(dir.to_owned()).or_insert_with(|| {
+        cache
+            .and_then(|c| load(c, dir, half_life))
+            .unwrap_or_default()
+    });
     let k = std::f64::consts::LN_2 / half_life.max(1e-9);
     if tally.half_life != half_life || tally.logs.is_empty() {
         // A new policy (or the first read): folded anew.
@@ -180,6 +192,7 @@ pub(crate) fn recent_use(
     }
     let present: HashSet<&PathBuf> = logs.iter().map(|(p, _)| p).collect();
     tally.logs.retain(|path, _| present.contains(path));
+    let read_before: u64 = tally.logs.values().map(Tailed::offset).sum();
     for (path, uid) in logs {
         let origin = tally.origin;
         let log = tally.logs.entry(path.clone()).or_insert_with(|| {
@@ -196,6 +209,10 @@ pub(crate) fn recent_use(
     let live = live()?;
     let live = &live;
     settle(tally, live, now);
+    let read_now: u64 = tally.logs.values().map(Tailed::offset).sum();
+    if let Some(cache) = cache.filter(|_| read_now.abs_diff(read_before) >= SAVE_AFTER) {
+        save(cache, dir, tally);
+    }
     let decay = (-k * (now - tally.origin)).exp();
     let mut uses: HashMap<String, f64> = HashMap::new();
     for log in tally.logs.values() {
@@ -216,6 +233,105 @@ pub(crate) fn recent_use(
         }
     }
     Ok(uses)
+}
+
+/// Bytes of logs read by one decision past which the tally is saved for the next
+/// process.
+const SAVE_AFTER: u64 = 256 << 10;
+
+/// The largest cache read or written.
+const MAX_CACHE: u64 = 64 << 20;
+
+/// The form of the kept tally: another is not read.
+const CACHE_VERSION: u32 = 1;
+
+/// A tally as kept between processes: the directory it is of, and what was folded.
+#[derive(Deserialize)]
+struct Cached {
+    version: u32,
+    dir: PathBuf,
+    tally: DirTally,
+}
+
+/// [`Cached`] as written, borrowing.
+#[derive(Serialize)]
+struct CachedRef<'a> {
+    version: u32,
+    dir: &'a Path,
+    tally: &'a DirTally,
+}
+
+/// The file where this user keeps the tally of the lock directory `dir` between
+/// processes: `$XDG_CACHE_HOME/torchtools/tally-<hash of dir>.json` (or under
+/// `~/.cache`); `None` without either.
+pub(crate) fn cache_file(dir: &Path) -> Option<PathBuf> {
+    use std::hash::{Hash, Hasher};
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .filter(|v| !v.is_empty())
+                .map(|h| PathBuf::from(h).join(".cache"))
+        })?;
+    let mut hash = std::collections::hash_map::DefaultHasher::new();
+    dir.hash(&mut hash);
+    Some(
+        base.join("torchtools")
+            .join(format!("tally-{:016x}.json", hash.finish())),
+    )
+}
+
+/// The tally kept in `cache` for `dir` and `half_life`, when it is this user's own
+/// regular file of a sane size and reads whole.
+fn load(cache: &Path, dir: &Path, half_life: f64) -> Option<DirTally> {
+    use std::os::unix::fs::MetadataExt;
+    let (file, meta) = crate::file::open_to_read(cache)?;
+    if meta.uid() != crate::owner::euid() || meta.len() > MAX_CACHE {
+        return None;
+    }
+    let cached: Cached = serde_json::from_reader(std::io::BufReader::new(file)).ok()?;
+    (cached.version == CACHE_VERSION && cached.dir == dir && cached.tally.half_life == half_life)
+        .then_some(cached.tally)
+}
+
+/// Keeps `tally` in `cache` for this user's next process (written aside and renamed,
+/// in a directory of this user's own); nothing when that cannot be done.
+fn save(cache: &Path, dir: &Path, tally: &DirTally) {
+    use std::io::Write as _;
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+    let Some(parent) = cache.parent() else { return };
+    let _ = std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(parent);
+    if !std::fs::symlink_metadata(parent)
+        .is_ok_and(|m| m.is_dir() && m.uid() == crate::owner::euid())
+    {
+        return;
+    }
+    let Ok(mut text) = serde_json::to_vec(&CachedRef {
+        version: CACHE_VERSION,
+        dir,
+        tally,
+    }) else {
+        return;
+    };
+    text.push(b'\n');
+    if text.len() as u64 > MAX_CACHE {
+        return;
+    }
+    let temp = parent.join(format!(".tally-{}.tmp", std::process::id()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&temp)
+        .and_then(|mut f| f.write_all(&text));
+    if written.is_err() || std::fs::rename(&temp, cache).is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
 }
 
 /// The first start of a reservation of `gpu` after `start`, in any log.
@@ -418,7 +534,7 @@ mod tests {
         let logs = [(path.clone(), uid)];
         for round in 0..3 {
             let t = now + round as f64;
-            let folded = recent_use(&dir, &logs, half_life, || Ok(live.clone()), t).unwrap();
+            let folded = recent_use(&dir, &logs, half_life, || Ok(live.clone()), t, None).unwrap();
             let fresh = from_records(&path, uid, &live, t, half_life);
             assert!(
                 close(&folded, &fresh),
@@ -447,6 +563,75 @@ mod tests {
     }
 
     #[test]
+    fn a_process_reads_on_from_the_tally_its_users_last_process_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let uid = crate::owner::euid();
+        let me = crate::owner::name_of_uid(uid);
+        let path = tmp.path().join(format!("usage-{uid}.jsonl"));
+        let now = tt_device::now_unix();
+        let lines: Vec<String> = (0..4000)
+            .rev()
+            .flat_map(|i| {
+                // The first record written ends a minute ago: it counts almost whole.
+                let t = now - 40_065.0 + i as f64 * 10.0;
+                [
+                    start(&format!("r{i}"), &me, "g0", t, None),
+                    end(&format!("r{i}"), t + 5.0),
+                ]
+            })
+            .collect();
+        append(&path, &lines);
+        let dir = tmp.path().join("kept");
+        let cache = tmp.path().join("cache/tally.json");
+        let logs = [(path.clone(), uid)];
+        let live = HashSet::new();
+        let first =
+            recent_use(&dir, &logs, 3600.0, || Ok(live.clone()), now, Some(&cache)).unwrap();
+        assert!(
+            cache.exists(),
+            "saved after reading {} bytes",
+            std::fs::metadata(&path).unwrap().len()
+        );
+        // A new process: nothing in memory; it starts from the kept tally, at the log's end.
+        TALLY.lock().unwrap().remove(&dir);
+        let kept = load(&cache, &dir, 3600.0).unwrap();
+        assert_eq!(
+            kept.logs[&path].offset(),
+            std::fs::metadata(&path).unwrap().len()
+        );
+        assert!(
+            load(&cache, &dir, 7200.0).is_none(),
+            "another half-life: folded anew"
+        );
+        append(
+            &path,
+            &[start("late", &me, "g0", now, None), end("late", now + 1.0)],
+        );
+        let later = now + 2.0;
+        let fresh = from_records(&path, uid, &live, later, 3600.0);
+        // The first record blanked in place: only a reader that starts over misses it.
+        let text = std::fs::read_to_string(&path).unwrap();
+        let first_line = text.lines().next().unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .write_all(" ".repeat(first_line).as_bytes())
+            .unwrap();
+        let second = recent_use(
+            &dir,
+            &logs,
+            3600.0,
+            || Ok(live.clone()),
+            later,
+            Some(&cache),
+        )
+        .unwrap();
+        assert!(close(&second, &fresh), "{second:?} != {fresh:?}");
+        assert!(second[&me] > first[&me] * 0.99, "{first:?} {second:?}");
+    }
+
+    #[test]
     fn one_users_junk_keeps_a_bounded_tally() {
         let tmp = tempfile::tempdir().unwrap();
         let uid = crate::owner::euid();
@@ -468,8 +653,8 @@ mod tests {
         let dir = tmp.path().join("two");
         let logs = [(junk.clone(), uid)];
         let live = HashSet::new();
-        let used = recent_use(&dir, &logs, 3600.0, || Ok(live.clone()), now).unwrap();
-        let again = recent_use(&dir, &logs, 3600.0, || Ok(live.clone()), now + 1.0).unwrap();
+        let used = recent_use(&dir, &logs, 3600.0, || Ok(live.clone()), now, None).unwrap();
+        let again = recent_use(&dir, &logs, 3600.0, || Ok(live.clone()), now + 1.0, None).unwrap();
         assert!(used[&me] > 0.0 && used[&me].is_finite(), "{used:?}");
         assert!(again[&me].is_finite(), "{again:?}");
         let all = TALLY.lock().unwrap();

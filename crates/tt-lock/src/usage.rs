@@ -509,7 +509,7 @@ pub(crate) trait Sink {
 
 /// A log as read so far by a reader that keeps it, reading only what was appended
 /// since ([`read_more`]; logs only grow, a record per line), into its sink.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub(crate) struct Tailed<S> {
     /// The file read (device and inode): another file under the name is read anew.
     file: (u64, u64),
@@ -524,6 +524,11 @@ pub(crate) struct Tailed<S> {
 }
 
 impl<S: Sink> Tailed<S> {
+    /// Bytes read so far.
+    pub(crate) fn offset(&self) -> u64 {
+        self.offset
+    }
+
     /// A log not read yet, into `sink`.
     pub(crate) fn new(sink: S) -> Tailed<S> {
         Tailed {
