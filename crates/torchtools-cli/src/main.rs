@@ -155,3 +155,45 @@ fn attached(
     guardian.ended(i32::from(code));
     Ok(ExitCode::from(code))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every command's and subcommand's summary, as `torchtools --help` (and each
+    /// `CMD --help`) lists it, with its path.
+    fn summaries(cmd: &clap::Command, path: &str, out: &mut Vec<(String, String)>) {
+        for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+            let path = format!("{path} {}", sub.get_name());
+            let about = sub.get_about().map(ToString::to_string).unwrap_or_default();
+            out.push((path.clone(), about));
+            summaries(sub, &path, out);
+        }
+    }
+
+    #[test]
+    fn every_summary_fits_on_a_line_and_the_help_on_a_screen() {
+        let mut all = Vec::new();
+        summaries(&Cli::command(), "torchtools", &mut all);
+        assert!(all.len() > 20, "{all:?}");
+        for (path, about) in &all {
+            assert!(
+                !about.is_empty() && about.chars().count() < 60 && !about.contains('\n'),
+                "`{path}`: its summary must be one line under 60 characters (the rest of \
+                 its doc comment goes after a blank line): {about:?}"
+            );
+        }
+        let help = Cli::command().term_width(100).render_help().to_string();
+        let lines: Vec<&str> = help.lines().collect();
+        assert!(lines.len() <= 30, "{} lines:\n{help}", lines.len());
+        for line in &lines {
+            assert!(line.chars().count() <= 100, "{line:?}");
+        }
+        // `CMD --help` keeps the detail: the long help is longer than the summary.
+        let mut reserve = Cli::command();
+        let reserve = reserve.find_subcommand_mut("reserve").unwrap();
+        let long = reserve.render_long_help().to_string();
+        assert!(long.contains("The command inherits the locks"), "{long}");
+    }
+}

@@ -2,6 +2,8 @@
 
 use std::process::ExitCode;
 
+/// Show the GPUs and which device a process would use.
+///
 /// List the GPUs (NVML) and show which device TORCHTOOLS_DEVICE, LOCAL_RANK and
 /// CUDA_VISIBLE_DEVICES select.
 ///

@@ -75,6 +75,8 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// List your detached jobs (or everyone's).
+///
 /// Your detached jobs (`--detach` on reserve, run, launch): id, state (waiting,
 /// running, finished or failed with its status, lost when the machine rebooted),
 /// how long, the command and its log.
@@ -94,6 +96,8 @@ pub(crate) struct Args {
 /// `jobs wait`.
 #[derive(clap::Subcommand)]
 pub(crate) enum JobsCommand {
+    /// Wait for jobs to end; exit with the worst status.
+    ///
     /// Wait until these jobs have ended; exit with the worst status among them (a
     /// cancelled or lost job counts as 1).
     Wait {

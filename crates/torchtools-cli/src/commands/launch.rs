@@ -61,6 +61,8 @@ fn nnodes(text: &str) -> std::result::Result<usize, String> {
     }
 }
 
+/// Run N ranks of a command, as torchrun does.
+///
 /// Launch N processes of CMD with torchrun's variables and command line: a drop-in
 /// for `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
 /// ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*; OMP_NUM_THREADS=1 when unset and

@@ -6,6 +6,8 @@ use anyhow::Result;
 use tt_device::Inventory;
 use tt_lock::LockDir;
 
+/// Show every GPU's lock and who holds it.
+///
 /// Show every GPU's lock: free, or held by whom, since when, reserving how much,
 /// and how many requests wait for it.
 #[derive(clap::Args)]

@@ -43,6 +43,8 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
     }
 }
 
+/// Show a detached job's log.
+///
 /// A detached job's log (its id, a unique prefix of it, or `last`).
 #[derive(clap::Args)]
 pub(crate) struct Args {

@@ -33,6 +33,8 @@ const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 /// The file `--textfile DIR` writes (node_exporter reads `*.prom`).
 const TEXTFILE: &str = "torchtools.prom";
 
+/// Export the machine's metrics for Prometheus.
+///
 /// The GPUs, reservations, queue, users and jobs as OpenMetrics text for Prometheus:
 /// printed once, served at http://ADDR/metrics (--listen ADDR), or written for
 /// node_exporter's textfile collector (--textfile DIR).

@@ -6,6 +6,8 @@ use std::process::ExitCode;
 use anyhow::Result;
 use tt_lock::{LockDir, PolicyInForce, PolicyStatus, Standing};
 
+/// Show the queueing policy and each user's standing.
+///
 /// Show the machine's queueing policy (/etc/torchtools/policy.toml; where the
 /// machine has none, the file TORCHTOOLS_POLICY names) and why it is in force or ignored, and each user's
 /// recent use, GPUs held and requests waiting under it.

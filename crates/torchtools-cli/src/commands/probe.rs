@@ -221,6 +221,8 @@ pub(crate) struct MaxBatchArgs {
     pub(crate) capacity: Option<tt_device::Bytes>,
 }
 
+/// Measure a command's peak memory.
+///
 /// Probe a command's peak memory: run it with TORCHTOOLS_PROBE=1 and
 /// TORCHTOOLS_PROBE_STEPS=N (so a script can opt into a short run) until it exits or
 /// the timeout, sampling its whole process tree (NVML GPU memory, else RSS), and print

@@ -7,6 +7,8 @@ use anyhow::Result;
 use tt_device::Inventory;
 use tt_lock::{GpuKey, LockDir};
 
+/// Show the requests waiting for GPUs, in order.
+///
 /// Show the requests waiting for GPUs, in the order they will be served (first
 /// come, first served, or by the machine's fair-share policy with each request's
 /// priority and why): user, pid, how long, GPUs asked, bytes, command.

@@ -189,6 +189,8 @@ impl ReserveArgs {
     }
 }
 
+/// Reserve GPUs, then run a command on them.
+///
 /// Reserve GPU(s), then run a command on them: take each GPU's lock (waiting for
 /// it), raise a memory fence that leaves --bytes free for the command, run it with
 /// CUDA_VISIBLE_DEVICES set to the GPUs' UUIDs, and release everything when it ends.

@@ -2,6 +2,8 @@
 
 use anyhow::Result;
 
+/// Probe a command's memory, reserve GPUs, run it.
+///
 /// Probe, reserve, run: probe CMD in probe mode (as `probe` does) or take --bytes,
 /// reserve GPU(s) leaving that much free (as `reserve` does), then run CMD for real.
 #[derive(clap::Args)]

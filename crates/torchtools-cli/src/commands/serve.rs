@@ -37,6 +37,8 @@ const HISTORY_SPAN: Duration = Duration::from_secs(3600);
 /// The version of `/api/state`'s schema (README: "The page and its API").
 pub(crate) const SCHEMA: u32 = 1;
 
+/// Serve a live web page of the whole machine.
+///
 /// The whole server on one page, in a browser: every GPU's memory, holder or
 /// sharers, the queue in serving order and why, jobs, each user's use over the
 /// last day and week, each GPU's memory over the last hour; live, read-only.

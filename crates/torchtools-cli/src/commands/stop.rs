@@ -97,6 +97,8 @@ fn stop_one(records: &Path, job: Job, grace: Duration) -> Result<()> {
     Ok(())
 }
 
+/// Stop a detached job.
+///
 /// Stop a detached job: SIGTERM to it (a torchtools trainer then checkpoints and
 /// exits 75), SIGKILL to all of it after --grace.
 #[derive(clap::Args)]

@@ -199,6 +199,8 @@ pub(crate) const SUB_TRACK_FORMATS: [&str; 3] = ["text", "json", "pickle"];
 
 #[derive(clap::Subcommand)]
 pub(crate) enum SubTrackCommand {
+    /// Statistics per measure and per code block.
+    ///
     /// Statistics of every measure over all samples and over each code block's calls,
     /// and each block's call times (gpu_tracker's `sub-track analyze`).
     ///
@@ -220,6 +222,8 @@ pub(crate) enum SubTrackCommand {
         #[arg(short, long, default_value = "text", value_parser = SUB_TRACK_FORMATS)]
         format: String,
     },
+    /// Merge several processes' sub-tracking files.
+    ///
     /// Merge the sub-tracking files of several processes into one (gpu_tracker's
     /// `sub-track combine`); never replaces an existing file.
     Combine {
@@ -231,6 +235,8 @@ pub(crate) enum SubTrackCommand {
         #[arg(short = 'p', required = true, num_args = 1.., action = clap::ArgAction::Append, value_name = "FILE")]
         files: Vec<std::path::PathBuf>,
     },
+    /// Compare sessions' analyses, block by block.
+    ///
     /// Compare sessions' analyses measure by measure and block by block (gpu_tracker's
     /// `sub-track compare`), from the JSON of `sub-track analyze --format json`
     /// written by torchtools or gpu-tracker (pickles are not read: loading one can run

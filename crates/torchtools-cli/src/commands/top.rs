@@ -564,6 +564,8 @@ fn render_processes(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buff
         .render(area, buf);
 }
 
+/// Watch the GPUs live, refreshed every second.
+///
 /// A live view of the GPUs, refreshed every second: memory used, free and fenced,
 /// use, the lock's holder and the requests waiting, and the processes on each GPU
 /// (marked when they run outside the holder's reservation).

@@ -409,6 +409,8 @@ pub(crate) fn compare(files: &[PathBuf], json: bool) -> Result<ExitCode> {
 
 #[derive(clap::Subcommand)]
 pub(crate) enum TrackCommand {
+    /// Compare tracking sessions' JSON reports.
+    ///
     /// Compare tracking sessions from their JSON reports (`--format json`).
     Compare {
         /// Two or more reports.
@@ -418,12 +420,16 @@ pub(crate) enum TrackCommand {
         #[arg(long)]
         json: bool,
     },
+    /// gpu_tracker's sub-tracking commands.
+    ///
     /// gpu_tracker's sub-tracking commands, with its options and outputs, on both tools'
     /// files: per code block statistics, sub-tracking files combined, sessions compared.
     #[command(name = "sub-track", subcommand)]
     SubTrack(crate::commands::subtrack::SubTrackCommand),
 }
 
+/// Track a command's memory, CPU, GPU and energy use.
+///
 /// Track a command's resources: RAM of it and its descendants (total, private,
 /// shared), GPU RAM, CPU and GPU use, energy, time, as gpu_tracker does, with exact
 /// kernel peaks.

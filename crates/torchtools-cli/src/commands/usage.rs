@@ -158,6 +158,8 @@ fn text(rows: &[Row], by: By) -> String {
     out
 }
 
+/// Show who used the GPUs, and how much.
+///
 /// Who used the GPUs, and how much: GPU-hours and reserved GiB-hours per user (or
 /// per GPU) from the lock directory's usage log, which every reservation writes
 /// (`reserve`, `run`, `launch --gpu`, the API). A holder that died holding its GPU
