@@ -24,7 +24,7 @@ pub(crate) struct ReserveArgs {
     /// The GPU(s): an index as nvidia-smi shows it, a UUID (GPU-..., a prefix is
     /// enough), or auto (the free GPU(s) with the most free memory). Repeat or
     /// separate with commas for several.
-    #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = crate::args::gpu_spec)]
+    #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = crate::args::gpu_spec, add = crate::complete::gpus())]
     pub(crate) gpu: Vec<tt_lock::GpuSpec>,
     /// How many GPUs --gpu auto takes.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
@@ -95,11 +95,11 @@ pub(crate) struct DetachArgs {
     /// Start only after these jobs have ended, however they ended (ids, unique
     /// prefixes or `last`; comma-separated or repeated). Meanwhile `jobs` says
     /// "waiting for job ID", and the job takes its place in the GPU queue only then.
-    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
+    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach", add = crate::complete::jobs())]
     pub(crate) after: Vec<String>,
     /// Start only after these jobs have ended, and only if every one succeeded (exit
     /// 0); otherwise the job ends as "cancelled: job ID failed" without running.
-    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
+    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach", add = crate::complete::jobs())]
     pub(crate) after_ok: Vec<String>,
     /// When the job exits 75 (its time limit, preemption, or its own choice: a
     /// torchtools trainer checkpoints on SIGTERM and exits 75), put it back in the

@@ -8,7 +8,7 @@
 use std::ffi::OsString;
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 
 use commands::{
     devices, launch, locks, metrics, policy, probe, queue, reserve, serve, top, track, usage,
@@ -19,6 +19,7 @@ mod arg_groups;
 mod args;
 mod child;
 mod commands;
+mod complete;
 mod exit;
 mod hook;
 mod http;
@@ -62,6 +63,9 @@ fn main() -> ExitCode {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
+    // `COMPLETE=bash torchtools` prints the shell's completion script; the shell then
+    // asks again with the words typed (clap_complete's convention, as uv's).
+    clap_complete::CompleteEnv::with_factory(Cli::command).complete();
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,

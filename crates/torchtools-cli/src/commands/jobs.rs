@@ -102,7 +102,11 @@ pub(crate) enum JobsCommand {
     /// cancelled or lost job counts as 1).
     Wait {
         /// The jobs (ids, unique prefixes, or `last`).
-        #[arg(required_unless_present = "all_mine", conflicts_with = "all_mine")]
+        #[arg(
+            required_unless_present = "all_mine",
+            conflicts_with = "all_mine",
+            add = crate::complete::jobs()
+        )]
         jobs: Vec<String>,
         /// Every job of yours that has not ended yet.
         #[arg(long)]

@@ -87,11 +87,11 @@ pub(crate) struct Args {
     #[arg(long)]
     detach: bool,
     /// With --detach: start only after these jobs have ended (see `reserve --after`).
-    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
+    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach", add = crate::complete::jobs())]
     after: Vec<String>,
     /// With --detach: start only after these jobs have ended, and only if all succeeded
     /// (see `reserve --after-ok`).
-    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach")]
+    #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach", add = crate::complete::jobs())]
     after_ok: Vec<String>,
     /// With --detach: run the group again when it exits 75 (see `reserve --requeue`).
     #[arg(long, requires = "detach")]
@@ -152,7 +152,7 @@ pub(crate) struct Args {
     /// nothing): an index, a UUID, or auto (the free GPUs with the most free memory).
     /// Each rank sees them all in CUDA_VISIBLE_DEVICES and uses cuda:LOCAL_RANK; they
     /// are released when the group ends.
-    #[arg(long, value_delimiter = ',', value_parser = crate::args::gpu_spec)]
+    #[arg(long, value_delimiter = ',', value_parser = crate::args::gpu_spec, add = crate::complete::gpus())]
     gpu: Option<Vec<tt_lock::GpuSpec>>,
     /// How many GPUs --gpu auto takes (default: one per rank of this node).
     #[arg(long, requires = "gpu", value_parser = clap::value_parser!(u32).range(1..))]

@@ -49,6 +49,7 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// The job.
+    #[arg(add = crate::complete::jobs())]
     pub(crate) job: String,
     /// Follow the log while the job runs; end when it ends.
     #[arg(short, long)]

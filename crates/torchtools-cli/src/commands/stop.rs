@@ -104,6 +104,7 @@ fn stop_one(records: &Path, job: Job, grace: Duration) -> Result<()> {
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// The job.
+    #[arg(add = crate::complete::jobs())]
     pub(crate) job: String,
     /// How long it has to end after SIGTERM.
     #[arg(long, value_parser = crate::args::duration, default_value = "10s")]

@@ -1471,3 +1471,117 @@ fn a_user_over_the_policys_limits_is_shown_by_every_view() {
         let _ = child.wait();
     }
 }
+
+/// What a real bash completes after `source <(COMPLETE=bash torchtools)`: the words of
+/// `COMP_WORDS` with the cursor on the last, as the shell asks at a TAB.
+fn bash_completes(dir: &Path, home: &Path, words: &[&str]) -> Vec<String> {
+    let script = format!(
+        "source <(COMPLETE=bash {bin})\n\
+         COMP_WORDS=({words}); COMP_CWORD={cword}; COMP_TYPE=9\n\
+         _clap_complete_torchtools torchtools \"${{COMP_WORDS[COMP_CWORD]}}\" \
+         \"${{COMP_WORDS[COMP_CWORD-1]}}\"\n\
+         printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+        bin = env!("CARGO_BIN_EXE_torchtools"),
+        words = words
+            .iter()
+            .map(|w| format!("'{w}'"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        cword = words.len() - 1,
+    );
+    let out = Command::new("bash")
+        .args(["--norc", "-c", &script])
+        .env("TORCHTOOLS_LOCK_DIR", dir)
+        .env("XDG_STATE_HOME", home.join("state"))
+        .env("XDG_CONFIG_HOME", home.join("config"))
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.split_whitespace().next().unwrap_or_default().to_owned())
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+/// `torchtools stop <TAB>` in bash offers the user's own jobs first (newest first),
+/// then another user's, and `last`; a typed prefix narrows them; `--gpu <TAB>` offers
+/// the machine's GPUs and `auto`.
+#[test]
+fn bash_completes_job_ids_own_first_and_gpus() {
+    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
+        return;
+    };
+    tt_testkit::users::two_users().unwrap();
+    let [user_a, _] = tt_testkit::users::USER_NAMES;
+    let dir = tmp.path().join("locks");
+    ok(torchtools(&dir).arg("locks").output().unwrap()); // root's directory
+    let root_home = tmp.path().join("root-home");
+    let detach = |cmd: &mut Command, gpu: &str| -> String {
+        let out = cmd
+            .args([
+                "reserve",
+                "--detach",
+                "--gpu",
+                gpu,
+                "--no-fence",
+                "--",
+                "sleep",
+                "600",
+            ])
+            .output()
+            .unwrap();
+        ok(out).trim().to_owned()
+    };
+    let home_a = home_of(tmp.path(), user_a);
+    let theirs = detach(&mut as_user(user_a, &dir, &home_a), "2");
+    let root = || {
+        let mut c = torchtools(&dir);
+        c.env("XDG_STATE_HOME", root_home.join("state"))
+            .env("XDG_CONFIG_HOME", root_home.join("config"));
+        c
+    };
+    let older = detach(&mut root(), "0");
+    // Ids are named after the second they started: the newer one a second later.
+    let start = std::time::Instant::now();
+    while older.split('-').next() == Some(&tt_device::now_unix_secs().to_string()) {
+        assert!(start.elapsed() < crate::common::PATIENCE);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let newer = detach(&mut root(), "1");
+    let stops =
+        [&theirs, &older, &newer].map(|id| crate::common::Stopped(tmp.path(), id.to_string()));
+    // Running, so that stopping them at the end stops their commands.
+    crate::common::until("the three jobs run", || {
+        let all = ok(root().args(["jobs", "--all", "--json"]).output().unwrap());
+        let all: serde_json::Value = serde_json::from_str(&all).unwrap();
+        all.as_array()
+            .is_some_and(|a| a.iter().filter(|j| j["state"] == "running").count() == 3)
+    });
+    let offered = bash_completes(&dir, &root_home, &["torchtools", "stop", ""]);
+    let ids: Vec<&str> = offered
+        .iter()
+        .map(String::as_str)
+        .filter(|w| !w.starts_with('-'))
+        .collect();
+    assert_eq!(
+        ids,
+        [newer.as_str(), older.as_str(), theirs.as_str(), "last"],
+        "{offered:?}"
+    );
+    let prefix = &newer[..newer.len() - 2];
+    let narrowed = bash_completes(&dir, &root_home, &["torchtools", "logs", prefix]);
+    assert!(
+        narrowed.contains(&newer) && !narrowed.contains(&"last".to_owned()),
+        "{narrowed:?}"
+    );
+    let after = bash_completes(&dir, &root_home, &["torchtools", "jobs", "wait", ""]);
+    assert!(after.contains(&older), "{after:?}");
+    let gpus = bash_completes(&dir, &root_home, &["torchtools", "reserve", "--gpu", ""]);
+    assert_eq!(gpus, ["0", "1", "2", "auto"], "{gpus:?}");
+    let listed = bash_completes(&dir, &root_home, &["torchtools", "reserve", "--gpu", "0,"]);
+    assert!(listed.contains(&"0,1".to_owned()), "{listed:?}");
+    // Root stops all three (another user's too: root may signal any process).
+    drop(stops);
+}
