@@ -10,6 +10,7 @@
 //! cargo xtask test-gpu              the GPU bundle built and run here; fails without a GPU
 //! cargo xtask test-gpu --bundle DIR the GPU tests, demo, trainer, CLI, bench + run.sh in DIR
 //! cargo xtask bench                 run the benchmarks, print one table
+//! cargo xtask man [DIR]             torchtools' man pages in DIR (default target/man)
 //! cargo xtask mutants [CRATE..] [--shard K/N | --full] [--again]
 //!                                   mutation testing of the libtorch-free crates
 //! ```
@@ -28,7 +29,7 @@ mod wheel;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: cargo xtask <setup [--print-env] | demo | test [--record-minimums] | downstream | wheel [--dev | --test] | test-gpu [--bundle DIR] | bench | \
+const USAGE: &str = "usage: cargo xtask <setup [--print-env] | demo | test [--record-minimums] | downstream | wheel [--dev | --test] | man [DIR] | test-gpu [--bundle DIR] | bench | \
                      mutants [CRATE..] [--shard K/N | --full] [--again]>";
 
 fn main() -> ExitCode {
@@ -44,6 +45,8 @@ fn main() -> ExitCode {
         ["wheel", "--dev"] => wheel::run(true),
         ["wheel", "--test"] => wheel::install_and_run(),
         ["downstream"] => downstream::build_and_run(),
+        ["man"] => wheel::man(None),
+        ["man", dir] => wheel::man(Some(std::path::Path::new(dir))),
         ["test-gpu"] => gpu::run_gpu_tests(),
         ["test-gpu", "--bundle", dir] => gpu::bundle(&PathBuf::from(dir)),
         ["bench"] => bench::run(),

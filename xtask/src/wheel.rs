@@ -77,6 +77,10 @@ pub(crate) fn build(profile: &str, out: &Path) -> Result<PathBuf> {
         std::fs::copy(built.join(program), scripts.join(program))
             .with_context(|| format!("copying {} into the wheel's scripts", program))?;
     }
+    // The man pages, installed under the environment's share/man/man1.
+    let man = crate::root().join("target/wheel-data/data/share/man/man1");
+    let _ = std::fs::remove_dir_all(&man);
+    generate_man(&built.join("torchtools"), &man)?;
     let manifest = crate::root().join("crates/torchtools-py/Cargo.toml");
     // `linux`: a wheel for this machine's glibc. A wheel for PyPI is built the same way
     // in a manylinux container (`--compatibility manylinux_2_28`).
@@ -109,6 +113,46 @@ pub(crate) fn build(profile: &str, out: &Path) -> Result<PathBuf> {
         .map(|e| e.path())
         .find(|p| p.extension().is_some_and(|e| e == "whl"))
         .with_context(|| format!("maturin wrote no wheel into {}", out.display()))
+}
+
+/// Writes the man pages of `torchtools` (the binary at `bin`) into `dir`.
+pub(crate) fn generate_man(bin: &Path, dir: &Path) -> Result<()> {
+    let out = Command::new(bin)
+        .arg("generate-man")
+        .arg(dir)
+        .output()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} generate-man failed ({}): {}",
+            bin.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// `cargo xtask man [DIR]`: the man pages of `torchtools` and each of its commands in
+/// DIR (default `target/man`): `sudo cargo xtask man /usr/local/share/man/man1` is the
+/// layout a root install expects (`man torchtools-reserve` then finds it).
+pub(crate) fn man(dir: Option<&Path>) -> Result<()> {
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "-q", "-p", "torchtools-cli", "--bin", "torchtools"])
+        .current_dir(crate::root())
+        .status()
+        .context("starting cargo")?;
+    if !status.success() {
+        bail!("cargo build -p torchtools-cli failed ({status})");
+    }
+    let dir = dir.map_or_else(|| crate::root().join("target/man"), Path::to_path_buf);
+    generate_man(&crate::root().join("target/debug/torchtools"), &dir)?;
+    println!(
+        "man pages in {} (`man -l {}/torchtools.1`)",
+        dir.display(),
+        dir.display()
+    );
+    Ok(())
 }
 
 /// `cargo xtask wheel [--dev]`: a release wheel (or a quick debug one) in target/wheels.
@@ -165,6 +209,20 @@ fn install(wheel: &Path, tmp: &Path) -> Result<PathBuf> {
         if !bin.join(program).exists() {
             bail!("the wheel put no {program} into {}", bin.display());
         }
+    }
+    // The man pages, where `man` finds them for the environment's `torchtools`.
+    let page = Command::new("man")
+        .arg("torchtools-reserve")
+        .env("MANPATH", venv.join("share/man"))
+        .env("MANWIDTH", "80")
+        .output()
+        .context("starting man")?;
+    if !page.status.success() || !String::from_utf8_lossy(&page.stdout).contains("Reserve GPUs") {
+        bail!(
+            "`man torchtools-reserve` with MANPATH={}/share/man: {}",
+            venv.display(),
+            String::from_utf8_lossy(&page.stderr)
+        );
     }
     // The wheel's version is the crates' (maturin fills it in from Cargo.toml).
     let shown = Command::new(venv.join("bin/pip"))

@@ -126,6 +126,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Stop(args) => commands::stop::run(args),
         Command::JobRun(args) => commands::job_run::run(args),
         Command::JobHook(args) => commands::job_hook::run(args),
+        Command::GenerateMan(args) => commands::generate_man::run(args),
         Command::Usage(args) => usage::run(args),
         Command::Queue(args) => queue::run(args),
         Command::Metrics(args) => metrics::run(args),

@@ -2,6 +2,7 @@
 //! doc comment) and its `run`. This file is the table of commands.
 
 pub(crate) mod devices;
+pub(crate) mod generate_man;
 pub(crate) mod job_hook;
 pub(crate) mod job_run;
 pub(crate) mod jobs;
@@ -37,6 +38,7 @@ pub(crate) enum Command {
     Stop(stop::Args),
     JobRun(job_run::Args),
     JobHook(job_hook::Args),
+    GenerateMan(generate_man::Args),
     Usage(usage::Args),
     Metrics(metrics::Args),
     Serve(serve::Args),

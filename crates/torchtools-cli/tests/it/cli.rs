@@ -140,3 +140,69 @@ fn a_bad_log_filter_or_thread_count_exits_2_before_anything_runs() {
     assert!(out.status.success(), "{out:?}");
     assert!(marker.exists());
 }
+
+/// The man pages: one for `torchtools` and one for each command and subcommand `--help`
+/// lists, each rendered by `man` without a warning, and found by `man NAME` once in a
+/// `man1` directory on `MANPATH` (the documented install).
+#[test]
+fn man_pages_render_without_a_warning_and_are_found_once_installed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let man1 = tmp.path().join("man/man1");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_torchtools"))
+        .arg("generate-man")
+        .arg(&man1)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_torchtools"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    let commands: Vec<&str> = help
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .collect();
+    assert!(commands.len() >= 16, "{help}");
+    for name in std::iter::once("torchtools".to_owned())
+        .chain(commands.iter().map(|c| format!("torchtools-{c}")))
+        .chain([
+            "torchtools-jobs-wait".to_owned(),
+            "torchtools-track-sub-track-analyze".to_owned(),
+        ])
+    {
+        let page = man1.join(format!("{name}.1"));
+        assert!(page.exists(), "no {}", page.display());
+        let shown = std::process::Command::new("man")
+            .args(["--warnings", "-E", "UTF-8", "-l"])
+            .arg(&page)
+            .env("MANWIDTH", "80")
+            .env("LC_ALL", "C.UTF-8")
+            .output()
+            .unwrap();
+        assert!(
+            shown.status.success() && shown.stderr.is_empty(),
+            "{name}: {}",
+            String::from_utf8_lossy(&shown.stderr)
+        );
+        assert!(
+            String::from_utf8_lossy(&shown.stdout).contains("NAME"),
+            "{name}"
+        );
+    }
+    let found = std::process::Command::new("man")
+        .arg("torchtools-reserve")
+        .env("MANPATH", tmp.path().join("man"))
+        .env("MANWIDTH", "80")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&found.stdout);
+    assert!(
+        found.status.success() && text.contains("Reserve GPUs, then run a command on them"),
+        "{found:?}"
+    );
+}
