@@ -610,12 +610,19 @@ impl Drop for Groups {
 /// scratch directory (None, said, without root), its lock directory (root's) and the
 /// policy file.
 fn under_policy(text: &str) -> Option<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf)> {
+    let (tmp, dir) = shared_machine()?;
+    let policy = policy_file(tmp.path(), text, "root", 0o644);
+    Some((tmp, dir, policy))
+}
+
+/// A machine of several users: the shared scratch directory (None, said, without
+/// root), the test users made, and its lock directory, root's.
+fn shared_machine() -> Option<(tempfile::TempDir, std::path::PathBuf)> {
     let tmp = crate::common::shared_dir_for_two_users()?;
     tt_testkit::users::two_users().unwrap();
     let dir = tmp.path().join("locks");
     ok(torchtools(&dir).arg("locks").output().unwrap());
-    let policy = policy_file(tmp.path(), text, "root", 0o644);
-    Some((tmp, dir, policy))
+    Some((tmp, dir))
 }
 
 /// `tmp/policy.toml` holding `text`, owned by `owner` with `mode`.
@@ -635,13 +642,10 @@ fn policy_file(tmp: &Path, text: &str, owner: &str, mode: u32) -> std::path::Pat
 
 #[test]
 fn a_policy_file_another_user_could_write_is_ignored_and_said_by_every_view() {
-    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
+    let Some((tmp, dir)) = shared_machine() else {
         return;
     };
-    tt_testkit::users::two_users().unwrap();
     let [user_a, user_b] = tt_testkit::users::USER_NAMES;
-    let dir = tmp.path().join("locks");
-    ok(torchtools(&dir).arg("locks").output().unwrap()); // root's directory
     let home_b = home_of(tmp.path(), user_b);
     let as_b = |policy: &Path, args: &[&str]| {
         let out = as_user(user_b, &dir, &home_b)
@@ -1149,13 +1153,10 @@ exec runuser -u "$user" -- "$@""#;
 /// variable is not read.
 #[test]
 fn no_variable_leaves_the_machines_policy_behind() {
-    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
+    let Some((tmp, dir)) = shared_machine() else {
         return;
     };
-    tt_testkit::users::two_users().unwrap();
     let [user_a, user_b] = tt_testkit::users::USER_NAMES;
-    let dir = tmp.path().join("locks");
-    ok(torchtools(&dir).arg("locks").output().unwrap()); // root's directory
     let machine = "[limits]\ngpus = 1\ntime_max = \"1h\"\n";
     let laxer = policy_file(tmp.path(), "[limits]\ntime_max = \"1d\"\n", user_b, 0o644);
     let cases = [
@@ -1253,13 +1254,10 @@ fn status_as(user: &str, url: &str, host: &str) -> String {
 /// its own names: a page that rebinds another name to its address reads nothing.
 #[test]
 fn a_client_that_never_reads_holds_no_one_out_and_other_names_get_nothing() {
-    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
+    let Some((tmp, dir)) = shared_machine() else {
         return;
     };
-    tt_testkit::users::two_users().unwrap();
     let [user_a, user_b] = tt_testkit::users::USER_NAMES;
-    let dir = tmp.path().join("locks");
-    ok(torchtools(&dir).arg("locks").output().unwrap()); // root's directory
     let home_a = home_of(tmp.path(), user_a);
     let mut server = as_user(user_a, &dir, &home_a)
         .args([
@@ -1510,13 +1508,10 @@ fn bash_completes(dir: &Path, home: &Path, words: &[&str]) -> Vec<String> {
 /// the machine's GPUs and `auto`.
 #[test]
 fn bash_completes_job_ids_own_first_and_gpus() {
-    let Some(tmp) = crate::common::shared_dir_for_two_users() else {
+    let Some((tmp, dir)) = shared_machine() else {
         return;
     };
-    tt_testkit::users::two_users().unwrap();
     let [user_a, _] = tt_testkit::users::USER_NAMES;
-    let dir = tmp.path().join("locks");
-    ok(torchtools(&dir).arg("locks").output().unwrap()); // root's directory
     let root_home = tmp.path().join("root-home");
     let detach = |cmd: &mut Command, gpu: &str| -> String {
         let out = cmd
