@@ -100,6 +100,16 @@ impl Sink for Folded {
             start,
             seen_dead: false,
         };
+        // Ids of reservations ended since they were read leave the front of the order
+        // as they come to it (a log reads start, end, start, end...): the order holds
+        // about the open ones, not every id ever read.
+        while self
+            .order
+            .front()
+            .is_some_and(|id| !self.open.contains_key(id))
+        {
+            self.order.pop_front();
+        }
         match self.open.insert(r.id.clone(), open) {
             // The same id again: the first is taken to have ended when this began.
             Some(earlier) => self.fold(earlier, start),
@@ -629,6 +639,36 @@ mod tests {
         .unwrap();
         assert!(close(&second, &fresh), "{second:?} != {fresh:?}");
         assert!(second[&me] > first[&me] * 0.99, "{first:?} {second:?}");
+    }
+
+    #[test]
+    fn reading_a_long_history_keeps_no_ended_reservations_ids() {
+        let mut folded = Folded {
+            k: std::f64::consts::LN_2 / 3600.0,
+            origin: 1000.0,
+            ..Folded::default()
+        };
+        for i in 0..10_000 {
+            let id = format!("r{i}");
+            folded.start(Usage {
+                id: id.clone(),
+                user: "ada".into(),
+                host: "h".into(),
+                pid: 1,
+                gpu: "g0".into(),
+                bytes: None,
+                command: Vec::new(),
+                share_of: None,
+                start: f64::from(i),
+                end: None,
+                status: None,
+                lost: false,
+            });
+            folded.end(&id, f64::from(i) + 0.5, Some(0), false);
+        }
+        assert!(folded.open.is_empty());
+        assert!(folded.order.len() <= 1, "{}", folded.order.len());
+        assert!(folded.closed["ada"] > 0.0);
     }
 
     #[test]
