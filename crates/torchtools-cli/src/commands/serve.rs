@@ -271,7 +271,8 @@ impl Reader {
         self.read_all().json
     }
 
-    /// The state as JSON (as [`Reader::read`]) and its metrics, rendered from it.
+    /// The state as JSON (a failure to read it is `{"schema", "error"}`, which the page
+    /// says) and its metrics, rendered from it.
     pub(crate) fn read_all(&mut self) -> Read {
         let state = self.state();
         let metrics = match &state {
