@@ -1,7 +1,8 @@
 //! The read-only HTTP server of `serve` and `metrics --listen`: hyper's HTTP/1 on
 //! tokio, each connection on its own task (a slow client never blocks another), at
-//! most [`MAX_CONNECTIONS`] at once and [`MAX_PER_CLIENT`] of one client (a local
-//! user, known by the socket's owner, or a remote address), each for at most
+//! most [`MAX_CONNECTIONS`] at once and [`MAX_PER_CLIENT`] of one client (an address,
+//! and past a few from one local address, a local user known by the socket's owner),
+//! each for at most
 //! [`MAX_LIFETIME`] (a client that never reads its answers lets go of its slot); a
 //! request's head bounded to [`MAX_HEAD`] bytes and read within [`HEAD_TIMEOUT`],
 //! `GET`/`HEAD` only, without a body, a target of at most [`MAX_URL`] bytes, and a
@@ -29,6 +30,10 @@ pub(crate) const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 pub(crate) const MAX_URL: usize = 2048;
 /// Connections of one client at once; more are closed as they come.
 pub(crate) const MAX_PER_CLIENT: usize = 32;
+/// Connections from one address counted as that address's before each further one is
+/// told apart by its socket's owner (reading the kernel's socket table costs
+/// milliseconds on a busy machine: only a crowded address pays it).
+const BY_ADDRESS_FIRST: usize = 8;
 /// The longest a connection is kept, whatever its client does (a browser opens a new
 /// one for its next request).
 pub(crate) const MAX_LIFETIME: Duration = Duration::from_secs(30);
@@ -74,8 +79,10 @@ impl Names {
     }
 }
 
-/// Who a connection is from, for [`MAX_PER_CLIENT`]: a local user by the uid that owns
-/// the client's socket (read from the kernel's socket table), else its address.
+/// Who a connection is from, for [`MAX_PER_CLIENT`]: its address, and past
+/// [`BY_ADDRESS_FIRST`] connections from one local address, the uid that owns the
+/// client's socket (read from the kernel's socket table): one local user cannot fill
+/// the address that every local user shares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Client {
     Uid(u32),
@@ -141,6 +148,12 @@ struct Open(Mutex<HashMap<Client, usize>>);
 
 impl Open {
     /// Counts one more of `client`'s, unless it has [`MAX_PER_CLIENT`] already.
+    /// How many of `client`'s connections are open.
+    fn count(&self, client: Client) -> usize {
+        let open = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        open.get(&client).copied().unwrap_or(0)
+    }
+
     fn enter(self: &Arc<Self>, client: Client) -> Option<Entered> {
         let mut open = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let n = open.entry(client).or_insert(0);
@@ -275,7 +288,16 @@ where
             }
         };
         // Closed at once past the client's share of the slots.
-        let Some(entered) = open.enter(Client::of(ours, peer)) else {
+        // Only a process of this machine connects from a loopback address or from the
+        // address it listens on.
+        let local = peer.ip().is_loopback() || peer.ip() == ours.ip();
+        let crowded = open.count(Client::Addr(peer.ip())) >= BY_ADDRESS_FIRST;
+        let client = if local && crowded {
+            Client::of(ours, peer)
+        } else {
+            Client::Addr(peer.ip())
+        };
+        let Some(entered) = open.enter(client) else {
             drop(stream);
             continue;
         };
