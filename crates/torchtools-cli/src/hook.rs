@@ -68,11 +68,7 @@ struct OnEndConfig {
 /// The user's config file: `$XDG_CONFIG_HOME/torchtools/config.toml`, else
 /// `~/.config/torchtools/config.toml`; `None` without either variable.
 fn config_path() -> Option<PathBuf> {
-    let base = match std::env::var_os("XDG_CONFIG_HOME").filter(|v| !v.is_empty()) {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").filter(|v| !v.is_empty())?).join(".config"),
-    };
-    Some(base.join("torchtools/config.toml"))
+    Some(tt_device::user_dir("XDG_CONFIG_HOME", ".config")?.join("torchtools/config.toml"))
 }
 
 /// The user's default hook, from their config file (none when there is no file); an

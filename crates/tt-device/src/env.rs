@@ -11,6 +11,29 @@ pub const LOCAL_RANK: &str = "LOCAL_RANK";
 /// CUDA's own device filter: indices or UUIDs, comma-separated.
 pub const CUDA_VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
 
+/// The user's base directory of one kind, as the XDG spec names it: `$var` when set and
+/// not empty, else `$HOME/home_default`; `None` without either. One reading for the
+/// config, state and cache directories torchtools uses.
+///
+/// ```
+/// // SAFETY: no other thread reads this example's variable.
+/// unsafe { std::env::set_var("TT_EXAMPLE_CACHE_HOME", "/var/cache/ada") };
+/// let dir = tt_device::user_dir("TT_EXAMPLE_CACHE_HOME", ".cache");
+/// assert_eq!(dir, Some(std::path::PathBuf::from("/var/cache/ada")));
+/// // Empty counts as unset: under $HOME.
+/// unsafe { std::env::set_var("TT_EXAMPLE_CACHE_HOME", "") };
+/// let home = std::env::var_os("HOME").filter(|h| !h.is_empty());
+/// let dir = tt_device::user_dir("TT_EXAMPLE_CACHE_HOME", ".cache");
+/// assert_eq!(dir, home.map(|h| std::path::PathBuf::from(h).join(".cache")));
+/// ```
+pub fn user_dir(var: &str, home_default: &str) -> Option<std::path::PathBuf> {
+    let set = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    match set(var) {
+        Some(dir) => Some(dir.into()),
+        None => Some(std::path::PathBuf::from(set("HOME")?).join(home_default)),
+    }
+}
+
 /// The log filter of torchtools' command and examples (`RUST_LOG`'s syntax).
 pub const TORCHTOOLS_LOG: &str = "TORCHTOOLS_LOG";
 

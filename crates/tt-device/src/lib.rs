@@ -22,8 +22,8 @@ pub use cpu::{omp_num_threads, CpuBudget};
 pub use cuda::{CudaDriver, CudaError};
 pub use duration::{format_duration, parse_duration};
 pub use env::{
-    log_filter, CudaVisibleDevices, DeviceRequest, EnvConfig, LogFilterError, RawEnv, VisibleEntry,
-    CUDA_VISIBLE_DEVICES, LOCAL_RANK, TORCHTOOLS_DEVICE, TORCHTOOLS_LOG,
+    log_filter, user_dir, CudaVisibleDevices, DeviceRequest, EnvConfig, LogFilterError, RawEnv,
+    VisibleEntry, CUDA_VISIBLE_DEVICES, LOCAL_RANK, TORCHTOOLS_DEVICE, TORCHTOOLS_LOG,
 };
 pub use error::{Error, Result};
 pub use inventory::{

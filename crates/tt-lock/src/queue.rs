@@ -137,6 +137,12 @@ pub struct Waiter {
 /// A ticket's placing time, `(seconds, nanoseconds)` since the epoch.
 pub(crate) type Placed = (i64, i64);
 
+/// When the ticket whose file's metadata is `meta` was placed: its status change time,
+/// which the rename that placed it set (see the module's documentation).
+fn placed(meta: &fs::Metadata) -> Placed {
+    (meta.ctime(), meta.ctime_nsec())
+}
+
 impl Waiter {
     /// Its order of arrival: when its ticket was placed, then (for two placed in the
     /// same nanosecond) its number.
@@ -321,7 +327,7 @@ impl LockDir {
                 continue;
             }
             waiter.ticket = ticket;
-            waiter.placed = (meta.ctime(), meta.ctime_nsec());
+            waiter.placed = placed(&meta);
             waiters.push(waiter);
         }
         // Arrival is when the ticket was placed, as the kernel stamped it; the number
@@ -404,12 +410,11 @@ impl LockDir {
                         path: path.clone(),
                         cause,
                     })?;
-                    let placed = (meta.ctime(), meta.ctime_nsec());
                     return Ok(Ticket {
                         file,
                         path,
                         number,
-                        placed,
+                        placed: placed(&meta),
                     });
                 }
                 Ok(false) => {}

@@ -237,12 +237,17 @@ pub(crate) fn recent_use(
                 next_start(tally, &open.gpu, open.start).unwrap_or(now)
             }
             .clamp(open.start.min(now), now);
-            let start = open.start.min(end);
-            let used = ((-k * (now - end)).exp() - (-k * (now - start)).exp()) / k;
-            *uses.entry(open.user.clone()).or_default() += open.weight * used;
+            *uses.entry(open.user.clone()).or_default() +=
+                open.weight * decayed_span(k, open.start.min(end), end, now);
         }
     }
     Ok(uses)
+}
+
+/// The GPU-seconds from `start` to `end` decayed to `now` with `k = ln 2 / half_life`:
+/// the integral of `2^(-(now - t) / half_life)`.
+fn decayed_span(k: f64, start: f64, end: f64, now: f64) -> f64 {
+    ((-k * (now - end)).exp() - (-k * (now - start)).exp()) / k
 }
 
 /// Bytes of logs read by one decision past which the tally is saved for the next
@@ -276,14 +281,7 @@ struct CachedRef<'a> {
 /// `~/.cache`); `None` without either.
 pub(crate) fn cache_file(dir: &Path) -> Option<PathBuf> {
     use std::hash::{Hash, Hasher};
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .filter(|v| !v.is_empty())
-                .map(|h| PathBuf::from(h).join(".cache"))
-        })?;
+    let base = tt_device::user_dir("XDG_CACHE_HOME", ".cache")?;
     let mut hash = std::collections::hash_map::DefaultHasher::new();
     dir.hash(&mut hash);
     Some(
@@ -439,15 +437,7 @@ pub(crate) fn decayed_use<'r>(
         if !(start.is_finite() && end.is_finite()) {
             continue;
         }
-        let weight = match (r.share_of, r.bytes) {
-            (Some(capacity), Some(bytes)) if capacity > 0 => {
-                (bytes as f64 / capacity as f64).min(1.0)
-            }
-            _ => 1.0,
-        };
-        // The integral of 2^(-(now - t) / half_life) from start to end.
-        let used = ((-k * (now - end)).exp() - (-k * (now - start)).exp()) / k;
-        *uses.entry(r.user.as_str()).or_default() += weight * used;
+        *uses.entry(r.user.as_str()).or_default() += weight(r) * decayed_span(k, start, end, now);
     }
     uses.into_iter().map(|(u, v)| (u.to_owned(), v)).collect()
 }

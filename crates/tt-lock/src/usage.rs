@@ -157,6 +157,13 @@ pub(crate) fn new_id(holder: &Holder) -> String {
 /// Logs read per user: the plain name and the ones beside names others planted.
 pub(crate) const MAX_LOGS: usize = 4;
 
+/// Sorts the names of `uid`'s usage logs in the order readers take them: its plain
+/// name first, then by name (readers read the first [`MAX_LOGS`] it owns).
+fn reading_order(uid: u32, names: &mut [String]) {
+    let plain = format!("{USAGE_PREFIX}{uid}.jsonl");
+    names.sort_by(|a, b| (*a != plain, a).cmp(&(*b != plain, b)));
+}
+
 /// A usage log to read: its path and the uid it is for.
 pub(crate) type LogFile = (std::path::PathBuf, u32);
 
@@ -252,8 +259,7 @@ impl LockDir {
         let mut logs = Vec::new();
         let mut ignored = Vec::new();
         for (uid, mut names) in by_uid {
-            let plain = format!("{USAGE_PREFIX}{uid}.jsonl");
-            names.sort_by_key(|n| (n != &plain, n.clone()));
+            reading_order(uid, &mut names);
             let mut owned = 0;
             for name in names {
                 let path = self.path().join(&name);
@@ -342,16 +348,19 @@ fn own_log(dir: &Path, uid: u32) -> std::io::Result<OwnLog> {
             path.display()
         );
     };
-    // A log of this user's own made beside an earlier planted file.
-    let own = std::fs::read_dir(dir)?.flatten().filter(|e| {
-        let name = e.file_name();
-        let is_log = name.to_str().and_then(log_uid) == Some(uid)
-            && name != first.file_name().unwrap_or_default();
-        is_log && e.metadata().is_ok_and(|m| m.is_file() && m.uid() == uid)
-    });
-    for entry in own {
-        if let Ok(log) = open_log(&entry.path()) {
-            beside(&entry.path());
+    // A log of this user's own made beside an earlier planted file, in the order the
+    // readers take them ([`reading_order`]): the one written is among those read.
+    let mut own: Vec<String> = std::fs::read_dir(dir)?
+        .flatten()
+        .filter(|e| e.metadata().is_ok_and(|m| m.is_file() && m.uid() == uid))
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|name| log_uid(name) == Some(uid))
+        .collect();
+    reading_order(uid, &mut own);
+    for name in own {
+        let path = dir.join(name);
+        if let Ok(log) = open_log(&path) {
+            beside(&path);
             return Ok(log);
         }
     }

@@ -28,13 +28,9 @@ use crate::jobs::store::{
 /// The user's default log directory: `$XDG_STATE_HOME/torchtools/logs`, else
 /// `~/.local/state/torchtools/logs`.
 pub(crate) fn default_log_dir() -> Result<PathBuf> {
-    if let Some(state) = std::env::var_os("XDG_STATE_HOME").filter(|s| !s.is_empty()) {
-        return Ok(PathBuf::from(state).join("torchtools/logs"));
-    }
-    let home = std::env::var_os("HOME")
-        .filter(|h| !h.is_empty())
+    let state = tt_device::user_dir("XDG_STATE_HOME", ".local/state")
         .context("neither XDG_STATE_HOME nor HOME is set: give --log-dir DIR")?;
-    Ok(PathBuf::from(home).join(".local/state/torchtools/logs"))
+    Ok(state.join("torchtools/logs"))
 }
 
 /// `argv` without torchtools' own `--detach`, `--log-dir DIR`, `--after JOBS`,
