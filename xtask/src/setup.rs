@@ -194,6 +194,18 @@ pub(crate) fn setup() -> Result<Libtorch> {
         "the Prometheus server and promtool that `torchtools metrics`' test scrapes and checks with",
     );
     ensure_package(
+        "zsh",
+        "--version",
+        "zsh",
+        "the shell `torchtools`' zsh completion is tested in",
+    );
+    ensure_package(
+        "fish",
+        "--version",
+        "fish",
+        "the shell `torchtools`' fish completion is tested in",
+    );
+    ensure_package(
         "chromium",
         "--version",
         "chromium",

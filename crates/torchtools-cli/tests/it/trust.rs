@@ -1470,44 +1470,86 @@ fn a_user_over_the_policys_limits_is_shown_by_every_view() {
     }
 }
 
-/// What a real bash completes after `source <(COMPLETE=bash torchtools)`: the words of
-/// `COMP_WORDS` with the cursor on the last, as the shell asks at a TAB.
-fn bash_completes(dir: &Path, home: &Path, words: &[&str]) -> Vec<String> {
-    let script = format!(
-        "source <(COMPLETE=bash {bin})\n\
-         COMP_WORDS=({words}); COMP_CWORD={cword}; COMP_TYPE=9\n\
-         _clap_complete_torchtools torchtools \"${{COMP_WORDS[COMP_CWORD]}}\" \
-         \"${{COMP_WORDS[COMP_CWORD-1]}}\"\n\
-         printf '%s\\n' \"${{COMPREPLY[@]}}\"",
-        bin = env!("CARGO_BIN_EXE_torchtools"),
-        words = words
-            .iter()
-            .map(|w| format!("'{w}'"))
-            .collect::<Vec<_>>()
-            .join(" "),
-        cword = words.len() - 1,
-    );
-    let out = Command::new("bash")
-        .args(["--norc", "-c", &script])
+/// What `shell` offers for the last of `words` (the word being completed), through the
+/// script `COMPLETE=SHELL torchtools` prints, sourced by the real shell: bash calls the
+/// function the script registers as `complete -F` would; fish answers `complete -C`
+/// (its own non-interactive completion); zsh runs the script's completer with
+/// `words`/`CURRENT` set as zsh's completion system sets them, `_describe` (which
+/// needs a line editor to draw) printing what it would offer.
+fn completes(shell: &str, dir: &Path, home: &Path, words: &[&str]) -> Vec<String> {
+    let bin = env!("CARGO_BIN_EXE_torchtools");
+    let quoted = words
+        .iter()
+        .map(|w| format!("'{w}'"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let (args, script) = match shell {
+        "bash" => (
+            vec!["--norc", "-c"],
+            format!(
+                "source <(COMPLETE=bash {bin})\n\
+                 COMP_WORDS=({quoted}); COMP_CWORD={cword}; COMP_TYPE=9\n\
+                 _clap_complete_torchtools torchtools \"${{COMP_WORDS[COMP_CWORD]}}\" \
+                 \"${{COMP_WORDS[COMP_CWORD-1]}}\"\n\
+                 printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+                cword = words.len() - 1,
+            ),
+        ),
+        "zsh" => (
+            vec!["-f", "-c"],
+            format!(
+                "autoload -U compinit && compinit -u -D\n\
+                 source <(COMPLETE=zsh {bin})\n\
+                 _describe() {{ print -l -- \"${{(@P)${{@[-1]}}}}\" }}\n\
+                 words=({quoted}); CURRENT={current}\n\
+                 _clap_dynamic_completer_torchtools",
+                current = words.len(),
+            ),
+        ),
+        "fish" => (
+            vec!["--no-config", "-c"],
+            format!(
+                "COMPLETE=fish {bin} | source\n\
+                 complete -C {line}",
+                line = shell_quote(&words.join(" ")),
+            ),
+        ),
+        other => panic!("no completion test for {other}"),
+    };
+    let out = Command::new(shell)
+        .args(args)
+        .arg(&script)
         .env("TORCHTOOLS_LOCK_DIR", dir)
         .env("XDG_STATE_HOME", home.join("state"))
         .env("XDG_CONFIG_HOME", home.join("config"))
         .env_remove("CUDA_VISIBLE_DEVICES")
         .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
+        .unwrap_or_else(|e| {
+            panic!("{shell} is not installed ({e}): `cargo xtask setup` installs Debian's {shell}")
+        });
+    assert!(out.status.success(), "{shell}: {out:?}");
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .map(|l| l.split_whitespace().next().unwrap_or_default().to_owned())
+        .map(|l| {
+            l.split(|c: char| c.is_whitespace() || c == ':')
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        })
         .filter(|l| !l.is_empty())
         .collect()
 }
 
-/// `torchtools stop <TAB>` in bash offers the user's own jobs first (newest first),
+/// `text` as one single-quoted shell word (fish and POSIX shells alike).
+fn shell_quote(text: &str) -> String {
+    format!("'{}'", text.replace('\\', "\\\\").replace('\'', "\\'"))
+}
+
+/// `torchtools stop <TAB>` in bash, zsh and fish offers the user's own jobs first (newest first),
 /// then another user's, and `last`; a typed prefix narrows them; `--gpu <TAB>` offers
 /// the machine's GPUs and `auto`.
 #[test]
-fn bash_completes_job_ids_own_first_and_gpus() {
+fn shells_complete_job_ids_own_first_and_gpus() {
     let Some((tmp, dir)) = shared_machine() else {
         return;
     };
@@ -1554,29 +1596,32 @@ fn bash_completes_job_ids_own_first_and_gpus() {
         all.as_array()
             .is_some_and(|a| a.iter().filter(|j| j["state"] == "running").count() == 3)
     });
-    let offered = bash_completes(&dir, &root_home, &["torchtools", "stop", ""]);
-    let ids: Vec<&str> = offered
-        .iter()
-        .map(String::as_str)
-        .filter(|w| !w.starts_with('-'))
-        .collect();
-    assert_eq!(
-        ids,
-        [newer.as_str(), older.as_str(), theirs.as_str(), "last"],
-        "{offered:?}"
-    );
-    let prefix = &newer[..newer.len() - 2];
-    let narrowed = bash_completes(&dir, &root_home, &["torchtools", "logs", prefix]);
-    assert!(
-        narrowed.contains(&newer) && !narrowed.contains(&"last".to_owned()),
-        "{narrowed:?}"
-    );
-    let after = bash_completes(&dir, &root_home, &["torchtools", "jobs", "wait", ""]);
-    assert!(after.contains(&older), "{after:?}");
-    let gpus = bash_completes(&dir, &root_home, &["torchtools", "reserve", "--gpu", ""]);
-    assert_eq!(gpus, ["0", "1", "2", "auto"], "{gpus:?}");
-    let listed = bash_completes(&dir, &root_home, &["torchtools", "reserve", "--gpu", "0,"]);
-    assert!(listed.contains(&"0,1".to_owned()), "{listed:?}");
+    for shell in ["bash", "zsh", "fish"] {
+        let complete = |words: &[&str]| completes(shell, &dir, &root_home, words);
+        let offered = complete(&["torchtools", "stop", ""]);
+        let ids: Vec<&str> = offered
+            .iter()
+            .map(String::as_str)
+            .filter(|w| !w.starts_with('-'))
+            .collect();
+        assert_eq!(
+            ids,
+            [newer.as_str(), older.as_str(), theirs.as_str(), "last"],
+            "{shell}: {offered:?}"
+        );
+        let prefix = &newer[..newer.len() - 2];
+        let narrowed = complete(&["torchtools", "logs", prefix]);
+        assert!(
+            narrowed.contains(&newer) && !narrowed.contains(&"last".to_owned()),
+            "{shell}: {narrowed:?}"
+        );
+        let after = complete(&["torchtools", "jobs", "wait", ""]);
+        assert!(after.contains(&older), "{shell}: {after:?}");
+        let gpus = complete(&["torchtools", "reserve", "--gpu", ""]);
+        assert_eq!(gpus, ["0", "1", "2", "auto"], "{shell}: {gpus:?}");
+        let listed = complete(&["torchtools", "reserve", "--gpu", "0,"]);
+        assert!(listed.contains(&"0,1".to_owned()), "{shell}: {listed:?}");
+    }
     // Root stops all three (another user's too: root may signal any process).
     drop(stops);
 }
