@@ -11,6 +11,7 @@
 //! cargo xtask test-gpu --bundle DIR the GPU tests, demo, trainer, CLI, bench + run.sh in DIR
 //! cargo xtask bench                 run the benchmarks, print one table
 //! cargo xtask man [DIR]             torchtools' man pages in DIR (default target/man)
+//! cargo xtask picture [STATE]       the README's picture of the page (from a saved state)
 //! cargo xtask mutants [CRATE..] [--shard K/N | --full] [--again]
 //!                                   mutation testing of the libtorch-free crates
 //! ```
@@ -21,6 +22,7 @@ mod downstream;
 mod gpu;
 mod minimums;
 mod mutants;
+mod picture;
 mod setup;
 mod steps;
 mod test;
@@ -29,7 +31,7 @@ mod wheel;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: cargo xtask <setup [--print-env] | demo | test [--record-minimums] | downstream | wheel [--dev | --test] | man [DIR] | test-gpu [--bundle DIR] | bench | \
+const USAGE: &str = "usage: cargo xtask <setup [--print-env] | demo | test [--record-minimums] | downstream | wheel [--dev | --test] | man [DIR] | picture [STATE] | test-gpu [--bundle DIR] | bench | \
                      mutants [CRATE..] [--shard K/N | --full] [--again]>";
 
 fn main() -> ExitCode {
@@ -47,6 +49,8 @@ fn main() -> ExitCode {
         ["downstream"] => downstream::build_and_run(),
         ["man"] => wheel::man(None),
         ["man", dir] => wheel::man(Some(std::path::Path::new(dir))),
+        ["picture"] => picture::run(None),
+        ["picture", state] => picture::run(Some(std::path::Path::new(state))),
         ["test-gpu"] => gpu::run_gpu_tests(),
         ["test-gpu", "--bundle", dir] => gpu::bundle(&PathBuf::from(dir)),
         ["bench"] => bench::run(),

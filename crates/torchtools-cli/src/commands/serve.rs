@@ -11,6 +11,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -56,6 +57,15 @@ pub(crate) struct Args {
     /// only for its addresses, localhost, this machine's name and these.
     #[arg(long = "host", value_name = "NAME")]
     pub(crate) hosts: Vec<String>,
+    /// Write the state the page would show to FILE (`-`: standard output) and exit: the
+    /// machine as it is now, to look at later or to attach to a bug report (a running
+    /// server's `/api/state` is the same, with each GPU's last hour).
+    #[arg(long, value_name = "FILE", conflicts_with = "replay")]
+    pub(crate) save: Option<PathBuf>,
+    /// Serve a saved state (from `--save` or `/api/state`) instead of this machine's:
+    /// the page shows it as recorded, saying so; `/metrics` is not served.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) replay: Option<PathBuf>,
 }
 
 /// `/api/state`: everything the page shows.
@@ -106,6 +116,8 @@ pub(crate) struct History {
 /// the same state (a scrape reads nothing afresh).
 struct Shared {
     latest: RwLock<Arc<Read>>,
+    /// Serving a saved state (`--replay`): no metrics.
+    replayed: bool,
 }
 
 /// One reading of the state: its JSON and its metrics (OpenMetrics text, or why they
@@ -117,7 +129,31 @@ pub(crate) struct Read {
 
 /// `torchtools serve`.
 pub(crate) fn run(args: Args) -> Result<ExitCode> {
+    if let Some(path) = &args.replay {
+        let json = replayed(path)?;
+        let listener = crate::http::bind(args.listen)?;
+        let bound = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            latest: RwLock::new(Arc::new(Read {
+                json,
+                metrics: Err("a saved state has no metrics".into()),
+            })),
+            replayed: true,
+        });
+        eprintln!(
+            "torchtools: serving the state saved in {} at http://{bound}/",
+            path.display()
+        );
+        let names = crate::http::Names::of(bound, &args.hosts);
+        crate::http::run(listener, "torchtools serve", names, move |get| {
+            answer(get, Arc::clone(&shared))
+        })?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let dir = LockDir::from_env()?;
+    if let Some(path) = &args.save {
+        return save(path, dir);
+    }
     let listener = crate::http::bind(args.listen)?;
     let bound = listener.local_addr()?;
     // NVML opened once, for the state's reader and `/metrics` both.
@@ -125,6 +161,7 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
     let mut reader = Reader::new(dir, gpus);
     let shared = Arc::new(Shared {
         latest: RwLock::new(Arc::new(reader.read_all())),
+        replayed: false,
     });
     {
         let shared = Arc::clone(&shared);
@@ -144,6 +181,95 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// How to make a file `--replay` serves, for its errors.
+const HOW_TO_SAVE: &str = "save one with `torchtools serve --save FILE`, or from a running \
+                           server with `curl -s http://127.0.0.1:9836/api/state > FILE`";
+
+/// A bad `--save` or `--replay` file: exit status 2, as for any bad argument.
+fn bad(message: String) -> anyhow::Error {
+    crate::exit::Exit(2, message).into()
+}
+
+/// `--save PATH`: the state read once, written whole (to a file beside `PATH`, renamed
+/// over it: an interrupted save leaves any earlier file as it was).
+fn save(path: &Path, dir: LockDir) -> Result<ExitCode> {
+    use std::io::Write;
+    let stdout = path == Path::new("-");
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
+        _ => PathBuf::from("."),
+    };
+    if !stdout && !parent.is_dir() {
+        return Err(bad(format!(
+            "--save {}: the directory {} does not exist (create it, or name a file in an \
+             existing directory; `-` writes to standard output)",
+            path.display(),
+            parent.display()
+        )));
+    }
+    let mut reader = Reader::new(dir, Arc::new(Gpus::open()));
+    let state = reader.state()?;
+    let mut json = bounded_json(serde_json::to_value(&state)?);
+    json.push('\n');
+    if stdout {
+        std::io::stdout().lock().write_all(json.as_bytes())?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut file = tempfile::NamedTempFile::new_in(&parent).map_err(|e| {
+        bad(format!(
+            "--save {}: cannot write in {}: {e}",
+            path.display(),
+            parent.display()
+        ))
+    })?;
+    file.write_all(json.as_bytes())?;
+    file.persist(path)
+        .map_err(|e| bad(format!("--save {}: {}", path.display(), e.error)))?;
+    eprintln!(
+        "torchtools: saved the state in {} (serve it with `torchtools serve --replay {}`)",
+        path.display(),
+        path.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The saved state at `path`, checked (JSON of this schema, at most [`MAX_STATE`]
+/// bytes), marked as replayed for the page.
+fn replayed(path: &Path) -> Result<String> {
+    use std::io::Read as _;
+    let file = std::fs::File::open(path)
+        .map_err(|e| bad(format!("--replay {}: {e} ({HOW_TO_SAVE})", path.display())))?;
+    let mut text = Vec::new();
+    file.take(MAX_STATE as u64 + 1).read_to_end(&mut text)?;
+    if text.len() > MAX_STATE {
+        return Err(bad(format!(
+            "--replay {}: larger than a saved state can be ({} MiB; {HOW_TO_SAVE})",
+            path.display(),
+            MAX_STATE >> 20
+        )));
+    }
+    let mut state: serde_json::Value = serde_json::from_slice(&text).map_err(|e| {
+        bad(format!(
+            "--replay {}: not a saved state: {e} ({HOW_TO_SAVE})",
+            path.display()
+        ))
+    })?;
+    let schema = state.get("schema").and_then(serde_json::Value::as_u64);
+    if schema != Some(u64::from(SCHEMA)) || state.get("time_unix").is_none() {
+        return Err(bad(format!(
+            "--replay {}: not a saved state of this version (schema {}, this torchtools reads \
+             schema {SCHEMA}; {HOW_TO_SAVE})",
+            path.display(),
+            schema.map_or("missing".to_owned(), |s| s.to_string())
+        )));
+    }
+    if let Some(map) = state.as_object_mut() {
+        let name = path.file_name().unwrap_or(path.as_os_str());
+        map.insert("replayed_from".into(), name.to_string_lossy().into());
+    }
+    Ok(state.to_string())
+}
+
 /// One request (checked by the server: `GET` or `HEAD`, no body, a short target): `/`,
 /// `/api/state` or `/metrics`.
 async fn answer(get: Get, shared: Arc<Shared>) -> Response {
@@ -153,6 +279,11 @@ async fn answer(get: Get, shared: Arc<Shared>) -> Response {
             let latest = Arc::clone(&shared.latest.read().unwrap_or_else(|e| e.into_inner()));
             response(200, "application/json", latest.json.as_bytes().to_vec())
         }
+        "/metrics" if shared.replayed => text(
+            404,
+            "torchtools serve",
+            "this page serves a saved state (--replay): it has no metrics",
+        ),
         "/metrics" => {
             let latest = Arc::clone(&shared.latest.read().unwrap_or_else(|e| e.into_inner()));
             match &latest.metrics {

@@ -38,8 +38,14 @@ fn state(port: u16) -> serde_json::Value {
 
 /// `torchtools serve` on a port of its choosing (it says which).
 fn serve(dir: &Path) -> (Killed, u16) {
+    serve_with(dir, &[])
+}
+
+/// `torchtools serve ARGS` on a port of its choosing, once it says which.
+fn serve_with(dir: &Path, args: &[&str]) -> (Killed, u16) {
     let mut server = tt(dir)
         .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -49,9 +55,8 @@ fn serve(dir: &Path) -> (Killed, u16) {
         .unwrap();
     let server = Killed(server);
     let port = line
-        .trim()
-        .strip_prefix("torchtools: serving the page at http://127.0.0.1:")
-        .and_then(|rest| rest.split('/').next())
+        .split_once(" at http://127.0.0.1:")
+        .and_then(|(_, rest)| rest.split('/').next())
         .unwrap_or_else(|| panic!("{line}"))
         .parse()
         .unwrap();
@@ -206,6 +211,44 @@ async fn text_of(client: &Client, css: &str) -> String {
     }
 }
 
+/// Every cell of every table on the page, read in the page: how many there are, and
+/// each one that shows nothing or a value the page failed to format (`NaN`,
+/// `undefined`, `null`, `[object ...]`), named by its section and column; and any
+/// such word anywhere on the page.
+async fn cells_not_shown(client: &Client) -> (u64, Vec<String>) {
+    let found = client
+        .execute(
+            r#"const bad = []; let n = 0;
+            const broken = /\bNaN\b|\bundefined\b|\bnull\b|\[object /;
+            for (const t of document.querySelectorAll("table")) {
+              const heads = [...t.querySelectorAll("th")].map((h) => h.innerText);
+              const section = t.closest("section").querySelector("h2").innerText;
+              for (const tr of t.querySelectorAll("tr")) {
+                [...tr.querySelectorAll("td")].forEach((td, i) => {
+                  n++;
+                  const text = td.innerText.trim();
+                  if (text === "" || broken.test(text)) bad.push(section + " / " + heads[i] + ": '" + text + "'");
+                });
+              }
+            }
+            for (const card of document.querySelectorAll("[data-gpu]")) {
+              if (broken.test(card.innerText)) bad.push("GPU card: " + card.innerText);
+            }
+            return [n, bad];"#,
+            vec![],
+        )
+        .await
+        .unwrap();
+    let n = found[0].as_u64().unwrap();
+    let bad = found[1]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_str().unwrap().to_owned())
+        .collect();
+    (n, bad)
+}
+
 #[tokio::test]
 async fn the_page_shows_holders_sharers_the_queue_and_jobs_live_and_markup_as_text() {
     let tmp = tempfile::tempdir().unwrap();
@@ -295,8 +338,11 @@ async fn the_page_shows_holders_sharers_the_queue_and_jobs_live_and_markup_as_te
     assert_eq!(scripts, serde_json::json!(1), "only the page's own script");
     assert_eq!(client.title().await.unwrap(), "torchtools");
     page_shows(&client, "[data-gpu='2'] [data-pid]", true).await;
+    // Every column of every table shows something, formatted.
+    let (cells, bad) = cells_not_shown(&client).await;
+    assert!(cells >= 12, "{cells} cells");
+    assert!(bad.is_empty(), "cells the page failed to show: {bad:?}");
 
-    // The page, written for the README.
     let png = client.screenshot().await.unwrap();
     std::fs::write(target_dir().join("serve-page.png"), png).unwrap();
     // On a phone's width the page fits: no sideways scrolling of the whole page (a
@@ -355,6 +401,152 @@ async fn the_page_shows_holders_sharers_the_queue_and_jobs_live_and_markup_as_te
     for (what, took) in seen {
         eprintln!("{what}: {:.2} s after it happened", took.as_secs_f64());
     }
+}
+
+/// The README's picture: the page serving the saved state of a busy server
+/// (`docs/serve-state.json`, saved with `serve --save`), every column of every table
+/// showing what the state holds, the picture written to `target/serve-page-readme.png`
+/// (`cargo xtask picture` copies it to `docs/serve-page.png`).
+#[tokio::test]
+async fn the_readmes_picture_shows_a_saved_busy_server_every_column_filled() {
+    let saved = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/serve-state.json");
+    let text = std::fs::read_to_string(&saved).unwrap();
+    let state: serde_json::Value = serde_json::from_str(&text).unwrap();
+    // What the picture is for: a busy server under a fair-share policy.
+    let holders: Vec<&serde_json::Value> = state["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|g| !g["holder"].is_null())
+        .collect();
+    assert!(holders.len() >= 2, "{} GPUs held", holders.len());
+    let queue = state["queue"].as_array().unwrap();
+    assert!(queue.len() >= 2 && state["policy_orders"] == true);
+    assert!(queue.iter().all(|w| w["priority"].is_f64()));
+    let users = |rows: &serde_json::Value, field: &str| -> std::collections::BTreeSet<String> {
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r[field].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert!(users(&state["jobs"], "user").len() >= 2);
+    assert!(users(&state["usage"]["week"], "name").len() >= 2);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let (_server, port) = serve_with(tmp.path(), &["--replay", saved.to_str().unwrap()]);
+    let (status, body) = request(port, "GET /metrics HTTP/1.1");
+    assert!(
+        status.contains(" 404 ") && body.contains("saved state"),
+        "{status}: {body}"
+    );
+    let (driver, client) = browser(tmp.path()).await;
+    client
+        .goto(&format!("http://127.0.0.1:{port}/"))
+        .await
+        .unwrap();
+    page_shows(&client, "#queue tr[data-pid]", true).await;
+    let header = text_of(&client, "header").await;
+    assert!(
+        header.contains("recorded") && header.contains("serve-state.json"),
+        "{header}"
+    );
+    for g in &holders {
+        let key = g["key"]["uuid"]
+            .as_str()
+            .map(str::to_owned)
+            .unwrap_or_else(|| g["key"]["index"].to_string());
+        let card = text_of(&client, &format!("[data-gpu='{key}']")).await;
+        let user = g["holder"]["user"].as_str().unwrap();
+        assert!(card.contains("held by") && card.contains(user), "{card}");
+    }
+    // The queue in the state's order, each with its priority and why.
+    let rows = client
+        .execute(
+            "return [...document.querySelectorAll('#queue tr[data-pid]')].map((r) => r.innerText)",
+            vec![],
+        )
+        .await
+        .unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), queue.len());
+    for (row, w) in rows.iter().zip(queue) {
+        let row = row.as_str().unwrap();
+        let priority = format!("{:.2}", w["priority"].as_f64().unwrap());
+        assert!(row.contains(&priority), "{row} lacks {priority}");
+        assert!(row.contains(w["why"].as_str().unwrap()), "{row}");
+    }
+    let jobs = client.find_all(Locator::Css("tr[data-job]")).await.unwrap();
+    assert_eq!(jobs.len(), state["jobs"].as_array().unwrap().len());
+    for name in users(&state["usage"]["week"], "name") {
+        let row = text_of(&client, &format!("tr[data-user='{name}']")).await;
+        assert!(row.contains("% of recent use"), "{row}");
+    }
+    let (cells, bad) = cells_not_shown(&client).await;
+    assert!(cells >= 40, "{cells} cells");
+    assert!(bad.is_empty(), "cells the page failed to show: {bad:?}");
+    // The whole page in the picture.
+    let height = client
+        .execute("return document.documentElement.scrollHeight", vec![])
+        .await
+        .unwrap();
+    let height = u32::try_from(height.as_u64().unwrap()).unwrap();
+    client
+        .set_window_size(1280, height.clamp(600, 3000) + 140)
+        .await
+        .unwrap();
+    let png = client.screenshot().await.unwrap();
+    std::fs::write(target_dir().join("serve-page-readme.png"), png).unwrap();
+    client.close().await.unwrap();
+    drop(driver);
+}
+
+/// `serve --save` writes the state a page would show; `serve --replay` serves it as it
+/// was, marked; a file that is not a saved state is refused before anything is served,
+/// with exit status 2 and how to make one.
+#[test]
+fn a_saved_state_is_served_as_it_was_and_a_bad_one_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let _holder = hold(dir, &["--gpu", "1", "--bytes", "1GiB"]);
+    let saved = dir.join("state.json");
+    ok(tt(dir)
+        .args(["serve", "--save"])
+        .arg(&saved)
+        .output()
+        .unwrap());
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    assert_eq!(written["gpus"][0]["key"]["index"], 1, "{written}");
+    let (_server, port) = serve_with(dir, &["--replay", saved.to_str().unwrap()]);
+    let mut served = state(port);
+    assert_eq!(served["replayed_from"], "state.json");
+    served.as_object_mut().unwrap().remove("replayed_from");
+    assert_eq!(served, written);
+    // Refused, each with its reason, before listening.
+    std::fs::write(dir.join("old.json"), r#"{"schema": 0, "time_unix": 1}"#).unwrap();
+    std::fs::write(dir.join("text.json"), "GPU 0: busy").unwrap();
+    for (file, says) in [
+        ("missing.json", "No such file"),
+        ("old.json", "schema 0"),
+        ("text.json", "not a saved state"),
+    ] {
+        let out = tt(dir)
+            .args(["serve", "--listen", "127.0.0.1:0", "--replay"])
+            .arg(dir.join(file))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{file}: {err}");
+        assert!(err.contains(says) && err.contains("serve --save"), "{err}");
+    }
+    let out = tt(dir)
+        .args(["serve", "--save"])
+        .arg(dir.join("no-such-dir/state.json"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
 }
 
 #[test]
