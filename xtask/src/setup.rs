@@ -193,6 +193,19 @@ pub(crate) fn setup() -> Result<Libtorch> {
         "prometheus",
         "the Prometheus server and promtool that `torchtools metrics`' test scrapes and checks with",
     );
+    for (program, version, package) in [
+        ("munged", "--version", "munge"),
+        ("slurmctld", "-V", "slurmctld"),
+        ("slurmd", "-V", "slurmd"),
+        ("sbatch", "--version", "slurm-client"),
+    ] {
+        ensure_package(
+            program,
+            version,
+            package,
+            "the Slurm cluster (Debian's Slurm 22.05) the tests start to run torchtools in jobs",
+        );
+    }
     ensure_package(
         "zsh",
         "--version",

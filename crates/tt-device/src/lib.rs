@@ -14,6 +14,7 @@ mod process;
 pub mod procfs;
 mod report;
 mod select;
+mod slurm;
 mod text;
 mod thread;
 
@@ -37,6 +38,9 @@ pub use process::{
 };
 pub use report::{Backend, DeviceReport, LibtorchInfo, View};
 pub use select::{select_with, Availability, CudaCandidate, Device, Selection};
+pub use slurm::{
+    slurm_job_id, SlurmError, SlurmGpus, SlurmJob, SLURM_JOB_GPUS, SLURM_JOB_ID, SLURM_STEP_GPUS,
+};
 pub use text::printable;
 #[cfg(feature = "test-hooks")]
 pub use thread::refuse_threads;

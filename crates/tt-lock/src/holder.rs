@@ -32,6 +32,10 @@ pub struct Requester {
     /// view says it was made outside the machine's policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<String>,
+    /// The Slurm job it runs in (`1234`, or `1234_7` for an array task), where it runs
+    /// in one: every view names the job, as `squeue` and `scancel` take it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slurm_job: Option<String>,
 }
 
 impl Requester {
@@ -40,6 +44,11 @@ impl Requester {
         self.policy
             .as_ref()
             .map(|p| format!("made outside the machine's policy (under {p})"))
+    }
+
+    /// `in Slurm job 1234` when it runs in one, as views say it.
+    pub fn in_slurm_job(&self) -> Option<String> {
+        self.slurm_job.as_ref().map(|j| format!("in Slurm job {j}"))
     }
 
     /// The start time as `YYYY-MM-DD HH:MM:SS UTC`.
@@ -104,6 +113,7 @@ impl Holder {
                     .collect(),
                 pid_ns: own_pid_namespace(),
                 policy: None,
+                slurm_job: tt_device::slurm_job_id(),
             },
             gpu: String::new(),
             command_pid: None,
@@ -140,6 +150,7 @@ impl Holder {
                 command: vec![],
                 pid_ns: None,
                 policy: None,
+                slurm_job: None,
             },
             gpu: String::new(),
             command_pid: None,
@@ -180,6 +191,9 @@ impl Holder {
         )?;
         if let Some(pid) = self.command_pid {
             write!(f, ", command pid {pid}")?;
+        }
+        if let Some(job) = self.who.in_slurm_job() {
+            write!(f, ", {job}")?;
         }
         if let Some(note) = self.who.outside_policy() {
             write!(f, ", {note}")?;

@@ -22,6 +22,19 @@ pub(crate) fn usable(inventory: &Inventory, visible: &tt_device::CudaVisibleDevi
     }
 }
 
+/// The GPUs of `inventory` a Slurm job was allocated (by the node's indices, NVML's).
+pub(crate) fn in_allocation(inventory: &Inventory, gpus: &tt_device::SlurmGpus) -> Inventory {
+    Inventory {
+        gpus: inventory
+            .gpus
+            .iter()
+            .filter(|g| gpus.contains(g.nvml_index))
+            .cloned()
+            .collect(),
+        ..inventory.clone()
+    }
+}
+
 /// The locks a checked request took, and what was read on the way.
 pub(crate) struct Taken {
     pub(crate) dir: LockDir,
@@ -42,20 +55,36 @@ pub(crate) fn take_locks(
     let inventory = machine.inventory();
     let no_gpu =
         !matches!(inventory.nvml, NvmlStatus::Available { .. }) || inventory.gpus.is_empty();
+    // Inside a Slurm job, its GPUs are the outer bound (by the node's indices).
+    let slurm = tt_device::SlurmJob::from_env().map_err(|e| Error::Options {
+        reason: e.to_string(),
+    })?;
+    let bound = slurm
+        .as_ref()
+        .and_then(|job| job.gpus.as_ref().map(|gpus| (job.id.as_str(), gpus)));
     // `auto` chooses among the GPUs this process may use.
-    let candidates = if auto {
-        let visible = tt_device::CudaVisibleDevices::from_env().map_err(|e| Error::Options {
-            reason: format!("CUDA_VISIBLE_DEVICES: {e}"),
-        })?;
-        usable(&inventory, &visible)
-    } else {
-        inventory.clone()
+    let candidates = match (auto, bound) {
+        (false, _) => inventory.clone(),
+        (true, Some((job, gpus))) => {
+            tracing::info!("choosing among Slurm job {job}'s GPUs ({})", gpus.said());
+            in_allocation(&inventory, gpus)
+        }
+        (true, None) => {
+            let visible =
+                tt_device::CudaVisibleDevices::from_env().map_err(|e| Error::Options {
+                    reason: format!("CUDA_VISIBLE_DEVICES: {e}"),
+                })?;
+            usable(&inventory, &visible)
+        }
     };
     if auto && (no_gpu || candidates.gpus.is_empty()) {
-        let why = if no_gpu {
-            "no GPU on this machine"
-        } else {
-            "CUDA_VISIBLE_DEVICES hides every GPU"
+        let why = match bound {
+            _ if no_gpu => "no GPU on this machine".to_owned(),
+            Some((job, gpus)) => format!(
+                "Slurm job {job} has none of this machine's GPUs ({})",
+                gpus.said()
+            ),
+            None => "CUDA_VISIBLE_DEVICES hides every GPU".to_owned(),
         };
         tracing::info!("{why}: nothing to reserve");
         return Ok(None);
@@ -70,6 +99,23 @@ pub(crate) fn take_locks(
             .map(|spec| spec.resolve(&inventory))
             .collect::<tt_lock::Result<Vec<_>>>()?
     };
+    if let Some((job, gpus)) = bound {
+        for key in &keys {
+            let index = match key {
+                GpuKey::Index(index) => Some(*index),
+                GpuKey::Uuid(uuid) => inventory.gpu_of(uuid).map(|g| g.nvml_index),
+            };
+            if !index.is_some_and(|i| gpus.contains(i)) {
+                return Err(Error::Options {
+                    reason: format!(
+                        "{key} is not one of Slurm job {job}'s GPUs ({}): name one of those \
+                         (the node's indices), or ask Slurm for more (`--gres=gpu:N`)",
+                        gpus.said()
+                    ),
+                });
+            }
+        }
+    }
     let dir = LockDir::from_env()?;
     let holder = options
         .holder
@@ -165,4 +211,49 @@ fn share_target(
         .ok_or_else(|| Error::Options {
             reason: "no GPU to share on this machine".into(),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a panic is how a test reports
+    use super::*;
+    use tt_device::{GpuInfo, NvmlStatus};
+
+    fn gpu(index: u32) -> GpuInfo {
+        GpuInfo {
+            nvml_index: index,
+            uuid: format!("GPU-00000000-0000-4000-8000-00000000000{index}"),
+            name: "Test GPU".into(),
+            total: Bytes::gib(80),
+            free: Bytes::gib(80),
+            used: Bytes(0),
+            utilization: None,
+            processes: Vec::new(),
+            mig: Vec::new(),
+        }
+    }
+
+    /// `auto` in a Slurm job chooses among the node's GPUs Slurm named, by NVML's index,
+    /// whatever `CUDA_VISIBLE_DEVICES` says (relative to the job under device cgroups).
+    #[test]
+    fn a_slurm_jobs_gpus_are_its_node_indices() {
+        let inventory = Inventory {
+            nvml: NvmlStatus::Available {
+                driver_version: "test".into(),
+            },
+            gpus: (0..4).map(gpu).collect(),
+            errors: Vec::new(),
+        };
+        let job = tt_device::SlurmJob::from_lookup(|name| match name {
+            "SLURM_JOB_ID" => Some("9".into()),
+            "SLURM_STEP_GPUS" => Some("2,3".into()),
+            "CUDA_VISIBLE_DEVICES" => Some("0,1".into()),
+            _ => None,
+        })
+        .unwrap()
+        .unwrap();
+        let chosen = in_allocation(&inventory, job.gpus.as_ref().unwrap());
+        let indices: Vec<u32> = chosen.gpus.iter().map(|g| g.nvml_index).collect();
+        assert_eq!(indices, [2, 3]);
+    }
 }

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod hang;
 pub mod netns;
+pub mod slurm;
 pub mod users;
 
 use std::io::{BufRead, BufReader, Read};

@@ -14,6 +14,7 @@ mod probe;
 mod readme;
 mod reserve;
 mod serve;
+mod slurm;
 mod subtrack;
 mod top;
 mod track;

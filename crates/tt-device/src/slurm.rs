@@ -1,0 +1,193 @@
+//! The Slurm job a process runs in, read from the variables Slurm sets in it: its id
+//! (an array task's as `JOB_TASK`) and the GPUs Slurm allocated to it, by the node's
+//! own indices.
+//!
+//! Slurm gives a job's GPUs twice: `SLURM_STEP_GPUS` (in a step, under `srun`) or
+//! `SLURM_JOB_GPUS` (in the batch script) hold the node's indices, the order of
+//! `gres.conf`, which NVML's order matches where `AutoDetect=nvml` (or files listed by
+//! minor number, as usual); `CUDA_VISIBLE_DEVICES` holds the same indices, or `0..N`
+//! relative to the job where device cgroups (`ConstrainDevices=yes`) hide the rest.
+//! The node's indices are the ones that name a GPU to another job on the same node, so
+//! they are the bound here; `CUDA_VISIBLE_DEVICES` is left to CUDA.
+
+/// `SLURM_JOB_ID`: set in every Slurm job.
+pub const SLURM_JOB_ID: &str = "SLURM_JOB_ID";
+/// `SLURM_STEP_GPUS`: the node's indices of the step's GPUs (under `srun`).
+pub const SLURM_STEP_GPUS: &str = "SLURM_STEP_GPUS";
+/// `SLURM_JOB_GPUS`: the node's indices of the job's GPUs (in the batch script).
+pub const SLURM_JOB_GPUS: &str = "SLURM_JOB_GPUS";
+
+/// The Slurm job this process runs in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlurmJob {
+    /// The job's id as `squeue` and `scancel` take it: `SLURM_JOB_ID`, or for an array
+    /// task `SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID` (`1234_7`).
+    pub id: String,
+    /// The GPUs Slurm allocated, when it allocated GPUs (`--gres=gpu:N`, `--gpus`).
+    pub gpus: Option<SlurmGpus>,
+}
+
+/// The GPUs of a Slurm job or step, by the node's indices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlurmGpus {
+    /// The node's indices, in Slurm's order.
+    pub indices: Vec<u32>,
+    /// The variable they were read from ([`SLURM_STEP_GPUS`] or [`SLURM_JOB_GPUS`]).
+    pub from: &'static str,
+}
+
+impl SlurmGpus {
+    /// Whether the node's GPU `index` is one of them.
+    pub fn contains(&self, index: u32) -> bool {
+        self.indices.contains(&index)
+    }
+
+    /// `SLURM_STEP_GPUS=0,1`, as errors say it.
+    pub fn said(&self) -> String {
+        let list: Vec<String> = self.indices.iter().map(u32::to_string).collect();
+        format!("{}={}", self.from, list.join(","))
+    }
+}
+
+/// A Slurm variable that does not say what Slurm writes there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{name}={value:?} is not a list of GPU indices (Slurm writes `0,1`): \
+     unset it, or run inside the Slurm job that set it"
+)]
+pub struct SlurmError {
+    /// The variable.
+    pub name: &'static str,
+    /// What it holds.
+    pub value: String,
+}
+
+impl SlurmJob {
+    /// The Slurm job of this process, from its environment; `None` outside Slurm.
+    pub fn from_env() -> Result<Option<SlurmJob>, SlurmError> {
+        SlurmJob::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// As [`SlurmJob::from_env`], the variables read through `get`.
+    ///
+    /// ```
+    /// use tt_device::SlurmJob;
+    /// let env = |name: &str| match name {
+    ///     "SLURM_JOB_ID" => Some("1240".to_owned()),
+    ///     "SLURM_ARRAY_JOB_ID" => Some("1234".to_owned()),
+    ///     "SLURM_ARRAY_TASK_ID" => Some("6".to_owned()),
+    ///     "SLURM_JOB_GPUS" => Some("0,1,2,3".to_owned()),
+    ///     "SLURM_STEP_GPUS" => Some("2,3".to_owned()),
+    ///     _ => None,
+    /// };
+    /// let job = SlurmJob::from_lookup(env)?.expect("inside a job");
+    /// assert_eq!(job.id, "1234_6");
+    /// let gpus = job.gpus.expect("GPUs allocated");
+    /// assert_eq!(gpus.indices, [2, 3]);
+    /// assert_eq!(gpus.said(), "SLURM_STEP_GPUS=2,3");
+    /// # Ok::<(), tt_device::SlurmError>(())
+    /// ```
+    pub fn from_lookup(
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<SlurmJob>, SlurmError> {
+        let Some(id) = job_id(&get) else {
+            return Ok(None);
+        };
+        let gpus = [SLURM_STEP_GPUS, SLURM_JOB_GPUS]
+            .into_iter()
+            .find_map(|name| get(name).map(|value| (name, value)))
+            .map(|(name, value)| parse_indices(name, &value))
+            .transpose()?;
+        Ok(Some(SlurmJob { id, gpus }))
+    }
+}
+
+/// The id of the Slurm job of this process (`1234`, or `1234_7` for an array task),
+/// whatever its other variables hold; `None` outside Slurm.
+pub fn slurm_job_id() -> Option<String> {
+    job_id(&|name: &str| std::env::var(name).ok())
+}
+
+fn job_id(get: &impl Fn(&str) -> Option<String>) -> Option<String> {
+    let job = get(SLURM_JOB_ID).filter(|v| !v.trim().is_empty())?;
+    Some(
+        match (get("SLURM_ARRAY_JOB_ID"), get("SLURM_ARRAY_TASK_ID")) {
+            (Some(array), Some(task)) if !array.trim().is_empty() && !task.trim().is_empty() => {
+                format!("{}_{}", array.trim(), task.trim())
+            }
+            _ => job.trim().to_owned(),
+        },
+    )
+}
+
+/// `0,1,3` (Slurm's form; `N-M` ranges too), as indices.
+fn parse_indices(name: &'static str, value: &str) -> Result<SlurmGpus, SlurmError> {
+    let bad = || SlurmError {
+        name,
+        value: value.to_owned(),
+    };
+    let mut indices = Vec::new();
+    for part in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (u32, u32) =
+                    (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+                if b < a || b - a > 1024 {
+                    return Err(bad());
+                }
+                indices.extend(a..=b);
+            }
+            None => indices.push(part.parse().map_err(|_| bad())?),
+        }
+    }
+    Ok(SlurmGpus {
+        indices,
+        from: name,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a panic is how a test reports
+    use super::*;
+
+    fn job(vars: &[(&str, &str)]) -> Result<Option<SlurmJob>, SlurmError> {
+        SlurmJob::from_lookup(|name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn the_steps_gpus_come_before_the_jobs_and_a_bad_list_is_an_error() {
+        assert_eq!(job(&[]).unwrap(), None);
+        let batch = job(&[("SLURM_JOB_ID", "77"), ("SLURM_JOB_GPUS", "1,3")])
+            .unwrap()
+            .unwrap();
+        assert_eq!(batch.id, "77");
+        assert_eq!(batch.gpus.as_ref().unwrap().from, SLURM_JOB_GPUS);
+        assert_eq!(batch.gpus.unwrap().indices, [1, 3]);
+        let step = job(&[
+            ("SLURM_JOB_ID", "77"),
+            ("SLURM_JOB_GPUS", "0-3"),
+            ("SLURM_STEP_GPUS", "2"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(step.gpus.unwrap().said(), "SLURM_STEP_GPUS=2");
+        let ranged = job(&[("SLURM_JOB_ID", "77"), ("SLURM_JOB_GPUS", "0-2,5")])
+            .unwrap()
+            .unwrap();
+        assert_eq!(ranged.gpus.unwrap().indices, [0, 1, 2, 5]);
+        // No GPUs asked of Slurm: no bound.
+        let cpu = job(&[("SLURM_JOB_ID", "78")]).unwrap().unwrap();
+        assert_eq!(cpu.gpus, None);
+        let err = job(&[("SLURM_JOB_ID", "77"), ("SLURM_STEP_GPUS", "gpu0")]).unwrap_err();
+        assert!(
+            err.to_string().contains("SLURM_STEP_GPUS=\"gpu0\""),
+            "{err}"
+        );
+        assert!(job(&[("SLURM_JOB_ID", "77"), ("SLURM_JOB_GPUS", "3-1")]).is_err());
+    }
+}

@@ -1,0 +1,250 @@
+//! A real Slurm cluster for tests: Debian's `munged`, `slurmctld` and `slurmd` (Slurm
+//! 22.05), started as root without systemd in a directory of the test's own, with
+//! ports of their own (tests may run side by side), one node with fake GPUs, stopped
+//! on drop. The GPUs are character devices made with `mknod` (Slurm refuses plain
+//! files), so `srun --gres=gpu:2` sets `SLURM_STEP_GPUS` and `CUDA_VISIBLE_DEVICES` as
+//! on a GPU node; `proctrack/linuxproc` and `task/none`: no cgroup is needed.
+//!
+//! Not a mock: `sbatch`, `srun`, `scancel`, `scontrol` and `squeue` are Slurm's own,
+//! pointed at the cluster by `SLURM_CONF` ([`Cluster::command`]).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// A one-node cluster.
+pub struct Cluster {
+    dir: tempfile::TempDir,
+    /// The node's name (this machine's short host name).
+    pub node: String,
+}
+
+/// The programs a cluster needs, with the Debian package of each.
+const PROGRAMS: [(&str, &str); 5] = [
+    ("munged", "munge"),
+    ("slurmctld", "slurmctld"),
+    ("slurmd", "slurmd"),
+    ("sbatch", "slurm-client"),
+    ("srun", "slurm-client"),
+];
+
+impl Cluster {
+    /// Starts a cluster of one node with `gpus` GPUs and waits until the node is idle.
+    /// `None`, after a printed "SKIPPED" line, where it needs root and
+    /// `TORCHTOOLS_TEST_NO_MOUNT` says why it cannot run; a failure otherwise (Slurm
+    /// not installed: `cargo xtask setup` installs it).
+    pub fn one_node(gpus: u32) -> Option<Cluster> {
+        if !crate::is_root() {
+            crate::skip_knowingly(
+                "a Slurm cluster (its daemons run as root)",
+                "a Slurm cluster needs root (slurmd runs jobs as their users)",
+            );
+            return None;
+        }
+        for (program, package) in PROGRAMS {
+            let found = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+                .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
+                .any(|d| d.join(program).exists());
+            assert!(
+                found,
+                "{program} is not installed: `cargo xtask setup` installs Debian's {package} \
+                 (or `apt-get install -y munge slurmctld slurmd slurm-client`)"
+            );
+        }
+        let dir = tempfile::tempdir().expect("a directory for the cluster");
+        let node = host_name();
+        let cluster = Cluster { dir, node };
+        cluster.start(gpus);
+        Some(cluster)
+    }
+
+    /// The cluster's directory (its configuration, state and logs).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// `program` (`srun`, `sbatch`, `squeue`, ...) talking to this cluster.
+    pub fn command(&self, program: &str) -> Command {
+        let mut c = Command::new(program);
+        c.env("SLURM_CONF", self.dir().join("slurm.conf"));
+        c
+    }
+
+    /// The cluster's logs, for a failure's message.
+    pub fn logs(&self) -> String {
+        ["slurmctld.log", "slurmd.log"]
+            .iter()
+            .map(|name| {
+                let text = std::fs::read_to_string(self.dir().join(name)).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(20).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                format!("--- {name}:\n{}", tail.join("\n"))
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn start(&self, gpus: u32) {
+        use std::os::unix::fs::PermissionsExt;
+        let d = self.dir();
+        // Job users (the test users) read the configuration and reach munge's socket.
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        for sub in ["state", "spool", "dev"] {
+            std::fs::create_dir(d.join(sub)).unwrap();
+        }
+        for i in 0..gpus {
+            let dev = d.join(format!("dev/nvidia{i}"));
+            run(Command::new("mknod")
+                .arg(&dev)
+                .args(["c", "195", &i.to_string()]));
+        }
+        let mut key = [0u8; 128];
+        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom").unwrap(), &mut key)
+            .unwrap();
+        std::fs::write(d.join("munge.key"), key).unwrap();
+        std::fs::set_permissions(d.join("munge.key"), std::fs::Permissions::from_mode(0o400))
+            .unwrap();
+        let socket = d.join("munge.sock");
+        run(Command::new("munged")
+            .arg("--force")
+            .arg(format!("--socket={}", socket.display()))
+            .arg(format!("--key-file={}", d.join("munge.key").display()))
+            .arg(format!("--pid-file={}", d.join("munged.pid").display()))
+            .arg(format!("--log-file={}", d.join("munged.log").display()))
+            .arg(format!("--seed-file={}", d.join("munge.seed").display())));
+        let [ctld_port, node_port] = [free_port(), free_port()];
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let node = &self.node;
+        let p = |name: &str| d.join(name).display().to_string();
+        let conf = format!(
+            "ClusterName=tt\n\
+             SlurmctldHost={node}\n\
+             SlurmctldPort={ctld_port}\n\
+             SlurmdPort={node_port}\n\
+             AuthType=auth/munge\n\
+             AuthInfo=socket={socket}\n\
+             CredType=cred/munge\n\
+             SlurmUser=root\n\
+             SlurmdUser=root\n\
+             StateSaveLocation={state}\n\
+             SlurmdSpoolDir={spool}\n\
+             SlurmctldPidFile={ctld_pid}\n\
+             SlurmdPidFile={d_pid}\n\
+             SlurmctldLogFile={ctld_log}\n\
+             SlurmdLogFile={d_log}\n\
+             ProctrackType=proctrack/linuxproc\n\
+             TaskPlugin=task/none\n\
+             SelectType=select/cons_tres\n\
+             SelectTypeParameters=CR_Core\n\
+             GresTypes=gpu\n\
+             ReturnToService=2\n\
+             MpiDefault=none\n\
+             SchedulerType=sched/backfill\n\
+             SchedulerParameters=sched_interval=1\n\
+             AccountingStorageType=accounting_storage/none\n\
+             JobAcctGatherType=jobacct_gather/none\n\
+             JobCompType=jobcomp/none\n\
+             KillWait=5\n\
+             NodeName={node} CPUs={cpus} RealMemory=1000 Gres=gpu:{gpus} State=UNKNOWN\n\
+             PartitionName=main Nodes={node} Default=YES MaxTime=INFINITE State=UP\n",
+            socket = socket.display(),
+            state = p("state"),
+            spool = p("spool"),
+            ctld_pid = p("slurmctld.pid"),
+            d_pid = p("slurmd.pid"),
+            ctld_log = p("slurmctld.log"),
+            d_log = p("slurmd.log"),
+        );
+        std::fs::write(d.join("slurm.conf"), conf).unwrap();
+        let files = if gpus > 1 {
+            format!("{}/dev/nvidia[0-{}]", d.display(), gpus - 1)
+        } else {
+            format!("{}/dev/nvidia0", d.display())
+        };
+        std::fs::write(d.join("gres.conf"), format!("Name=gpu File={files}\n")).unwrap();
+        let conf = d.join("slurm.conf");
+        run(Command::new("slurmctld").arg("-f").arg(&conf));
+        run(Command::new("slurmd").arg("-f").arg(&conf));
+        let start = Instant::now();
+        loop {
+            let out = self
+                .command("sinfo")
+                .args(["-h", "-o", "%T"])
+                .output()
+                .expect("sinfo");
+            if String::from_utf8_lossy(&out.stdout).trim() == "idle" {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "the Slurm node is not idle after 120 s: {}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // The jobs first (their processes are slurmstepd's), then the daemons.
+        let _ = self
+            .command("scancel")
+            .args(["--partition", "main"])
+            .output();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(30) {
+            let out = self.command("squeue").args(["-h", "-o", "%i"]).output();
+            if out.is_ok_and(|o| o.stdout.is_empty()) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        for pid_file in ["slurmd.pid", "slurmctld.pid", "munged.pid"] {
+            let Some(pid) = std::fs::read_to_string(self.dir().join(pid_file))
+                .ok()
+                .and_then(|p| p.trim().parse::<i32>().ok())
+            else {
+                continue;
+            };
+            // SAFETY: kill(2) of a daemon this cluster started (its pid file's).
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+            let start = Instant::now();
+            while Path::new(&format!("/proc/{pid}")).exists()
+                && start.elapsed() < Duration::from_secs(10)
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            // SAFETY: as above; a daemon that ignored SIGTERM.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+fn run(command: &mut Command) {
+    let out = command
+        .output()
+        .unwrap_or_else(|e| panic!("{command:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{command:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn host_name() -> String {
+    let out = Command::new("hostname")
+        .arg("-s")
+        .output()
+        .expect("hostname");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// A port free now (the kernel's pick).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
