@@ -99,7 +99,7 @@ pub(crate) fn array(text: &str) -> Result<ArraySpec, String> {
 /// A report or plot path, checked before the command starts: an existing directory
 /// to write in, not a directory itself, writable.
 pub(crate) fn check_output(option: &str, path: &std::path::Path) -> anyhow::Result<()> {
-    let bad = |message: String| anyhow::Error::from(crate::exit::Exit(2, message));
+    let bad = |message: String| anyhow::Error::from(crate::exit::Exit::usage(message));
     // `reports/` names a directory even when it does not exist (yet).
     if path.as_os_str().as_encoded_bytes().ends_with(b"/") && !path.is_dir() {
         return Err(bad(format!(

@@ -12,27 +12,21 @@ use signal_hook::iterator::exfiltrator::WithOrigin;
 use signal_hook::iterator::{Handle, SignalsInfo};
 use signal_hook::low_level::siginfo::Cause;
 
-use crate::exit::Exit;
-
-/// Exit status of a command that cannot be found, as shells use it.
-const EXIT_NOT_FOUND: u8 = 127;
-
-/// Exit status of a command that cannot be executed, as shells use it.
-const EXIT_NOT_EXECUTABLE: u8 = 126;
+use crate::exit::{Exit, CANNOT_RUN, FAILURE, NOT_FOUND};
 
 /// A command that could not be started, with a shell's exit status: 127 when it is not
 /// found, 126 when it cannot be executed, 1 otherwise.
 pub(crate) fn spawn_failure(name: &str, e: &io::Error) -> Exit {
     let (code, hint) = match e.kind() {
         io::ErrorKind::NotFound if name.ends_with(".py") => (
-            EXIT_NOT_FOUND,
+            NOT_FOUND,
             format!(" (a Python script: run it as `python {name}`)"),
         ),
-        io::ErrorKind::NotFound => (EXIT_NOT_FOUND, " (not found on PATH)".into()),
-        io::ErrorKind::PermissionDenied => (EXIT_NOT_EXECUTABLE, " (not executable)".into()),
-        _ => (1, String::new()),
+        io::ErrorKind::NotFound => (NOT_FOUND, " (not found on PATH)".into()),
+        io::ErrorKind::PermissionDenied => (CANNOT_RUN, " (not executable)".into()),
+        _ => (FAILURE, String::new()),
     };
-    Exit(code, format!("cannot run {name:?}: {e}{hint}"))
+    Exit::new(code, format!("cannot run {name:?}: {e}{hint}"))
 }
 
 /// The command, running.

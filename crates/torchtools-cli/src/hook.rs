@@ -77,17 +77,14 @@ fn config_hook(path: &Path) -> Result<Option<Hook>> {
     let text = match read_own_config(path) {
         Ok(Some(text)) => text,
         Ok(None) => return Ok(None),
-        Err(why) => return Err(Exit(2, format!("{}: {why}", path.display())).into()),
+        Err(why) => return Err(Exit::usage(format!("{}: {why}", path.display())).into()),
     };
     let bad = |why: String| {
-        Exit(
-            2,
-            format!(
-                "{}: {why}; it takes `[on_end]` with `command = \"...\"` and an optional \
+        Exit::usage(format!(
+            "{}: {why}; it takes `[on_end]` with `command = \"...\"` and an optional \
                  `timeout = \"60s\"` (or move the file away)",
-                path.display()
-            ),
-        )
+            path.display()
+        ))
     };
     let config: Config = toml::from_str(&text).map_err(|e| bad(e.message().to_owned()))?;
     let Some(on_end) = config.on_end else {
@@ -370,7 +367,7 @@ impl Guardian {
 /// The guardian: reads the owner's events until the pipe closes, then runs the hook.
 pub(crate) fn guard() -> Result<std::process::ExitCode> {
     let Some(hook) = Hook::take_passed() else {
-        return Err(Exit(2, "job-hook is internal: use --on-end".into()).into());
+        return Err(Exit::usage("job-hook is internal: use --on-end".into()).into());
     };
     let mut job = None;
     let mut pid = None;

@@ -194,10 +194,9 @@ pub(crate) struct Get {
 /// Binds `addr` for `option` (`--listen`): an error saying what to change when taken.
 pub(crate) fn bind(addr: SocketAddr) -> Result<std::net::TcpListener> {
     let listener = std::net::TcpListener::bind(addr).map_err(|e| {
-        Exit(
-            2,
-            format!("--listen {addr}: cannot listen there: {e} (another port, or another address)"),
-        )
+        Exit::usage(format!(
+            "--listen {addr}: cannot listen there: {e} (another port, or another address)"
+        ))
     })?;
     listener.set_nonblocking(true)?;
     Ok(listener)

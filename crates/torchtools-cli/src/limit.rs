@@ -17,11 +17,12 @@ use crate::exit::Exit;
 pub(crate) const DEFAULT_GRACE: Duration = Duration::from_secs(60);
 
 /// The machine's policy for the lock directory `TORCHTOOLS_LOCK_DIR` names (or the
-/// default), read without opening the directory: a check made before anything starts,
-/// whose directory's own errors are the reservation's to say. Says on stderr when
-/// `TORCHTOOLS_POLICY` is not read because the machine has a policy of its own.
-pub(crate) fn machine_policy() -> tt_lock::PolicyInForce {
-    let in_force = policy_of_env_dir();
+/// default), read without opening the directory: a check made before anything starts.
+/// The variable is checked by the lock directory's own rule ([`tt_lock::path_from_env`]:
+/// empty or relative is an error here too). Says on stderr when `TORCHTOOLS_POLICY` is
+/// not read because the machine has a policy of its own.
+pub(crate) fn machine_policy() -> Result<tt_lock::PolicyInForce> {
+    let in_force = tt_lock::policy_for(&tt_lock::path_from_env()?);
     if let Some(named) = &in_force.variable_ignored {
         eprintln!(
             "torchtools: {}={} is not read: the machine's policy {} is the policy",
@@ -30,17 +31,7 @@ pub(crate) fn machine_policy() -> tt_lock::PolicyInForce {
             in_force.path.display()
         );
     }
-    in_force
-}
-
-fn policy_of_env_dir() -> tt_lock::PolicyInForce {
-    let dir = std::env::var_os(tt_lock::LOCK_DIR_ENV)
-        .filter(|v| !v.is_empty())
-        .map_or_else(
-            || tt_lock::DEFAULT_LOCK_DIR.into(),
-            std::path::PathBuf::from,
-        );
-    tt_lock::policy_for(&dir)
+    Ok(in_force)
 }
 
 /// A time limit in force.
@@ -56,7 +47,7 @@ impl TimeArgs {
     /// starts: `None` without a limit.
     pub(crate) fn resolve(&self, policy: &tt_lock::PolicyInForce) -> Result<Option<TimeLimit>> {
         let limits = &policy.policy.limits;
-        let bad = |why: String| Exit(2, why);
+        let bad = |why: String| Exit::usage(why);
         let time = match (self.time, limits.time_default) {
             (Some(t), _) => t,
             (None, Some(t)) => t,

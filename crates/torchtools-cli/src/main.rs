@@ -77,8 +77,8 @@ fn main() -> ExitCode {
 fn failed(e: &anyhow::Error) -> u8 {
     eprintln!("torchtools: error: {e:#}");
     match e.downcast_ref::<exit::Exit>() {
-        Some(exit::Exit(code, _)) => *code,
-        None => 1,
+        Some(exit) => exit.code,
+        None => exit::FAILURE,
     }
 }
 

@@ -14,6 +14,25 @@ pub const LOCK_DIR_ENV: &str = "TORCHTOOLS_LOCK_DIR";
 /// `$TMPDIR`, so that every user of the machine meets the same locks.
 pub const DEFAULT_LOCK_DIR: &str = "/tmp/torchtools-locks";
 
+/// The lock directory's path from the environment, by the one rule every reader keeps:
+/// [`LOCK_DIR_ENV`] when set (empty or relative is an error naming it), else
+/// [`DEFAULT_LOCK_DIR`]. Nothing is opened or created.
+pub fn path_from_env() -> Result<PathBuf> {
+    let Some(value) = std::env::var_os(LOCK_DIR_ENV) else {
+        return Ok(PathBuf::from(DEFAULT_LOCK_DIR));
+    };
+    let text = value.to_string_lossy().into_owned();
+    let path = PathBuf::from(&value);
+    if text.trim().is_empty() || !path.is_absolute() {
+        return Err(Error::LockDir {
+            path,
+            origin: format!("{LOCK_DIR_ENV}={text:?}"),
+            reason: "it must be an absolute path".into(),
+        });
+    }
+    Ok(path)
+}
+
 /// The directory that holds one lock file per GPU.
 #[derive(Debug, Clone)]
 pub struct LockDir {
@@ -67,20 +86,10 @@ impl LockDir {
     /// The directory named by `TORCHTOOLS_LOCK_DIR`, or [`DEFAULT_LOCK_DIR`]; created
     /// (mode 01777) when missing, and checked (see [`LockDir::open`]).
     pub fn from_env() -> Result<LockDir> {
+        let path = path_from_env()?;
         match std::env::var_os(LOCK_DIR_ENV) {
-            Some(value) => {
-                let text = value.to_string_lossy().into_owned();
-                let path = PathBuf::from(&value);
-                if text.trim().is_empty() || !path.is_absolute() {
-                    return Err(Error::LockDir {
-                        path,
-                        origin: format!("{LOCK_DIR_ENV}={text:?}"),
-                        reason: "it must be an absolute path".into(),
-                    });
-                }
-                LockDir::open_inner(path, Origin::Env(text))
-            }
-            None => LockDir::open_inner(PathBuf::from(DEFAULT_LOCK_DIR), Origin::Default),
+            Some(value) => LockDir::open_inner(path, Origin::Env(value.to_string_lossy().into())),
+            None => LockDir::open_inner(path, Origin::Default),
         }
     }
 

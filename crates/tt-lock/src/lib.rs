@@ -18,7 +18,7 @@ mod tally;
 mod usage;
 mod watch;
 
-pub use dir::{LockDir, DEFAULT_LOCK_DIR, LOCK_DIR_ENV};
+pub use dir::{path_from_env, LockDir, DEFAULT_LOCK_DIR, LOCK_DIR_ENV};
 pub use error::{Error, Result};
 pub use fair::{preemptor, Standing};
 pub use gpu::{GpuKey, GpuSpec};

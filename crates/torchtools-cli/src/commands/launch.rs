@@ -304,8 +304,8 @@ impl Args {
             .is_some_and(|e| e == "py");
         let with_python = self.run_path || (is_script && !self.no_python && !self.module);
         if with_python && !Path::new(&command[0]).is_file() {
-            return Err(Exit(
-                127,
+            return Err(Exit::new(
+                crate::exit::NOT_FOUND,
                 format!(
                     "no such script: {} (from {})",
                     command[0].to_string_lossy(),
@@ -336,8 +336,8 @@ impl Args {
     fn ranks(&self) -> std::result::Result<usize, Exit> {
         // A bad value is an error here as in the reservation, never "no GPU".
         let gpus = || -> std::result::Result<usize, Exit> {
-            let visible =
-                tt_device::CudaVisibleDevices::from_env().map_err(|e| Exit(2, e.to_string()))?;
+            let visible = tt_device::CudaVisibleDevices::from_env()
+                .map_err(|e| Exit::usage(e.to_string()))?;
             Ok(tt_device::Inventory::query().visible(&visible).len())
         };
         let cpus = || tt_device::CpuBudget::query().online.max(1);
@@ -350,8 +350,7 @@ impl Args {
             },
             Nproc::Gpu => {
                 match gpus()? {
-                    0 => return Err(Exit(
-                        2,
+                    0 => return Err(Exit::usage(
                         "--nproc-per-node gpu: no GPU is visible (NVML, CUDA_VISIBLE_DEVICES); \
                          give a number, or cpu"
                             .into(),
@@ -365,34 +364,30 @@ impl Args {
     /// The launcher's configuration, every option checked.
     fn config(&self) -> std::result::Result<LaunchConfig, Exit> {
         if let Some(refusal) = self.unsupported.refusal(self.detach) {
-            return Err(Exit(2, refusal));
+            return Err(Exit::usage(refusal));
         }
         if let Some(backend) = self.rdzv_backend.as_deref() {
             if !matches!(backend, "c10d" | "static") {
-                return Err(Exit(
-                    2,
-                    format!(
-                        "--rdzv-backend {backend}: only c10d (and static) rendezvous is \
+                return Err(Exit::usage(format!(
+                    "--rdzv-backend {backend}: only c10d (and static) rendezvous is \
                          supported; give --rdzv-endpoint HOST:PORT of the first node"
-                    ),
-                ));
+                )));
             }
         }
         if self.standalone && self.nnodes > 1 {
-            return Err(Exit(
-                2,
-                format!("--standalone is one node, but --nnodes {}", self.nnodes),
-            ));
+            return Err(Exit::usage(format!(
+                "--standalone is one node, but --nnodes {}",
+                self.nnodes
+            )));
         }
         let (master_addr, master_port) = match &self.rdzv_endpoint {
             Some(endpoint) => match endpoint.rsplit_once(':') {
                 Some((host, port)) => match port.parse::<u16>() {
                     Ok(p) if p > 0 => (host.to_owned(), Some(p)),
                     _ => {
-                        return Err(Exit(
-                            2,
-                            format!("--rdzv-endpoint {endpoint}: {port:?} is not a port (1-65535)"),
-                        ))
+                        return Err(Exit::usage(format!(
+                            "--rdzv-endpoint {endpoint}: {port:?} is not a port (1-65535)"
+                        )))
                     }
                 },
                 None => (endpoint.clone(), Some(29400)),
@@ -405,8 +400,7 @@ impl Args {
             ),
         };
         if self.local_rank_arg && (self.no_python || self.module) {
-            return Err(Exit(
-                2,
+            return Err(Exit::usage(
                 "--local-rank-arg gives a Python script --local-rank=N after its name: with \
                  --no-python or -m, read LOCAL_RANK instead (torch.distributed.launch too \
                  wants --use-env there)"
@@ -441,14 +435,13 @@ impl Args {
 /// Returns the group's exit status: 0, or the failed rank's.
 pub(crate) fn run(args: Args) -> Result<u8> {
     if args.time.preemptible && args.gpu.is_none() {
-        return Err(Exit(
-            2,
+        return Err(Exit::usage(
             "--preemptible yields the group's GPUs: reserve them with --gpu".into(),
         )
         .into());
     }
     let mut cfg = args.config()?;
-    let limit = args.time.resolve(&crate::limit::machine_policy())?;
+    let limit = args.time.resolve(&crate::limit::machine_policy()?)?;
     // The group's GPUs, reserved before any rank starts, held until the group ends.
     let mut reservation = match &args.gpu {
         None => None,
@@ -487,8 +480,10 @@ pub(crate) fn run(args: Args) -> Result<u8> {
     };
     cfg.forward = Some(forward);
     let outcome = launch_group(&cfg).map_err(|e| match e {
-        tt_dist::Error::Launch { reason: m } => anyhow::Error::from(Exit(2, m)),
-        tt_dist::Error::Job { reason: m } => anyhow::Error::from(Exit(1, m)),
+        tt_dist::Error::Launch { reason: m } => anyhow::Error::from(Exit::usage(m)),
+        tt_dist::Error::Job { reason: m } => {
+            anyhow::Error::from(Exit::new(crate::exit::FAILURE, m))
+        }
         tt_dist::Error::Spawn { program, cause, .. } => anyhow::Error::from(
             crate::child::spawn_failure(&program.to_string_lossy(), &cause),
         ),

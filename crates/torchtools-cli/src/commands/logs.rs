@@ -15,8 +15,8 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
     let records = records_dir()?;
     let job = find(&records, &args.job)?;
     let mut file = open_log(&job.log).map_err(|e| {
-        Exit(
-            1,
+        Exit::new(
+            crate::exit::FAILURE,
             format!(
                 "job {}: cannot read its log {}: {e}",
                 job.id,

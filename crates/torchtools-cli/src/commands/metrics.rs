@@ -130,14 +130,11 @@ pub(crate) fn negotiate(openmetrics: String, accept: Option<&str>) -> (&'static 
 /// renamed over it), until killed.
 fn textfile(dir: &LockDir, gpus: &Gpus, out: &Path, interval: Duration) -> Result<ExitCode> {
     if !out.is_dir() {
-        return Err(Exit(
-            2,
-            format!(
-                "--textfile {}: not a directory: give node_exporter's \
+        return Err(Exit::usage(format!(
+            "--textfile {}: not a directory: give node_exporter's \
                  --collector.textfile.directory",
-                out.display()
-            ),
-        )
+            out.display()
+        ))
         .into());
     }
     let path = out.join(TEXTFILE);
@@ -147,16 +144,13 @@ fn textfile(dir: &LockDir, gpus: &Gpus, out: &Path, interval: Duration) -> Resul
         // node_exporter reads Prometheus's text format.
         let text = text_format(&render(dir, gpus)?);
         let mut file = new_textfile(&temp).map_err(|e| {
-            Exit(
-                2,
-                format!(
-                    "--textfile {}: cannot create {} there: {e} (a file or link of that \
+            Exit::usage(format!(
+                "--textfile {}: cannot create {} there: {e} (a file or link of that \
                      name is never followed nor overwritten: remove it, or give a \
                      directory only you and node_exporter write)",
-                    out.display(),
-                    temp.display()
-                ),
-            )
+                out.display(),
+                temp.display()
+            ))
         })?;
         file.write_all(text.as_bytes())?;
         file.sync_all()?;

@@ -18,7 +18,7 @@ fn visible(gpu: &GpuSpec, inventory: &Inventory) -> Result<Option<String>> {
         GpuSpec::Auto => Ok(None),
         spec => match spec.resolve(inventory) {
             Ok(key) => Ok(Some(key.cuda_visible_entry())),
-            Err(e) => Err(Exit(2, e.to_string()).into()),
+            Err(e) => Err(Exit::usage(e.to_string()).into()),
         },
     }
 }
@@ -51,7 +51,7 @@ fn run_probe(
         },
     )
     .map_err(|e| match e {
-        ProbeError::Spawn { .. } => Exit(127, e.to_string()).into(),
+        ProbeError::Spawn { .. } => Exit::new(crate::exit::NOT_FOUND, e.to_string()).into(),
         e => anyhow::Error::from(e),
     })?;
     Ok(report)
@@ -101,8 +101,8 @@ pub(crate) fn estimate_for_run(
     let report = run_probe(uuid, probe.probe_timeout, probe.probe_steps, None, command)?;
     if report.ended_by_timeout {
         // Its peak so far may be far from the real run's: nothing is reserved from it.
-        return Err(Exit(
-            1,
+        return Err(Exit::new(
+            crate::exit::FAILURE,
             format!(
                 "{report}.\nA script answers the probe by running TORCHTOOLS_PROBE_STEPS \
                  steps when TORCHTOOLS_PROBE=1 and exiting (without saving or logging): see \
@@ -131,7 +131,7 @@ pub(crate) fn max_batch(
     let gpu_info = match &gpu {
         Some(spec) if *spec != GpuSpec::Auto => Some(
             spec.resolve(&inventory)
-                .map_err(|e| Exit(2, e.to_string()))?,
+                .map_err(|e| Exit::usage(e.to_string()))?,
         ),
         _ => inventory
             .gpus
@@ -148,17 +148,15 @@ pub(crate) fn max_batch(
                 .find(|g| tt_lock::GpuKey::of_uuid(&g.uuid) == *key)
                 .map(|g| g.free)
                 .ok_or_else(|| {
-                    Exit(
-                        2,
-                        format!("NVML does not report the free memory of {key}: give --capacity"),
-                    )
+                    Exit::usage(format!(
+                        "NVML does not report the free memory of {key}: give --capacity"
+                    ))
                 })?;
             (free, format!("free memory of {key}"))
         }
         (None, None) => {
             let available = tt_tracker::process::available_memory().ok_or_else(|| {
-                Exit(
-                    2,
+                Exit::usage(
                     "cannot read the available memory (/proc/meminfo): give --capacity".to_owned(),
                 )
             })?;
@@ -188,8 +186,12 @@ pub(crate) fn max_batch(
     });
     let found = match found {
         Ok(f) => f,
-        Err(e @ ProbeError::NoBatchGrowth { .. }) => return Err(Exit(1, e.to_string()).into()),
-        Err(e @ ProbeError::Spawn { .. }) => return Err(Exit(127, e.to_string()).into()),
+        Err(e @ ProbeError::NoBatchGrowth { .. }) => {
+            return Err(Exit::new(crate::exit::FAILURE, e.to_string()).into())
+        }
+        Err(e @ ProbeError::Spawn { .. }) => {
+            return Err(Exit::new(crate::exit::NOT_FOUND, e.to_string()).into())
+        }
         Err(e) => return Err(e.into()),
     };
     if json {

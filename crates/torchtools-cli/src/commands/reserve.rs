@@ -13,9 +13,6 @@ use crate::arg_groups::ReserveArgs;
 use crate::child;
 use crate::exit::Exit;
 
-/// Exit status when the GPUs stay locked past `--timeout` (sysexits' EX_TEMPFAIL).
-pub(crate) const EXIT_LOCKED: u8 = tt_device::EX_TEMPFAIL as u8;
-
 /// What `reserve` was asked for.
 pub(crate) struct Request {
     pub(crate) gpus: Vec<GpuSpec>,
@@ -77,8 +74,7 @@ pub(crate) fn reserve(req: Request) -> Result<u8> {
 pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
     // (--share without --bytes: tt-reserve's own check says what to give.)
     if req.fence && !req.share && req.bytes.is_none() {
-        return Err(Exit(
-            2,
+        return Err(Exit::usage(
             "a fence leaves free only what --bytes says the command needs: give --bytes \
              (e.g. --bytes 6GiB, or --bytes auto to measure it with a probe run), or \
              --no-fence to take the lock alone"
@@ -110,7 +106,7 @@ pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
     let reservation =
         tt_reserve::reserve_with(options, |w| eprintln!("torchtools: {w}")).map_err(|e| {
             if e.is_busy() {
-                Exit(EXIT_LOCKED, e.to_string()).into()
+                Exit::new(crate::exit::TEMPFAIL, e.to_string()).into()
             } else if e.is_bad_request() {
                 // The options to look at, unless the message names them already.
                 let said = e.to_string();
@@ -118,7 +114,7 @@ pub(crate) fn take(req: &Request) -> Result<tt_reserve::Reservation> {
                     true => "",
                     false => " (see --gpu and --count)",
                 };
-                Exit(2, format!("{said}{hint}")).into()
+                Exit::usage(format!("{said}{hint}")).into()
             } else {
                 anyhow::Error::from(e)
             }
@@ -164,7 +160,7 @@ impl ReserveArgs {
     /// The time limit these options and the machine's policy give (checked before
     /// anything starts).
     pub(crate) fn time_limit(&self) -> Result<Option<crate::limit::TimeLimit>> {
-        self.time.resolve(&crate::limit::machine_policy())
+        self.time.resolve(&crate::limit::machine_policy()?)
     }
 
     pub(crate) fn request(

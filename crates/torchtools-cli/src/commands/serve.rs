@@ -187,7 +187,7 @@ const HOW_TO_SAVE: &str = "save one with `torchtools serve --save FILE`, or from
 
 /// A bad `--save` or `--replay` file: exit status 2, as for any bad argument.
 fn bad(message: String) -> anyhow::Error {
-    crate::exit::Exit(2, message).into()
+    crate::exit::Exit::usage(message).into()
 }
 
 /// `--save PATH`: the state read once, written whole (to a file beside `PATH`, renamed

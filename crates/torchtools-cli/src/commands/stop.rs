@@ -27,8 +27,8 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
 fn stop_one(records: &Path, job: Job, grace: Duration) -> Result<()> {
     let me = uid();
     if job.uid != me && me != 0 {
-        return Err(Exit(
-            1,
+        return Err(Exit::new(
+            crate::exit::FAILURE,
             format!(
                 "job {} belongs to {} (uid {}): only they (or root) can stop it",
                 job.id, job.user, job.uid
@@ -41,8 +41,8 @@ fn stop_one(records: &Path, job: Job, grace: Duration) -> Result<()> {
         return Ok(());
     }
     if elsewhere(&job) {
-        return Err(Exit(
-            1,
+        return Err(Exit::new(
+            crate::exit::FAILURE,
             format!(
                 "job {} was started in another PID namespace (a container, or the host seen \
                  from one), where its processes are: stop it from there",

@@ -11,7 +11,7 @@ use crate::args::check_output;
 use crate::exit::Exit;
 
 fn bad(message: impl Into<String>) -> anyhow::Error {
-    Exit(2, message.into()).into()
+    Exit::usage(message.into()).into()
 }
 
 /// A file we read: a bad one is a bad argument (exit 2), as gpu_tracker's users type

@@ -32,7 +32,7 @@ pub(crate) struct Given {
 }
 
 fn bad(message: String) -> anyhow::Error {
-    Exit(2, message).into()
+    Exit::usage(message).into()
 }
 
 /// gpu_tracker's `--tconfig`: a JSON object of `Tracker` arguments, read into the
@@ -390,14 +390,14 @@ pub(crate) fn track(req: Request) -> Result<ExitCode> {
 
 pub(crate) fn compare(files: &[PathBuf], json: bool) -> Result<ExitCode> {
     if files.len() < 2 {
-        return Err(Exit(2, "give at least two JSON reports to compare".into()).into());
+        return Err(Exit::usage("give at least two JSON reports to compare".into()).into());
     }
     // A missing or unreadable report is bad input (exit 2), as for `sub-track compare`.
     let sessions = files
         .iter()
         .map(|f| tt_tracker::compare::load(f))
         .collect::<tt_tracker::Result<Vec<_>>>()
-        .map_err(|e| Exit(2, e.to_string()))?;
+        .map_err(|e| Exit::usage(e.to_string()))?;
     let comparison = tt_tracker::compare::Comparison::new(sessions);
     if json {
         println!("{}", serde_json::to_string_pretty(&comparison)?);

@@ -90,18 +90,15 @@ pub(crate) fn log_dir(given: Option<&Path>) -> Result<PathBuf> {
     let log_dir = match given {
         // Absolute in the job's record: `logs` may be run from another directory.
         Some(d) => std::path::absolute(d).map_err(|e| {
-            Exit(
-                2,
-                format!("--log-dir {}: cannot resolve it: {e}", d.display()),
-            )
+            Exit::usage(format!("--log-dir {}: cannot resolve it: {e}", d.display()))
         })?,
         None => default_log_dir()?,
     };
     fs::create_dir_all(&log_dir).map_err(|e| {
-        Exit(
-            2,
-            format!("--log-dir {}: cannot create it: {e}", log_dir.display()),
-        )
+        Exit::usage(format!(
+            "--log-dir {}: cannot create it: {e}",
+            log_dir.display()
+        ))
     })?;
     Ok(log_dir)
 }
@@ -216,13 +213,10 @@ pub(crate) fn start_job(start: &Start<'_>) -> Result<Job> {
         .mode(0o600)
         .open(&log)
         .map_err(|e| {
-            Exit(
-                2,
-                format!(
-                    "--log-dir {}: cannot write a log there: {e}",
-                    start.log_dir.display()
-                ),
-            )
+            Exit::usage(format!(
+                "--log-dir {}: cannot write a log there: {e}",
+                start.log_dir.display()
+            ))
         })?;
     let err = out.try_clone()?;
     let exe = std::env::current_exe().context("finding this program")?;
@@ -393,7 +387,7 @@ pub(crate) fn run_until_done(
         if let Some(latest) = load(path).filter(|j| j.uid == uid() && j.id == job.id) {
             job.timed_out = latest.timed_out;
         }
-        if code != i32::from(tt_device::EX_TEMPFAIL as u8)
+        if code != i32::from(crate::exit::TEMPFAIL)
             || !job.requeue
             || stopping.load(Ordering::Relaxed)
         {

@@ -448,7 +448,7 @@ pub(crate) fn find(records: &Path, id: &str) -> Result<Job> {
             .into_iter()
             .rev()
             .find(|j| j.uid == uid())
-            .ok_or_else(|| Exit(2, "you have no job yet".into()).into());
+            .ok_or_else(|| Exit::usage("you have no job yet".into()).into());
     }
     // Exactly the id, else a prefix; among the caller's own jobs first, so that nobody
     // else's record can make the caller's id ambiguous.
@@ -470,16 +470,8 @@ pub(crate) fn find(records: &Path, id: &str) -> Result<Job> {
     }
     match matches.len() {
         1 => Ok(matches.into_iter().next().unwrap_or_else(|| unreachable!())),
-        0 => Err(Exit(
-            2,
-            format!("no job {id:?}: `torchtools jobs --all` lists them"),
-        )
-        .into()),
-        n => Err(Exit(
-            2,
-            format!("{n} jobs start with {id:?}: give more of the id"),
-        )
-        .into()),
+        0 => Err(Exit::usage(format!("no job {id:?}: `torchtools jobs --all` lists them")).into()),
+        n => Err(Exit::usage(format!("{n} jobs start with {id:?}: give more of the id")).into()),
     }
 }
 
