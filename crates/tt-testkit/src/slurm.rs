@@ -112,49 +112,7 @@ impl Cluster {
             .arg(format!("--pid-file={}", d.join("munged.pid").display()))
             .arg(format!("--log-file={}", d.join("munged.log").display()))
             .arg(format!("--seed-file={}", d.join("munge.seed").display())));
-        let [ctld_port, node_port] = [free_port(), free_port()];
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let node = &self.node;
-        let p = |name: &str| d.join(name).display().to_string();
-        let conf = format!(
-            "ClusterName=tt\n\
-             SlurmctldHost={node}\n\
-             SlurmctldPort={ctld_port}\n\
-             SlurmdPort={node_port}\n\
-             AuthType=auth/munge\n\
-             AuthInfo=socket={socket}\n\
-             CredType=cred/munge\n\
-             SlurmUser=root\n\
-             SlurmdUser=root\n\
-             StateSaveLocation={state}\n\
-             SlurmdSpoolDir={spool}\n\
-             SlurmctldPidFile={ctld_pid}\n\
-             SlurmdPidFile={d_pid}\n\
-             SlurmctldLogFile={ctld_log}\n\
-             SlurmdLogFile={d_log}\n\
-             ProctrackType=proctrack/linuxproc\n\
-             TaskPlugin=task/none\n\
-             SelectType=select/cons_tres\n\
-             SelectTypeParameters=CR_Core\n\
-             GresTypes=gpu\n\
-             ReturnToService=2\n\
-             MpiDefault=none\n\
-             SchedulerType=sched/backfill\n\
-             SchedulerParameters=sched_interval=1\n\
-             AccountingStorageType=accounting_storage/none\n\
-             JobAcctGatherType=jobacct_gather/none\n\
-             JobCompType=jobcomp/none\n\
-             KillWait=5\n\
-             NodeName={node} CPUs={cpus} RealMemory=1000 Gres=gpu:{gpus} State=UNKNOWN\n\
-             PartitionName=main Nodes={node} Default=YES MaxTime=INFINITE State=UP\n",
-            socket = socket.display(),
-            state = p("state"),
-            spool = p("spool"),
-            ctld_pid = p("slurmctld.pid"),
-            d_pid = p("slurmd.pid"),
-            ctld_log = p("slurmctld.log"),
-            d_log = p("slurmd.log"),
-        );
+        let conf = slurm_conf(d, &self.node, &socket, gpus);
         std::fs::write(d.join("slurm.conf"), conf).unwrap();
         let files = if gpus > 1 {
             format!("{}/dev/nvidia[0-{}]", d.display(), gpus - 1)
@@ -220,6 +178,53 @@ impl Drop for Cluster {
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
     }
+}
+
+/// The cluster's `slurm.conf`: its files under `d`, ports of its own, one node.
+fn slurm_conf(d: &Path, node: &str, socket: &Path, gpus: u32) -> String {
+    let [ctld_port, node_port] = [free_port(), free_port()];
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let p = |name: &str| d.join(name).display().to_string();
+    let conf = format!(
+        "ClusterName=tt\n\
+         SlurmctldHost={node}\n\
+         SlurmctldPort={ctld_port}\n\
+         SlurmdPort={node_port}\n\
+         AuthType=auth/munge\n\
+         AuthInfo=socket={socket}\n\
+         CredType=cred/munge\n\
+         SlurmUser=root\n\
+         SlurmdUser=root\n\
+         StateSaveLocation={state}\n\
+         SlurmdSpoolDir={spool}\n\
+         SlurmctldPidFile={ctld_pid}\n\
+         SlurmdPidFile={d_pid}\n\
+         SlurmctldLogFile={ctld_log}\n\
+         SlurmdLogFile={d_log}\n\
+         ProctrackType=proctrack/linuxproc\n\
+         TaskPlugin=task/none\n\
+         SelectType=select/cons_tres\n\
+         SelectTypeParameters=CR_Core\n\
+         GresTypes=gpu\n\
+         ReturnToService=2\n\
+         MpiDefault=none\n\
+         SchedulerType=sched/backfill\n\
+         SchedulerParameters=sched_interval=1\n\
+         AccountingStorageType=accounting_storage/none\n\
+         JobAcctGatherType=jobacct_gather/none\n\
+         JobCompType=jobcomp/none\n\
+         KillWait=5\n\
+         NodeName={node} CPUs={cpus} RealMemory=1000 Gres=gpu:{gpus} State=UNKNOWN\n\
+         PartitionName=main Nodes={node} Default=YES MaxTime=INFINITE State=UP\n",
+        socket = socket.display(),
+        state = p("state"),
+        spool = p("spool"),
+        ctld_pid = p("slurmctld.pid"),
+        d_pid = p("slurmd.pid"),
+        ctld_log = p("slurmctld.log"),
+        d_log = p("slurmd.log"),
+    );
+    conf
 }
 
 fn run(command: &mut Command) {

@@ -110,6 +110,104 @@ fn unknown_subcommands_and_flags_are_usage_errors() {
     assert_eq!(out.status.code(), Some(2));
 }
 
+/// Every command in `torchtools --help` refuses a bad argument with exit status 2 and
+/// the reason, before anything runs: a bad value where it takes one, an unexpected
+/// word where it takes none. A new command must be added here.
+#[test]
+fn bad_arguments_exit_2_for_every_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("locks");
+    let dir = dir.to_str().unwrap();
+    let cases: &[(&str, &[&str], &str)] = &[
+        (
+            "devices",
+            &["devices", "--json", "x"],
+            "unexpected argument 'x'",
+        ),
+        (
+            "reserve",
+            &["reserve", "--gpu", "0", "--bytes", "6XB", "--", "true"],
+            "is not a size",
+        ),
+        (
+            "track",
+            &["track", "--interval", "5ms", "--", "true"],
+            "10ms minimum",
+        ),
+        (
+            "probe",
+            &["probe", "--gpu", "0", "--steps", "zero", "--", "true"],
+            "'zero'",
+        ),
+        (
+            "run",
+            &[
+                "run", "--detach", "--gpu", "0", "--bytes", "6XB", "--", "true",
+            ],
+            "is not a size",
+        ),
+        (
+            "launch",
+            &["launch", "--nproc-per-node", "0", "--", "true"],
+            "not a count",
+        ),
+        ("locks", &["locks", "x"], "unexpected argument 'x'"),
+        ("jobs", &["jobs", "wait"], "<JOBS>"),
+        ("logs", &["logs", "no-such-job"], "no job \"no-such-job\""),
+        (
+            "stop",
+            &["stop", "last", "--grace", "soon"],
+            "is not a duration",
+        ),
+        (
+            "usage",
+            &["usage", "--since", "yesterday"],
+            "is not a duration",
+        ),
+        (
+            "metrics",
+            &["metrics", "--listen", "nowhere"],
+            "invalid socket address",
+        ),
+        (
+            "serve",
+            &["serve", "--replay", "/nonexistent/state.json"],
+            "--replay",
+        ),
+        ("queue", &["queue", "x"], "unexpected argument 'x'"),
+        ("policy", &["policy", "x"], "unexpected argument 'x'"),
+        (
+            "top",
+            &["top", "--interval", "1"],
+            "unexpected argument '--interval'",
+        ),
+    ];
+    let help = torchtools(&["--help"], &[]);
+    let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    let commands: Vec<&str> = help
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .collect();
+    let covered: Vec<&str> = cases.iter().map(|(c, _, _)| *c).collect();
+    assert_eq!(commands, covered, "every command, in --help's order");
+    for (command, args, says) in cases {
+        let out = torchtools(
+            args,
+            &[
+                ("TORCHTOOLS_LOCK_DIR", dir),
+                ("XDG_STATE_HOME", tmp.path().join("state").to_str().unwrap()),
+            ],
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{command}: {err}");
+        assert!(err.contains(says), "{command}: {err}");
+    }
+}
+
 /// Variables every command depends on are checked before any command runs: a bad one
 /// exits 2 naming it, its value and the fix; libtorch would ignore a bad
 /// OMP_NUM_THREADS silently, tracing a bad filter.
