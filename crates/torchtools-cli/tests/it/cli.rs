@@ -12,6 +12,20 @@ fn torchtools(args: &[&str], vars: &[(&str, &str)]) -> Output {
     cmd.output().unwrap()
 }
 
+/// The commands `torchtools --help` lists, in its order (not `help`).
+fn commands_in_help() -> Vec<String> {
+    let help = torchtools(&["--help"], &[]);
+    String::from_utf8_lossy(&help.stdout)
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .map(str::to_owned)
+        .collect()
+}
+
 fn has_nvml() -> bool {
     let out = torchtools(&["devices", "--json"], &[]);
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -182,16 +196,7 @@ fn bad_arguments_exit_2_for_every_command() {
             "unexpected argument '--interval'",
         ),
     ];
-    let help = torchtools(&["--help"], &[]);
-    let help = String::from_utf8_lossy(&help.stdout).into_owned();
-    let commands: Vec<&str> = help
-        .lines()
-        .skip_while(|l| !l.starts_with("Commands:"))
-        .skip(1)
-        .take_while(|l| l.starts_with("  "))
-        .filter_map(|l| l.split_whitespace().next())
-        .filter(|c| *c != "help")
-        .collect();
+    let commands = commands_in_help();
     let covered: Vec<&str> = cases.iter().map(|(c, _, _)| *c).collect();
     assert_eq!(commands, covered, "every command, in --help's order");
     for (command, args, says) in cases {
@@ -252,20 +257,8 @@ fn man_pages_render_without_a_warning_and_are_found_once_installed() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
-    let help = std::process::Command::new(env!("CARGO_BIN_EXE_torchtools"))
-        .arg("--help")
-        .output()
-        .unwrap();
-    let help = String::from_utf8_lossy(&help.stdout).into_owned();
-    let commands: Vec<&str> = help
-        .lines()
-        .skip_while(|l| !l.starts_with("Commands:"))
-        .skip(1)
-        .take_while(|l| l.starts_with("  "))
-        .filter_map(|l| l.split_whitespace().next())
-        .filter(|c| *c != "help")
-        .collect();
-    assert!(commands.len() >= 16, "{help}");
+    let commands = commands_in_help();
+    assert!(commands.len() >= 16, "{commands:?}");
     for name in std::iter::once("torchtools".to_owned())
         .chain(commands.iter().map(|c| format!("torchtools-{c}")))
         .chain([
