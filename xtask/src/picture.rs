@@ -1,10 +1,8 @@
 //! `cargo xtask picture [STATE]`: the README's picture of `torchtools serve`'s page,
 //! taken by the browser test that checks what it shows.
 
+use anyhow::{Context, Result};
 use std::path::Path;
-use std::process::Command;
-
-use anyhow::{bail, Context, Result};
 
 /// The saved state the picture shows, and the picture.
 const STATE: &str = "docs/serve-state.json";
@@ -21,15 +19,19 @@ pub(crate) fn run(state: Option<&Path>) -> Result<()> {
         std::fs::copy(state, root.join(STATE))
             .with_context(|| format!("copying {} to {STATE}", state.display()))?;
     }
-    let status = Command::new(env!("CARGO"))
-        .args(["test", "-q", "-p", "torchtools-cli", "--test", "it", TEST])
-        .args(["--", "--exact"])
-        .current_dir(&root)
-        .status()
-        .context("starting cargo")?;
-    if !status.success() {
-        bail!("the page's test failed on {STATE} ({status}): the picture is left as it was");
-    }
+    let test = crate::steps::cargo(&[
+        "test",
+        "-q",
+        "-p",
+        "torchtools-cli",
+        "--test",
+        "it",
+        TEST,
+        "--",
+        "--exact",
+    ]);
+    crate::steps::run("the page's browser test", test)
+        .with_context(|| format!("on {STATE}: the picture is left as it was"))?;
     std::fs::copy(
         root.join("target/serve-page-readme.png"),
         root.join(PICTURE),

@@ -137,14 +137,10 @@ pub(crate) fn generate_man(bin: &Path, dir: &Path) -> Result<()> {
 /// DIR (default `target/man`): `sudo cargo xtask man /usr/local/share/man/man1` is the
 /// layout a root install expects (`man torchtools-reserve` then finds it).
 pub(crate) fn man(dir: Option<&Path>) -> Result<()> {
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "-q", "-p", "torchtools-cli", "--bin", "torchtools"])
-        .current_dir(crate::root())
-        .status()
-        .context("starting cargo")?;
-    if !status.success() {
-        bail!("cargo build -p torchtools-cli failed ({status})");
-    }
+    crate::steps::run(
+        "cargo build -p torchtools-cli",
+        crate::steps::cargo(&["build", "-q", "-p", "torchtools-cli", "--bin", "torchtools"]),
+    )?;
     let dir = dir.map_or_else(|| crate::root().join("target/man"), Path::to_path_buf);
     generate_man(&crate::root().join("target/debug/torchtools"), &dir)?;
     println!(

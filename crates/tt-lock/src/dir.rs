@@ -18,8 +18,13 @@ pub const DEFAULT_LOCK_DIR: &str = "/tmp/torchtools-locks";
 /// [`LOCK_DIR_ENV`] when set (empty or relative is an error naming it), else
 /// [`DEFAULT_LOCK_DIR`]. Nothing is opened or created.
 pub fn path_from_env() -> Result<PathBuf> {
+    path_and_origin_from_env().map(|(path, _)| path)
+}
+
+/// [`path_from_env`], and where the path came from (the variable is read once).
+fn path_and_origin_from_env() -> Result<(PathBuf, Origin)> {
     let Some(value) = std::env::var_os(LOCK_DIR_ENV) else {
-        return Ok(PathBuf::from(DEFAULT_LOCK_DIR));
+        return Ok((PathBuf::from(DEFAULT_LOCK_DIR), Origin::Default));
     };
     let text = value.to_string_lossy().into_owned();
     let path = PathBuf::from(&value);
@@ -30,7 +35,7 @@ pub fn path_from_env() -> Result<PathBuf> {
             reason: "it must be an absolute path".into(),
         });
     }
-    Ok(path)
+    Ok((path, Origin::Env(text)))
 }
 
 /// The directory that holds one lock file per GPU.
@@ -86,11 +91,8 @@ impl LockDir {
     /// The directory named by `TORCHTOOLS_LOCK_DIR`, or [`DEFAULT_LOCK_DIR`]; created
     /// (mode 01777) when missing, and checked (see [`LockDir::open`]).
     pub fn from_env() -> Result<LockDir> {
-        let path = path_from_env()?;
-        match std::env::var_os(LOCK_DIR_ENV) {
-            Some(value) => LockDir::open_inner(path, Origin::Env(value.to_string_lossy().into())),
-            None => LockDir::open_inner(path, Origin::Default),
-        }
+        let (path, origin) = path_and_origin_from_env()?;
+        LockDir::open_inner(path, origin)
     }
 
     /// Opens `path` as the lock directory, creating it with mode 01777 (sticky,

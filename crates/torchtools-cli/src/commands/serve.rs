@@ -92,6 +92,13 @@ pub(crate) struct State {
     pub(crate) history: Vec<History>,
 }
 
+impl State {
+    /// `/api/state`'s JSON: at most [`MAX_STATE`] bytes ([`bounded_json`]).
+    fn json(&self) -> Result<String> {
+        Ok(bounded_json(serde_json::to_value(self)?))
+    }
+}
+
 /// Each user's use, as `usage --by user` counts it.
 #[derive(Serialize, Clone, Default)]
 pub(crate) struct UsageView {
@@ -116,54 +123,45 @@ pub(crate) struct History {
 /// the same state (a scrape reads nothing afresh).
 struct Shared {
     latest: RwLock<Arc<Read>>,
-    /// Serving a saved state (`--replay`): no metrics.
-    replayed: bool,
 }
 
 /// One reading of the state: its JSON and its metrics (OpenMetrics text, or why they
-/// could not be rendered).
+/// could not be rendered; `None` for a saved state, which has none).
 pub(crate) struct Read {
     pub(crate) json: String,
-    pub(crate) metrics: std::result::Result<String, String>,
+    pub(crate) metrics: Option<std::result::Result<String, String>>,
 }
 
 /// `torchtools serve`.
 pub(crate) fn run(args: Args) -> Result<ExitCode> {
-    if let Some(path) = &args.replay {
-        let json = replayed(path)?;
-        let listener = crate::http::bind(args.listen)?;
-        let bound = listener.local_addr()?;
-        let shared = Arc::new(Shared {
-            latest: RwLock::new(Arc::new(Read {
-                json,
-                metrics: Err("a saved state has no metrics".into()),
-            })),
-            replayed: true,
-        });
-        eprintln!(
-            "torchtools: serving the state saved in {} at http://{bound}/",
-            path.display()
-        );
-        let names = crate::http::Names::of(bound, &args.hosts);
-        crate::http::run(listener, "torchtools serve", names, move |get| {
-            answer(get, Arc::clone(&shared))
-        })?;
-        return Ok(ExitCode::SUCCESS);
-    }
-    let dir = LockDir::from_env()?;
-    if let Some(path) = &args.save {
-        return save(path, dir);
-    }
+    // A saved state, checked before listening; else this machine's, read again and again.
+    let (first, reader) = match &args.replay {
+        Some(path) => {
+            let json = replayed(path)?;
+            (
+                Read {
+                    json,
+                    metrics: None,
+                },
+                None,
+            )
+        }
+        None => {
+            let dir = LockDir::from_env()?;
+            if let Some(path) = &args.save {
+                return save(path, dir);
+            }
+            // NVML opened once, for the state's reader and `/metrics` both.
+            let mut reader = Reader::new(dir, Arc::new(Gpus::open()));
+            (reader.read_all(), Some(reader))
+        }
+    };
     let listener = crate::http::bind(args.listen)?;
     let bound = listener.local_addr()?;
-    // NVML opened once, for the state's reader and `/metrics` both.
-    let gpus = Arc::new(Gpus::open());
-    let mut reader = Reader::new(dir, gpus);
     let shared = Arc::new(Shared {
-        latest: RwLock::new(Arc::new(reader.read_all())),
-        replayed: false,
+        latest: RwLock::new(Arc::new(first)),
     });
-    {
+    if let Some(mut reader) = reader {
         let shared = Arc::clone(&shared);
         std::thread::Builder::new()
             .name("state".into())
@@ -173,7 +171,15 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
                 *shared.latest.write().unwrap_or_else(|e| e.into_inner()) = latest;
             })?;
     }
-    eprintln!("torchtools: serving the page at http://{bound}/ (its data at /api/state, /metrics)");
+    match &args.replay {
+        Some(path) => eprintln!(
+            "torchtools: serving the state saved in {} at http://{bound}/",
+            path.display()
+        ),
+        None => eprintln!(
+            "torchtools: serving the page at http://{bound}/ (its data at /api/state, /metrics)"
+        ),
+    }
     let names = crate::http::Names::of(bound, &args.hosts);
     crate::http::run(listener, "torchtools serve", names, move |get| {
         answer(get, Arc::clone(&shared))
@@ -207,9 +213,7 @@ fn save(path: &Path, dir: LockDir) -> Result<ExitCode> {
             parent.display()
         )));
     }
-    let mut reader = Reader::new(dir, Arc::new(Gpus::open()));
-    let state = reader.state()?;
-    let mut json = bounded_json(serde_json::to_value(&state)?);
+    let mut json = Reader::new(dir, Arc::new(Gpus::open())).state()?.json()?;
     json.push('\n');
     if stdout {
         std::io::stdout().lock().write_all(json.as_bytes())?;
@@ -279,20 +283,20 @@ async fn answer(get: Get, shared: Arc<Shared>) -> Response {
             let latest = Arc::clone(&shared.latest.read().unwrap_or_else(|e| e.into_inner()));
             response(200, "application/json", latest.json.as_bytes().to_vec())
         }
-        "/metrics" if shared.replayed => text(
-            404,
-            "torchtools serve",
-            "this page serves a saved state (--replay): it has no metrics",
-        ),
         "/metrics" => {
             let latest = Arc::clone(&shared.latest.read().unwrap_or_else(|e| e.into_inner()));
             match &latest.metrics {
-                Ok(text) => {
+                None => text(
+                    404,
+                    "torchtools serve",
+                    "this page serves a saved state (--replay): it has no metrics",
+                ),
+                Some(Ok(text)) => {
                     let (kind, body) =
                         crate::commands::metrics::negotiate(text.clone(), get.accept.as_deref());
                     response(200, kind, body)
                 }
-                Err(why) => text(500, "torchtools serve", why),
+                Some(Err(why)) => text(500, "torchtools serve", why),
             }
         }
         _ => text(
@@ -423,12 +427,13 @@ impl Reader {
             }
             Err(e) => Err(format!("{e:#}")),
         };
-        let json = state
-            .and_then(|state| Ok(bounded_json(serde_json::to_value(&state)?)))
-            .unwrap_or_else(|e| {
-                serde_json::json!({"schema": SCHEMA, "error": format!("{e:#}")}).to_string()
-            });
-        Read { json, metrics }
+        let json = state.and_then(|state| state.json()).unwrap_or_else(|e| {
+            serde_json::json!({"schema": SCHEMA, "error": format!("{e:#}")}).to_string()
+        });
+        Read {
+            json,
+            metrics: Some(metrics),
+        }
     }
 
     pub(crate) fn state(&mut self) -> Result<State> {
@@ -573,7 +578,7 @@ mod tests {
             .unwrap();
         let mut reader = Reader::new(dir.clone(), Arc::clone(&gpus));
         let read = reader.read_all();
-        let served = read.metrics.unwrap();
+        let served = read.metrics.unwrap().unwrap();
         let fresh = crate::commands::metrics::render(&dir, &gpus).unwrap();
         // The same series, and the same values but for the clock's (ages in seconds).
         let steady = |text: &str| -> Vec<String> {
@@ -588,7 +593,7 @@ mod tests {
         // Rendered from each reading: the next one shows the lock let go.
         let after = reader.read_all();
         assert_ne!(
-            steady(&after.metrics.unwrap()),
+            steady(&after.metrics.unwrap().unwrap()),
             steady(&served),
             "the reading after the lock was let go"
         );
