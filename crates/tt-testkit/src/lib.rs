@@ -7,6 +7,14 @@ pub mod netns;
 pub mod slurm;
 pub mod users;
 
+/// A TCP port free on loopback now (the kernel's pick).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("no free port: {e}"))
+}
+
 use std::io::{BufRead, BufReader, Read};
 use std::process::Command;
 use std::sync::mpsc;

@@ -182,7 +182,7 @@ impl Drop for Cluster {
 
 /// The cluster's `slurm.conf`: its files under `d`, ports of its own, one node.
 fn slurm_conf(d: &Path, node: &str, socket: &Path, gpus: u32) -> String {
-    let [ctld_port, node_port] = [free_port(), free_port()];
+    let [ctld_port, node_port] = [crate::free_port(), crate::free_port()];
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let p = |name: &str| d.join(name).display().to_string();
     let conf = format!(
@@ -244,12 +244,4 @@ fn host_name() -> String {
         .output()
         .expect("hostname");
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
-/// A port free now (the kernel's pick).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }

@@ -30,6 +30,28 @@ fn text(out: &Output) -> (String, String) {
     )
 }
 
+/// `sbatch OPTIONS script` run to its end (`--wait`), its output in `dir/output` (Slurm's
+/// `%A`/`%a` patterns allowed): the job's id, once it succeeded.
+fn sbatch_wait(
+    cluster: &Cluster,
+    dir: &Path,
+    options: &[&str],
+    output: &str,
+    script: &Path,
+) -> String {
+    let out = slurm(cluster, dir, "sbatch")
+        .args(["--parsable", "--wait"])
+        .args(options)
+        .arg("--output")
+        .arg(dir.join(output))
+        .arg(script)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}\n{}", cluster.logs());
+    stdout.trim().split(';').next().unwrap().to_owned()
+}
+
 /// Under `srun --gres=gpu:2` (the step's GPUs: the node's 0 and 1), in an `sbatch`
 /// script (the job's) and in each task of an array: a GPU outside the allocation is
 /// refused before anything is taken (exit 2, naming the variable read), one inside is
@@ -92,15 +114,7 @@ fn inside_a_slurm_job_only_its_gpus_are_reserved_and_the_records_name_the_job() 
          exec \"$TT\" reserve --gpu \"$SLURM_JOB_GPUS\" --no-fence -- \"$TT\" locks --json\n",
     )
     .unwrap();
-    let out = slurm(&cluster, dir, "sbatch")
-        .args(["--parsable", "--wait", "--gres=gpu:1", "--output"])
-        .arg(dir.join("batch.out"))
-        .arg(&script)
-        .output()
-        .unwrap();
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stdout}{stderr}");
-    let job = stdout.trim().split(';').next().unwrap().to_owned();
+    let job = sbatch_wait(&cluster, dir, &["--gres=gpu:1"], "batch.out", &script);
     let log = std::fs::read_to_string(dir.join("batch.out")).unwrap();
     assert!(
         log.contains("refused=2") && log.contains("(SLURM_JOB_GPUS=0)"),
@@ -118,21 +132,13 @@ fn inside_a_slurm_job_only_its_gpus_are_reserved_and_the_records_name_the_job() 
     assert_eq!(holders[0]["slurm_job"], serde_json::json!(job), "{json}");
 
     // Each task of an array names itself as Slurm does: ARRAYJOB_TASK.
-    let out = slurm(&cluster, dir, "sbatch")
-        .args([
-            "--parsable",
-            "--wait",
-            "--array=0-1",
-            "--gres=gpu:1",
-            "--output",
-        ])
-        .arg(dir.join("array-%A_%a.out"))
-        .arg(&script)
-        .output()
-        .unwrap();
-    let (stdout, stderr) = text(&out);
-    assert!(out.status.success(), "{stdout}{stderr}");
-    let array = stdout.trim().split(';').next().unwrap().to_owned();
+    let array = sbatch_wait(
+        &cluster,
+        dir,
+        &["--array=0-1", "--gres=gpu:1"],
+        "array-%A_%a.out",
+        &script,
+    );
     for task in 0..2 {
         let log = std::fs::read_to_string(dir.join(format!("array-{array}_{task}.out"))).unwrap();
         assert!(

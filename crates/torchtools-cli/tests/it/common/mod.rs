@@ -166,9 +166,4 @@ impl Drop for Stopped<'_> {
 }
 
 /// A TCP port free on loopback now.
-pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or_else(|e| panic!("no free port: {e}"))
-}
+pub(crate) use tt_testkit::free_port;
