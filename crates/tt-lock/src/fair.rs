@@ -331,7 +331,8 @@ impl LockDir {
 
     /// Each user's recent use now, decayed with `half_life` seconds, from every user's
     /// usage log as [`LockDir::usage`] reads it (a holder that died holding its GPU is
-    /// counted until the GPU's next holder took it, else until now). The logs are read
+    /// counted until [`crate::ALIVE_EVERY`] after its last sign of life in its own log,
+    /// else until now). The logs are read
     /// on from where this process's last reading of this directory stopped: a decision
     /// reads only the records written since.
     fn recent_use(&self, half_life: f64) -> Result<HashMap<String, f64>> {
@@ -389,6 +390,7 @@ mod tests {
             end,
             status: None,
             lost: false,
+            alive: None,
         }
     }
 

@@ -337,7 +337,7 @@ pub(crate) fn write_record_over(
         path: path.to_owned(),
         cause,
     };
-    let mut text = serde_json::to_vec(holder).unwrap_or_default();
+    let mut text = serde_json::to_vec(&holder.fitted()).unwrap_or_default();
     text.push(b'\n');
     file.write_all_at(&text, 0).map_err(io_err)?;
     if before > text.len() as u64 {

@@ -38,7 +38,67 @@ pub struct Requester {
     pub slurm_job: Option<String>,
 }
 
+/// The most bytes of command line a record keeps (see [`Requester::fitted`]).
+pub(crate) const MAX_COMMAND: usize = 16 << 10;
+
+/// The most bytes of any other text a record keeps.
+const MAX_TEXT: usize = 1024;
+
+/// `text` cut to at most `max` bytes at a character's boundary, with `…` when cut.
+fn cut(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max.saturating_sub('…'.len_utf8());
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
 impl Requester {
+    /// This requester as its record says it: every reader reads a record whole (at most
+    /// 64 KiB), so a command line past [`MAX_COMMAND`] bytes keeps the arguments that
+    /// fit and then one saying how many were left out, and any other text is cut at
+    /// 1 KiB. Without that a long command line (thousands of file names) made its
+    /// holder unreadable, shown as a lock with no record.
+    pub(crate) fn fitted(&self) -> std::borrow::Cow<'_, Requester> {
+        let texts = [&self.user, &self.host]
+            .into_iter()
+            .chain(&self.policy)
+            .chain(&self.slurm_job);
+        let command: usize = self.command.iter().map(|a| a.len() + 8).sum();
+        if command <= MAX_COMMAND && texts.into_iter().all(|t| t.len() <= MAX_TEXT) {
+            return std::borrow::Cow::Borrowed(self);
+        }
+        let mut fitted = self.clone();
+        for text in [&mut fitted.user, &mut fitted.host]
+            .into_iter()
+            .chain(fitted.policy.as_mut())
+            .chain(fitted.slurm_job.as_mut())
+        {
+            *text = cut(text, MAX_TEXT);
+        }
+        if command > MAX_COMMAND {
+            let mut used = 0;
+            let mut kept = Vec::new();
+            for arg in &self.command {
+                let arg = cut(arg, MAX_COMMAND / 4);
+                used += arg.len() + 8;
+                if used > MAX_COMMAND - 64 {
+                    break;
+                }
+                kept.push(arg);
+            }
+            let left = self.command.len() - kept.len();
+            if left > 0 {
+                kept.push(format!("… ({left} more arguments not recorded)"));
+            }
+            fitted.command = kept;
+        }
+        std::borrow::Cow::Owned(fitted)
+    }
+
     /// `made outside the machine's policy (under FILE)` when it was, as views say it.
     pub fn outside_policy(&self) -> Option<String> {
         self.policy
@@ -122,6 +182,17 @@ impl Holder {
             share: None,
             admitting: false,
             preemptible: false,
+        }
+    }
+
+    /// This holder as its record says it ([`Requester::fitted`]).
+    pub(crate) fn fitted(&self) -> std::borrow::Cow<'_, Holder> {
+        match self.who.fitted() {
+            std::borrow::Cow::Borrowed(_) => std::borrow::Cow::Borrowed(self),
+            std::borrow::Cow::Owned(who) => std::borrow::Cow::Owned(Holder {
+                who,
+                ..self.clone()
+            }),
         }
     }
 

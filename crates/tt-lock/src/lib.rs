@@ -33,4 +33,4 @@ pub use policy::{
     DEFAULT_POLICY, POLICY_ENV,
 };
 pub use queue::{Waiter, Wants};
-pub use usage::{Usage, UsageEvent, UsageLog, USAGE_PREFIX};
+pub use usage::{Usage, UsageEvent, UsageLog, ALIVE_EVERY, USAGE_PREFIX};

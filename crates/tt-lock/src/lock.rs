@@ -52,8 +52,80 @@ pub struct GpuLock {
     /// the GPU: removed after the unlock in `Drop`. An inherited lock's is its
     /// parent's, kept when this one is dropped.
     record: Option<OwnRecord>,
+    /// Writes that the holder is alive into its user's usage log while it is held.
+    alive: Option<Alive>,
     // Declared last: dropped after the unlock in `Drop`.
     _registered: Option<Registered>,
+}
+
+/// A thread that writes [`crate::UsageEvent::Alive`] for one reservation every
+/// [`crate::ALIVE_EVERY`] until it is stopped: a holder killed holding its GPU is then
+/// counted until shortly after its death, from its own user's log alone.
+#[derive(Debug)]
+struct Alive {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// How often [`Alive`] writes (shorter in this crate's tests).
+fn alive_every() -> std::time::Duration {
+    #[cfg(test)]
+    if let Some(every) = *ALIVE_EVERY_IN_TEST
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+    {
+        return every;
+    }
+    crate::ALIVE_EVERY
+}
+
+#[cfg(test)]
+static ALIVE_EVERY_IN_TEST: Mutex<Option<std::time::Duration>> = Mutex::new(None);
+
+impl Alive {
+    /// Starts writing for the reservation `id` into `dir`'s log of this user; `None`
+    /// (said) when no thread can be started: the reservation then counts until its
+    /// holder's death is seen, or until its start plus [`crate::ALIVE_EVERY`].
+    fn start(dir: LockDir, id: String) -> Option<Alive> {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let every = alive_every();
+        let thread = std::thread::Builder::new()
+            .name("tt-lock-alive".into())
+            .spawn(move || {
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(every)
+                {
+                    dir.record(&crate::usage::UsageEvent::Alive {
+                        id: id.clone(),
+                        time: tt_device::now_unix(),
+                    });
+                }
+            });
+        match thread {
+            Ok(thread) => Some(Alive {
+                stop: Some(stop),
+                thread: Some(thread),
+            }),
+            Err(e) => {
+                tracing::warn!(
+                    "cannot start the thread that records this reservation as alive: {e}; \
+                     if this process is killed holding the GPU, its use is counted until \
+                     {}s after it began at most",
+                    crate::ALIVE_EVERY.as_secs()
+                );
+                None
+            }
+        }
+    }
+}
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 /// The lock files this process holds (taken here, not inherited).
@@ -141,6 +213,8 @@ impl AsRawFd for GpuLock {
 
 impl Drop for GpuLock {
     fn drop(&mut self) {
+        // No line that it is alive after its end.
+        drop(self.alive.take());
         // Recorded while still held: a reader of the log never takes it for a holder
         // that died.
         if let (Some(dir), Some(id)) = (&self.dir, &self.holder.usage) {
@@ -599,6 +673,7 @@ impl LockDir {
                 dir: Some(self.clone()),
                 status: None,
                 record: Some(record),
+                alive: Alive::start(self.clone(), id),
                 _registered: Some(registered),
             });
         }
@@ -639,6 +714,11 @@ impl LockDir {
             .as_ref()
             .and_then(OwnRecord::read)
             .unwrap_or_else(|| holder.clone());
+        // Alive as long as this process holds it too: its parent may be killed first.
+        let alive = holder
+            .usage
+            .clone()
+            .and_then(|id| Alive::start(self.clone(), id));
         Ok(Some(GpuLock {
             file,
             key: key.clone(),
@@ -648,6 +728,7 @@ impl LockDir {
             dir: None,
             status: None,
             record,
+            alive,
             _registered: None,
         }))
     }
@@ -937,5 +1018,90 @@ fn try_flock(file: &File, path: &Path) -> Result<bool> {
             path: path.to_owned(),
             cause: e,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_held_lock_says_it_is_alive_until_it_is_released_and_never_after() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        *ALIVE_EVERY_IN_TEST.lock().unwrap() = Some(std::time::Duration::from_millis(20));
+        let lock = dir
+            .lock(&GpuKey::Index(0), Wait::Try, Holder::current())
+            .unwrap();
+        *ALIVE_EVERY_IN_TEST.lock().unwrap() = None;
+        let id = lock.holder().usage.clone().unwrap();
+        let log = dir.usage_log_path(crate::owner::euid());
+        let lines = || -> Vec<crate::UsageEvent> {
+            std::fs::read_to_string(&log)
+                .unwrap()
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect()
+        };
+        let is_alive =
+            |e: &crate::UsageEvent| matches!(e, crate::UsageEvent::Alive { id: i, .. } if *i == id);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while lines().iter().filter(|e| is_alive(e)).count() < 2 {
+            assert!(std::time::Instant::now() < deadline, "{:?}", lines());
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        drop(lock);
+        let after_end: Vec<_> = lines()
+            .into_iter()
+            .skip_while(|e| !matches!(e, crate::UsageEvent::End { .. }))
+            .collect();
+        assert!(!after_end.is_empty(), "{:?}", lines());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(
+            !lines()
+                .iter()
+                .skip_while(|e| !matches!(e, crate::UsageEvent::End { .. }))
+                .any(is_alive),
+            "{:?}",
+            lines()
+        );
+        // Read back: the reservation ended, its last sign of life kept.
+        let usage = dir.usage().unwrap();
+        let r = usage.records.iter().find(|r| r.id == id).unwrap();
+        assert!(r.end.is_some() && !r.lost && r.alive.is_some(), "{r:?}");
+    }
+
+    #[test]
+    fn a_holder_with_a_long_command_line_is_read_back_by_every_reader() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        // 800 file names of 100 bytes: a record of 80 KB, more than a reader reads.
+        let command: Vec<String> = (0..800).map(|i| format!("{i:0>100}")).collect();
+        let lock = dir
+            .lock(
+                &GpuKey::Index(0),
+                Wait::Try,
+                Holder::current().running(command.clone()),
+            )
+            .unwrap();
+        let state = dir.list().unwrap();
+        let holder = state[0]
+            .holder
+            .as_ref()
+            .expect("the holder's record is read");
+        let shown = &holder.who.command;
+        assert!(shown.len() > 100 && shown[..shown.len() - 1] == command[..shown.len() - 1]);
+        assert_eq!(
+            shown.last().unwrap(),
+            &format!(
+                "… ({} more arguments not recorded)",
+                800 - (shown.len() - 1)
+            )
+        );
+        // The usage log's start line too: the log reads on past it.
+        drop(lock);
+        let usage = dir.usage().unwrap();
+        assert_eq!(usage.skipped, Vec::<String>::new());
+        assert!(usage.records[0].end.is_some() && usage.records[0].command == *shown);
     }
 }

@@ -156,7 +156,7 @@ impl Waiter {
         Waiter {
             position: 0,
             ticket,
-            who: holder.who.clone(),
+            who: holder.who.fitted().into_owned(),
             wants,
             priority: None,
             why: None,

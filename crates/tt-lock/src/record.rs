@@ -65,7 +65,7 @@ impl OwnRecord {
             "{prefix}{}-{ns}-{pid}-{n}.json",
             holder.who.since_unix
         ));
-        let mut text = serde_json::to_vec(holder).unwrap_or_default();
+        let mut text = serde_json::to_vec(&holder.fitted()).unwrap_or_default();
         text.push(b'\n');
         let file = crate::file::create_locked(&temp, &path, &text, "creating the holder record")?;
         Ok(OwnRecord {
@@ -225,6 +225,15 @@ pub(crate) fn live(
             continue;
         }
         let Some(holder) = read_holder(&file) else {
+            // A live record nobody can read: counted for nothing, and said.
+            ignored.push(Ignored::because(
+                &path,
+                meta.uid(),
+                "",
+                "a live record that cannot be read (not one JSON line of at most 64 KiB): \
+                 not counted"
+                    .into(),
+            ));
             continue;
         };
         let believed = crate::owner::check(&path, meta.uid(), &holder.who.user)

@@ -6,10 +6,10 @@
 //! to: a reservation that ended is folded into its user's decayed sum at once and
 //! forgotten; one still open is kept (at most [`MAX_OPEN`] per log: past that, the
 //! oldest is folded in as ended when the log's next reservation started, charged to the
-//! log's owner, who wrote them); the starts of each GPU's reservations are kept only
-//! from the oldest reservation still open on it (the next start after a holder that
-//! died holding its GPU is when it ended at the latest). A decision then reads what was
-//! appended since, and sums a few numbers per user and per open reservation.
+//! log's owner, who wrote them), with the last time its holder said it was alive (a
+//! holder that died holding its GPU ended at the latest [`crate::usage::ALIVE_EVERY`]
+//! after that: only its own log says when). A decision then reads what was appended
+//! since, and sums a few numbers per user and per open reservation.
 //!
 //! The sums are kept as `w * exp(k * (t - origin))` integrals (`k = ln 2 / half_life`)
 //! and decayed to `now` when read: exactly the integral `decayed_use` computes from the
@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::usage::{read_more, Sink, Tailed, Usage};
+use crate::usage::{lost_end, read_more, Sink, Tailed, Usage};
 use crate::Ignored;
 
 /// Open reservations kept per log; an honest user has as many as they hold now plus
@@ -37,6 +37,8 @@ struct Open {
     gpu: String,
     start: f64,
     weight: f64,
+    /// The last time its holder said it was alive (its start until then).
+    alive: f64,
     /// A decision already found its holder dead (its end, if it is ever written, came
     /// before that decision's reading).
     seen_dead: bool,
@@ -53,8 +55,6 @@ pub(crate) struct Folded {
     /// Open reservations by id, and their ids in the order read.
     open: HashMap<String, Open>,
     order: VecDeque<String>,
-    /// Each GPU's starts read from this log (kept from the oldest open one on).
-    starts: HashMap<String, Vec<f64>>,
     /// The latest start read.
     latest: f64,
 }
@@ -91,13 +91,13 @@ impl Folded {
 impl Sink for Folded {
     fn start(&mut self, r: Usage) {
         let start = r.start;
-        self.starts.entry(r.gpu.clone()).or_default().push(start);
         self.latest = self.latest.max(start);
         let open = Open {
             weight: weight(&r),
             user: r.user,
             gpu: r.gpu,
             start,
+            alive: start,
             seen_dead: false,
         };
         // Ids of reservations ended since they were read leave the front of the order
@@ -129,6 +129,12 @@ impl Sink for Folded {
     fn end(&mut self, id: &str, time: f64, _status: Option<i32>, _lost: bool) {
         if let Some(open) = self.open.remove(id) {
             self.fold(open, time);
+        }
+    }
+
+    fn alive(&mut self, id: &str, time: f64) {
+        if let Some(open) = self.open.get_mut(id) {
+            open.alive = open.alive.max(time);
         }
     }
 
@@ -164,9 +170,9 @@ static TALLY: std::sync::LazyLock<std::sync::Mutex<HashMap<PathBuf, DirTally>>> 
 /// Each user's recent use at `now`, in GPU-seconds decayed with `half_life` seconds,
 /// from the logs of `dir` named `logs` (path and uid, at most [`crate::usage::MAX_LOGS`] per uid), read
 /// on from where this process stopped; `live` gives the usage ids (with their users) of
-/// live holder and sharer records, read once the logs are: an open reservation not among them belonged to a
-/// holder that died holding its GPU, and ended at the latest when the GPU's next
-/// reservation started, else now.
+/// live holder and sharer records, read once the logs are: an open reservation not
+/// among them belonged to a holder that died holding its GPU, and ended at the latest
+/// as [`crate::usage::lost_end`] says (from its own log alone), else now.
 ///
 /// A process's first decision starts from the tally its user's last process kept in
 /// `cache` (this user's file, see [`cache_file`]), when there is one for this directory
@@ -234,7 +240,7 @@ pub(crate) fn recent_use(
             let end = if live.contains(&(open.user.clone(), id.clone())) {
                 now
             } else {
-                next_start(tally, &open.gpu, open.start).unwrap_or(now)
+                lost_end(open.start, Some(open.alive), now)
             }
             .clamp(open.start.min(now), now);
             *uses.entry(open.user.clone()).or_default() +=
@@ -258,7 +264,7 @@ const SAVE_AFTER: u64 = 256 << 10;
 const MAX_CACHE: u64 = 64 << 20;
 
 /// The form of the kept tally: another is not read.
-const CACHE_VERSION: u32 = 1;
+const CACHE_VERSION: u32 = 2;
 
 /// A tally as kept between processes: the directory it is of, and what was folded.
 #[derive(Deserialize)]
@@ -342,81 +348,29 @@ fn save(cache: &Path, dir: &Path, tally: &DirTally) {
     }
 }
 
-/// The first start of a reservation of `gpu` after `start`, in any log.
-fn next_start(tally: &DirTally, gpu: &str, start: f64) -> Option<f64> {
-    tally
-        .logs
-        .values()
-        .filter_map(|log| {
-            let starts = log.sink.starts.get(gpu)?;
-            let at = starts.partition_point(|&s| s <= start);
-            starts.get(at).copied()
-        })
-        .min_by(f64::total_cmp)
-}
-
-/// Sorts each GPU's starts, folds in every open reservation of a holder found dead by
-/// an earlier decision too (so no end of its own is still to be read) whose GPU was
-/// taken since (its end is known), and drops the starts no open reservation can still
-/// need: those before the oldest open one on their GPU.
+/// Folds in every open reservation of a holder found dead by an earlier decision too
+/// (so no end of its own is still to be read) whose latest end has passed (it is
+/// known), and marks the others whose holder is not live as found dead.
 fn settle(tally: &mut DirTally, live: &HashSet<(String, String)>, now: f64) {
     for log in tally.logs.values_mut() {
-        for starts in log.sink.starts.values_mut() {
-            if !starts.is_sorted() {
-                starts.sort_by(f64::total_cmp);
-            }
-        }
-    }
-    let mut ended: Vec<(PathBuf, String, f64)> = Vec::new();
-    let mut dead: Vec<(PathBuf, String)> = Vec::new();
-    for (path, log) in &tally.logs {
-        for (id, open) in &log.sink.open {
+        let sink = &mut log.sink;
+        let mut ended: Vec<(String, f64)> = Vec::new();
+        for (id, open) in sink.open.iter_mut() {
             if live.contains(&(open.user.clone(), id.clone())) {
                 continue;
             }
-            match next_start(tally, &open.gpu, open.start) {
-                Some(next) if open.seen_dead => {
-                    ended.push((path.clone(), id.clone(), next.min(now)));
-                }
-                _ => dead.push((path.clone(), id.clone())),
+            let end = lost_end(open.start, Some(open.alive), f64::INFINITY);
+            if open.seen_dead && end <= now {
+                ended.push((id.clone(), end));
             }
-        }
-    }
-    for (path, id) in dead {
-        if let Some(open) = tally
-            .logs
-            .get_mut(&path)
-            .and_then(|log| log.sink.open.get_mut(&id))
-        {
             open.seen_dead = true;
         }
-    }
-    for (path, id, end) in ended {
-        if let Some(log) = tally.logs.get_mut(&path) {
-            if let Some(open) = log.sink.open.remove(&id) {
-                log.sink.fold(open, end);
+        for (id, end) in ended {
+            if let Some(open) = sink.open.remove(&id) {
+                sink.fold(open, end);
             }
         }
-    }
-    // The oldest open reservation on each GPU, in any log.
-    let mut pins: HashMap<String, f64> = HashMap::new();
-    for log in tally.logs.values() {
-        for open in log.sink.open.values() {
-            let pin = pins.entry(open.gpu.clone()).or_insert(open.start);
-            *pin = pin.min(open.start);
-        }
-    }
-    for log in tally.logs.values_mut() {
-        log.sink.order.retain(|id| log.sink.open.contains_key(id));
-        for (gpu, starts) in log.sink.starts.iter_mut() {
-            // A start before every open one is nobody's next start any more; the
-            // latest is kept (reservations still to be read start after it).
-            let keep_from = pins.get(gpu).copied().unwrap_or(f64::INFINITY);
-            let cut = starts
-                .partition_point(|&s| s < keep_from)
-                .min(starts.len().saturating_sub(1));
-            starts.drain(..cut);
-        }
+        sink.order.retain(|id| sink.open.contains_key(id));
     }
 }
 
@@ -473,6 +427,10 @@ mod tests {
         format!("{{\"event\":\"end\",\"id\":\"{id}\",\"time\":{t},\"status\":0}}")
     }
 
+    fn alive(id: &str, t: f64) -> String {
+        format!("{{\"event\":\"alive\",\"id\":\"{id}\",\"time\":{t}}}")
+    }
+
     /// What a fresh reader computes from the whole records (`decayed_use`, with dead
     /// holders ended as `usage` ends them).
     fn from_records(
@@ -487,13 +445,7 @@ mod tests {
         read_more(path, uid, &mut state, true).unwrap();
         let _ = &mut log;
         let mut records: Vec<Usage> = state.sink.into_records();
-        records.sort_by(|a, b| a.start.total_cmp(&b.start));
-        let sorted: Vec<&Usage> = records.iter().collect();
-        let lost = crate::usage::lost_ends(&sorted, live, now);
-        let mut records = records.clone();
-        for (i, e) in lost {
-            records[i].end = Some(e);
-        }
+        crate::usage::end_lost(&mut records, live, now);
         decayed_use(&records, now, half_life)
     }
 
@@ -513,8 +465,8 @@ mod tests {
         let path = tmp.path().join(format!("usage-{uid}.jsonl"));
         let now = tt_device::now_unix();
         let half_life = 3600.0;
-        // Closed, a sharer's, a dead holder's (GPU taken later), a dead holder's with
-        // nothing after it, a live one.
+        // Closed, a sharer's, a dead holder's (GPU taken later), a dead holder's that
+        // said it was alive (its end still to come at the first decisions), a live one.
         append(
             &path,
             &[
@@ -526,7 +478,10 @@ mod tests {
                 start("next", &me, "g0", now - 3000.0, None),
                 end("next", now - 2500.0),
                 start("lost", &me, "g2", now - 2000.0, None),
+                alive("lost", now - 1400.0),
+                alive("lost", now - 598.5),
                 start("live", &me, "g3", now - 1000.0, None),
+                alive("live", now - 400.0),
             ],
         );
         let live: HashSet<(String, String)> = [(me.clone(), "live".to_owned())].into();
@@ -555,11 +510,12 @@ mod tests {
                 ],
             );
         }
-        // The dead holder's record was folded and its GPU's older starts dropped.
+        // The dead holders' records were folded once their ends had passed.
         let all = TALLY.lock().unwrap();
         let log = &all[&dir].logs[&path].sink;
         assert!(!log.open.contains_key("dead"), "{:?}", log.open.keys());
-        assert!(log.starts["g0"].len() <= 1, "{:?}", log.starts);
+        assert!(!log.open.contains_key("lost"), "{:?}", log.open.keys());
+        assert!(log.open.contains_key("live"), "{:?}", log.open.keys());
     }
 
     #[test]
@@ -653,6 +609,7 @@ mod tests {
                 end: None,
                 status: None,
                 lost: false,
+                alive: None,
             });
             folded.end(&id, f64::from(i) + 0.5, Some(0), false);
         }
@@ -691,10 +648,5 @@ mod tests {
         let log = &all[&dir].logs[&junk].sink;
         assert!(log.open.len() <= MAX_OPEN, "{}", log.open.len());
         assert!(log.order.len() <= MAX_OPEN, "{}", log.order.len());
-        assert!(
-            log.starts["g0"].len() <= MAX_OPEN,
-            "{}",
-            log.starts["g0"].len()
-        );
     }
 }

@@ -7,8 +7,11 @@
 //!
 //! Nothing is ever written into another user's log: a holder that died without
 //! releasing (`kill -9`, a crash, a reboot) is shown as lost when the logs are read
-//! (its record is open, and no live holder or sharer record carries its id), ended at
-//! the latest when the GPU's next holder took it, else at that read.
+//! (its record is open, and no live holder or sharer record carries its id). While it
+//! holds its GPU, a holder writes that it is alive every [`ALIVE_EVERY`]: a lost
+//! reservation ended at the latest [`ALIVE_EVERY`] after the last such line (or its
+//! start), else at that read. Only its own user's log says when it ended, so nothing
+//! another user writes or deletes lengthens or shortens it.
 //!
 //! Each record is one line written by one `write` on a file opened for appending; a
 //! damaged line (a disk that filled up in the middle of one) costs that line only: the
@@ -30,9 +33,21 @@ use crate::{Holder, Ignored, LockDir, Result};
 /// Every user's usage log in the lock directory is `usage-<uid>.jsonl`.
 pub const USAGE_PREFIX: &str = "usage-";
 
+/// How often a holder writes that it is still alive into its user's log: a holder that
+/// dies holding its GPU is counted at most this long past its last such line.
+pub const ALIVE_EVERY: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// The latest a reservation that started at `start`, whose holder last said it was
+/// alive at `alive` and then died holding its GPU, can have ended, as read at `now`.
+pub(crate) fn lost_end(start: f64, alive: Option<f64>, now: f64) -> f64 {
+    let last = alive.map_or(start, |a| a.max(start));
+    (last + ALIVE_EVERY.as_secs_f64()).min(now).max(start)
+}
+
 /// One line of the log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum UsageEvent {
     /// A lock was granted.
     Start {
@@ -68,6 +83,13 @@ pub enum UsageEvent {
         /// The holder died holding it; `time` is the latest it can have ended.
         #[serde(default)]
         lost: bool,
+    },
+    /// Its holder was alive and still held the GPU (written every [`ALIVE_EVERY`]).
+    Alive {
+        /// The id of its `Start`.
+        id: String,
+        /// Seconds since the Unix epoch.
+        time: f64,
     },
 }
 
@@ -115,6 +137,8 @@ pub struct Usage {
     pub status: Option<i32>,
     /// The holder died holding it (see [`UsageEvent::End`]).
     pub lost: bool,
+    /// The last time its holder wrote that it was alive ([`UsageEvent::Alive`]).
+    pub alive: Option<f64>,
 }
 
 impl Usage {
@@ -209,6 +233,8 @@ impl LockDir {
     /// Records the start of `holder`'s use of its GPU (`share_of`: the GPU's memory, for
     /// a sharer).
     pub(crate) fn record_start(&self, holder: &Holder, id: &str, share_of: Option<u64>) {
+        // Cut as the holder's record is: a line past MAX_LINE would end the log's reading.
+        let holder = holder.fitted();
         self.record(&StartLine {
             id,
             user: &holder.who.user,
@@ -235,12 +261,7 @@ impl LockDir {
         }
         log.records.sort_by(|a, b| a.start.total_cmp(&b.start));
         let live = self.live_usage_ids()?;
-        let sorted: Vec<&Usage> = log.records.iter().collect();
-        let lost = lost_ends(&sorted, &live, now_unix());
-        for (i, end) in lost {
-            log.records[i].end = Some(end);
-            log.records[i].lost = true;
-        }
+        end_lost(&mut log.records, &live, now_unix());
         Ok(log)
     }
 
@@ -297,25 +318,16 @@ impl LockDir {
     }
 }
 
-/// The reservations of `sorted` (in the order they started) whose holder died holding
-/// its GPU (no end recorded, and no live record of `live` carries its id), each with
-/// the latest it can have ended: when the GPU's next holder took it, else `now`. One
-/// pass from the end, whatever the number of such reservations.
-pub(crate) fn lost_ends(
-    sorted: &[&Usage],
-    live: &HashSet<(String, String)>,
-    now: f64,
-) -> Vec<(usize, f64)> {
-    let mut next_start: HashMap<&str, f64> = HashMap::new();
-    let mut lost = Vec::new();
-    for (i, r) in sorted.iter().enumerate().rev() {
+/// Ends each reservation of `records` whose holder died holding its GPU (no end
+/// recorded, and no live record of `live` carries its id) at the latest it can have
+/// ended ([`lost_end`]), and marks it lost.
+pub(crate) fn end_lost(records: &mut [Usage], live: &HashSet<(String, String)>, now: f64) {
+    for r in records {
         if r.end.is_none() && !live.contains(&(r.user.clone(), r.id.clone())) {
-            let next = next_start.get(r.gpu.as_str()).copied();
-            lost.push((i, next.unwrap_or(now).min(now).max(r.start)));
+            r.end = Some(lost_end(r.start, r.alive, now));
+            r.lost = true;
         }
-        next_start.insert(r.gpu.as_str(), r.start);
     }
-    lost
 }
 
 /// The uid whose log a file name is: `usage-<uid>.jsonl`, or `usage-<uid>.<k>.jsonl`
@@ -508,6 +520,8 @@ pub(crate) trait Sink {
     fn start(&mut self, record: Usage);
     /// The reservation `id` of this log ended at `time` (no earlier than its start).
     fn end(&mut self, id: &str, time: f64, status: Option<i32>, lost: bool);
+    /// The holder of the reservation `id` of this log was alive at `time`.
+    fn alive(&mut self, id: &str, time: f64);
     /// A line that could not be read, or the reason the rest of the log is not read.
     fn skipped(&mut self, why: String);
     /// A log or record not believed.
@@ -586,6 +600,14 @@ impl Sink for Records {
                 r.end = Some(time.max(r.start));
                 r.status = status;
                 r.lost = lost;
+            }
+        }
+    }
+
+    fn alive(&mut self, id: &str, time: f64) {
+        if let Some(r) = self.by_id.get(id).map(|i| &mut self.log.records[*i]) {
+            if r.end.is_none() {
+                r.alive = Some(r.alive.map_or(time, |a| a.max(time)));
             }
         }
     }
@@ -730,6 +752,7 @@ fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, sink: &mut impl
                 end: None,
                 status: None,
                 lost: false,
+                alive: None,
             });
         }
         Ok(UsageEvent::End {
@@ -738,6 +761,7 @@ fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, sink: &mut impl
             status,
             lost,
         }) => sink.end(&id, time.clamp(0.0, latest), status, lost),
+        Ok(UsageEvent::Alive { id, time }) => sink.alive(&id, time.clamp(0.0, latest)),
         Err(e) => {
             let why = format!("{}: line {}: {e}", path.display(), n + 1);
             tracing::warn!("skipping a damaged usage record: {why}");

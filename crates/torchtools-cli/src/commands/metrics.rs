@@ -560,7 +560,7 @@ fn usage_series(registry: &mut Registry, per_user: &[crate::commands::usage::Row
     registry.register_with_unit(
         "user_gpu",
         "GPU time held per user, one GPU for one second being one (the usage records; a \
-         holder that died holding its GPU counts until the next holder took it)",
+         holder that died holding its GPU counts until ten minutes after its last sign of life)",
         Unit::Seconds,
         gpu_seconds.clone(),
     );

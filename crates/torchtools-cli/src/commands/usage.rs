@@ -163,7 +163,8 @@ fn text(rows: &[Row], by: By) -> String {
 /// Who used the GPUs, and how much: GPU-hours and reserved GiB-hours per user (or
 /// per GPU) from the lock directory's usage log, which every reservation writes
 /// (`reserve`, `run`, `launch --gpu`, the API). A holder that died holding its GPU
-/// is counted until the GPU's next holder took it (or until now), marked lost.
+/// is counted until ten minutes after its last sign of life in its log (or until
+/// now), marked lost.
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// Only reservations that ended in this last while (or still run): 7d, 24h, 30m.
@@ -199,6 +200,7 @@ mod tests {
             end,
             status: None,
             lost: false,
+            alive: None,
         }
     }
 

@@ -686,14 +686,11 @@ fn api_state_holds_what_the_commands_json_views_hold() {
 /// line of 60 KB: 36 MB of records), `/api/state` stays within its bound (each command
 /// cut, the list cut and said), the page is served, and `top --json` still reads the
 /// machine.
-#[test]
-fn the_state_stays_bounded_whatever_the_records_hold() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path();
+/// `n` live share records of GPU 0 saying `holder` (GPU 0's lock file made first), each
+/// locked for writing by this process as a live record is: one process shares a GPU
+/// once through the API, so the records are made by hand. Live while the files are.
+fn live_shares(dir: &Path, holder: &tt_lock::Holder, n: usize) -> Vec<std::fs::File> {
     let locks = tt_lock::LockDir::open(dir.join("locks")).unwrap();
-    // GPU 0's lock file, then 600 live share records written as a sharer writes its
-    // own: each locked for writing by this process (one process shares a GPU once
-    // through the API, so the records are made by hand).
     drop(
         locks
             .lock(
@@ -703,34 +700,46 @@ fn the_state_stays_bounded_whatever_the_records_hold() {
             )
             .unwrap(),
     );
-    let mut holder = tt_lock::Holder::current().running(["x".repeat(60_000)]);
-    holder.share = Some(tt_device::Bytes(1));
-    let record = serde_json::to_string(&holder).unwrap() + "\n";
-    let shares: Vec<std::fs::File> = (0..600)
+    let record = serde_json::to_string(holder).unwrap() + "\n";
+    (0..n)
         .map(|i| {
             let path = dir.join(format!("locks/share-gpu-0.{i}.json"));
             std::fs::write(&path, &record).unwrap();
-            let file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-                .unwrap();
-            // An open-file-description write lock, as a live record's.
-            // SAFETY: an all-zero flock is valid (the whole file from offset 0).
-            let mut lock: libc::flock = unsafe { std::mem::zeroed() };
-            lock.l_type = libc::F_WRLCK as libc::c_short;
-            // SAFETY: the fd is open and `lock` lives for the call.
-            let rc = unsafe {
-                libc::fcntl(
-                    std::os::fd::AsRawFd::as_raw_fd(&file),
-                    libc::F_OFD_SETLK,
-                    &lock,
-                )
-            };
-            assert_eq!(rc, 0);
-            file
+            locked_for_writing(&path)
         })
-        .collect();
+        .collect()
+}
+
+/// `path` opened and locked for writing, as a live record is (an open-file-description
+/// write lock), while the file returned is open.
+fn locked_for_writing(path: &Path) -> std::fs::File {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    // SAFETY: an all-zero flock is valid (the whole file from offset 0).
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = libc::F_WRLCK as libc::c_short;
+    // SAFETY: the fd is open and `lock` lives for the call.
+    let rc = unsafe {
+        libc::fcntl(
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            libc::F_OFD_SETLK,
+            &lock,
+        )
+    };
+    assert_eq!(rc, 0);
+    file
+}
+
+#[test]
+fn the_state_stays_bounded_whatever_the_records_hold() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut holder = tt_lock::Holder::current().running(["x".repeat(60_000)]);
+    holder.share = Some(tt_device::Bytes(1));
+    let shares = live_shares(dir, &holder, 600);
     let (_server, port) = serve(dir);
     let (status, body) = request(port, "GET /api/state HTTP/1.1");
     assert!(status.contains(" 200 "), "{status}");
@@ -757,5 +766,84 @@ fn the_state_stays_bounded_whatever_the_records_hold() {
     let top = ok(tt(dir).args(["top", "--json"]).output().unwrap());
     let top: serde_json::Value = serde_json::from_str(&top).unwrap();
     assert_eq!(top["gpus"][0]["shares"].as_array().map(Vec::len), Some(600));
+    drop(shares);
+}
+
+/// The page in Chromium while a user's own records hold the most hostile values they
+/// can write (600 live records of 60 KB command lines, the largest numbers, markup and
+/// terminal escapes in every text, usage times at the ends of the float range): every
+/// table shows every cell formatted, nothing is added to the page, the state's cut is
+/// said, and the page goes on following the machine.
+#[tokio::test]
+async fn the_page_stays_live_in_a_browser_while_records_hold_hostile_values() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let markup = "<img src=x onerror=\"document.title='pwned'\">\u{1b}[2J";
+    let mut holder =
+        tt_lock::Holder::current().running([format!("{markup}{}", "x".repeat(60_000))]);
+    holder.share = Some(tt_device::Bytes(u64::MAX));
+    holder.who.since_unix = u64::MAX;
+    holder.who.reserved = Some(tt_device::Bytes(u64::MAX));
+    holder.who.host = markup.repeat(20);
+    holder.who.slurm_job = Some(markup.to_owned());
+    holder.who.policy = Some(markup.to_owned());
+    let mut shares = live_shares(dir, &holder, 600);
+    // And one no reader can read (past 64 KiB): said, not shown.
+    holder.who.host = markup.repeat(200);
+    let unreadable = dir.join("locks/share-gpu-0.unreadable.json");
+    std::fs::write(&unreadable, serde_json::to_string(&holder).unwrap()).unwrap();
+    shares.push(locked_for_writing(&unreadable));
+    // SAFETY: geteuid(2) cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let me = tt_lock::Holder::current().who.user;
+    let usage: String = [(-1e308, 1e308), (1e308, -1e308), (f64::MIN_POSITIVE, 0.0)]
+        .iter()
+        .enumerate()
+        .map(|(i, (start, end))| {
+            format!(
+                "{{\"event\":\"start\",\"id\":\"u{i}\",\"user\":\"{me}\",\"host\":\"h\",\
+                 \"pid\":1,\"gpu\":\"index 0\",\"bytes\":18446744073709551615,\"time\":{start:e},\
+                 \"command\":[]}}\n{{\"event\":\"end\",\"id\":\"u{i}\",\"time\":{end:e},\"status\":0}}\n"
+            )
+        })
+        .collect();
+    std::fs::write(dir.join(format!("locks/usage-{uid}.jsonl")), usage).unwrap();
+    let (_server, port) = serve(dir);
+    let (driver, client) = browser(dir).await;
+    client
+        .goto(&format!("http://127.0.0.1:{port}/"))
+        .await
+        .unwrap();
+    page_shows(&client, "[data-gpu='0']", true).await;
+    let whole = text_of(&client, "body").await;
+    assert!(
+        whole.contains("of 600 shown") && whole.contains("a live record that cannot be read"),
+        "the cut or the unreadable record is not said: {}",
+        &whole[..whole.len().min(3000)]
+    );
+    let (cells, bad) = cells_not_shown(&client).await;
+    assert!(cells >= 4, "{cells} cells");
+    assert!(bad.is_empty(), "cells the page failed to show: {bad:?}");
+    let added = client
+        .execute(
+            "return document.querySelectorAll('img').length + document.scripts.length",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        added,
+        serde_json::json!(1),
+        "only the page's own script, no image"
+    );
+    assert_eq!(client.title().await.unwrap(), "torchtools");
+    // Still following the machine: a holder of GPU 1 appears, and leaves.
+    let held = hold(dir, &["--gpu", "1"]);
+    let css = format!("[data-gpu='1'] [data-pid='{}']", held.0.id());
+    page_shows(&client, &css, true).await;
+    drop(held);
+    page_shows(&client, &css, false).await;
+    client.close().await.unwrap();
+    drop(driver);
     drop(shares);
 }

@@ -1625,3 +1625,79 @@ fn shells_complete_job_ids_own_first_and_gpus() {
     // Root stops all three (another user's too: root may signal any process).
     drop(stops);
 }
+
+/// A holder killed holding its GPU counts until shortly after its last sign of life in
+/// its own user's log: another user's log saying the GPU was taken a moment after it
+/// began (or that user deleting their log) neither shortens nor lengthens it.
+#[test]
+fn a_lost_reservation_ends_by_its_own_users_log_whatever_another_writes() {
+    let Some((tmp, dir)) = shared_machine() else {
+        return;
+    };
+    let [a, b] = tt_testkit::users::two_users().unwrap();
+    let [name_a, name_b] = tt_testkit::users::USER_NAMES;
+    let home_a = home_of(tmp.path(), name_a);
+    let home_b = home_of(tmp.path(), name_b);
+    let mut held = as_user(name_a, &dir, &home_a)
+        .args(["reserve", "--gpu", "0", "--no-fence", "--"])
+        .args(["sh", "-c", "echo ready; exec sleep 600"])
+        .process_group(0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert_eq!(first_line(&mut held), "ready");
+    // SAFETY: kill(2) of a process group this test started.
+    unsafe { libc::kill(-(held.id() as i32), libc::SIGKILL) };
+    let _ = held.wait();
+    let log_a = std::fs::read_to_string(dir.join(format!("usage-{}.jsonl", a.uid))).unwrap();
+    let start: serde_json::Value = serde_json::from_str(log_a.lines().next().unwrap()).unwrap();
+    let (began, gpu) = (
+        start["time"].as_f64().unwrap(),
+        start["gpu"].as_str().unwrap(),
+    );
+    // b says the GPU was taken 10 ms after a took it, in b's own log.
+    let forged = format!(
+        "{{\"event\":\"start\",\"id\":\"forged\",\"user\":\"{}\",\"host\":\"h\",\"pid\":1,\
+         \"gpu\":\"{gpu}\",\"bytes\":null,\"time\":{},\"command\":[]}}\n\
+         {{\"event\":\"end\",\"id\":\"forged\",\"time\":{},\"status\":0}}",
+        name_b,
+        began + 0.01,
+        began + 0.02
+    );
+    let out = shell_as(
+        name_b,
+        &dir,
+        &format!("printf '%s\\n' '{forged}' >> usage-{}.jsonl", b.uid),
+    );
+    assert!(out.status.success(), "{out:?}");
+    // Time for a's reservation to have lasted clearly longer than b's log says.
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let seconds_of_a = || -> (f64, f64) {
+        let before = tt_device::now_unix();
+        let out = as_user(name_b, &dir, &home_b)
+            .args(["usage", "--json"])
+            .output()
+            .unwrap();
+        let rows: serde_json::Value = serde_json::from_str(&ok(out)).unwrap();
+        let row = rows["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name_a)
+            .cloned()
+            .unwrap_or_else(|| panic!("{rows}"));
+        assert_eq!(row["lost"], 1, "{rows}");
+        (row["gpu_hours"].as_f64().unwrap() * 3600.0, before - began)
+    };
+    let (counted, at_least) = seconds_of_a();
+    assert!(
+        counted >= at_least - 0.01 && at_least >= 1.0,
+        "a's lost reservation counted {counted} s, ended by b's log (a's began {at_least} s before the reading)"
+    );
+    // b deleting their log changes nothing of a's either.
+    let out = shell_as(name_b, &dir, &format!("rm usage-{}.jsonl", b.uid));
+    assert!(out.status.success(), "{out:?}");
+    let (counted, at_least) = seconds_of_a();
+    assert!(counted >= at_least - 0.01, "{counted} < {at_least}");
+}

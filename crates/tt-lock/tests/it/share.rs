@@ -218,7 +218,7 @@ impl Scene {
             .lines()
             .filter_map(|l| match serde_json::from_str::<UsageEvent>(l).ok()? {
                 UsageEvent::Start { pid, .. } => Some(pid),
-                UsageEvent::End { .. } => None,
+                _ => None,
             })
             .collect()
     }
