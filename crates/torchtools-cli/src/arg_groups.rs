@@ -104,14 +104,36 @@ pub(crate) struct DetachArgs {
     /// When the job exits 75 (its time limit, preemption, or its own choice: a
     /// torchtools trainer checkpoints on SIGTERM and exits 75), put it back in the
     /// queue and run the same command again, which resumes from its checkpoint.
-    /// `torchtools stop` ends it for good. `jobs` shows how many times it ran.
-    #[arg(long, requires = "detach")]
+    /// `torchtools stop` ends it for good. `jobs` shows how many times it ran. Inside
+    /// a Slurm job (`sbatch --requeue`), without --detach: Slurm's queue, with
+    /// `scontrol requeue`.
+    #[arg(long)]
     pub(crate) requeue: bool,
     /// Start one job per index (0-9, 1,4,7, or 0-99%4: at most 4 at once), each with
     /// TORCHTOOLS_ARRAY_TASK_ID set to its index; the array's id is printed (`stop` and
     /// `jobs wait` take it for every task, ID_N for one).
     #[arg(long, value_name = "INDICES", value_parser = crate::args::array, requires = "detach")]
     pub(crate) array: Option<crate::args::ArraySpec>,
+}
+
+impl DetachArgs {
+    /// For a command run attached: the Slurm job to requeue when it exits 75
+    /// (`--requeue` inside a Slurm job); `--requeue` elsewhere needs `--detach`.
+    pub(crate) fn slurm_requeue(&self) -> anyhow::Result<Option<String>> {
+        if !self.requeue || self.detach {
+            return Ok(None);
+        }
+        match tt_device::slurm_job_id() {
+            Some(job) => Ok(Some(job)),
+            None => Err(crate::exit::Exit::usage(
+                "--requeue runs the command again when it exits 75: give --detach too \
+                 (torchtools' queue requeues a detached job), or run it in a Slurm job \
+                 submitted with `sbatch --requeue` (Slurm requeues it)"
+                    .into(),
+            )
+            .into()),
+        }
+    }
 }
 
 /// `--on-end`, `--no-on-end` and `--on-end-timeout`, on `reserve`, `run` and `launch`.

@@ -7,7 +7,7 @@ use std::process::{Child, Command};
 use std::thread::JoinHandle;
 
 use anyhow::Result;
-use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2};
 use signal_hook::iterator::exfiltrator::WithOrigin;
 use signal_hook::iterator::{Handle, SignalsInfo};
 use signal_hook::low_level::siginfo::Cause;
@@ -59,8 +59,9 @@ pub(crate) struct Ended {
 /// Spawns `cmd` (whose program is `name`, for messages). Handlers are installed
 /// first, so that no signal between spawn and wait kills `torchtools` alone.
 pub(crate) fn spawn(cmd: &mut Command, name: &str) -> Result<Running> {
-    let mut signals = SignalsInfo::<WithOrigin>::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
-        .map_err(|e| anyhow::anyhow!("cannot install signal handlers: {e}"))?;
+    let mut signals =
+        SignalsInfo::<WithOrigin>::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2])
+            .map_err(|e| anyhow::anyhow!("cannot install signal handlers: {e}"))?;
     let child = cmd.spawn().map_err(|e| spawn_failure(name, &e))?;
     let pid = child.id();
     let handle = signals.handle();

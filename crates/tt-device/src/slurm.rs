@@ -102,6 +102,44 @@ impl SlurmJob {
     }
 }
 
+/// `SLURM_RESTART_COUNT`: how many times Slurm requeued the job (absent on its first run).
+pub const SLURM_RESTART_COUNT: &str = "SLURM_RESTART_COUNT";
+
+/// How many times Slurm has requeued the job this process runs in
+/// ([`SLURM_RESTART_COUNT`]): 0 on its first run, and outside Slurm.
+pub fn slurm_restart_count() -> u32 {
+    std::env::var(SLURM_RESTART_COUNT)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Puts the Slurm job `id` (`1234`, or `1234_7` for an array task) back into Slurm's
+/// queue with `scontrol requeue`, as Lightning does on Slurm's warning signal: Slurm
+/// then ends its processes and runs it again, with [`SLURM_RESTART_COUNT`] one higher.
+/// The job must have been submitted requeueable (`sbatch --requeue`, or the cluster's
+/// `JobRequeue=1`). The error says what `scontrol` said.
+pub fn slurm_requeue(id: &str) -> std::io::Result<()> {
+    let out = std::process::Command::new("scontrol")
+        .args(["requeue", id])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("cannot run `scontrol requeue {id}`: {e} (is Slurm's scontrol on PATH?)"),
+            )
+        })?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(std::io::Error::other(format!(
+        "`scontrol requeue {id}` failed ({}): {} (was the job submitted with `sbatch          --requeue`?)",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    )))
+}
+
 /// The id of the Slurm job of this process (`1234`, or `1234_7` for an array task),
 /// whatever its other variables hold; `None` outside Slurm.
 pub fn slurm_job_id() -> Option<String> {

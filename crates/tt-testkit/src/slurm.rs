@@ -180,7 +180,8 @@ impl Drop for Cluster {
     }
 }
 
-/// The cluster's `slurm.conf`: its files under `d`, ports of its own, one node.
+/// The cluster's `slurm.conf`: its files under `d`, ports of its own, one node. A
+/// requeued job waits `cred_expire` before it starts again (120 s by default): 5 s here.
 fn slurm_conf(d: &Path, node: &str, socket: &Path, gpus: u32) -> String {
     let [ctld_port, node_port] = [crate::free_port(), crate::free_port()];
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -191,7 +192,7 @@ fn slurm_conf(d: &Path, node: &str, socket: &Path, gpus: u32) -> String {
          SlurmctldPort={ctld_port}\n\
          SlurmdPort={node_port}\n\
          AuthType=auth/munge\n\
-         AuthInfo=socket={socket}\n\
+         AuthInfo=socket={socket},cred_expire=5\n\
          CredType=cred/munge\n\
          SlurmUser=root\n\
          SlurmdUser=root\n\

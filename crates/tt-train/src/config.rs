@@ -121,7 +121,7 @@ impl TrainConfig {
         self
     }
 
-    /// Install the process's SIGTERM / SIGINT handlers (default `true`, once per
+    /// Install the process's SIGTERM / SIGINT / SIGUSR1 handlers (default `true`, once per
     /// process: see [`install_signal_handlers`](crate::install_signal_handlers)).
     /// `false` leaves signals to you; [`Trainer::request_stop`](crate::Trainer::request_stop)
     /// still stops.

@@ -81,7 +81,7 @@ pub enum TrainError {
         /// The step function's error.
         cause: Box<dyn std::error::Error + Send + Sync>,
     },
-    /// Installing the SIGTERM / SIGINT handlers failed.
+    /// Installing the SIGTERM / SIGINT / SIGUSR1 handlers failed.
     #[error("cannot install the preemption signal handler: {cause}")]
     Signal {
         /// The OS error (in the message, not also the `source()`).

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 pub enum FitOutcome {
     /// Every epoch is done.
     Finished,
-    /// SIGTERM or SIGINT reached some rank: the step in flight finished, a
+    /// SIGTERM, SIGINT or SIGUSR1 (Slurm's warning) reached some rank: the step in flight finished, a
     /// checkpoint was written (when a directory is configured) and every rank
     /// stopped at the same step. Start the same command again to resume; exit with
     /// [`FitReport::exit_code`] ([`EXIT_PREEMPTED`](crate::EXIT_PREEMPTED)) so that a

@@ -1,4 +1,4 @@
-//! SIGTERM / SIGINT as a request to stop after the current step.
+//! SIGTERM / SIGINT / SIGUSR1 as a request to stop after the current step.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
@@ -11,17 +11,24 @@ pub use tt_dist::EXIT_PREEMPTED;
 
 static STOP: OnceLock<Result<Arc<AtomicBool>, String>> = OnceLock::new();
 
-/// Installs this process's SIGTERM and SIGINT handlers, once: the first signal asks
-/// training to stop after the current step (checkpoint, then
+/// Installs this process's SIGTERM, SIGINT and SIGUSR1 handlers, once: the first
+/// signal asks training to stop after the current step (checkpoint, then
 /// [`EXIT_PREEMPTED`]); a second one exits at once with status 128 + signal, as an
-/// impatient Ctrl-C expects. Later calls return the same flag.
+/// impatient Ctrl-C expects. SIGUSR1 is the warning Slurm sends before a job's time
+/// limit (`sbatch --signal=USR1@90`) and `torchtools reserve --signal-before` sends:
+/// the trainer checkpoints on it as on SIGTERM, and `torchtools reserve --requeue`
+/// inside a Slurm job then requeues the job. Later calls return the same flag.
 ///
 /// [`Trainer::from_env`](crate::Trainer::from_env) calls it unless
 /// `TrainConfig::handle_signals` is `false`; call it yourself for a loop of your own.
 pub fn install_signal_handlers() -> std::io::Result<Arc<AtomicBool>> {
     let installed = STOP.get_or_init(|| {
         let stop = Arc::new(AtomicBool::new(false));
-        for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        for sig in [
+            signal_hook::consts::SIGTERM,
+            signal_hook::consts::SIGINT,
+            signal_hook::consts::SIGUSR1,
+        ] {
             // The conditional shutdown first: it fires only when the flag is already
             // set, i.e. on the second signal.
             signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, Arc::clone(&stop))

@@ -28,7 +28,7 @@ use crate::{Logger, Steps, TrainConfig, TrainError};
 ///   ends with the parameters of an uninterrupted one;
 /// - averages the loss over the ranks for logging (rank 0 logs through `tracing`);
 /// - checkpoints on rank 0 only, then meets at a barrier;
-/// - on SIGTERM / SIGINT (a scheduler cycling jobs) finishes the step, agrees with
+/// - on SIGTERM / SIGINT / SIGUSR1 (a scheduler cycling jobs, Slurm's warning) finishes the step, agrees with
 ///   every rank to stop at the same one, checkpoints and returns
 ///   [`FitOutcome::Preempted`](crate::FitOutcome::Preempted); a second signal exits at once (status 128 + signal).
 ///   The handlers are installed once per process by [`Trainer::from_env`] and

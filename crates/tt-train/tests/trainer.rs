@@ -478,13 +478,14 @@ fn preemption() -> TestResult {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    // Only rank 1 is signalled: rank 0 must learn it and stop at the same step.
+    // Only rank 1 is signalled, with Slurm's warning signal (`--signal=USR1@90`; SIGTERM
+    // is the same flag, see `signals`): rank 0 must learn it and stop at the same step.
     // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(children[1].id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(children[1].id() as i32, libc::SIGUSR1) };
     let outs = finish(children)?;
     for o in &outs {
         if !outcome(o).contains("Preempted") {
-            return Err(format!("after SIGTERM: {}", outcome(o)));
+            return Err(format!("after SIGUSR1: {}", outcome(o)));
         }
     }
     if outcome(&outs[0]) != outcome(&outs[1]) {

@@ -560,6 +560,7 @@ fn reserve_for(
         timeout: args.timeout,
         limit: None, // the launcher's own (see `launch`)
         preemptible: args.time.preemptible,
+        slurm_requeue: None,
         command: std::iter::once(cfg.program.clone())
             .chain(cfg.args.iter().cloned())
             .collect(),

@@ -28,6 +28,8 @@ pub(crate) struct Request {
     pub(crate) limit: Option<crate::limit::TimeLimit>,
     /// The policy may preempt it (`--preemptible`).
     pub(crate) preemptible: bool,
+    /// The Slurm job to requeue when the command exits 75 (`--requeue` inside one).
+    pub(crate) slurm_requeue: Option<String>,
     pub(crate) command: Vec<OsString>,
 }
 
@@ -42,6 +44,16 @@ pub(crate) fn reserve(req: Request) -> Result<u8> {
     let mut cmd = Command::new(&req.command[0]);
     cmd.args(&req.command[1..]);
     reservation.prepare_with(&mut cmd, req.cap);
+    if let Some(job) = &req.slurm_requeue {
+        let restarts = tt_device::slurm_restart_count();
+        if restarts > 0 {
+            eprintln!(
+                "torchtools: Slurm job {job}, run {} ({}={restarts})",
+                restarts + 1,
+                tt_device::SLURM_RESTART_COUNT
+            );
+        }
+    }
     let mut running = child::spawn(&mut cmd, &command_text[0])?;
     if let Err(e) = reservation.record_command_pid(running.pid()) {
         tracing::warn!("cannot record the command's pid: {e}");
@@ -66,6 +78,20 @@ pub(crate) fn reserve(req: Request) -> Result<u8> {
     reservation.set_exit_status(i32::from(ended.code));
     // The reservation (fences, then locks) lives exactly as long as the command.
     drop(reservation);
+    if let Some(job) = req
+        .slurm_requeue
+        .filter(|_| ended.code == crate::exit::TEMPFAIL)
+    {
+        match tt_device::slurm_requeue(&job) {
+            Ok(()) => eprintln!(
+                "torchtools: the command exited 75 (it can resume): Slurm job {job} \
+                 requeued, its next run resumes ({}={})",
+                tt_device::SLURM_RESTART_COUNT,
+                tt_device::slurm_restart_count() + 1
+            ),
+            Err(e) => eprintln!("torchtools: the command exited 75, but {e}"),
+        }
+    }
     Ok(ended.code)
 }
 
@@ -180,6 +206,7 @@ impl ReserveArgs {
             share: self.share,
             cap: !self.no_cap,
             timeout: self.timeout,
+            slurm_requeue: None,
             command,
         }
     }
@@ -224,13 +251,17 @@ pub(crate) struct Args {
 /// `torchtools reserve` (attached; `--detach` is decided before).
 pub(crate) fn run(args: Args) -> Result<u8> {
     let limit = args.reservation.time_limit()?;
+    let slurm_requeue = args.detach.slurm_requeue()?;
     let bytes = budget(
         args.bytes,
         &args.reservation.gpu,
         &args.probing,
         &args.command,
     )?;
-    reserve(args.reservation.request(bytes, args.command, limit))
+    reserve(Request {
+        slurm_requeue,
+        ..args.reservation.request(bytes, args.command, limit)
+    })
 }
 
 /// The bytes `--bytes` asks for: its size, or (`auto`) what a probe of `command` on

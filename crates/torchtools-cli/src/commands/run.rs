@@ -31,6 +31,7 @@ pub(crate) struct Args {
 /// `torchtools run` (attached; `--detach` is decided before).
 pub(crate) fn run(args: Args) -> Result<u8> {
     let limit = args.reservation.time_limit()?;
+    let slurm_requeue = args.detach.slurm_requeue()?;
     let bytes = match args.bytes {
         Some(crate::args::Budget::Size(b)) => b,
         Some(crate::args::Budget::Auto) => crate::commands::probe::estimate_for_run(
@@ -46,5 +47,8 @@ pub(crate) fn run(args: Args) -> Result<u8> {
             &args.command,
         )?,
     };
-    crate::commands::reserve::reserve(args.reservation.request(Some(bytes), args.command, limit))
+    crate::commands::reserve::reserve(crate::commands::reserve::Request {
+        slurm_requeue,
+        ..args.reservation.request(Some(bytes), args.command, limit)
+    })
 }

@@ -147,3 +147,149 @@ fn inside_a_slurm_job_only_its_gpus_are_reserved_and_the_records_name_the_job() 
         );
     }
 }
+
+/// A trainer as a Slurm user writes one: it checkpoints and exits 75 on Slurm's warning
+/// signal (SIGUSR1), resumes from its checkpoint, and knows its run from
+/// `SLURM_RESTART_COUNT`. On its first run, with `TT_WAIT=1`, it waits at step 20 for
+/// the signal (so the test is driven by what the job says, not by time).
+const TRAIN: &str = r#"
+import os, signal, sys, time
+import torch
+ckpt, out = sys.argv[1], sys.argv[2]
+run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+stop = []
+signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(1)
+data = torch.randn(64, 8, generator=g)
+target = data.sum(1, keepdim=True) + 0.1 * torch.randn(64, 1, generator=g)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+step = 0
+if os.path.exists(ckpt):
+    state = torch.load(ckpt)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    step = state["step"]
+    print("resumed at step", step, "in run", run + 1, flush=True)
+while step < 40:
+    if step == 20 and run == 0 and os.environ.get("TT_WAIT") == "1":
+        print("waiting for Slurm's signal at step", step, flush=True)
+        while not stop:
+            time.sleep(0.05)
+    if stop:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+        print("checkpointed on SIGUSR1 at step", step, flush=True)
+        sys.exit(75)
+    i = step % 8 * 8
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(data[i:i + 8]), target[i:i + 8]).backward()
+    opt.step()
+    step += 1
+with open(out, "w") as f:
+    f.write(b"".join(p.detach().numpy().tobytes() for p in model.parameters()).hex())
+print("trained in run", run + 1, flush=True)
+"#;
+
+/// `sbatch --requeue` of `torchtools reserve --requeue -- python train.py`: Slurm's
+/// warning signal (`scancel --signal=USR1 --full`, what `--signal=USR1@90` sends before
+/// the time limit) reaches the trainer through torchtools, the trainer checkpoints and
+/// exits 75, torchtools requeues the Slurm job (`scontrol requeue`), and Slurm's second
+/// run (`SLURM_RESTART_COUNT=1`) resumes and ends with the parameters of an
+/// uninterrupted run, bit for bit.
+#[test]
+fn a_slurm_job_checkpoints_on_slurms_signal_requeues_itself_and_resumes_bit_for_bit() {
+    let Some(cluster) = Cluster::one_node(4) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    std::fs::write(dir.join("train.py"), TRAIN).unwrap();
+    let python = tt_testkit::python_path();
+    let out = Command::new(&python)
+        .args(["train.py", "ref.ckpt", "ref.out"])
+        .current_dir(dir)
+        .env_remove("PYTHONUNBUFFERED")
+        .env_remove("SLURM_RESTART_COUNT")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let script = dir.join("job.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\n\
+         exec \"$TT\" reserve --requeue --gpu \"$SLURM_JOB_GPUS\" --no-fence -- \
+         \"$PY\" train.py job.ckpt job.out\n",
+    )
+    .unwrap();
+    let out = slurm(&cluster, dir, "sbatch")
+        .args([
+            "--parsable",
+            "--requeue",
+            "--gres=gpu:1",
+            "--open-mode=append",
+        ])
+        .arg("--output")
+        .arg(dir.join("job.log"))
+        .arg(&script)
+        .env("PY", &python)
+        .env("TT_WAIT", "1")
+        .env_remove("PYTHONUNBUFFERED")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}\n{}", cluster.logs());
+    let job = stdout.trim().to_owned();
+    let log = || std::fs::read_to_string(dir.join("job.log")).unwrap_or_default();
+    crate::common::until("the first run waits for Slurm's signal", || {
+        log().contains("waiting for Slurm's signal at step 20")
+    });
+    let out = slurm(&cluster, dir, "scancel")
+        .args(["--signal=USR1", "--full", &job])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let state = || {
+        let out = slurm(&cluster, dir, "scontrol")
+            .args(["show", "job", &job])
+            .output()
+            .unwrap();
+        text(&out).0
+    };
+    let start = std::time::Instant::now();
+    loop {
+        let said = state();
+        assert!(
+            !said.contains("JobState=FAILED") && !said.contains("JobState=CANCELLED"),
+            "{said}\n{}",
+            log()
+        );
+        if said.contains("JobState=COMPLETED") {
+            break;
+        }
+        assert!(
+            start.elapsed() < crate::common::PATIENCE,
+            "the requeued job has not completed: {said}\n{}\n{}",
+            log(),
+            cluster.logs()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let said = state();
+    assert!(said.contains("Restarts=1"), "{said}");
+    let log = log();
+    for line in [
+        "checkpointed on SIGUSR1 at step 20",
+        &format!("Slurm job {job} requeued, its next run resumes (SLURM_RESTART_COUNT=1)"),
+        &format!("Slurm job {job}, run 2 (SLURM_RESTART_COUNT=1)"),
+        "resumed at step 20 in run 2",
+        "trained in run 2",
+    ] {
+        assert!(log.contains(line), "no {line:?} in\n{log}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(dir.join("job.out")).unwrap(),
+        std::fs::read_to_string(dir.join("ref.out")).unwrap(),
+        "the requeued run's parameters differ from an uninterrupted run's"
+    );
+}
