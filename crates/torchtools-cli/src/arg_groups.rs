@@ -114,6 +114,15 @@ pub(crate) struct DetachArgs {
     /// `jobs wait` take it for every task, ID_N for one).
     #[arg(long, value_name = "INDICES", value_parser = crate::args::array, requires = "detach")]
     pub(crate) array: Option<crate::args::ArraySpec>,
+    /// Submit the job to Slurm with `sbatch` instead of torchtools' queue: --count,
+    /// --time, --requeue (with Slurm's warning signal), --array, --after and --after-ok
+    /// become the script's options, and the same command runs inside the job on its
+    /// GPUs. What Slurm cannot be asked for is refused first.
+    #[arg(long, requires = "detach")]
+    pub(crate) slurm: bool,
+    /// With --slurm: print the `sbatch` script instead of submitting it.
+    #[arg(long, requires = "slurm")]
+    pub(crate) dry_run: bool,
 }
 
 impl DetachArgs {

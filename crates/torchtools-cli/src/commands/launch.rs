@@ -286,6 +286,8 @@ impl Args {
             after_ok: self.after_ok.clone(),
             requeue: self.requeue,
             array: self.array.clone(),
+            slurm: false,
+            dry_run: false,
         })
     }
 

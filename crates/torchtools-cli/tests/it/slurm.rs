@@ -293,3 +293,81 @@ fn a_slurm_job_checkpoints_on_slurms_signal_requeues_itself_and_resumes_bit_for_
         "the requeued run's parameters differ from an uninterrupted run's"
     );
 }
+
+/// `reserve --detach --slurm`: the same command line submitted with `sbatch` (no script
+/// written by the user): `--count 2` becomes two of the node's GPUs, reserved inside
+/// the job and named by `locks`; an `--array` waiting `--after-ok` for it runs each
+/// task after it; the output goes to `--log-dir`.
+#[test]
+fn the_same_command_line_submits_to_slurm() {
+    let Some(cluster) = Cluster::one_node(4) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let logs = dir.join("logs");
+    let submit = |extra: &[&str]| -> String {
+        let out = slurm(&cluster, dir, env!("CARGO_BIN_EXE_torchtools"))
+            .args(["reserve", "--detach", "--slurm", "--log-dir"])
+            .arg(&logs)
+            .args(extra)
+            .args(["--no-fence", "--", "sh", "-c"])
+            .arg("echo gpus=$SLURM_JOB_GPUS; exec \"$TT\" locks")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stdout}{stderr}\n{}", cluster.logs());
+        stdout.trim().to_owned()
+    };
+    let first = submit(&["--count", "2", "--time", "10m"]);
+    let array = submit(&["--array", "0-1", "--after-ok", &first]);
+    let done = |job: &str| {
+        let out = slurm(&cluster, dir, "scontrol")
+            .args(["show", "job", job])
+            .output()
+            .unwrap();
+        let said = text(&out).0;
+        assert!(
+            !said.contains("JobState=FAILED") && !said.contains("JobState=CANCELLED"),
+            "{said}"
+        );
+        said.matches("JobState=COMPLETED").count()
+    };
+    crate::common::until("the job and both array tasks complete", || {
+        done(&first) == 1 && done(&array) == 2
+    });
+    let log = std::fs::read_to_string(logs.join(format!("slurm-{first}.out"))).unwrap();
+    assert!(log.contains("gpus=0,1"), "{log}");
+    assert_eq!(
+        log.matches(&format!("in Slurm job {first}")).count(),
+        2,
+        "{log}"
+    );
+    for task in 0..2 {
+        let log = std::fs::read_to_string(logs.join(format!("slurm-{array}_{task}.out"))).unwrap();
+        assert!(
+            log.contains(&format!("in Slurm job {array}_{task}")),
+            "{log}"
+        );
+    }
+    // What Slurm cannot be asked for is refused, and nothing is submitted.
+    let out = slurm(&cluster, dir, env!("CARGO_BIN_EXE_torchtools"))
+        .args([
+            "reserve",
+            "--detach",
+            "--slurm",
+            "--gpu",
+            "3",
+            "--no-fence",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    let queue = slurm(&cluster, dir, "squeue")
+        .args(["-h"])
+        .output()
+        .unwrap();
+    assert_eq!(text(&queue).0.trim(), "", "{:?}", text(&queue));
+}

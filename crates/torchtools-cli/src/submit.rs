@@ -1,0 +1,385 @@
+//! `--slurm` on `reserve --detach` and `run --detach`: the same command line submitted
+//! to Slurm instead of torchtools' own queue. The job becomes an `sbatch` script with
+//! the options that match (`--gres=gpu:N`, `--time`, `--requeue` with Slurm's warning
+//! signal, `--array`, `--dependency`, `--output`) running the same torchtools command
+//! attached inside it, on the GPUs Slurm gives the job; `--dry-run` prints the script
+//! instead. What Slurm cannot be asked for is refused before anything is submitted.
+
+use std::ffi::OsString;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Result;
+
+use crate::arg_groups::{DetachArgs, TimeArgs};
+use crate::exit::Exit;
+
+/// How long before a `--requeue`d job's time limit Slurm warns it (SIGUSR1) when
+/// `--signal-before` does not say: time to checkpoint, as Lightning's guides use.
+const WARN_BEFORE: Duration = Duration::from_secs(90);
+
+/// What a submission is made of: the GPUs asked for, the time options, the detach
+/// options, and the torchtools command line to run inside the job.
+#[derive(Clone, Copy)]
+pub(crate) struct Submission<'a> {
+    pub(crate) gpus: &'a [tt_lock::GpuSpec],
+    pub(crate) count: Option<u32>,
+    pub(crate) time: &'a TimeArgs,
+    pub(crate) detach: &'a DetachArgs,
+    /// Where Slurm writes the job's output (`slurm-%j.out` in it).
+    pub(crate) log_dir: &'a Path,
+    /// This process's arguments after the program, without the detach options.
+    pub(crate) inner: &'a [OsString],
+    /// How many of `inner`'s last words are the user's command.
+    pub(crate) command: usize,
+}
+
+/// `text` quoted for `sh` (single quotes; a single quote as `'\''`).
+fn quoted(text: &str) -> String {
+    if !text.is_empty()
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+%@".contains(c))
+    {
+        return text.to_owned();
+    }
+    format!("'{}'", text.replace('\'', r"'\''"))
+}
+
+/// A duration as Slurm's `--time` takes it: `D-HH:MM:SS`, rounded up to the second.
+fn slurm_time(d: Duration) -> String {
+    let s = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+    format!(
+        "{}-{:02}:{:02}:{:02}",
+        s / 86_400,
+        s / 3600 % 24,
+        s / 60 % 60,
+        s % 60
+    )
+}
+
+/// A Slurm job id as `--dependency` takes it (`1234`, or `1234_7`), or a refusal: a
+/// torchtools job id names a job of this machine's queue, which Slurm does not know.
+fn slurm_job(id: &str, option: &str) -> Result<String, Exit> {
+    let digits = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_digit());
+    let ok = match id.split_once('_') {
+        Some((job, task)) => digits(job) && digits(task),
+        None => digits(id),
+    };
+    ok.then(|| id.to_owned()).ok_or_else(|| {
+        Exit::usage(format!(
+            "--slurm {option} {id}: Slurm waits only for Slurm jobs: give their ids \
+             (`squeue --me`), not torchtools job ids"
+        ))
+    })
+}
+
+/// The `sbatch` script for `s`, or the reason it cannot be made.
+pub(crate) fn script(s: &Submission) -> Result<String, Exit> {
+    let refuse = |why: &str| Err(Exit::usage(format!("--slurm: {why}")));
+    if s.time.preemptible {
+        return refuse(
+            "Slurm's preemption is its partitions' and QOS's (ask its administrator for a \
+             preemptible QOS and give `sbatch --qos` in a script of your own); use \
+             --requeue to go on after a preemption",
+        );
+    }
+    let named: Vec<String> = s
+        .gpus
+        .iter()
+        .filter(|g| !matches!(g, tt_lock::GpuSpec::Auto))
+        .map(ToString::to_string)
+        .collect();
+    if !named.is_empty() {
+        return refuse(&format!(
+            "--gpu names {} of this machine, but Slurm chooses a job's GPUs: ask for how \
+             many with --count N (--gpu auto)",
+            named.join(",")
+        ));
+    }
+    let mut lines = vec!["#!/bin/sh".to_owned()];
+    let mut option = |o: String| lines.push(format!("#SBATCH {o}"));
+    let program = s
+        .inner
+        .get(s.inner.len().saturating_sub(s.command))
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let name: String = Path::new(&program)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or(program);
+    option(format!(
+        "--job-name={}",
+        quoted(&format!("torchtools-{name}"))
+    ));
+    option(format!("--gres=gpu:{}", s.count.unwrap_or(1)));
+    let output = if s.detach.array.is_some() {
+        "slurm-%A_%a.out"
+    } else {
+        "slurm-%j.out"
+    };
+    option(format!(
+        "--output={}",
+        quoted(&s.log_dir.join(output).to_string_lossy())
+    ));
+    if let Some(time) = s.time.time {
+        option(format!("--time={}", slurm_time(time)));
+    } else if s.time.grace.is_some() || s.time.signal_before.is_some() {
+        return refuse("--grace and --signal-before apply to a time limit: give --time too");
+    }
+    if s.time.grace.is_some() {
+        return refuse(
+            "--grace: Slurm's time from SIGTERM to SIGKILL is the cluster's KillWait, not \
+             the job's; leave --grace out",
+        );
+    }
+    if s.detach.requeue {
+        option("--requeue".to_owned());
+        option("--open-mode=append".to_owned());
+    }
+    if let Some(before) = s.time.signal_before.or(s
+        .time
+        .time
+        .filter(|_| s.detach.requeue)
+        .map(|_| WARN_BEFORE))
+    {
+        option(format!("--signal=USR1@{}", before.as_secs().max(1)));
+    }
+    if let Some(array) = &s.detach.array {
+        let list: Vec<String> = array.indices.iter().map(u32::to_string).collect();
+        let at_once = array.at_once.map(|k| format!("%{k}")).unwrap_or_default();
+        option(format!("--array={}{at_once}", list.join(",")));
+    }
+    let mut waits = Vec::new();
+    for id in &s.detach.after {
+        waits.push(format!("afterany:{}", slurm_job(id, "--after")?));
+    }
+    for id in &s.detach.after_ok {
+        waits.push(format!("afterok:{}", slurm_job(id, "--after-ok")?));
+    }
+    if !waits.is_empty() {
+        option(format!("--dependency={}", waits.join(",")));
+    }
+    let mut words = vec!["exec".to_owned(), quoted(&torchtools_path())];
+    let head = s.inner.len().saturating_sub(s.command);
+    words.extend(inner_options(&s.inner[..head]).iter().map(|w| quoted(w)));
+    words.push("--gpu".into());
+    words.push("\"$SLURM_JOB_GPUS\"".into());
+    if s.detach.requeue {
+        words.push("--requeue".into());
+    }
+    words.push("--".into());
+    words.extend(s.inner[head..].iter().map(|w| quoted(&w.to_string_lossy())));
+    lines.push(words.join(" "));
+    Ok(lines.join("\n") + "\n")
+}
+
+/// The torchtools options of the command inside the job: the given ones but what the
+/// script says for Slurm (`--slurm`, `--dry-run`, the time limit's, the GPUs'), and
+/// without the `--` before the command.
+fn inner_options(head: &[OsString]) -> Vec<String> {
+    const WITH_VALUE: [&str; 5] = ["--time", "--grace", "--signal-before", "--gpu", "--count"];
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < head.len() {
+        let a = head[i].to_string_lossy().into_owned();
+        i += 1;
+        if a == "--" || a == "--slurm" || a == "--dry-run" {
+            continue;
+        }
+        if WITH_VALUE.contains(&a.as_str()) {
+            i += 1;
+            continue;
+        }
+        if WITH_VALUE.iter().any(|o| a.starts_with(&format!("{o}="))) {
+            continue;
+        }
+        out.push(a);
+    }
+    out
+}
+
+/// This torchtools, as the job runs it (the nodes share the path on a cluster).
+fn torchtools_path() -> String {
+    std::env::current_exe()
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "torchtools".into())
+}
+
+/// Prints the script (`--dry-run`) or submits it with `sbatch`, printing Slurm's job id.
+pub(crate) fn submit(s: &Submission, dry_run: bool) -> Result<ExitCode> {
+    let text = script(s)?;
+    if dry_run {
+        print!("{text}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    use std::io::Write as _;
+    let mut sbatch = std::process::Command::new("sbatch")
+        .arg("--parsable")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            Exit::new(
+                crate::exit::NOT_FOUND,
+                format!("--slurm: cannot run sbatch: {e} (is Slurm's sbatch on PATH?)"),
+            )
+        })?;
+    if let Some(mut stdin) = sbatch.stdin.take() {
+        stdin.write_all(text.as_bytes())?;
+    }
+    let out = sbatch.wait_with_output()?;
+    if !out.status.success() {
+        return Err(Exit::new(
+            crate::exit::FAILURE,
+            format!(
+                "--slurm: sbatch refused the job ({}): {} (see the script with --dry-run)",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        )
+        .into());
+    }
+    let id = String::from_utf8_lossy(&out.stdout);
+    let id = id.trim().split(';').next().unwrap_or_default();
+    println!("{id}");
+    eprintln!(
+        "torchtools: submitted to Slurm as job {id}: `squeue -j {id}`, its output in {}",
+        s.log_dir.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(words: &[&str]) -> Vec<OsString> {
+        words.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn the_script_asks_slurm_for_what_the_options_say() {
+        let time = TimeArgs {
+            time: Some(Duration::from_secs(2 * 3600 + 5)),
+            ..TimeArgs::default()
+        };
+        let detach = DetachArgs {
+            detach: true,
+            requeue: true,
+            after_ok: vec!["41".into()],
+            array: Some(crate::args::ArraySpec {
+                indices: vec![0, 1, 2],
+                at_once: Some(2),
+            }),
+            ..DetachArgs::default()
+        };
+        let inner = args(&[
+            "reserve",
+            "--count",
+            "2",
+            "--time",
+            "2h",
+            "--slurm",
+            "--no-fence",
+            "--",
+            "python",
+            "train.py",
+            "it's",
+        ]);
+        let s = Submission {
+            gpus: &[tt_lock::GpuSpec::Auto],
+            count: Some(2),
+            time: &time,
+            detach: &detach,
+            log_dir: Path::new("/logs"),
+            inner: &inner,
+            command: 3,
+        };
+        let text = script(&s).unwrap();
+        let exe = quoted(&torchtools_path());
+        assert_eq!(
+            text,
+            format!(
+                "#!/bin/sh\n\
+                 #SBATCH --job-name=torchtools-python\n\
+                 #SBATCH --gres=gpu:2\n\
+                 #SBATCH --output=/logs/slurm-%A_%a.out\n\
+                 #SBATCH --time=0-02:00:05\n\
+                 #SBATCH --requeue\n\
+                 #SBATCH --open-mode=append\n\
+                 #SBATCH --signal=USR1@90\n\
+                 #SBATCH --array=0,1,2%2\n\
+                 #SBATCH --dependency=afterok:41\n\
+                 exec {exe} reserve --no-fence --gpu \"$SLURM_JOB_GPUS\" --requeue -- python \
+                 train.py 'it'\\''s'\n"
+            )
+        );
+    }
+
+    #[test]
+    fn what_slurm_cannot_be_asked_for_is_refused_saying_why() {
+        let inner = args(&["reserve", "--", "true"]);
+        let time = TimeArgs::default();
+        let detach = DetachArgs::default();
+        let base = Submission {
+            gpus: &[tt_lock::GpuSpec::Auto],
+            count: None,
+            time: &time,
+            detach: &detach,
+            log_dir: Path::new("/logs"),
+            inner: &inner,
+            command: 1,
+        };
+        let named = [tt_lock::GpuSpec::Nvml(3)];
+        let preemptible = TimeArgs {
+            preemptible: true,
+            ..TimeArgs::default()
+        };
+        let grace = TimeArgs {
+            time: Some(Duration::from_secs(60)),
+            grace: Some(Duration::from_secs(5)),
+            ..TimeArgs::default()
+        };
+        let after = DetachArgs {
+            after: vec!["1765000000-4242".into()],
+            ..DetachArgs::default()
+        };
+        for (s, says) in [
+            (
+                Submission {
+                    gpus: &named,
+                    ..base
+                },
+                "--gpu names GPU 3 of this machine",
+            ),
+            (
+                Submission {
+                    time: &preemptible,
+                    ..base
+                },
+                "Slurm's preemption",
+            ),
+            (
+                Submission {
+                    time: &grace,
+                    ..base
+                },
+                "KillWait",
+            ),
+            (
+                Submission {
+                    detach: &after,
+                    ..base
+                },
+                "not torchtools job ids",
+            ),
+        ] {
+            let e = script(&s).unwrap_err();
+            assert_eq!(e.code, crate::exit::USAGE);
+            assert!(e.message.contains(says), "{}", e.message);
+        }
+    }
+}
