@@ -219,11 +219,21 @@ mod tests {
 
     #[test]
     fn the_address_space_in_use_is_vmsize_and_grows_with_a_mapping() {
-        let before = address_space_in_use().unwrap_or(0);
-        assert!(before > 1 << 20, "{before}");
-        let block = vec![1u8; 64 << 20];
-        let after = address_space_in_use().unwrap_or(0);
-        assert!(after >= before + (60 << 20), "{before} -> {after}");
-        drop(block);
+        // Other tests' threads may unmap as much at the same moment (glibc deletes a
+        // thread arena's 64 MiB heap when it empties: seen once in CI, +4 KiB): the
+        // growth must show in one of a few tries, each measured around its own block.
+        let mut seen = Vec::new();
+        for _ in 0..10 {
+            let before = address_space_in_use().unwrap_or(0);
+            assert!(before > 1 << 20, "{before}");
+            let block = vec![1u8; 64 << 20];
+            let after = address_space_in_use().unwrap_or(0);
+            drop(block);
+            if after >= before + (60 << 20) {
+                return;
+            }
+            seen.push(format!("{before} -> {after}"));
+        }
+        panic!("VmSize never grew by the 64 MiB block: {seen:?}");
     }
 }
