@@ -92,48 +92,6 @@ fn quiet_on_closed_pipe() {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
 }
 
-/// `--slurm` (see [`submit`]): `reserve` and `run` only; a hook is not run there.
-fn submit_to_slurm(
-    command: &Command,
-    detach: &arg_groups::DetachArgs,
-    argv: &[OsString],
-    command_len: usize,
-    hook: bool,
-) -> anyhow::Result<ExitCode> {
-    let (reservation, hook_args) = match command {
-        Command::Reserve(a) => (&a.reservation, &a.hook),
-        Command::Run(a) => (&a.reservation, &a.hook),
-        _ => {
-            return Err(exit::Exit::usage("--slurm is an option of reserve and run".into()).into())
-        }
-    };
-    if hook_args.on_end.is_some() {
-        return Err(exit::Exit::usage(
-            "--slurm: an --on-end hook is not run for a Slurm job: use Slurm's \
-             `--mail-type`, or run the hook at the end of a script of your own"
-                .into(),
-        )
-        .into());
-    }
-    if hook {
-        eprintln!("torchtools: the default on_end hook of your config is not run for a Slurm job");
-    }
-    let log_dir = jobs::keeper::log_dir(detach.log_dir.as_deref())?;
-    let inner = jobs::keeper::without_detach(argv.get(1..).unwrap_or_default(), command_len);
-    submit::submit(
-        &submit::Submission {
-            gpus: &reservation.gpu,
-            count: reservation.count,
-            time: &reservation.time,
-            detach,
-            log_dir: &log_dir,
-            inner: &inner,
-            command: command_len,
-        },
-        detach.dry_run,
-    )
-}
-
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     if cli.command.only_prints() {
         quiet_on_closed_pipe();
@@ -150,7 +108,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     if let Some((detach, command)) = cli.command.detached() {
         let argv: Vec<OsString> = std::env::args_os().collect();
         if detach.slurm {
-            return submit_to_slurm(&cli.command, &detach, &argv, command, hook.is_some());
+            return submit::run(&cli.command, &detach, &argv, command, hook.is_some());
         }
         return jobs::keeper::detach(&detach, &argv, command, hook.as_ref());
     }

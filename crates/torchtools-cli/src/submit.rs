@@ -14,6 +14,7 @@ use anyhow::Result;
 
 use crate::arg_groups::{DetachArgs, TimeArgs};
 use crate::exit::Exit;
+use crate::jobs::keeper::{without_detach, without_options};
 
 /// How long before a `--requeue`d job's time limit Slurm warns it (SIGUSR1) when
 /// `--signal-before` does not say: time to checkpoint, as Lightning's guides use.
@@ -29,7 +30,8 @@ pub(crate) struct Submission<'a> {
     pub(crate) detach: &'a DetachArgs,
     /// Where Slurm writes the job's output (`slurm-%j.out` in it).
     pub(crate) log_dir: &'a Path,
-    /// This process's arguments after the program, without the detach options.
+    /// This process's arguments after the program, without the detach options
+    /// ([`without_detach`]).
     pub(crate) inner: &'a [OsString],
     /// How many of `inner`'s last words are the user's command.
     pub(crate) command: usize,
@@ -162,42 +164,30 @@ pub(crate) fn script(s: &Submission) -> Result<String, Exit> {
         option(format!("--dependency={}", waits.join(",")));
     }
     let mut words = vec!["exec".to_owned(), quoted(&torchtools_path())];
-    let head = s.inner.len().saturating_sub(s.command);
-    words.extend(inner_options(&s.inner[..head]).iter().map(|w| quoted(w)));
+    // The options the script gives Slurm are not the inner command's: it runs on the
+    // job's GPUs, and Slurm keeps its time.
+    let inner = without_options(
+        s.inner,
+        s.command,
+        &[],
+        &["--time", "--grace", "--signal-before", "--gpu", "--count"],
+    );
+    let head = inner.len().saturating_sub(s.command);
+    words.extend(
+        inner[..head]
+            .iter()
+            .filter(|w| *w != "--")
+            .map(|w| quoted(&w.to_string_lossy())),
+    );
     words.push("--gpu".into());
     words.push("\"$SLURM_JOB_GPUS\"".into());
     if s.detach.requeue {
         words.push("--requeue".into());
     }
     words.push("--".into());
-    words.extend(s.inner[head..].iter().map(|w| quoted(&w.to_string_lossy())));
+    words.extend(inner[head..].iter().map(|w| quoted(&w.to_string_lossy())));
     lines.push(words.join(" "));
     Ok(lines.join("\n") + "\n")
-}
-
-/// The torchtools options of the command inside the job: the given ones but what the
-/// script says for Slurm (`--slurm`, `--dry-run`, the time limit's, the GPUs'), and
-/// without the `--` before the command.
-fn inner_options(head: &[OsString]) -> Vec<String> {
-    const WITH_VALUE: [&str; 5] = ["--time", "--grace", "--signal-before", "--gpu", "--count"];
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < head.len() {
-        let a = head[i].to_string_lossy().into_owned();
-        i += 1;
-        if a == "--" || a == "--slurm" || a == "--dry-run" {
-            continue;
-        }
-        if WITH_VALUE.contains(&a.as_str()) {
-            i += 1;
-            continue;
-        }
-        if WITH_VALUE.iter().any(|o| a.starts_with(&format!("{o}="))) {
-            continue;
-        }
-        out.push(a);
-    }
-    out
 }
 
 /// This torchtools, as the job runs it (the nodes share the path on a cluster).
@@ -207,8 +197,52 @@ fn torchtools_path() -> String {
         .unwrap_or_else(|_| "torchtools".into())
 }
 
+/// `--slurm` on `command` (`reserve` or `run`) whose detach options are `detach`, this
+/// process's arguments `argv`, the last `command_len` of them the user's command;
+/// `hook`: whether a hook (an option, or the config's default) is set, which is not run
+/// for a Slurm job.
+pub(crate) fn run(
+    command: &crate::commands::Command,
+    detach: &DetachArgs,
+    argv: &[OsString],
+    command_len: usize,
+    hook: bool,
+) -> Result<ExitCode> {
+    use crate::commands::Command;
+    let (reservation, hook_args) = match command {
+        Command::Reserve(a) => (&a.reservation, &a.hook),
+        Command::Run(a) => (&a.reservation, &a.hook),
+        _ => return Err(Exit::usage("--slurm is an option of reserve and run".into()).into()),
+    };
+    if hook_args.on_end.is_some() {
+        return Err(Exit::usage(
+            "--slurm: an --on-end hook is not run for a Slurm job: use Slurm's \
+             `--mail-type`, or run the hook at the end of a script of your own"
+                .into(),
+        )
+        .into());
+    }
+    if hook {
+        eprintln!("torchtools: the default on_end hook of your config is not run for a Slurm job");
+    }
+    let log_dir = crate::jobs::keeper::log_dir(detach.log_dir.as_deref())?;
+    let inner = without_detach(argv.get(1..).unwrap_or_default(), command_len);
+    submit(
+        &Submission {
+            gpus: &reservation.gpu,
+            count: reservation.count,
+            time: &reservation.time,
+            detach,
+            log_dir: &log_dir,
+            inner: &inner,
+            command: command_len,
+        },
+        detach.dry_run,
+    )
+}
+
 /// Prints the script (`--dry-run`) or submits it with `sbatch`, printing Slurm's job id.
-pub(crate) fn submit(s: &Submission, dry_run: bool) -> Result<ExitCode> {
+fn submit(s: &Submission, dry_run: bool) -> Result<ExitCode> {
     let text = script(s)?;
     if dry_run {
         print!("{text}");
@@ -276,19 +310,24 @@ mod tests {
             }),
             ..DetachArgs::default()
         };
-        let inner = args(&[
-            "reserve",
-            "--count",
-            "2",
-            "--time",
-            "2h",
-            "--slurm",
-            "--no-fence",
-            "--",
-            "python",
-            "train.py",
-            "it's",
-        ]);
+        let inner = without_detach(
+            &args(&[
+                "reserve",
+                "--detach",
+                "--count",
+                "2",
+                "--time",
+                "2h",
+                "--slurm",
+                "--requeue",
+                "--no-fence",
+                "--",
+                "python",
+                "train.py",
+                "it's",
+            ]),
+            3,
+        );
         let s = Submission {
             gpus: &[tt_lock::GpuSpec::Auto],
             count: Some(2),

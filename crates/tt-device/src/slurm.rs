@@ -134,7 +134,8 @@ pub fn slurm_requeue(id: &str) -> std::io::Result<()> {
         return Ok(());
     }
     Err(std::io::Error::other(format!(
-        "`scontrol requeue {id}` failed ({}): {} (was the job submitted with `sbatch          --requeue`?)",
+        "`scontrol requeue {id}` failed ({}): {} (was the job submitted with `sbatch \
+         --requeue`?)",
         out.status,
         String::from_utf8_lossy(&out.stderr).trim()
     )))

@@ -34,7 +34,6 @@ const REBASE_AT: f64 = 200.0;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Open {
     user: String,
-    gpu: String,
     start: f64,
     weight: f64,
     /// The last time its holder said it was alive (its start until then).
@@ -95,7 +94,6 @@ impl Sink for Folded {
         let open = Open {
             weight: weight(&r),
             user: r.user,
-            gpu: r.gpu,
             start,
             alive: start,
             seen_dead: false,

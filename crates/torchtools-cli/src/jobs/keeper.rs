@@ -34,12 +34,42 @@ pub(crate) fn default_log_dir() -> Result<PathBuf> {
 }
 
 /// `argv` without torchtools' own `--detach`, `--log-dir DIR`, `--after JOBS`,
-/// `--after-ok JOBS` and the hook's options (the keeper runs the hook): the command the
-/// job runs. `command` is how many of `argv`'s last words are the user's command (clap's
-/// parsed command, which is `argv`'s tail word for word): nothing of it is touched, so
-/// a script's own `--detach` or `--log-dir` reaches it, also where `launch` takes the
-/// script without a `--` (torchrun's form).
+/// `--after-ok JOBS`, `--slurm` and the hook's options (the keeper runs the hook): the
+/// command the job runs. `command` is how many of `argv`'s last words are the user's
+/// command (clap's parsed command, which is `argv`'s tail word for word): nothing of it
+/// is touched, so a script's own `--detach` or `--log-dir` reaches it, also where
+/// `launch` takes the script without a `--` (torchrun's form).
 pub(crate) fn without_detach(argv: &[OsString], command: usize) -> Vec<OsString> {
+    without_options(
+        argv,
+        command,
+        &[
+            "--detach",
+            "--no-on-end",
+            "--requeue",
+            "--slurm",
+            "--dry-run",
+        ],
+        &[
+            "--log-dir",
+            "--after",
+            "--after-ok",
+            "--on-end",
+            "--on-end-timeout",
+            "--array",
+        ],
+    )
+}
+
+/// `argv` without torchtools' options named in `flags` (alone) and `valued` (with
+/// their value, as `--opt V` or `--opt=V`), up to its `--` or its last `command` words
+/// (the user's command), which are kept as they are.
+pub(crate) fn without_options(
+    argv: &[OsString],
+    command: usize,
+    flags: &[&str],
+    valued: &[&str],
+) -> Vec<OsString> {
     let head = argv.len().saturating_sub(command);
     let mut out = Vec::with_capacity(argv.len());
     let mut i = 0;
@@ -47,32 +77,15 @@ pub(crate) fn without_detach(argv: &[OsString], command: usize) -> Vec<OsString>
         let a = &argv[i];
         if a == "--" {
             break;
-        } else if a == "--detach" || a == "--no-on-end" || a == "--requeue" {
+        } else if flags.iter().any(|o| a == *o) {
             i += 1;
             continue;
-        } else if [
-            "--log-dir",
-            "--after",
-            "--after-ok",
-            "--on-end",
-            "--on-end-timeout",
-            "--array",
-        ]
-        .iter()
-        .any(|o| a == *o)
-        {
+        } else if valued.iter().any(|o| a == *o) {
             i += 2;
             continue;
-        } else if [
-            "--log-dir=",
-            "--after=",
-            "--after-ok=",
-            "--on-end=",
-            "--on-end-timeout=",
-            "--array=",
-        ]
-        .iter()
-        .any(|o| a.to_string_lossy().starts_with(o))
+        } else if valued
+            .iter()
+            .any(|o| a.to_string_lossy().starts_with(&format!("{o}=")))
         {
             i += 1;
             continue;
