@@ -163,6 +163,12 @@ pub(crate) fn script(s: &Submission) -> Result<String, Exit> {
     if !waits.is_empty() {
         option(format!("--dependency={}", waits.join(",")));
     }
+    lines.push(inside(s));
+    Ok(lines.join("\n") + "\n")
+}
+
+/// The script's last line: the same torchtools command, attached, on the job's GPUs.
+fn inside(s: &Submission) -> String {
     let mut words = vec!["exec".to_owned(), quoted(&torchtools_path())];
     // The options the script gives Slurm are not the inner command's: it runs on the
     // job's GPUs, and Slurm keeps its time.
@@ -186,8 +192,7 @@ pub(crate) fn script(s: &Submission) -> Result<String, Exit> {
     }
     words.push("--".into());
     words.extend(inner[head..].iter().map(|w| quoted(&w.to_string_lossy())));
-    lines.push(words.join(" "));
-    Ok(lines.join("\n") + "\n")
+    words.join(" ")
 }
 
 /// This torchtools, as the job runs it (the nodes share the path on a cluster).
