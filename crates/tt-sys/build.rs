@@ -137,29 +137,30 @@ mod shim {
     }
 
     fn cache_key(build: &cc::Build, headers: &[PathBuf]) -> u64 {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
         // Reading them also tells cargo to run this script again when CXX, CXXFLAGS,
         // AR, ... change, as `compile` does.
         let compiler = build.get_compiler();
-        compiler.path().hash(&mut h);
-        compiler.args().hash(&mut h);
-        let version = compiler.to_command().arg("--version").output();
-        version.map(|o| o.stdout).unwrap_or_default().hash(&mut h);
         let archiver = build.get_archiver();
-        archiver.get_program().hash(&mut h);
-        archiver.get_args().for_each(|a| a.hash(&mut h));
-        std::env::var("TARGET").unwrap_or_default().hash(&mut h);
         let mut files: Vec<PathBuf> = std::fs::read_dir("csrc")
             .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
             .unwrap_or_default();
         files.sort();
         files.extend(headers.iter().cloned());
-        for file in files {
-            file.hash(&mut h);
-            std::fs::read(&file).unwrap_or_default().hash(&mut h);
+        crate::cxx_cache::Inputs {
+            compiler: compiler.path().to_owned(),
+            args: compiler.args().to_vec(),
+            version: compiler
+                .to_command()
+                .arg("--version")
+                .output()
+                .map(|o| o.stdout)
+                .unwrap_or_default(),
+            archiver: archiver.get_program().to_owned(),
+            archiver_args: archiver.get_args().map(ToOwned::to_owned).collect(),
+            target: std::env::var("TARGET").unwrap_or_default(),
+            files,
         }
-        h.finish()
+        .key()
     }
 
     /// libtorch's distributed engine: Gloo always, NCCL with the `nccl` feature.

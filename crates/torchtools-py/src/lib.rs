@@ -18,6 +18,12 @@ mod tracker;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The margin a fence leaves free on top of the job's bytes: tt-fence's, so the
+    // Python default and the Rust one are one number.
+    m.add(
+        "DEFAULT_SAFETY_MARGIN_BYTES",
+        tt_reserve::ReserveOptions::default().safety_margin_bytes.0,
+    )?;
     errors::register(m)?;
     m.add_function(wrap_pyfunction!(device::select_device, m)?)?;
     m.add_function(wrap_pyfunction!(device::parse_duration, m)?)?;

@@ -13,7 +13,7 @@ use tt_reserve::ReserveOptions;
 use crate::errors::{reserve_error, BadRequestError};
 
 /// How often a wait for GPUs looks at Python's signals (Ctrl-C).
-const SIGNAL_POLL: Duration = Duration::from_millis(100);
+const SIGNAL_EVERY: Duration = Duration::from_millis(100);
 
 /// GPUs reserved for this process: their locks, held, and their fences, raised, until
 /// [`Reservation::release`] (or the object is collected, or the process ends).
@@ -159,7 +159,7 @@ fn wait_for(py: Python<'_>, options: ReserveOptions) -> PyResult<tt_reserve::Res
     let mut rx = rx;
     loop {
         // The receiver goes to the wait and comes back (it cannot be shared).
-        let (answer, back) = py.detach(move || (rx.recv_timeout(SIGNAL_POLL), rx));
+        let (answer, back) = py.detach(move || (rx.recv_timeout(SIGNAL_EVERY), rx));
         rx = back;
         match answer {
             Ok(taken) => return taken.map_err(reserve_error),

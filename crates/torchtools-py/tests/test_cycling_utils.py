@@ -124,19 +124,33 @@ def test_atomic_torch_save_is_read_by_torch_load(tmp_path):
 
 def test_kill_9_during_a_save_leaves_the_previous_file_whole(tmp_path, clean_env):
     path = tmp_path / "latest.pt"
+    # The second save stops half written (its bytes flushed to the temporary file) and
+    # says so: the kill lands inside it, not between two saves.
     saver = subprocess.Popen(
         [
             sys.executable,
             "-c",
             textwrap.dedent(
                 f"""
+                import io, time
                 import torch
                 from torchtools.cycling_utils import atomic_torch_save
                 big = torch.zeros(64 * 1024 * 1024 // 4)
-                for n in range(1, 10_000):
-                    big[0] = n
-                    atomic_torch_save({{"n": n, "big": big}}, {str(path)!r})
-                    print("saved", n, flush=True)
+                big[0] = 1
+                atomic_torch_save({{"n": 1, "big": big}}, {str(path)!r})
+                print("saved 1", flush=True)
+                whole_save = torch.save
+                def half_then_wait(obj, f, **kwargs):
+                    buf = io.BytesIO()
+                    whole_save(obj, buf, **kwargs)
+                    data = buf.getvalue()
+                    f.write(data[: len(data) // 2])
+                    f.flush()
+                    print("mid-save", flush=True)
+                    time.sleep(600)
+                torch.save = half_then_wait
+                big[0] = 2
+                atomic_torch_save({{"n": 2, "big": big}}, {str(path)!r})
                 """
             ),
         ],
@@ -144,10 +158,13 @@ def test_kill_9_during_a_save_leaves_the_previous_file_whole(tmp_path, clean_env
         text=True,
         env=clean_env,
     )
-    # Killed after its second save has begun (the first is on disk).
     assert saver.stdout.readline() == "saved 1\n"
+    assert saver.stdout.readline() == "mid-save\n"
+    # Half of the second save is on the disk, beside the first.
+    written = [p for p in tmp_path.iterdir() if p != path]
+    assert written and all(p.stat().st_size > 0 for p in written), written
     saver.send_signal(signal.SIGKILL)
     saver.wait(timeout=120)
     loaded = torch.load(path)
-    assert loaded["n"] >= 1 and loaded["big"][0].item() == loaded["n"]
+    assert loaded["n"] == 1 and loaded["big"][0].item() == 1
     assert loaded["big"].numel() == 64 * 1024 * 1024 // 4

@@ -39,6 +39,7 @@ TRAIN = textwrap.dedent(
             super().__init__()
             self.lin = torch.nn.Linear(1, 1)
             self.seen = []
+            self.restored = 0
 
         def training_step(self, batch, batch_idx):
             x, i = batch
@@ -56,6 +57,7 @@ TRAIN = textwrap.dedent(
 
         def on_load_checkpoint(self, checkpoint):
             self.seen = checkpoint["seen"]
+            self.restored = len(self.seen)
 
     sampler = InterruptableDistributedSampler(data, num_replicas=1, rank=0, seed={seed})
     handler = EpochHandler(sampler, ckdir, save_freq=save_freq)
@@ -65,6 +67,7 @@ TRAIN = textwrap.dedent(
                         enable_model_summary=False)
     trainer.fit(model, DataLoader(data, batch_size={batch}, sampler=sampler),
                 ckpt_path=handler.resume_path())
+    print("RESTORED " + str(model.restored), flush=True)
     print("SEEN " + json.dumps(model.seen), flush=True)
     """
 ).format(n=N, batch=BATCH, epochs=EPOCHS, seed=SEED)
@@ -121,6 +124,13 @@ def test_a_killed_lightning_trainer_resumes_without_repeating_or_skipping_a_samp
     )
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.split("SEEN ", 1)[1])
+    # The second run resumed from the save (a fresh start with the same seed would see
+    # the same order): it trained on only the batches after it, never past the kill.
+    restored = int(done.stdout.split("RESTORED ", 1)[1].split()[0])
+    if saved_before_kill:
+        assert 0 < restored <= stop_at, f"restored {restored} batches, killed at {stop_at}"
+    else:
+        assert restored == 0
     by_epoch = {}
     for epoch, indices in seen:
         by_epoch.setdefault(epoch, []).extend(indices)

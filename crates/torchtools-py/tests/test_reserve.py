@@ -35,6 +35,19 @@ def python(code, env):
     )
 
 
+def test_the_default_safety_margin_is_the_rust_fences_own():
+    """One number: the margin a Python reservation leaves by default is the one the Rust
+    fence (tt-fence's DEFAULT_SAFETY_MARGIN) leaves, 50 MiB as in the Python torchtools."""
+    import inspect
+
+    from torchtools import _native, gpu_lock
+
+    assert _native.DEFAULT_SAFETY_MARGIN_BYTES == 50 * 1024**2
+    assert gpu_lock.DEFAULT_SAFETY_MARGIN_BYTES == _native.DEFAULT_SAFETY_MARGIN_BYTES
+    default = inspect.signature(reserve_gpu_for_training).parameters["safety_margin_bytes"].default
+    assert default == _native.DEFAULT_SAFETY_MARGIN_BYTES
+
+
 def test_a_reservation_is_in_the_commands_view_and_released_on_exit(lock_dir, command):
     with pytest.raises(ValueError):
         with reserve_gpu_for_training(gpu=0, fence=False, training_reserved_bytes=1 << 30) as r:

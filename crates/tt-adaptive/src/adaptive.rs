@@ -187,7 +187,7 @@ pub type OomHook = Arc<dyn Fn(OomKind, usize) -> bool + Send + Sync>;
 pub type AgreeHook = Arc<dyn Fn(usize) -> usize + Send + Sync>;
 
 const BUCKET: u64 = 256 << 20;
-const REFRESH: Duration = Duration::from_secs(1);
+const REFRESH_EVERY: Duration = Duration::from_secs(1);
 
 struct Shared {
     entries: Mutex<HashMap<Key, Entry>>,
@@ -500,7 +500,7 @@ impl Adaptive {
     fn bucket(&self, force: bool) -> u64 {
         let mut b = self.shared.bucket.lock().unwrap_or_else(|e| e.into_inner());
         match *b {
-            Some((at, value)) if !force && at.elapsed() < REFRESH => value,
+            Some((at, value)) if !force && at.elapsed() < REFRESH_EVERY => value,
             _ => {
                 let value = self.memory.free_bytes().unwrap_or(0) / BUCKET;
                 *b = Some((Instant::now(), value));

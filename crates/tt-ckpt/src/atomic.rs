@@ -14,12 +14,6 @@ pub(crate) const TEMP_PREFIX: &str = ".tt-tmp-";
 /// A temp file of another host is removed only when older than this.
 const FOREIGN_TEMP_AGE: Duration = Duration::from_secs(24 * 3600);
 
-/// The host's name ([`tt_device::host_name`]) as a temp file's name part: no `-` (the
-/// name's separator) and no `/`.
-pub(crate) fn hostname() -> String {
-    tt_device::host_name().replace(['-', '/'], "_")
-}
-
 fn parent_of(path: &Path) -> PathBuf {
     match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -53,7 +47,11 @@ impl AtomicFile {
     /// file it will replace (else 0644).
     pub fn new(target: &Path) -> Result<Self> {
         let dir = parent_of(target);
-        let prefix = format!("{TEMP_PREFIX}{}-{}-", hostname(), std::process::id());
+        let prefix = format!(
+            "{TEMP_PREFIX}{}-{}-",
+            tt_device::host_name_for_files(),
+            std::process::id()
+        );
         // tempfile makes files 0600; a checkpoint keeps the mode of the file it
         // replaces, or gets the usual 0644, so that teammates can read it.
         let mode = std::fs::metadata(target)
@@ -139,7 +137,7 @@ fn pid_alive(pid: u32) -> bool {
 /// Returns how many were removed. Live writers' temp files are never touched.
 pub fn clean_stale_temps(dir: impl AsRef<Path>) -> Result<usize> {
     let dir = dir.as_ref();
-    let me = hostname();
+    let me = tt_device::host_name_for_files();
     let mut removed = 0;
     let entries = std::fs::read_dir(dir).map_err(io("list", dir))?;
     for entry in entries.flatten() {
@@ -147,11 +145,11 @@ pub fn clean_stale_temps(dir: impl AsRef<Path>) -> Result<usize> {
         let Some(rest) = name.strip_prefix(TEMP_PREFIX) else {
             continue;
         };
-        let mut parts = rest.splitn(3, '-');
-        let (host, pid) = (
-            parts.next().unwrap_or(""),
-            parts.next().and_then(|p| p.parse::<u32>().ok()),
-        );
+        // `<host>-<pid>-<random>`: the random part and the pid hold no `-`.
+        let mut parts = rest.rsplitn(3, '-');
+        let _random = parts.next();
+        let pid = parts.next().and_then(|p| p.parse::<u32>().ok());
+        let host = parts.next().unwrap_or("");
         let stale = if host == me {
             pid.is_some_and(|p| !pid_alive(p))
         } else {

@@ -33,8 +33,9 @@ pub use inventory::{
 #[cfg(feature = "tch")]
 pub use libtorch::{availability, report, select, select_device};
 pub use process::{
-    descends_from, host_name, host_name_if_known, in_a_pid_namespace, now_unix, now_unix_secs,
-    own_pid_namespace, parent_of, shell_status, EX_TEMPFAIL, INITIAL_PID_NAMESPACE,
+    descends_from, host_name, host_name_for_files, host_name_if_known, in_a_pid_namespace,
+    now_unix, now_unix_secs, own_pid_namespace, parent_of, shell_status, EX_TEMPFAIL,
+    INITIAL_PID_NAMESPACE,
 };
 pub use report::{Backend, DeviceReport, LibtorchInfo, View};
 pub use select::{select_with, Availability, CudaCandidate, Device, Selection};
@@ -43,6 +44,6 @@ pub use slurm::{
     SLURM_JOB_GPUS, SLURM_JOB_ID, SLURM_RESTART_COUNT, SLURM_STEP_GPUS,
 };
 pub use text::printable;
-#[cfg(feature = "test-hooks")]
+#[cfg(any(test, feature = "test-hooks"))]
 pub use thread::refuse_threads;
 pub use thread::spawn_scoped;

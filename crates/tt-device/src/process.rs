@@ -100,6 +100,13 @@ pub fn host_name() -> String {
     host_name_if_known().unwrap_or_else(|| "localhost".to_owned())
 }
 
+/// [`host_name`] as a part of a file's name: each path separator (`/`, `\`) made `_`.
+/// The one rule for every file named after its host (checkpoints' temporary files,
+/// TensorBoard's event files).
+pub fn host_name_for_files() -> String {
+    host_name().replace(['/', '\\'], "_")
+}
+
 /// [`now_unix`] in whole seconds, as the lock records (`since_unix`) count time.
 pub fn now_unix_secs() -> u64 {
     std::time::SystemTime::now()

@@ -26,7 +26,7 @@ pub use holder::{own_pid_namespace, utc, Holder, Requester};
 pub use list::{LockState, Locker};
 pub use lock::{inheritance, share_with, GpuLock, Wait, HELD_LOCKS_ENV};
 pub use owner::{
-    check as check_owner, name_of_uid, trusted_text, user_name_of, Ignored, Untrusted,
+    check as check_owner, euid, name_of_uid, trusted_text, user_name_of, Ignored, Untrusted,
 };
 pub use policy::{
     policy_for, FairShare, Limits, Policy, PolicyInForce, PolicyStatus, Preemption, DEFAULT_AGING,

@@ -133,8 +133,9 @@ pub fn check(
     })
 }
 
-/// This process's effective uid.
-pub(crate) fn euid() -> u32 {
+/// This process's effective uid: whose the files it creates are, and whose records it
+/// may write.
+pub fn euid() -> u32 {
     nix::unistd::geteuid().as_raw()
 }
 

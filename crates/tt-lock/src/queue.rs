@@ -15,7 +15,7 @@
 //! ticket without its lock is a dead request and is ignored (and removed by its owner's
 //! user). Waiters sleep on inotify events of the directory: a lock file closed by a
 //! holder that lets go (or dies), a ticket removed; a fallback re-check every
-//! [`FALLBACK_RECHECK`] covers what inotify does not report.
+//! [`FALLBACK_RECHECK_EVERY`] covers what inotify does not report.
 
 use std::cell::RefCell;
 use std::ffi::OsStr;
@@ -193,7 +193,7 @@ impl fmt::Display for Waiter {
 
 /// How often a waiter re-checks the queue when no inotify event came (a holder whose
 /// lock file stays open in a forked child after it let go makes no event).
-pub(crate) const FALLBACK_RECHECK: Duration = Duration::from_millis(100);
+pub(crate) const FALLBACK_RECHECK_EVERY: Duration = Duration::from_millis(100);
 
 /// The largest ticket number believed. Numbers count up by one per request from the
 /// largest live ticket, so no real queue comes near it; a ticket numbered above it is
@@ -495,13 +495,13 @@ impl Watch {
     }
 
     /// Sleeps until an event or for `limit`, whichever comes first (never longer than
-    /// [`FALLBACK_RECHECK`] with inotify, 2 ms without).
+    /// [`FALLBACK_RECHECK_EVERY`] with inotify, 2 ms without).
     pub(crate) fn wait(&self, limit: Duration) {
         let Some(inotify) = &self.fd else {
             std::thread::sleep(limit.min(Duration::from_millis(2)));
             return;
         };
-        let limit = limit.min(FALLBACK_RECHECK);
+        let limit = limit.min(FALLBACK_RECHECK_EVERY);
         let mut fds = [PollFd::new(inotify.as_fd(), PollFlags::POLLIN)];
         let timeout = TimeSpec::from_duration(limit);
         if ppoll(&mut fds, Some(timeout), None).is_ok_and(|n| n > 0) {

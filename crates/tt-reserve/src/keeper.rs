@@ -19,7 +19,9 @@ use tt_fence::{Fence, FenceOptions};
 use tt_lock::{GpuKey, Holder, LockDir};
 
 /// How often a keeper looks at the ledger and the GPU.
-const EVERY: Duration = Duration::from_millis(200);
+const LOOK_EVERY: Duration = Duration::from_millis(200);
+/// How often a new sharer looks for its room on the GPU.
+const ROOM_EVERY: Duration = Duration::from_millis(50);
 /// Free memory beyond the target that is left unfenced (no churn for small changes).
 const SLACK: Bytes = Bytes::mib(512);
 /// How long a new sharer waits for the keeper to free its budget.
@@ -74,7 +76,7 @@ fn keep(dir: &LockDir, target: &Target, me: &Holder, stop: &AtomicBool) {
                 warned = true;
             }
         }
-        std::thread::sleep(EVERY);
+        std::thread::sleep(LOOK_EVERY);
     }
 }
 
@@ -162,7 +164,7 @@ pub(crate) fn wait_for_room(machine: &dyn GpuBackend, uuid: &str, bytes: Bytes) 
             Some(f) if f >= bytes => return true,
             None => return false,
             Some(_) if start.elapsed() >= ADMISSION_WAIT => return false,
-            Some(_) => std::thread::sleep(Duration::from_millis(50)),
+            Some(_) => std::thread::sleep(ROOM_EVERY),
         }
     }
 }

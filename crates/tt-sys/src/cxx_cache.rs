@@ -17,6 +17,43 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
+/// What a compiled archive is made from: its cache key hashes all of it, so that a
+/// change to any of them compiles again (a key that left one out would link a stale
+/// archive).
+pub(crate) struct Inputs {
+    /// The compiler, every flag it is given, and what `--version` said.
+    pub(crate) compiler: PathBuf,
+    pub(crate) args: Vec<std::ffi::OsString>,
+    pub(crate) version: Vec<u8>,
+    /// The archiver and its flags.
+    pub(crate) archiver: std::ffi::OsString,
+    pub(crate) archiver_args: Vec<std::ffi::OsString>,
+    /// The target triple.
+    pub(crate) target: String,
+    /// The sources and the headers that name libraries' versions: each file's path and
+    /// contents (an unreadable one counts as empty).
+    pub(crate) files: Vec<PathBuf>,
+}
+
+impl Inputs {
+    /// The cache key.
+    pub(crate) fn key(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.compiler.hash(&mut h);
+        self.args.hash(&mut h);
+        self.version.hash(&mut h);
+        self.archiver.hash(&mut h);
+        self.archiver_args.hash(&mut h);
+        self.target.hash(&mut h);
+        for file in &self.files {
+            file.hash(&mut h);
+            fs::read(file).unwrap_or_default().hash(&mut h);
+        }
+        h.finish()
+    }
+}
+
 /// How many archives of one library are kept: the most recently used.
 pub(crate) const KEEP: usize = 8;
 
@@ -131,6 +168,93 @@ mod tests {
             fs::write(dir.join("a.o"), b"object")?;
             fs::write(dir.join(format!("lib{name}.a")), b"archive")
         }
+    }
+
+    /// Every input is in the key: one flag more, another compiler version, one byte of
+    /// a source changed each give another key; the same inputs give the same one.
+    #[test]
+    fn every_input_of_a_compile_changes_its_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("shim.cpp");
+        fs::write(&source, "int f() { return 1; }").unwrap();
+        let base = || Inputs {
+            compiler: "/usr/bin/c++".into(),
+            args: vec!["-O2".into(), "-std=c++17".into()],
+            version: b"c++ (Debian 14.2.0) 14.2.0".to_vec(),
+            archiver: "ar".into(),
+            archiver_args: vec!["cq".into()],
+            target: "x86_64-unknown-linux-gnu".into(),
+            files: vec![source.clone()],
+        };
+        let key = base().key();
+        assert_eq!(base().key(), key);
+        let changed: Vec<(&str, Inputs)> = vec![
+            (
+                "compiler",
+                Inputs {
+                    compiler: "/usr/bin/clang++".into(),
+                    ..base()
+                },
+            ),
+            (
+                "a flag more",
+                Inputs {
+                    args: vec!["-O2".into(), "-std=c++17".into(), "-DNDEBUG".into()],
+                    ..base()
+                },
+            ),
+            (
+                "a flag changed",
+                Inputs {
+                    args: vec!["-O0".into(), "-std=c++17".into()],
+                    ..base()
+                },
+            ),
+            (
+                "version",
+                Inputs {
+                    version: b"c++ (Debian 15.1.0) 15.1.0".to_vec(),
+                    ..base()
+                },
+            ),
+            (
+                "archiver",
+                Inputs {
+                    archiver: "llvm-ar".into(),
+                    ..base()
+                },
+            ),
+            (
+                "archiver flags",
+                Inputs {
+                    archiver_args: vec!["crs".into()],
+                    ..base()
+                },
+            ),
+            (
+                "target",
+                Inputs {
+                    target: "aarch64-unknown-linux-gnu".into(),
+                    ..base()
+                },
+            ),
+            (
+                "a file more",
+                Inputs {
+                    files: vec![source.clone(), dir.path().join("version.h")],
+                    ..base()
+                },
+            ),
+        ];
+        for (what, inputs) in changed {
+            assert_ne!(inputs.key(), key, "{what} left the key as it was");
+        }
+        fs::write(&source, "int f() { return 2; }").unwrap();
+        assert_ne!(
+            base().key(),
+            key,
+            "a source's contents left the key as it was"
+        );
     }
 
     #[test]

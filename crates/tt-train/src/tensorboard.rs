@@ -47,7 +47,7 @@ impl EventWriter {
             )
         })?;
         let now = tt_device::now_unix();
-        let host = hostname();
+        let host = tt_device::host_name_for_files();
         let name = format!(
             "events.out.tfevents.{}.{host}.{}.0",
             now as u64,
@@ -118,11 +118,6 @@ impl Drop for EventWriter {
     fn drop(&mut self) {
         let _ = self.file.flush();
     }
-}
-
-/// The host name for the file name (`localhost` if unknown), with no path separator.
-fn hostname() -> String {
-    tt_device::host_name().replace(['/', '\\'], "_")
 }
 
 /// A protobuf field key: field number and wire type.

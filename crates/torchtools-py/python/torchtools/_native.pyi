@@ -3,6 +3,7 @@
 from typing import Any, Callable, List, Optional, Tuple
 
 __version__: str
+DEFAULT_SAFETY_MARGIN_BYTES: int
 
 class TorchtoolsError(RuntimeError): ...
 class GpuBusyError(TorchtoolsError): ...

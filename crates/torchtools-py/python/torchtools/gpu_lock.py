@@ -11,8 +11,9 @@ import torch
 
 from torchtools import _native
 
-#: Memory left free on top of ``training_reserved_bytes`` (tt-fence's default).
-DEFAULT_SAFETY_MARGIN_BYTES = 50 * 1024**2
+#: Memory left free on top of ``training_reserved_bytes``: the Rust fence's own default,
+#: read from the native module (50 MiB, as in the Python torchtools).
+DEFAULT_SAFETY_MARGIN_BYTES: int = _native.DEFAULT_SAFETY_MARGIN_BYTES
 
 Timeout = Union[None, int, float, str]
 Gpu = Union[None, int, str, Sequence[Union[int, str]]]
