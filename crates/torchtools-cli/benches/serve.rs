@@ -17,11 +17,6 @@ const CLIENTS: usize = 20;
 const REQUESTS_PER_CLIENT: usize = 50;
 const SEQUENTIAL: usize = 100;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// One GET on a new connection: the body's length.
 fn get(port: u16, path: &str) -> usize {
     let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
@@ -46,7 +41,7 @@ fn get(port: u16, path: &str) -> usize {
 fn lab(path: &std::path::Path) -> Vec<tt_lock::GpuLock> {
     let dir = LockDir::open(path).expect("lock dir");
     let me = Holder::current();
-    let uid = nix::unistd::geteuid().as_raw();
+    let uid = tt_lock::euid();
     let now = tt_device::now_unix();
     let mut log = String::with_capacity(USAGE_RECORDS * 300);
     for i in 0..USAGE_RECORDS {
@@ -119,11 +114,11 @@ fn main() {
         }
         start.elapsed().as_secs_f64() * 1e3
     };
-    let views_ms = median((0..5).map(|_| views()).collect());
+    let views_ms = tt_testkit::bench::median((0..5).map(|_| views()).collect());
 
     let mut size = 0;
     let per_request = |path: &str, size: &mut usize| {
-        median(
+        tt_testkit::bench::median(
             (0..SEQUENTIAL)
                 .map(|_| {
                     let start = Instant::now();

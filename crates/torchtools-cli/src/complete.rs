@@ -30,11 +30,11 @@ fn job_ids(current: &OsStr) -> Vec<CompletionCandidate> {
     else {
         return Vec::new();
     };
-    let me = nix::unistd::geteuid().as_raw();
+    let me = tt_lock::euid();
     jobs.retain(|j| j.id.starts_with(typed));
     jobs.sort_by(|a, b| {
-        (a.uid != me, crate::jobs::store::ended(a))
-            .cmp(&(b.uid != me, crate::jobs::store::ended(b)))
+        (a.uid != me, a.ended())
+            .cmp(&(b.uid != me, b.ended()))
             .then(b.started_unix.total_cmp(&a.started_unix))
     });
     let mut out: Vec<CompletionCandidate> = jobs

@@ -17,7 +17,7 @@ use std::io::{BufRead, Read, Seek, SeekFrom, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -110,7 +110,7 @@ fn config_hook(path: &Path) -> Result<Option<Hook>> {
 fn read_own_config(path: &Path) -> std::result::Result<Option<String>, String> {
     use tt_lock::Untrusted;
     const MAX: u64 = 1 << 20;
-    let me = nix::unistd::geteuid().as_raw();
+    let me = tt_lock::euid();
     tt_lock::trusted_text(path, &[me, 0], MAX).map_err(|why| match why {
         Untrusted::NotRegular => "it is not a regular file; move it away".into(),
         Untrusted::Owner(uid) => format!(
@@ -354,13 +354,8 @@ impl Guardian {
     /// run; a guardian that takes longer is left to finish on its own.
     fn finish(&mut self) {
         drop(self.pipe.take());
-        let deadline = Instant::now() + self.timeout + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            match self.child.try_wait() {
-                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-                _ => return,
-            }
-        }
+        let _ =
+            crate::process::wait_at_most(&mut self.child, self.timeout + Duration::from_secs(10));
     }
 }
 
@@ -508,20 +503,13 @@ fn run_hook(hook: &Hook, vars: &[(&str, String)], stdin: Vec<u8>) {
             let _ = input.write_all(&stdin);
         });
     }
-    let deadline = Instant::now() + hook.timeout;
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) => {
-                use std::os::unix::process::ExitStatusExt;
-                if !status.success() {
-                    let code = tt_device::shell_status(status.code(), status.signal());
-                    warn(format!("`{}` failed (exit {code})", hook.command));
-                }
-                return;
-            }
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-            _ => break,
+    if let Some(status) = crate::process::wait_at_most(&mut child, hook.timeout) {
+        use std::os::unix::process::ExitStatusExt;
+        if !status.success() {
+            let code = tt_device::shell_status(status.code(), status.signal());
+            warn(format!("`{}` failed (exit {code})", hook.command));
         }
+        return;
     }
     // Over its time: the hook and everything it started.
     let _ = nix::sys::signal::killpg(
@@ -633,7 +621,7 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(config_hook(&path).is_ok_and(|h| h.is_some()));
         // Another user's file (root can give one away; as anyone else, say so).
-        if nix::unistd::geteuid().is_root() {
+        if tt_lock::euid() == 0 {
             let nobody = Some(nix::unistd::Uid::from_raw(65_534));
             nix::unistd::chown(&path, nobody, None).unwrap_or_else(|e| panic!("{e}"));
             let e = refused(&path);

@@ -20,6 +20,9 @@ use anyhow::{Context, Result};
 
 use crate::exit::Exit;
 
+/// How long the server waits before accepting again after a failed accept.
+const ACCEPT_RETRY_AFTER: Duration = Duration::from_millis(50);
+
 /// Connections served at once; more wait to be accepted.
 pub(crate) const MAX_CONNECTIONS: usize = 256;
 /// The most bytes of a request's head (request line and headers) read.
@@ -282,7 +285,7 @@ where
                 // Out of descriptors or a connection reset before it was accepted: say
                 // it, breathe, go on.
                 tracing::warn!("accepting a connection: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                tokio::time::sleep(ACCEPT_RETRY_AFTER).await;
                 continue;
             }
         };
@@ -411,9 +414,6 @@ mod tests {
         let client = std::net::TcpStream::connect(ours).unwrap_or_else(|e| panic!("{e}"));
         let (_, peer) = listener.accept().unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(peer, client.local_addr().unwrap_or_else(|e| panic!("{e}")));
-        assert_eq!(
-            Client::of(ours, peer),
-            Client::Uid(nix::unistd::geteuid().as_raw())
-        );
+        assert_eq!(Client::of(ours, peer), Client::Uid(tt_lock::euid()));
     }
 }

@@ -166,15 +166,18 @@ pub(crate) fn timer(limit: TimeLimit, send: impl Fn(i32) + Send + 'static) -> Be
             show(limit.time),
             show(limit.grace)
         );
-        send(libc::SIGTERM);
-        if until(limit.time + limit.grace) {
-            eprintln!(
-                "torchtools: the command still runs {} after the time limit's SIGTERM: \
-                 SIGKILL",
-                show(limit.grace)
-            );
-            send(libc::SIGKILL);
-        }
+        crate::process::terminate(
+            |s| send(s as i32),
+            limit.grace,
+            |grace| !until(limit.time + grace),
+            || {
+                eprintln!(
+                    "torchtools: the command still runs {} after the time limit's \
+                     SIGTERM: SIGKILL",
+                    show(limit.grace)
+                )
+            },
+        );
         true
     })
 }
@@ -259,16 +262,21 @@ mod tests {
         assert!(clock.finish());
         let got = sent.lock().unwrap_or_else(|e| e.into_inner()).clone();
         assert_eq!(got, [libc::SIGUSR1, libc::SIGTERM, libc::SIGKILL]);
+        // Finished before its first signal is due (in a second): none comes, then or
+        // ever (a finish that left the clock running would see SIGTERM and SIGKILL
+        // sent a second later; the wait is twice that).
         let quiet = Arc::new(Mutex::new(Vec::new()));
         let log = Arc::clone(&quiet);
         let quiet_clock = timer(
             TimeLimit {
-                time: Duration::from_secs(600),
-                ..limit
+                time: Duration::from_secs(1),
+                grace: Duration::from_millis(50),
+                signal_before: None,
             },
             move |s| log.lock().unwrap_or_else(|e| e.into_inner()).push(s),
         );
         assert!(!quiet_clock.finish());
+        std::thread::sleep(Duration::from_secs(2));
         assert!(quiet.lock().unwrap_or_else(|e| e.into_inner()).is_empty());
     }
 }

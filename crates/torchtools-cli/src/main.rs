@@ -27,11 +27,9 @@ mod ignored;
 mod jobs;
 mod limit;
 mod preempt;
+mod process;
 mod snapshot;
 mod submit;
-
-/// Exit status for a bad variable or an impossible device request.
-pub(crate) const EXIT_BAD_ENV: u8 = 2;
 
 #[derive(Parser)]
 #[command(name = "torchtools", version, about = "Tools for training on shared GPU machines", long_about = None)]
@@ -53,11 +51,11 @@ fn main() -> ExitCode {
         (Ok(filter), Ok(_)) => filter,
         (Err(e), _) => {
             eprintln!("torchtools: error: {e}");
-            return ExitCode::from(EXIT_BAD_ENV);
+            return ExitCode::from(exit::USAGE);
         }
         (_, Err(e)) => {
             eprintln!("torchtools: error: {e}");
-            return ExitCode::from(EXIT_BAD_ENV);
+            return ExitCode::from(exit::USAGE);
         }
     };
     tracing_subscriber::fmt()
@@ -117,25 +115,25 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let line = jobs::keeper::without_detach(&argv, cli.command.command_len());
     let hook = hook.map(|h| (h, line));
     match cli.command {
-        Command::Devices(args) => devices::run(args),
-        Command::Reserve(args) => attached(hook, || reserve::run(args)),
-        Command::Track(args) => track::run(*args),
-        Command::Probe(args) => probe::run(args),
-        Command::Run(args) => attached(hook, || commands::run::run(args)),
-        Command::Launch(args) => attached(hook, || launch::run(*args)),
-        Command::Locks(args) => locks::run(args),
-        Command::Policy(args) => policy::run(args),
-        Command::Jobs(args) => commands::jobs::run(args),
-        Command::Logs(args) => commands::logs::run(args),
-        Command::Stop(args) => commands::stop::run(args),
-        Command::JobRun(args) => commands::job_run::run(args),
-        Command::JobHook(args) => commands::job_hook::run(args),
-        Command::GenerateMan(args) => commands::generate_man::run(args),
-        Command::Usage(args) => usage::run(args),
-        Command::Queue(args) => queue::run(args),
-        Command::Metrics(args) => metrics::run(args),
-        Command::Serve(args) => serve::run(args),
-        Command::Top(args) => top::run(args),
+        Command::Devices(args) => devices::run(&args),
+        Command::Reserve(args) => attached(hook, || reserve::run(&args)),
+        Command::Track(args) => track::run(&args),
+        Command::Probe(args) => probe::run(&args),
+        Command::Run(args) => attached(hook, || commands::run::run(&args)),
+        Command::Launch(args) => attached(hook, || launch::run(&args)),
+        Command::Locks(args) => locks::run(&args),
+        Command::Policy(args) => policy::run(&args),
+        Command::Jobs(args) => commands::jobs::run(&args),
+        Command::Logs(args) => commands::logs::run(&args),
+        Command::Stop(args) => commands::stop::run(&args),
+        Command::JobRun(args) => commands::job_run::run(&args),
+        Command::JobHook(args) => commands::job_hook::run(&args),
+        Command::GenerateMan(args) => commands::generate_man::run(&args),
+        Command::Usage(args) => usage::run(&args),
+        Command::Queue(args) => queue::run(&args),
+        Command::Metrics(args) => metrics::run(&args),
+        Command::Serve(args) => serve::run(&args),
+        Command::Top(args) => top::run(&args),
     }
 }
 

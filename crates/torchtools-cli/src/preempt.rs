@@ -23,7 +23,7 @@ pub(crate) fn watch(
     gpus: Vec<GpuKey>,
     send: impl Fn(i32) + Send + 'static,
 ) -> Beside {
-    let user = tt_lock::name_of_uid(nix::unistd::geteuid().as_raw());
+    let user = tt_lock::Holder::current().who.user;
     Beside::start(move |sleep| loop {
         if !sleep(LOOK_EVERY) {
             return false;
@@ -35,14 +35,17 @@ pub(crate) fn watch(
             "torchtools: preempted: {why}: SIGTERM sent to the command (SIGKILL in {})",
             tt_device::format_duration(grace)
         );
-        send(libc::SIGTERM);
-        if sleep(grace) {
-            eprintln!(
-                "torchtools: the preempted command still runs {} after SIGTERM: SIGKILL",
-                tt_device::format_duration(grace)
-            );
-            send(libc::SIGKILL);
-        }
+        crate::process::terminate(
+            |s| send(s as i32),
+            grace,
+            |grace| !sleep(grace),
+            || {
+                eprintln!(
+                    "torchtools: the preempted command still runs {} after SIGTERM: SIGKILL",
+                    tt_device::format_duration(grace)
+                )
+            },
+        );
         return true;
     })
 }

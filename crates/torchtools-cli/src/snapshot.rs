@@ -1,7 +1,9 @@
 //! The machine's state at one moment: every GPU's memory, use, lock holder, sharers
 //! and processes, the queue in serving order, the policy and each user's standing, and
-//! the records not believed. Taken by `top` (each frame), `metrics` (each scrape) and
-//! `serve` (every half second); `top --json` prints it, `serve`'s `/api/state` holds it.
+//! the records not believed. Every view of the machine reads it: `locks` and `queue`
+//! (once), `top` (each frame), `metrics` (each scrape) and `serve` (every half second);
+//! `top --json` prints it, `serve`'s `/api/state` holds it. The detached jobs are read
+//! through it too ([`Snapshot::job_rows`]), beside the locks and the queue it read.
 
 use std::path::PathBuf;
 
@@ -9,6 +11,8 @@ use anyhow::Result;
 use serde::Serialize;
 use tt_device::{descends_from, Bytes, GpuBackend, NvmlBackend, NvmlStatus};
 use tt_lock::{GpuKey, Holder, LockDir, Waiter};
+
+use crate::jobs::store::{LiveJob, Row, Scan};
 
 /// Everything one frame shows.
 #[derive(Debug, Serialize)]
@@ -35,6 +39,12 @@ pub(crate) struct Snapshot {
     /// Records in the lock directory not believed: each names another user than its
     /// file's owner.
     pub(crate) ignored: Vec<tt_lock::Ignored>,
+    /// Every GPU's lock as `torchtools locks` lists it (`gpus` is made from them).
+    #[serde(skip)]
+    pub(crate) locks: Vec<tt_lock::LockState>,
+    /// The policy in force, whole (`policy` is its one line).
+    #[serde(skip)]
+    pub(crate) policy_in_force: tt_lock::PolicyInForce,
 }
 
 /// One GPU: NVML's view of it and its lock.
@@ -117,9 +127,10 @@ impl Snapshot {
                 .total_cmp(&a.use_gpu_s)
                 .then(a.user.cmp(&b.user))
         });
-        let views = dir
-            .status(&inventory)?
-            .into_iter()
+        let locks = dir.status(&inventory)?;
+        let views = locks
+            .iter()
+            .cloned()
             .map(|state| {
                 let gpu = inventory
                     .gpus
@@ -147,9 +158,9 @@ impl Snapshot {
                     .zip(&owners)
                     .map(|(p, &sharer)| ProcessView {
                         pid: p.pid,
-                        user: process_user(p.pid),
+                        user: crate::process::user_of(p.pid),
                         used: p.used,
-                        command: process_command(p.pid),
+                        command: crate::process::command_of(p.pid),
                         in_reservation: sharer.is_some() || descends_from(p.pid, &roots),
                         share: sharer.and_then(|i| state.shares[i].share),
                         over_share: false,
@@ -187,8 +198,51 @@ impl Snapshot {
             policy_ignored: matches!(policy.status, tt_lock::PolicyStatus::Ignored(_)),
             users,
             ignored: dir.ignored()?,
+            locks,
+            policy_in_force: policy,
         })
     }
+
+    /// The NVML index of the GPU `key` names, when NVML lists it.
+    pub(crate) fn nvml_index(&self, key: &GpuKey) -> Option<u32> {
+        self.gpus
+            .iter()
+            .find(|g| g.key == *key)
+            .and_then(|g| g.index)
+    }
+
+    /// A line for each user who holds more than the policy's limits let one user have
+    /// (`over the policy: tt2 holds 2 GPU(s), ...`); none without limits.
+    pub(crate) fn over_limits(&self) -> Vec<String> {
+        over_limit_lines(&self.users)
+    }
+
+    /// Every user's detached jobs as rows (`jobs --all --json`'s), their states read
+    /// beside this snapshot's locks and queue, with the records not believed and those
+    /// damaged.
+    pub(crate) fn job_rows(&self) -> Result<(Vec<Row>, Scan)> {
+        let waiting: Vec<u32> = self.queue.iter().map(|w| w.who.pid).collect();
+        crate::jobs::store::all_rows(&self.lock_dir, &waiting, &self.locks)
+    }
+
+    /// The detached jobs that have not ended, as `metrics` counts them.
+    pub(crate) fn live_jobs(&self) -> Result<Vec<LiveJob>> {
+        Ok(self.job_rows()?.0.iter().filter_map(LiveJob::of).collect())
+    }
+}
+
+/// The line of each user in `standings` over the policy's limits, sorted: `over the
+/// policy: tt2 holds 2 GPU(s), over the policy's limit of 1 (pids 7, 8)`.
+pub(crate) fn over_limit_lines<'a>(
+    standings: impl IntoIterator<Item = &'a tt_lock::Standing>,
+) -> Vec<String> {
+    let mut lines: Vec<String> = standings
+        .into_iter()
+        .filter_map(tt_lock::Standing::over_text)
+        .map(|t| format!("over the policy: {}", tt_device::printable(&t)))
+        .collect();
+    lines.sort();
+    lines
 }
 
 /// Marks the processes of every sharing job whose processes together use more GPU
@@ -215,18 +269,4 @@ fn flag_over_share(
         }
     }
     processes
-}
-
-pub(crate) fn process_command(pid: u32) -> String {
-    match tt_device::procfs::cmdline(pid) {
-        Some(args) if !args.is_empty() => crate::args::shown(&args),
-        _ => "?".to_owned(),
-    }
-}
-
-pub(crate) fn process_user(pid: u32) -> String {
-    match tt_device::procfs::uid(pid) {
-        Some(uid) => tt_lock::user_name_of(uid).unwrap_or_else(|| uid.to_string()),
-        None => "?".to_owned(),
-    }
 }

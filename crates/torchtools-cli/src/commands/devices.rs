@@ -16,7 +16,7 @@ pub(crate) struct Args {
     pub(crate) json: bool,
 }
 
-pub(crate) fn run(args: Args) -> anyhow::Result<ExitCode> {
+pub(crate) fn run(args: &Args) -> anyhow::Result<ExitCode> {
     let report = tt_device::DeviceReport::nvml_view();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -25,7 +25,7 @@ pub(crate) fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     if let Some(error) = &report.error {
         eprintln!("torchtools: error: {error}");
-        return Ok(ExitCode::from(crate::EXIT_BAD_ENV));
+        return Ok(ExitCode::from(crate::exit::USAGE));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -18,7 +18,7 @@ pub(crate) struct Args {
 }
 
 /// Writes the pages; prints each file written.
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     std::fs::create_dir_all(&args.dir)
         .with_context(|| format!("creating {}", args.dir.display()))?;
     let cli = crate::Cli::command();

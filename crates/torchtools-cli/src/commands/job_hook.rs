@@ -9,6 +9,6 @@ pub(crate) struct Args {
 }
 
 /// Runs the guardian (the id is only for `ps`; the hook comes from the job's keeper).
-pub(crate) fn run(_: Args) -> anyhow::Result<std::process::ExitCode> {
+pub(crate) fn run(_: &Args) -> anyhow::Result<std::process::ExitCode> {
     crate::hook::guard()
 }

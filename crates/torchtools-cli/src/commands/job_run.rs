@@ -11,6 +11,6 @@ pub(crate) struct Args {
 }
 
 /// Runs the keeper.
-pub(crate) fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
+pub(crate) fn run(args: &Args) -> anyhow::Result<std::process::ExitCode> {
     crate::jobs::keeper::keep(&args.id, &args.command)
 }

@@ -6,20 +6,72 @@ use anyhow::Result;
 use tt_device::now_unix;
 use tt_lock::LockDir;
 
-use crate::jobs::keeper::DEPENDENCY_POLL;
+use crate::jobs::keeper::DEPENDENCY_EVERY;
 use crate::jobs::store::{
-    all_jobs, ended, held_by, load, outcome, record_path, records_dir, records_dir_in, resolve,
-    rows, scan, state, uid, Job,
+    all_jobs, load, record_path, records_dir, records_dir_in, resolve, rows, scan, Job,
 };
 
-pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
+/// List your detached jobs (or everyone's).
+///
+/// Your detached jobs (`--detach` on reserve, run, launch): id, state (waiting,
+/// running, finished or failed with its status, lost when the machine rebooted),
+/// how long, the command and its log.
+#[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub(crate) struct Args {
+    #[command(subcommand)]
+    pub(crate) wait: Option<JobsCommand>,
+    /// Everyone's jobs, not only yours.
+    #[arg(long)]
+    pub(crate) all: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// `jobs wait`.
+#[derive(clap::Subcommand)]
+pub(crate) enum JobsCommand {
+    /// Wait for jobs to end; exit with the worst status.
+    ///
+    /// Wait until these jobs have ended; exit with the worst status among them (a
+    /// cancelled or lost job counts as 1).
+    Wait(WaitArgs),
+}
+
+/// `jobs wait`'s arguments.
+#[derive(clap::Args)]
+pub(crate) struct WaitArgs {
+    /// The jobs (ids, unique prefixes, or `last`).
+    #[arg(
+        required_unless_present = "all_mine",
+        conflicts_with = "all_mine",
+        add = crate::complete::jobs()
+    )]
+    jobs: Vec<String>,
+    /// Every job of yours that has not ended yet.
+    #[arg(long)]
+    all_mine: bool,
+}
+
+/// `torchtools jobs` and `jobs wait`.
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    match &args.wait {
+        Some(JobsCommand::Wait(wait_args)) => wait(wait_args),
+        None => list(args),
+    }
+}
+
+/// `torchtools jobs [--all] [--json]`.
+fn list(args: &Args) -> Result<ExitCode> {
+    let (json, all) = (args.json, args.all);
     let locks = LockDir::from_env()?;
     let waiting: Vec<u32> = locks
         .queue()
         .map(|q| q.iter().map(|w| w.who.pid).collect())
         .unwrap_or_default();
     let held = locks.list().unwrap_or_default();
-    let mine = uid();
+    let mine = tt_lock::euid();
     let scan = scan(&records_dir_in(&locks)?)?;
     let jobs: Vec<Job> = scan
         .jobs
@@ -52,7 +104,7 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
     let now = now_unix();
     for job in &jobs {
         let took = job.ended_unix.unwrap_or(now) - job.started_unix;
-        let (gpus, bytes) = held_by(job, &held);
+        let (gpus, bytes) = job.held_by(&held);
         let gpus = if gpus.is_empty() {
             "-".to_owned()
         } else {
@@ -65,7 +117,7 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
             "{}  {:<8}  {:<24}  {:>7}  {}  {}  {}",
             tt_device::printable(&job.id),
             tt_device::printable(&job.user),
-            tt_device::printable(&state(job, &waiting)),
+            tt_device::printable(&job.state(&waiting)),
             format!("{:.0}s", took.max(0.0)),
             gpus,
             crate::args::shown(&job.command),
@@ -75,66 +127,19 @@ pub(crate) fn jobs(json: bool, all: bool) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// List your detached jobs (or everyone's).
-///
-/// Your detached jobs (`--detach` on reserve, run, launch): id, state (waiting,
-/// running, finished or failed with its status, lost when the machine rebooted),
-/// how long, the command and its log.
-#[derive(clap::Args)]
-#[command(args_conflicts_with_subcommands = true)]
-pub(crate) struct Args {
-    #[command(subcommand)]
-    pub(crate) wait: Option<JobsCommand>,
-    /// Everyone's jobs, not only yours.
-    #[arg(long)]
-    pub(crate) all: bool,
-    /// Print JSON instead of text.
-    #[arg(long)]
-    pub(crate) json: bool,
-}
-
-/// `jobs wait`.
-#[derive(clap::Subcommand)]
-pub(crate) enum JobsCommand {
-    /// Wait for jobs to end; exit with the worst status.
-    ///
-    /// Wait until these jobs have ended; exit with the worst status among them (a
-    /// cancelled or lost job counts as 1).
-    Wait {
-        /// The jobs (ids, unique prefixes, or `last`).
-        #[arg(
-            required_unless_present = "all_mine",
-            conflicts_with = "all_mine",
-            add = crate::complete::jobs()
-        )]
-        jobs: Vec<String>,
-        /// Every job of yours that has not ended yet.
-        #[arg(long)]
-        all_mine: bool,
-    },
-}
-
-/// `torchtools jobs` and `jobs wait`.
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
-    match args.wait {
-        Some(JobsCommand::Wait { jobs, all_mine }) => wait(&jobs, all_mine),
-        None => self::jobs(args.json, args.all),
-    }
-}
-
 /// `torchtools jobs wait`: returns when every job named has ended, with the worst
 /// status (the largest), each job's end said on its line.
-fn wait(ids: &[String], all_mine: bool) -> Result<ExitCode> {
+fn wait(args: &WaitArgs) -> Result<ExitCode> {
     let records = records_dir()?;
-    let ids: Vec<String> = if all_mine {
+    let ids: Vec<String> = if args.all_mine {
         all_jobs(&records)?
             .into_iter()
-            .filter(|j| j.uid == uid() && !ended(j))
+            .filter(|j| j.uid == tt_lock::euid() && !j.ended())
             .map(|j| j.id)
             .collect()
     } else {
         let mut all = Vec::new();
-        for id in ids {
+        for id in &args.jobs {
             all.extend(resolve(&records, id)?.into_iter().map(|j| j.id));
         }
         all
@@ -143,13 +148,13 @@ fn wait(ids: &[String], all_mine: bool) -> Result<ExitCode> {
     for id in &ids {
         let job = loop {
             match load(&record_path(&records, id)) {
-                Some(job) if ended(&job) => break Some(job),
-                Some(_) => std::thread::sleep(DEPENDENCY_POLL),
+                Some(job) if job.ended() => break Some(job),
+                Some(_) => std::thread::sleep(DEPENDENCY_EVERY),
                 None => break None,
             }
         };
         let (code, said) = match &job {
-            Some(job) => (outcome(job), state(job, &[])),
+            Some(job) => (job.outcome(), job.state(&[])),
             None => (1, "its record is gone".to_owned()),
         };
         println!("{id}  {said}");

@@ -12,55 +12,6 @@ use tt_dist::{launch as launch_group, LaunchConfig};
 
 use crate::exit::Exit;
 
-/// How many ranks per node: a number, or torchrun's `auto`, `gpu`, `cpu`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Nproc {
-    /// This many.
-    Count(usize),
-    /// One per visible GPU, else one per CPU.
-    Auto,
-    /// One per visible GPU (an error without any).
-    Gpu,
-    /// One per CPU.
-    Cpu,
-}
-
-fn nproc(text: &str) -> std::result::Result<Nproc, String> {
-    match text {
-        "auto" => Ok(Nproc::Auto),
-        "gpu" => Ok(Nproc::Gpu),
-        "cpu" => Ok(Nproc::Cpu),
-        n => match n.parse::<usize>() {
-            Ok(0) | Err(_) => Err(format!(
-                "{n:?} is not a count of processes: give a number from 1, or auto, gpu or cpu"
-            )),
-            Ok(n) => Ok(Nproc::Count(n)),
-        },
-    }
-}
-
-/// torchrun's `--nnodes`: `N`, or `MIN:MAX` with MIN = MAX (no elastic ranges).
-fn nnodes(text: &str) -> std::result::Result<usize, String> {
-    let count = |t: &str| match t.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!("{text:?} is not a number of nodes (1 or more)")),
-    };
-    match text.split_once(':') {
-        None => count(text),
-        Some((lo, hi)) => {
-            let (lo, hi) = (count(lo)?, count(hi)?);
-            if lo == hi {
-                Ok(lo)
-            } else {
-                Err(format!(
-                    "{text:?}: elastic ranges of nodes are not supported; give a fixed count \
-                     (--nnodes {hi})"
-                ))
-            }
-        }
-    }
-}
-
 /// Run N ranks of a command, as torchrun does.
 ///
 /// Launch N processes of CMD with torchrun's variables and command line: a drop-in
@@ -199,6 +150,147 @@ pub(crate) struct Args {
         value_name = "CMD"
     )]
     command: Vec<OsString>,
+}
+
+/// Returns the group's exit status: 0, or the failed rank's.
+pub(crate) fn run(args: &Args) -> Result<u8> {
+    if args.time.preemptible && args.gpu.is_none() {
+        return Err(Exit::usage(
+            "--preemptible yields the group's GPUs: reserve them with --gpu".into(),
+        )
+        .into());
+    }
+    let mut cfg = args.config()?;
+    let limit = args.time.resolve(&crate::limit::machine_policy()?)?;
+    // The group's GPUs, reserved before any rank starts, held until the group ends.
+    let mut reservation = match &args.gpu {
+        None => None,
+        Some(gpus) => Some(reserve_for(args, gpus, &mut cfg)?),
+    };
+    // Every signal we get goes to every rank: each rank leads a process group of its
+    // own (so that stopping it stops what it started), out of the terminal's reach, so
+    // the terminal's Ctrl-C reaches the ranks through us.
+    let forward = Arc::new(AtomicI32::new(0));
+    let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
+        .map_err(|e| anyhow::anyhow!("cannot install signal handlers: {e}"))?;
+    let handle = signals.handle();
+    let flag = Arc::clone(&forward);
+    let forwarder = std::thread::spawn(move || {
+        for signal in signals.forever() {
+            flag.store(signal, Ordering::Relaxed);
+        }
+    });
+    // The time limit's signals go to every rank the same way, from the ranks' start.
+    let timer = limit.map(|limit| {
+        let flag = Arc::clone(&forward);
+        crate::limit::timer(limit, move |signal| flag.store(signal, Ordering::Relaxed))
+    });
+    // A preemptible group's GPUs are watched the same way (see `crate::preempt`).
+    let watcher = match (&reservation, args.time.preemptible) {
+        (Some(r), true) if !r.is_empty() => {
+            let flag = Arc::clone(&forward);
+            let gpus = r.gpus().iter().map(|g| g.key.clone()).collect();
+            Some(crate::preempt::watch(
+                tt_lock::LockDir::from_env()?,
+                gpus,
+                move |signal| flag.store(signal, Ordering::Relaxed),
+            ))
+        }
+        _ => None,
+    };
+    cfg.forward = Some(forward);
+    let outcome = launch_group(&cfg).map_err(|e| match e {
+        tt_dist::Error::Launch { reason: m } => anyhow::Error::from(Exit::usage(m)),
+        tt_dist::Error::Job { reason: m } => {
+            anyhow::Error::from(Exit::new(crate::exit::FAILURE, m))
+        }
+        tt_dist::Error::Spawn { program, cause, .. } => anyhow::Error::from(
+            crate::child::spawn_failure(&program.to_string_lossy(), &cause),
+        ),
+        e => anyhow::Error::from(e),
+    });
+    handle.close();
+    let _ = forwarder.join();
+    if let Some(w) = watcher {
+        w.finish();
+    }
+    if timer.is_some_and(crate::limit::Beside::finish) {
+        let code = outcome.as_ref().map_or(1, |o| o.code);
+        crate::limit::ended_by_limit(u8::try_from(code).unwrap_or(1));
+    }
+    // The GPUs go back as soon as every rank has ended.
+    if let (Some(r), Ok(o)) = (reservation.as_mut(), outcome.as_ref()) {
+        r.set_exit_status(o.code);
+    }
+    drop(reservation);
+    let outcome = outcome?;
+    match outcome.failed {
+        None => Ok(0),
+        Some((rank, how)) => {
+            eprintln!(
+                "torchtools launch: rank {rank} {how}{}{}; the other ranks were stopped",
+                outcome
+                    .error
+                    .as_ref()
+                    .map_or(String::new(), |e| format!(": {e}")),
+                if outcome.restarts > 0 {
+                    format!(" (after {} restart(s))", outcome.restarts)
+                } else {
+                    String::new()
+                }
+            );
+            Ok(u8::try_from(outcome.code).unwrap_or(1).max(1))
+        }
+    }
+}
+
+/// How many ranks per node: a number, or torchrun's `auto`, `gpu`, `cpu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Nproc {
+    /// This many.
+    Count(usize),
+    /// One per visible GPU, else one per CPU.
+    Auto,
+    /// One per visible GPU (an error without any).
+    Gpu,
+    /// One per CPU.
+    Cpu,
+}
+
+fn nproc(text: &str) -> std::result::Result<Nproc, String> {
+    match text {
+        "auto" => Ok(Nproc::Auto),
+        "gpu" => Ok(Nproc::Gpu),
+        "cpu" => Ok(Nproc::Cpu),
+        n => match n.parse::<usize>() {
+            Ok(0) | Err(_) => Err(format!(
+                "{n:?} is not a count of processes: give a number from 1, or auto, gpu or cpu"
+            )),
+            Ok(n) => Ok(Nproc::Count(n)),
+        },
+    }
+}
+
+/// torchrun's `--nnodes`: `N`, or `MIN:MAX` with MIN = MAX (no elastic ranges).
+fn nnodes(text: &str) -> std::result::Result<usize, String> {
+    let count = |t: &str| match t.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{text:?} is not a number of nodes (1 or more)")),
+    };
+    match text.split_once(':') {
+        None => count(text),
+        Some((lo, hi)) => {
+            let (lo, hi) = (count(lo)?, count(hi)?);
+            if lo == hi {
+                Ok(lo)
+            } else {
+                Err(format!(
+                    "{text:?}: elastic ranges of nodes are not supported; give a fixed count \
+                     (--nnodes {hi})"
+                ))
+            }
+        }
+    }
 }
 
 /// torchrun options with no equivalent here: each is refused, naming what to do.
@@ -431,98 +523,6 @@ impl Args {
             local_rank_arg,
             inherit_fds: Vec::new(),
         })
-    }
-}
-
-/// Returns the group's exit status: 0, or the failed rank's.
-pub(crate) fn run(args: Args) -> Result<u8> {
-    if args.time.preemptible && args.gpu.is_none() {
-        return Err(Exit::usage(
-            "--preemptible yields the group's GPUs: reserve them with --gpu".into(),
-        )
-        .into());
-    }
-    let mut cfg = args.config()?;
-    let limit = args.time.resolve(&crate::limit::machine_policy()?)?;
-    // The group's GPUs, reserved before any rank starts, held until the group ends.
-    let mut reservation = match &args.gpu {
-        None => None,
-        Some(gpus) => Some(reserve_for(&args, gpus, &mut cfg)?),
-    };
-    // Every signal we get goes to every rank: each rank leads a process group of its
-    // own (so that stopping it stops what it started), out of the terminal's reach, so
-    // the terminal's Ctrl-C reaches the ranks through us.
-    let forward = Arc::new(AtomicI32::new(0));
-    let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
-        .map_err(|e| anyhow::anyhow!("cannot install signal handlers: {e}"))?;
-    let handle = signals.handle();
-    let flag = Arc::clone(&forward);
-    let forwarder = std::thread::spawn(move || {
-        for signal in signals.forever() {
-            flag.store(signal, Ordering::Relaxed);
-        }
-    });
-    // The time limit's signals go to every rank the same way, from the ranks' start.
-    let timer = limit.map(|limit| {
-        let flag = Arc::clone(&forward);
-        crate::limit::timer(limit, move |signal| flag.store(signal, Ordering::Relaxed))
-    });
-    // A preemptible group's GPUs are watched the same way (see `crate::preempt`).
-    let watcher = match (&reservation, args.time.preemptible) {
-        (Some(r), true) if !r.is_empty() => {
-            let flag = Arc::clone(&forward);
-            let gpus = r.gpus().iter().map(|g| g.key.clone()).collect();
-            Some(crate::preempt::watch(
-                tt_lock::LockDir::from_env()?,
-                gpus,
-                move |signal| flag.store(signal, Ordering::Relaxed),
-            ))
-        }
-        _ => None,
-    };
-    cfg.forward = Some(forward);
-    let outcome = launch_group(&cfg).map_err(|e| match e {
-        tt_dist::Error::Launch { reason: m } => anyhow::Error::from(Exit::usage(m)),
-        tt_dist::Error::Job { reason: m } => {
-            anyhow::Error::from(Exit::new(crate::exit::FAILURE, m))
-        }
-        tt_dist::Error::Spawn { program, cause, .. } => anyhow::Error::from(
-            crate::child::spawn_failure(&program.to_string_lossy(), &cause),
-        ),
-        e => anyhow::Error::from(e),
-    });
-    handle.close();
-    let _ = forwarder.join();
-    if let Some(w) = watcher {
-        w.finish();
-    }
-    if timer.is_some_and(crate::limit::Beside::finish) {
-        let code = outcome.as_ref().map_or(1, |o| o.code);
-        crate::limit::ended_by_limit(u8::try_from(code).unwrap_or(1));
-    }
-    // The GPUs go back as soon as every rank has ended.
-    if let (Some(r), Ok(o)) = (reservation.as_mut(), outcome.as_ref()) {
-        r.set_exit_status(o.code);
-    }
-    drop(reservation);
-    let outcome = outcome?;
-    match outcome.failed {
-        None => Ok(0),
-        Some((rank, how)) => {
-            eprintln!(
-                "torchtools launch: rank {rank} {how}{}{}; the other ranks were stopped",
-                outcome
-                    .error
-                    .as_ref()
-                    .map_or(String::new(), |e| format!(": {e}")),
-                if outcome.restarts > 0 {
-                    format!(" (after {} restart(s))", outcome.restarts)
-                } else {
-                    String::new()
-                }
-            );
-            Ok(u8::try_from(outcome.code).unwrap_or(1).max(1))
-        }
     }
 }
 

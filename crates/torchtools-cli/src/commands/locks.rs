@@ -3,8 +3,9 @@
 use std::process::ExitCode;
 
 use anyhow::Result;
-use tt_device::Inventory;
 use tt_lock::LockDir;
+
+use crate::snapshot::{Gpus, Snapshot};
 
 /// Show every GPU's lock and who holds it.
 ///
@@ -17,38 +18,42 @@ pub(crate) struct Args {
     pub(crate) json: bool,
 }
 
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
-    locks(args.json)
-}
-
-fn locks(json: bool) -> Result<ExitCode> {
-    let dir = LockDir::from_env()?;
-    let inventory = Inventory::query();
-    let states = dir.status(&inventory)?;
-    let ignored = dir.ignored()?;
-    if json {
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    let snapshot = Snapshot::take(&LockDir::from_env()?, &Gpus::open())?;
+    if args.json {
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
-                "lock_dir": dir.path(),
-                "nvml": inventory.nvml,
-                "locks": states,
-                "ignored": ignored,
+                "lock_dir": snapshot.lock_dir,
+                "nvml": snapshot.nvml,
+                "locks": snapshot.locks,
+                "ignored": snapshot.ignored,
             }))?
         );
-        return Ok(ExitCode::SUCCESS);
+    } else {
+        say(&snapshot);
     }
-    println!("GPU locks in {}", dir.path().display());
-    if let tt_device::NvmlStatus::Unavailable { reason } = &inventory.nvml {
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints the locks, the records not believed, a policy file ignored and the users
+/// over the policy's limits.
+fn say(snapshot: &Snapshot) {
+    println!("GPU locks in {}", snapshot.lock_dir.display());
+    if let tt_device::NvmlStatus::Unavailable { reason } = &snapshot.nvml {
         println!("  NVML unavailable ({reason}): locks are keyed by the index given (gpu-N.lock)");
     }
-    if states.is_empty() {
+    if snapshot.locks.is_empty() {
         println!("  no GPU and no lock file");
     }
-    for state in &states {
+    for state in &snapshot.locks {
         println!("  {state}");
     }
-    crate::ignored::say(&ignored);
-    crate::commands::policy::say_notes(&dir);
-    Ok(ExitCode::SUCCESS)
+    crate::ignored::say(&snapshot.ignored);
+    if snapshot.policy_ignored {
+        println!("{}", tt_device::printable(&snapshot.policy));
+    }
+    for line in snapshot.over_limits() {
+        println!("{line}");
+    }
 }

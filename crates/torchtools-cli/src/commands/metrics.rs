@@ -26,13 +26,6 @@ use crate::exit::Exit;
 use crate::http::Get;
 use crate::snapshot::{Gpus, Snapshot};
 
-/// OpenMetrics' content type, which Prometheus asks for first.
-const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-/// Prometheus's text format, for clients that do not ask for OpenMetrics.
-const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
-/// The file `--textfile DIR` writes (node_exporter reads `*.prom`).
-const TEXTFILE: &str = "torchtools.prom";
-
 /// Export the machine's metrics for Prometheus.
 ///
 /// The GPUs, reservations, queue, users and jobs as OpenMetrics text for Prometheus:
@@ -64,7 +57,7 @@ pub(crate) struct Args {
 }
 
 /// `torchtools metrics`.
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let dir = LockDir::from_env()?;
     let gpus = Gpus::open();
     match (args.listen, &args.textfile) {
@@ -76,6 +69,13 @@ pub(crate) fn run(args: Args) -> Result<ExitCode> {
         }
     }
 }
+
+/// OpenMetrics' content type, which Prometheus asks for first.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// Prometheus's text format, for clients that do not ask for OpenMetrics.
+const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// The file `--textfile DIR` writes (node_exporter reads `*.prom`).
+const TEXTFILE: &str = "torchtools.prom";
 
 /// Serves `/metrics` at `addr` until stopped, each scrape on its own connection (a
 /// slow scraper never holds up another), with `serve`'s bounds on requests.
@@ -168,7 +168,7 @@ fn textfile(dir: &LockDir, gpus: &Gpus, out: &Path, interval: Duration) -> Resul
 fn new_textfile(temp: &Path) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
     if let Ok(meta) = std::fs::symlink_metadata(temp) {
-        if meta.uid() == nix::unistd::geteuid().as_raw() && meta.is_file() {
+        if meta.uid() == tt_lock::euid() && meta.is_file() {
             let _ = std::fs::remove_file(temp);
         }
     }
@@ -288,7 +288,7 @@ fn gpu_labels(key: &GpuKey, index: Option<u32>) -> GpuLabels {
 pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
     let snapshot = Snapshot::take(dir, gpus)?;
     let usage = dir.usage()?;
-    let jobs = crate::jobs::store::live_jobs(dir, &snapshot.queue)?;
+    let jobs = snapshot.live_jobs()?;
     let per_user = per_user_use(&usage, tt_device::now_unix());
     render_from(&snapshot, &per_user, &usage.ignored, &jobs)
 }

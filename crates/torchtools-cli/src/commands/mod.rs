@@ -17,7 +17,6 @@ pub(crate) mod reserve;
 pub(crate) mod run;
 pub(crate) mod serve;
 pub(crate) mod stop;
-pub(crate) mod subtrack;
 pub(crate) mod top;
 pub(crate) mod track;
 pub(crate) mod usage;

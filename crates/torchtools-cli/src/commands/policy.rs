@@ -24,7 +24,7 @@ pub(crate) struct Args {
 
 /// Prints the policy and the users' standings; exits 1 when a policy file is there but
 /// ignored (not believed, or not valid), so that root can check a file it wrote.
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let dir = LockDir::from_env()?;
     let in_force = dir.policy();
     let queue = dir.queue()?;
@@ -130,13 +130,7 @@ pub(crate) fn over_limits(dir: &LockDir, in_force: &PolicyInForce) -> Vec<String
     else {
         return Vec::new();
     };
-    let mut lines: Vec<String> = standings
-        .values()
-        .filter_map(Standing::over_text)
-        .map(|t| format!("over the policy: {}", tt_device::printable(&t)))
-        .collect();
-    lines.sort();
-    lines
+    crate::snapshot::over_limit_lines(standings.values())
 }
 
 #[cfg(test)]

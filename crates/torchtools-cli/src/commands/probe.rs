@@ -12,6 +12,42 @@ use tt_probe::{probe_command, BatchSearch, CommandProbe, EstimatePolicy, ProbeEr
 use crate::arg_groups::ProbeArgs;
 use crate::exit::Exit;
 
+/// Measure a command's peak memory.
+///
+/// Probe a command's peak memory: run it with TORCHTOOLS_PROBE=1 and
+/// TORCHTOOLS_PROBE_STEPS=N (so a script can opt into a short run) until it exits or
+/// the timeout, sampling its whole process tree (NVML GPU memory, else RSS), and print
+/// the peak and the bytes to reserve.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Run it on this GPU only (index as nvidia-smi shows it, or UUID).
+    #[arg(long, value_parser = crate::args::gpu_spec)]
+    pub(crate) gpu: Option<tt_lock::GpuSpec>,
+    /// Stop it after this long (its peak so far is reported): 30s, 5m.
+    #[arg(long, value_parser = crate::args::duration, default_value = "60s")]
+    pub(crate) timeout: std::time::Duration,
+    /// Steps the command is asked to run (TORCHTOOLS_PROBE_STEPS).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) steps: u64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+    #[command(flatten)]
+    pub(crate) max_batch: crate::commands::probe::MaxBatchArgs,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub(crate) command: Vec<std::ffi::OsString>,
+}
+
+/// `torchtools probe` (or `probe --max-batch`).
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    if args.max_batch.max_batch {
+        max_batch(args)
+    } else {
+        probe(args)
+    }
+}
+
 /// The UUID `--gpu` names, for CUDA_VISIBLE_DEVICES (an index when there is no NVML).
 fn visible(gpu: &GpuSpec, inventory: &Inventory) -> Result<Option<String>> {
     match gpu {
@@ -57,13 +93,10 @@ fn run_probe(
     Ok(report)
 }
 
-pub(crate) fn probe(
-    gpu: Option<GpuSpec>,
-    timeout: Duration,
-    steps: u64,
-    json: bool,
-    command: Vec<OsString>,
-) -> Result<ExitCode> {
+/// `torchtools probe`: one probe of the command's peak GPU memory.
+fn probe(args: &Args) -> Result<ExitCode> {
+    let (gpu, timeout, steps, json) = (&args.gpu, args.timeout, args.steps, args.json);
+    let command = args.command.clone();
     let inventory = Inventory::query();
     let uuid = match &gpu {
         Some(spec) => visible(spec, &inventory)?,
@@ -117,14 +150,9 @@ pub(crate) fn estimate_for_run(
 }
 
 /// `probe --max-batch`: the largest batch that fits, from at most three probes.
-pub(crate) fn max_batch(
-    gpu: Option<GpuSpec>,
-    timeout: Duration,
-    steps: u64,
-    json: bool,
-    args: &MaxBatchArgs,
-    command: Vec<OsString>,
-) -> Result<ExitCode> {
+fn max_batch(all: &Args) -> Result<ExitCode> {
+    let (gpu, timeout, steps, json) = (&all.gpu, all.timeout, all.steps, all.json);
+    let (args, command) = (&all.max_batch, all.command.clone());
     let inventory = Inventory::query();
     // One GPU for every probe, so that the capacity is that GPU's: --gpu's, else the
     // first NVML lists.
@@ -221,47 +249,4 @@ pub(crate) struct MaxBatchArgs {
     /// a GPU, the system's available memory).
     #[arg(long, requires = "max_batch", value_parser = crate::args::size)]
     pub(crate) capacity: Option<tt_device::Bytes>,
-}
-
-/// Measure a command's peak memory.
-///
-/// Probe a command's peak memory: run it with TORCHTOOLS_PROBE=1 and
-/// TORCHTOOLS_PROBE_STEPS=N (so a script can opt into a short run) until it exits or
-/// the timeout, sampling its whole process tree (NVML GPU memory, else RSS), and print
-/// the peak and the bytes to reserve.
-#[derive(clap::Args)]
-pub(crate) struct Args {
-    /// Run it on this GPU only (index as nvidia-smi shows it, or UUID).
-    #[arg(long, value_parser = crate::args::gpu_spec)]
-    pub(crate) gpu: Option<tt_lock::GpuSpec>,
-    /// Stop it after this long (its peak so far is reported): 30s, 5m.
-    #[arg(long, value_parser = crate::args::duration, default_value = "60s")]
-    pub(crate) timeout: std::time::Duration,
-    /// Steps the command is asked to run (TORCHTOOLS_PROBE_STEPS).
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
-    pub(crate) steps: u64,
-    /// Print JSON instead of text.
-    #[arg(long)]
-    pub(crate) json: bool,
-    #[command(flatten)]
-    pub(crate) max_batch: crate::commands::probe::MaxBatchArgs,
-    /// The command and its arguments, after `--`.
-    #[arg(last = true, required = true, value_name = "CMD")]
-    pub(crate) command: Vec<std::ffi::OsString>,
-}
-
-/// `torchtools probe` (or `probe --max-batch`).
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
-    if args.max_batch.max_batch {
-        max_batch(
-            args.gpu,
-            args.timeout,
-            args.steps,
-            args.json,
-            &args.max_batch,
-            args.command,
-        )
-    } else {
-        probe(args.gpu, args.timeout, args.steps, args.json, args.command)
-    }
 }

@@ -4,8 +4,9 @@
 use std::process::ExitCode;
 
 use anyhow::Result;
-use tt_device::Inventory;
 use tt_lock::{GpuKey, LockDir};
+
+use crate::snapshot::{Gpus, Snapshot};
 
 /// Show the requests waiting for GPUs, in order.
 ///
@@ -19,25 +20,16 @@ pub(crate) struct Args {
     pub(crate) json: bool,
 }
 
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
-    queue(args.json)
-}
-
-/// `torchtools queue`: the requests waiting, first served first.
-fn queue(json: bool) -> Result<ExitCode> {
-    let dir = LockDir::from_env()?;
-    let inventory = Inventory::query();
-    let waiters = dir.queue()?;
-    let policy = dir.policy();
-    let now = tt_device::now_unix_secs();
-    if json {
-        let mut list = Vec::with_capacity(waiters.len());
-        for w in &waiters {
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    let snapshot = Snapshot::take(&LockDir::from_env()?, &Gpus::open())?;
+    if args.json {
+        let mut list = Vec::with_capacity(snapshot.queue.len());
+        for w in &snapshot.queue {
             let mut value = serde_json::to_value(w)?;
             if let Some(map) = value.as_object_mut() {
                 map.insert(
                     "waiting_s".into(),
-                    now.saturating_sub(w.who.since_unix).into(),
+                    snapshot.time_unix.saturating_sub(w.who.since_unix).into(),
                 );
             }
             list.push(value);
@@ -45,17 +37,17 @@ fn queue(json: bool) -> Result<ExitCode> {
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
-                "lock_dir": dir.path(),
-                "policy": policy.summary(),
+                "lock_dir": snapshot.lock_dir,
+                "policy": snapshot.policy,
                 "waiters": list,
-                "ignored": dir.ignored()?,
+                "ignored": snapshot.ignored,
             }))?
         );
         return Ok(ExitCode::SUCCESS);
     }
-    print!("{}", queue_text(&dir, &waiters, &inventory, now, &policy));
-    crate::ignored::say(&dir.ignored()?);
-    for line in crate::commands::policy::over_limits(&dir, &policy) {
+    print!("{}", queue_text(&snapshot));
+    crate::ignored::say(&snapshot.ignored);
+    for line in snapshot.over_limits() {
         println!("{line}");
     }
     Ok(ExitCode::SUCCESS)
@@ -63,13 +55,12 @@ fn queue(json: bool) -> Result<ExitCode> {
 
 /// The queue as a table, one line per request; under a fair-share policy each with its
 /// priority and why, and a request a limit holds back marked so.
-pub(crate) fn queue_text(
-    dir: &LockDir,
-    waiters: &[tt_lock::Waiter],
-    inventory: &Inventory,
-    now: u64,
-    policy: &tt_lock::PolicyInForce,
-) -> String {
+pub(crate) fn queue_text(snapshot: &Snapshot) -> String {
+    let (waiters, now, policy) = (
+        &snapshot.queue,
+        snapshot.time_unix,
+        &snapshot.policy_in_force,
+    );
     let order = match (&policy.status, policy.policy.orders_the_queue()) {
         (tt_lock::PolicyStatus::InForce, true) => format!(
             "served by the policy {}: `torchtools policy`",
@@ -82,7 +73,7 @@ pub(crate) fn queue_text(
     };
     let mut out = format!(
         "GPU requests waiting in {} ({}): {}\n",
-        dir.path().display(),
+        snapshot.lock_dir.display(),
         tt_device::printable(&order),
         waiters.len()
     );
@@ -100,13 +91,7 @@ pub(crate) fn queue_text(
                 tt_device::printable(&w.who.user).into_owned(),
                 w.who.pid.to_string(),
                 age(now.saturating_sub(w.who.since_unix)),
-                wants_text(&w.wants, |key| {
-                    inventory
-                        .gpus
-                        .iter()
-                        .find(|g| GpuKey::of_uuid(&g.uuid) == *key)
-                        .map(|g| g.nvml_index)
-                }),
+                wants_text(&w.wants, |key| snapshot.nvml_index(key)),
                 w.who.reserved.map_or("-".into(), |b| b.to_string()),
             ];
             if fair {

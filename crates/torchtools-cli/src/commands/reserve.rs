@@ -13,6 +13,58 @@ use crate::arg_groups::ReserveArgs;
 use crate::child;
 use crate::exit::Exit;
 
+/// Reserve GPUs, then run a command on them.
+///
+/// Reserve GPU(s), then run a command on them: take each GPU's lock (waiting for
+/// it), raise a memory fence that leaves --bytes free for the command, run it with
+/// CUDA_VISIBLE_DEVICES set to the GPUs' UUIDs, and release everything when it ends.
+///
+/// The command inherits the locks: they are held as long as it or torchtools lives.
+/// Exit status: the command's (128+N when killed by signal N); 75 when the GPUs stay
+/// locked past --timeout; 127 when the command is not found; 2 for bad arguments.
+#[derive(clap::Args)]
+#[command(arg_required_else_help = true)]
+// --bytes or --no-fence is required (checked where the request is made, whose
+// message says why: a fence leaves free what --bytes says); the usage says so.
+#[command(
+    override_usage = "torchtools reserve (--bytes <BYTES> | --no-fence) [OPTIONS] -- <CMD>..."
+)]
+pub(crate) struct Args {
+    /// Memory the command needs on each GPU: the fence leaves this much (plus
+    /// --margin) free. Sizes: 6GiB, 512MiB, 6G, 1.5GB, bytes; or auto: probe the
+    /// command first (it runs --probe-steps steps with TORCHTOOLS_PROBE=1, as `run
+    /// --probe` does) and reserve what it used.
+    #[arg(long, value_parser = crate::args::budget)]
+    pub(crate) bytes: Option<crate::args::Budget>,
+    #[command(flatten)]
+    pub(crate) probing: crate::arg_groups::ProbeArgs,
+    #[command(flatten)]
+    pub(crate) reservation: crate::arg_groups::ReserveArgs,
+    #[command(flatten)]
+    pub(crate) detach: crate::arg_groups::DetachArgs,
+    #[command(flatten)]
+    pub(crate) hook: crate::arg_groups::HookArgs,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub(crate) command: Vec<std::ffi::OsString>,
+}
+
+/// `torchtools reserve` (attached; `--detach` is decided before).
+pub(crate) fn run(args: &Args) -> Result<u8> {
+    let limit = args.reservation.time_limit()?;
+    let slurm_requeue = args.detach.slurm_requeue()?;
+    let bytes = budget(
+        args.bytes,
+        &args.reservation.gpu,
+        &args.probing,
+        &args.command,
+    )?;
+    reserve(Request {
+        slurm_requeue,
+        ..args.reservation.request(bytes, args.command.clone(), limit)
+    })
+}
+
 /// What `reserve` was asked for.
 pub(crate) struct Request {
     pub(crate) gpus: Vec<GpuSpec>,
@@ -190,7 +242,7 @@ impl ReserveArgs {
     }
 
     pub(crate) fn request(
-        self,
+        &self,
         bytes: Option<tt_device::Bytes>,
         command: Vec<std::ffi::OsString>,
         limit: Option<crate::limit::TimeLimit>,
@@ -198,7 +250,7 @@ impl ReserveArgs {
         Request {
             limit,
             preemptible: self.time.preemptible,
-            gpus: self.gpu,
+            gpus: self.gpu.clone(),
             count: self.count.map(|c| c as usize),
             bytes,
             margin: self.margin,
@@ -210,58 +262,6 @@ impl ReserveArgs {
             command,
         }
     }
-}
-
-/// Reserve GPUs, then run a command on them.
-///
-/// Reserve GPU(s), then run a command on them: take each GPU's lock (waiting for
-/// it), raise a memory fence that leaves --bytes free for the command, run it with
-/// CUDA_VISIBLE_DEVICES set to the GPUs' UUIDs, and release everything when it ends.
-///
-/// The command inherits the locks: they are held as long as it or torchtools lives.
-/// Exit status: the command's (128+N when killed by signal N); 75 when the GPUs stay
-/// locked past --timeout; 127 when the command is not found; 2 for bad arguments.
-#[derive(clap::Args)]
-#[command(arg_required_else_help = true)]
-// --bytes or --no-fence is required (checked where the request is made, whose
-// message says why: a fence leaves free what --bytes says); the usage says so.
-#[command(
-    override_usage = "torchtools reserve (--bytes <BYTES> | --no-fence) [OPTIONS] -- <CMD>..."
-)]
-pub(crate) struct Args {
-    /// Memory the command needs on each GPU: the fence leaves this much (plus
-    /// --margin) free. Sizes: 6GiB, 512MiB, 6G, 1.5GB, bytes; or auto: probe the
-    /// command first (it runs --probe-steps steps with TORCHTOOLS_PROBE=1, as `run
-    /// --probe` does) and reserve what it used.
-    #[arg(long, value_parser = crate::args::budget)]
-    pub(crate) bytes: Option<crate::args::Budget>,
-    #[command(flatten)]
-    pub(crate) probing: crate::arg_groups::ProbeArgs,
-    #[command(flatten)]
-    pub(crate) reservation: crate::arg_groups::ReserveArgs,
-    #[command(flatten)]
-    pub(crate) detach: crate::arg_groups::DetachArgs,
-    #[command(flatten)]
-    pub(crate) hook: crate::arg_groups::HookArgs,
-    /// The command and its arguments, after `--`.
-    #[arg(last = true, required = true, value_name = "CMD")]
-    pub(crate) command: Vec<std::ffi::OsString>,
-}
-
-/// `torchtools reserve` (attached; `--detach` is decided before).
-pub(crate) fn run(args: Args) -> Result<u8> {
-    let limit = args.reservation.time_limit()?;
-    let slurm_requeue = args.detach.slurm_requeue()?;
-    let bytes = budget(
-        args.bytes,
-        &args.reservation.gpu,
-        &args.probing,
-        &args.command,
-    )?;
-    reserve(Request {
-        slurm_requeue,
-        ..args.reservation.request(bytes, args.command, limit)
-    })
 }
 
 /// The bytes `--bytes` asks for: its size, or (`auto`) what a probe of `command` on

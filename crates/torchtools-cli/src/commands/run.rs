@@ -29,7 +29,7 @@ pub(crate) struct Args {
 }
 
 /// `torchtools run` (attached; `--detach` is decided before).
-pub(crate) fn run(args: Args) -> Result<u8> {
+pub(crate) fn run(args: &Args) -> Result<u8> {
     let limit = args.reservation.time_limit()?;
     let slurm_requeue = args.detach.slurm_requeue()?;
     let bytes = match args.bytes {
@@ -49,6 +49,8 @@ pub(crate) fn run(args: Args) -> Result<u8> {
     };
     crate::commands::reserve::reserve(crate::commands::reserve::Request {
         slurm_requeue,
-        ..args.reservation.request(Some(bytes), args.command, limit)
+        ..args
+            .reservation
+            .request(Some(bytes), args.command.clone(), limit)
     })
 }

@@ -24,20 +24,6 @@ use crate::commands::usage::{By, Row};
 use crate::http::{response, text, Get, Response};
 use crate::snapshot::{Gpus, Snapshot};
 
-/// The page: HTML, CSS and JavaScript in one file, embedded (no external asset).
-const PAGE: &str = include_str!("serve.html");
-/// The default address: loopback only (`--listen 0.0.0.0:9836` for every interface).
-pub(crate) const DEFAULT_LISTEN: &str = "127.0.0.1:9836";
-/// How often the state is read.
-const REFRESH: Duration = Duration::from_millis(500);
-/// How often the usage log is read (it can be long).
-const USAGE_REFRESH: Duration = Duration::from_secs(30);
-/// How often a point is added to each GPU's memory chart, and how long it reaches back.
-const HISTORY_STEP: Duration = Duration::from_secs(10);
-const HISTORY_SPAN: Duration = Duration::from_secs(3600);
-/// The version of `/api/state`'s schema (README: "The page and its API").
-pub(crate) const SCHEMA: u32 = 1;
-
 /// Serve a live web page of the whole machine.
 ///
 /// The whole server on one page, in a browser: every GPU's memory, holder or
@@ -67,6 +53,75 @@ pub(crate) struct Args {
     #[arg(long, value_name = "FILE")]
     pub(crate) replay: Option<PathBuf>,
 }
+
+/// `torchtools serve`.
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    // A saved state, checked before listening; else this machine's, read again and again.
+    let (first, reader) = match &args.replay {
+        Some(path) => {
+            let json = replayed(path)?;
+            (
+                Read {
+                    json,
+                    metrics: None,
+                },
+                None,
+            )
+        }
+        None => {
+            let dir = LockDir::from_env()?;
+            if let Some(path) = &args.save {
+                return save(path, dir);
+            }
+            // NVML opened once, for the state's reader and `/metrics` both.
+            let mut reader = Reader::new(dir, Arc::new(Gpus::open()));
+            (reader.read_all(), Some(reader))
+        }
+    };
+    let listener = crate::http::bind(args.listen)?;
+    let bound = listener.local_addr()?;
+    let shared = Arc::new(Shared {
+        latest: RwLock::new(Arc::new(first)),
+    });
+    if let Some(mut reader) = reader {
+        let shared = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("state".into())
+            .spawn(move || loop {
+                std::thread::sleep(STATE_EVERY);
+                let latest = Arc::new(reader.read_all());
+                *shared.latest.write().unwrap_or_else(|e| e.into_inner()) = latest;
+            })?;
+    }
+    match &args.replay {
+        Some(path) => eprintln!(
+            "torchtools: serving the state saved in {} at http://{bound}/",
+            path.display()
+        ),
+        None => eprintln!(
+            "torchtools: serving the page at http://{bound}/ (its data at /api/state, /metrics)"
+        ),
+    }
+    let names = crate::http::Names::of(bound, &args.hosts);
+    crate::http::run(listener, "torchtools serve", names, move |get| {
+        answer(get, Arc::clone(&shared))
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The page: HTML, CSS and JavaScript in one file, embedded (no external asset).
+const PAGE: &str = include_str!("serve.html");
+/// The default address: loopback only (`--listen 0.0.0.0:9836` for every interface).
+pub(crate) const DEFAULT_LISTEN: &str = "127.0.0.1:9836";
+/// How often the state is read.
+const STATE_EVERY: Duration = Duration::from_millis(500);
+/// How often the usage log is read (it can be long).
+const USAGE_EVERY: Duration = Duration::from_secs(30);
+/// How often a point is added to each GPU's memory chart, and how long it reaches back.
+const HISTORY_EVERY: Duration = Duration::from_secs(10);
+const HISTORY_SPAN: Duration = Duration::from_secs(3600);
+/// The version of `/api/state`'s schema (README: "The page and its API").
+pub(crate) const SCHEMA: u32 = 1;
 
 /// `/api/state`: everything the page shows.
 #[derive(Serialize)]
@@ -130,61 +185,6 @@ struct Shared {
 pub(crate) struct Read {
     pub(crate) json: String,
     pub(crate) metrics: Option<std::result::Result<String, String>>,
-}
-
-/// `torchtools serve`.
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
-    // A saved state, checked before listening; else this machine's, read again and again.
-    let (first, reader) = match &args.replay {
-        Some(path) => {
-            let json = replayed(path)?;
-            (
-                Read {
-                    json,
-                    metrics: None,
-                },
-                None,
-            )
-        }
-        None => {
-            let dir = LockDir::from_env()?;
-            if let Some(path) = &args.save {
-                return save(path, dir);
-            }
-            // NVML opened once, for the state's reader and `/metrics` both.
-            let mut reader = Reader::new(dir, Arc::new(Gpus::open()));
-            (reader.read_all(), Some(reader))
-        }
-    };
-    let listener = crate::http::bind(args.listen)?;
-    let bound = listener.local_addr()?;
-    let shared = Arc::new(Shared {
-        latest: RwLock::new(Arc::new(first)),
-    });
-    if let Some(mut reader) = reader {
-        let shared = Arc::clone(&shared);
-        std::thread::Builder::new()
-            .name("state".into())
-            .spawn(move || loop {
-                std::thread::sleep(REFRESH);
-                let latest = Arc::new(reader.read_all());
-                *shared.latest.write().unwrap_or_else(|e| e.into_inner()) = latest;
-            })?;
-    }
-    match &args.replay {
-        Some(path) => eprintln!(
-            "torchtools: serving the state saved in {} at http://{bound}/",
-            path.display()
-        ),
-        None => eprintln!(
-            "torchtools: serving the page at http://{bound}/ (its data at /api/state, /metrics)"
-        ),
-    }
-    let names = crate::http::Names::of(bound, &args.hosts);
-    crate::http::run(listener, "torchtools serve", names, move |get| {
-        answer(get, Arc::clone(&shared))
-    })?;
-    Ok(ExitCode::SUCCESS)
 }
 
 /// How to make a file `--replay` serves, for its errors.
@@ -438,14 +438,14 @@ impl Reader {
 
     pub(crate) fn state(&mut self) -> Result<State> {
         let snapshot = Snapshot::take(&self.dir, &self.gpus)?;
-        let (jobs, scan) = crate::jobs::store::all_rows(&self.dir, &snapshot.queue)?;
-        if self.usage_read.is_none_or(|t| t.elapsed() >= USAGE_REFRESH) {
+        let (jobs, scan) = snapshot.job_rows()?;
+        if self.usage_read.is_none_or(|t| t.elapsed() >= USAGE_EVERY) {
             self.read_usage()?;
             self.usage_read = Some(Instant::now());
         }
         if self
             .history_added
-            .is_none_or(|t| t.elapsed() >= HISTORY_STEP)
+            .is_none_or(|t| t.elapsed() >= HISTORY_EVERY)
         {
             self.add_history(&snapshot);
             self.history_added = Some(Instant::now());

@@ -6,96 +6,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
+use nix::sys::signal::Signal;
+
 use crate::exit::Exit;
-use crate::jobs::store::{
-    alive, elsewhere, ended, is_jobs, load, record_path, records_dir, resolve, session_members,
-    signal, state, uid, Job,
-};
-
-/// `torchtools stop ID`: the job, or every task of the array `ID` (those still
-/// waiting to start first, so that none starts meanwhile).
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
-    let records = records_dir()?;
-    let mut jobs = resolve(&records, &args.job)?;
-    jobs.sort_by_key(|j| j.pid.is_some());
-    for job in jobs {
-        stop_one(&records, job, args.grace)?;
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-fn stop_one(records: &Path, job: Job, grace: Duration) -> Result<()> {
-    let me = uid();
-    if job.uid != me && me != 0 {
-        return Err(Exit::new(
-            crate::exit::FAILURE,
-            format!(
-                "job {} belongs to {} (uid {}): only they (or root) can stop it",
-                job.id, job.user, job.uid
-            ),
-        )
-        .into());
-    }
-    if ended(&job) {
-        eprintln!("torchtools: job {} has ended already", job.id);
-        return Ok(());
-    }
-    if elsewhere(&job) {
-        return Err(Exit::new(
-            crate::exit::FAILURE,
-            format!(
-                "job {} was started in another PID namespace (a container, or the host seen \
-                 from one), where its processes are: stop it from there",
-                job.id
-            ),
-        )
-        .into());
-    }
-    // SIGTERM to the keeper first (a job stopped is not requeued), then to the job's
-    // torchtools, which passes it on to the command or the ranks (a torchtools trainer
-    // then checkpoints and exits 75).
-    if alive(&job) {
-        signal(job.keeper_pid, nix::sys::signal::Signal::SIGTERM);
-    }
-    match job.pid {
-        Some(pid) if is_jobs(&job, pid) => signal(pid, nix::sys::signal::Signal::SIGTERM),
-        Some(pid) => eprintln!(
-            "torchtools: job {}: pid {pid} is no longer its process (another user's, or \
-             started after the job): not signalled",
-            job.id
-        ),
-        None => {}
-    }
-    let deadline = Instant::now() + grace;
-    loop {
-        let now = load(&record_path(records, &job.id)).unwrap_or(job.clone());
-        if ended(&now) {
-            eprintln!("torchtools: job {} stopped ({})", job.id, state(&now, &[]));
-            return Ok(());
-        }
-        if Instant::now() >= deadline {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    // Past the grace period: everything in the job's session (its torchtools, the
-    // command, ranks in process groups of their own) but its keeper, which then
-    // records the kill.
-    eprintln!(
-        "torchtools: job {} still runs {grace:?} after SIGTERM: SIGKILL",
-        job.id
-    );
-    if !alive(&job) {
-        eprintln!("torchtools: job {}: its keeper is gone", job.id);
-        return Ok(());
-    }
-    for pid in session_members(job.keeper_pid) {
-        if pid != job.keeper_pid && is_jobs(&job, pid) {
-            signal(pid, nix::sys::signal::Signal::SIGKILL);
-        }
-    }
-    Ok(())
-}
+use crate::jobs::store::{load, record_path, records_dir, resolve, Job};
+use crate::process::{session_members, signal};
 
 /// Stop a detached job.
 ///
@@ -109,4 +24,98 @@ pub(crate) struct Args {
     /// How long it has to end after SIGTERM.
     #[arg(long, value_parser = crate::args::duration, default_value = "10s")]
     pub(crate) grace: std::time::Duration,
+}
+
+/// `torchtools stop ID`: the job, or every task of the array `ID` (those still
+/// waiting to start first, so that none starts meanwhile).
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    let records = records_dir()?;
+    let mut jobs = resolve(&records, &args.job)?;
+    jobs.sort_by_key(|j| j.pid.is_some());
+    for job in jobs {
+        stop_one(&records, job, args.grace)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// How often a stopping job's record is read.
+const LOOK_EVERY: Duration = Duration::from_millis(100);
+
+fn stop_one(records: &Path, job: Job, grace: Duration) -> Result<()> {
+    let me = tt_lock::euid();
+    if job.uid != me && me != 0 {
+        return Err(Exit::new(
+            crate::exit::FAILURE,
+            format!(
+                "job {} belongs to {} (uid {}): only they (or root) can stop it",
+                job.id, job.user, job.uid
+            ),
+        )
+        .into());
+    }
+    if job.ended() {
+        eprintln!("torchtools: job {} has ended already", job.id);
+        return Ok(());
+    }
+    if job.elsewhere() {
+        return Err(Exit::new(
+            crate::exit::FAILURE,
+            format!(
+                "job {} was started in another PID namespace (a container, or the host seen \
+                 from one), where its processes are: stop it from there",
+                job.id
+            ),
+        )
+        .into());
+    }
+    // SIGTERM to the keeper first (a job stopped is not requeued), then to the job's
+    // torchtools, which passes it on to the command or the ranks (a torchtools trainer
+    // then checkpoints and exits 75). Past the grace period, SIGKILL to everything in
+    // the job's session (its torchtools, the command, ranks in process groups of their
+    // own) but its keeper, which then records the kill.
+    let send = |sig: Signal| match sig {
+        Signal::SIGTERM => {
+            if job.alive() {
+                signal(job.keeper_pid, sig);
+            }
+            match job.pid {
+                Some(pid) if job.is_jobs(pid) => signal(pid, sig),
+                Some(pid) => eprintln!(
+                    "torchtools: job {}: pid {pid} is no longer its process (another \
+                     user's, or started after the job): not signalled",
+                    job.id
+                ),
+                None => {}
+            }
+        }
+        _ if !job.alive() => eprintln!("torchtools: job {}: its keeper is gone", job.id),
+        _ => {
+            for pid in session_members(job.keeper_pid) {
+                if pid != job.keeper_pid && job.is_jobs(pid) {
+                    signal(pid, sig);
+                }
+            }
+        }
+    };
+    let gone_within = |grace: Duration| {
+        let deadline = Instant::now() + grace;
+        loop {
+            let now = load(&record_path(records, &job.id)).unwrap_or(job.clone());
+            if now.ended() {
+                eprintln!("torchtools: job {} stopped ({})", job.id, now.state(&[]));
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(LOOK_EVERY);
+        }
+    };
+    crate::process::terminate(send, grace, gone_within, || {
+        eprintln!(
+            "torchtools: job {} still runs {grace:?} after SIGTERM: SIGKILL",
+            job.id
+        )
+    });
+    Ok(())
 }

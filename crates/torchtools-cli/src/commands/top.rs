@@ -22,30 +22,42 @@ use tt_lock::{utc, GpuKey, Holder, LockDir};
 use crate::commands::queue::{age, wants_text};
 use crate::snapshot::{GpuView, Gpus, Snapshot};
 
-/// How often the view refreshes.
-const REFRESH: Duration = Duration::from_secs(1);
-
-/// What the user changed with keys.
-#[derive(Debug, Default)]
-struct View {
-    selected: usize,
-    compact: bool,
+/// Watch the GPUs live, refreshed every second.
+///
+/// A live view of the GPUs, refreshed every second: memory used, free and fenced,
+/// use, the lock's holder and the requests waiting, and the processes on each GPU
+/// (marked when they run outside the holder's reservation).
+///
+/// Keys: q quits, the arrow keys select a GPU, c toggles a compact view for narrow
+/// terminals. Without NVML it shows the locks and the queue and says why the GPU
+/// columns are empty.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Print one frame as text and exit (for scripts; width from COLUMNS).
+    #[arg(long, conflicts_with = "json")]
+    pub(crate) once: bool,
+    /// Print one snapshot as JSON and exit.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Start in the compact view.
+    #[arg(long)]
+    pub(crate) compact: bool,
 }
 
 /// `torchtools top [--once | --json]`.
-pub(crate) fn top(once: bool, json: bool, compact: bool) -> Result<ExitCode> {
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let dir = LockDir::from_env()?;
     let gpus = Gpus::open();
     let snapshot = Snapshot::take(&dir, &gpus)?;
-    if json {
+    if args.json {
         println!("{}", serde_json::to_string_pretty(&snapshot)?);
         return Ok(ExitCode::SUCCESS);
     }
     let mut view = View {
         selected: 0,
-        compact,
+        compact: args.compact,
     };
-    if once {
+    if args.once {
         let width = terminal_width();
         print!("{}", render_text(&snapshot, &view, width));
         return Ok(ExitCode::SUCCESS);
@@ -62,6 +74,16 @@ pub(crate) fn top(once: bool, json: bool, compact: bool) -> Result<ExitCode> {
     result.map(|()| ExitCode::SUCCESS)
 }
 
+/// How often the view refreshes.
+const FRAME_EVERY: Duration = Duration::from_secs(1);
+
+/// What the user changed with keys.
+#[derive(Debug, Default)]
+struct View {
+    selected: usize,
+    compact: bool,
+}
+
 fn live(
     terminal: &mut ratatui::DefaultTerminal,
     dir: &LockDir,
@@ -73,7 +95,7 @@ fn live(
         terminal
             .draw(|frame| draw(frame, &snapshot, view))
             .context("drawing the view")?;
-        let next = Instant::now() + REFRESH;
+        let next = Instant::now() + FRAME_EVERY;
         loop {
             let left = next.saturating_duration_since(Instant::now());
             if left.is_zero() || !event::poll(left).context("reading the terminal")? {
@@ -181,10 +203,9 @@ fn note_text(snapshot: &Snapshot) -> String {
         false => String::new(),
     };
     let over: String = snapshot
-        .users
+        .over_limits()
         .iter()
-        .filter_map(tt_lock::Standing::over_text)
-        .map(|t| format!("; over the policy: {}", tt_device::printable(&t)))
+        .map(|line| format!("; {line}"))
         .collect();
     note + &ignored + &policy + &over
 }
@@ -564,32 +585,6 @@ fn render_processes(snapshot: &Snapshot, view: &View, area: Rect, buf: &mut Buff
         .render(area, buf);
 }
 
-/// Watch the GPUs live, refreshed every second.
-///
-/// A live view of the GPUs, refreshed every second: memory used, free and fenced,
-/// use, the lock's holder and the requests waiting, and the processes on each GPU
-/// (marked when they run outside the holder's reservation).
-///
-/// Keys: q quits, the arrow keys select a GPU, c toggles a compact view for narrow
-/// terminals. Without NVML it shows the locks and the queue and says why the GPU
-/// columns are empty.
-#[derive(clap::Args)]
-pub(crate) struct Args {
-    /// Print one frame as text and exit (for scripts; width from COLUMNS).
-    #[arg(long, conflicts_with = "json")]
-    pub(crate) once: bool,
-    /// Print one snapshot as JSON and exit.
-    #[arg(long)]
-    pub(crate) json: bool,
-    /// Start in the compact view.
-    #[arg(long)]
-    pub(crate) compact: bool,
-}
-
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
-    top(args.once, args.json, args.compact)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -598,8 +593,8 @@ mod tests {
     #[test]
     fn commands_and_users_are_read_from_proc() {
         let me = std::process::id();
-        assert!(!crate::snapshot::process_command(me).is_empty());
-        assert_ne!(crate::snapshot::process_user(me), "?");
+        assert!(!crate::process::command_of(me).is_empty());
+        assert_ne!(crate::process::user_of(me), "?");
     }
 
     /// The view of a machine given as an inventory (two GPUs, one held by this

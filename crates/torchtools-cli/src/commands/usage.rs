@@ -4,11 +4,80 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
 use tt_lock::{LockDir, Usage};
+
+/// Show who used the GPUs, and how much.
+///
+/// Who used the GPUs, and how much: GPU-hours and reserved GiB-hours per user (or
+/// per GPU) from the lock directory's usage log, which every reservation writes
+/// (`reserve`, `run`, `launch --gpu`, the API). A holder that died holding its GPU
+/// is counted until ten minutes after its last sign of life in its log (or until
+/// now), marked lost.
+#[derive(clap::Args)]
+pub(crate) struct Args {
+    /// Only reservations that ended in this last while (or still run): 7d, 24h, 30m.
+    #[arg(long, value_parser = crate::args::duration)]
+    pub(crate) since: Option<std::time::Duration>,
+    /// Group by user (default) or by GPU.
+    #[arg(long, value_enum, default_value_t = crate::commands::usage::By::User)]
+    pub(crate) by: crate::commands::usage::By,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    let (since, by) = (args.since, args.by);
+    let dir = LockDir::from_env()?;
+    let log = dir.usage().context("reading the usage log")?;
+    for why in &log.skipped {
+        eprintln!("torchtools usage: warning: skipped a damaged record: {why}");
+    }
+    if !log.skipped.is_empty() {
+        eprintln!(
+            "torchtools usage: {} damaged line(s) skipped; every other record is counted",
+            log.skipped.len()
+        );
+    }
+    let now = tt_device::now_unix();
+    let from = since.map_or(f64::MIN, |d| now - d.as_secs_f64());
+    let rows = rows(&log.records, by, from, now);
+    if args.json {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            log: String,
+            since_unix: Option<f64>,
+            by: &'a str,
+            rows: &'a [Row],
+            skipped: &'a [String],
+            ignored: &'a [tt_lock::Ignored],
+        }
+        let out = Out {
+            log: dir
+                .path()
+                .join(format!("{}*.jsonl", tt_lock::USAGE_PREFIX))
+                .display()
+                .to_string(),
+            since_unix: since.map(|_| from),
+            by: match by {
+                By::User => "user",
+                By::Gpu => "gpu",
+            },
+            rows: &rows,
+            skipped: &log.skipped,
+            ignored: &log.ignored,
+        };
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    print!("{}", text(&rows, by));
+    crate::ignored::say(&log.ignored);
+    crate::commands::policy::say_notes(&dir);
+    Ok(ExitCode::SUCCESS)
+}
 
 /// How `usage` groups its rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -67,55 +136,6 @@ pub(crate) fn rows(records: &[Usage], by: By, from: f64, now: f64) -> Vec<Row> {
     rows
 }
 
-pub(crate) fn usage(since: Option<Duration>, by: By, json: bool) -> Result<ExitCode> {
-    let dir = LockDir::from_env()?;
-    let log = dir.usage().context("reading the usage log")?;
-    for why in &log.skipped {
-        eprintln!("torchtools usage: warning: skipped a damaged record: {why}");
-    }
-    if !log.skipped.is_empty() {
-        eprintln!(
-            "torchtools usage: {} damaged line(s) skipped; every other record is counted",
-            log.skipped.len()
-        );
-    }
-    let now = tt_device::now_unix();
-    let from = since.map_or(f64::MIN, |d| now - d.as_secs_f64());
-    let rows = rows(&log.records, by, from, now);
-    if json {
-        #[derive(Serialize)]
-        struct Out<'a> {
-            log: String,
-            since_unix: Option<f64>,
-            by: &'a str,
-            rows: &'a [Row],
-            skipped: &'a [String],
-            ignored: &'a [tt_lock::Ignored],
-        }
-        let out = Out {
-            log: dir
-                .path()
-                .join(format!("{}*.jsonl", tt_lock::USAGE_PREFIX))
-                .display()
-                .to_string(),
-            since_unix: since.map(|_| from),
-            by: match by {
-                By::User => "user",
-                By::Gpu => "gpu",
-            },
-            rows: &rows,
-            skipped: &log.skipped,
-            ignored: &log.ignored,
-        };
-        println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(ExitCode::SUCCESS);
-    }
-    print!("{}", text(&rows, by));
-    crate::ignored::say(&log.ignored);
-    crate::commands::policy::say_notes(&dir);
-    Ok(ExitCode::SUCCESS)
-}
-
 fn text(rows: &[Row], by: By) -> String {
     let head = match by {
         By::User => "user",
@@ -156,30 +176,6 @@ fn text(rows: &[Row], by: By) -> String {
         out.push_str("no reservation recorded\n");
     }
     out
-}
-
-/// Show who used the GPUs, and how much.
-///
-/// Who used the GPUs, and how much: GPU-hours and reserved GiB-hours per user (or
-/// per GPU) from the lock directory's usage log, which every reservation writes
-/// (`reserve`, `run`, `launch --gpu`, the API). A holder that died holding its GPU
-/// is counted until ten minutes after its last sign of life in its log (or until
-/// now), marked lost.
-#[derive(clap::Args)]
-pub(crate) struct Args {
-    /// Only reservations that ended in this last while (or still run): 7d, 24h, 30m.
-    #[arg(long, value_parser = crate::args::duration)]
-    pub(crate) since: Option<std::time::Duration>,
-    /// Group by user (default) or by GPU.
-    #[arg(long, value_enum, default_value_t = crate::commands::usage::By::User)]
-    pub(crate) by: crate::commands::usage::By,
-    /// Print JSON instead of text.
-    #[arg(long)]
-    pub(crate) json: bool,
-}
-
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
-    usage(args.since, args.by, args.json)
 }
 
 #[cfg(test)]

@@ -21,9 +21,10 @@ use crate::arg_groups::DetachArgs;
 use crate::exit::Exit;
 use crate::hook::{Guardian, Hook};
 use crate::jobs::store::{
-    boot_id, ended, find, free_id, load, outcome, record_path, records_dir, save, uid, ArrayTask,
-    Job, ARRAY_TASK_ENV, JOB_RUN_ENV,
+    find, free_id, load, load_own, record_path, records_dir, save, ArrayTask, Job, ARRAY_TASK_ENV,
+    JOB_RUN_ENV,
 };
+use crate::process::boot_id;
 
 /// The user's default log directory: `$XDG_STATE_HOME/torchtools/logs`, else
 /// `~/.local/state/torchtools/logs`.
@@ -256,7 +257,7 @@ pub(crate) fn start_job(start: &Start<'_>) -> Result<Job> {
     let job = Job {
         id: id.clone(),
         user: me.who.user,
-        uid: uid(),
+        uid: tt_lock::euid(),
         host: me.who.host,
         boot_id: boot_id(),
         command: std::iter::once("torchtools".to_owned())
@@ -312,14 +313,13 @@ pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
     // The starter writes the record once the keeper runs: wait for it.
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut job = loop {
-        // Only this user's record of this id (another user's is never run).
-        if let Some(job) = load(&path).filter(|j| j.uid == uid() && j.id == id) {
+        if let Some(job) = load_own(&path, id) {
             break job;
         }
         if Instant::now() > deadline {
             bail!("job {id}: its record {} never appeared", path.display());
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(crate::process::LOOK_EVERY);
     };
     // The hook's guardian, from the start: it runs the hook even if this keeper is
     // killed (the job is then lost).
@@ -397,7 +397,7 @@ pub(crate) fn run_until_done(
         use std::os::unix::process::ExitStatusExt;
         let code = tt_device::shell_status(status.code(), status.signal());
         // What the job's torchtools marked meanwhile (its time limit reached).
-        if let Some(latest) = load(path).filter(|j| j.uid == uid() && j.id == job.id) {
+        if let Some(latest) = load_own(path, &job.id) {
             job.timed_out = latest.timed_out;
         }
         if code != i32::from(crate::exit::TEMPFAIL)
@@ -421,7 +421,7 @@ pub(crate) fn run_until_done(
 }
 
 /// How often a job waiting for others looks at their records.
-pub(crate) const DEPENDENCY_POLL: Duration = Duration::from_millis(200);
+pub(crate) const DEPENDENCY_EVERY: Duration = Duration::from_millis(200);
 
 /// Waits until every job `job` starts after has ended (saying which one it waits for in
 /// its record); `Some(why)` when `job` must not run: an `--after-ok` job that did not
@@ -438,14 +438,14 @@ pub(crate) fn wait_for_dependencies(
         }
         let pending = all
             .iter()
-            .find(|id| load(&record_path(records, id)).is_some_and(|dep| !ended(&dep)));
+            .find(|id| load(&record_path(records, id)).is_some_and(|dep| !dep.ended()));
         match pending {
             Some(id) => {
                 if job.waiting_for.as_ref() != Some(id) {
                     job.waiting_for = Some(id.clone());
                     save(records, job)?;
                 }
-                std::thread::sleep(DEPENDENCY_POLL);
+                std::thread::sleep(DEPENDENCY_EVERY);
             }
             None => break,
         }
@@ -456,7 +456,7 @@ pub(crate) fn wait_for_dependencies(
     Ok(job
         .after_ok
         .iter()
-        .find(|id| load(&record_path(records, id)).is_none_or(|dep| outcome(&dep) != 0))
+        .find(|id| load(&record_path(records, id)).is_none_or(|dep| dep.outcome() != 0))
         .map(|failed| format!("job {failed} failed")))
 }
 

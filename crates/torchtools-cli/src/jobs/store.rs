@@ -69,6 +69,126 @@ pub(crate) struct Job {
     pub(crate) array: Option<ArrayTask>,
 }
 
+impl Job {
+    /// How an ended job ended, as one status: its exit status; 1 when it was cancelled or
+    /// lost (its keeper killed, the machine rebooted).
+    pub(crate) fn outcome(&self) -> i32 {
+        match (self.status, &self.cancelled) {
+            (Some(code), _) => code,
+            _ => 1,
+        }
+    }
+
+    /// A job's state, as `jobs` says it, with the run it is in when it was requeued:
+    /// `running (run 2)`.
+    pub(crate) fn state(&self, waiting_pids: &[u32]) -> String {
+        let base = self.base_state(waiting_pids);
+        match self.runs {
+            0 | 1 => base,
+            n => format!("{base} (run {n})"),
+        }
+    }
+
+    /// [`Job::state`] without the run.
+    pub(crate) fn base_state(&self, waiting_pids: &[u32]) -> String {
+        if let Some(why) = &self.cancelled {
+            return format!("cancelled: {why}");
+        }
+        if let Some(code) = self.status {
+            // (A command that met its limit but exited 0 all the same finished.)
+            return match self.timed_out && code != 0 {
+                true => format!("timeout: {}", status_text(code)),
+                false => status_text(code),
+            };
+        }
+        if self.boot_id != crate::process::boot_id() {
+            return "lost (the machine rebooted)".into();
+        }
+        if self.elsewhere() {
+            return "started in another PID namespace".into();
+        }
+        if !self.alive() {
+            return "lost (its keeper was killed)".into();
+        }
+        if let Some(other) = &self.waiting_for {
+            return format!("waiting for job {other}");
+        }
+        match self.pid {
+            Some(pid) if waiting_pids.contains(&pid) => "waiting".into(),
+            Some(_) => "running".into(),
+            None => "starting".into(),
+        }
+    }
+
+    /// Whether the job was started in another PID namespace (a container, or the host seen
+    /// from one), where its pids mean other processes than here.
+    pub(crate) fn elsewhere(&self) -> bool {
+        self.pid_ns.is_some() && self.pid_ns != tt_lock::own_pid_namespace()
+    }
+
+    /// Whether the job has ended: its status is recorded, or (in its own PID namespace) its
+    /// keeper is gone. From another namespace only the record can say.
+    pub(crate) fn ended(&self) -> bool {
+        self.said_ended() || (!self.elsewhere() && !self.alive())
+    }
+
+    /// Whether the job's record alone says it ended: its status, its cancellation, or a boot
+    /// since it started.
+    fn said_ended(&self) -> bool {
+        self.status.is_some()
+            || self.cancelled.is_some()
+            || self.boot_id != crate::process::boot_id()
+    }
+
+    /// Whether the job's keeper still runs: its pid is a `job-run` of this id (a pid alone
+    /// could be another process's by now).
+    pub(crate) fn alive(&self) -> bool {
+        // Its user's (another user's process named so is not it); no start time check:
+        // the id in its arguments already names this job.
+        self.of_jobs_user(self.keeper_pid)
+            && tt_device::procfs::cmdline(self.keeper_pid).is_some_and(|args| {
+                args.windows(2)
+                    .any(|w| w[0] == "job-run" && w[1] == self.id)
+            })
+    }
+
+    /// Whether `pid` is a process of the job's user.
+    pub(crate) fn of_jobs_user(&self, pid: u32) -> bool {
+        tt_device::procfs::uid(pid) == Some(self.uid)
+    }
+
+    /// Whether `pid` can be one of the job's processes: it belongs to the job's user and
+    /// started no earlier than the job (a pid is reused: an older process, or another
+    /// user's, under a pid the record names is not the job's, and is never signalled).
+    pub(crate) fn is_jobs(&self, pid: u32) -> bool {
+        // btime is whole seconds: a process may seem to start up to a second early.
+        const SLACK: f64 = 2.0;
+        self.of_jobs_user(pid)
+            && tt_device::procfs::started_unix(pid).is_some_and(|t| t >= self.started_unix - SLACK)
+    }
+
+    /// The GPUs a running job holds and the bytes it reserved on them: the locks whose
+    /// holder is the job's torchtools.
+    pub(crate) fn held_by(&self, locks: &[tt_lock::LockState]) -> (Vec<String>, Option<u64>) {
+        let Some(pid) = self.pid else {
+            return (Vec::new(), None);
+        };
+        let mut gpus = Vec::new();
+        let mut bytes = None;
+        for state in locks.iter().filter(|s| s.held) {
+            if let Some(h) = state
+                .holder
+                .as_ref()
+                .filter(|h| h.who.pid == pid && h.who.host == self.host)
+            {
+                gpus.push(h.gpu.clone());
+                bytes = h.who.reserved.map(|b| b.0).or(bytes);
+            }
+        }
+        (gpus, bytes)
+    }
+}
+
 /// A task of a job array: the array's id and this task's index.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub(crate) struct ArrayTask {
@@ -78,21 +198,6 @@ pub(crate) struct ArrayTask {
 
 /// The variable that tells an array's task its index (`--array`).
 pub(crate) const ARRAY_TASK_ENV: &str = "TORCHTOOLS_ARRAY_TASK_ID";
-
-pub(crate) fn boot_id() -> String {
-    fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_default()
-}
-
-pub(crate) fn uid() -> u32 {
-    nix::unistd::geteuid().as_raw()
-}
-
-/// Sends `signal` to `pid` (a process of a job, found in its record).
-pub(crate) fn signal(pid: u32, signal: nix::sys::signal::Signal) {
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);
-}
 
 /// The directory of job records: the lock directory itself (`TORCHTOOLS_LOCK_DIR`),
 /// sticky, where only a record's owner (and the directory's owner, root on a server
@@ -157,6 +262,13 @@ pub(crate) fn load(path: &Path) -> Option<Job> {
     }
 }
 
+/// The record at `path` when it is this user's record of job `id`: what a job's own
+/// processes read and write back (another user's record, or one of another id, is
+/// never run nor changed).
+pub(crate) fn load_own(path: &Path, id: &str) -> Option<Job> {
+    load(path).filter(|j| j.uid == tt_lock::euid() && j.id == id)
+}
+
 /// What a job record file holds, as a reader finds it.
 pub(crate) enum Record {
     /// A job, written by its own user.
@@ -196,7 +308,7 @@ pub(crate) fn read_record(path: &Path) -> Record {
 /// Whether `job` would read as lost: no outcome, this boot, this PID namespace, and no
 /// keeper.
 fn looks_lost(job: &Job) -> bool {
-    !said_ended(job) && !elsewhere(job) && !alive(job)
+    !job.said_ended() && !job.elsewhere() && !job.alive()
 }
 
 /// A test's stand-in for a keeper that saves its outcome between the two reads.
@@ -282,20 +394,11 @@ pub(crate) fn mark_timed_out() {
         return;
     };
     let path = record_path(&records, &id);
-    if let Some(mut job) = load(&path).filter(|j| j.uid == uid() && j.id == id) {
+    if let Some(mut job) = load_own(&path, &id) {
         job.timed_out = true;
         if let Err(e) = save(&records, &job) {
             tracing::warn!("cannot mark job {id} as timed out: {e}");
         }
-    }
-}
-
-/// How an ended job ended, as one status: its exit status; 1 when it was cancelled or
-/// lost (its keeper killed, the machine rebooted).
-pub(crate) fn outcome(job: &Job) -> i32 {
-    match (job.status, &job.cancelled) {
-        (Some(code), _) => code,
-        _ => 1,
     }
 }
 
@@ -308,90 +411,6 @@ pub(crate) fn status_text(code: i32) -> String {
         c if c > 128 => format!("killed by signal {}", c - 128),
         c => format!("failed ({c})"),
     }
-}
-
-/// A job's state, as `jobs` says it, with the run it is in when it was requeued:
-/// `running (run 2)`.
-pub(crate) fn state(job: &Job, waiting_pids: &[u32]) -> String {
-    let base = base_state(job, waiting_pids);
-    match job.runs {
-        0 | 1 => base,
-        n => format!("{base} (run {n})"),
-    }
-}
-
-/// [`state`] without the run.
-pub(crate) fn base_state(job: &Job, waiting_pids: &[u32]) -> String {
-    if let Some(why) = &job.cancelled {
-        return format!("cancelled: {why}");
-    }
-    if let Some(code) = job.status {
-        // (A command that met its limit but exited 0 all the same finished.)
-        return match job.timed_out && code != 0 {
-            true => format!("timeout: {}", status_text(code)),
-            false => status_text(code),
-        };
-    }
-    if job.boot_id != boot_id() {
-        return "lost (the machine rebooted)".into();
-    }
-    if elsewhere(job) {
-        return "started in another PID namespace".into();
-    }
-    if !alive(job) {
-        return "lost (its keeper was killed)".into();
-    }
-    if let Some(other) = &job.waiting_for {
-        return format!("waiting for job {other}");
-    }
-    match job.pid {
-        Some(pid) if waiting_pids.contains(&pid) => "waiting".into(),
-        Some(_) => "running".into(),
-        None => "starting".into(),
-    }
-}
-
-/// Whether `job` was started in another PID namespace (a container, or the host seen
-/// from one), where its pids mean other processes than here.
-pub(crate) fn elsewhere(job: &Job) -> bool {
-    job.pid_ns.is_some() && job.pid_ns != tt_lock::own_pid_namespace()
-}
-
-/// Whether `job` has ended: its status is recorded, or (in its own PID namespace) its
-/// keeper is gone. From another namespace only the record can say.
-pub(crate) fn ended(job: &Job) -> bool {
-    said_ended(job) || (!elsewhere(job) && !alive(job))
-}
-
-/// Whether `job`'s record alone says it ended: its status, its cancellation, or a boot
-/// since it started.
-fn said_ended(job: &Job) -> bool {
-    job.status.is_some() || job.cancelled.is_some() || job.boot_id != boot_id()
-}
-
-/// Whether `job`'s keeper still runs: its pid is a `job-run` of this id (a pid alone
-/// could be another process's by now).
-pub(crate) fn alive(job: &Job) -> bool {
-    // Its user's (another user's process named so is not it); no start time check:
-    // the id in its arguments already names this job.
-    of_jobs_user(job, job.keeper_pid)
-        && tt_device::procfs::cmdline(job.keeper_pid)
-            .is_some_and(|args| args.windows(2).any(|w| w[0] == "job-run" && w[1] == job.id))
-}
-
-/// Whether `pid` is a process of `job`'s user.
-pub(crate) fn of_jobs_user(job: &Job, pid: u32) -> bool {
-    tt_device::procfs::uid(pid) == Some(job.uid)
-}
-
-/// Whether `pid` can be one of `job`'s processes: it belongs to the job's user and
-/// started no earlier than the job (a pid is reused: an older process, or another
-/// user's, under a pid the record names is not the job's, and is never signalled).
-pub(crate) fn is_jobs(job: &Job, pid: u32) -> bool {
-    // btime is whole seconds: a process may seem to start up to a second early.
-    const SLACK: f64 = 2.0;
-    of_jobs_user(job, pid)
-        && tt_device::procfs::started_unix(pid).is_some_and(|t| t >= job.started_unix - SLACK)
 }
 
 /// Every job's record in `records`, oldest first.
@@ -447,12 +466,13 @@ pub(crate) fn find(records: &Path, id: &str) -> Result<Job> {
         return jobs
             .into_iter()
             .rev()
-            .find(|j| j.uid == uid())
+            .find(|j| j.uid == tt_lock::euid())
             .ok_or_else(|| Exit::usage("you have no job yet".into()).into());
     }
     // Exactly the id, else a prefix; among the caller's own jobs first, so that nobody
     // else's record can make the caller's id ambiguous.
-    let (mine, others): (Vec<Job>, Vec<Job>) = jobs.into_iter().partition(|j| j.uid == uid());
+    let (mine, others): (Vec<Job>, Vec<Job>) =
+        jobs.into_iter().partition(|j| j.uid == tt_lock::euid());
     let pick = |jobs: &[Job]| -> Vec<Job> {
         let exact: Vec<Job> = jobs.iter().filter(|j| j.id == id).cloned().collect();
         match exact.is_empty() {
@@ -475,27 +495,6 @@ pub(crate) fn find(records: &Path, id: &str) -> Result<Job> {
     }
 }
 
-/// The GPUs a running job holds and the bytes it reserved on them: the locks whose
-/// holder is the job's torchtools.
-pub(crate) fn held_by(job: &Job, locks: &[tt_lock::LockState]) -> (Vec<String>, Option<u64>) {
-    let Some(pid) = job.pid else {
-        return (Vec::new(), None);
-    };
-    let mut gpus = Vec::new();
-    let mut bytes = None;
-    for state in locks.iter().filter(|s| s.held) {
-        if let Some(h) = state
-            .holder
-            .as_ref()
-            .filter(|h| h.who.pid == pid && h.who.host == job.host)
-        {
-            gpus.push(h.gpu.clone());
-            bytes = h.who.reserved.map(|b| b.0).or(bytes);
-        }
-    }
-    (gpus, bytes)
-}
-
 /// A job that has not ended, as `metrics` counts it.
 pub(crate) struct LiveJob {
     pub(crate) id: String,
@@ -507,22 +506,10 @@ pub(crate) struct LiveJob {
     pub(crate) bytes: Option<u64>,
 }
 
-/// Every user's jobs that have not ended, given the requests waiting in `locks`' queue
-/// (read once by the caller).
-pub(crate) fn live_jobs(locks: &LockDir, queue: &[tt_lock::Waiter]) -> Result<Vec<LiveJob>> {
-    let waiting: Vec<u32> = queue.iter().map(|w| w.who.pid).collect();
-    let held = locks.list()?;
-    let jobs = all_jobs(&records_dir_in(locks)?)?;
-    Ok(rows(jobs, &waiting, &held)
-        .iter()
-        .filter_map(LiveJob::of)
-        .collect())
-}
-
 impl LiveJob {
     /// The job of `row`, when it has not ended.
     pub(crate) fn of(row: &Row) -> Option<LiveJob> {
-        (!ended(&row.job)).then(|| LiveJob {
+        (!row.job.ended()).then(|| LiveJob {
             waiting: row.state.starts_with("waiting"),
             id: row.job.id.clone(),
             user: row.job.user.clone(),
@@ -549,9 +536,9 @@ pub(crate) struct Row {
 pub(crate) fn rows(jobs: Vec<Job>, waiting: &[u32], held: &[tt_lock::LockState]) -> Vec<Row> {
     jobs.into_iter()
         .map(|job| {
-            let (gpus, bytes) = held_by(&job, held);
+            let (gpus, bytes) = job.held_by(held);
             Row {
-                state: state(&job, waiting),
+                state: job.state(waiting),
                 job,
                 gpus,
                 bytes,
@@ -560,14 +547,17 @@ pub(crate) fn rows(jobs: Vec<Job>, waiting: &[u32], held: &[tt_lock::LockState])
         .collect()
 }
 
-/// Every user's jobs as rows, from the lock directory (`jobs --all --json`'s), with
-/// the records not believed and those damaged.
-pub(crate) fn all_rows(locks: &LockDir, queue: &[tt_lock::Waiter]) -> Result<(Vec<Row>, Scan)> {
-    let waiting: Vec<u32> = queue.iter().map(|w| w.who.pid).collect();
-    let held = locks.list()?;
-    let mut scan = scan(&records_dir_in(locks)?)?;
+/// Every user's jobs as rows, from the job records in `records` (`jobs --all
+/// --json`'s), given the pids waiting in the queue and the GPUs' locks (read once by
+/// the caller), with the records not believed and those damaged.
+pub(crate) fn all_rows(
+    records: &Path,
+    waiting: &[u32],
+    held: &[tt_lock::LockState],
+) -> Result<(Vec<Row>, Scan)> {
+    let mut scan = scan(records)?;
     let jobs = std::mem::take(&mut scan.jobs);
-    Ok((rows(jobs, &waiting, &held), scan))
+    Ok((rows(jobs, waiting, held), scan))
 }
 
 /// A job's log for reading: never through a link at its name's end, never blocking on
@@ -593,7 +583,7 @@ pub(crate) fn resolve(records: &Path, id: &str) -> Result<Vec<Job>> {
     let of_array = |mine: bool| -> Vec<Job> {
         let mut tasks: Vec<Job> = jobs
             .iter()
-            .filter(|j| (j.uid == uid()) == mine)
+            .filter(|j| (j.uid == tt_lock::euid()) == mine)
             .filter(|j| j.array.as_ref().is_some_and(|a| a.id == id))
             .cloned()
             .collect();
@@ -607,18 +597,6 @@ pub(crate) fn resolve(records: &Path, id: &str) -> Result<Vec<Job>> {
         }
     }
     Ok(vec![find(records, id)?])
-}
-
-/// The processes of session `sid` (field 6 of `/proc/PID/stat`).
-pub(crate) fn session_members(sid: u32) -> Vec<u32> {
-    let Ok(entries) = fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| tt_device::procfs::stat(pid).is_some_and(|s| s.session == sid))
-        .collect()
 }
 
 /// A detached job's id, in the environment of its torchtools and command.
@@ -640,9 +618,9 @@ mod tests {
         let job = Job {
             id: "123-4".into(),
             user: me.who.user.clone(),
-            uid: uid(),
+            uid: tt_lock::euid(),
             host: me.who.host,
-            boot_id: boot_id(),
+            boot_id: crate::process::boot_id(),
             command: vec!["true".into()],
             log: dir.path().join("log"),
             started_unix: 0.0,
@@ -672,6 +650,6 @@ mod tests {
         });
         let read = load(&record_path(dir.path(), "123-4")).unwrap();
         assert_eq!(read.cancelled.as_deref(), Some("job 123-3 failed"));
-        assert_eq!(state(&read, &[]), "cancelled: job 123-3 failed");
+        assert_eq!(read.state(&[]), "cancelled: job 123-3 failed");
     }
 }

@@ -280,8 +280,7 @@ fn the_exporter_is_read_only_and_bounded_and_a_slow_client_holds_nobody() {
     write!(slow, "GET /metrics HTTP/1.1\r\nHost: 127.").unwrap();
     assert!(status_of(port, "GET /metrics HTTP/1.1").contains(" 200 "));
     drop(slow);
-    let big = format!("GET /metrics HTTP/1.1\r\nX-Big: {}", "a".repeat(64 * 1024));
-    assert!(!status_of(port, &big).contains(" 200 "));
+    crate::common::refuses_a_64_kib_head(port, "/metrics");
     let post = status_of(port, "POST /metrics HTTP/1.1\r\nContent-Length: 0");
     assert!(post.contains(" 405 "), "{post}");
     assert!(status_of(port, "GET /elsewhere HTTP/1.1").contains(" 404 "));

@@ -649,20 +649,7 @@ fn api_state_holds_what_the_commands_json_views_hold() {
     assert!(status.contains(" 200 "), "{status}");
     drop(slow);
     // A request head past 16 KiB is refused, not read into memory; the server goes on.
-    let mut big = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    big.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    let header = "a".repeat(64 * 1024);
-    let _ = write!(
-        big,
-        "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: {header}\r\n\r\n"
-    );
-    let mut answer = String::new();
-    let _ = big.read_to_string(&mut answer);
-    assert!(
-        !answer.starts_with("HTTP/1.1 200"),
-        "{}",
-        &answer[..answer.len().min(200)]
-    );
+    crate::common::refuses_a_64_kib_head(port, "/");
     assert!(request(port, "GET / HTTP/1.1").0.contains(" 200 "));
 
     // Read-only and bounded: anything but a GET is refused before any work.

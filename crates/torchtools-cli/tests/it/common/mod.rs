@@ -167,3 +167,31 @@ impl Drop for Stopped<'_> {
 
 /// A TCP port free on loopback now.
 pub(crate) use tt_testkit::free_port;
+
+/// Sends `GET path` with a 64 KiB header to the server on `port` and checks it was
+/// refused without being read whole: the answer is `431 Request Header Fields Too
+/// Large` (or the connection is closed under the sender, before the answer is read),
+/// and it comes at once, never after the read's 60 s bound (a server that read the
+/// head whole and hung would end the read by its timeout).
+pub(crate) fn refuses_a_64_kib_head(port: u16, path: &str) {
+    use std::io::{ErrorKind, Read, Write};
+    let mut big = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    big.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let header = "a".repeat(64 * 1024);
+    let _ = write!(
+        big,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: {header}\r\n\r\n"
+    );
+    let mut answer = Vec::new();
+    let ended = big.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        !matches!(&ended, Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)),
+        "no answer to a 64 KiB head in 60 s: {ended:?}"
+    );
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 431 "),
+        "a 64 KiB head answered {:?}",
+        &answer[..answer.len().min(200)]
+    );
+}

@@ -10,6 +10,96 @@ use tt_tracker::subtrack::{self, OrderedMap, Statistic, SubTrackingResults};
 use crate::args::check_output;
 use crate::exit::Exit;
 
+#[derive(clap::Subcommand)]
+pub(crate) enum SubTrackCommand {
+    /// Statistics per measure and per code block.
+    ///
+    /// Statistics of every measure over all samples and over each code block's calls,
+    /// and each block's call times (gpu_tracker's `sub-track analyze`).
+    ///
+    /// The tracking file: `torchtools track --timeline` or gpu_tracker's tracking_file
+    /// (.csv, .sqlite; ours also .jsonl). The sub-tracking file: written by
+    /// gpu_tracker's SubTracker in a tracked Python program, or beside our timeline
+    /// (NAME.blocks.csv / NAME.blocks.sqlite; a .jsonl timeline holds its blocks).
+    Analyze {
+        /// The tracking file.
+        #[arg(long = "tf", value_name = "TRACKING_FILE")]
+        tracking_file: std::path::PathBuf,
+        /// The sub-tracking file.
+        #[arg(long = "stf", value_name = "SUB_TRACKING_FILE")]
+        sub_tracking_file: std::path::PathBuf,
+        /// Write the results here instead of stdout.
+        #[arg(short, long)]
+        output: Option<std::path::PathBuf>,
+        /// text (gpu_tracker's layout) or json (read by `sub-track compare`).
+        #[arg(short, long, default_value = "text", value_parser = SUB_TRACK_FORMATS)]
+        format: String,
+    },
+    /// Merge several processes' sub-tracking files.
+    ///
+    /// Merge the sub-tracking files of several processes into one (gpu_tracker's
+    /// `sub-track combine`); never replaces an existing file.
+    Combine {
+        /// The combined file to create (.csv or .sqlite).
+        #[arg(long = "stf", value_name = "SUB_TRACKING_FILE")]
+        output: std::path::PathBuf,
+        /// The files to combine (CSV, SQLite or JSON Lines, mixed if need be), or one
+        /// directory: its files with the output's extension, in name order.
+        #[arg(short = 'p', required = true, num_args = 1.., action = clap::ArgAction::Append, value_name = "FILE")]
+        files: Vec<std::path::PathBuf>,
+    },
+    /// Compare sessions' analyses, block by block.
+    ///
+    /// Compare sessions' analyses measure by measure and block by block (gpu_tracker's
+    /// `sub-track compare`), from the JSON of `sub-track analyze --format json`
+    /// written by torchtools or gpu-tracker (pickles are not read: loading one can run
+    /// any code).
+    Compare {
+        /// A session: its name and its analysis (repeat, or list several after -m).
+        #[arg(short = 'm', num_args = 1.., action = clap::ArgAction::Append, value_name = "NAME=FILE")]
+        sessions: Vec<String>,
+        /// gpu_tracker's JSON config: {"file_path_map": {NAME: FILE}, "statistic": S};
+        /// -m adds sessions to it, --stat overrides its statistic.
+        #[arg(long, value_name = "FILE")]
+        cconfig: Option<std::path::PathBuf>,
+        /// The statistic compared: min, max, mean (default) or std.
+        #[arg(long, value_parser = ["min", "max", "mean", "std"])]
+        stat: Option<String>,
+        /// Write the comparison here instead of stdout.
+        #[arg(short, long)]
+        output: Option<std::path::PathBuf>,
+        /// text (gpu_tracker's layout) or json.
+        #[arg(short, long, default_value = "text", value_parser = SUB_TRACK_FORMATS)]
+        format: String,
+    },
+}
+
+/// `torchtools track sub-track ...`.
+pub(crate) fn run(command: &SubTrackCommand) -> Result<ExitCode> {
+    match command {
+        SubTrackCommand::Analyze {
+            tracking_file,
+            sub_tracking_file,
+            output,
+            format,
+        } => analyze(tracking_file, sub_tracking_file, output.as_deref(), format),
+        SubTrackCommand::Combine { output, files } => combine(output, files),
+        SubTrackCommand::Compare {
+            sessions,
+            cconfig,
+            stat,
+            output,
+            format,
+        } => compare(
+            sessions,
+            cconfig.as_deref(),
+            stat.as_deref(),
+            output.as_deref(),
+            format,
+        ),
+    }
+}
+
 fn bad(message: impl Into<String>) -> anyhow::Error {
     Exit::usage(message.into()).into()
 }
@@ -196,98 +286,3 @@ pub(crate) fn compare(
 
 /// `--format` of the sub-tracking commands (pickle is refused with the fix).
 pub(crate) const SUB_TRACK_FORMATS: [&str; 3] = ["text", "json", "pickle"];
-
-#[derive(clap::Subcommand)]
-pub(crate) enum SubTrackCommand {
-    /// Statistics per measure and per code block.
-    ///
-    /// Statistics of every measure over all samples and over each code block's calls,
-    /// and each block's call times (gpu_tracker's `sub-track analyze`).
-    ///
-    /// The tracking file: `torchtools track --timeline` or gpu_tracker's tracking_file
-    /// (.csv, .sqlite; ours also .jsonl). The sub-tracking file: written by
-    /// gpu_tracker's SubTracker in a tracked Python program, or beside our timeline
-    /// (NAME.blocks.csv / NAME.blocks.sqlite; a .jsonl timeline holds its blocks).
-    Analyze {
-        /// The tracking file.
-        #[arg(long = "tf", value_name = "TRACKING_FILE")]
-        tracking_file: std::path::PathBuf,
-        /// The sub-tracking file.
-        #[arg(long = "stf", value_name = "SUB_TRACKING_FILE")]
-        sub_tracking_file: std::path::PathBuf,
-        /// Write the results here instead of stdout.
-        #[arg(short, long)]
-        output: Option<std::path::PathBuf>,
-        /// text (gpu_tracker's layout) or json (read by `sub-track compare`).
-        #[arg(short, long, default_value = "text", value_parser = SUB_TRACK_FORMATS)]
-        format: String,
-    },
-    /// Merge several processes' sub-tracking files.
-    ///
-    /// Merge the sub-tracking files of several processes into one (gpu_tracker's
-    /// `sub-track combine`); never replaces an existing file.
-    Combine {
-        /// The combined file to create (.csv or .sqlite).
-        #[arg(long = "stf", value_name = "SUB_TRACKING_FILE")]
-        output: std::path::PathBuf,
-        /// The files to combine (CSV, SQLite or JSON Lines, mixed if need be), or one
-        /// directory: its files with the output's extension, in name order.
-        #[arg(short = 'p', required = true, num_args = 1.., action = clap::ArgAction::Append, value_name = "FILE")]
-        files: Vec<std::path::PathBuf>,
-    },
-    /// Compare sessions' analyses, block by block.
-    ///
-    /// Compare sessions' analyses measure by measure and block by block (gpu_tracker's
-    /// `sub-track compare`), from the JSON of `sub-track analyze --format json`
-    /// written by torchtools or gpu-tracker (pickles are not read: loading one can run
-    /// any code).
-    Compare {
-        /// A session: its name and its analysis (repeat, or list several after -m).
-        #[arg(short = 'm', num_args = 1.., action = clap::ArgAction::Append, value_name = "NAME=FILE")]
-        sessions: Vec<String>,
-        /// gpu_tracker's JSON config: {"file_path_map": {NAME: FILE}, "statistic": S};
-        /// -m adds sessions to it, --stat overrides its statistic.
-        #[arg(long, value_name = "FILE")]
-        cconfig: Option<std::path::PathBuf>,
-        /// The statistic compared: min, max, mean (default) or std.
-        #[arg(long, value_parser = ["min", "max", "mean", "std"])]
-        stat: Option<String>,
-        /// Write the comparison here instead of stdout.
-        #[arg(short, long)]
-        output: Option<std::path::PathBuf>,
-        /// text (gpu_tracker's layout) or json.
-        #[arg(short, long, default_value = "text", value_parser = SUB_TRACK_FORMATS)]
-        format: String,
-    },
-}
-
-/// `torchtools track sub-track ...`.
-pub(crate) fn run(command: SubTrackCommand) -> Result<ExitCode> {
-    match command {
-        SubTrackCommand::Analyze {
-            tracking_file,
-            sub_tracking_file,
-            output,
-            format,
-        } => analyze(
-            &tracking_file,
-            &sub_tracking_file,
-            output.as_deref(),
-            &format,
-        ),
-        SubTrackCommand::Combine { output, files } => combine(&output, &files),
-        SubTrackCommand::Compare {
-            sessions,
-            cconfig,
-            stat,
-            output,
-            format,
-        } => compare(
-            &sessions,
-            cconfig.as_deref(),
-            stat.as_deref(),
-            output.as_deref(),
-            &format,
-        ),
-    }
-}

@@ -1,5 +1,5 @@
 //! `torchtools track -- CMD` and `torchtools track compare A.json B.json`
-//! (`track sub-track ...` is in `subtrack.rs`).
+//! (`track sub-track ...` is in `sub.rs`).
 
 use std::ffi::OsString;
 use std::fs::File;
@@ -15,6 +15,145 @@ use tt_tracker::{RamUnit, Target, TimeUnit, Tracker, TrackerConfig};
 
 use crate::child;
 use crate::exit::Exit;
+
+mod sub;
+
+/// Track a command's memory, CPU, GPU and energy use.
+///
+/// Track a command's resources: RAM of it and its descendants (total, private,
+/// shared), GPU RAM, CPU and GPU use, energy, time, as gpu_tracker does, with exact
+/// kernel peaks.
+///
+/// The report goes to stdout (or --output), as gpu_tracker's; messages go to
+/// stderr. The exit status is the command's (128+N when killed by signal N; 127
+/// when not found; 2 for bad arguments or output paths, checked before the
+/// command starts). gpu_tracker's options work too (-e, --st, --ru, --gru, --tu,
+/// --nec, --guuids, --gb, --tf, --disable-logs, --tconfig): put `torchtools track`
+/// in front of a `gpu-tracker` line. `track compare A.json B.json` compares reports
+/// written with --format json; `track sub-track analyze|combine|compare` are
+/// gpu_tracker's sub-tracking commands.
+#[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub(crate) struct Args {
+    #[command(subcommand)]
+    pub(crate) compare: Option<Box<crate::commands::track::TrackCommand>>,
+    /// Time between samples (gpu_tracker's --st, in seconds): 100ms by default,
+    /// at least 10ms. gpu_tracker samples every second; our peaks are exact
+    /// whatever the interval (the kernel's high-water marks), the interval only
+    /// sets how fine the timeline is.
+    #[arg(long, visible_alias = "st", value_parser = crate::args::duration, allow_hyphen_values = true)]
+    pub(crate) interval: Option<std::time::Duration>,
+    /// Unit of RAM: bytes, kilobytes, megabytes, gigabytes (default), terabytes
+    /// (decimal).
+    #[arg(long, visible_alias = "ru")]
+    pub(crate) ram_unit: Option<tt_tracker::RamUnit>,
+    /// Unit of GPU RAM (default gigabytes).
+    #[arg(long, visible_alias = "gru")]
+    pub(crate) gpu_ram_unit: Option<tt_tracker::RamUnit>,
+    /// Unit of time: seconds, minutes, hours (default), days.
+    #[arg(long, visible_alias = "tu")]
+    pub(crate) time_unit: Option<tt_tracker::TimeUnit>,
+    /// Report format: text (default) or json.
+    #[arg(short, long, value_parser = ["text", "json"])]
+    pub(crate) format: Option<String>,
+    /// Write the report to this file instead of stdout (replaced if it exists).
+    #[arg(short, long)]
+    pub(crate) output: Option<std::path::PathBuf>,
+    /// Write every sample to this file: .csv, .jsonl or .sqlite (gpu_tracker's --tf).
+    #[arg(long, visible_alias = "tf")]
+    pub(crate) timeline: Option<std::path::PathBuf>,
+    /// Replace an existing --timeline file.
+    #[arg(long)]
+    pub(crate) overwrite: bool,
+    /// Draw RAM, GPU RAM and CPU over time into this SVG file.
+    #[arg(long)]
+    pub(crate) plot: Option<std::path::PathBuf>,
+    /// Cores the command is expected to use (denominator of hardware percentages).
+    #[arg(long, visible_alias = "nec", value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) n_expected_cores: Option<u32>,
+    /// GPUs (UUIDs, comma-separated) whose utilisation and energy count.
+    #[arg(long, visible_alias = "guuids", value_delimiter = ',')]
+    pub(crate) gpu_uuids: Option<Vec<String>>,
+    /// gpu_tracker's GPU brand: nvidia (the one torchtools reads, through NVML).
+    #[arg(long = "gb", value_name = "BRAND", value_parser = ["nvidia", "amd"])]
+    pub(crate) gpu_brand: Option<String>,
+    /// Do not print the tracker's warnings (they stay in the report).
+    #[arg(long)]
+    pub(crate) disable_logs: bool,
+    /// Do not watch the command's exit with ptrace. By default its own peak RSS is
+    /// read as it exits (exact, without the children it reaped); meanwhile a
+    /// debugger or py-spy cannot attach to it. With this, its peak is the sampled
+    /// high-water mark.
+    #[arg(long)]
+    pub(crate) no_ptrace: bool,
+    /// gpu_tracker's JSON file of Tracker arguments (sleep_time, ram_unit,
+    /// gpu_ram_unit, time_unit, n_expected_cores, gpu_uuids, disable_logs,
+    /// gpu_brand, tracking_file, overwrite); options on the command line win.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) tconfig: Option<std::path::PathBuf>,
+    /// gpu_tracker's -e: the command and its arguments in one string, split on
+    /// whitespace as gpu_tracker splits it (no quoting). Prefer `-- CMD ARGS`,
+    /// which passes arguments as they are.
+    #[arg(short = 'e', long, value_name = "COMMAND", conflicts_with = "command")]
+    pub(crate) execute: Option<String>,
+    /// The command and its arguments, after `--`, passed as they are.
+    #[arg(last = true, required_unless_present = "execute", value_name = "CMD")]
+    pub(crate) command: Vec<std::ffi::OsString>,
+}
+
+#[derive(clap::Subcommand)]
+pub(crate) enum TrackCommand {
+    /// Compare tracking sessions' JSON reports.
+    ///
+    /// Compare tracking sessions from their JSON reports (`--format json`).
+    Compare {
+        /// Two or more reports.
+        #[arg(required = true, num_args = 2..)]
+        files: Vec<std::path::PathBuf>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// gpu_tracker's sub-tracking commands.
+    ///
+    /// gpu_tracker's sub-tracking commands, with its options and outputs, on both tools'
+    /// files: per code block statistics, sub-tracking files combined, sessions compared.
+    #[command(name = "sub-track", subcommand)]
+    SubTrack(sub::SubTrackCommand),
+}
+
+/// `torchtools track`, `track compare` and `track sub-track ...`.
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    match args.compare.as_deref() {
+        Some(TrackCommand::Compare { files, json }) => compare(files, *json),
+        Some(TrackCommand::SubTrack(command)) => sub::run(command),
+        None => {
+            let given = Given {
+                interval: args.interval,
+                ram_unit: args.ram_unit,
+                gpu_ram_unit: args.gpu_ram_unit,
+                time_unit: args.time_unit,
+                n_expected_cores: args.n_expected_cores,
+                gpu_uuids: args.gpu_uuids.clone(),
+                gpu_brand: args.gpu_brand.clone(),
+                disable_logs: args.disable_logs,
+                timeline: args.timeline.clone(),
+                overwrite: args.overwrite,
+            };
+            let mut req = request(
+                given,
+                args.tconfig.as_deref(),
+                args.format.as_deref() == Some("json"),
+                args.output.clone(),
+                args.plot.clone(),
+                args.execute.clone(),
+                args.command.clone(),
+            )?;
+            req.no_ptrace = args.no_ptrace;
+            track(req)
+        }
+    }
+}
 
 /// The tracker options as typed (absent when not given): the command line wins
 /// over `--tconfig`, which wins over the defaults.
@@ -405,141 +544,4 @@ pub(crate) fn compare(files: &[PathBuf], json: bool) -> Result<ExitCode> {
         print!("{comparison}");
     }
     Ok(ExitCode::SUCCESS)
-}
-
-#[derive(clap::Subcommand)]
-pub(crate) enum TrackCommand {
-    /// Compare tracking sessions' JSON reports.
-    ///
-    /// Compare tracking sessions from their JSON reports (`--format json`).
-    Compare {
-        /// Two or more reports.
-        #[arg(required = true, num_args = 2..)]
-        files: Vec<std::path::PathBuf>,
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
-    /// gpu_tracker's sub-tracking commands.
-    ///
-    /// gpu_tracker's sub-tracking commands, with its options and outputs, on both tools'
-    /// files: per code block statistics, sub-tracking files combined, sessions compared.
-    #[command(name = "sub-track", subcommand)]
-    SubTrack(crate::commands::subtrack::SubTrackCommand),
-}
-
-/// Track a command's memory, CPU, GPU and energy use.
-///
-/// Track a command's resources: RAM of it and its descendants (total, private,
-/// shared), GPU RAM, CPU and GPU use, energy, time, as gpu_tracker does, with exact
-/// kernel peaks.
-///
-/// The report goes to stdout (or --output), as gpu_tracker's; messages go to
-/// stderr. The exit status is the command's (128+N when killed by signal N; 127
-/// when not found; 2 for bad arguments or output paths, checked before the
-/// command starts). gpu_tracker's options work too (-e, --st, --ru, --gru, --tu,
-/// --nec, --guuids, --gb, --tf, --disable-logs, --tconfig): put `torchtools track`
-/// in front of a `gpu-tracker` line. `track compare A.json B.json` compares reports
-/// written with --format json; `track sub-track analyze|combine|compare` are
-/// gpu_tracker's sub-tracking commands.
-#[derive(clap::Args)]
-#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
-pub(crate) struct Args {
-    #[command(subcommand)]
-    pub(crate) compare: Option<Box<crate::commands::track::TrackCommand>>,
-    /// Time between samples (gpu_tracker's --st, in seconds): 100ms by default,
-    /// at least 10ms. gpu_tracker samples every second; our peaks are exact
-    /// whatever the interval (the kernel's high-water marks), the interval only
-    /// sets how fine the timeline is.
-    #[arg(long, visible_alias = "st", value_parser = crate::args::duration, allow_hyphen_values = true)]
-    pub(crate) interval: Option<std::time::Duration>,
-    /// Unit of RAM: bytes, kilobytes, megabytes, gigabytes (default), terabytes
-    /// (decimal).
-    #[arg(long, visible_alias = "ru")]
-    pub(crate) ram_unit: Option<tt_tracker::RamUnit>,
-    /// Unit of GPU RAM (default gigabytes).
-    #[arg(long, visible_alias = "gru")]
-    pub(crate) gpu_ram_unit: Option<tt_tracker::RamUnit>,
-    /// Unit of time: seconds, minutes, hours (default), days.
-    #[arg(long, visible_alias = "tu")]
-    pub(crate) time_unit: Option<tt_tracker::TimeUnit>,
-    /// Report format: text (default) or json.
-    #[arg(short, long, value_parser = ["text", "json"])]
-    pub(crate) format: Option<String>,
-    /// Write the report to this file instead of stdout (replaced if it exists).
-    #[arg(short, long)]
-    pub(crate) output: Option<std::path::PathBuf>,
-    /// Write every sample to this file: .csv, .jsonl or .sqlite (gpu_tracker's --tf).
-    #[arg(long, visible_alias = "tf")]
-    pub(crate) timeline: Option<std::path::PathBuf>,
-    /// Replace an existing --timeline file.
-    #[arg(long)]
-    pub(crate) overwrite: bool,
-    /// Draw RAM, GPU RAM and CPU over time into this SVG file.
-    #[arg(long)]
-    pub(crate) plot: Option<std::path::PathBuf>,
-    /// Cores the command is expected to use (denominator of hardware percentages).
-    #[arg(long, visible_alias = "nec", value_parser = clap::value_parser!(u32).range(1..))]
-    pub(crate) n_expected_cores: Option<u32>,
-    /// GPUs (UUIDs, comma-separated) whose utilisation and energy count.
-    #[arg(long, visible_alias = "guuids", value_delimiter = ',')]
-    pub(crate) gpu_uuids: Option<Vec<String>>,
-    /// gpu_tracker's GPU brand: nvidia (the one torchtools reads, through NVML).
-    #[arg(long = "gb", value_name = "BRAND", value_parser = ["nvidia", "amd"])]
-    pub(crate) gpu_brand: Option<String>,
-    /// Do not print the tracker's warnings (they stay in the report).
-    #[arg(long)]
-    pub(crate) disable_logs: bool,
-    /// Do not watch the command's exit with ptrace. By default its own peak RSS is
-    /// read as it exits (exact, without the children it reaped); meanwhile a
-    /// debugger or py-spy cannot attach to it. With this, its peak is the sampled
-    /// high-water mark.
-    #[arg(long)]
-    pub(crate) no_ptrace: bool,
-    /// gpu_tracker's JSON file of Tracker arguments (sleep_time, ram_unit,
-    /// gpu_ram_unit, time_unit, n_expected_cores, gpu_uuids, disable_logs,
-    /// gpu_brand, tracking_file, overwrite); options on the command line win.
-    #[arg(long, value_name = "FILE")]
-    pub(crate) tconfig: Option<std::path::PathBuf>,
-    /// gpu_tracker's -e: the command and its arguments in one string, split on
-    /// whitespace as gpu_tracker splits it (no quoting). Prefer `-- CMD ARGS`,
-    /// which passes arguments as they are.
-    #[arg(short = 'e', long, value_name = "COMMAND", conflicts_with = "command")]
-    pub(crate) execute: Option<String>,
-    /// The command and its arguments, after `--`, passed as they are.
-    #[arg(last = true, required_unless_present = "execute", value_name = "CMD")]
-    pub(crate) command: Vec<std::ffi::OsString>,
-}
-
-/// `torchtools track`, `track compare` and `track sub-track ...`.
-pub(crate) fn run(args: Args) -> Result<ExitCode> {
-    match args.compare.map(|c| *c) {
-        Some(TrackCommand::Compare { files, json }) => compare(&files, json),
-        Some(TrackCommand::SubTrack(sub)) => crate::commands::subtrack::run(sub),
-        None => {
-            let given = Given {
-                interval: args.interval,
-                ram_unit: args.ram_unit,
-                gpu_ram_unit: args.gpu_ram_unit,
-                time_unit: args.time_unit,
-                n_expected_cores: args.n_expected_cores,
-                gpu_uuids: args.gpu_uuids,
-                gpu_brand: args.gpu_brand,
-                disable_logs: args.disable_logs,
-                timeline: args.timeline,
-                overwrite: args.overwrite,
-            };
-            let mut req = request(
-                given,
-                args.tconfig.as_deref(),
-                args.format.as_deref() == Some("json"),
-                args.output,
-                args.plot,
-                args.execute,
-                args.command,
-            )?;
-            req.no_ptrace = args.no_ptrace;
-            track(req)
-        }
-    }
 }
