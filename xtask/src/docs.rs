@@ -748,49 +748,213 @@ mod tests {
     }
 
     /// The modules a crate root declares, at every depth: each module's path (`a::b`;
-    /// the root is ``), and its code without comments, attributes and test module.
+    /// the root is ``), and its code without comments, attributes and test modules.
     /// A root's modules sit beside it (`src/lib.rs`, `src/main.rs`, `src/bin/x.rs`,
-    /// `examples/x.rs`); a module `a.rs` or `a/mod.rs` keeps its own in `a/`.
+    /// `examples/x.rs`); a module `a.rs` or `a/mod.rs` keeps its own in `a/`; a
+    /// `#[path = "f.rs"]` module is that file, beside the file declaring it; an inline
+    /// `mod a { .. }` is a module of its own. A declared module whose file cannot be
+    /// read is an error (the check would read nothing of it).
     fn modules_of(root: &Path) -> std::collections::BTreeMap<String, String> {
-        fn walk(
-            file: &Path,
-            children: &Path,
-            path: &str,
-            out: &mut std::collections::BTreeMap<String, String>,
-        ) {
-            let text = std::fs::read_to_string(file).unwrap_or_default();
-            // Tests may use anything; a doc link is not a dependency.
-            let text = text
-                .split("#[cfg(test)]\nmod tests")
-                .next()
-                .unwrap_or_default();
-            let text = code(text);
-            for line in text.lines().map(str::trim) {
-                let line = ["pub(crate) ", "pub(super) ", "pub "]
-                    .iter()
-                    .fold(line, |l, p| l.trim_start_matches(p));
-                let Some(name) = line.strip_prefix("mod ").and_then(|m| m.strip_suffix(';')) else {
-                    continue;
-                };
-                if !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                    continue;
-                }
-                let child = if path.is_empty() {
-                    name.to_owned()
-                } else {
-                    format!("{path}::{name}")
-                };
-                let flat = children.join(format!("{name}.rs"));
-                let nested = children.join(name).join("mod.rs");
-                let found = if flat.is_file() { flat } else { nested };
-                walk(&found, &children.join(name), &child, out);
-            }
-            out.insert(path.to_owned(), text);
-        }
         let mut out = std::collections::BTreeMap::new();
         let beside = root.parent().unwrap_or(Path::new("."));
-        walk(root, beside, "", &mut out);
+        let raw = std::fs::read_to_string(root)
+            .unwrap_or_else(|e| panic!("the crate root {}: {e}", root.display()));
+        module_text(&raw, beside, beside, "", &mut out);
         out
+    }
+
+    /// Reads one module's text (`raw`, as written), its files' directory `dir` (where
+    /// `#[path]` files are) and its children's `children`, into `out` under `path`.
+    fn module_text(
+        raw: &str,
+        dir: &Path,
+        children: &Path,
+        path: &str,
+        out: &mut std::collections::BTreeMap<String, String>,
+    ) {
+        // Tests may use anything; a doc link is not a dependency.
+        let raw = without_test_modules(&without_comment_lines(raw));
+        let files = path_attributes(&raw);
+        let mut text = code(&raw);
+        let child_of = |name: &str| match path {
+            "" => name.to_owned(),
+            _ => format!("{path}::{name}"),
+        };
+        // Inline modules, cut out of this one's text.
+        while let Some((start, open, name)) = inline_module(&text) {
+            let end = block_end(&text, open);
+            let body = text[open + 1..end.saturating_sub(1)].to_owned();
+            let nested = children.join(&name);
+            module_text(&body, &nested, &nested, &child_of(&name), out);
+            text.replace_range(start..end, " ");
+        }
+        for line in text.lines().map(str::trim) {
+            let line = ["pub(crate) ", "pub(super) ", "pub "]
+                .iter()
+                .fold(line, |l, p| l.trim_start_matches(p));
+            let Some(name) = line.strip_prefix("mod ").and_then(|m| m.strip_suffix(';')) else {
+                continue;
+            };
+            if !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                continue;
+            }
+            let (file, own) = match files.get(name) {
+                Some(f) => {
+                    let file = dir.join(f);
+                    let own = match file.file_name().is_some_and(|n| n == "mod.rs") {
+                        true => file.parent().unwrap_or(dir).to_owned(),
+                        false => file.with_extension(""),
+                    };
+                    (file, own)
+                }
+                None => {
+                    let flat = children.join(format!("{name}.rs"));
+                    let nested = children.join(name).join("mod.rs");
+                    (
+                        if flat.is_file() { flat } else { nested },
+                        children.join(name),
+                    )
+                }
+            };
+            let child_raw = std::fs::read_to_string(&file).unwrap_or_else(|e| {
+                panic!(
+                    "module {} is declared but its file {} cannot be read: {e}",
+                    child_of(name),
+                    file.display()
+                )
+            });
+            let file_dir = file.parent().unwrap_or(dir).to_owned();
+            module_text(&child_raw, &file_dir, &own, &child_of(name), out);
+        }
+        out.insert(path.to_owned(), text);
+    }
+
+    /// `text` without its whole-line comments (doc comments included).
+    fn without_comment_lines(text: &str) -> String {
+        text.lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// `text` without its `#[cfg(test)] mod NAME { .. }` modules, wherever they are.
+    fn without_test_modules(text: &str) -> String {
+        let mut text = text.to_owned();
+        let mut from = 0;
+        while let Some(found) = text[from..].find("#[cfg(test)]") {
+            let at = from + found;
+            let rest = text[at + "#[cfg(test)]".len()..].trim_start();
+            let rest = ["pub(crate) ", "pub "]
+                .iter()
+                .fold(rest, |r, p| r.trim_start_matches(p));
+            let is_module = rest.strip_prefix("mod ").is_some_and(|r| {
+                let name_end = r
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .unwrap_or(r.len());
+                r[name_end..].trim_start().starts_with('{')
+            });
+            let declared = rest.strip_prefix("mod ").is_some_and(|r| {
+                r.trim_start_matches(|c: char| c.is_ascii_alphanumeric() || c == '_')
+                    .trim_start()
+                    .starts_with(';')
+            });
+            if declared {
+                // `#[cfg(test)] mod tests;`: its declaration goes, so its file is not read.
+                let end = text[at..].find(';').map_or(text.len(), |e| at + e + 1);
+                text.replace_range(at..end, " ");
+                continue;
+            }
+            match is_module.then(|| text[at..].find('{')).flatten() {
+                Some(open) => {
+                    let end = block_end(&text, at + open);
+                    text.replace_range(at..end, " ");
+                }
+                None => from = at + 1,
+            }
+        }
+        text
+    }
+
+    /// The files `#[path = "f.rs"] mod NAME;` name: NAME to `f.rs`.
+    fn path_attributes(text: &str) -> std::collections::BTreeMap<String, String> {
+        let mut files = std::collections::BTreeMap::new();
+        for (at, _) in text.match_indices("#[path") {
+            let rest = &text[at..];
+            let Some(close) = rest.find(']') else {
+                continue;
+            };
+            let Some(file) = rest[..close].split('"').nth(1) else {
+                continue;
+            };
+            // The next `mod NAME` after the attribute (others may come between).
+            let Some(m) = rest[close..].find("mod ") else {
+                continue;
+            };
+            let name: String = rest[close + m + 4..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            files.insert(name, file.to_owned());
+        }
+        files
+    }
+
+    /// The first inline module of `text`: where its line starts, its `{` and its name.
+    fn inline_module(text: &str) -> Option<(usize, usize, String)> {
+        let mut at = 0;
+        for line in text.split_inclusive('\n') {
+            let trimmed = line.trim_start();
+            let item = ["pub(crate) ", "pub(super) ", "pub "]
+                .iter()
+                .fold(trimmed, |l, p| l.trim_start_matches(p));
+            if let Some(rest) = item.strip_prefix("mod ") {
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                if !name.is_empty() && rest[name.len()..].trim_start().starts_with('{') {
+                    let open = at + line.find('{')?;
+                    return Some((at, open, name));
+                }
+            }
+            at += line.len();
+        }
+        None
+    }
+
+    /// Just past the `}` that closes the `{` at `open` (braces in strings and in
+    /// character literals do not count); the end of `text` when none does.
+    fn block_end(text: &str, open: usize) -> usize {
+        let b = text.as_bytes();
+        let mut depth = 0usize;
+        let mut i = open;
+        while i < b.len() {
+            match b[i] {
+                b'"' => {
+                    i += 1;
+                    while i < b.len() && b[i] != b'"' {
+                        i += if b[i] == b'\\' { 2 } else { 1 };
+                    }
+                }
+                b'\'' if i + 2 < b.len() && b[i + 2] == b'\'' => i += 2,
+                b'\'' if i + 1 < b.len() && b[i + 1] == b'\\' => {
+                    i += 2;
+                    while i < b.len() && b[i] != b'\'' {
+                        i += 1;
+                    }
+                }
+                b'{' => depth += 1,
+                b'}' => {
+                    depth = depth.saturating_sub(1);
+                    if depth == 0 {
+                        return i + 1;
+                    }
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        b.len()
     }
 
     /// The items each module re-exports (`pub use m::Item;`, groups and aliases too):
@@ -1029,6 +1193,60 @@ mod tests {
                 "{back}: {circles:?}"
             );
         }
+    }
+
+    /// The check reads inline modules as modules of their own, `#[path]` modules from
+    /// their file, and code after a test module; a declared module without its file
+    /// is an error, not an empty module.
+    #[test]
+    fn the_module_check_reads_inline_and_path_modules_and_code_after_tests() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| {
+            let path = dir.path().join(name);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        };
+        let lib = dir.path().join("lib.rs");
+        // An inline module and a top one naming each other.
+        write(
+            "lib.rs",
+            "mod top;\nmod inner {\n    use crate::top::T;\n    pub struct I;\n}\n",
+        );
+        write(
+            "top.rs",
+            "pub struct T;\nfn f() -> crate::inner::I { todo!() }\n",
+        );
+        assert!(
+            circles_in(&lib).contains(&"inner -> top -> inner".to_owned()),
+            "{:?}",
+            circles_in(&lib)
+        );
+        // A `#[path]` module, and code after a test module.
+        write(
+            "lib.rs",
+            "mod top;\n#[path = \"elsewhere/named.rs\"]\nmod other;\n",
+        );
+        write("elsewhere/named.rs", "use crate::top::T;\npub struct O;\n");
+        write(
+            "top.rs",
+            "pub struct T;\n#[cfg(test)]\nmod tests {\n    fn f() { let _ = \"}\"; }\n}\nfn g() -> crate::other::O { todo!() }\n",
+        );
+        assert!(
+            circles_in(&lib).contains(&"other -> top -> other".to_owned()),
+            "{:?}",
+            circles_in(&lib)
+        );
+        // A module whose file is gone.
+        write("lib.rs", "mod top;\nmod gone;\n");
+        let missing = std::panic::catch_unwind(|| circles_in(&lib));
+        let message = missing
+            .err()
+            .and_then(|e| e.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        assert!(
+            message.contains("module gone is declared but its file"),
+            "{message}"
+        );
     }
 
     /// A module that names another which names it back (directly or around a circle)

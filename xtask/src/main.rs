@@ -31,8 +31,18 @@ mod wheel;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: cargo xtask <setup [--print-env] | demo | test [--record-minimums] | downstream | wheel [--dev | --test] | man [DIR] | picture [STATE] | test-gpu [--bundle DIR] | bench | \
+const USAGE: &str = "usage: cargo xtask <setup [--print-env] | demo | test [--record-minimums [--lower NAME]..] | downstream | wheel [--dev | --test] | man [DIR] | picture [STATE] | test-gpu [--bundle DIR] | bench | \
                      mutants [CRATE..] [--shard K/N | --full] [--again]>";
+
+/// The names of `--lower NAME --lower NAME ...`; `None` for anything else.
+fn lowered(args: &[&str]) -> Option<Vec<String>> {
+    args.chunks(2)
+        .map(|pair| match pair {
+            ["--lower", name] => Some((*name).to_owned()),
+            _ => None,
+        })
+        .collect()
+}
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -41,8 +51,14 @@ fn main() -> ExitCode {
         ["setup"] => setup::setup().map(|_| ()),
         ["setup", "--print-env"] => setup::print_env(),
         ["demo"] => demo(),
-        ["test"] => test::cpu_matrix(false),
-        ["test", "--record-minimums"] => test::cpu_matrix(true),
+        ["test"] => test::cpu_matrix(false, &[]),
+        ["test", "--record-minimums", lower @ ..] => match lowered(lower) {
+            Some(names) => test::cpu_matrix(true, &names),
+            None => {
+                eprintln!("xtask: --record-minimums takes `--lower NAME` pairs only\n{USAGE}");
+                return ExitCode::from(2);
+            }
+        },
         ["wheel"] => wheel::run(false),
         ["wheel", "--dev"] => wheel::run(true),
         ["wheel", "--test"] => wheel::install_and_run(),

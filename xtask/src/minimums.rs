@@ -159,6 +159,53 @@ impl Minimums {
     }
 }
 
+impl Minimums {
+    /// The figures `new` lowers or drops: `(step, binary, old, new)`, `*` as the
+    /// binary for a step's own figure, 0 for a figure gone.
+    pub(crate) fn lowered_by(&self, new: &Minimums) -> Vec<(String, String, u64, u64)> {
+        let mut lowered = Vec::new();
+        for (step, &old) in &self.steps {
+            let now = new.steps.get(step).copied().unwrap_or(0);
+            if now < old {
+                lowered.push((step.clone(), "*".to_owned(), old, now));
+            }
+        }
+        for ((step, binary), &old) in &self.binaries {
+            let now = new
+                .binaries
+                .get(&(step.clone(), binary.clone()))
+                .copied()
+                .unwrap_or(0);
+            if now < old {
+                lowered.push((step.clone(), binary.clone(), old, now));
+            }
+        }
+        lowered
+    }
+
+    /// An error naming each figure `new` would lower that `allowed` does not name (a
+    /// test binary's name, or a step's for its own figure and all its binaries'): a
+    /// recording where tests were skipped or lost must not lower the minimums silently.
+    pub(crate) fn check_lowering(&self, new: &Minimums, allowed: &[String]) -> Result<()> {
+        let refused: Vec<String> = self
+            .lowered_by(new)
+            .into_iter()
+            .filter(|(step, binary, _, _)| !allowed.iter().any(|a| a == binary || a == step))
+            .map(|(step, binary, old, now)| format!("{step} / {binary}: {old} -> {now}"))
+            .collect();
+        if refused.is_empty() {
+            return Ok(());
+        }
+        bail!(
+            "recording would lower {} figure(s), not written:\n  {}\nif the tests were \
+             removed or moved on purpose, record again naming each binary (or step) with \
+             `cargo xtask test --record-minimums --lower NAME`",
+            refused.len(),
+            refused.join("\n  ")
+        )
+    }
+}
+
 /// Whether a step runs tests (and so has figures): its name starts with "test ".
 pub(crate) fn is_test_step(name: &str) -> bool {
     name.starts_with("test ")
@@ -189,6 +236,39 @@ mod tests {
                 .collect(),
             skipped: Vec::new(),
         }
+    }
+
+    #[test]
+    fn recording_refuses_to_lower_a_figure_that_is_not_named() {
+        let old = figures();
+        let mut new = figures();
+        new.binaries
+            .insert(("test -p k".into(), "tests/a.rs".into()), 1);
+        new.steps.insert("test -p k".into(), 4);
+        new.binaries
+            .remove(&("test -p other".into(), "tests/b.rs".into()));
+        let e = old
+            .check_lowering(&new, &[])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("lower 3 figure(s)")
+                && e.contains("test -p k / tests/a.rs: 2 -> 1")
+                && e.contains("test -p other / tests/b.rs: 9 -> 0")
+                && e.contains("--lower NAME"),
+            "{e}"
+        );
+        // Named, each by its binary or its step: allowed.
+        let named = [
+            "tests/a.rs".to_owned(),
+            "test -p k".to_owned(),
+            "tests/b.rs".to_owned(),
+        ];
+        assert!(old.check_lowering(&new, &named).is_ok());
+        assert!(old.check_lowering(&new, &named[..2]).is_err());
+        // Raising or keeping a figure needs no name.
+        assert!(old.check_lowering(&figures(), &[]).is_ok());
     }
 
     fn figures() -> Minimums {

@@ -100,7 +100,8 @@ pub(crate) fn gpu_test_args<'a>(krate: &'a str, extra: &[&'a str]) -> Vec<&'a st
 /// `record`: write what each test step and binary passed as their minimums
 /// (`xtask/minimums.tsv`), once the whole run has passed, instead of holding the run
 /// to the figures there.
-pub(crate) fn cpu_matrix(record: bool) -> Result<()> {
+/// `lower`: the test binaries (or steps) whose figures a recording may lower.
+pub(crate) fn cpu_matrix(record: bool, lower: &[String]) -> Result<()> {
     crate::setup::setup()?;
     let minimums = match record {
         true => None,
@@ -133,7 +134,11 @@ pub(crate) fn cpu_matrix(record: bool) -> Result<()> {
     if record {
         let order: Vec<String> = results.iter().map(|r| r.name.clone()).collect();
         let path = crate::minimums::path();
-        std::fs::write(&path, Minimums::of(&results).render(&order))?;
+        let new = Minimums::of(&results);
+        if path.exists() {
+            Minimums::read()?.check_lowering(&new, lower)?;
+        }
+        std::fs::write(&path, new.render(&order))?;
         println!("recorded the minimums in {}", path.display());
     }
     Ok(())
