@@ -169,10 +169,16 @@ pub(crate) fn serve_order(
 /// is another user's, wants one of `gpus`, whose user stands below `user` (with fair
 /// share, `user`'s part of recent use is above an equal share, one over the users using
 /// or asking for GPUs, and above the waiting user's; without, `user` holds more GPUs
-/// than the waiting user), and that can then be served: every GPU it waits for (`count`
-/// of them for an `auto` request) is, in `states`, free or held by a preemptible job
-/// that yields to it by this same rule. A request that would wait on after the job
-/// yields (a GPU it wants held by a job that is not preemptible) preempts nobody.
+/// than the waiting user), that can then be served, and that needs this job's GPU:
+///
+/// - every GPU it waits for (`count` of them for an `auto` request) is, in `states`,
+///   free or held by preemptible jobs that yield to it by this same rule, so a request
+///   that would wait on after the job yields (a GPU it wants held by a job that is not
+///   preemptible) preempts nobody;
+/// - a request that free GPUs already serve preempts nobody, and an `auto` request
+///   stops only as many jobs as it lacks GPUs, the youngest first (every reader picks
+///   the same ones): a request stops each job it needs once, and once they have
+///   yielded it needs nobody else, whether or not it then takes the GPUs.
 pub fn preemptor<'q>(
     policy: &Policy,
     queue: &'q [Waiter],
@@ -188,9 +194,27 @@ pub fn preemptor<'q>(
         now,
     };
     queue.iter().find_map(|w| {
-        let why = rule.why(w, user, gpus)?;
-        rule.served_after(w, states).then_some((w, why))
+        let needed = rule.needed(w, states);
+        let mine: Vec<_> = gpus
+            .iter()
+            .filter(|k| needed.contains(k))
+            .cloned()
+            .collect();
+        let why = rule.why(w, user, &mine)?;
+        Some((w, why))
     })
+}
+
+/// How one GPU a waiting request wants stands, for [`preemptor`].
+enum Room {
+    /// Nobody holds it: the request can take it now.
+    Free,
+    /// Held only by preemptible jobs that yield to the request; the latest start among
+    /// them (the youngest job loses the least when stopped).
+    Yields(u64),
+    /// Held by something that does not yield: a job that is not preemptible, another
+    /// user's job that stands below, a lock with no record.
+    Blocked,
 }
 
 /// [`preemptor`]'s rule for one waiting request and one job.
@@ -248,34 +272,72 @@ impl Yield<'_> {
         })
     }
 
-    /// Whether `w` can be served once every preemptible job that yields to it has
-    /// yielded: enough of the GPUs it waits for are free or held only by such jobs.
-    fn served_after(&self, w: &Waiter, states: &[crate::LockState]) -> bool {
+    /// The GPUs whose jobs must yield for `w` to be served: empty when `w` could be
+    /// served without anyone yielding, or would still wait after everyone that yields
+    /// to it had (see [`preemptor`]).
+    fn needed(&self, w: &Waiter, states: &[crate::LockState]) -> Vec<crate::GpuKey> {
         let yields = |h: &crate::Holder, key: &crate::GpuKey| {
             h.preemptible
                 && self
                     .why(w, &h.who.user, std::slice::from_ref(key))
                     .is_some()
         };
-        let servable = |key: &crate::GpuKey| {
+        let room = |key: &crate::GpuKey| {
             let Some(state) = states.iter().find(|s| &s.gpu == key) else {
-                return true; // never locked: free
+                return Room::Free; // never locked
             };
+            if !state.unrecorded.is_empty() || (state.held && state.holder.is_none()) {
+                return Room::Blocked;
+            }
             // A share asks for room beside the sharers, which the grant checks; an
             // exclusive request needs every sharer gone.
-            let sharers_ok = matches!(w.wants, Wants::Share { .. })
-                || state.shares.iter().all(|h| yields(h, key));
-            let holder_ok = match &state.holder {
-                Some(h) => yields(h, key),
-                None => !state.held,
+            let sharers = match w.wants {
+                Wants::Share { .. } => &[][..],
+                _ => &state.shares[..],
             };
-            holder_ok && sharers_ok && state.unrecorded.is_empty()
+            let occupants: Vec<&crate::Holder> = state.holder.iter().chain(sharers).collect();
+            if occupants.is_empty() {
+                Room::Free
+            } else if occupants.iter().all(|h| yields(h, key)) {
+                Room::Yields(
+                    occupants
+                        .iter()
+                        .map(|h| h.who.since_unix)
+                        .max()
+                        .unwrap_or(0),
+                )
+            } else {
+                Room::Blocked
+            }
         };
-        let free = w.wants.gpus().iter().filter(|k| servable(k)).count();
-        match &w.wants {
-            Wants::Auto { count, .. } => free >= *count,
-            other => free == other.gpus().len(),
+        let wanted = w.wants.gpus();
+        let rooms: Vec<(&crate::GpuKey, Room)> = wanted.iter().map(|k| (k, room(k))).collect();
+        let free = rooms
+            .iter()
+            .filter(|(_, r)| matches!(r, Room::Free))
+            .count();
+        let mut yielding: Vec<(&crate::GpuKey, u64)> = rooms
+            .iter()
+            .filter_map(|(k, r)| match r {
+                Room::Yields(since) => Some((*k, *since)),
+                _ => None,
+            })
+            .collect();
+        let count = match &w.wants {
+            Wants::Auto { count, .. } => *count,
+            other => other.gpus().len(),
+        };
+        let lacking = count.saturating_sub(free);
+        if lacking == 0 || yielding.len() < lacking {
+            return Vec::new();
         }
+        // The youngest jobs first; a stable sort keeps the request's own order on ties.
+        yielding.sort_by_key(|y| std::cmp::Reverse(y.1));
+        yielding
+            .into_iter()
+            .take(lacking)
+            .map(|(k, _)| k.clone())
+            .collect()
     }
 }
 
@@ -490,7 +552,12 @@ mod tests {
         let now = 10_000;
         let gpu0 = [GpuKey::Index(0)];
         let long = [waiter(1, "light", now - 1900, 1)];
-        let (w, why) = preemptor(&policy, &long, &standings, "heavy", &gpu0, &[], now).unwrap();
+        // heavy's preemptible job holds GPU 0, one that is not preemptible GPU 1.
+        let held = [
+            state(0, Some(("heavy", true))),
+            state(1, Some(("heavy", false))),
+        ];
+        let (w, why) = preemptor(&policy, &long, &standings, "heavy", &gpu0, &held, now).unwrap();
         assert_eq!(w.ticket, 1);
         assert!(
             why.contains("has waited 1900s") && why.contains("90% of recent use"),
@@ -498,26 +565,26 @@ mod tests {
         );
         // Not yet 30 minutes; not a GPU it holds; its own request; a lighter holder.
         let short = [waiter(1, "light", now - 60, 1)];
-        assert!(preemptor(&policy, &short, &standings, "heavy", &gpu0, &[], now).is_none());
+        assert!(preemptor(&policy, &short, &standings, "heavy", &gpu0, &held, now).is_none());
         assert!(preemptor(
             &policy,
             &long,
             &standings,
             "heavy",
             &[GpuKey::Index(7)],
-            &[],
+            &held,
             now
         )
         .is_none());
         let own = [waiter(1, "heavy", now - 1900, 1)];
-        assert!(preemptor(&policy, &own, &standings, "heavy", &gpu0, &[], now).is_none());
-        assert!(preemptor(&policy, &long, &standings, "light", &gpu0, &[], now).is_none());
+        assert!(preemptor(&policy, &own, &standings, "heavy", &gpu0, &held, now).is_none());
+        assert!(preemptor(&policy, &long, &standings, "light", &gpu0, &held, now).is_none());
         // A request the limits hold back preempts nobody; no [preemption], nothing.
-        let mut held = long.clone();
-        held[0].held = Some("held by policy".into());
-        assert!(preemptor(&policy, &held, &standings, "heavy", &gpu0, &[], now).is_none());
+        let mut kept = long.clone();
+        kept[0].held = Some("held by policy".into());
+        assert!(preemptor(&policy, &kept, &standings, "heavy", &gpu0, &held, now).is_none());
         policy.preemption = None;
-        assert!(preemptor(&policy, &long, &standings, "heavy", &gpu0, &[], now).is_none());
+        assert!(preemptor(&policy, &long, &standings, "heavy", &gpu0, &held, now).is_none());
     }
 
     /// GPU `index`'s state: held by a job of `user` (preemptible or not), or free.
@@ -582,6 +649,47 @@ mod tests {
             among: vec![GpuKey::Index(0), GpuKey::Index(3)],
         };
         assert!(preemptor(&policy, &[one], &standings, "heavy", &gpu0, &states, now).is_some());
+    }
+
+    #[test]
+    fn a_request_stops_only_the_jobs_it_lacks_and_none_once_it_has_room() {
+        let policy =
+            Policy::parse("[fair_share]\nhalf_life = \"1h\"\n[preemption]\nafter = \"2s\"\n")
+                .unwrap();
+        let standings: HashMap<_, _> =
+            [standing("heavy", 0.9, 3), standing("light", 0.1, 0)].into();
+        let now = 10_000;
+        let mut one = waiter(1, "light", now - 60, 1);
+        one.wants = Wants::Auto {
+            count: 1,
+            among: (0..3).map(GpuKey::Index).collect(),
+        };
+        let queue = [one];
+        // Three of heavy's preemptible jobs, GPU 1's the youngest: it alone yields.
+        let mut states: Vec<_> = (0..3).map(|i| state(i, Some(("heavy", true)))).collect();
+        for (i, s) in states.iter_mut().enumerate() {
+            s.holder.as_mut().unwrap().who.since_unix = [100, 300, 200][i];
+        }
+        let yields: Vec<u32> = (0..3)
+            .filter(|&i| {
+                let gpu = [GpuKey::Index(i)];
+                preemptor(&policy, &queue, &standings, "heavy", &gpu, &states, now).is_some()
+            })
+            .collect();
+        assert_eq!(yields, [1]);
+        // Once GPU 1 is free the request has room: nobody else yields, taken or not.
+        states[1] = state(1, None);
+        for i in [0, 2] {
+            let gpu = [GpuKey::Index(i)];
+            assert!(preemptor(&policy, &queue, &standings, "heavy", &gpu, &states, now).is_none());
+        }
+        // A request naming GPUs 0 and 1 needs GPU 0's job whatever is free beside it.
+        let mut named = waiter(1, "light", now - 60, 2);
+        named.wants = Wants::Gpus {
+            gpus: vec![GpuKey::Index(0), GpuKey::Index(1)],
+        };
+        let gpu0 = [GpuKey::Index(0)];
+        assert!(preemptor(&policy, &[named], &standings, "heavy", &gpu0, &states, now).is_some());
     }
 
     #[test]
