@@ -26,6 +26,7 @@ mod http;
 mod ignored;
 mod jobs;
 mod limit;
+mod peers;
 mod preempt;
 mod process;
 mod snapshot;

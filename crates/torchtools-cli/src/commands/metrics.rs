@@ -229,6 +229,12 @@ struct GpuUserLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServerLabels {
+    host: String,
+    lock_dir: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct UserLabels {
     user: String,
 }
@@ -312,6 +318,7 @@ pub(crate) fn render_from(
     jobs: &[crate::jobs::store::LiveJob],
 ) -> Result<String> {
     let mut registry = Registry::with_prefix("torchtools");
+    server_series(&mut registry, snapshot);
     gpu_series(&mut registry, snapshot);
     queue_series(&mut registry, snapshot);
     fair_share_series(&mut registry, snapshot);
@@ -323,6 +330,23 @@ pub(crate) fn render_from(
     prometheus_client::encoding::text::encode(&mut text, &registry)
         .context("encoding the metrics")?;
     Ok(text)
+}
+
+/// The machine these series describe, for a dashboard of several servers (Prometheus's
+/// `instance` is the address it scraped; this is the machine's own name).
+fn server_series(registry: &mut Registry, snapshot: &Snapshot) {
+    let server = gauges::<ServerLabels>(
+        registry,
+        "server",
+        "1, labelled with the machine's host name and its lock directory",
+        None,
+    );
+    server
+        .get_or_create(&ServerLabels {
+            host: label(&tt_lock::Holder::current().who.host),
+            lock_dir: label(&snapshot.lock_dir.to_string_lossy()),
+        })
+        .set(1.0);
 }
 
 /// Per GPU: its memory and use, the fences, the lock, the reservations per user, the queue.

@@ -52,10 +52,19 @@ pub(crate) struct Args {
     /// the page shows it as recorded, saying so; `/metrics` is not served.
     #[arg(long, value_name = "FILE")]
     pub(crate) replay: Option<PathBuf>,
+    /// Another server to show on this page (repeatable): its URL, http://HOST:PORT.
+    /// Each server's GPUs, queue and jobs are shown under its name, and one that does
+    /// not answer is shown as such.
+    #[arg(long = "peer", value_name = "URL", value_parser = crate::peers::parse, conflicts_with_all = ["save", "replay"])]
+    pub(crate) peers: Vec<crate::peers::Peer>,
+    /// A file of peers: one URL per line (blank lines and `#` comments skipped).
+    #[arg(long = "peers", value_name = "FILE", conflicts_with_all = ["save", "replay"])]
+    pub(crate) peers_file: Option<PathBuf>,
 }
 
 /// `torchtools serve`.
 pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    let peers = crate::peers::all(&args.peers, args.peers_file.as_deref()).map_err(bad)?;
     // A saved state, checked before listening; else this machine's, read again and again.
     let (first, reader) = match &args.replay {
         Some(path) => {
@@ -75,6 +84,13 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             }
             // NVML opened once, for the state's reader and `/metrics` both.
             let mut reader = Reader::new(dir, Arc::new(Gpus::open()));
+            if !peers.is_empty() {
+                let expect = crate::peers::Expect {
+                    schema: SCHEMA,
+                    max_bytes: MAX_STATE,
+                };
+                reader.peers = Some(crate::peers::watch(peers, expect)?);
+            }
             (reader.read_all(), Some(reader))
         }
     };
@@ -145,6 +161,9 @@ pub(crate) struct State {
     pub(crate) usage: UsageView,
     /// Each GPU's memory over the last hour, oldest first.
     pub(crate) history: Vec<History>,
+    /// The other servers this page shows (`--peer`), each as it last answered.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) peers: Vec<crate::peers::PeerView>,
 }
 
 impl State {
@@ -383,6 +402,8 @@ pub(crate) struct Reader {
     usage_read: Option<Instant>,
     history: Vec<History>,
     history_added: Option<Instant>,
+    /// The other servers shown (`--peer`), read on threads of their own.
+    peers: Option<crate::peers::Views>,
 }
 
 impl Reader {
@@ -397,6 +418,7 @@ impl Reader {
             usage_read: None,
             history: Vec::new(),
             history_added: None,
+            peers: None,
         }
     }
 
@@ -459,6 +481,11 @@ impl Reader {
             jobs_damaged: scan.damaged,
             usage: self.usage.clone(),
             history: self.history.clone(),
+            peers: self
+                .peers
+                .as_ref()
+                .map(|p| p.lock().unwrap_or_else(|e| e.into_inner()).clone())
+                .unwrap_or_default(),
             snapshot,
         })
     }

@@ -185,6 +185,18 @@ fn prometheus_scrapes_the_gpu_user_queue_and_job_series() {
             "{state}"
         );
     }
+    // The machine, by its own name (for a dashboard of several servers).
+    let server = query(web, "torchtools_server");
+    assert_eq!(server.len(), 1, "{server:?}");
+    assert_eq!(
+        server[0].0["host"],
+        tt_device::host_name().as_str(),
+        "{server:?}"
+    );
+    assert!(
+        server[0].0["lock_dir"].as_str().unwrap().ends_with("locks"),
+        "{server:?}"
+    );
     // The running job: its GPU and budget.
     let job = query(web, "torchtools_job_reserved_bytes");
     assert_eq!(job.len(), 1, "{job:?}");

@@ -43,12 +43,16 @@ fn serve(dir: &Path) -> (Killed, u16) {
 
 /// `torchtools serve ARGS` on a port of its choosing, once it says which.
 fn serve_with(dir: &Path, args: &[&str]) -> (Killed, u16) {
-    let mut server = tt(dir)
+    let mut command = tt(dir);
+    command
         .args(["serve", "--listen", "127.0.0.1:0"])
-        .args(args)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .args(args);
+    serving(command)
+}
+
+/// The server `command` starts, on the port it says.
+fn serving(mut command: Command) -> (Killed, u16) {
+    let mut server = command.stderr(Stdio::piped()).spawn().unwrap();
     let mut line = String::new();
     BufReader::new(server.stderr.take().unwrap())
         .read_line(&mut line)
@@ -833,4 +837,140 @@ async fn the_page_stays_live_in_a_browser_while_records_hold_hostile_values() {
     client.close().await.unwrap();
     drop(driver);
     drop(shares);
+}
+
+/// `serve` in a UTS namespace of its own named `host`, on a port of its choosing: a
+/// second server, under its own name, on this machine.
+fn serve_as_host(dir: &Path, host: &str) -> (Killed, u16) {
+    let tt = tt(dir);
+    let mut command = Command::new("unshare");
+    command
+        .args([
+            "--uts",
+            "sh",
+            "-c",
+            "hostname \"$1\" && exec \"$0\" serve --listen 127.0.0.1:0",
+        ])
+        .arg(tt.get_program())
+        .arg(host);
+    for (key, value) in tt.get_envs() {
+        match value {
+            Some(v) => command.env(key, v),
+            None => command.env_remove(key),
+        };
+    }
+    assert!(
+        Command::new("unshare")
+            .args(["--uts", "true"])
+            .status()
+            .is_ok_and(|s| s.success()),
+        "a second server under its own name needs `unshare --uts` (root): run the tests as \
+         root, as `cargo xtask test` does in CI"
+    );
+    serving(command)
+}
+
+#[tokio::test]
+async fn one_page_shows_every_peer_under_its_name_and_one_that_does_not_answer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (here, there) = (tmp.path().join("here"), tmp.path().join("there"));
+    // A peer that is not a server's URL, or a file of peers that is not there: refused
+    // before anything is served.
+    for (args, says) in [
+        (&["--peer", "gpu2:9836"][..], "not an http:// URL"),
+        (
+            &["--peer", "http://gpu2:9836/api/state"][..],
+            "without a path",
+        ),
+        (
+            &["--peers", "/nonexistent/peers"][..],
+            "--peers /nonexistent/peers",
+        ),
+    ] {
+        let out = tt(&here).arg("serve").args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    // The other server, "peer-b", with GPU 0 held; a port nobody listens on; a server
+    // that takes the connection and never answers.
+    let holder = hold(&there, &["--gpu", "0"]);
+    let (peer, peer_port) = serve_as_host(&there, "peer-b");
+    let dead = crate::common::free_port();
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let held: Vec<_> = silent.incoming().collect();
+        drop(held);
+    });
+    let url = |port: u16| format!("http://127.0.0.1:{port}");
+    let (peer_url, dead_url, silent_url) = (url(peer_port), url(dead), url(silent_port));
+    let (_server, port) = serve_with(
+        &here,
+        &[
+            "--peer",
+            &peer_url,
+            "--peer",
+            &dead_url,
+            "--peer",
+            &silent_url,
+        ],
+    );
+    // /api/state: each peer under its name, the others with why they do not answer.
+    until("every peer read", || {
+        let peers = state(port)["peers"].as_array().cloned().unwrap_or_default();
+        peers.len() == 3 && peers.iter().all(|p| p["error"] != "not read yet")
+    });
+    let peers = state(port)["peers"].clone();
+    assert_eq!(peers[0]["name"], "peer-b", "{peers}");
+    assert_eq!(peers[0]["url"], peer_url.as_str());
+    let gpu = &peers[0]["state"]["gpus"][0];
+    assert_eq!(gpu["holder"]["pid"], holder.0.id(), "{peers}");
+    assert!(peers[0]["state"].get("peers").is_none());
+    assert!(peers[1]["state"].is_null(), "{peers}");
+    assert!(
+        peers[1]["error"]
+            .as_str()
+            .unwrap()
+            .contains("cannot connect"),
+        "{peers}"
+    );
+    assert!(
+        peers[2]["error"]
+            .as_str()
+            .unwrap()
+            .contains("no whole answer"),
+        "{peers}"
+    );
+    // The page: this server's GPUs section, the peer's held GPU under its name, the
+    // two that do not answer said so; when the peer stops, it is said too.
+    let (_driver, client) = browser(&here).await;
+    client.goto(&format!("{}/", url(port))).await.unwrap();
+    let css = format!(
+        "[data-peer='peer-b'] [data-gpu='0'] [data-pid='{}']",
+        holder.0.id()
+    );
+    page_shows(&client, &css, true).await;
+    page_shows(&client, "#gpus", true).await;
+    page_shows(&client, "[data-down='127.0.0.1']", true).await;
+    let down = client
+        .find_all(Locator::Css("[data-down]"))
+        .await
+        .unwrap()
+        .len();
+    assert_eq!(down, 2, "the port nobody listens on and the silent server");
+    // The peer's queue as a table of its own, every cell shown.
+    let waiter = wait_for_gpu_0(&there);
+    let css = format!("[data-peer='peer-b'] tr[data-pid='{}']", waiter.0.id());
+    page_shows(&client, &css, true).await;
+    let (cells, bad) = cells_not_shown(&client).await;
+    assert!(cells > 0 && bad.is_empty(), "{cells} cells: {bad:?}");
+    drop(peer);
+    page_shows(&client, "[data-down='peer-b']", true).await;
+    let said = text_of(&client, "[data-down='peer-b']").await;
+    assert!(
+        said.contains("does not answer") && said.contains("last answered"),
+        "{said}"
+    );
+    client.close().await.unwrap();
 }
