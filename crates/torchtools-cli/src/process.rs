@@ -7,13 +7,6 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-/// The kernel's boot id: another one than a record's means the machine rebooted since.
-pub(crate) fn boot_id() -> String {
-    fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_default()
-}
-
 /// Sends `signal` to `pid` (a process of a job, found in its record).
 pub(crate) fn signal(pid: u32, signal: Signal) {
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);

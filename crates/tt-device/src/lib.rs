@@ -33,7 +33,7 @@ pub use inventory::{
 #[cfg(feature = "tch")]
 pub use libtorch::{availability, report, select, select_device};
 pub use process::{
-    descends_from, host_name, host_name_for_files, host_name_if_known, in_a_pid_namespace,
+    boot_id, descends_from, host_name, host_name_for_files, host_name_if_known, in_a_pid_namespace,
     now_unix, now_unix_secs, own_pid_namespace, parent_of, shell_status, EX_TEMPFAIL,
     INITIAL_PID_NAMESPACE,
 };

@@ -107,6 +107,14 @@ pub fn host_name_for_files() -> String {
     host_name().replace(['/', '\\'], "_")
 }
 
+/// The kernel's boot id (`/proc/sys/kernel/random/boot_id`), empty when it cannot be
+/// read: another one than a record's means the machine rebooted since.
+pub fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
 /// [`now_unix`] in whole seconds, as the lock records (`since_unix`) count time.
 pub fn now_unix_secs() -> u64 {
     std::time::SystemTime::now()

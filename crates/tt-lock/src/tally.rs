@@ -186,7 +186,7 @@ pub(crate) fn recent_use(
     let mut all = TALLY.lock().unwrap_or_else(|e| e.into_inner());
     let tally = all.entry(dir.to_owned()).or_insert_with(|| {
         cache
-            .and_then(|c| load(c, dir, half_life))
+            .and_then(|c| load(c, dir, half_life, &this_machine()))
             .unwrap_or_default()
     });
     let k = std::f64::consts::LN_2 / half_life.max(1e-9);
@@ -262,12 +262,14 @@ const SAVE_AFTER: u64 = 256 << 10;
 const MAX_CACHE: u64 = 64 << 20;
 
 /// The form of the kept tally: another is not read.
-const CACHE_VERSION: u32 = 2;
+const CACHE_VERSION: u32 = 3;
 
-/// A tally as kept between processes: the directory it is of, and what was folded.
+/// A tally as kept between processes: the machine and directory it is of, and what was
+/// folded.
 #[derive(Deserialize)]
 struct Cached {
     version: u32,
+    machine: String,
     dir: PathBuf,
     tally: DirTally,
 }
@@ -276,17 +278,27 @@ struct Cached {
 #[derive(Serialize)]
 struct CachedRef<'a> {
     version: u32,
+    machine: &'a str,
     dir: &'a Path,
     tally: &'a DirTally,
 }
 
+/// This machine since its last boot, as a kept tally names it: a home shared by several
+/// servers (NFS) holds one tally per server, and a reboot (which may empty `/tmp`, and
+/// gives files their inode numbers anew) starts one afresh, so a log is never read on
+/// from another file's place.
+fn this_machine() -> String {
+    format!("{} {}", tt_device::host_name(), tt_device::boot_id())
+}
+
 /// The file where this user keeps the tally of the lock directory `dir` between
-/// processes: `$XDG_CACHE_HOME/torchtools/tally-<hash of dir>.json` (or under
+/// processes: `$XDG_CACHE_HOME/torchtools/tally-<hash of host and dir>.json` (or under
 /// `~/.cache`); `None` without either.
 pub(crate) fn cache_file(dir: &Path) -> Option<PathBuf> {
     use std::hash::{Hash, Hasher};
     let base = tt_device::user_dir("XDG_CACHE_HOME", ".cache")?;
     let mut hash = std::collections::hash_map::DefaultHasher::new();
+    tt_device::host_name().hash(&mut hash);
     dir.hash(&mut hash);
     Some(
         base.join("torchtools")
@@ -294,16 +306,19 @@ pub(crate) fn cache_file(dir: &Path) -> Option<PathBuf> {
     )
 }
 
-/// The tally kept in `cache` for `dir` and `half_life`, when it is this user's own
-/// regular file of a sane size and reads whole.
-fn load(cache: &Path, dir: &Path, half_life: f64) -> Option<DirTally> {
+/// The tally kept in `cache` for `dir` and `half_life` on `machine` ([`this_machine`]),
+/// when it is this user's own regular file of a sane size and reads whole.
+fn load(cache: &Path, dir: &Path, half_life: f64, machine: &str) -> Option<DirTally> {
     use std::os::unix::fs::MetadataExt;
     let (file, meta) = crate::file::open_to_read(cache)?;
     if meta.uid() != crate::owner::euid() || meta.len() > MAX_CACHE {
         return None;
     }
     let cached: Cached = serde_json::from_reader(std::io::BufReader::new(file)).ok()?;
-    (cached.version == CACHE_VERSION && cached.dir == dir && cached.tally.half_life == half_life)
+    (cached.version == CACHE_VERSION
+        && cached.machine == machine
+        && cached.dir == dir
+        && cached.tally.half_life == half_life)
         .then_some(cached.tally)
 }
 
@@ -324,6 +339,7 @@ fn save(cache: &Path, dir: &Path, tally: &DirTally) {
     }
     let Ok(mut text) = serde_json::to_vec(&CachedRef {
         version: CACHE_VERSION,
+        machine: &this_machine(),
         dir,
         tally,
     }) else {
@@ -548,15 +564,22 @@ mod tests {
         );
         // A new process: nothing in memory; it starts from the kept tally, at the log's end.
         TALLY.lock().unwrap().remove(&dir);
-        let kept = load(&cache, &dir, 3600.0).unwrap();
+        let kept = load(&cache, &dir, 3600.0, &this_machine()).unwrap();
         assert_eq!(
             kept.logs[&path].offset(),
             std::fs::metadata(&path).unwrap().len()
         );
         assert!(
-            load(&cache, &dir, 7200.0).is_none(),
+            load(&cache, &dir, 7200.0, &this_machine()).is_none(),
             "another half-life: folded anew"
         );
+        // Kept on another server sharing this home, or before a reboot: not read here.
+        for machine in [
+            "other-server",
+            &format!("{} an-earlier-boot", tt_device::host_name()),
+        ] {
+            assert!(load(&cache, &dir, 3600.0, machine).is_none(), "{machine}");
+        }
         append(
             &path,
             &[start("late", &me, "g0", now, None), end("late", now + 1.0)],

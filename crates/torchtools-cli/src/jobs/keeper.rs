@@ -24,7 +24,6 @@ use crate::jobs::store::{
     find, free_id, load, load_own, record_path, records_dir, save, ArrayTask, Job, ARRAY_TASK_ENV,
     JOB_RUN_ENV,
 };
-use crate::process::boot_id;
 
 /// The user's default log directory: `$XDG_STATE_HOME/torchtools/logs`, else
 /// `~/.local/state/torchtools/logs`.
@@ -259,7 +258,7 @@ pub(crate) fn start_job(start: &Start<'_>) -> Result<Job> {
         user: me.who.user,
         uid: tt_lock::euid(),
         host: me.who.host,
-        boot_id: boot_id(),
+        boot_id: tt_device::boot_id(),
         command: std::iter::once("torchtools".to_owned())
             .chain(
                 start

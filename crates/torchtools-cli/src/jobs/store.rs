@@ -101,7 +101,7 @@ impl Job {
                 false => status_text(code),
             };
         }
-        if self.boot_id != crate::process::boot_id() {
+        if self.boot_id != tt_device::boot_id() {
             return "lost (the machine rebooted)".into();
         }
         if self.elsewhere() {
@@ -135,9 +135,7 @@ impl Job {
     /// Whether the job's record alone says it ended: its status, its cancellation, or a boot
     /// since it started.
     fn said_ended(&self) -> bool {
-        self.status.is_some()
-            || self.cancelled.is_some()
-            || self.boot_id != crate::process::boot_id()
+        self.status.is_some() || self.cancelled.is_some() || self.boot_id != tt_device::boot_id()
     }
 
     /// Whether the job's keeper still runs: its pid is a `job-run` of this id (a pid alone
@@ -620,7 +618,7 @@ mod tests {
             user: me.who.user.clone(),
             uid: tt_lock::euid(),
             host: me.who.host,
-            boot_id: crate::process::boot_id(),
+            boot_id: tt_device::boot_id(),
             command: vec!["true".into()],
             log: dir.path().join("log"),
             started_unix: 0.0,
