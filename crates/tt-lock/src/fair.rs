@@ -194,6 +194,9 @@ pub fn preemptor<'q>(
         now,
     };
     queue.iter().find_map(|w| {
+        // Whether this job yields to `w` at all (cheap), before which GPUs `w` needs
+        // (which asks the same of every occupant of every GPU it wants).
+        rule.why(w, user, gpus)?;
         let needed = rule.needed(w, states);
         let mine: Vec<_> = gpus
             .iter()
