@@ -61,7 +61,7 @@ fn lab(path: &std::path::Path) -> Vec<tt_lock::GpuLock> {
         let record = serde_json::json!({
             "id": id, "user": me.who.user, "uid": uid, "host": me.who.host, "boot_id": "bench",
             "command": ["torchtools", "run", "--", "python", "train.py", format!("--seed={j}")],
-            "log": format!("/tmp/bench-{j}.log"), "started_unix": now - 3600.0,
+            "log": format!("/tmp/bench-{j}.log"), "since_unix": now - 3600.0,
             "keeper_pid": 1, "pid": 1, "ended_unix": now - 60.0, "status": 0, "runs": 1,
         });
         std::fs::write(path.join(format!("job-{id}.json")), record.to_string())

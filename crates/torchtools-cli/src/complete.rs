@@ -35,7 +35,7 @@ fn job_ids(current: &OsStr) -> Vec<CompletionCandidate> {
     jobs.sort_by(|a, b| {
         (a.uid != me, a.ended())
             .cmp(&(b.uid != me, b.ended()))
-            .then(b.started_unix.total_cmp(&a.started_unix))
+            .then(b.since.0.total_cmp(&a.since.0))
     });
     let mut out: Vec<CompletionCandidate> = jobs
         .iter()

@@ -429,7 +429,8 @@ fn gpus_of(pid: u32, host: &str, started: f64) -> String {
     };
     let mut gpus: Vec<String> = Vec::new();
     for r in log.records {
-        if r.pid == pid && r.host == host && r.start >= started - 1.0 && !gpus.contains(&r.gpu) {
+        if r.pid == pid && r.host == host && r.since_unix >= started - 1.0 && !gpus.contains(&r.gpu)
+        {
             gpus.push(r.gpu);
         }
     }

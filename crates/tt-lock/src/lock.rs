@@ -1068,7 +1068,10 @@ mod tests {
         // Read back: the reservation ended, its last sign of life kept.
         let usage = dir.usage().unwrap();
         let r = usage.records.iter().find(|r| r.id == id).unwrap();
-        assert!(r.end.is_some() && !r.lost && r.alive.is_some(), "{r:?}");
+        assert!(
+            r.ended_unix.is_some() && !r.lost && r.alive.is_some(),
+            "{r:?}"
+        );
     }
 
     #[test]
@@ -1102,6 +1105,6 @@ mod tests {
         drop(lock);
         let usage = dir.usage().unwrap();
         assert_eq!(usage.skipped, Vec::<String>::new());
-        assert!(usage.records[0].end.is_some() && usage.records[0].command == *shown);
+        assert!(usage.records[0].ended_unix.is_some() && usage.records[0].command == *shown);
     }
 }

@@ -89,7 +89,7 @@ impl Folded {
 
 impl Sink for Folded {
     fn start(&mut self, r: Usage) {
-        let start = r.start;
+        let start = r.since_unix;
         self.latest = self.latest.max(start);
         let open = Open {
             weight: weight(&r),
@@ -400,8 +400,8 @@ pub(crate) fn decayed_use<'r>(
     let k = std::f64::consts::LN_2 / half_life.max(1e-9);
     let mut uses: HashMap<&'r str, f64> = HashMap::new();
     for r in records {
-        let end = r.end.unwrap_or(now).min(now);
-        let start = r.start.min(end);
+        let end = r.ended_unix.unwrap_or(now).min(now);
+        let start = r.since_unix.min(end);
         if !(start.is_finite() && end.is_finite()) {
             continue;
         }
@@ -626,8 +626,8 @@ mod tests {
                 bytes: None,
                 command: Vec::new(),
                 share_of: None,
-                start: f64::from(i),
-                end: None,
+                since_unix: f64::from(i),
+                ended_unix: None,
                 status: None,
                 lost: false,
                 alive: None,

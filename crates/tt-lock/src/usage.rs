@@ -129,10 +129,11 @@ pub struct Usage {
     pub command: Vec<String>,
     /// A sharer's GPU memory (see [`UsageEvent::Start`]); `None` for a whole GPU.
     pub share_of: Option<u64>,
-    /// Start, in seconds since the Unix epoch.
-    pub start: f64,
-    /// End; `None` while it is held.
-    pub end: Option<f64>,
+    /// Start, in seconds since the Unix epoch (`since_unix`, as every record names its
+    /// start).
+    pub since_unix: f64,
+    /// End, in seconds since the Unix epoch; `None` while it is held.
+    pub ended_unix: Option<f64>,
     /// The job's exit status, when known.
     pub status: Option<i32>,
     /// The holder died holding it (see [`UsageEvent::End`]).
@@ -144,7 +145,7 @@ pub struct Usage {
 impl Usage {
     /// Seconds it lasted (until `now` while held).
     pub fn seconds(&self, now: f64) -> f64 {
-        (self.end.unwrap_or(now) - self.start).max(0.0)
+        (self.ended_unix.unwrap_or(now) - self.since_unix).max(0.0)
     }
 }
 
@@ -259,7 +260,8 @@ impl LockDir {
         for (path, uid) in logs {
             read(&path, uid, &mut log)?;
         }
-        log.records.sort_by(|a, b| a.start.total_cmp(&b.start));
+        log.records
+            .sort_by(|a, b| a.since_unix.total_cmp(&b.since_unix));
         let live = self.live_usage_ids()?;
         end_lost(&mut log.records, &live, now_unix());
         Ok(log)
@@ -323,8 +325,8 @@ impl LockDir {
 /// ended ([`lost_end`]), and marks it lost.
 pub(crate) fn end_lost(records: &mut [Usage], live: &HashSet<(String, String)>, now: f64) {
     for r in records {
-        if r.end.is_none() && !live.contains(&(r.user.clone(), r.id.clone())) {
-            r.end = Some(lost_end(r.start, r.alive, now));
+        if r.ended_unix.is_none() && !live.contains(&(r.user.clone(), r.id.clone())) {
+            r.ended_unix = Some(lost_end(r.since_unix, r.alive, now));
             r.lost = true;
         }
     }
@@ -596,8 +598,8 @@ impl Sink for Records {
 
     fn end(&mut self, id: &str, time: f64, status: Option<i32>, lost: bool) {
         if let Some(r) = self.by_id.get(id).map(|i| &mut self.log.records[*i]) {
-            if r.end.is_none() {
-                r.end = Some(time.max(r.start));
+            if r.ended_unix.is_none() {
+                r.ended_unix = Some(time.max(r.since_unix));
                 r.status = status;
                 r.lost = lost;
             }
@@ -606,7 +608,7 @@ impl Sink for Records {
 
     fn alive(&mut self, id: &str, time: f64) {
         if let Some(r) = self.by_id.get(id).map(|i| &mut self.log.records[*i]) {
-            if r.end.is_none() {
+            if r.ended_unix.is_none() {
                 r.alive = Some(r.alive.map_or(time, |a| a.max(time)));
             }
         }
@@ -748,8 +750,8 @@ fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, sink: &mut impl
                 bytes,
                 command,
                 share_of,
-                start: time.clamp(0.0, latest),
-                end: None,
+                since_unix: time.clamp(0.0, latest),
+                ended_unix: None,
                 status: None,
                 lost: false,
                 alive: None,
@@ -883,14 +885,17 @@ mod tests {
         let now = now_unix();
         assert_eq!(log.records.len(), 3, "{log:?}");
         for r in &log.records {
-            let end = r.end.unwrap();
+            let end = r.ended_unix.unwrap();
             assert!(
-                (0.0..=now + TIME_SLACK + 1.0).contains(&r.start) && end >= r.start,
+                (0.0..=now + TIME_SLACK + 1.0).contains(&r.since_unix) && end >= r.since_unix,
                 "{r:?}"
             );
             assert!(end <= now + TIME_SLACK + 1.0, "{r:?}");
         }
-        assert_eq!((log.records[2].start, log.records[2].end), (5.0, Some(5.0)));
+        assert_eq!(
+            (log.records[2].since_unix, log.records[2].ended_unix),
+            (5.0, Some(5.0))
+        );
         let total: f64 = log.records.iter().map(|r| r.seconds(now)).sum();
         assert!(
             total.is_finite() && total <= now + TIME_SLACK + 1.0,
@@ -939,10 +944,10 @@ mod tests {
         read(&path, uid, &mut log).unwrap();
         assert_eq!(log.records.len(), 3, "{log:?}");
         assert_eq!(log.records[2].id, "c");
-        assert_eq!(log.records[0].end, Some(160.0));
+        assert_eq!(log.records[0].ended_unix, Some(160.0));
         assert_eq!(log.records[0].status, Some(0));
         assert_eq!(log.records[0].seconds(1000.0), 60.0);
-        assert_eq!(log.records[1].end, None);
+        assert_eq!(log.records[1].ended_unix, None);
         assert_eq!(log.records[1].seconds(200.0), 50.0);
         assert_eq!(log.skipped.len(), 1, "{:?}", log.skipped);
         assert!(log.skipped[0].contains("line 4"), "{:?}", log.skipped);

@@ -445,7 +445,7 @@ fn jam_role(role: &str, dir: &Path) {
             let mine = usage
                 .records
                 .iter()
-                .filter(|r| r.user == me && r.end.is_some())
+                .filter(|r| r.user == me && r.ended_unix.is_some())
                 .count();
             println!("@@mine: {mine}@@");
             for i in &usage.ignored {
@@ -928,7 +928,10 @@ fn another_user_can_neither_erase_nor_forge_records_and_forgeries_are_reported()
         let usage = dir.usage().unwrap();
         assert_eq!(usage.records.len(), 2, "{usage:?}");
         assert!(
-            usage.records.iter().all(|r| r.end.is_none() && !r.lost),
+            usage
+                .records
+                .iter()
+                .all(|r| r.ended_unix.is_none() && !r.lost),
             "{usage:?}"
         );
         assert_eq!(usage.ignored.len(), 1, "{usage:?}");
@@ -938,7 +941,10 @@ fn another_user_can_neither_erase_nor_forge_records_and_forgeries_are_reported()
         drop((alone, shared_lock));
         let usage = dir.usage().unwrap();
         assert!(
-            usage.records.iter().all(|r| r.end.is_some() && !r.lost),
+            usage
+                .records
+                .iter()
+                .all(|r| r.ended_unix.is_some() && !r.lost),
             "{usage:?}"
         );
         assert!(

@@ -103,7 +103,7 @@ fn list(args: &Args) -> Result<ExitCode> {
     }
     let now = now_unix();
     for job in &jobs {
-        let took = job.ended_unix.unwrap_or(now) - job.started_unix;
+        let took = job.ended_unix.unwrap_or(now) - job.since.0;
         let (gpus, bytes) = job.held_by(&held);
         let gpus = if gpus.is_empty() {
             "-".to_owned()

@@ -109,7 +109,7 @@ pub(crate) fn rows(records: &[Usage], by: By, from: f64, now: f64) -> Vec<Row> {
     let mut rows: BTreeMap<String, Row> = BTreeMap::new();
     for r in records
         .iter()
-        .filter(|r| r.end.is_none_or(|end| end > from))
+        .filter(|r| r.ended_unix.is_none_or(|end| end > from))
     {
         let name = match by {
             By::User => r.user.clone(),
@@ -119,10 +119,10 @@ pub(crate) fn rows(records: &[Usage], by: By, from: f64, now: f64) -> Vec<Row> {
             name,
             ..Row::default()
         });
-        let start = r.start.max(from);
-        let hours = (r.end.unwrap_or(now) - start).max(0.0) / 3600.0;
+        let start = r.since_unix.max(from);
+        let hours = (r.ended_unix.unwrap_or(now) - start).max(0.0) / 3600.0;
         row.reservations += 1;
-        row.running += usize::from(r.end.is_none());
+        row.running += usize::from(r.ended_unix.is_none());
         row.lost += usize::from(r.lost);
         row.gpu_hours += hours;
         row.reserved_gib_hours += hours * r.bytes.unwrap_or(0) as f64 / (1u64 << 30) as f64;
@@ -192,8 +192,8 @@ mod tests {
             bytes: Some(gib << 30),
             command: Vec::new(),
             share_of: None,
-            start,
-            end,
+            since_unix: start,
+            ended_unix: end,
             status: None,
             lost: false,
             alive: None,

@@ -21,8 +21,8 @@ use crate::arg_groups::DetachArgs;
 use crate::exit::Exit;
 use crate::hook::{Guardian, Hook};
 use crate::jobs::store::{
-    find, free_id, load, load_own, record_path, records_dir, save, ArrayTask, Job, ARRAY_TASK_ENV,
-    JOB_RUN_ENV,
+    find, free_id, load, load_own, record_path, records_dir, save, ArrayTask, Job, Since,
+    ARRAY_TASK_ENV, JOB_RUN_ENV,
 };
 
 /// The user's default log directory: `$XDG_STATE_HOME/torchtools/logs`, else
@@ -268,7 +268,7 @@ pub(crate) fn start_job(start: &Start<'_>) -> Result<Job> {
             )
             .collect(),
         log,
-        started_unix: start.started,
+        since: Since(start.started),
         keeper_pid: child.id(),
         pid_ns: tt_lock::own_pid_namespace(),
         pid: None,
@@ -328,7 +328,7 @@ pub(crate) fn keep(id: &str, command: &[OsString]) -> Result<ExitCode> {
             id,
             job.command.clone(),
             Some(job.log.clone()),
-            job.started_unix,
+            job.since.0,
         )?),
         None => None,
     };

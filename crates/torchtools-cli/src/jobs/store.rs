@@ -29,7 +29,10 @@ pub(crate) struct Job {
     /// `torchtools` and its arguments, as the job runs them.
     pub(crate) command: Vec<String>,
     pub(crate) log: PathBuf,
-    pub(crate) started_unix: f64,
+    /// When it was started, in seconds since the Unix epoch: `since_unix` in the record,
+    /// the name every record of torchtools gives its start.
+    #[serde(flatten)]
+    pub(crate) since: Since,
     /// The keeper (`job-run`), leader of the job's session.
     pub(crate) keeper_pid: u32,
     /// The PID namespace its pids mean something in (a container's, or the host's).
@@ -67,6 +70,44 @@ pub(crate) struct Job {
     /// Its place in a job array (`--array`), when it is one of its tasks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) array: Option<ArrayTask>,
+}
+
+/// When a job was started, in seconds since the Unix epoch.
+///
+/// Written as `since_unix` (the start's one name in every record: locks, tickets, jobs,
+/// usage) and, for this release, also as `started_unix`, the name torchtools 0.x before
+/// it wrote: a keeper of the earlier version still running a job reads the records the
+/// new one writes. Read from either. The second key goes in the next release.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Since(pub(crate) f64);
+
+/// [`Since`] as written: both names, either read.
+#[derive(Serialize, Deserialize)]
+struct SinceKeys {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    since_unix: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    started_unix: Option<f64>,
+}
+
+impl Serialize for Since {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        SinceKeys {
+            since_unix: Some(self.0),
+            started_unix: Some(self.0),
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Since {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Since, D::Error> {
+        let keys = SinceKeys::deserialize(deserializer)?;
+        keys.since_unix
+            .or(keys.started_unix)
+            .map(Since)
+            .ok_or_else(|| serde::de::Error::missing_field("since_unix"))
+    }
 }
 
 impl Job {
@@ -162,7 +203,7 @@ impl Job {
         // btime is whole seconds: a process may seem to start up to a second early.
         const SLACK: f64 = 2.0;
         self.of_jobs_user(pid)
-            && tt_device::procfs::started_unix(pid).is_some_and(|t| t >= self.started_unix - SLACK)
+            && tt_device::procfs::started_unix(pid).is_some_and(|t| t >= self.since.0 - SLACK)
     }
 
     /// The GPUs a running job holds and the bytes it reserved on them: the locks whose
@@ -447,7 +488,7 @@ pub(crate) fn scan(records: &Path) -> Result<Scan> {
     }
     // An array's tasks (one start) together, by index.
     scan.jobs.sort_by(|a, b| {
-        a.started_unix.total_cmp(&b.started_unix).then_with(|| {
+        a.since.0.total_cmp(&b.since.0).then_with(|| {
             a.array
                 .as_ref()
                 .map(|t| t.index)
@@ -621,7 +662,7 @@ mod tests {
             boot_id: tt_device::boot_id(),
             command: vec!["true".into()],
             log: dir.path().join("log"),
-            started_unix: 0.0,
+            since: Since(0.0),
             // No process of ours runs `job-run 123-4`: the keeper is gone.
             keeper_pid: std::process::id(),
             pid_ns: tt_lock::own_pid_namespace(),
@@ -649,5 +690,34 @@ mod tests {
         let read = load(&record_path(dir.path(), "123-4")).unwrap();
         assert_eq!(read.cancelled.as_deref(), Some("job 123-3 failed"));
         assert_eq!(read.state(&[]), "cancelled: job 123-3 failed");
+    }
+
+    /// A job's start is `since_unix`, as in every other record; for one release it is
+    /// also written as `started_unix` (what the earlier version reads), and a record of
+    /// the earlier version, which has only that, reads the same.
+    #[test]
+    fn a_jobs_start_is_since_unix_and_the_earlier_name_still_reads() {
+        let mut written: serde_json::Value = serde_json::json!({
+            "id": "1-1", "user": "ada", "uid": 1000, "host": "h", "boot_id": "b",
+            "command": ["run", "--", "true"], "log": "/tmp/x.log", "keeper_pid": 7,
+        });
+        for key in ["since_unix", "started_unix"] {
+            let mut record = written.clone();
+            record[key] = serde_json::json!(1234.5);
+            let job: Job = serde_json::from_value(record).unwrap_or_else(|e| panic!("{key}: {e}"));
+            assert_eq!(job.since, Since(1234.5), "{key}");
+            let again = serde_json::to_value(&job).unwrap();
+            assert_eq!(
+                (&again["since_unix"], &again["started_unix"]),
+                (&serde_json::json!(1234.5), &serde_json::json!(1234.5))
+            );
+            let back: Job = serde_json::from_value(again).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(back, job);
+        }
+        written["ended_unix"] = serde_json::json!(1.0);
+        let missing = serde_json::from_value::<Job>(written)
+            .unwrap_err()
+            .to_string();
+        assert!(missing.contains("since_unix"), "{missing}");
     }
 }

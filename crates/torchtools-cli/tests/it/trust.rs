@@ -943,14 +943,16 @@ fn with_fair_share_one_users_twenty_queued_jobs_no_longer_stand_before_the_other
         .records
         .iter()
         .filter(|r| r.user == "root")
-        .filter_map(|r| r.end)
+        .filter_map(|r| r.ended_unix)
         .fold(opened, f64::max);
     let got = |user: &str| -> f64 {
         usage
             .records
             .iter()
             .filter(|r| r.user == user)
-            .map(|r| (r.end.unwrap_or(closed).min(closed) - r.start.max(opened)).max(0.0))
+            .map(|r| {
+                (r.ended_unix.unwrap_or(closed).min(closed) - r.since_unix.max(opened)).max(0.0)
+            })
             .sum()
     };
     // Each user's standing, as `top --json` and `metrics` show it.
@@ -1113,13 +1115,13 @@ fn a_preemptible_job_above_its_share_yields_to_a_long_wait_and_is_requeued() {
         .records
         .iter()
         .filter(|r| r.user == "root" && r.gpu.ends_with('0'))
-        .filter_map(|r| r.end)
+        .filter_map(|r| r.ended_unix)
         .find(|&end| end >= decided - 1.0);
     let served = usage
         .records
         .iter()
         .find(|r| r.user == user_a)
-        .map(|r| r.start);
+        .map(|r| r.since_unix);
     eprintln!(
         "preemption: decision seen at {decided:.3}, GPU 0 free {:.3} s later, A served {:.3} s later",
         freed.unwrap_or(f64::NAN) - decided,

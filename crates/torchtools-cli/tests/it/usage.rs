@@ -113,7 +113,7 @@ fn reservations_are_counted_and_a_killed_holder_is_closed_by_the_next_reader() {
     let read = || tt_lock::LockDir::open(dir).unwrap().usage().unwrap();
     let lost: Vec<_> = read().records.into_iter().filter(|r| r.lost).collect();
     assert_eq!(lost.len(), 1, "{lost:?}");
-    let end = lost[0].end.unwrap();
+    let end = lost[0].ended_unix.unwrap();
     assert!(
         end >= killed_at - 1.0 && end <= now(),
         "{end} vs killed at {killed_at}, read at {before_read}"
