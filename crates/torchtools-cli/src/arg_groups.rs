@@ -19,6 +19,23 @@ pub(crate) struct ProbeArgs {
 }
 
 /// How `reserve` and `run` reserve: everything but the bytes and the command.
+/// What `reserve` and `run` both take after their memory option: how to probe, what to
+/// reserve, whether to detach, the hook, and the command after `--`.
+#[derive(clap::Args)]
+pub(crate) struct ReservingArgs {
+    #[command(flatten)]
+    pub(crate) probing: ProbeArgs,
+    #[command(flatten)]
+    pub(crate) reservation: ReserveArgs,
+    #[command(flatten)]
+    pub(crate) detach: DetachArgs,
+    #[command(flatten)]
+    pub(crate) hook: HookArgs,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    pub(crate) command: Vec<std::ffi::OsString>,
+}
+
 #[derive(clap::Args)]
 pub(crate) struct ReserveArgs {
     /// The GPU(s): an index as nvidia-smi shows it, a UUID (GPU-..., a prefix is

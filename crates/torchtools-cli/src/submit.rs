@@ -213,11 +213,13 @@ pub(crate) fn run(
     command_len: usize,
     hook: bool,
 ) -> Result<ExitCode> {
-    use crate::commands::Command;
-    let (reservation, hook_args) = match command {
-        Command::Reserve(a) => (&a.reservation, &a.hook),
-        Command::Run(a) => (&a.reservation, &a.hook),
-        _ => return Err(Exit::usage("--slurm is an option of reserve and run".into()).into()),
+    let Some(crate::arg_groups::ReservingArgs {
+        reservation,
+        hook: hook_args,
+        ..
+    }) = command.reserving()
+    else {
+        return Err(Exit::usage("--slurm is an option of reserve and run".into()).into());
     };
     if hook_args.on_end.is_some() {
         return Err(Exit::usage(

@@ -52,17 +52,18 @@ impl Command {
     /// parsed arguments, before any command runs.
     pub(crate) fn detached(&self) -> Option<(crate::arg_groups::DetachArgs, usize)> {
         let mut detach = match self {
-            Command::Reserve(a) if a.detach.detach => a.detach.clone(),
-            Command::Run(a) if a.detach.detach => a.detach.clone(),
             Command::Launch(a) => a.detached()?,
-            _ => return None,
+            _ => match self.reserving() {
+                Some(a) if a.detach.detach => a.detach.clone(),
+                _ => return None,
+            },
         };
         // A preempted job goes back into the queue.
         detach.requeue |= match self {
-            Command::Reserve(a) => a.reservation.time.preemptible,
-            Command::Run(a) => a.reservation.time.preemptible,
             Command::Launch(a) => a.preemptible(),
-            _ => false,
+            _ => self
+                .reserving()
+                .is_some_and(|a| a.reservation.time.preemptible),
         };
         Some((detach, self.command_len()))
     }
@@ -70,19 +71,24 @@ impl Command {
     /// How many of the command line's last words are the user's command.
     pub(crate) fn command_len(&self) -> usize {
         match self {
-            Command::Reserve(a) => a.command.len(),
-            Command::Run(a) => a.command.len(),
             Command::Launch(a) => a.command_len(),
-            _ => 0,
+            _ => self.reserving().map_or(0, |a| a.command.len()),
         }
     }
 
     /// The `--on-end` options of the commands that run one.
     pub(crate) fn hook(&self) -> Option<&crate::arg_groups::HookArgs> {
         match self {
-            Command::Reserve(a) => Some(&a.hook),
-            Command::Run(a) => Some(&a.hook),
             Command::Launch(a) => Some(&a.hook),
+            _ => self.reserving().map(|a| &a.hook),
+        }
+    }
+
+    /// The options `reserve` and `run` share, for those two.
+    pub(crate) fn reserving(&self) -> Option<&crate::arg_groups::ReservingArgs> {
+        match self {
+            Command::Reserve(a) => Some(&a.rest),
+            Command::Run(a) => Some(&a.rest),
             _ => None,
         }
     }

@@ -9,7 +9,7 @@ use tt_device::Bytes;
 use tt_lock::{GpuSpec, Holder};
 use tt_reserve::ReserveOptions;
 
-use crate::arg_groups::ReserveArgs;
+use crate::arg_groups::{ReserveArgs, ReservingArgs};
 use crate::child;
 use crate::exit::Exit;
 
@@ -37,28 +37,26 @@ pub(crate) struct Args {
     #[arg(long, value_parser = crate::args::budget)]
     pub(crate) bytes: Option<crate::args::Budget>,
     #[command(flatten)]
-    pub(crate) probing: crate::arg_groups::ProbeArgs,
-    #[command(flatten)]
-    pub(crate) reservation: crate::arg_groups::ReserveArgs,
-    #[command(flatten)]
-    pub(crate) detach: crate::arg_groups::DetachArgs,
-    #[command(flatten)]
-    pub(crate) hook: crate::arg_groups::HookArgs,
-    /// The command and its arguments, after `--`.
-    #[arg(last = true, required = true, value_name = "CMD")]
-    pub(crate) command: Vec<std::ffi::OsString>,
+    pub(crate) rest: ReservingArgs,
 }
 
 /// `torchtools reserve` (attached; `--detach` is decided before).
 pub(crate) fn run(args: &Args) -> Result<u8> {
-    let limit = args.reservation.time_limit()?;
-    let slurm_requeue = args.detach.slurm_requeue()?;
+    let rest = &args.rest;
     let bytes = budget(
         args.bytes,
-        &args.reservation.gpu,
-        &args.probing,
-        &args.command,
+        &rest.reservation.gpu,
+        &rest.probing,
+        &rest.command,
     )?;
+    reserve_for(rest, bytes)
+}
+
+/// Reserves what `args` ask for, leaving `bytes` free on each GPU, and runs the command
+/// (attached): `reserve` and `run` once they know the bytes.
+pub(crate) fn reserve_for(args: &ReservingArgs, bytes: Option<Bytes>) -> Result<u8> {
+    let limit = args.reservation.time_limit()?;
+    let slurm_requeue = args.detach.slurm_requeue()?;
     reserve(Request {
         slurm_requeue,
         ..args.reservation.request(bytes, args.command.clone(), limit)

@@ -2,6 +2,8 @@
 
 use anyhow::Result;
 
+use crate::commands::reserve::reserve_for;
+
 /// Probe a command's memory, reserve GPUs, run it.
 ///
 /// Probe, reserve, run: probe CMD in probe mode (as `probe` does) or take --bytes,
@@ -16,41 +18,22 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) probe: bool,
     #[command(flatten)]
-    pub(crate) probing: crate::arg_groups::ProbeArgs,
-    #[command(flatten)]
-    pub(crate) reservation: crate::arg_groups::ReserveArgs,
-    #[command(flatten)]
-    pub(crate) detach: crate::arg_groups::DetachArgs,
-    #[command(flatten)]
-    pub(crate) hook: crate::arg_groups::HookArgs,
-    /// The command and its arguments, after `--`.
-    #[arg(last = true, required = true, value_name = "CMD")]
-    pub(crate) command: Vec<std::ffi::OsString>,
+    pub(crate) rest: crate::arg_groups::ReservingArgs,
 }
 
 /// `torchtools run` (attached; `--detach` is decided before).
 pub(crate) fn run(args: &Args) -> Result<u8> {
-    let limit = args.reservation.time_limit()?;
-    let slurm_requeue = args.detach.slurm_requeue()?;
-    let bytes = match args.bytes {
-        Some(crate::args::Budget::Size(b)) => b,
-        Some(crate::args::Budget::Auto) => crate::commands::probe::estimate_for_run(
-            &args.reservation.gpu,
-            &args.probing,
-            "--bytes auto",
-            &args.command,
-        )?,
-        None => crate::commands::probe::estimate_for_run(
-            &args.reservation.gpu,
-            &args.probing,
-            "--probe",
-            &args.command,
-        )?,
+    let rest = &args.rest;
+    let asked = match args.bytes {
+        Some(crate::args::Budget::Size(b)) => return reserve_for(rest, Some(b)),
+        Some(crate::args::Budget::Auto) => "--bytes auto",
+        None => "--probe",
     };
-    crate::commands::reserve::reserve(crate::commands::reserve::Request {
-        slurm_requeue,
-        ..args
-            .reservation
-            .request(Some(bytes), args.command.clone(), limit)
-    })
+    let bytes = crate::commands::probe::estimate_for_run(
+        &rest.reservation.gpu,
+        &rest.probing,
+        asked,
+        &rest.command,
+    )?;
+    reserve_for(rest, Some(bytes))
 }
