@@ -412,6 +412,17 @@ impl LockDir {
         )
     }
 
+    /// Reads the usage logs as a fair-share decision with `half_life` does, and writes
+    /// a summary into each of this user's own logs that has grown by about 128 KiB since
+    /// its last ([`crate::UsageEvent::Summary`]): what the log adds up to, so that a
+    /// process new to the log (a user's first request on the machine, or after a
+    /// reboot) reads only what came after it. Every request under a fair-share policy
+    /// does this (`torchtools reserve` among them); a tool that writes usage logs of its
+    /// own calls it as it writes.
+    pub fn summarize_own_usage(&self, half_life: std::time::Duration) -> Result<()> {
+        self.recent_use(half_life.as_secs_f64()).map(drop)
+    }
+
     /// The queue as `policy` serves it (see [`LockDir::queue`]).
     pub(crate) fn ordered(&self, policy: &Policy, mut waiters: Vec<Waiter>) -> Result<Vec<Waiter>> {
         if !policy.orders_the_queue() || waiters.is_empty() {

@@ -420,6 +420,13 @@ impl LockDir {
                 reason,
             });
         }
+        // Under fair share, this user's logs summarized for readers new to them (and
+        // the logs read, as a decision reads them).
+        if let Some(fair) = &policy.policy.fair_share {
+            if let Err(e) = self.summarize_own_usage(fair.half_life) {
+                tracing::warn!("cannot summarize the GPU usage log: {e}");
+            }
+        }
         let mut slots = self.slots(&wants)?;
         let mut ticket: Option<Ticket> = None;
         let mut watch: Option<std::rc::Rc<Watch>> = None;

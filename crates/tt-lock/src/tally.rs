@@ -149,6 +149,53 @@ impl Sink for Folded {
             ..Folded::default()
         };
     }
+
+    fn summary(
+        &mut self,
+        half_life: f64,
+        state: serde_json::Value,
+        believed: &dyn Fn(&str) -> bool,
+    ) -> bool {
+        let Ok(mut summary) = serde_json::from_value::<Folded>(state) else {
+            return false;
+        };
+        let finite = |v: f64| v.is_finite() && v >= 0.0;
+        let sane = summary.k == self.k
+            && self.k == std::f64::consts::LN_2 / half_life.max(1e-9)
+            && finite(summary.origin)
+            && finite(summary.latest)
+            && summary.open.len() <= MAX_OPEN
+            && summary
+                .closed
+                .iter()
+                .all(|(user, v)| finite(*v) && believed(user))
+            && summary.open.values().all(|o| {
+                believed(&o.user)
+                    && [o.start, o.alive].into_iter().all(finite)
+                    && (0.0..=1.0).contains(&o.weight)
+            });
+        if !sane {
+            return false;
+        }
+        summary.rebase(self.origin);
+        if !summary.closed.values().all(|v| v.is_finite()) {
+            return false;
+        }
+        // The order names each open reservation once, as reading keeps it.
+        let mut seen = HashSet::new();
+        summary
+            .order
+            .retain(|id| summary.open.contains_key(id) && seen.insert(id.clone()));
+        let missing: Vec<String> = summary
+            .open
+            .keys()
+            .filter(|id| !seen.contains(*id))
+            .cloned()
+            .collect();
+        summary.order.extend(missing);
+        *self = summary;
+        true
+    }
 }
 
 /// A lock directory's logs as folded so far by this process (and, through the reading
@@ -209,12 +256,18 @@ pub(crate) fn recent_use(
     let read_before: u64 = tally.logs.values().map(Tailed::offset).sum();
     for (path, uid) in logs {
         let origin = tally.origin;
+        // A log not read before is read from its last summary: what reading it all
+        // would hold there (its owner's own word, as every line of it is).
         let log = tally.logs.entry(path.clone()).or_insert_with(|| {
-            Tailed::new(Folded {
-                k,
-                origin,
-                ..Folded::default()
-            })
+            Tailed::from_last_summary(
+                path,
+                half_life,
+                Folded {
+                    k,
+                    origin,
+                    ..Folded::default()
+                },
+            )
         });
         read_more(path, *uid, log, true)?;
     }
@@ -223,6 +276,16 @@ pub(crate) fn recent_use(
     let live = live()?;
     let live = &live;
     settle(tally, live, now);
+    // This user's own logs, summarized for readers new to them every SUMMARY_EVERY
+    // bytes: a summary is read back as its writer holds it.
+    let me = crate::owner::euid();
+    for (path, _) in logs.iter().filter(|(_, uid)| *uid == me) {
+        if let Some(log) = tally.logs.get(path) {
+            if !log.stopped() && log.since_summary() >= SUMMARY_EVERY {
+                crate::usage::append_summary(path, log.offset(), half_life, &log.sink);
+            }
+        }
+    }
     let read_now: u64 = tally.logs.values().map(Tailed::offset).sum();
     if let Some(cache) = cache.filter(|_| read_now.abs_diff(read_before) >= SAVE_AFTER) {
         save(cache, dir, tally);
@@ -247,6 +310,10 @@ pub(crate) fn recent_use(
     }
     Ok(uses)
 }
+
+/// Bytes of a log past its last summary after which its owner's next decision writes
+/// another: a reader new to the log reads about this much of it.
+pub(crate) const SUMMARY_EVERY: u64 = 128 << 10;
 
 /// The GPU-seconds from `start` to `end` decayed to `now` with `k = ln 2 / half_life`:
 /// the integral of `2^(-(now - t) / half_life)`.
@@ -532,6 +599,128 @@ mod tests {
         assert!(log.open.contains_key("live"), "{:?}", log.open.keys());
     }
 
+    /// A log its owner summarized as they reserved: a reader new to it reads from its
+    /// last summary (a few hundred KiB of a log of any length) and computes what
+    /// reading every record gives, as does a reader that read it all along; a summary
+    /// naming another user, or not starting where it says, is not taken.
+    #[test]
+    fn a_reader_new_to_a_log_starts_at_its_last_summary_and_computes_what_the_records_give() {
+        let tmp = tempfile::tempdir().unwrap();
+        let uid = crate::owner::euid();
+        let me = crate::owner::name_of_uid(uid);
+        let path = tmp.path().join(format!("usage-{uid}.jsonl"));
+        let now = tt_device::now_unix();
+        let half_life = 3600.0 * 24.0;
+        let logs = [(path.clone(), uid)];
+        let live: HashSet<(String, String)> = [(me.clone(), "live".to_owned())].into();
+        // Open across every summary: one live, one whose holder died.
+        append(
+            &path,
+            &[
+                start("live", &me, "g3", now - 90_000.0, None),
+                start("dead", &me, "g2", now - 89_000.0, None),
+                alive("dead", now - 88_000.0),
+            ],
+        );
+        let along = tmp.path().join("along");
+        for batch in 0..30 {
+            let lines: Vec<String> = (0..100)
+                .flat_map(|i| {
+                    let n = batch * 100 + i;
+                    let t = now - 80_000.0 + n as f64 * 25.0;
+                    [
+                        start(&format!("r{n}"), &me, "g0", t, Some((1, 2 + n % 3))),
+                        end(&format!("r{n}"), t + 20.0),
+                    ]
+                })
+                .collect();
+            append(&path, &lines);
+            // What each request does under a fair-share policy, in processes of its
+            // own (each reads on from its last summary).
+            let writer = tmp.path().join(format!("writer-{batch}"));
+            recent_use(&writer, &logs, half_life, || Ok(live.clone()), now, None).unwrap();
+            // A long-running reader reads on between them.
+            recent_use(&along, &logs, half_life, || Ok(live.clone()), now, None).unwrap();
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let summaries = text.matches("\"event\":\"summary\"").count();
+        assert!(
+            summaries >= 3,
+            "{summaries} summaries in {} bytes",
+            text.len()
+        );
+
+        let len = text.len() as u64;
+        let k = std::f64::consts::LN_2 / half_life;
+        let log = Tailed::from_last_summary(
+            &path,
+            half_life,
+            Folded {
+                k,
+                origin: now,
+                ..Folded::default()
+            },
+        );
+        assert!(
+            log.offset() > 0 && len - log.offset() <= 2 * SUMMARY_EVERY,
+            "a new reader starts at byte {} of {len}",
+            log.offset()
+        );
+        let fresh_dir = tmp.path().join("fresh");
+        let fresh =
+            recent_use(&fresh_dir, &logs, half_life, || Ok(live.clone()), now, None).unwrap();
+        let all_along =
+            recent_use(&along, &logs, half_life, || Ok(live.clone()), now, None).unwrap();
+        let records = from_records(&path, uid, &live, now, half_life);
+        assert!(close(&fresh, &records), "{fresh:?} != {records:?}");
+        assert!(close(&all_along, &fresh), "{all_along:?} != {fresh:?}");
+        {
+            let all = TALLY.lock().unwrap();
+            let open = &all[&fresh_dir].logs[&path].sink.open;
+            // The live one carried across every summary (the dead one folded at its
+            // latest end once a writer found it dead twice).
+            assert!(open.contains_key("live"), "{:?}", open.keys());
+        }
+
+        // Summaries not taken: one naming another user, one not where it says.
+        let forged = |upto: u64, user: &str| {
+            format!(
+                "{{\"event\":\"summary\",\"upto\":{upto},\"half_life\":{half_life},\"state\":\
+                 {{\"k\":{k},\"origin\":{now},\"closed\":{{\"{user}\":1e9}},\"open\":{{}},\
+                 \"order\":[],\"latest\":{now}}}}}"
+            )
+        };
+        append(&path, &[forged(len, "someone-else")]);
+        let at = std::fs::metadata(&path).unwrap().len();
+        append(&path, &[forged(at + 1, &me)]);
+        for reader in ["again", "along"] {
+            let dir = tmp.path().join(reader);
+            let read = recent_use(&dir, &logs, half_life, || Ok(live.clone()), now, None).unwrap();
+            assert!(close(&read, &records), "{reader}: {read:?} != {records:?}");
+        }
+        // One that is where it says, in the owner's name, counts for its owner alone:
+        // for every reader alike.
+        let at = std::fs::metadata(&path).unwrap().len();
+        append(&path, &[forged(at, &me)]);
+        let along_read =
+            recent_use(&along, &logs, half_life, || Ok(live.clone()), now, None).unwrap();
+        let new_read = recent_use(
+            &tmp.path().join("new"),
+            &logs,
+            half_life,
+            || Ok(live.clone()),
+            now,
+            None,
+        )
+        .unwrap();
+        assert!(
+            close(&along_read, &new_read),
+            "{along_read:?} != {new_read:?}"
+        );
+        assert!(along_read[&me] > records[&me] * 10.0, "{along_read:?}");
+        assert_eq!(along_read.len(), 1, "{along_read:?}");
+    }
+
     #[test]
     fn a_process_reads_on_from_the_tally_its_users_last_process_kept() {
         let tmp = tempfile::tempdir().unwrap();
@@ -555,6 +744,7 @@ mod tests {
         let cache = tmp.path().join("cache/tally.json");
         let logs = [(path.clone(), uid)];
         let live = HashSet::new();
+        let read = std::fs::metadata(&path).unwrap().len();
         let first =
             recent_use(&dir, &logs, 3600.0, || Ok(live.clone()), now, Some(&cache)).unwrap();
         assert!(
@@ -565,10 +755,8 @@ mod tests {
         // A new process: nothing in memory; it starts from the kept tally, at the log's end.
         TALLY.lock().unwrap().remove(&dir);
         let kept = load(&cache, &dir, 3600.0, &this_machine()).unwrap();
-        assert_eq!(
-            kept.logs[&path].offset(),
-            std::fs::metadata(&path).unwrap().len()
-        );
+        // (Its own log: the decision summarized it after reading it.)
+        assert_eq!(kept.logs[&path].offset(), read);
         assert!(
             load(&cache, &dir, 7200.0, &this_machine()).is_none(),
             "another half-life: folded anew"

@@ -91,6 +91,21 @@ pub enum UsageEvent {
         /// Seconds since the Unix epoch.
         time: f64,
     },
+    /// What the log adds up to before this line, for the fair share: written by the
+    /// log's owner every so often (see [`LockDir::summarize_own_usage`]), so that a
+    /// reader that has not read the log before starts at its last summary instead of
+    /// its first line. A summary counts only for the log's owner, and only where it
+    /// says it starts (`upto`): one written after another record slipped in is not
+    /// believed.
+    Summary {
+        /// The byte offset of this line in the log.
+        upto: u64,
+        /// The half-life, in seconds, its sums are decayed with: a reader under
+        /// another half-life reads the records instead.
+        half_life: f64,
+        /// The sums and the reservations still open.
+        state: serde_json::Value,
+    },
 }
 
 /// [`UsageEvent::Start`] as written: the same line, borrowing the holder's fields
@@ -530,6 +545,19 @@ pub(crate) trait Sink {
     fn ignored(&mut self, why: Ignored);
     /// Everything read is forgotten: the log is another file now.
     fn reset(&mut self);
+    /// A summary of everything before it, decayed with `half_life` seconds
+    /// ([`UsageEvent::Summary`]), whose users must all pass `believed` (the log's
+    /// owner): taken in place of what was read, or refused (`false`: read on as if it
+    /// were not there). Only a reader that folds the log takes one.
+    fn summary(
+        &mut self,
+        half_life: f64,
+        state: serde_json::Value,
+        believed: &dyn Fn(&str) -> bool,
+    ) -> bool {
+        let _ = (half_life, state, believed);
+        false
+    }
 }
 
 /// A log as read so far by a reader that keeps it, reading only what was appended
@@ -544,6 +572,9 @@ pub(crate) struct Tailed<S> {
     lines: usize,
     /// Reading stopped for good (an over-long line, too many records).
     stopped: bool,
+    /// Where the last summary taken starts (0 with none).
+    #[serde(default)]
+    summary_at: u64,
     /// What was read.
     pub(crate) sink: S,
 }
@@ -554,6 +585,16 @@ impl<S: Sink> Tailed<S> {
         self.offset
     }
 
+    /// Bytes read since the last summary taken (all of them with none).
+    pub(crate) fn since_summary(&self) -> u64 {
+        self.offset - self.summary_at
+    }
+
+    /// Reading stopped for good.
+    pub(crate) fn stopped(&self) -> bool {
+        self.stopped
+    }
+
     /// A log not read yet, into `sink`.
     pub(crate) fn new(sink: S) -> Tailed<S> {
         Tailed {
@@ -561,8 +602,32 @@ impl<S: Sink> Tailed<S> {
             offset: 0,
             lines: 0,
             stopped: false,
+            summary_at: 0,
             sink,
         }
+    }
+
+    /// A log not read yet, into `sink`, to be read from its last summary for
+    /// `half_life` among its last [`SUMMARY_SEARCH`] bytes (from its first line when
+    /// there is none): what [`read_more`] then reads is what a reader that read the log
+    /// from its start holds after it, whatever the log holds before.
+    pub(crate) fn from_last_summary(path: &Path, half_life: f64, sink: S) -> Tailed<S> {
+        let mut tailed = Tailed::new(sink);
+        let Some((file, owner, found)) = summaries(path, half_life) else {
+            return tailed;
+        };
+        for (at, len, state) in found {
+            let believed = |user: &str| crate::owner::check(path, owner, user).is_ok();
+            if tailed.sink.summary(half_life, state, &believed) {
+                // As `read_more` leaves a reader that read up to and through it.
+                tailed.file = file;
+                tailed.offset = at + len;
+                tailed.summary_at = at;
+                tailed.lines = 1;
+                break;
+            }
+        }
+        tailed
     }
 
     fn reset(&mut self, file: (u64, u64)) {
@@ -570,6 +635,7 @@ impl<S: Sink> Tailed<S> {
         self.offset = 0;
         self.lines = 0;
         self.stopped = false;
+        self.summary_at = 0;
         self.sink.reset();
     }
 }
@@ -710,9 +776,79 @@ pub(crate) fn read_more<S: Sink>(
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        take_line(line, path, meta.uid(), n, &mut state.sink, now);
+        let at = state.offset - read as u64;
+        if take_line(line, path, meta.uid(), (n, at), &mut state.sink, now) {
+            // As a reader that started at this summary counts.
+            state.lines = 1;
+            state.summary_at = at;
+        }
     }
     Ok(())
+}
+
+/// How far from its end a log is searched for its last summary
+/// ([`Tailed::from_last_summary`]): its owner writes one every
+/// [`crate::tally::SUMMARY_EVERY`] bytes while they reserve.
+pub(crate) const SUMMARY_SEARCH: u64 = 1 << 20;
+
+/// The log at `path`'s file (device and inode) and owner, and its summaries for
+/// `half_life` among its last [`SUMMARY_SEARCH`] bytes that start where they say, the
+/// last first: each one's offset, its length with its newline, and its state.
+#[allow(clippy::type_complexity)]
+fn summaries(
+    path: &Path,
+    half_life: f64,
+) -> Option<((u64, u64), u32, Vec<(u64, u64, serde_json::Value)>)> {
+    const MARK: &[u8] = b"{\"event\":\"summary\"";
+    let (file, meta) = crate::file::open_to_read(path)?;
+    let from = meta.len().saturating_sub(SUMMARY_SEARCH);
+    let mut tail = vec![0u8; usize::try_from(meta.len() - from).ok()?];
+    file.read_exact_at(&mut tail, from).ok()?;
+    let mut found = Vec::new();
+    let mut end = tail.len();
+    while let Some(i) = tail[..end].windows(MARK.len()).rposition(|w| w == MARK) {
+        end = i;
+        let at = from + i as u64;
+        if !(at == 0 || (i > 0 && tail[i - 1] == b'\n')) {
+            continue;
+        }
+        // A whole line only: the reading goes on after its newline.
+        let Some(len) = tail[i..].iter().position(|&b| b == b'\n') else {
+            continue;
+        };
+        if let Ok(UsageEvent::Summary {
+            upto,
+            half_life: h,
+            state,
+        }) = serde_json::from_slice(&tail[i..i + len])
+        {
+            if upto == at && h == half_life {
+                found.push((at, len as u64 + 1, state));
+            }
+        }
+    }
+    Some(((meta.dev(), meta.ino()), meta.uid(), found))
+}
+
+/// Appends to this user's log at `path` the summary `state` of its first `upto` bytes,
+/// decayed with `half_life` seconds, when the log is still that long and the line fits
+/// what readers read; nothing otherwise.
+pub(crate) fn append_summary(path: &Path, upto: u64, half_life: f64, state: &impl Serialize) {
+    let Ok(state) = serde_json::to_value(state) else {
+        return;
+    };
+    let event = UsageEvent::Summary {
+        upto,
+        half_life,
+        state,
+    };
+    let fits = serde_json::to_vec(&event).is_ok_and(|l| l.len() < MAX_LINE);
+    let Ok(log) = open_log(path) else { return };
+    if fits && log.file.metadata().is_ok_and(|m| m.len() == upto) {
+        if let Err(e) = write_line(&log, &event) {
+            tracing::warn!("cannot summarize the usage log {}: {e}", path.display());
+        }
+    }
 }
 
 /// A record's times are read into `[0, now + TIME_SLACK]` (an end no earlier than its
@@ -723,7 +859,17 @@ const TIME_SLACK: f64 = 60.0;
 /// One line of a log into `sink`: a start recorded, an end matched with its start, a
 /// damaged line counted, a record not its log's owner's ignored; times bounded (see
 /// [`TIME_SLACK`]) at `now`.
-fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, sink: &mut impl Sink, now: f64) {
+///
+/// `(n, at)`: the line's number and its byte offset. Returns whether it was a summary
+/// the sink took.
+fn take_line(
+    line: &[u8],
+    path: &Path,
+    owner_uid: u32,
+    (n, at): (usize, u64),
+    sink: &mut impl Sink,
+    now: f64,
+) -> bool {
     let latest = now + TIME_SLACK;
     match serde_json::from_slice::<UsageEvent>(line) {
         Ok(UsageEvent::Start {
@@ -739,7 +885,7 @@ fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, sink: &mut impl
         }) => {
             if let Err(why) = crate::owner::check(path, owner_uid, &user) {
                 sink.ignored(why);
-                return;
+                return false;
             }
             sink.start(Usage {
                 id,
@@ -764,12 +910,23 @@ fn take_line(line: &[u8], path: &Path, owner_uid: u32, n: usize, sink: &mut impl
             lost,
         }) => sink.end(&id, time.clamp(0.0, latest), status, lost),
         Ok(UsageEvent::Alive { id, time }) => sink.alive(&id, time.clamp(0.0, latest)),
+        Ok(UsageEvent::Summary {
+            upto,
+            half_life,
+            state,
+        }) => {
+            return upto == at
+                && sink.summary(half_life, state, &|user| {
+                    crate::owner::check(path, owner_uid, user).is_ok()
+                });
+        }
         Err(e) => {
             let why = format!("{}: line {}: {e}", path.display(), n + 1);
             tracing::warn!("skipping a damaged usage record: {why}");
             sink.skipped(why);
         }
     }
+    false
 }
 
 #[cfg(test)]

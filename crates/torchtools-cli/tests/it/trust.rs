@@ -1750,3 +1750,85 @@ fn a_lost_reservation_ends_by_its_own_users_log_whatever_another_writes() {
     let (counted, at_least) = seconds_of_a();
     assert!(counted >= at_least - 0.01, "{counted} < {at_least}");
 }
+
+/// Under fair share a user's reservation summarizes their own usage log once it has
+/// grown 128 KiB past its last summary (so that a process new to the log, another
+/// user's first request, reads from there), and every view reads the same use after
+/// it: a summary is neither a record nor damage.
+#[test]
+fn a_reservation_under_fair_share_summarizes_its_users_log_and_views_read_the_same() {
+    let Some((tmp, dir, policy)) = under_policy("[fair_share]\nhalf_life = \"1d\"\n") else {
+        return;
+    };
+    let [user_a, user_b] = tt_testkit::users::USER_NAMES;
+    let [a, _] = tt_testkit::users::two_users().unwrap();
+    let (home_a, home_b) = (home_of(tmp.path(), user_a), home_of(tmp.path(), user_b));
+    // A's history, written by A into A's own log: 3,000 reservations over a day.
+    let now = tt_device::now_unix();
+    let history: String = (0..3000)
+        .map(|i| {
+            let t = now - 86_400.0 + f64::from(i) * 25.0;
+            format!(
+                "{{\"event\":\"start\",\"id\":\"h/0/{i}/0/{i}\",\"user\":\"{user_a}\",\
+                 \"host\":\"h\",\"pid\":{i},\"gpu\":\"index 0\",\"bytes\":null,\"time\":{t},\
+                 \"command\":[\"python\",\"train.py\"]}}\n\
+                 {{\"event\":\"end\",\"id\":\"h/0/{i}/0/{i}\",\"time\":{},\"status\":0}}\n",
+                t + 20.0
+            )
+        })
+        .collect();
+    let written = tmp.path().join("history.jsonl");
+    std::fs::write(&written, &history).unwrap();
+    let log = dir.join(format!("usage-{}.jsonl", a.uid));
+    let out = Command::new("runuser")
+        .args(["-u", user_a, "--", "sh", "-c", "cat \"$0\" > \"$1\""])
+        .arg(&written)
+        .arg(&log)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let a_as_b_sees = || {
+        let out = as_user(user_b, &dir, &home_b)
+            .env("TORCHTOOLS_POLICY", &policy)
+            .args(["usage", "--json"])
+            .output()
+            .unwrap();
+        let json: serde_json::Value = serde_json::from_str(&ok(out)).unwrap();
+        assert_eq!(json["skipped"], serde_json::json!([]), "{json}");
+        let row = json["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == user_a)
+            .cloned()
+            .unwrap_or_else(|| panic!("no row of {user_a}: {json}"));
+        (
+            row["reservations"].as_u64().unwrap(),
+            row["gpu_hours"].as_f64().unwrap(),
+        )
+    };
+    let before = a_as_b_sees();
+    assert_eq!(before.0, 3000);
+
+    let out = as_user(user_a, &dir, &home_a)
+        .env("TORCHTOOLS_POLICY", &policy)
+        .args(["reserve", "--gpu", "0", "--no-fence", "--", "true"])
+        .output()
+        .unwrap();
+    ok(out);
+    let text = std::fs::read_to_string(&log).unwrap();
+    let at = text
+        .find("{\"event\":\"summary\"")
+        .unwrap_or_else(|| panic!("no summary in A's log of {} bytes", text.len()));
+    let summary: serde_json::Value =
+        serde_json::from_str(text[at..].lines().next().unwrap()).unwrap();
+    assert_eq!(summary["upto"], at, "a summary says where it starts");
+    assert_eq!(summary["half_life"], 86_400.0);
+
+    let after = a_as_b_sees();
+    assert_eq!(after.0, before.0 + 1, "the reservation, once");
+    assert!(
+        (after.1 - before.1).abs() < 0.01,
+        "A's use read the same around the summary: {before:?} then {after:?}"
+    );
+}
