@@ -51,8 +51,7 @@ fn median_time(mut make: impl FnMut() -> Command, runs: usize) -> Result<Duratio
             times.push(t);
         }
     }
-    times.sort();
-    Ok(times[times.len() / 2])
+    Ok(tt_testkit::bench::median(times))
 }
 
 pub(crate) fn run() -> Result<()> {

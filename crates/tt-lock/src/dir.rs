@@ -135,7 +135,7 @@ impl LockDir {
     pub fn owner_warning(&self) -> Option<String> {
         use std::os::unix::fs::MetadataExt;
         let owner = fs::symlink_metadata(&self.path).ok()?.uid();
-        if owner == 0 || owner == nix::unistd::geteuid().as_raw() {
+        if owner == 0 || owner == crate::owner::euid() {
             return None;
         }
         Some(format!(
@@ -160,7 +160,7 @@ impl LockDir {
                 // The umask trimmed the mode; only the creator may (and needs to) fix it.
                 let meta = fs::symlink_metadata(&self.path)
                     .map_err(|e| self.error(format!("cannot read it after creating it: {e}")))?;
-                if meta.uid() == nix::unistd::geteuid().as_raw() {
+                if meta.uid() == crate::owner::euid() {
                     fs::set_permissions(&self.path, Permissions::from_mode(0o1777)).map_err(
                         |e| self.error(format!("cannot make it mode 1777 after creating it: {e}")),
                     )?;
@@ -321,7 +321,7 @@ impl LockDir {
 fn warn_of_lock_file_owner(file: &File, path: &Path) {
     let Ok(meta) = file.metadata() else { return };
     let owner = meta.uid();
-    if owner == 0 || owner == nix::unistd::geteuid().as_raw() {
+    if owner == 0 || owner == crate::owner::euid() {
         return;
     }
     static SAID: std::sync::Once = std::sync::Once::new();

@@ -446,7 +446,7 @@ pub(crate) fn mark_timed_out() {
 pub(crate) fn status_text(code: i32) -> String {
     match code {
         0 => "finished".into(),
-        75 => "preempted (75)".into(),
+        c if c == i32::from(crate::exit::TEMPFAIL) => format!("preempted ({c})"),
         c if c > 128 => format!("killed by signal {}", c - 128),
         c => format!("failed ({c})"),
     }
