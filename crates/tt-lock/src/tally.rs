@@ -261,7 +261,6 @@ pub(crate) fn recent_use(
         let log = tally.logs.entry(path.clone()).or_insert_with(|| {
             Tailed::from_last_summary(
                 path,
-                half_life,
                 Folded {
                     k,
                     origin,
@@ -654,7 +653,6 @@ mod tests {
         let k = std::f64::consts::LN_2 / half_life;
         let log = Tailed::from_last_summary(
             &path,
-            half_life,
             Folded {
                 k,
                 origin: now,

@@ -607,21 +607,23 @@ impl<S: Sink> Tailed<S> {
         }
     }
 
-    /// A log not read yet, into `sink`, to be read from its last summary for
-    /// `half_life` among its last [`SUMMARY_SEARCH`] bytes (from its first line when
-    /// there is none): what [`read_more`] then reads is what a reader that read the log
-    /// from its start holds after it, whatever the log holds before.
-    pub(crate) fn from_last_summary(path: &Path, half_life: f64, sink: S) -> Tailed<S> {
+    /// A log not read yet, into `sink`, to be read from the last summary among its last
+    /// [`SUMMARY_SEARCH`] bytes that the sink takes (from its first line when there is
+    /// none): what [`read_more`] then reads is what a reader that read the log from its
+    /// start holds after it, whatever the log holds before. (A line there that begins as
+    /// a summary and cannot be read goes to the sink's `skipped`, as `read_more` sends it:
+    /// for the tally's sink, nothing.)
+    pub(crate) fn from_last_summary(path: &Path, sink: S) -> Tailed<S> {
         let mut tailed = Tailed::new(sink);
-        let Some((file, owner, found)) = summaries(path, half_life) else {
+        let Some((file, owner, found)) = summary_lines(path) else {
             return tailed;
         };
-        for (at, len, state) in found {
-            let believed = |user: &str| crate::owner::check(path, owner, user).is_ok();
-            if tailed.sink.summary(half_life, state, &believed) {
-                // As `read_more` leaves a reader that read up to and through it.
+        let now = now_unix();
+        for (at, line) in found {
+            // Taken as `read_more` takes it, which leaves a reader past its newline.
+            if take_line(&line, path, owner, (0, at), &mut tailed.sink, now) {
                 tailed.file = file;
-                tailed.offset = at + len;
+                tailed.offset = at + line.len() as u64 + 1;
                 tailed.summary_at = at;
                 tailed.lines = 1;
                 break;
@@ -791,14 +793,11 @@ pub(crate) fn read_more<S: Sink>(
 /// [`crate::tally::SUMMARY_EVERY`] bytes while they reserve.
 pub(crate) const SUMMARY_SEARCH: u64 = 1 << 20;
 
-/// The log at `path`'s file (device and inode) and owner, and its summaries for
-/// `half_life` among its last [`SUMMARY_SEARCH`] bytes that start where they say, the
-/// last first: each one's offset, its length with its newline, and its state.
+/// The log at `path`'s file (device and inode) and owner, and the whole lines among
+/// its last [`SUMMARY_SEARCH`] bytes that begin as a summary does, the last first: each
+/// one's offset and its text (without its newline).
 #[allow(clippy::type_complexity)]
-fn summaries(
-    path: &Path,
-    half_life: f64,
-) -> Option<((u64, u64), u32, Vec<(u64, u64, serde_json::Value)>)> {
+fn summary_lines(path: &Path) -> Option<((u64, u64), u32, Vec<(u64, Vec<u8>)>)> {
     const MARK: &[u8] = b"{\"event\":\"summary\"";
     let (file, meta) = crate::file::open_to_read(path)?;
     let from = meta.len().saturating_sub(SUMMARY_SEARCH);
@@ -813,18 +812,8 @@ fn summaries(
             continue;
         }
         // A whole line only: the reading goes on after its newline.
-        let Some(len) = tail[i..].iter().position(|&b| b == b'\n') else {
-            continue;
-        };
-        if let Ok(UsageEvent::Summary {
-            upto,
-            half_life: h,
-            state,
-        }) = serde_json::from_slice(&tail[i..i + len])
-        {
-            if upto == at && h == half_life {
-                found.push((at, len as u64 + 1, state));
-            }
+        if let Some(len) = tail[i..].iter().position(|&b| b == b'\n') {
+            found.push((at, tail[i..i + len].to_vec()));
         }
     }
     Some(((meta.dev(), meta.ino()), meta.uid(), found))

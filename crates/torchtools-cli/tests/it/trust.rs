@@ -150,8 +150,16 @@ fn forged_records_are_said_by_every_view_and_reserve_names_the_real_holder() {
 /// `torchtools` as `user` (`tt-test-a`, `tt-test-b`, `nobody`), with `dir` as its lock
 /// directory and `home` for its state and config (logs, no machine-wide hook).
 fn as_user(user: &str, dir: &Path, home: &Path) -> Command {
+    let mut c = runuser(user, dir, home);
+    c.arg(env!("CARGO_BIN_EXE_torchtools"));
+    c
+}
+
+/// `runuser -u user --`, to be given a program, with the environment [`as_user`] gives
+/// `torchtools`.
+fn runuser(user: &str, dir: &Path, home: &Path) -> Command {
     let mut c = Command::new("runuser");
-    c.args(["-u", user, "--", env!("CARGO_BIN_EXE_torchtools")])
+    c.args(["-u", user, "--"])
         .env("TORCHTOOLS_LOCK_DIR", dir)
         .env("XDG_STATE_HOME", home.join("state"))
         .env("XDG_CONFIG_HOME", home.join("config"))
@@ -883,16 +891,10 @@ fn with_fair_share_one_users_twenty_queued_jobs_no_longer_stand_before_the_other
             stop = stop.display(),
             job = job(secs).join(" ")
         );
-        Command::new("runuser")
-            .args(["-u", user, "--", "sh", "-c", &script])
+        runuser(user, &dir, &home)
+            .args(["sh", "-c", &script])
             .arg(env!("CARGO_BIN_EXE_torchtools"))
-            .env("TORCHTOOLS_LOCK_DIR", &dir)
             .env("TORCHTOOLS_POLICY", &policy)
-            .env("XDG_STATE_HOME", home.join("state"))
-            .env("XDG_CONFIG_HOME", home.join("config"))
-            .env_remove("CUDA_VISIBLE_DEVICES")
-            .env_remove("TORCHTOOLS_HELD_LOCKS")
-            .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .process_group(0)
