@@ -405,6 +405,10 @@ fn main() {
         waiter(&dir);
         return;
     }
+    // The tallies this process keeps for its user (its decisions, and the writing of
+    // logs, which summarizes as requests do) go to a cache of its own: not the bench
+    // user's home, nor the one the deciding processes of `history_decision` are given.
+    std::env::set_var("XDG_CACHE_HOME", tmp.path().join("bench-cache"));
     let dir = LockDir::open(tmp.path().join("locks")).expect("lock dir");
     let key = GpuKey::Index(1);
     let holder = Holder::current();
