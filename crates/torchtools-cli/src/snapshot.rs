@@ -231,15 +231,20 @@ impl Snapshot {
     }
 }
 
-/// The line of each user in `standings` over the policy's limits, sorted: `over the
-/// policy: tt2 holds 2 GPU(s), over the policy's limit of 1 (pids 7, 8)`.
+/// The line of each user in `standings` over the policy's limits (`over the policy:
+/// tt2 holds 2 GPU(s), over the policy's limit of 1 (pids 7, 8)`), and of each whose
+/// usage log is not read (`not counted: tt2's usage log ... not read: ...`), sorted.
 pub(crate) fn over_limit_lines<'a>(
     standings: impl IntoIterator<Item = &'a tt_lock::Standing>,
 ) -> Vec<String> {
     let mut lines: Vec<String> = standings
         .into_iter()
-        .filter_map(tt_lock::Standing::over_text)
-        .map(|t| format!("over the policy: {}", tt_device::printable(&t)))
+        .flat_map(|s| {
+            let over = s.over_text().map(|t| ("over the policy", t));
+            let unread = s.unread_text().map(|t| ("not counted", t));
+            over.into_iter().chain(unread)
+        })
+        .map(|(what, t)| format!("{what}: {}", tt_device::printable(&t)))
         .collect();
     lines.sort();
     lines

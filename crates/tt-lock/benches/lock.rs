@@ -236,8 +236,20 @@ fn write_log(
     open: bool,
     summarized: Option<&LockDir>,
 ) {
-    use std::io::Write as _;
     let me = Holder::current().who.user;
+    write_log_of(&me, path, records, span, open, summarized);
+}
+
+/// [`write_log`] in `me`'s name.
+fn write_log_of(
+    me: &str,
+    path: &std::path::Path,
+    records: usize,
+    span: f64,
+    open: bool,
+    summarized: Option<&LockDir>,
+) {
+    use std::io::Write as _;
     let now = tt_device::now_unix();
     // Appending, as every writer of a log does: the summaries are appended beside.
     let file = std::fs::OpenOptions::new()
@@ -316,14 +328,18 @@ fn history_decision(tmp: &std::path::Path) {
         false,
         Some(&junk),
     );
-    // Junk nobody summarizes.
-    write_log(
-        &junk.path().join(format!("usage-{uid}.7.jsonl")),
-        JUNK_RECORDS,
-        86_400.0,
-        true,
-        None,
-    );
+    // Junk nobody summarizes, in another user's log (as root: `nobody`'s, as the
+    // issue's vandal; otherwise the bench's own, whose reading is then its owner's).
+    let vandal = if uid == 0 { 65_534 } else { uid };
+    let junk_log = junk.path().join(format!("usage-{vandal}.7.jsonl"));
+    let vandal_name = nix::unistd::User::from_uid(vandal.into())
+        .ok()
+        .flatten()
+        .map_or_else(|| vandal.to_string(), |u| u.name);
+    write_log_of(&vandal_name, &junk_log, JUNK_RECORDS, 86_400.0, true, None);
+    if vandal != uid {
+        nix::unistd::chown(&junk_log, Some(vandal.into()), None).expect("chown");
+    }
     let small = LockDir::open(tmp.join("small")).expect("dir");
     write_log(
         &small.usage_log_path(uid),

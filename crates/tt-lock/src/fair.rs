@@ -9,6 +9,10 @@
 //! least goes first, ties by arrival. Since `fraction` is at most 1, a request that has
 //! waited `aging` has a priority at or above every request that arrived after it: no
 //! request arriving more than `aging` later is served before it (the starvation bound).
+//! A user whose usage log nobody reads (more than a MiB written past its last summary,
+//! see [`LockDir::summarize_own_usage`]) is charged one more than that, the heaviest
+//! user: requests arriving up to twice `aging` after theirs go first, until their own
+//! next request summarizes the log.
 //!
 //! **Limits.** A request that would take its user past `[limits] gpus` or `share` is
 //! held: it keeps its place but blocks nobody, and is served once its user's holdings
@@ -42,6 +46,13 @@ pub struct Standing {
     /// namespace numbers them; in another, as their records say).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub pids: Vec<u32>,
+    /// Why their recent use is not known: a usage log of theirs that nobody reads,
+    /// since they wrote more than a MiB into it past their last summary (see
+    /// [`LockDir::summarize_own_usage`]). They then stand as the heaviest user
+    /// (`fraction` 1, and their use counts in nobody else's fraction) until their own
+    /// next request summarizes it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unread: Option<String>,
     /// Why they hold more than the policy's per-user limits let one user have at once
     /// (`holds 2 GPU(s), over the policy's limit of 1`), whatever their processes
     /// believed the policy was; `None` within them.
@@ -76,9 +87,26 @@ impl Standing {
         Some(format!("{} {over} (pids {})", self.user, pids.join(", ")))
     }
 
+    /// The line a view says for a user whose usage log is not read: `tt2's usage log
+    /// /tmp/torchtools-locks/usage-1001.jsonl not read: ...`.
+    pub fn unread_text(&self) -> Option<String> {
+        let why = self.unread.as_ref()?;
+        Some(format!("{}'s {why}", self.user))
+    }
+
+    /// What the fair share charges this user: their part of all users' recent use, and
+    /// one more for a user whose log is not read, who then comes after every other
+    /// user.
+    pub(crate) fn charge(&self) -> f64 {
+        self.fraction + if self.unread.is_some() { 1.0 } else { 0.0 }
+    }
+
     /// Recent use and its part of everyone's as users read it:
     /// `0.4 GPU-h recent use (12% of all)`.
     pub fn use_text(&self) -> String {
+        if self.unread.is_some() {
+            return "recent use not read (counted as the heaviest user)".to_owned();
+        }
         format!(
             "{:.1} GPU-h recent use ({:.0}% of all)",
             self.use_gpu_s / 3600.0,
@@ -142,7 +170,7 @@ pub(crate) fn serve_order(
         w.held = held_by(&policy.limits, standing, &w.wants);
         if let Some(fs) = &policy.fair_share {
             let waited = now.saturating_sub(w.who.since_unix) as f64;
-            let priority = waited / fs.aging.as_secs_f64() - standing.fraction;
+            let priority = waited / fs.aging.as_secs_f64() - standing.charge();
             w.priority = Some(priority);
             w.why = Some(format!(
                 "{}: {}, waited {}",
@@ -245,7 +273,7 @@ impl Yield<'_> {
         let theirs = standings.get(&w.who.user).unwrap_or(&empty);
         let wanted = w.wants.gpus().iter().find(|k| gpus.contains(k))?;
         let above = match policy.fair_share {
-            Some(_) => mine.fraction > equal && mine.fraction > theirs.fraction,
+            Some(_) => mine.charge() > equal && mine.charge() > theirs.charge(),
             None => mine.gpus > theirs.gpus,
         };
         let eligible = w.held.is_none() && w.who.user != user && waited > after.as_secs() && above;
@@ -355,12 +383,23 @@ impl LockDir {
     ) -> Result<HashMap<String, Standing>> {
         let mut standings: HashMap<String, Standing> = HashMap::new();
         if let Some(fs) = &policy.fair_share {
-            let uses = self.recent_use(fs.half_life.as_secs_f64())?;
-            let total: f64 = uses.values().sum();
-            for (user, used) in uses {
+            let read = self.recent_use(fs.half_life.as_secs_f64())?;
+            let total: f64 = read
+                .uses
+                .iter()
+                .filter(|(user, _)| !read.unread.contains_key(*user))
+                .map(|(_, used)| used)
+                .sum();
+            for (user, used) in read.uses {
                 let s = standing_of(&mut standings, &user);
                 s.use_gpu_s = used;
                 s.fraction = if total > 0.0 { used / total } else { 0.0 };
+            }
+            // What one user wrote into their own log costs them, not everyone's time.
+            for (user, why) in read.unread {
+                let s = standing_of(&mut standings, &user);
+                s.fraction = 1.0;
+                s.unread = Some(why);
             }
         }
         if policy.limits_apply() || policy.preemption.is_some() {
@@ -400,7 +439,7 @@ impl LockDir {
     /// else until now). The logs are read
     /// on from where this process's last reading of this directory stopped: a decision
     /// reads only the records written since.
-    fn recent_use(&self, half_life: f64) -> Result<HashMap<String, f64>> {
+    fn recent_use(&self, half_life: f64) -> Result<crate::tally::RecentUse> {
         let (logs, _) = self.usage_logs()?;
         crate::tally::recent_use(
             self.path(),
@@ -409,6 +448,7 @@ impl LockDir {
             || self.live_usage_ids(),
             tt_device::now_unix(),
             crate::tally::cache_file(self.path()).as_deref(),
+            true,
         )
     }
 
@@ -419,6 +459,12 @@ impl LockDir {
     /// reboot) reads only what came after it. Every request under a fair-share policy
     /// does this (`torchtools reserve` among them); a tool that writes usage logs of its
     /// own calls it as it writes.
+    ///
+    /// Readers read a log from its last summary among its last MiB: a log with more
+    /// than that written past its last summary is read by nobody, and its owner is
+    /// served as the heaviest user ([`Standing::unread`]). This reads such a log of this
+    /// user's whole, once, and summarizes it, which ends that (unless the summary is
+    /// too long for a line: more than a few hundred reservations open at once).
     pub fn summarize_own_usage(&self, half_life: std::time::Duration) -> Result<()> {
         self.recent_use(half_life.as_secs_f64()).map(drop)
     }

@@ -222,6 +222,13 @@ static TALLY: std::sync::LazyLock<std::sync::Mutex<HashMap<PathBuf, DirTally>>> 
 /// A process's first decision starts from the tally its user's last process kept in
 /// `cache` (this user's file, see [`cache_file`]), when there is one for this directory
 /// and half-life, and reads on from there; a decision that read much saves it again.
+///
+/// Every log is read from its last summary among its last
+/// [`crate::usage::SUMMARY_SEARCH`] bytes, as a reader new to it reads it; a log with
+/// none there is not read ([`RecentUse::unread`]), so what one user writes into their
+/// own log costs every reader at most that much. With `summarize`, this user's own logs
+/// get a summary every [`SUMMARY_EVERY`] bytes, and one that others do not read is read
+/// whole (at this user's cost) and summarized.
 pub(crate) fn recent_use(
     dir: &Path,
     logs: &[crate::usage::LogFile],
@@ -229,7 +236,8 @@ pub(crate) fn recent_use(
     live: impl FnOnce() -> crate::Result<HashSet<(String, String)>>,
     now: f64,
     cache: Option<&Path>,
-) -> crate::Result<HashMap<String, f64>> {
+    summarize: bool,
+) -> crate::Result<RecentUse> {
     let mut all = TALLY.lock().unwrap_or_else(|e| e.into_inner());
     let tally = all.entry(dir.to_owned()).or_insert_with(|| {
         cache
@@ -254,60 +262,153 @@ pub(crate) fn recent_use(
     let present: HashSet<&PathBuf> = logs.iter().map(|(p, _)| p).collect();
     tally.logs.retain(|path, _| present.contains(path));
     let read_before: u64 = tally.logs.values().map(Tailed::offset).sum();
-    for (path, uid) in logs {
-        let origin = tally.origin;
-        // A log not read before is read from its last summary: what reading it all
-        // would hold there (its owner's own word, as every line of it is).
-        let log = tally.logs.entry(path.clone()).or_insert_with(|| {
-            Tailed::from_last_summary(
-                path,
-                Folded {
-                    k,
-                    origin,
-                    ..Folded::default()
-                },
-            )
-        });
-        read_more(path, *uid, log, true)?;
-    }
+    tally.read(logs)?;
     // After the reading: a start read has its live record already (it is written
     // first), so only a holder that let go or died since is taken for dead.
     let live = live()?;
-    let live = &live;
-    settle(tally, live, now);
-    // This user's own logs, summarized for readers new to them every SUMMARY_EVERY
-    // bytes: a summary is read back as its writer holds it.
-    let me = crate::owner::euid();
-    for (path, _) in logs.iter().filter(|(_, uid)| *uid == me) {
-        if let Some(log) = tally.logs.get(path) {
-            if !log.stopped() && log.since_summary() >= SUMMARY_EVERY {
-                crate::usage::append_summary(path, log.offset(), half_life, &log.sink);
-            }
-        }
+    settle(tally, &live, now);
+    if summarize {
+        tally.summarize_own(logs)?;
     }
     let read_now: u64 = tally.logs.values().map(Tailed::offset).sum();
     if let Some(cache) = cache.filter(|_| read_now.abs_diff(read_before) >= SAVE_AFTER) {
         save(cache, dir, tally);
     }
-    let decay = (-k * (now - tally.origin)).exp();
-    let mut uses: HashMap<String, f64> = HashMap::new();
-    for log in tally.logs.values() {
-        for (user, v) in &log.sink.closed {
-            *uses.entry(user.clone()).or_default() += v * decay;
-        }
-        for (id, open) in &log.sink.open {
-            // Live (settle folded the dead ones whose end is known): until now.
-            let end = if live.contains(&(open.user.clone(), id.clone())) {
-                now
-            } else {
-                lost_end(open.start, Some(open.alive), now)
-            }
-            .clamp(open.start.min(now), now);
-            *uses.entry(open.user.clone()).or_default() +=
-                open.weight * decayed_span(k, open.start.min(end), end, now);
-        }
+    Ok(tally.uses(logs, &live, now))
+}
+
+impl DirTally {
+    /// A log not read yet, read from its last summary ([`Tailed::from_last_summary`]).
+    fn fresh(&self, path: &Path) -> Tailed<Folded> {
+        Tailed::from_last_summary(
+            path,
+            Folded {
+                k: std::f64::consts::LN_2 / self.half_life.max(1e-9),
+                origin: self.origin,
+                ..Folded::default()
+            },
+        )
     }
-    Ok(uses)
+
+    /// Reads on in each of `logs`: from its last summary, as a reader new to it reads
+    /// it (what reading it all would hold there: its owner's own word, as every line of
+    /// it is), and on from there while that summary is still among its last bytes.
+    fn read(&mut self, logs: &[crate::usage::LogFile]) -> crate::Result<()> {
+        for (path, uid) in logs {
+            let reads_on = self
+                .logs
+                .get(path)
+                .zip(file_and_len(path))
+                .is_some_and(|(log, (file, len))| log.reads_on(file, len));
+            if !reads_on {
+                let log = self.fresh(path);
+                self.logs.insert(path.clone(), log);
+            }
+            if let Some(log) = self.logs.get_mut(path) {
+                read_more(path, *uid, log, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Summarizes this user's own `logs` for readers new to them every
+    /// [`SUMMARY_EVERY`] bytes (a summary is read back as its writer holds it). One that
+    /// others do not read is read whole here, at its owner's cost, and summarized:
+    /// every reader then starts at that summary (this one too, at once).
+    fn summarize_own(&mut self, logs: &[crate::usage::LogFile]) -> crate::Result<()> {
+        let me = crate::owner::euid();
+        for (path, uid) in logs.iter().filter(|(_, uid)| *uid == me) {
+            let Some(log) = self.logs.get(path) else {
+                continue;
+            };
+            if log.unread() {
+                if summarize_whole(path, *uid, log.sink.k, self.origin, self.half_life)? {
+                    let mut log = self.fresh(path);
+                    read_more(path, *uid, &mut log, true)?;
+                    self.logs.insert(path.clone(), log);
+                }
+            } else if log.since_summary() >= SUMMARY_EVERY {
+                crate::usage::append_summary(path, log.offset(), self.half_life, &log.sink);
+            }
+        }
+        Ok(())
+    }
+
+    /// Each user's recent use at `now` from the logs read, `live` naming the live
+    /// holders' usage ids; and the owners of `logs` not read.
+    fn uses(
+        &self,
+        logs: &[crate::usage::LogFile],
+        live: &HashSet<(String, String)>,
+        now: f64,
+    ) -> RecentUse {
+        let k = std::f64::consts::LN_2 / self.half_life.max(1e-9);
+        let decay = (-k * (now - self.origin)).exp();
+        let mut uses: HashMap<String, f64> = HashMap::new();
+        let mut unread: HashMap<String, String> = HashMap::new();
+        for (path, uid) in logs {
+            if let Some(log) = self.logs.get(path).filter(|log| log.unread()) {
+                unread
+                    .entry(crate::owner::name_of_uid(*uid))
+                    .or_insert_with(|| log.why_unread(path));
+            }
+        }
+        for log in self.logs.values().filter(|log| !log.unread()) {
+            for (user, v) in &log.sink.closed {
+                *uses.entry(user.clone()).or_default() += v * decay;
+            }
+            for (id, open) in &log.sink.open {
+                // Live (settle folded the dead ones whose end is known): until now.
+                let end = if live.contains(&(open.user.clone(), id.clone())) {
+                    now
+                } else {
+                    lost_end(open.start, Some(open.alive), now)
+                }
+                .clamp(open.start.min(now), now);
+                *uses.entry(open.user.clone()).or_default() +=
+                    open.weight * decayed_span(k, open.start.min(end), end, now);
+            }
+        }
+        RecentUse { uses, unread }
+    }
+}
+
+/// Each user's recent use as [`recent_use`] reads it.
+#[derive(Debug, Default)]
+pub(crate) struct RecentUse {
+    /// GPU-seconds per user, decayed, from the logs read.
+    pub(crate) uses: HashMap<String, f64>,
+    /// The users with a log not read ([`Tailed::unread`]), and why: each stands as
+    /// the heaviest user until their next request summarizes it.
+    pub(crate) unread: HashMap<String, String>,
+}
+
+/// The file (device and inode) and length of the log at `path`, without following a
+/// link; `None` when there is nothing there.
+fn file_and_len(path: &Path) -> Option<((u64, u64), u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::symlink_metadata(path).ok()?;
+    Some(((meta.dev(), meta.ino()), meta.len()))
+}
+
+/// Reads this user's own log at `path` (of `uid`) whole and appends its summary,
+/// decayed with `half_life` seconds (`k`, sums from `origin`): whether it was written
+/// (not when the reading stopped, or the summary is too long for a line).
+fn summarize_whole(
+    path: &Path,
+    uid: u32,
+    k: f64,
+    origin: f64,
+    half_life: f64,
+) -> crate::Result<bool> {
+    let mut whole = Tailed::new(Folded {
+        k,
+        origin,
+        ..Folded::default()
+    });
+    read_more(path, uid, &mut whole, true)?;
+    Ok(!whole.stopped()
+        && crate::usage::append_summary(path, whole.offset(), half_life, &whole.sink))
 }
 
 /// Bytes of a log past its last summary after which its owner's next decision writes
@@ -569,7 +670,9 @@ mod tests {
         let logs = [(path.clone(), uid)];
         for round in 0..3 {
             let t = now + round as f64;
-            let folded = recent_use(&dir, &logs, half_life, || Ok(live.clone()), t, None).unwrap();
+            let folded = recent_use(&dir, &logs, half_life, || Ok(live.clone()), t, None, true)
+                .unwrap()
+                .uses;
             let fresh = from_records(&path, uid, &live, t, half_life);
             assert!(
                 close(&folded, &fresh),
@@ -637,9 +740,27 @@ mod tests {
             // What each request does under a fair-share policy, in processes of its
             // own (each reads on from its last summary).
             let writer = tmp.path().join(format!("writer-{batch}"));
-            recent_use(&writer, &logs, half_life, || Ok(live.clone()), now, None).unwrap();
+            recent_use(
+                &writer,
+                &logs,
+                half_life,
+                || Ok(live.clone()),
+                now,
+                None,
+                true,
+            )
+            .unwrap();
             // A long-running reader reads on between them.
-            recent_use(&along, &logs, half_life, || Ok(live.clone()), now, None).unwrap();
+            recent_use(
+                &along,
+                &logs,
+                half_life,
+                || Ok(live.clone()),
+                now,
+                None,
+                true,
+            )
+            .unwrap();
         }
         let text = std::fs::read_to_string(&path).unwrap();
         let summaries = text.matches("\"event\":\"summary\"").count();
@@ -665,10 +786,28 @@ mod tests {
             log.offset()
         );
         let fresh_dir = tmp.path().join("fresh");
-        let fresh =
-            recent_use(&fresh_dir, &logs, half_life, || Ok(live.clone()), now, None).unwrap();
-        let all_along =
-            recent_use(&along, &logs, half_life, || Ok(live.clone()), now, None).unwrap();
+        let fresh = recent_use(
+            &fresh_dir,
+            &logs,
+            half_life,
+            || Ok(live.clone()),
+            now,
+            None,
+            true,
+        )
+        .unwrap()
+        .uses;
+        let all_along = recent_use(
+            &along,
+            &logs,
+            half_life,
+            || Ok(live.clone()),
+            now,
+            None,
+            true,
+        )
+        .unwrap()
+        .uses;
         let records = from_records(&path, uid, &live, now, half_life);
         assert!(close(&fresh, &records), "{fresh:?} != {records:?}");
         assert!(close(&all_along, &fresh), "{all_along:?} != {fresh:?}");
@@ -693,15 +832,26 @@ mod tests {
         append(&path, &[forged(at + 1, &me)]);
         for reader in ["again", "along"] {
             let dir = tmp.path().join(reader);
-            let read = recent_use(&dir, &logs, half_life, || Ok(live.clone()), now, None).unwrap();
+            let read = recent_use(&dir, &logs, half_life, || Ok(live.clone()), now, None, true)
+                .unwrap()
+                .uses;
             assert!(close(&read, &records), "{reader}: {read:?} != {records:?}");
         }
         // One that is where it says, in the owner's name, counts for its owner alone:
         // for every reader alike.
         let at = std::fs::metadata(&path).unwrap().len();
         append(&path, &[forged(at, &me)]);
-        let along_read =
-            recent_use(&along, &logs, half_life, || Ok(live.clone()), now, None).unwrap();
+        let along_read = recent_use(
+            &along,
+            &logs,
+            half_life,
+            || Ok(live.clone()),
+            now,
+            None,
+            true,
+        )
+        .unwrap()
+        .uses;
         let new_read = recent_use(
             &tmp.path().join("new"),
             &logs,
@@ -709,8 +859,10 @@ mod tests {
             || Ok(live.clone()),
             now,
             None,
+            true,
         )
-        .unwrap();
+        .unwrap()
+        .uses;
         assert!(
             close(&along_read, &new_read),
             "{along_read:?} != {new_read:?}"
@@ -743,8 +895,17 @@ mod tests {
         let logs = [(path.clone(), uid)];
         let live = HashSet::new();
         let read = std::fs::metadata(&path).unwrap().len();
-        let first =
-            recent_use(&dir, &logs, 3600.0, || Ok(live.clone()), now, Some(&cache)).unwrap();
+        let first = recent_use(
+            &dir,
+            &logs,
+            3600.0,
+            || Ok(live.clone()),
+            now,
+            Some(&cache),
+            true,
+        )
+        .unwrap()
+        .uses;
         assert!(
             cache.exists(),
             "saved after reading {} bytes",
@@ -788,8 +949,10 @@ mod tests {
             || Ok(live.clone()),
             later,
             Some(&cache),
+            true,
         )
-        .unwrap();
+        .unwrap()
+        .uses;
         assert!(close(&second, &fresh), "{second:?} != {fresh:?}");
         assert!(second[&me] > first[&me] * 0.99, "{first:?} {second:?}");
     }
@@ -826,7 +989,7 @@ mod tests {
     }
 
     #[test]
-    fn one_users_junk_keeps_a_bounded_tally() {
+    fn one_users_junk_keeps_a_bounded_fold_and_is_read_by_nobody() {
         let tmp = tempfile::tempdir().unwrap();
         let uid = crate::owner::euid();
         let me = crate::owner::name_of_uid(uid);
@@ -844,16 +1007,174 @@ mod tests {
             })
             .collect();
         append(&junk, &lines);
-        let dir = tmp.path().join("two");
+        assert!(std::fs::metadata(&junk).unwrap().len() > crate::usage::SUMMARY_SEARCH);
         let logs = [(junk.clone(), uid)];
         let live = HashSet::new();
-        let used = recent_use(&dir, &logs, 3600.0, || Ok(live.clone()), now, None).unwrap();
-        let again = recent_use(&dir, &logs, 3600.0, || Ok(live.clone()), now + 1.0, None).unwrap();
-        assert!(used[&me] > 0.0 && used[&me].is_finite(), "{used:?}");
-        assert!(again[&me].is_finite(), "{again:?}");
-        let all = TALLY.lock().unwrap();
-        let log = &all[&dir].logs[&junk].sink;
-        assert!(log.open.len() <= MAX_OPEN, "{}", log.open.len());
-        assert!(log.order.len() <= MAX_OPEN, "{}", log.order.len());
+        // Its owner's request reads it whole to summarize it: the summary of 4096 open
+        // reservations does not fit a line, so it stays unread, by its owner's
+        // decisions too, and they stand as the heaviest user.
+        for (reader, summarize) in [("other", false), ("owner", true)] {
+            let dir = tmp.path().join(reader);
+            let read = recent_use(
+                &dir,
+                &logs,
+                3600.0,
+                || Ok(live.clone()),
+                now,
+                None,
+                summarize,
+            )
+            .unwrap();
+            assert!(read.uses.is_empty(), "{reader}: {read:?}");
+            assert!(
+                read.unread[&me].contains("not read: more than 1 MiB of it past its last summary"),
+                "{reader}: {read:?}"
+            );
+        }
+        assert!(!std::fs::read_to_string(&junk).unwrap().contains("summary"));
+        // Read whole, as its owner's request reads it, the fold stays bounded.
+        let mut whole = Tailed::new(Folded {
+            k: std::f64::consts::LN_2 / 3600.0,
+            origin: now,
+            ..Folded::default()
+        });
+        read_more(&junk, uid, &mut whole, true).unwrap();
+        assert!(
+            whole.sink.open.len() <= MAX_OPEN,
+            "{}",
+            whole.sink.open.len()
+        );
+        assert!(
+            whole.sink.order.len() <= MAX_OPEN,
+            "{}",
+            whole.sink.order.len()
+        );
+        assert!(whole.sink.closed[&me] > 0.0 && whole.sink.closed[&me].is_finite());
+    }
+
+    #[test]
+    fn a_log_past_its_bound_is_unread_alike_by_every_reader_until_its_owner_summarizes_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let uid = crate::owner::euid();
+        let me = crate::owner::name_of_uid(uid);
+        let path = tmp.path().join(format!("usage-{uid}.jsonl"));
+        let now = tt_device::now_unix();
+        let half_life = 3600.0;
+        let logs = [(path.clone(), uid)];
+        let live = HashSet::new();
+        let reservations = |from: usize, n: usize| -> Vec<String> {
+            (from..from + n)
+                .flat_map(|i| {
+                    let t = now - 50_000.0 + i as f64;
+                    [
+                        start(&format!("r{i}"), &me, "g0", t, None),
+                        end(&format!("r{i}"), t + 0.5),
+                    ]
+                })
+                .collect()
+        };
+        let len = || std::fs::metadata(&path).unwrap().len();
+        let along = tmp.path().join("along");
+        let mut fresh_readers = 0;
+        // A reader that read along and one new to the log, never writing to it.
+        let mut both = |expect_unread: bool, step: &str| {
+            fresh_readers += 1;
+            let fresh = tmp.path().join(format!("fresh-{fresh_readers}"));
+            let a = recent_use(
+                &along,
+                &logs,
+                half_life,
+                || Ok(live.clone()),
+                now,
+                None,
+                false,
+            )
+            .unwrap();
+            let f = recent_use(
+                &fresh,
+                &logs,
+                half_life,
+                || Ok(live.clone()),
+                now,
+                None,
+                false,
+            )
+            .unwrap();
+            assert!(close(&a.uses, &f.uses), "{step}: {a:?} != {f:?}");
+            assert_eq!(
+                a.unread.keys().collect::<Vec<_>>(),
+                f.unread.keys().collect::<Vec<_>>(),
+                "{step}"
+            );
+            assert_eq!(a.unread.contains_key(&me), expect_unread, "{step}: {a:?}");
+            if !expect_unread {
+                let records = from_records(&path, uid, &live, now, half_life);
+                assert!(close(&a.uses, &records), "{step}: {a:?} != {records:?}");
+            }
+        };
+        // Under the bound, without a summary: read from the start.
+        append(&path, &reservations(0, 2000));
+        assert!(len() < crate::usage::SUMMARY_SEARCH);
+        both(false, "a small log");
+        // Past it by its owner's writing, with no summary: read by nobody.
+        append(&path, &reservations(2000, 6000));
+        assert!(len() > crate::usage::SUMMARY_SEARCH);
+        both(true, "past the bound");
+        // Its owner's next request reads it whole and summarizes it: read again.
+        let owner = tmp.path().join("owner");
+        recent_use(
+            &owner,
+            &logs,
+            half_life,
+            || Ok(live.clone()),
+            now,
+            None,
+            true,
+        )
+        .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path)
+                .unwrap()
+                .matches("\"summary\"")
+                .count(),
+            1
+        );
+        both(false, "summarized");
+        // Exactly the bound past that summary: still read (the byte before the search
+        // says a line begins there); one byte more: read by nobody.
+        let summary_at = {
+            let text = std::fs::read(&path).unwrap();
+            memchr::memmem::rfind(&text, b"{\"event\":\"summary\"").unwrap() as u64
+        };
+        while len() + 400 < summary_at + crate::usage::SUMMARY_SEARCH {
+            append(&path, &reservations(9000 + len() as usize, 1));
+        }
+        let pad = (summary_at + crate::usage::SUMMARY_SEARCH - len()) as usize;
+        // A start line of exactly `pad` bytes with its newline, padded in its command.
+        let bare = start("pad", &me, "g1", now - 100.0, None);
+        let fill = pad - bare.len() - 1 - 2;
+        let line = bare.replace(
+            "\"command\":[]",
+            &format!("\"command\":[\"{}\"]", "x".repeat(fill)),
+        );
+        append(&path, &[line]);
+        assert_eq!(len(), summary_at + crate::usage::SUMMARY_SEARCH);
+        both(false, "exactly the bound past its summary");
+        append(&path, &[String::new()]);
+        both(true, "a byte past the bound");
+        // A line too long to read, under the bound: its reading stops, alike.
+        recent_use(
+            &owner,
+            &logs,
+            half_life,
+            || Ok(live.clone()),
+            now,
+            None,
+            true,
+        )
+        .unwrap();
+        both(false, "summarized again");
+        append(&path, &["x".repeat(70_000)]);
+        both(true, "an over-long line");
     }
 }

@@ -421,11 +421,20 @@ fn unguessable() -> u64 {
 /// appending file takes whole), after a newline when the log was left cut short.
 fn write_line(log: &OwnLog, event: &impl Serialize) -> std::io::Result<()> {
     let mut line = Vec::with_capacity(256);
-    if log.cut.load(Ordering::Relaxed) {
-        line.push(b'\n');
-    }
     serde_json::to_writer(&mut line, event).map_err(std::io::Error::other)?;
     line.push(b'\n');
+    write_bytes(log, &line)
+}
+
+/// Appends `line` (a record and its newline) to `log` in one write, after a newline
+/// when this process's last write there was cut short.
+fn write_bytes(log: &OwnLog, line: &[u8]) -> std::io::Result<()> {
+    let cut = log.cut.load(Ordering::Relaxed);
+    let line = if cut {
+        std::borrow::Cow::Owned([b"\n", line].concat())
+    } else {
+        std::borrow::Cow::Borrowed(line)
+    };
     let written = (&log.file).write(&line);
     let whole = matches!(written, Ok(n) if n == line.len());
     log.cut.store(!whole, Ordering::Relaxed);
@@ -575,6 +584,13 @@ pub(crate) struct Tailed<S> {
     /// Where the last summary taken starts (0 with none).
     #[serde(default)]
     summary_at: u64,
+    /// The log's length when it was last looked at.
+    #[serde(default)]
+    seen_len: u64,
+    /// Not read: more than [`SUMMARY_SEARCH`] bytes of it lie past its last summary
+    /// ([`Tailed::from_last_summary`]).
+    #[serde(default)]
+    unread: bool,
     /// What was read.
     pub(crate) sink: S,
 }
@@ -595,6 +611,48 @@ impl<S: Sink> Tailed<S> {
         self.stopped
     }
 
+    /// Not read: its owner wrote more than [`SUMMARY_SEARCH`] bytes past their last
+    /// summary ([`Tailed::from_last_summary`]), or a line that stopped the reading.
+    pub(crate) fn unread(&self) -> bool {
+        self.unread || self.stopped
+    }
+
+    /// Why the log at `path` is not read ([`Tailed::unread`]), as the views say it.
+    pub(crate) fn why_unread(&self, path: &Path) -> String {
+        let what = if self.stopped {
+            format!(
+                "a line of it longer than {} KiB or past {MAX_RECORDS} records",
+                MAX_LINE >> 10
+            )
+        } else {
+            format!(
+                "more than {} MiB of it past its last summary",
+                SUMMARY_SEARCH >> 20
+            )
+        };
+        format!(
+            "usage log {} not read: {what}; counted as the heaviest user until their own \
+             next request summarizes it",
+            path.display()
+        )
+    }
+
+    /// Whether a reader that holds this reading of the log reads on from it, now that
+    /// the log is the file `file` of `len` bytes, and holds what a reader new to the log
+    /// ([`Tailed::from_last_summary`]) would: the same file, grown, with its last summary
+    /// taken still among its last [`SUMMARY_SEARCH`] bytes (a log not read, or whose
+    /// reading stopped, only while it has not changed since). Otherwise the reader
+    /// starts anew from the last summary, as a new reader does.
+    pub(crate) fn reads_on(&self, file: (u64, u64), len: u64) -> bool {
+        self.file == file
+            && len >= self.offset
+            && if self.unread() {
+                len == self.seen_len
+            } else {
+                len - self.summary_at <= SUMMARY_SEARCH
+            }
+    }
+
     /// A log not read yet, into `sink`.
     pub(crate) fn new(sink: S) -> Tailed<S> {
         Tailed {
@@ -603,32 +661,40 @@ impl<S: Sink> Tailed<S> {
             lines: 0,
             stopped: false,
             summary_at: 0,
+            seen_len: 0,
+            unread: false,
             sink,
         }
     }
 
     /// A log not read yet, into `sink`, to be read from the last summary among its last
     /// [`SUMMARY_SEARCH`] bytes that the sink takes (from its first line when there is
-    /// none): what [`read_more`] then reads is what a reader that read the log from its
-    /// start holds after it, whatever the log holds before. (A line there that begins as
-    /// a summary and cannot be read goes to the sink's `skipped`, as `read_more` sends it:
+    /// none and the log is no longer than that): what [`read_more`] then reads is what a
+    /// reader that read the log from its start holds after it, whatever the log holds
+    /// before. A longer log without one is not read at all ([`Tailed::unread`]): its
+    /// owner, who writes a summary at least every [`crate::tally::SUMMARY_EVERY`] bytes
+    /// while they reserve, wrote more than that unsummarized, and what that costs is
+    /// charged to them, not to every reader's time. (A line there that begins as a
+    /// summary and cannot be read goes to the sink's `skipped`, as `read_more` sends it:
     /// for the tally's sink, nothing.)
     pub(crate) fn from_last_summary(path: &Path, sink: S) -> Tailed<S> {
         let mut tailed = Tailed::new(sink);
-        let Some((file, owner, found)) = summary_lines(path) else {
+        let Some(tail) = summary_lines(path) else {
             return tailed;
         };
+        tailed.file = tail.file;
+        tailed.seen_len = tail.len;
         let now = now_unix();
-        for (at, line) in found {
+        for (at, line) in tail.summaries {
             // Taken as `read_more` takes it, which leaves a reader past its newline.
-            if take_line(&line, path, owner, (0, at), &mut tailed.sink, now) {
-                tailed.file = file;
+            if take_line(&line, path, tail.owner, (0, at), &mut tailed.sink, now) {
                 tailed.offset = at + line.len() as u64 + 1;
                 tailed.summary_at = at;
                 tailed.lines = 1;
-                break;
+                return tailed;
             }
         }
+        tailed.unread = tail.len > SUMMARY_SEARCH;
         tailed
     }
 
@@ -638,6 +704,7 @@ impl<S: Sink> Tailed<S> {
         self.lines = 0;
         self.stopped = false;
         self.summary_at = 0;
+        self.unread = false;
         self.sink.reset();
     }
 }
@@ -729,7 +796,8 @@ pub(crate) fn read_more<S: Sink>(
         state.stopped = true;
         return Ok(());
     }
-    if state.stopped || meta.len() == state.offset {
+    state.seen_len = meta.len();
+    if state.unread() || meta.len() == state.offset {
         return Ok(());
     }
     let io = |e: std::io::Error| crate::Error::Io {
@@ -793,49 +861,80 @@ pub(crate) fn read_more<S: Sink>(
 /// [`crate::tally::SUMMARY_EVERY`] bytes while they reserve.
 pub(crate) const SUMMARY_SEARCH: u64 = 1 << 20;
 
-/// The log at `path`'s file (device and inode) and owner, and the whole lines among
-/// its last [`SUMMARY_SEARCH`] bytes that begin as a summary does, the last first: each
-/// one's offset and its text (without its newline).
-#[allow(clippy::type_complexity)]
-fn summary_lines(path: &Path) -> Option<((u64, u64), u32, Vec<(u64, Vec<u8>)>)> {
+/// A log's end as searched for its last summary ([`summary_lines`]).
+struct Tail {
+    /// The file (device and inode).
+    file: (u64, u64),
+    /// Its owner.
+    owner: u32,
+    /// Its length.
+    len: u64,
+    /// The whole lines among its last [`SUMMARY_SEARCH`] bytes that begin as a summary
+    /// does, the last first: each one's offset and its text (without its newline).
+    summaries: Vec<(u64, Vec<u8>)>,
+}
+
+/// The log at `path`'s end, searched for summaries; `None` when it is not a regular
+/// file that can be read.
+fn summary_lines(path: &Path) -> Option<Tail> {
     const MARK: &[u8] = b"{\"event\":\"summary\"";
     let (file, meta) = crate::file::open_to_read(path)?;
     let from = meta.len().saturating_sub(SUMMARY_SEARCH);
-    let mut tail = vec![0u8; usize::try_from(meta.len() - from).ok()?];
-    file.read_exact_at(&mut tail, from).ok()?;
-    let mut found = Vec::new();
-    let mut end = tail.len();
-    while let Some(i) = tail[..end].windows(MARK.len()).rposition(|w| w == MARK) {
-        end = i;
-        let at = from + i as u64;
-        if !(at == 0 || (i > 0 && tail[i - 1] == b'\n')) {
-            continue;
-        }
+    // With the byte before, which says whether a line begins where the search does.
+    let before = from.min(1);
+    let mut tail = vec![0u8; usize::try_from(meta.len() - from + before).ok()?];
+    file.read_exact_at(&mut tail, from - before).ok()?;
+    let starts_line = |i: usize| (i == 0 && from == 0) || (i > 0 && tail[i - 1] == b'\n');
+    let before = before as usize;
+    let summaries = memchr::memmem::rfind_iter(&tail[before..], MARK)
+        .map(|i| i + before)
+        .filter(|&i| starts_line(i))
         // A whole line only: the reading goes on after its newline.
-        if let Some(len) = tail[i..].iter().position(|&b| b == b'\n') {
-            found.push((at, tail[i..i + len].to_vec()));
-        }
-    }
-    Some(((meta.dev(), meta.ino()), meta.uid(), found))
+        .filter_map(|i| {
+            let len = memchr::memchr(b'\n', &tail[i..])?;
+            Some((from - before as u64 + i as u64, tail[i..i + len].to_vec()))
+        })
+        .collect();
+    Some(Tail {
+        file: (meta.dev(), meta.ino()),
+        owner: meta.uid(),
+        len: meta.len(),
+        summaries,
+    })
 }
 
 /// Appends to this user's log at `path` the summary `state` of its first `upto` bytes,
 /// decayed with `half_life` seconds, when the log is still that long and the line fits
-/// what readers read; nothing otherwise.
-pub(crate) fn append_summary(path: &Path, upto: u64, half_life: f64, state: &impl Serialize) {
+/// what readers read: whether it was written.
+pub(crate) fn append_summary(
+    path: &Path,
+    upto: u64,
+    half_life: f64,
+    state: &impl Serialize,
+) -> bool {
     let Ok(state) = serde_json::to_value(state) else {
-        return;
+        return false;
     };
     let event = UsageEvent::Summary {
         upto,
         half_life,
         state,
     };
-    let fits = serde_json::to_vec(&event).is_ok_and(|l| l.len() < MAX_LINE);
-    let Ok(log) = open_log(path) else { return };
-    if fits && log.file.metadata().is_ok_and(|m| m.len() == upto) {
-        if let Err(e) = write_line(&log, &event) {
+    let Ok(mut line) = serde_json::to_vec(&event) else {
+        return false;
+    };
+    line.push(b'\n');
+    let Ok(log) = open_log(path) else {
+        return false;
+    };
+    if line.len() > MAX_LINE || log.file.metadata().map_or(true, |m| m.len() != upto) {
+        return false;
+    }
+    match write_bytes(&log, &line) {
+        Ok(()) => true,
+        Err(e) => {
             tracing::warn!("cannot summarize the usage log {}: {e}", path.display());
+            false
         }
     }
 }

@@ -566,10 +566,21 @@ fn fair_share_series(registry: &mut Registry, snapshot: &Snapshot) {
          policy was",
         None,
     );
+    let unread = gauges::<UserLabels>(
+        registry,
+        "user_usage_unread",
+        "1 for each user with a usage log nobody reads (more than a MiB written past its \
+         last summary): their recent use is unknown and they are served as the heaviest \
+         user until their own next request summarizes it",
+        None,
+    );
     for u in &snapshot.users {
         let user = UserLabels {
             user: label(&u.user),
         };
+        unread
+            .get_or_create(&user)
+            .set(if u.unread.is_some() { 1.0 } else { 0.0 });
         used.get_or_create(&user).set(u.use_gpu_s);
         fraction.get_or_create(&user).set(u.fraction);
         held.get_or_create(&user).set(u.gpus as f64);

@@ -32,9 +32,11 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         .standings(&in_force.policy, &queue)?
         .into_values()
         .collect();
+    // The heaviest first: a user whose log is not read stands as the heaviest.
     standings.sort_by(|a, b| {
-        b.use_gpu_s
-            .total_cmp(&a.use_gpu_s)
+        (b.fraction, b.use_gpu_s)
+            .partial_cmp(&(a.fraction, a.use_gpu_s))
+            .unwrap_or(std::cmp::Ordering::Equal)
             .then(a.user.cmp(&b.user))
     });
     if args.json {
@@ -82,9 +84,13 @@ fn policy_text(in_force: &PolicyInForce, standings: &[Standing]) -> String {
     ));
     for s in standings {
         out.push_str(&format!(
-            "  {:<width$}  {:>10.1}  {:>5.0}%  {:>4}  {:>10}  {:>7}\n",
+            "  {:<width$}  {:>10}  {:>5.0}%  {:>4}  {:>10}  {:>7}\n",
             tt_device::printable(&s.user),
-            s.use_gpu_s / 3600.0,
+            if s.unread.is_some() {
+                "not read".to_owned()
+            } else {
+                format!("{:.1}", s.use_gpu_s / 3600.0)
+            },
             s.fraction * 100.0,
             s.gpus,
             if s.shared.0 == 0 {
@@ -95,11 +101,9 @@ fn policy_text(in_force: &PolicyInForce, standings: &[Standing]) -> String {
             s.waiting
         ));
     }
-    for over in standings.iter().filter_map(Standing::over_text) {
-        out.push_str(&format!(
-            "over the policy: {}\n",
-            tt_device::printable(&over)
-        ));
+    for line in crate::snapshot::over_limit_lines(standings) {
+        out.push_str(&line);
+        out.push('\n');
     }
     out
 }

@@ -1757,6 +1757,121 @@ fn a_lost_reservation_ends_by_its_own_users_log_whatever_another_writes() {
 /// grown 128 KiB past its last summary (so that a process new to the log, another
 /// user's first request, reads from there), and every view reads the same use after
 /// it: a summary is neither a record nor damage.
+/// `reservations` ended reservations of `user` over the day before now, as lines of
+/// their usage log.
+fn history_of(user: &str, reservations: u32) -> String {
+    let now = tt_device::now_unix();
+    (0..reservations)
+        .map(|i| {
+            let t = now - 86_400.0 + f64::from(i) * 86_000.0 / f64::from(reservations);
+            format!(
+                "{{\"event\":\"start\",\"id\":\"h/0/{i}/0/{i}\",\"user\":\"{user}\",\
+                 \"host\":\"h\",\"pid\":{i},\"gpu\":\"index 0\",\"bytes\":null,\"time\":{t},\
+                 \"command\":[\"python\",\"train.py\"]}}\n\
+                 {{\"event\":\"end\",\"id\":\"h/0/{i}/0/{i}\",\"time\":{},\"status\":0}}\n",
+                t + 20.0
+            )
+        })
+        .collect()
+}
+
+/// Writes `text` into `path` as `user` would (their file, made by them), through a file
+/// in `tmp`.
+fn write_as(user: &str, text: &str, path: &Path, tmp: &Path) {
+    let written = tmp.join(format!("{user}-written.jsonl"));
+    std::fs::write(&written, text).unwrap();
+    let out = Command::new("runuser")
+        .args(["-u", user, "--", "sh", "-c", "cat \"$0\" >> \"$1\""])
+        .arg(&written)
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+}
+
+/// Issue 76: one user's log grown past what readers read (a MiB past its last summary)
+/// costs every other reader nothing but a search of its last MiB: it is not read, its
+/// owner stands as the heaviest user in every view, and their own next request reads
+/// it whole and summarizes it, after which everyone reads their use again.
+#[test]
+fn a_log_written_past_its_summary_is_charged_to_its_owner_until_their_next_request() {
+    let Some((tmp, dir, policy)) = under_policy("[fair_share]\nhalf_life = \"1d\"\n") else {
+        return;
+    };
+    let [user_a, user_b] = tt_testkit::users::USER_NAMES;
+    let [a, b] = tt_testkit::users::two_users().unwrap();
+    let (home_a, home_b) = (home_of(tmp.path(), user_a), home_of(tmp.path(), user_b));
+    let log = dir.join(format!("usage-{}.jsonl", a.uid));
+    // 2 MiB written by A into A's own log, with no summary; a little use of B's.
+    write_as(user_a, &history_of(user_a, 8000), &log, tmp.path());
+    assert!(std::fs::metadata(&log).unwrap().len() > 3 << 19);
+    let b_log = dir.join(format!("usage-{}.jsonl", b.uid));
+    write_as(user_b, &history_of(user_b, 10), &b_log, tmp.path());
+    let standing_of_a = || {
+        let out = as_user(user_b, &dir, &home_b)
+            .env("TORCHTOOLS_POLICY", &policy)
+            .args(["policy", "--json"])
+            .output()
+            .unwrap();
+        let json: serde_json::Value = serde_json::from_str(&ok(out)).unwrap();
+        json["users"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|u| u["user"] == user_a)
+            .cloned()
+            .unwrap_or_else(|| panic!("no standing of {user_a}: {json}"))
+    };
+    let before = standing_of_a();
+    assert_eq!(before["fraction"], 1.0, "{before}");
+    let why = before["unread"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{before}"));
+    assert!(
+        why.contains(&format!("usage-{}.jsonl not read", a.uid)),
+        "{before}"
+    );
+    let out = as_user(user_b, &dir, &home_b)
+        .env("TORCHTOOLS_POLICY", &policy)
+        .arg("policy")
+        .output()
+        .unwrap();
+    let text = ok(out);
+    assert!(
+        text.contains(&format!("not counted: {user_a}'s usage log")),
+        "{text}"
+    );
+    let out = as_user(user_b, &dir, &home_b)
+        .env("TORCHTOOLS_POLICY", &policy)
+        .arg("metrics")
+        .output()
+        .unwrap();
+    let text = ok(out);
+    assert!(
+        text.contains(&format!("torchtools_user_usage_unread{{user=\"{user_a}\"}} 1")),
+        "{text}"
+    );
+
+    // A's own request reads it whole and summarizes it.
+    let out = as_user(user_a, &dir, &home_a)
+        .env("TORCHTOOLS_POLICY", &policy)
+        .args(["reserve", "--gpu", "0", "--no-fence", "--", "true"])
+        .output()
+        .unwrap();
+    ok(out);
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(text.matches("{\"event\":\"summary\"").count(), 1);
+    let after = standing_of_a();
+    assert!(after.get("unread").is_none(), "{after}");
+    // 8,000 reservations of 20 s over the last day (44.4 GPU-hours), decayed with a
+    // day's half-life: between half and all of it (and the minute of the request).
+    let used = after["use_gpu_s"].as_f64().unwrap();
+    assert!(
+        (0.5 * 8000.0 * 20.0..=8000.0 * 20.0 + 60.0).contains(&used),
+        "{after}"
+    );
+}
+
 #[test]
 fn a_reservation_under_fair_share_summarizes_its_users_log_and_views_read_the_same() {
     let Some((tmp, dir, policy)) = under_policy("[fair_share]\nhalf_life = \"1d\"\n") else {
@@ -1766,29 +1881,9 @@ fn a_reservation_under_fair_share_summarizes_its_users_log_and_views_read_the_sa
     let [a, _] = tt_testkit::users::two_users().unwrap();
     let (home_a, home_b) = (home_of(tmp.path(), user_a), home_of(tmp.path(), user_b));
     // A's history, written by A into A's own log: 3,000 reservations over a day.
-    let now = tt_device::now_unix();
-    let history: String = (0..3000)
-        .map(|i| {
-            let t = now - 86_400.0 + f64::from(i) * 25.0;
-            format!(
-                "{{\"event\":\"start\",\"id\":\"h/0/{i}/0/{i}\",\"user\":\"{user_a}\",\
-                 \"host\":\"h\",\"pid\":{i},\"gpu\":\"index 0\",\"bytes\":null,\"time\":{t},\
-                 \"command\":[\"python\",\"train.py\"]}}\n\
-                 {{\"event\":\"end\",\"id\":\"h/0/{i}/0/{i}\",\"time\":{},\"status\":0}}\n",
-                t + 20.0
-            )
-        })
-        .collect();
-    let written = tmp.path().join("history.jsonl");
-    std::fs::write(&written, &history).unwrap();
+    let history = history_of(user_a, 3000);
     let log = dir.join(format!("usage-{}.jsonl", a.uid));
-    let out = Command::new("runuser")
-        .args(["-u", user_a, "--", "sh", "-c", "cat \"$0\" > \"$1\""])
-        .arg(&written)
-        .arg(&log)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
+    write_as(user_a, &history, &log, tmp.path());
     let a_as_b_sees = || {
         let out = as_user(user_b, &dir, &home_b)
             .env("TORCHTOOLS_POLICY", &policy)
