@@ -408,6 +408,63 @@ fn history_decision(tmp: &std::path::Path) {
         println!("row|peak memory of a deciding process, {what} (MiB)|{mib:.0}|goal|64|MiB|lower");
         println!("row|peak memory of a deciding process, {what}, the user's tally kept (MiB)|{kept_mib:.0}|goal|64|MiB|lower");
     }
+    usage_totals(&year);
+}
+
+/// The child side of the totals rows: `usage`'s reading of the lock directory
+/// `TT_LOCK_BENCH_DIR`, summed as a stream (`--totals`) or every record kept
+/// (`--records`, `LockDir::usage`); prints its time (ms) and the peak memory (KiB).
+fn read_usage(streamed: bool) {
+    let dir = LockDir::open(std::env::var("TT_LOCK_BENCH_DIR").expect("dir")).expect("dir");
+    let start = Instant::now();
+    let count = if streamed {
+        let sums = dir.usage_totals(&[f64::MIN]).expect("totals");
+        sums.windows[0]
+            .by_user
+            .values()
+            .map(|t| t.reservations)
+            .sum()
+    } else {
+        dir.usage().expect("usage").records.len()
+    };
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    assert!(count > 0);
+    // SAFETY: getrusage with a valid struct to fill.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    println!("{ms} {}", usage.ru_maxrss);
+}
+
+/// `usage`, `metrics` and the page's reading of a year of history: summed as a stream,
+/// beside every record kept, each in a process of its own for its peak memory.
+fn usage_totals(year: &LockDir) {
+    let measure = |mode: &str| -> (f64, f64) {
+        let out = Command::new(std::env::current_exe().expect("exe"))
+            .arg(mode)
+            .env("TT_LOCK_BENCH_DIR", year.path())
+            .stderr(Stdio::null())
+            .output()
+            .expect("usage");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let v: Vec<f64> = text
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        assert_eq!(v.len(), 2, "{text}");
+        (v[0], v[1] / 1024.0)
+    };
+    let (t_ms, t_mib) = measure("--totals");
+    let (r_ms, r_mib) = measure("--records");
+    println!(
+        "  usage, metrics and the page over a year ({YEAR_RECORDS} records): summed as read \
+         {t_ms:.0} ms, {t_mib:.0} MiB; every record kept {r_ms:.0} ms, {r_mib:.0} MiB"
+    );
+    println!("row|usage totals over a year of history, peak memory (MiB)|{t_mib:.0}|every record kept|{r_mib:.0}|MiB|lower");
+    println!(
+        "row|usage totals over a year of history, peak memory (MiB)|{t_mib:.0}|goal|64|MiB|lower"
+    );
+    println!("row|usage totals over a year of history (ms)|{t_ms:.0}|every record kept|{r_ms:.0}|ms|lower");
 }
 
 fn main() {
@@ -415,6 +472,12 @@ fn main() {
     if std::env::args().any(|a| a == "--decide") {
         decide();
         return;
+    }
+    for (flag, streamed) in [("--totals", true), ("--records", false)] {
+        if std::env::args().any(|a| a == flag) {
+            read_usage(streamed);
+            return;
+        }
     }
     if std::env::args().any(|a| a == "--waiter") {
         let dir = LockDir::open(std::env::var("TT_LOCK_BENCH_DIR").expect("dir")).expect("dir");

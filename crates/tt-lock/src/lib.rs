@@ -15,6 +15,7 @@ mod queue;
 mod record;
 mod share;
 mod tally;
+mod totals;
 mod usage;
 mod watch;
 
@@ -33,4 +34,5 @@ pub use policy::{
     DEFAULT_POLICY, POLICY_ENV,
 };
 pub use queue::{Waiter, Wants};
+pub use totals::{UsageSummed, UsageTotal, UsageTotals};
 pub use usage::{Usage, UsageEvent, UsageLog, ALIVE_EVERY, USAGE_PREFIX};

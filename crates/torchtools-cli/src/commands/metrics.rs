@@ -293,19 +293,18 @@ fn gpu_labels(key: &GpuKey, index: Option<u32>) -> GpuLabels {
 /// Every metric, read now, as OpenMetrics text.
 pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
     let snapshot = Snapshot::take(dir, gpus)?;
-    let usage = dir.usage()?;
+    let usage = dir.usage_totals(&[f64::MIN])?;
     let jobs = snapshot.live_jobs()?;
-    let per_user = per_user_use(&usage, tt_device::now_unix());
+    let per_user = per_user_use(&usage);
     render_from(&snapshot, &per_user, &usage.ignored, &jobs)
 }
 
-/// Each user's use over all the usage records, up to `now` (the `user_gpu` and
-/// `user_reserved` counters).
-pub(crate) fn per_user_use(
-    usage: &tt_lock::UsageLog,
-    now: f64,
-) -> Vec<crate::commands::usage::Row> {
-    crate::commands::usage::rows(&usage.records, crate::commands::usage::By::User, 0.0, now)
+/// Each user's use over all the usage records (the `user_gpu` and `user_reserved`
+/// counters): the first window of `usage`.
+pub(crate) fn per_user_use(usage: &tt_lock::UsageSummed) -> Vec<crate::commands::usage::Row> {
+    usage.windows.first().map_or_else(Vec::new, |all| {
+        crate::commands::usage::rows(all, crate::commands::usage::By::User)
+    })
 }
 
 /// Every metric as OpenMetrics text, from what was read: the snapshot, each user's use

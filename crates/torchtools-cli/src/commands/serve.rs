@@ -493,18 +493,23 @@ impl Reader {
     /// Reads the usage logs: each user's use over the last day and week (the page), and
     /// over all the records (the metrics).
     fn read_usage(&mut self) -> Result<()> {
-        let log = self.dir.usage()?;
         let now = tt_device::now_unix();
-        let since = |days: f64| {
-            crate::commands::usage::rows(&log.records, By::User, now - days * 86_400.0, now)
+        // All time first (the metrics' counters), then the page's day and week.
+        let log = self
+            .dir
+            .usage_totals(&[f64::MIN, now - 86_400.0, now - 7.0 * 86_400.0])?;
+        let window = |i: usize| {
+            log.windows
+                .get(i)
+                .map_or_else(Vec::new, |t| crate::commands::usage::rows(t, By::User))
         };
         self.usage = UsageView {
-            day: since(1.0),
-            week: since(7.0),
+            day: window(1),
+            week: window(2),
             skipped: log.skipped.len(),
             read_unix: now,
         };
-        self.per_user = crate::commands::metrics::per_user_use(&log, now);
+        self.per_user = crate::commands::metrics::per_user_use(&log);
         self.usage_ignored = log.ignored;
         Ok(())
     }

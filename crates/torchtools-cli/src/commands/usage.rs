@@ -1,13 +1,12 @@
 //! `torchtools usage`: GPU-hours and reserved GiB-hours from the lock directory's usage
 //! log (tt-lock's `LockDir::usage`).
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
-use tt_lock::{LockDir, Usage};
+use tt_lock::LockDir;
 
 /// Show who used the GPUs, and how much.
 ///
@@ -32,7 +31,9 @@ pub(crate) struct Args {
 pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let (since, by) = (args.since, args.by);
     let dir = LockDir::from_env()?;
-    let log = dir.usage().context("reading the usage log")?;
+    let now = tt_device::now_unix();
+    let from = since.map_or(f64::MIN, |d| now - d.as_secs_f64());
+    let log = dir.usage_totals(&[from]).context("reading the usage log")?;
     for why in &log.skipped {
         eprintln!("torchtools usage: warning: skipped a damaged record: {why}");
     }
@@ -42,9 +43,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             log.skipped.len()
         );
     }
-    let now = tt_device::now_unix();
-    let from = since.map_or(f64::MIN, |d| now - d.as_secs_f64());
-    let rows = rows(&log.records, by, from, now);
+    let rows = log.windows.first().map_or_else(Vec::new, |t| rows(t, by));
     if args.json {
         #[derive(Serialize)]
         struct Out<'a> {
@@ -103,31 +102,23 @@ pub(crate) struct Row {
     pub(crate) reserved_gib_hours: f64,
 }
 
-/// The rows of `records` that ended after `from` (or still run), grouped `by`, the
-/// most GPU-hours first; hours counted from `from` on.
-pub(crate) fn rows(records: &[Usage], by: By, from: f64, now: f64) -> Vec<Row> {
-    let mut rows: BTreeMap<String, Row> = BTreeMap::new();
-    for r in records
+/// The rows of `totals`, grouped `by`, the most GPU-hours first.
+pub(crate) fn rows(totals: &tt_lock::UsageTotals, by: By) -> Vec<Row> {
+    let group = match by {
+        By::User => &totals.by_user,
+        By::Gpu => &totals.by_gpu,
+    };
+    let mut rows: Vec<Row> = group
         .iter()
-        .filter(|r| r.ended_unix.is_none_or(|end| end > from))
-    {
-        let name = match by {
-            By::User => r.user.clone(),
-            By::Gpu => r.gpu.clone(),
-        };
-        let row = rows.entry(name.clone()).or_insert_with(|| Row {
-            name,
-            ..Row::default()
-        });
-        let start = r.since_unix.max(from);
-        let hours = (r.ended_unix.unwrap_or(now) - start).max(0.0) / 3600.0;
-        row.reservations += 1;
-        row.running += usize::from(r.ended_unix.is_none());
-        row.lost += usize::from(r.lost);
-        row.gpu_hours += hours;
-        row.reserved_gib_hours += hours * r.bytes.unwrap_or(0) as f64 / (1u64 << 30) as f64;
-    }
-    let mut rows: Vec<Row> = rows.into_values().collect();
+        .map(|(name, t)| Row {
+            name: name.clone(),
+            reservations: t.reservations,
+            running: t.running,
+            lost: t.lost,
+            gpu_hours: t.gpu_seconds / 3600.0,
+            reserved_gib_hours: t.reserved_byte_seconds / 3600.0 / (1u64 << 30) as f64,
+        })
+        .collect();
     rows.sort_by(|a, b| {
         b.gpu_hours
             .total_cmp(&a.gpu_hours)
@@ -181,6 +172,7 @@ fn text(rows: &[Row], by: By) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tt_lock::Usage;
 
     fn record(user: &str, gpu: &str, start: f64, end: Option<f64>, gib: u64) -> Usage {
         Usage {
@@ -208,18 +200,25 @@ mod tests {
             record("bob", "GPU-a", 7200.0, Some(9000.0), 2),
         ];
         let now = 10_800.0;
-        let by_user = rows(&records, By::User, f64::MIN, now);
+        let totals = |from: f64| {
+            let mut totals = tt_lock::UsageTotals::from(from);
+            for r in &records {
+                totals.add(r, now);
+            }
+            totals
+        };
+        let by_user = rows(&totals(f64::MIN), By::User);
         assert_eq!(by_user[0].name, "ada");
         assert!((by_user[0].gpu_hours - 4.0).abs() < 1e-9, "{by_user:?}");
         assert!((by_user[0].reserved_gib_hours - 8.0).abs() < 1e-9);
         assert_eq!((by_user[0].reservations, by_user[0].running), (2, 1));
         assert!((by_user[1].gpu_hours - 0.5).abs() < 1e-9);
-        let by_gpu = rows(&records, By::Gpu, f64::MIN, now);
+        let by_gpu = rows(&totals(f64::MIN), By::Gpu);
         assert_eq!(by_gpu[0].name, "GPU-a");
         assert!((by_gpu[0].gpu_hours - 2.5).abs() < 1e-9);
         // The last hour only: ada's first ended as it began, not counted; her second
         // counts from its start, bob's whole.
-        let last_hour = rows(&records, By::User, now - 3600.0, now);
+        let last_hour = rows(&totals(now - 3600.0), By::User);
         assert_eq!(last_hour.len(), 2, "{last_hour:?}");
         assert_eq!(last_hour[0].reservations, 1, "{last_hour:?}");
         assert!((last_hour[0].gpu_hours - 1.0).abs() < 1e-9);

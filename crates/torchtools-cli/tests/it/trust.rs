@@ -1848,7 +1848,9 @@ fn a_log_written_past_its_summary_is_charged_to_its_owner_until_their_next_reque
         .unwrap();
     let text = ok(out);
     assert!(
-        text.contains(&format!("torchtools_user_usage_unread{{user=\"{user_a}\"}} 1")),
+        text.contains(&format!(
+            "torchtools_user_usage_unread{{user=\"{user_a}\"}} 1"
+        )),
         "{text}"
     );
 
