@@ -424,15 +424,21 @@ pub(crate) fn guard() -> Result<std::process::ExitCode> {
 /// The GPUs process `pid` of this host reserved since `started`, as its
 /// CUDA_VISIBLE_DEVICES named them: from the usage records, where every reservation is.
 fn gpus_of(pid: u32, host: &str, started: f64) -> String {
-    let Ok(log) = tt_lock::LockDir::from_env().and_then(|d| d.usage()) else {
-        return String::new();
-    };
     let mut gpus: Vec<String> = Vec::new();
-    for r in log.records {
-        if r.pid == pid && r.host == host && r.since_unix >= started - 1.0 && !gpus.contains(&r.gpu)
-        {
-            gpus.push(r.gpu);
-        }
+    // This user's own logs only, a line at a time: a hook runs at every job's end.
+    let read = tt_lock::LockDir::from_env().and_then(|d| {
+        d.each_own_start(|r| {
+            if r.pid == pid
+                && r.host == host
+                && r.since_unix >= started - 1.0
+                && !gpus.contains(&r.gpu)
+            {
+                gpus.push(r.gpu.clone());
+            }
+        })
+    });
+    if read.is_err() {
+        return String::new();
     }
     gpus.join(",")
 }

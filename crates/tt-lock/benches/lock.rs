@@ -416,6 +416,20 @@ fn history_decision(tmp: &std::path::Path) {
 /// (`--records`, `LockDir::usage`); prints its time (ms) and the peak memory (KiB).
 fn read_usage(streamed: bool) {
     let dir = LockDir::open(std::env::var("TT_LOCK_BENCH_DIR").expect("dir")).expect("dir");
+    if std::env::args().any(|a| a == "--watch") {
+        // `serve`'s reading: the first reads everything, the next what was appended.
+        let mut watch = tt_lock::UsageWatch::new(Duration::from_secs(7 * 86_400));
+        let week = [Duration::from_secs(86_400), Duration::from_secs(7 * 86_400)];
+        let start = Instant::now();
+        watch.read(&dir, &week).expect("watch");
+        let first = start.elapsed().as_secs_f64() * 1e3;
+        let start = Instant::now();
+        let sums = watch.read(&dir, &week).expect("watch");
+        let later = start.elapsed().as_secs_f64() * 1e3;
+        assert!(!sums.windows[0].by_user.is_empty());
+        println!("{first} {later}");
+        return;
+    }
     let start = Instant::now();
     let count = if streamed {
         let sums = dir.usage_totals(&[f64::MIN]).expect("totals");
@@ -452,10 +466,12 @@ fn usage_totals(year: &LockDir) {
             .filter_map(|w| w.parse().ok())
             .collect();
         assert_eq!(v.len(), 2, "{text}");
-        (v[0], v[1] / 1024.0)
+        (v[0], v[1])
     };
-    let (t_ms, t_mib) = measure("--totals");
-    let (r_ms, r_mib) = measure("--records");
+    let (t_ms, t_kib) = measure("--totals");
+    let (r_ms, r_kib) = measure("--records");
+    let (t_mib, r_mib) = (t_kib / 1024.0, r_kib / 1024.0);
+    let (w_first, w_later) = measure("--watch");
     println!(
         "  usage, metrics and the page over a year ({YEAR_RECORDS} records): summed as read \
          {t_ms:.0} ms, {t_mib:.0} MiB; every record kept {r_ms:.0} ms, {r_mib:.0} MiB"
@@ -465,6 +481,11 @@ fn usage_totals(year: &LockDir) {
         "row|usage totals over a year of history, peak memory (MiB)|{t_mib:.0}|goal|64|MiB|lower"
     );
     println!("row|usage totals over a year of history (ms)|{t_ms:.0}|every record kept|{r_ms:.0}|ms|lower");
+    println!(
+        "  serve's usage reading over the year: first {w_first:.0} ms, each later one (what was \
+         appended) {w_later:.2} ms"
+    );
+    println!("row|serve's later usage reading, a year of history (ms)|{w_later:.2}|its first reading|{w_first:.0}|ms|lower");
 }
 
 fn main() {
@@ -473,7 +494,7 @@ fn main() {
         decide();
         return;
     }
-    for (flag, streamed) in [("--totals", true), ("--records", false)] {
+    for (flag, streamed) in [("--totals", true), ("--records", false), ("--watch", true)] {
         if std::env::args().any(|a| a == flag) {
             read_usage(streamed);
             return;

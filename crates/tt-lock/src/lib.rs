@@ -34,5 +34,5 @@ pub use policy::{
     DEFAULT_POLICY, POLICY_ENV,
 };
 pub use queue::{Waiter, Wants};
-pub use totals::{UsageSummed, UsageTotal, UsageTotals};
+pub use totals::{UsageSummed, UsageTotal, UsageTotals, UsageWatch};
 pub use usage::{Usage, UsageEvent, UsageLog, ALIVE_EVERY, USAGE_PREFIX};

@@ -90,7 +90,16 @@ struct Summing {
     windows: Vec<UsageTotals>,
     skipped: Vec<String>,
     ignored: Vec<Ignored>,
+    /// For a [`UsageWatch`]: how long ended reservations are kept (seconds before
+    /// `now`), and those kept, at most [`MAX_RECENT`].
+    keep: Option<f64>,
+    recent: VecDeque<Usage>,
 }
+
+/// Ended reservations a [`UsageWatch`] keeps per log; past that the oldest kept are
+/// forgotten (only a log's own writer can end so many within the watch's window, and
+/// then only their own totals of it are short).
+const MAX_RECENT: usize = 16_384;
 
 impl Summing {
     fn add(&mut self, r: &Usage) {
@@ -102,6 +111,15 @@ impl Summing {
     fn ended(&mut self, mut r: Usage, at: f64) {
         r.ended_unix = Some(at.max(r.since_unix));
         self.add(&r);
+        if let Some(keep) = self.keep {
+            if r.ended_unix.is_some_and(|end| end > self.now - keep) {
+                r.command = Vec::new();
+                self.recent.push_back(r);
+                if self.recent.len() > MAX_RECENT {
+                    self.recent.pop_front();
+                }
+            }
+        }
     }
 }
 
@@ -166,7 +184,97 @@ impl Sink for Summing {
         }
         self.skipped.clear();
         self.ignored.clear();
+        self.recent.clear();
     }
+}
+
+/// A long-running reader of a lock directory's usage logs (`serve`'s): each reading
+/// reads only what was appended since the last, keeping each log's all-time totals,
+/// its open reservations and those that ended within `keep` before now; so a reading
+/// costs what was appended, whatever the history.
+#[derive(Debug)]
+pub struct UsageWatch {
+    keep: f64,
+    logs: HashMap<std::path::PathBuf, Tailed<Summing>>,
+}
+
+impl UsageWatch {
+    /// A reader that can give windows of up to `keep` before now.
+    pub fn new(keep: std::time::Duration) -> UsageWatch {
+        UsageWatch {
+            keep: keep.as_secs_f64(),
+            logs: HashMap::new(),
+        }
+    }
+
+    /// Reads on in `dir`'s usage logs: what [`LockDir::usage_totals`] gives for all
+    /// time and then for each of `recent` before now (each at most this watch's
+    /// `keep`: a longer one counts only what was kept).
+    pub fn read(&mut self, dir: &LockDir, recent: &[std::time::Duration]) -> Result<UsageSummed> {
+        let now = tt_device::now_unix();
+        let (logs, ignored) = dir.usage_logs()?;
+        let present: HashSet<&std::path::PathBuf> = logs.iter().map(|(p, _)| p).collect();
+        self.logs.retain(|path, _| present.contains(path));
+        let keep = self.keep;
+        for (path, uid) in &logs {
+            let log = self.logs.entry(path.clone()).or_insert_with(|| {
+                Tailed::new(Summing {
+                    windows: vec![UsageTotals::from(f64::MIN)],
+                    keep: Some(keep),
+                    ..Summing::default()
+                })
+            });
+            log.sink.now = now;
+            read_more(path, *uid, log, true)?;
+            log.sink
+                .recent
+                .retain(|r| r.ended_unix.is_some_and(|end| end > now - keep));
+        }
+        // Read after the logs: a start read has its live record already.
+        let live: HashSet<(String, String)> = dir.live_usage_ids()?;
+        let mut out = UsageSummed {
+            windows: std::iter::once(UsageTotals::from(f64::MIN))
+                .chain(
+                    recent
+                        .iter()
+                        .map(|d| UsageTotals::from(now - d.as_secs_f64())),
+                )
+                .collect(),
+            skipped: Vec::new(),
+            ignored,
+        };
+        for (path, _) in &logs {
+            let Some(log) = self.logs.get(path) else {
+                continue;
+            };
+            let sums = &log.sink;
+            merge(&mut out.windows[0], sums.windows[0].clone());
+            for w in out.windows.iter_mut().skip(1) {
+                for r in &sums.recent {
+                    w.add(r, now);
+                }
+            }
+            for r in sums.open.values() {
+                let r = ended_if_lost(r.clone(), &live, now);
+                for w in &mut out.windows {
+                    w.add(&r, now);
+                }
+            }
+            out.skipped.extend(sums.skipped.iter().cloned());
+            out.ignored.extend(sums.ignored.iter().cloned());
+        }
+        Ok(out)
+    }
+}
+
+/// `r`, still open when read, as ended by its holder's death when no live record
+/// carries it (as [`LockDir::usage`] ends it).
+fn ended_if_lost(mut r: Usage, live: &HashSet<(String, String)>, now: f64) -> Usage {
+    if !live.contains(&(r.user.clone(), r.id.clone())) {
+        r.ended_unix = Some(lost_end(r.since_unix, r.alive, now));
+        r.lost = true;
+    }
+    r
 }
 
 impl LockDir {
@@ -211,16 +319,43 @@ impl LockDir {
         }
         // Read after the logs: a start read has its live record already.
         let live: HashSet<(String, String)> = self.live_usage_ids()?;
-        for mut r in open {
-            if !live.contains(&(r.user.clone(), r.id.clone())) {
-                r.ended_unix = Some(lost_end(r.since_unix, r.alive, now));
-                r.lost = true;
-            }
+        for r in open {
+            let r = ended_if_lost(r, &live, now);
             for w in &mut out.windows {
                 w.add(&r, now);
             }
         }
         Ok(out)
+    }
+}
+
+impl LockDir {
+    /// Calls `each` with every reservation this user's own logs record the start of
+    /// (as read, without its end), a line at a time: what a user's own tools look up
+    /// in their own history (the GPUs a process of theirs reserved) without reading
+    /// every user's logs into memory.
+    pub fn each_own_start(&self, each: impl FnMut(&Usage)) -> Result<()> {
+        /// Every start, to `each`.
+        struct Starts<F>(F);
+        impl<F: FnMut(&Usage)> Sink for Starts<F> {
+            fn start(&mut self, record: Usage) {
+                (self.0)(&record);
+            }
+            fn end(&mut self, _: &str, _: f64, _: Option<i32>, _: bool) {}
+            fn alive(&mut self, _: &str, _: f64) {}
+            fn skipped(&mut self, _: String) {}
+            fn ignored(&mut self, _: Ignored) {}
+            fn reset(&mut self) {}
+        }
+        let me = crate::owner::euid();
+        let (logs, _) = self.usage_logs()?;
+        let mut state = Tailed::new(Starts(each));
+        for (path, uid) in logs.into_iter().filter(|(_, uid)| *uid == me) {
+            let each = state.sink;
+            state = Tailed::new(each);
+            read_more(&path, uid, &mut state, true)?;
+        }
+        Ok(())
     }
 }
 
@@ -264,9 +399,11 @@ mod tests {
                 && x.iter().all(|(k, t)| {
                     y.get(k).is_some_and(|u| {
                         (t.reservations, t.running, t.lost) == (u.reservations, u.running, u.lost)
-                            && (t.gpu_seconds - u.gpu_seconds).abs() < 1e-3
+                            // The two readings' clocks a moment apart (a window's
+                            // start with them).
+                            && (t.gpu_seconds - u.gpu_seconds).abs() < 0.5
                             && (t.reserved_byte_seconds - u.reserved_byte_seconds).abs()
-                                <= 1e-9 * t.reserved_byte_seconds.abs().max(1.0)
+                                <= 1e-4 * t.reserved_byte_seconds.abs().max(1.0)
                     })
                 })
         };
@@ -324,6 +461,76 @@ mod tests {
         assert_eq!(summed.windows[0].by_user[&me].lost, 1);
         assert_eq!(summed.skipped.len(), 1, "{summed:?}");
         assert_eq!(summed.ignored.len(), 1, "{summed:?}");
+    }
+
+    #[test]
+    fn a_watch_reading_on_gives_what_a_whole_reading_gives() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        let uid = crate::owner::euid();
+        let me = crate::owner::name_of_uid(uid);
+        let path = dir.usage_log_path(uid);
+        let day = 86_400.0;
+        let mut watch = UsageWatch::new(std::time::Duration::from_secs(7 * 86_400));
+        let windows = [
+            std::time::Duration::from_secs(86_400),
+            std::time::Duration::from_secs(7 * 86_400),
+        ];
+        for round in 0..4u32 {
+            let now = tt_device::now_unix();
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .unwrap();
+            // Ended ones across the last ten days (some across a window's start), one
+            // whose holder died long ago, and one line being written.
+            for i in 0..200 {
+                let t = now - 10.0 * day + f64::from(i) * 4000.0 + f64::from(round);
+                let id = format!("r{round}-{i}");
+                writeln!(
+                    f,
+                    "{{\"event\":\"start\",\"id\":\"{id}\",\"user\":\"{me}\",\"host\":\"h\",\
+                     \"pid\":1,\"gpu\":\"index {}\",\"bytes\":{},\"time\":{t},\"command\":[]}}\n\
+                     {{\"event\":\"end\",\"id\":\"{id}\",\"time\":{}}}",
+                    i % 4,
+                    1u64 << (20 + i % 10),
+                    t + 7000.0
+                )
+                .unwrap();
+            }
+            writeln!(
+                f,
+                "{{\"event\":\"start\",\"id\":\"lost{round}\",\"user\":\"{me}\",\"host\":\"h\",\
+                 \"pid\":1,\"gpu\":\"index 9\",\"bytes\":null,\"time\":{},\"command\":[]}}",
+                now - 3.0 * day
+            )
+            .unwrap();
+            drop(f);
+            let along = watch.read(&dir, &windows).unwrap();
+            let whole = dir
+                .usage_totals(&[
+                    f64::MIN,
+                    tt_device::now_unix() - day,
+                    tt_device::now_unix() - 7.0 * day,
+                ])
+                .unwrap();
+            assert_eq!(along.windows.len(), 3);
+            for (a, w) in along.windows.iter().zip(&whole.windows) {
+                assert!(close(a, w), "round {round}: {a:?} != {w:?}");
+            }
+            assert_eq!(
+                along.windows[0].by_user[&me].reservations,
+                201 * (round as usize + 1)
+            );
+            assert!(
+                along.windows[1].by_user[&me].reservations
+                    < along.windows[2].by_user[&me].reservations
+            );
+        }
+        // The watch keeps only what ended in its window, not the whole history.
+        let kept: usize = watch.logs.values().map(|l| l.sink.recent.len()).sum();
+        assert!(kept < 4 * 200, "{kept}");
     }
 
     #[test]

@@ -133,6 +133,9 @@ pub(crate) const DEFAULT_LISTEN: &str = "127.0.0.1:9836";
 const STATE_EVERY: Duration = Duration::from_millis(500);
 /// How often the usage log is read (it can be long).
 const USAGE_EVERY: Duration = Duration::from_secs(30);
+
+/// The longest window the page shows use over.
+const WEEK: Duration = Duration::from_secs(7 * 86_400);
 /// How often a point is added to each GPU's memory chart, and how long it reaches back.
 const HISTORY_EVERY: Duration = Duration::from_secs(10);
 const HISTORY_SPAN: Duration = Duration::from_secs(3600);
@@ -400,6 +403,8 @@ pub(crate) struct Reader {
     per_user: Vec<Row>,
     usage_ignored: Vec<tt_lock::Ignored>,
     usage_read: Option<Instant>,
+    /// The usage logs as read so far: each reading reads what was appended since.
+    usage_watch: tt_lock::UsageWatch,
     history: Vec<History>,
     history_added: Option<Instant>,
     /// The other servers shown (`--peer`), read on threads of their own.
@@ -416,6 +421,7 @@ impl Reader {
             per_user: Vec::new(),
             usage_ignored: Vec::new(),
             usage_read: None,
+            usage_watch: tt_lock::UsageWatch::new(WEEK),
             history: Vec::new(),
             history_added: None,
             peers: None,
@@ -494,10 +500,11 @@ impl Reader {
     /// over all the records (the metrics).
     fn read_usage(&mut self) -> Result<()> {
         let now = tt_device::now_unix();
-        // All time first (the metrics' counters), then the page's day and week.
+        // All time first (the metrics' counters), then the page's day and week: read on
+        // from the last reading.
         let log = self
-            .dir
-            .usage_totals(&[f64::MIN, now - 86_400.0, now - 7.0 * 86_400.0])?;
+            .usage_watch
+            .read(&self.dir, &[Duration::from_secs(86_400), WEEK])?;
         let window = |i: usize| {
             log.windows
                 .get(i)
