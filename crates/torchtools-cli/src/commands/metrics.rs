@@ -64,7 +64,8 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         (Some(addr), _) => serve(dir, gpus, addr, &args.hosts),
         (None, Some(out)) => textfile(&dir, &gpus, out, args.interval),
         (None, None) => {
-            print!("{}", render(&dir, &gpus)?);
+            let mut watch = tt_lock::UsageWatch::new(Duration::ZERO);
+            print!("{}", render(&dir, &gpus, &mut watch)?);
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -84,12 +85,16 @@ fn serve(dir: LockDir, gpus: Gpus, addr: SocketAddr, hosts: &[String]) -> Result
     let bound = listener.local_addr()?;
     eprintln!("torchtools: serving metrics at http://{bound}/metrics");
     let gpus = Arc::new(gpus);
+    // The usage logs as the scrapes so far read them: each reads what was appended.
+    let watch = Arc::new(std::sync::Mutex::new(tt_lock::UsageWatch::new(
+        Duration::ZERO,
+    )));
     let names = crate::http::Names::of(bound, hosts);
     crate::http::run(listener, "torchtools metrics", names, move |get: Get| {
-        let (dir, gpus) = (dir.clone(), Arc::clone(&gpus));
+        let (dir, gpus, watch) = (dir.clone(), Arc::clone(&gpus), Arc::clone(&watch));
         async move {
             match get.path.as_str() {
-                "/metrics" => scrape(dir, gpus, get.accept, "torchtools metrics").await,
+                "/metrics" => scrape(dir, gpus, watch, get.accept, "torchtools metrics").await,
                 _ => crate::http::text(404, "torchtools", "the metrics are at /metrics"),
             }
         }
@@ -97,15 +102,20 @@ fn serve(dir: LockDir, gpus: Gpus, addr: SocketAddr, hosts: &[String]) -> Result
     Ok(ExitCode::SUCCESS)
 }
 
-/// A scrape of `/metrics`: read afresh, off the threads that answer the others, in the
-/// format `accept` asks for.
-pub(crate) async fn scrape(
+/// A scrape of `/metrics`: read afresh (the usage logs read on by `watch`), off the
+/// threads that answer the others, in the format `accept` asks for.
+async fn scrape(
     dir: LockDir,
     gpus: Arc<Gpus>,
+    watch: Arc<std::sync::Mutex<tt_lock::UsageWatch>>,
     accept: Option<String>,
     who: &str,
 ) -> crate::http::Response {
-    match tokio::task::spawn_blocking(move || render(&dir, &gpus)).await {
+    let read = move || {
+        let mut watch = watch.lock().unwrap_or_else(|e| e.into_inner());
+        render(&dir, &gpus, &mut watch)
+    };
+    match tokio::task::spawn_blocking(read).await {
         Ok(Ok(text)) => {
             let (kind, body) = negotiate(text, accept.as_deref());
             crate::http::response(200, kind, body)
@@ -140,9 +150,10 @@ fn textfile(dir: &LockDir, gpus: &Gpus, out: &Path, interval: Duration) -> Resul
     let path = out.join(TEXTFILE);
     // A name node_exporter does not read (`*.prom` only) while it is written.
     let temp = out.join(format!(".{TEXTFILE}.{}", std::process::id()));
+    let mut watch = tt_lock::UsageWatch::new(Duration::ZERO);
     loop {
         // node_exporter reads Prometheus's text format.
-        let text = text_format(&render(dir, gpus)?);
+        let text = text_format(&render(dir, gpus, &mut watch)?);
         let mut file = new_textfile(&temp).map_err(|e| {
             Exit::usage(format!(
                 "--textfile {}: cannot create {} there: {e} (a file or link of that \
@@ -290,10 +301,15 @@ fn gpu_labels(key: &GpuKey, index: Option<u32>) -> GpuLabels {
     }
 }
 
-/// Every metric, read now, as OpenMetrics text.
-pub(crate) fn render(dir: &LockDir, gpus: &Gpus) -> Result<String> {
+/// Every metric, read now, as OpenMetrics text; the usage logs read on from where
+/// `watch` (this process's earlier readings) stopped.
+pub(crate) fn render(
+    dir: &LockDir,
+    gpus: &Gpus,
+    watch: &mut tt_lock::UsageWatch,
+) -> Result<String> {
     let snapshot = Snapshot::take(dir, gpus)?;
-    let usage = dir.usage_totals(&[f64::MIN])?;
+    let usage = watch.read(dir, &[])?;
     let jobs = snapshot.live_jobs()?;
     let per_user = per_user_use(&usage);
     render_from(&snapshot, &per_user, &usage.ignored, &jobs)

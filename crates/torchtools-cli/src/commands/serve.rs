@@ -606,6 +606,47 @@ mod tests {
         assert_eq!(json["schema"], SCHEMA);
     }
 
+    /// `metrics --listen` and `--textfile` render every scrape with one watch of the
+    /// usage logs: a later scrape reads what was appended, and counts it.
+    #[test]
+    fn a_later_scrape_reads_on_and_counts_what_was_appended() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        let gpus = one_gpu();
+        let uid = tt_lock::euid();
+        let me = tt_lock::Holder::current().who.user;
+        let seconds = |text: &str| -> f64 {
+            let series = format!("torchtools_user_gpu_seconds_total{{user=\"{me}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(series.as_str()))
+                .map_or(0.0, |v| v.trim().parse().unwrap())
+        };
+        let append = |id: &str, start: f64| {
+            use std::io::Write as _;
+            let mut log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.usage_log_path(uid))
+                .unwrap();
+            writeln!(
+                log,
+                "{{\"event\":\"start\",\"id\":\"{id}\",\"user\":\"{me}\",\"host\":\"h\",\
+                 \"pid\":1,\"gpu\":\"index 0\",\"bytes\":null,\"time\":{start},\"command\":[]}}\n\
+                 {{\"event\":\"end\",\"id\":\"{id}\",\"time\":{}}}",
+                start + 3600.0
+            )
+            .unwrap();
+        };
+        let now = tt_device::now_unix();
+        append("first", now - 10_000.0);
+        let mut watch = tt_lock::UsageWatch::new(std::time::Duration::ZERO);
+        let first = crate::commands::metrics::render(&dir, &gpus, &mut watch).unwrap();
+        assert!((seconds(&first) - 3600.0).abs() < 1e-6, "{first}");
+        append("second", now - 5_000.0);
+        let later = crate::commands::metrics::render(&dir, &gpus, &mut watch).unwrap();
+        assert!((seconds(&later) - 7200.0).abs() < 1e-6, "{later}");
+    }
+
     #[test]
     fn the_metrics_are_rendered_from_the_state_read_as_the_metrics_command_reads_them() {
         let tmp = tempfile::tempdir().unwrap();
@@ -618,7 +659,8 @@ mod tests {
         let mut reader = Reader::new(dir.clone(), Arc::clone(&gpus));
         let read = reader.read_all();
         let served = read.metrics.unwrap().unwrap();
-        let fresh = crate::commands::metrics::render(&dir, &gpus).unwrap();
+        let mut watch = tt_lock::UsageWatch::new(std::time::Duration::ZERO);
+        let fresh = crate::commands::metrics::render(&dir, &gpus, &mut watch).unwrap();
         // The same series, and the same values but for the clock's (ages in seconds).
         let steady = |text: &str| -> Vec<String> {
             text.lines()
