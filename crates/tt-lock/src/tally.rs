@@ -582,6 +582,29 @@ mod tests {
     use super::*;
     use std::io::Write;
 
+    /// What a reader keyed `dir` (a process of its own) reads of `logs` at `now`, with
+    /// `live` the live holders' usage ids; `summarize`: as a request of the logs' owner
+    /// does.
+    fn read_at(
+        dir: &Path,
+        logs: &[crate::usage::LogFile],
+        half_life: f64,
+        live: &HashSet<(String, String)>,
+        now: f64,
+        summarize: bool,
+    ) -> RecentUse {
+        recent_use(
+            dir,
+            logs,
+            half_life,
+            || Ok(live.clone()),
+            now,
+            None,
+            summarize,
+        )
+        .unwrap()
+    }
+
     /// Appends `lines` (JSON records) to the log at `path`.
     fn append(path: &Path, lines: &[String]) {
         let mut f = std::fs::OpenOptions::new()
@@ -670,9 +693,7 @@ mod tests {
         let logs = [(path.clone(), uid)];
         for round in 0..3 {
             let t = now + round as f64;
-            let folded = recent_use(&dir, &logs, half_life, || Ok(live.clone()), t, None, true)
-                .unwrap()
-                .uses;
+            let folded = read_at(&dir, &logs, half_life, &live, t, true).uses;
             let fresh = from_records(&path, uid, &live, t, half_life);
             assert!(
                 close(&folded, &fresh),
@@ -740,27 +761,9 @@ mod tests {
             // What each request does under a fair-share policy, in processes of its
             // own (each reads on from its last summary).
             let writer = tmp.path().join(format!("writer-{batch}"));
-            recent_use(
-                &writer,
-                &logs,
-                half_life,
-                || Ok(live.clone()),
-                now,
-                None,
-                true,
-            )
-            .unwrap();
+            read_at(&writer, &logs, half_life, &live, now, true);
             // A long-running reader reads on between them.
-            recent_use(
-                &along,
-                &logs,
-                half_life,
-                || Ok(live.clone()),
-                now,
-                None,
-                true,
-            )
-            .unwrap();
+            read_at(&along, &logs, half_life, &live, now, true);
         }
         let text = std::fs::read_to_string(&path).unwrap();
         let summaries = text.matches("\"event\":\"summary\"").count();
@@ -786,28 +789,8 @@ mod tests {
             log.offset()
         );
         let fresh_dir = tmp.path().join("fresh");
-        let fresh = recent_use(
-            &fresh_dir,
-            &logs,
-            half_life,
-            || Ok(live.clone()),
-            now,
-            None,
-            true,
-        )
-        .unwrap()
-        .uses;
-        let all_along = recent_use(
-            &along,
-            &logs,
-            half_life,
-            || Ok(live.clone()),
-            now,
-            None,
-            true,
-        )
-        .unwrap()
-        .uses;
+        let fresh = read_at(&fresh_dir, &logs, half_life, &live, now, true).uses;
+        let all_along = read_at(&along, &logs, half_life, &live, now, true).uses;
         let records = from_records(&path, uid, &live, now, half_life);
         assert!(close(&fresh, &records), "{fresh:?} != {records:?}");
         assert!(close(&all_along, &fresh), "{all_along:?} != {fresh:?}");
@@ -832,26 +815,14 @@ mod tests {
         append(&path, &[forged(at + 1, &me)]);
         for reader in ["again", "along"] {
             let dir = tmp.path().join(reader);
-            let read = recent_use(&dir, &logs, half_life, || Ok(live.clone()), now, None, true)
-                .unwrap()
-                .uses;
+            let read = read_at(&dir, &logs, half_life, &live, now, true).uses;
             assert!(close(&read, &records), "{reader}: {read:?} != {records:?}");
         }
         // One that is where it says, in the owner's name, counts for its owner alone:
         // for every reader alike.
         let at = std::fs::metadata(&path).unwrap().len();
         append(&path, &[forged(at, &me)]);
-        let along_read = recent_use(
-            &along,
-            &logs,
-            half_life,
-            || Ok(live.clone()),
-            now,
-            None,
-            true,
-        )
-        .unwrap()
-        .uses;
+        let along_read = read_at(&along, &logs, half_life, &live, now, true).uses;
         let new_read = recent_use(
             &tmp.path().join("new"),
             &logs,
@@ -1080,26 +1051,8 @@ mod tests {
         let mut both = |expect_unread: bool, step: &str| {
             fresh_readers += 1;
             let fresh = tmp.path().join(format!("fresh-{fresh_readers}"));
-            let a = recent_use(
-                &along,
-                &logs,
-                half_life,
-                || Ok(live.clone()),
-                now,
-                None,
-                false,
-            )
-            .unwrap();
-            let f = recent_use(
-                &fresh,
-                &logs,
-                half_life,
-                || Ok(live.clone()),
-                now,
-                None,
-                false,
-            )
-            .unwrap();
+            let a = read_at(&along, &logs, half_life, &live, now, false);
+            let f = read_at(&fresh, &logs, half_life, &live, now, false);
             assert!(close(&a.uses, &f.uses), "{step}: {a:?} != {f:?}");
             assert_eq!(
                 a.unread.keys().collect::<Vec<_>>(),
@@ -1122,16 +1075,7 @@ mod tests {
         both(true, "past the bound");
         // Its owner's next request reads it whole and summarizes it: read again.
         let owner = tmp.path().join("owner");
-        recent_use(
-            &owner,
-            &logs,
-            half_life,
-            || Ok(live.clone()),
-            now,
-            None,
-            true,
-        )
-        .unwrap();
+        read_at(&owner, &logs, half_life, &live, now, true);
         assert_eq!(
             std::fs::read_to_string(&path)
                 .unwrap()
@@ -1163,16 +1107,7 @@ mod tests {
         append(&path, &[String::new()]);
         both(true, "a byte past the bound");
         // A line too long to read, under the bound: its reading stops, alike.
-        recent_use(
-            &owner,
-            &logs,
-            half_life,
-            || Ok(live.clone()),
-            now,
-            None,
-            true,
-        )
-        .unwrap();
+        read_at(&owner, &logs, half_life, &live, now, true);
         both(false, "summarized again");
         append(&path, &["x".repeat(70_000)]);
         both(true, "an over-long line");

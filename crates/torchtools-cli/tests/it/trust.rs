@@ -1807,13 +1807,16 @@ fn a_log_written_past_its_summary_is_charged_to_its_owner_until_their_next_reque
     assert!(std::fs::metadata(&log).unwrap().len() > 3 << 19);
     let b_log = dir.join(format!("usage-{}.jsonl", b.uid));
     write_as(user_b, &history_of(user_b, 10), &b_log, tmp.path());
-    let standing_of_a = || {
-        let out = as_user(user_b, &dir, &home_b)
+    // What B's `torchtools ARGS` prints, under the policy.
+    let as_b = |args: &[&str]| {
+        ok(as_user(user_b, &dir, &home_b)
             .env("TORCHTOOLS_POLICY", &policy)
-            .args(["policy", "--json"])
+            .args(args)
             .output()
-            .unwrap();
-        let json: serde_json::Value = serde_json::from_str(&ok(out)).unwrap();
+            .unwrap())
+    };
+    let standing_of_a = || {
+        let json: serde_json::Value = serde_json::from_str(&as_b(&["policy", "--json"])).unwrap();
         json["users"]
             .as_array()
             .unwrap()
@@ -1831,22 +1834,12 @@ fn a_log_written_past_its_summary_is_charged_to_its_owner_until_their_next_reque
         why.contains(&format!("usage-{}.jsonl not read", a.uid)),
         "{before}"
     );
-    let out = as_user(user_b, &dir, &home_b)
-        .env("TORCHTOOLS_POLICY", &policy)
-        .arg("policy")
-        .output()
-        .unwrap();
-    let text = ok(out);
+    let text = as_b(&["policy"]);
     assert!(
         text.contains(&format!("not counted: {user_a}'s usage log")),
         "{text}"
     );
-    let out = as_user(user_b, &dir, &home_b)
-        .env("TORCHTOOLS_POLICY", &policy)
-        .arg("metrics")
-        .output()
-        .unwrap();
-    let text = ok(out);
+    let text = as_b(&["metrics"]);
     assert!(
         text.contains(&format!(
             "torchtools_user_usage_unread{{user=\"{user_a}\"}} 1"
