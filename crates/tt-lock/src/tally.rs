@@ -43,6 +43,81 @@ struct Open {
     seen_dead: bool,
 }
 
+/// The reservations of one log still open as it is read, `T` each, at most
+/// [`MAX_OPEN`]: past that the oldest is taken to have ended when the log's latest
+/// reservation started (charged to the log's owner, who wrote them all). The fair
+/// share's tally and `usage`'s sums keep them alike.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Opens<T> {
+    /// Open reservations by id.
+    #[serde(rename = "open")]
+    pub(crate) by_id: HashMap<String, T>,
+    /// Their ids in the order read (and ids of some that ended since, which leave its
+    /// front as they come to it).
+    pub(crate) order: VecDeque<String>,
+    /// The latest start read.
+    pub(crate) latest: f64,
+}
+
+impl<T> Default for Opens<T> {
+    fn default() -> Opens<T> {
+        Opens {
+            by_id: HashMap::new(),
+            order: VecDeque::new(),
+            latest: 0.0,
+        }
+    }
+}
+
+impl<T> Opens<T> {
+    /// Keeps `value` open under `id`, started at `start`: returns the reservations that
+    /// end as it starts, each with when (an earlier one under the same id, when this
+    /// began; the oldest past [`MAX_OPEN`], at the latest start read).
+    pub(crate) fn start(&mut self, id: String, start: f64, value: T) -> Vec<(T, f64)> {
+        self.latest = self.latest.max(start);
+        // Ids of reservations ended since they were read leave the front of the order
+        // as they come to it (a log reads start, end, start, end...): the order holds
+        // about the open ones, not every id ever read.
+        while self
+            .order
+            .front()
+            .is_some_and(|id| !self.by_id.contains_key(id))
+        {
+            self.order.pop_front();
+        }
+        let mut ended = Vec::new();
+        match self.by_id.insert(id.clone(), value) {
+            // The same id again: the first is taken to have ended when this began.
+            Some(earlier) => ended.push((earlier, start)),
+            None => self.order.push_back(id),
+        }
+        while self.by_id.len() > MAX_OPEN {
+            let Some(id) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(oldest) = self.by_id.remove(&id) {
+                ended.push((oldest, self.latest));
+            }
+        }
+        ended
+    }
+
+    /// Makes the order name each open reservation once (as reading keeps it): after
+    /// some were removed out of order, or as a summary its owner wrote says it.
+    pub(crate) fn order_each_once(&mut self) {
+        let mut seen = HashSet::new();
+        let by_id = &self.by_id;
+        self.order
+            .retain(|id| by_id.contains_key(id) && seen.insert(id.clone()));
+        let missing: Vec<String> = by_id
+            .keys()
+            .filter(|id| !seen.contains(*id))
+            .cloned()
+            .collect();
+        self.order.extend(missing);
+    }
+}
+
 /// One log as folded so far (see the module's documentation).
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub(crate) struct Folded {
@@ -51,11 +126,9 @@ pub(crate) struct Folded {
     /// Ended reservations: per user, the sum of `w * (g(end) - g(start)) / k`, where
     /// `g(t) = exp(k * (t - origin))`.
     closed: HashMap<String, f64>,
-    /// Open reservations by id, and their ids in the order read.
-    open: HashMap<String, Open>,
-    order: VecDeque<String>,
-    /// The latest start read.
-    latest: f64,
+    /// Open reservations (written flat, as `open`, `order` and `latest`).
+    #[serde(flatten)]
+    open: Opens<Open>,
 }
 
 /// The weight of a reservation's seconds: a sharer's part of its GPU, else 1.
@@ -90,7 +163,6 @@ impl Folded {
 impl Sink for Folded {
     fn start(&mut self, r: Usage) {
         let start = r.since_unix;
-        self.latest = self.latest.max(start);
         let open = Open {
             weight: weight(&r),
             user: r.user,
@@ -98,40 +170,19 @@ impl Sink for Folded {
             alive: start,
             seen_dead: false,
         };
-        // Ids of reservations ended since they were read leave the front of the order
-        // as they come to it (a log reads start, end, start, end...): the order holds
-        // about the open ones, not every id ever read.
-        while self
-            .order
-            .front()
-            .is_some_and(|id| !self.open.contains_key(id))
-        {
-            self.order.pop_front();
-        }
-        match self.open.insert(r.id.clone(), open) {
-            // The same id again: the first is taken to have ended when this began.
-            Some(earlier) => self.fold(earlier, start),
-            None => self.order.push_back(r.id),
-        }
-        while self.open.len() > MAX_OPEN {
-            let Some(id) = self.order.pop_front() else {
-                break;
-            };
-            if let Some(oldest) = self.open.remove(&id) {
-                let at = self.latest;
-                self.fold(oldest, at);
-            }
+        for (ended, at) in self.open.start(r.id, start, open) {
+            self.fold(ended, at);
         }
     }
 
     fn end(&mut self, id: &str, time: f64, _status: Option<i32>, _lost: bool) {
-        if let Some(open) = self.open.remove(id) {
+        if let Some(open) = self.open.by_id.remove(id) {
             self.fold(open, time);
         }
     }
 
     fn alive(&mut self, id: &str, time: f64) {
-        if let Some(open) = self.open.get_mut(id) {
+        if let Some(open) = self.open.by_id.get_mut(id) {
             open.alive = open.alive.max(time);
         }
     }
@@ -163,13 +214,13 @@ impl Sink for Folded {
         let sane = summary.k == self.k
             && self.k == std::f64::consts::LN_2 / half_life.max(1e-9)
             && finite(summary.origin)
-            && finite(summary.latest)
-            && summary.open.len() <= MAX_OPEN
+            && finite(summary.open.latest)
+            && summary.open.by_id.len() <= MAX_OPEN
             && summary
                 .closed
                 .iter()
                 .all(|(user, v)| finite(*v) && believed(user))
-            && summary.open.values().all(|o| {
+            && summary.open.by_id.values().all(|o| {
                 believed(&o.user)
                     && [o.start, o.alive].into_iter().all(finite)
                     && (0.0..=1.0).contains(&o.weight)
@@ -181,18 +232,7 @@ impl Sink for Folded {
         if !summary.closed.values().all(|v| v.is_finite()) {
             return false;
         }
-        // The order names each open reservation once, as reading keeps it.
-        let mut seen = HashSet::new();
-        summary
-            .order
-            .retain(|id| summary.open.contains_key(id) && seen.insert(id.clone()));
-        let missing: Vec<String> = summary
-            .open
-            .keys()
-            .filter(|id| !seen.contains(*id))
-            .cloned()
-            .collect();
-        summary.order.extend(missing);
+        summary.open.order_each_once();
         *self = summary;
         true
     }
@@ -357,7 +397,7 @@ impl DirTally {
             for (user, v) in &log.sink.closed {
                 *uses.entry(user.clone()).or_default() += v * decay;
             }
-            for (id, open) in &log.sink.open {
+            for (id, open) in &log.sink.open.by_id {
                 // Live (settle folded the dead ones whose end is known): until now.
                 let end = if live.contains(&(open.user.clone(), id.clone())) {
                     now
@@ -536,7 +576,7 @@ fn settle(tally: &mut DirTally, live: &HashSet<(String, String)>, now: f64) {
     for log in tally.logs.values_mut() {
         let sink = &mut log.sink;
         let mut ended: Vec<(String, f64)> = Vec::new();
-        for (id, open) in sink.open.iter_mut() {
+        for (id, open) in sink.open.by_id.iter_mut() {
             if live.contains(&(open.user.clone(), id.clone())) {
                 continue;
             }
@@ -547,11 +587,12 @@ fn settle(tally: &mut DirTally, live: &HashSet<(String, String)>, now: f64) {
             open.seen_dead = true;
         }
         for (id, end) in ended {
-            if let Some(open) = sink.open.remove(&id) {
+            if let Some(open) = sink.open.by_id.remove(&id) {
                 sink.fold(open, end);
             }
         }
-        sink.order.retain(|id| sink.open.contains_key(id));
+        let by_id = &sink.open.by_id;
+        sink.open.order.retain(|id| by_id.contains_key(id));
     }
 }
 
@@ -717,9 +758,21 @@ mod tests {
         // The dead holders' records were folded once their ends had passed.
         let all = TALLY.lock().unwrap();
         let log = &all[&dir].logs[&path].sink;
-        assert!(!log.open.contains_key("dead"), "{:?}", log.open.keys());
-        assert!(!log.open.contains_key("lost"), "{:?}", log.open.keys());
-        assert!(log.open.contains_key("live"), "{:?}", log.open.keys());
+        assert!(
+            !log.open.by_id.contains_key("dead"),
+            "{:?}",
+            log.open.by_id.keys()
+        );
+        assert!(
+            !log.open.by_id.contains_key("lost"),
+            "{:?}",
+            log.open.by_id.keys()
+        );
+        assert!(
+            log.open.by_id.contains_key("live"),
+            "{:?}",
+            log.open.by_id.keys()
+        );
     }
 
     /// A log its owner summarized as they reserved: a reader new to it reads from its
@@ -796,7 +849,7 @@ mod tests {
         assert!(close(&all_along, &fresh), "{all_along:?} != {fresh:?}");
         {
             let all = TALLY.lock().unwrap();
-            let open = &all[&fresh_dir].logs[&path].sink.open;
+            let open = &all[&fresh_dir].logs[&path].sink.open.by_id;
             // The live one carried across every summary (the dead one folded at its
             // latest end once a writer found it dead twice).
             assert!(open.contains_key("live"), "{:?}", open.keys());
@@ -954,8 +1007,8 @@ mod tests {
             });
             folded.end(&id, f64::from(i) + 0.5, Some(0), false);
         }
-        assert!(folded.open.is_empty());
-        assert!(folded.order.len() <= 1, "{}", folded.order.len());
+        assert!(folded.open.by_id.is_empty());
+        assert!(folded.open.order.len() <= 1, "{}", folded.open.order.len());
         assert!(folded.closed["ada"] > 0.0);
     }
 
@@ -1011,14 +1064,14 @@ mod tests {
         });
         read_more(&junk, uid, &mut whole, true).unwrap();
         assert!(
-            whole.sink.open.len() <= MAX_OPEN,
+            whole.sink.open.by_id.len() <= MAX_OPEN,
             "{}",
-            whole.sink.open.len()
+            whole.sink.open.by_id.len()
         );
         assert!(
-            whole.sink.order.len() <= MAX_OPEN,
+            whole.sink.open.order.len() <= MAX_OPEN,
             "{}",
-            whole.sink.order.len()
+            whole.sink.open.order.len()
         );
         assert!(whole.sink.closed[&me] > 0.0 && whole.sink.closed[&me].is_finite());
     }

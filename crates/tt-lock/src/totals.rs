@@ -84,9 +84,7 @@ pub struct UsageSummed {
 #[derive(Debug, Default)]
 struct Summing {
     now: f64,
-    open: HashMap<String, Usage>,
-    order: VecDeque<String>,
-    latest: f64,
+    open: crate::tally::Opens<Usage>,
     windows: Vec<UsageTotals>,
     skipped: Vec<String>,
     ignored: Vec<Ignored>,
@@ -125,33 +123,14 @@ impl Summing {
 
 impl Sink for Summing {
     fn start(&mut self, r: Usage) {
-        self.latest = self.latest.max(r.since_unix);
-        while self
-            .order
-            .front()
-            .is_some_and(|id| !self.open.contains_key(id))
-        {
-            self.order.pop_front();
-        }
         let (start, id) = (r.since_unix, r.id.clone());
-        match self.open.insert(id.clone(), r) {
-            // The same id again: the first is taken to have ended when this began.
-            Some(earlier) => self.ended(earlier, start),
-            None => self.order.push_back(id),
-        }
-        while self.open.len() > crate::tally::MAX_OPEN {
-            let Some(id) = self.order.pop_front() else {
-                break;
-            };
-            if let Some(oldest) = self.open.remove(&id) {
-                let at = self.latest;
-                self.ended(oldest, at);
-            }
+        for (ended, at) in self.open.start(id, start, r) {
+            self.ended(ended, at);
         }
     }
 
     fn end(&mut self, id: &str, time: f64, status: Option<i32>, lost: bool) {
-        if let Some(mut r) = self.open.remove(id) {
+        if let Some(mut r) = self.open.by_id.remove(id) {
             r.status = status;
             r.lost = lost;
             self.ended(r, time);
@@ -159,7 +138,7 @@ impl Sink for Summing {
     }
 
     fn alive(&mut self, id: &str, time: f64) {
-        if let Some(r) = self.open.get_mut(id) {
+        if let Some(r) = self.open.by_id.get_mut(id) {
             r.alive = Some(r.alive.map_or(time, |a| a.max(time)));
         }
     }
@@ -173,9 +152,7 @@ impl Sink for Summing {
     }
 
     fn reset(&mut self) {
-        self.open.clear();
-        self.order.clear();
-        self.latest = 0.0;
+        self.open = crate::tally::Opens::default();
         for w in &mut self.windows {
             *w = UsageTotals {
                 from_unix: w.from_unix,
@@ -254,7 +231,7 @@ impl UsageWatch {
                     w.add(r, now);
                 }
             }
-            for r in sums.open.values() {
+            for r in sums.open.by_id.values() {
                 let r = ended_if_lost(r.clone(), &live, now);
                 for w in &mut out.windows {
                     w.add(&r, now);
@@ -315,7 +292,7 @@ impl LockDir {
             }
             out.skipped.extend(sums.skipped);
             out.ignored.extend(sums.ignored);
-            open.extend(sums.open.into_values());
+            open.extend(sums.open.by_id.into_values());
         }
         // Read after the logs: a start read has its live record already.
         let live: HashSet<(String, String)> = self.live_usage_ids()?;
@@ -559,8 +536,8 @@ mod tests {
                 alive: None,
             });
         }
-        assert!(sums.open.len() <= crate::tally::MAX_OPEN);
-        assert!(sums.order.len() <= crate::tally::MAX_OPEN);
+        assert!(sums.open.by_id.len() <= crate::tally::MAX_OPEN);
+        assert!(sums.open.order.len() <= crate::tally::MAX_OPEN);
         assert_eq!(
             sums.windows[0].by_user["ada"].reservations,
             2 * crate::tally::MAX_OPEN
