@@ -300,6 +300,30 @@ fn decide() {
     println!("{first} {later} {}", usage.ru_maxrss);
 }
 
+/// This bench run again as a child in `mode` (`--decide`, `--totals`, ...) in the
+/// lock directory `dir`, with `env` set: the `count` numbers it prints.
+fn child_numbers(
+    mode: &str,
+    dir: &LockDir,
+    env: &[(&str, &std::path::Path)],
+    count: usize,
+) -> Vec<f64> {
+    let out = Command::new(std::env::current_exe().expect("exe"))
+        .arg(mode)
+        .env("TT_LOCK_BENCH_DIR", dir.path())
+        .envs(env.iter().copied())
+        .stderr(Stdio::null())
+        .output()
+        .expect("child");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Vec<f64> = text
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(v.len(), count, "{mode}: {text}");
+    v
+}
+
 /// A request's decision under a fair-share policy in a fresh process (which reads the
 /// usage logs once) and later ones, with a year of history, and with one user's junk
 /// beside a small history: each in a process of its own, for its peak memory.
@@ -351,20 +375,11 @@ fn history_decision(tmp: &std::path::Path) {
     // Each process keeps its tally for the next in this user's cache: here the bench's.
     let cache = tmp.join("cache");
     let measure = |dir: &LockDir| -> (f64, f64, f64) {
-        let out = Command::new(std::env::current_exe().expect("exe"))
-            .arg("--decide")
-            .env("TT_LOCK_BENCH_DIR", dir.path())
-            .env("XDG_CACHE_HOME", &cache)
-            .env(tt_lock::POLICY_ENV, &policy)
-            .stderr(Stdio::null())
-            .output()
-            .expect("decide");
-        let text = String::from_utf8_lossy(&out.stdout);
-        let v: Vec<f64> = text
-            .split_whitespace()
-            .filter_map(|w| w.parse().ok())
-            .collect();
-        assert_eq!(v.len(), 3, "{text}");
+        let env = [
+            ("XDG_CACHE_HOME", cache.as_path()),
+            (tt_lock::POLICY_ENV, policy.as_path()),
+        ];
+        let v = child_numbers("--decide", dir, &env, 3);
         (v[0], v[1], v[2] / 1024.0)
     };
     let (s_first, s_later, s_mib) = measure(&small);
@@ -454,18 +469,7 @@ fn read_usage(streamed: bool) {
 /// beside every record kept, each in a process of its own for its peak memory.
 fn usage_totals(year: &LockDir) {
     let measure = |mode: &str| -> (f64, f64) {
-        let out = Command::new(std::env::current_exe().expect("exe"))
-            .arg(mode)
-            .env("TT_LOCK_BENCH_DIR", year.path())
-            .stderr(Stdio::null())
-            .output()
-            .expect("usage");
-        let text = String::from_utf8_lossy(&out.stdout);
-        let v: Vec<f64> = text
-            .split_whitespace()
-            .filter_map(|w| w.parse().ok())
-            .collect();
-        assert_eq!(v.len(), 2, "{text}");
+        let v = child_numbers(mode, year, &[], 2);
         (v[0], v[1])
     };
     let (t_ms, t_kib) = measure("--totals");
