@@ -439,7 +439,7 @@ impl LockDir {
     /// else until now). The logs are read
     /// on from where this process's last reading of this directory stopped: a decision
     /// reads only the records written since.
-    fn recent_use(&self, half_life: f64) -> Result<crate::tally::RecentUse> {
+    pub(crate) fn recent_use(&self, half_life: f64) -> Result<crate::tally::RecentUse> {
         let (logs, _) = self.usage_logs()?;
         crate::tally::recent_use(
             self.path(),
@@ -465,8 +465,18 @@ impl LockDir {
     /// served as the heaviest user ([`Standing::unread`]). This reads such a log of this
     /// user's whole, once, and summarizes it, which ends that (unless the summary is
     /// too long for a line: more than a few hundred reservations open at once).
+    ///
+    /// It also writes the summary of totals that `usage`, `metrics` and `serve` start
+    /// from, into each of this user's logs with 128 KiB past its last (every record
+    /// this crate writes does that as it writes).
     pub fn summarize_own_usage(&self, half_life: std::time::Duration) -> Result<()> {
-        self.recent_use(half_life.as_secs_f64()).map(drop)
+        self.recent_use(half_life.as_secs_f64())?;
+        let (logs, _) = self.usage_logs()?;
+        let me = crate::owner::euid();
+        for (path, _) in logs.iter().filter(|(_, uid)| *uid == me) {
+            crate::totals::summarize_own_totals(self, path)?;
+        }
+        Ok(())
     }
 
     /// The queue as `policy` serves it (see [`LockDir::queue`]).

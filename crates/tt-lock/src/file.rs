@@ -14,6 +14,10 @@ use crate::Holder;
 #[derive(Debug)]
 pub(crate) struct OwnLog {
     pub(crate) file: File,
+    /// Its path.
+    pub(crate) path: std::path::PathBuf,
+    /// This process has looked whether its summary of totals is due.
+    pub(crate) checked: std::sync::atomic::AtomicBool,
     /// The log does not end with a newline (a record cut short, by this process or
     /// an earlier one): the next record starts with one, so that it is read whole.
     pub(crate) cut: std::sync::atomic::AtomicBool,

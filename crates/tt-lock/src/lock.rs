@@ -423,7 +423,7 @@ impl LockDir {
         // Under fair share, this user's logs summarized for readers new to them (and
         // the logs read, as a decision reads them).
         if let Some(fair) = &policy.policy.fair_share {
-            if let Err(e) = self.summarize_own_usage(fair.half_life) {
+            if let Err(e) = self.recent_use(fair.half_life.as_secs_f64()) {
                 tracing::warn!("cannot summarize the GPU usage log: {e}");
             }
         }

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::usage::{lost_end, read_more, Sink, Tailed, Usage};
+use crate::usage::{lost_end, read_more, Sink, SummaryLine, Tailed, Usage, SUMMARY_EVERY};
 use crate::Ignored;
 
 /// Open reservations kept per log; an honest user has as many as they hold now plus
@@ -201,13 +201,9 @@ impl Sink for Folded {
         };
     }
 
-    fn summary(
-        &mut self,
-        half_life: f64,
-        state: serde_json::Value,
-        believed: &dyn Fn(&str) -> bool,
-    ) -> bool {
-        let Ok(mut summary) = serde_json::from_value::<Folded>(state) else {
+    fn summary(&mut self, line: SummaryLine, believed: &dyn Fn(&str) -> bool) -> bool {
+        let half_life = line.half_life;
+        let Ok(mut summary) = serde_json::from_value::<Folded>(line.state) else {
             return false;
         };
         let finite = |v: f64| v.is_finite() && v >= 0.0;
@@ -368,7 +364,7 @@ impl DirTally {
                     self.logs.insert(path.clone(), log);
                 }
             } else if log.since_summary() >= SUMMARY_EVERY {
-                crate::usage::append_summary(path, log.offset(), self.half_life, &log.sink);
+                append_folded(path, log.offset(), self.half_life, &log.sink);
             }
         }
         Ok(())
@@ -425,7 +421,7 @@ pub(crate) struct RecentUse {
 
 /// The file (device and inode) and length of the log at `path`, without following a
 /// link; `None` when there is nothing there.
-fn file_and_len(path: &Path) -> Option<((u64, u64), u64)> {
+pub(crate) fn file_and_len(path: &Path) -> Option<((u64, u64), u64)> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::symlink_metadata(path).ok()?;
     Some(((meta.dev(), meta.ino()), meta.len()))
@@ -447,13 +443,15 @@ fn summarize_whole(
         ..Folded::default()
     });
     read_more(path, uid, &mut whole, true)?;
-    Ok(!whole.stopped()
-        && crate::usage::append_summary(path, whole.offset(), half_life, &whole.sink))
+    Ok(!whole.stopped() && append_folded(path, whole.offset(), half_life, &whole.sink))
 }
 
-/// Bytes of a log past its last summary after which its owner's next decision writes
-/// another: a reader new to the log reads about this much of it.
-pub(crate) const SUMMARY_EVERY: u64 = 128 << 10;
+/// Appends to this user's log at `path` the fair share's summary `folded` of its first
+/// `upto` bytes, decayed with `half_life` seconds: whether it was written.
+fn append_folded(path: &Path, upto: u64, half_life: f64, folded: &Folded) -> bool {
+    serde_json::to_value(folded)
+        .is_ok_and(|state| crate::usage::append_summary(path, upto, half_life, state, None))
+}
 
 /// The GPU-seconds from `start` to `end` decayed to `now` with `k = ln 2 / half_life`:
 /// the integral of `2^(-(now - t) / half_life)`.

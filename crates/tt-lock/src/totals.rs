@@ -2,16 +2,30 @@
 //! `metrics` and the page's numbers, in memory bounded by the reservations open at once
 //! (at most [`crate::tally::MAX_OPEN`] per log) whatever the history and whatever one
 //! user wrote into their own log. [`LockDir::usage`] keeps every record instead.
+//!
+//! A log's owner summarizes its totals every [`SUMMARY_EVERY`] bytes as
+//! they write it ([`summarize_own_totals`]): what ended before, per user and per GPU;
+//! what is still open; when it was written; where the previous such summary is. A
+//! reader new to the log starts at the last of these that was written before every
+//! window it adds up begins (all time: the last one), walking back from the last one
+//! among the log's last [`SUMMARY_SEARCH`] bytes; so its cost is what the log holds
+//! from there on, not the whole history. A log with more than that past its last
+//! summary of totals is read by nobody (reported as not read, [`Ignored`]), until its
+//! owner's next record summarizes it whole, at their cost.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::path::Path;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use crate::usage::{lost_end, read_more, Sink, Tailed, Usage};
+use crate::tally::{Opens, MAX_OPEN};
+use crate::usage::{
+    lost_end, read_more, Sink, SummaryLine, Tailed, Usage, SUMMARY_EVERY, SUMMARY_SEARCH,
+};
 use crate::{Ignored, LockDir, Result};
 
 /// One user's (or one GPU's) use from some time on.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct UsageTotal {
     /// Reservations counted: those that ended after the window began, or still run.
     pub reservations: usize,
@@ -84,7 +98,7 @@ pub struct UsageSummed {
 #[derive(Debug, Default)]
 struct Summing {
     now: f64,
-    open: crate::tally::Opens<Usage>,
+    open: Opens<Usage>,
     windows: Vec<UsageTotals>,
     skipped: Vec<String>,
     ignored: Vec<Ignored>,
@@ -92,6 +106,15 @@ struct Summing {
     /// `now`), and those kept, at most [`MAX_RECENT`].
     keep: Option<f64>,
     recent: VecDeque<Usage>,
+    /// A summary of totals taken must have been written no later than this: the
+    /// earliest window's start but all time's, or the start of `keep`.
+    earliest: f64,
+    /// Where the last summary of totals read begins (taken or not).
+    last_summary: Option<u64>,
+    /// The latest end counted.
+    latest_end: f64,
+    /// Why the log is not read, when it is not ([`fresh`]).
+    unread: Option<String>,
 }
 
 /// Ended reservations a [`UsageWatch`] keeps per log; past that the oldest kept are
@@ -100,6 +123,42 @@ struct Summing {
 const MAX_RECENT: usize = 16_384;
 
 impl Summing {
+    /// Summing `windows` (each from its start; `f64::MIN` for all time) at `now`,
+    /// keeping the reservations that ended in the last `keep` seconds.
+    fn new(now: f64, windows: Vec<UsageTotals>, keep: Option<f64>) -> Summing {
+        let earliest = windows
+            .iter()
+            .map(|w| w.from_unix)
+            .filter(|&from| from != f64::MIN)
+            .chain(keep.map(|k| now - k))
+            .fold(f64::INFINITY, f64::min);
+        Summing {
+            now,
+            windows,
+            keep,
+            earliest,
+            ..Summing::default()
+        }
+    }
+
+    /// Starts from the summary `totals`: every window of all time counts what ended
+    /// before it; every other window begins after it was written, so counts none of
+    /// that; its open reservations are open.
+    fn take(&mut self, totals: LogTotals) {
+        self.reset();
+        self.latest_end = totals.at;
+        let ended = UsageTotals {
+            from_unix: f64::MIN,
+            by_user: totals.by_user,
+            by_gpu: totals.by_gpu,
+        };
+        for w in self.windows.iter_mut().filter(|w| w.from_unix == f64::MIN) {
+            merge(w, ended.clone());
+        }
+        self.open = totals.open;
+        self.open.order_each_once();
+    }
+
     fn add(&mut self, r: &Usage) {
         for w in &mut self.windows {
             w.add(r, self.now);
@@ -108,6 +167,7 @@ impl Summing {
 
     fn ended(&mut self, mut r: Usage, at: f64) {
         r.ended_unix = Some(at.max(r.since_unix));
+        self.latest_end = self.latest_end.max(at);
         self.add(&r);
         if let Some(keep) = self.keep {
             if r.ended_unix.is_some_and(|end| end > self.now - keep) {
@@ -162,6 +222,327 @@ impl Sink for Summing {
         self.skipped.clear();
         self.ignored.clear();
         self.recent.clear();
+        self.last_summary = None;
+        self.latest_end = 0.0;
+    }
+
+    // Taken only as a reader new to the log starts ([`fresh`]); read on, a summary
+    // only says where the log's last one is.
+    fn summary(&mut self, line: SummaryLine, believed: &dyn Fn(&str) -> bool) -> bool {
+        if totals_of(&line, self.now, believed).is_some() {
+            self.last_summary = Some(line.at);
+        }
+        false
+    }
+}
+
+/// `usage`'s totals of one log as its owner summarized them (a
+/// [`crate::UsageEvent::Summary`]'s `totals`): where a reader new to the log starts.
+#[derive(Debug, Serialize, Deserialize)]
+struct LogTotals {
+    /// The latest end counted in it (written then, or later): a window that begins
+    /// no earlier counts nothing of it.
+    at: f64,
+    /// Where the log's previous summary of totals begins, when there is one.
+    prev: Option<u64>,
+    /// The reservations that ended before it, per user...
+    by_user: BTreeMap<String, UsageTotal>,
+    /// ...and per GPU.
+    by_gpu: BTreeMap<String, UsageTotal>,
+    /// Those still open (written flat, as `open`, `order` and `latest`).
+    #[serde(flatten)]
+    open: Opens<Usage>,
+}
+
+/// The totals of the summary `line`, read at `now`, when they are ones its owner's
+/// records can add up to: every number finite, no time past now (with the slack every
+/// record's time has), no more open reservations than a reader keeps, every user named
+/// one that passes `believed` (the log's owner).
+fn totals_of(line: &SummaryLine, now: f64, believed: &dyn Fn(&str) -> bool) -> Option<LogTotals> {
+    let totals: LogTotals = serde_json::from_value(line.totals.clone()?).ok()?;
+    let time = |t: f64| (0.0..=now + crate::usage::TIME_SLACK).contains(&t);
+    let ended = |t: &UsageTotal| {
+        t.running == 0
+            && t.lost <= t.reservations
+            && [t.gpu_seconds, t.reserved_byte_seconds]
+                .iter()
+                .all(|v| v.is_finite() && *v >= 0.0)
+    };
+    let open = &totals.open;
+    let sane = time(totals.at)
+        && totals.prev.is_none_or(|p| p < line.at)
+        && totals.by_user.iter().all(|(u, t)| believed(u) && ended(t))
+        && totals.by_gpu.values().all(ended)
+        && open.by_id.len() <= MAX_OPEN
+        && open.order.len() <= 2 * MAX_OPEN
+        && time(open.latest)
+        && open.by_id.iter().all(|(id, r)| {
+            *id == r.id
+                && believed(&r.user)
+                && r.ended_unix.is_none()
+                && time(r.since_unix)
+                && r.alive.is_none_or(time)
+        });
+    sane.then_some(totals)
+}
+
+/// Summaries a reader new to a log walks back through to the one its windows start
+/// from: at one every [`SUMMARY_EVERY`] bytes, 8 GiB of an honest log.
+const MAX_HOPS: usize = 1 << 16;
+
+/// The most a reader reads of a log from its start, when the log's first summary of
+/// totals was written after a window it adds up begins (the log's history from before
+/// such summaries): about two years of a busy user's reservations.
+const MAX_FROM_START: u64 = 64 << 20;
+
+/// The log at `path`, as a reader new to it starts into `sink`: at the last summary
+/// of totals written no later than `sink.earliest`, found from the last one among the
+/// log's last [`SUMMARY_SEARCH`] bytes and back along the summaries' chain; from its
+/// first line when the log is that short and has none, or when its first summary came
+/// after `earliest` (at most [`MAX_FROM_START`] bytes). Otherwise the log is not read
+/// ([`Tailed::unread`], why in `sink.unread`): what its owner wrote costs them, not
+/// every reader.
+fn fresh(path: &Path, sink: Summing) -> Tailed<Summing> {
+    let mut log = Tailed::new(sink);
+    let Some(tail) = crate::usage::summary_lines(path) else {
+        return log;
+    };
+    log.file = tail.file;
+    log.seen_len = tail.len;
+    let now = log.sink.now;
+    let believed = |user: &str| crate::owner::check(path, tail.owner, user).is_ok();
+    let read = |at: u64, line: &[u8]| {
+        let totals = summary_line(at, line)?;
+        totals_of(&totals, now, &believed).map(|t| (at, line.len() as u64, t))
+    };
+    let last = tail.summaries.iter().find_map(|(at, line)| read(*at, line));
+    let Some((mut at, mut len, mut totals)) = last else {
+        if tail.len > SUMMARY_SEARCH {
+            log.unread = true;
+            log.sink.unread = Some(format!(
+                "more than {} MiB of it past its last summary",
+                SUMMARY_SEARCH >> 20
+            ));
+        }
+        return log;
+    };
+    log.sink.last_summary = Some(at);
+    let mut hops = 0;
+    while totals.at > log.sink.earliest {
+        let why = match totals.prev {
+            // The first summary: the history before it is read from the start.
+            None if tail.len <= MAX_FROM_START => return log,
+            None => format!(
+                "the window begins before its first summary, more than {} MiB into it",
+                MAX_FROM_START >> 20
+            ),
+            Some(_) if hops == MAX_HOPS => {
+                format!("the window begins more than {MAX_HOPS} summaries back")
+            }
+            Some(prev) => match line_at(path, tail.file, prev).and_then(|l| read(prev, &l)) {
+                Some(found) => {
+                    (at, len, totals) = found;
+                    hops += 1;
+                    continue;
+                }
+                None => format!("its summary at byte {at} names no summary before it"),
+            },
+        };
+        log.unread = true;
+        log.sink.unread = Some(why);
+        return log;
+    }
+    log.sink.take(totals);
+    log.sink.last_summary = log.sink.last_summary.max(Some(at));
+    log.offset = at + len + 1;
+    log.summary_at = at;
+    log.lines = 1;
+    log
+}
+
+/// The summary `line` at byte `at` of a log, when it is one that says it is there.
+fn summary_line(at: u64, line: &[u8]) -> Option<SummaryLine> {
+    match serde_json::from_slice(line).ok()? {
+        crate::UsageEvent::Summary {
+            upto,
+            half_life,
+            state,
+            totals,
+        } if upto == at => Some(SummaryLine {
+            at,
+            half_life,
+            state,
+            totals,
+        }),
+        _ => None,
+    }
+}
+
+/// The line at byte `at` of the log at `path` (still the file `file`), without its
+/// newline; `None` past [`crate::usage::MAX_LINE`] bytes.
+fn line_at(path: &Path, file: (u64, u64), at: u64) -> Option<Vec<u8>> {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    let (f, meta) = crate::file::open_to_read(path)?;
+    if (meta.dev(), meta.ino()) != file {
+        return None;
+    }
+    let mut line = Vec::new();
+    let mut chunk = vec![0u8; 4096];
+    while line.len() <= crate::usage::MAX_LINE {
+        let n = f.read_at(&mut chunk, at + line.len() as u64).ok()?;
+        if n == 0 {
+            return None;
+        }
+        if let Some(end) = memchr::memchr(b'\n', &chunk[..n]) {
+            line.extend_from_slice(&chunk[..end]);
+            return Some(line);
+        }
+        line.extend_from_slice(&chunk[..n]);
+    }
+    None
+}
+
+/// Whether a reader that holds `log` reads on from it, now that the log is the file
+/// `file` of `len` bytes, and holds what a reader new to it would ([`fresh`]): the same
+/// file, grown, with its last summary of totals still among its last
+/// [`SUMMARY_SEARCH`] bytes (a log not read, only while it has not changed since).
+fn reads_on(log: &Tailed<Summing>, file: (u64, u64), len: u64) -> bool {
+    log.file == file
+        && len >= log.offset
+        && if log.unread() {
+            len == log.seen_len
+        } else {
+            len - log.sink.last_summary.unwrap_or(0) <= SUMMARY_SEARCH
+        }
+}
+
+/// The log at `path` of `uid`, as it is not read ([`fresh`]): reported.
+fn not_read(path: &Path, uid: u32, log: &Tailed<Summing>) -> Option<Ignored> {
+    // (A log whose reading stopped says why among the lines skipped.)
+    let why = log.sink.unread.as_ref()?;
+    let owner = crate::owner::name_of_uid(uid);
+    Some(Ignored::because(
+        path,
+        uid,
+        &owner,
+        format!(
+            "usage log not read: {why}; {owner}'s use is not counted until their next \
+             reservation summarizes it"
+        ),
+    ))
+}
+
+/// Summarizes this user's own log at `path` in `dir` for readers new to it, when more
+/// than [`SUMMARY_EVERY`] bytes of it lie past its last summary of totals: its totals
+/// as [`LockDir::usage_totals`] adds them up, the reservations of holders found dead
+/// ended as it ends them. A log that others do not read is read whole, at this user's
+/// cost. Whether a summary was written.
+pub(crate) fn summarize_own_totals(dir: &LockDir, path: &Path) -> Result<bool> {
+    let uid = crate::owner::euid();
+    let now = tt_device::now_unix();
+    let summing = || Summing::new(now, vec![UsageTotals::from(f64::MIN)], None);
+    let mut log = fresh(path, summing());
+    let since = |log: &Tailed<Summing>| log.seen_len - log.sink.last_summary.unwrap_or(0);
+    if !log.unread() && since(&log) < SUMMARY_EVERY {
+        return Ok(false);
+    }
+    if log.unread() {
+        log = Tailed::new(summing());
+    }
+    read_more(path, uid, &mut log, true)?;
+    if log.unread() || log.offset() - log.sink.last_summary.unwrap_or(0) < SUMMARY_EVERY {
+        return Ok(false);
+    }
+    // Read after the log: a start read has its live record already.
+    let live = dir.live_usage_ids()?;
+    let mut sums = log.sink;
+    let dead: Vec<String> = sums
+        .open
+        .by_id
+        .iter()
+        .filter(|(id, r)| {
+            !live.contains(&(r.user.clone(), (*id).clone()))
+                && lost_end(r.since_unix, r.alive, f64::INFINITY) <= now
+        })
+        .map(|(id, _)| id.clone())
+        .collect();
+    for id in dead {
+        if let Some(mut r) = sums.open.by_id.remove(&id) {
+            r.lost = true;
+            let end = lost_end(r.since_unix, r.alive, now);
+            sums.ended(r, end);
+        }
+    }
+    sums.open.order_each_once();
+    for r in sums.open.by_id.values_mut() {
+        r.command = Vec::new();
+    }
+    let all = sums.windows.swap_remove(0);
+    let totals = LogTotals {
+        at: sums.latest_end,
+        prev: sums.last_summary,
+        by_user: all.by_user,
+        by_gpu: all.by_gpu,
+        open: sums.open,
+    };
+    let Ok(totals) = serde_json::to_value(&totals) else {
+        return Ok(false);
+    };
+    Ok(crate::usage::append_summary(
+        path,
+        log.offset,
+        0.0,
+        serde_json::Value::Null,
+        Some(totals),
+    ))
+}
+
+impl LockDir {
+    /// Appends `event` to this user's log, in one write. A log that cannot be written
+    /// is a warning, never a reason to refuse or keep a lock. When another user put a
+    /// file under this user's log's name first, the records go to a log of this user's
+    /// own beside it ([`own_log`]), and the planted file is named in the warning.
+    pub(crate) fn record(&self, event: &impl Serialize) {
+        let log = self.usage_log.get_or_init(|| {
+            match crate::usage::own_log(self.path(), crate::owner::euid()) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    tracing::warn!(
+                        "cannot open the GPU usage log {}: {e}; this reservation is not \
+                         accounted: fix the lock directory ({}) or ask its owner",
+                        self.own_log_path().display(),
+                        self.path().display()
+                    );
+                    None
+                }
+            }
+        });
+        let Some(log) = log else { return };
+        match crate::usage::write_line(log, event) {
+            Ok(written) => self.summarize_if_due(log, written),
+            Err(e) => tracing::warn!(
+                "cannot record GPU usage in {}: {e}",
+                self.own_log_path().display()
+            ),
+        }
+    }
+
+    /// After `written` bytes were appended to this user's `log`: its totals summarized
+    /// for `usage`'s readers (this module's) when it grew past a multiple of
+    /// [`SUMMARY_EVERY`] bytes, or, at this process's first record, when
+    /// its last summary is that far back (a log from before summaries of totals).
+    fn summarize_if_due(&self, log: &crate::file::OwnLog, written: usize) {
+        let Ok(len) = log.file.metadata().map(|m| m.len()) else {
+            return;
+        };
+        let every = SUMMARY_EVERY;
+        let first = !log.checked.swap(true, std::sync::atomic::Ordering::Relaxed);
+        let crossed = len / every != len.saturating_sub(written as u64) / every;
+        if (first && len >= every) || crossed {
+            if let Err(e) = summarize_own_totals(self, &log.path) {
+                tracing::warn!("cannot summarize the GPU usage log: {e}");
+            }
+        }
     }
 }
 
@@ -194,13 +575,19 @@ impl UsageWatch {
         self.logs.retain(|path, _| present.contains(path));
         let keep = self.keep;
         for (path, uid) in &logs {
-            let log = self.logs.entry(path.clone()).or_insert_with(|| {
-                Tailed::new(Summing {
-                    windows: vec![UsageTotals::from(f64::MIN)],
-                    keep: Some(keep),
-                    ..Summing::default()
-                })
-            });
+            let reading_on = self
+                .logs
+                .get(path)
+                .zip(crate::tally::file_and_len(path))
+                .is_some_and(|(log, (file, len))| reads_on(log, file, len));
+            if !reading_on {
+                let all = vec![UsageTotals::from(f64::MIN)];
+                let log = fresh(path, Summing::new(now, all, Some(keep)));
+                self.logs.insert(path.clone(), log);
+            }
+            let Some(log) = self.logs.get_mut(path) else {
+                continue;
+            };
             log.sink.now = now;
             read_more(path, *uid, log, true)?;
             log.sink
@@ -220,10 +607,11 @@ impl UsageWatch {
             skipped: Vec::new(),
             ignored,
         };
-        for (path, _) in &logs {
+        for (path, uid) in &logs {
             let Some(log) = self.logs.get(path) else {
                 continue;
             };
+            out.ignored.extend(not_read(path, *uid, log));
             let sums = &log.sink;
             merge(&mut out.windows[0], sums.windows[0].clone());
             for w in out.windows.iter_mut().skip(1) {
@@ -280,12 +668,9 @@ impl LockDir {
         };
         let mut open: Vec<Usage> = Vec::new();
         for (path, uid) in logs {
-            let mut log = Tailed::new(Summing {
-                now,
-                windows: windows.clone(),
-                ..Summing::default()
-            });
+            let mut log = fresh(&path, Summing::new(now, windows.clone(), None));
             read_more(&path, uid, &mut log, false)?;
+            out.ignored.extend(not_read(&path, uid, &log));
             let sums = log.sink;
             for (all, one) in out.windows.iter_mut().zip(sums.windows) {
                 merge(all, one);
@@ -381,6 +766,21 @@ mod tests {
                             && (t.gpu_seconds - u.gpu_seconds).abs() < 0.5
                             && (t.reserved_byte_seconds - u.reserved_byte_seconds).abs()
                                 <= 1e-4 * t.reserved_byte_seconds.abs().max(1.0)
+                    })
+                })
+        };
+        same(&a.by_user, &b.by_user) && same(&a.by_gpu, &b.by_gpu)
+    }
+
+    /// [`close`], for two readings whose windows begin a moment apart while many
+    /// reservations cross their start: the same counts, the times within 1e-4.
+    fn roughly(a: &UsageTotals, b: &UsageTotals) -> bool {
+        let same = |x: &BTreeMap<String, UsageTotal>, y: &BTreeMap<String, UsageTotal>| {
+            x.len() == y.len()
+                && x.iter().all(|(k, t)| {
+                    y.get(k).is_some_and(|u| {
+                        (t.reservations, t.running, t.lost) == (u.reservations, u.running, u.lost)
+                            && (t.gpu_seconds - u.gpu_seconds).abs() <= 1e-4 * t.gpu_seconds
                     })
                 })
         };
@@ -508,6 +908,167 @@ mod tests {
         // The watch keeps only what ended in its window, not the whole history.
         let kept: usize = watch.logs.values().map(|l| l.sink.recent.len()).sum();
         assert!(kept < 4 * 200, "{kept}");
+    }
+
+    #[test]
+    fn a_reader_new_to_a_log_starts_at_the_summary_before_its_windows() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        let uid = crate::owner::euid();
+        let me = crate::owner::name_of_uid(uid);
+        let path = dir.usage_log_path(uid);
+        let now = tt_device::now_unix();
+        let day = 86_400.0;
+        let write = |lines: &[String]| {
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .unwrap();
+            for l in lines {
+                writeln!(f, "{l}").unwrap();
+            }
+        };
+        let reservation = |id: String, t: f64, open: bool| {
+            let mut lines = vec![format!(
+                "{{\"event\":\"start\",\"id\":\"{id}\",\"user\":\"{me}\",\"host\":\"h\",\
+                 \"pid\":1,\"gpu\":\"index {}\",\"bytes\":{},\"time\":{t},\"command\":[]}}",
+                id.len() % 4,
+                1u64 << (20 + id.len() % 7)
+            )];
+            if !open {
+                lines.push(format!(
+                    "{{\"event\":\"end\",\"id\":\"{id}\",\"time\":{}}}",
+                    t + 5000.0
+                ));
+            }
+            lines
+        };
+        // Thirty days of reservations (about 1.6 MB), summarized as their writer
+        // summarizes them; a holder that died holding its GPU 20 days ago.
+        let (n, span) = (6000, 30.0 * day);
+        let mut summaries = 0;
+        for i in 0..n {
+            // Each ended before now.
+            let t = now - span - 6000.0 + span * f64::from(i) / f64::from(n);
+            write(&reservation(format!("r{i}"), t, false));
+            if i == 2000 {
+                write(&reservation("lost".into(), t, true));
+            }
+            if i % 100 == 99 {
+                summaries += usize::from(summarize_own_totals(&dir, &path).unwrap());
+            }
+        }
+        assert!(summaries >= 5, "{summaries}");
+        let windows = [f64::MIN, now - day, now - 7.0 * day, now - 20.0 * day];
+        let records = dir.usage().unwrap().records;
+        // The log's first line damaged (its length kept): a reader that reads it
+        // says so, one that starts at a summary after it does not.
+        let text = std::fs::read(&path).unwrap();
+        let first = memchr::memchr(b'\n', &text).unwrap();
+        let mut damaged = text.clone();
+        damaged[..first].fill(b'x');
+        std::fs::write(&path, &damaged).unwrap();
+        let summed = dir.usage_totals(&windows).unwrap();
+        let now = tt_device::now_unix();
+        for (w, from) in summed.windows.iter().zip(windows) {
+            let want = from_records(&records, from, now);
+            assert!(close(w, &want), "from {from}: {w:?} != {want:?}");
+        }
+        assert_eq!(summed.windows[0].by_user[&me].reservations, n as usize + 1);
+        assert_eq!(summed.windows[0].by_user[&me].lost, 1);
+        assert!(summed.skipped.is_empty(), "read from its start: {summed:?}");
+        assert!(summed.ignored.is_empty(), "{summed:?}");
+        // A window that begins before the first summary reads the log from its start.
+        let all = dir.usage_totals(&[now - 40.0 * day]).unwrap();
+        assert_eq!(all.skipped.len(), 1, "{:?}", all.skipped);
+        std::fs::write(&path, &text).unwrap();
+        // A reader that reads along from its first reading holds the same.
+        let mut watch = UsageWatch::new(std::time::Duration::from_secs(7 * 86_400));
+        let week = [std::time::Duration::from_secs(86_400)];
+        let along = watch.read(&dir, &week).unwrap();
+        assert!(along.skipped.is_empty());
+        assert!(close(&along.windows[0], &summed.windows[0]));
+        assert!(
+            roughly(&along.windows[1], &summed.windows[1]),
+            "{:?} != {:?}",
+            along.windows[1],
+            summed.windows[1]
+        );
+
+        // More than a MiB written past the last summary: read by nobody, and said so.
+        let more: Vec<String> = (0..6000)
+            .flat_map(|i| reservation(format!("m{i}"), now - day + f64::from(i), false))
+            .collect();
+        write(&more);
+        let unread = dir.usage_totals(&[f64::MIN]).unwrap();
+        assert!(!unread.windows[0].by_user.contains_key(&me), "{unread:?}");
+        assert_eq!(unread.ignored.len(), 1, "{unread:?}");
+        let why = unread.ignored[0].reason.clone().unwrap_or_default();
+        assert!(why.contains("not read"), "{why}");
+        let along = watch.read(&dir, &week).unwrap();
+        assert!(!along.windows[0].by_user.contains_key(&me));
+        assert_eq!(along.ignored, unread.ignored);
+        // Until its owner summarizes it, reading it whole (at their cost).
+        assert!(summarize_own_totals(&dir, &path).unwrap());
+        let records = dir.usage().unwrap().records;
+        let read = dir.usage_totals(&windows).unwrap();
+        let along = watch.read(&dir, &week).unwrap();
+        let now = tt_device::now_unix();
+        for (w, from) in read.windows.iter().zip(windows) {
+            let want = from_records(&records, from, now);
+            assert!(close(w, &want), "from {from}: {w:?} != {want:?}");
+        }
+        assert!(close(&along.windows[0], &read.windows[0]));
+        assert!(roughly(&along.windows[1], &read.windows[1]));
+        assert_eq!(
+            read.windows[0].by_user[&me].reservations,
+            2 * n as usize + 1
+        );
+    }
+
+    #[test]
+    fn reservations_summarize_their_log_as_they_write_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        let path = dir.usage_log_path(crate::owner::euid());
+        let summaries = || {
+            std::fs::read_to_string(&path)
+                .unwrap()
+                .lines()
+                .filter(|l| l.contains("\"totals\""))
+                .count()
+        };
+        // A long command line, so that a few hundred reservations make 128 KiB.
+        let mut holder = crate::Holder::current();
+        holder.who.command = vec!["x".repeat(1000)];
+        let mut held = 0;
+        while held % 2 == 1 || std::fs::metadata(&path).map_or(0, |m| m.len()) < 3 * SUMMARY_EVERY {
+            let lock = dir
+                .lock(
+                    &crate::GpuKey::Index(held % 2),
+                    crate::Wait::Try,
+                    holder.clone(),
+                )
+                .unwrap();
+            drop(lock);
+            held += 1;
+        }
+        assert!(summaries() >= 2, "{held} reservations: {}", summaries());
+        let summed = dir.usage_totals(&[f64::MIN]).unwrap();
+        let records = dir.usage().unwrap().records;
+        let want = from_records(&records, f64::MIN, tt_device::now_unix());
+        assert!(close(&summed.windows[0], &want), "{summed:?} != {want:?}");
+        let per_gpu: Vec<usize> = summed.windows[0]
+            .by_gpu
+            .values()
+            .map(|t| t.reservations)
+            .collect();
+        assert_eq!(
+            per_gpu,
+            [held as usize / 2, held as usize / 2],
+            "{summed:?}"
+        );
     }
 
     #[test]

@@ -91,12 +91,13 @@ pub enum UsageEvent {
         /// Seconds since the Unix epoch.
         time: f64,
     },
-    /// What the log adds up to before this line, for the fair share: written by the
-    /// log's owner every so often (see [`LockDir::summarize_own_usage`]), so that a
-    /// reader that has not read the log before starts at its last summary instead of
-    /// its first line. A summary counts only for the log's owner, and only where it
-    /// says it starts (`upto`): one written after another record slipped in is not
-    /// believed.
+    /// What the log adds up to before this line: written by the log's owner every so
+    /// often (see [`LockDir::summarize_own_usage`]), so that a reader that has not read
+    /// the log before starts at a summary instead of its first line. A summary counts
+    /// only for the log's owner, and only where it says it starts (`upto`): one written
+    /// after another record slipped in is not believed. Two kinds: the fair share's
+    /// decayed sums (`half_life` and `state`), and `usage`'s totals (`totals`, with
+    /// `half_life` 0 and `state` null).
     Summary {
         /// The byte offset of this line in the log.
         upto: u64,
@@ -105,6 +106,11 @@ pub enum UsageEvent {
         half_life: f64,
         /// The sums and the reservations still open.
         state: serde_json::Value,
+        /// What `usage` adds up: the log's reservations that ended before this line,
+        /// summed per user and per GPU; those still open; when it was written; where
+        /// the log's previous such summary is.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        totals: Option<serde_json::Value>,
     },
 }
 
@@ -126,7 +132,7 @@ struct StartLine<'a> {
 }
 
 /// One reservation of one GPU, as the log tells it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Usage {
     /// The record's id.
     pub id: String,
@@ -214,36 +220,8 @@ impl LockDir {
     }
 
     /// This user's log.
-    fn own_log_path(&self) -> std::path::PathBuf {
+    pub(crate) fn own_log_path(&self) -> std::path::PathBuf {
         self.usage_log_path(crate::owner::euid())
-    }
-
-    /// Appends `event` to this user's log, in one write. A log that cannot be written
-    /// is a warning, never a reason to refuse or keep a lock. When another user put a
-    /// file under this user's log's name first, the records go to a log of this user's
-    /// own beside it ([`own_log`]), and the planted file is named in the warning.
-    pub(crate) fn record(&self, event: &impl Serialize) {
-        let log = self
-            .usage_log
-            .get_or_init(|| match own_log(self.path(), crate::owner::euid()) {
-                Ok(f) => Some(f),
-                Err(e) => {
-                    tracing::warn!(
-                        "cannot open the GPU usage log {}: {e}; this reservation is not \
-                         accounted: fix the lock directory ({}) or ask its owner",
-                        self.own_log_path().display(),
-                        self.path().display()
-                    );
-                    None
-                }
-            });
-        let Some(log) = log else { return };
-        if let Err(e) = write_line(log, event) {
-            tracing::warn!(
-                "cannot record GPU usage in {}: {e}",
-                self.own_log_path().display()
-            );
-        }
     }
 
     /// Records the start of `holder`'s use of its GPU (`share_of`: the GPU's memory, for
@@ -363,7 +341,7 @@ pub(crate) fn log_uid(name: &str) -> Option<u32> {
 /// a new one under a number nobody can guess (a planted file can take a name only
 /// before it is chosen), with a warning that names the planted file. Readers find every
 /// one of these names, and believe each only when this user owns it.
-fn own_log(dir: &Path, uid: u32) -> std::io::Result<OwnLog> {
+pub(crate) fn own_log(dir: &Path, uid: u32) -> std::io::Result<OwnLog> {
     let first = dir.join(format!("{USAGE_PREFIX}{uid}.jsonl"));
     let planted = match open_log(&first) {
         Ok(log) => return Ok(log),
@@ -419,11 +397,11 @@ fn unguessable() -> u64 {
 
 /// `event` as one line, in one `write` (a record is far below what one write of an
 /// appending file takes whole), after a newline when the log was left cut short.
-fn write_line(log: &OwnLog, event: &impl Serialize) -> std::io::Result<()> {
+pub(crate) fn write_line(log: &OwnLog, event: &impl Serialize) -> std::io::Result<usize> {
     let mut line = Vec::with_capacity(256);
     serde_json::to_writer(&mut line, event).map_err(std::io::Error::other)?;
     line.push(b'\n');
-    write_bytes(log, &line)
+    write_bytes(log, &line).map(|()| line.len())
 }
 
 /// Appends `line` (a record and its newline) to `log` in one write, after a newline
@@ -450,7 +428,7 @@ fn write_bytes(log: &OwnLog, line: &[u8]) -> std::io::Result<()> {
 
 #[cfg(test)]
 fn append(path: &Path, event: &UsageEvent) -> std::io::Result<()> {
-    write_line(&open_log(path)?, event)
+    write_line(&open_log(path)?, event).map(drop)
 }
 
 /// An open refused (another user's file that this user may not write, a name the
@@ -515,13 +493,15 @@ fn open_log(path: &Path) -> std::io::Result<OwnLog> {
     let cut = meta.len() > 0 && file.read_at(&mut last, meta.len() - 1).is_ok() && last[0] != b'\n';
     Ok(OwnLog {
         file,
+        path: path.to_owned(),
+        checked: AtomicBool::new(false),
         cut: AtomicBool::new(cut),
     })
 }
 
 /// The longest line a usage log is read through: a record is a few hundred bytes, a
 /// long command line a few KiB.
-const MAX_LINE: usize = 64 * 1024;
+pub(crate) const MAX_LINE: usize = 64 * 1024;
 
 /// The most records read from one user's log (about 4 GB of records).
 const MAX_RECORDS: usize = 16_000_000;
@@ -554,19 +534,27 @@ pub(crate) trait Sink {
     fn ignored(&mut self, why: Ignored);
     /// Everything read is forgotten: the log is another file now.
     fn reset(&mut self);
-    /// A summary of everything before it, decayed with `half_life` seconds
-    /// ([`UsageEvent::Summary`]), whose users must all pass `believed` (the log's
-    /// owner): taken in place of what was read, or refused (`false`: read on as if it
-    /// were not there). Only a reader that folds the log takes one.
-    fn summary(
-        &mut self,
-        half_life: f64,
-        state: serde_json::Value,
-        believed: &dyn Fn(&str) -> bool,
-    ) -> bool {
-        let _ = (half_life, state, believed);
+    /// A summary of everything before it ([`UsageEvent::Summary`]), whose users must
+    /// all pass `believed` (the log's owner): taken in place of what was read, or
+    /// refused (`false`: read on as if it were not there). Only a reader that folds the
+    /// log takes one.
+    fn summary(&mut self, summary: SummaryLine, believed: &dyn Fn(&str) -> bool) -> bool {
+        let _ = (summary, believed);
         false
     }
+}
+
+/// A summary line as read ([`UsageEvent::Summary`]), where it says it is.
+#[derive(Debug)]
+pub(crate) struct SummaryLine {
+    /// Its byte offset in the log.
+    pub(crate) at: u64,
+    /// The fair share's half-life (0 in a summary of totals only).
+    pub(crate) half_life: f64,
+    /// The fair share's sums.
+    pub(crate) state: serde_json::Value,
+    /// `usage`'s totals.
+    pub(crate) totals: Option<serde_json::Value>,
 }
 
 /// A log as read so far by a reader that keeps it, reading only what was appended
@@ -574,23 +562,23 @@ pub(crate) trait Sink {
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub(crate) struct Tailed<S> {
     /// The file read (device and inode): another file under the name is read anew.
-    file: (u64, u64),
+    pub(crate) file: (u64, u64),
     /// Bytes read, through the last whole line.
-    offset: u64,
+    pub(crate) offset: u64,
     /// Lines read.
-    lines: usize,
+    pub(crate) lines: usize,
     /// Reading stopped for good (an over-long line, too many records).
     stopped: bool,
     /// Where the last summary taken starts (0 with none).
     #[serde(default)]
-    summary_at: u64,
+    pub(crate) summary_at: u64,
     /// The log's length when it was last looked at.
     #[serde(default)]
-    seen_len: u64,
+    pub(crate) seen_len: u64,
     /// Not read: more than [`SUMMARY_SEARCH`] bytes of it lie past its last summary
     /// ([`Tailed::from_last_summary`]).
     #[serde(default)]
-    unread: bool,
+    pub(crate) unread: bool,
     /// What was read.
     pub(crate) sink: S,
 }
@@ -672,7 +660,7 @@ impl<S: Sink> Tailed<S> {
     /// none and the log is no longer than that): what [`read_more`] then reads is what a
     /// reader that read the log from its start holds after it, whatever the log holds
     /// before. A longer log without one is not read at all ([`Tailed::unread`]): its
-    /// owner, who writes a summary at least every [`crate::tally::SUMMARY_EVERY`] bytes
+    /// owner, who writes a summary at least every [`SUMMARY_EVERY`] bytes
     /// while they reserve, wrote more than that unsummarized, and what that costs is
     /// charged to them, not to every reader's time. (A line there that begins as a
     /// summary and cannot be read goes to the sink's `skipped`, as `read_more` sends it:
@@ -856,27 +844,31 @@ pub(crate) fn read_more<S: Sink>(
     Ok(())
 }
 
+/// Bytes of a log past its last summary after which its owner writes another: a
+/// reader new to the log reads about this much of it.
+pub(crate) const SUMMARY_EVERY: u64 = 128 << 10;
+
 /// How far from its end a log is searched for its last summary
 /// ([`Tailed::from_last_summary`]): its owner writes one every
-/// [`crate::tally::SUMMARY_EVERY`] bytes while they reserve.
+/// [`SUMMARY_EVERY`] bytes while they reserve.
 pub(crate) const SUMMARY_SEARCH: u64 = 1 << 20;
 
 /// A log's end as searched for its last summary ([`summary_lines`]).
-struct Tail {
+pub(crate) struct Tail {
     /// The file (device and inode).
-    file: (u64, u64),
+    pub(crate) file: (u64, u64),
     /// Its owner.
-    owner: u32,
+    pub(crate) owner: u32,
     /// Its length.
-    len: u64,
+    pub(crate) len: u64,
     /// The whole lines among its last [`SUMMARY_SEARCH`] bytes that begin as a summary
     /// does, the last first: each one's offset and its text (without its newline).
-    summaries: Vec<(u64, Vec<u8>)>,
+    pub(crate) summaries: Vec<(u64, Vec<u8>)>,
 }
 
 /// The log at `path`'s end, searched for summaries; `None` when it is not a regular
 /// file that can be read.
-fn summary_lines(path: &Path) -> Option<Tail> {
+pub(crate) fn summary_lines(path: &Path) -> Option<Tail> {
     const MARK: &[u8] = b"{\"event\":\"summary\"";
     let (file, meta) = crate::file::open_to_read(path)?;
     let from = meta.len().saturating_sub(SUMMARY_SEARCH);
@@ -903,22 +895,21 @@ fn summary_lines(path: &Path) -> Option<Tail> {
     })
 }
 
-/// Appends to this user's log at `path` the summary `state` of its first `upto` bytes,
-/// decayed with `half_life` seconds, when the log is still that long and the line fits
-/// what readers read: whether it was written.
+/// Appends to this user's log at `path` a summary of its first `upto` bytes: the fair
+/// share's `state`, decayed with `half_life` seconds, or `usage`'s `totals`; when the
+/// log is still that long and the line fits what readers read: whether it was written.
 pub(crate) fn append_summary(
     path: &Path,
     upto: u64,
     half_life: f64,
-    state: &impl Serialize,
+    state: serde_json::Value,
+    totals: Option<serde_json::Value>,
 ) -> bool {
-    let Ok(state) = serde_json::to_value(state) else {
-        return false;
-    };
     let event = UsageEvent::Summary {
         upto,
         half_life,
         state,
+        totals,
     };
     let Ok(mut line) = serde_json::to_vec(&event) else {
         return false;
@@ -942,7 +933,7 @@ pub(crate) fn append_summary(
 /// A record's times are read into `[0, now + TIME_SLACK]` (an end no earlier than its
 /// start): a log's owner writes them, and whatever they write, every sum and ratio of
 /// them stays finite and no record says it lasted longer than the epoch.
-const TIME_SLACK: f64 = 60.0;
+pub(crate) const TIME_SLACK: f64 = 60.0;
 
 /// One line of a log into `sink`: a start recorded, an end matched with its start, a
 /// damaged line counted, a record not its log's owner's ignored; times bounded (see
@@ -1002,9 +993,16 @@ fn take_line(
             upto,
             half_life,
             state,
+            totals,
         }) => {
+            let line = SummaryLine {
+                at,
+                half_life,
+                state,
+                totals,
+            };
             return upto == at
-                && sink.summary(half_life, state, &|user| {
+                && sink.summary(line, &|user| {
                     crate::owner::check(path, owner_uid, user).is_ok()
                 });
         }

@@ -1846,6 +1846,20 @@ fn a_log_written_past_its_summary_is_charged_to_its_owner_until_their_next_reque
         )),
         "{text}"
     );
+    // `usage` does not read it either, and says so; B's use is counted.
+    let usage_of_a = || {
+        let json: serde_json::Value = serde_json::from_str(&as_b(&["usage", "--json"])).unwrap();
+        let rows = json["rows"].as_array().unwrap().clone();
+        let row = |user: &str| rows.iter().find(|r| r["name"] == user).cloned();
+        assert!(row(user_b).is_some(), "{json}");
+        (row(user_a), json["ignored"].to_string())
+    };
+    let (row, ignored) = usage_of_a();
+    assert!(row.is_none(), "{row:?}");
+    assert!(
+        ignored.contains(&format!("usage-{}.jsonl", a.uid)) && ignored.contains("not read"),
+        "{ignored}"
+    );
 
     // A's own request reads it whole and summarizes it.
     let out = as_user(user_a, &dir, &home_a)
@@ -1854,8 +1868,10 @@ fn a_log_written_past_its_summary_is_charged_to_its_owner_until_their_next_reque
         .output()
         .unwrap();
     ok(out);
+    // Summarized for the fair share, and for `usage` (its totals).
     let text = std::fs::read_to_string(&log).unwrap();
-    assert_eq!(text.matches("{\"event\":\"summary\"").count(), 1);
+    assert_eq!(text.matches("{\"event\":\"summary\"").count(), 2);
+    assert_eq!(text.matches("\"totals\":{").count(), 1);
     let after = standing_of_a();
     assert!(after.get("unread").is_none(), "{after}");
     // 8,000 reservations of 20 s over the last day (44.4 GPU-hours), decayed with a
@@ -1865,6 +1881,11 @@ fn a_log_written_past_its_summary_is_charged_to_its_owner_until_their_next_reque
         (0.5 * 8000.0 * 20.0..=8000.0 * 20.0 + 60.0).contains(&used),
         "{after}"
     );
+    // And `usage` counts every reservation of A's again, the request's too.
+    let (row, ignored) = usage_of_a();
+    let row = row.unwrap_or_else(|| panic!("no row of {user_a}: {ignored}"));
+    assert_eq!(row["reservations"], 8001, "{row}");
+    assert_eq!(ignored, "[]");
 }
 
 #[test]
