@@ -421,7 +421,7 @@ pub(crate) struct RecentUse {
 
 /// The file (device and inode) and length of the log at `path`, without following a
 /// link; `None` when there is nothing there.
-pub(crate) fn file_and_len(path: &Path) -> Option<((u64, u64), u64)> {
+fn file_and_len(path: &Path) -> Option<((u64, u64), u64)> {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::symlink_metadata(path).ok()?;
     Some(((meta.dev(), meta.ino()), meta.len()))

@@ -115,6 +115,8 @@ struct Summing {
     latest_end: f64,
     /// Why the log is not read, when it is not ([`fresh`]).
     unread: Option<String>,
+    /// The summary it started at ([`begin`]); `None` from the first line.
+    started: Option<u64>,
 }
 
 /// Ended reservations a [`UsageWatch`] keeps per log; past that the oldest kept are
@@ -224,6 +226,8 @@ impl Sink for Summing {
         self.recent.clear();
         self.last_summary = None;
         self.latest_end = 0.0;
+        self.unread = None;
+        self.started = None;
     }
 
     // Taken only as a reader new to the log starts ([`fresh`]); read on, a summary
@@ -295,43 +299,66 @@ const MAX_HOPS: usize = 1 << 16;
 /// such summaries): about two years of a busy user's reservations.
 const MAX_FROM_START: u64 = 64 << 20;
 
-/// The log at `path`, as a reader new to it starts into `sink`: at the last summary
-/// of totals written no later than `sink.earliest`, found from the last one among the
-/// log's last [`SUMMARY_SEARCH`] bytes and back along the summaries' chain; from its
+/// Where a reader new to a log starts ([`start_of`]).
+#[derive(Debug)]
+enum Start {
+    /// Nowhere: the log is not read, for this reason.
+    Unread(String),
+    /// At its first line.
+    First,
+    /// At the summary at byte `at`, of `len` bytes (without its newline).
+    At {
+        at: u64,
+        len: u64,
+        totals: LogTotals,
+    },
+}
+
+/// A log as [`start_of`] found it.
+#[derive(Debug)]
+struct Found {
+    file: (u64, u64),
+    len: u64,
+    /// Where its last summary of totals is, when there is one among its last MiB.
+    last: Option<u64>,
+    start: Start,
+}
+
+/// Where a reader new to the log at `path`, reading it at `now`, starts: at the last
+/// summary of totals written no later than `earliest`, found from the last one among
+/// the log's last [`SUMMARY_SEARCH`] bytes and back along the summaries' chain; at its
 /// first line when the log is that short and has none, or when its first summary came
-/// after `earliest` (at most [`MAX_FROM_START`] bytes). Otherwise the log is not read
-/// ([`Tailed::unread`], why in `sink.unread`): what its owner wrote costs them, not
-/// every reader.
-fn fresh(path: &Path, sink: Summing) -> Tailed<Summing> {
-    let mut log = Tailed::new(sink);
-    let Some(tail) = crate::usage::summary_lines(path) else {
-        return log;
-    };
-    log.file = tail.file;
-    log.seen_len = tail.len;
-    let now = log.sink.now;
+/// after `earliest` (at most [`MAX_FROM_START`] bytes). Otherwise the log is not read:
+/// what its owner wrote costs them, not every reader. `None`: not a file to read.
+fn start_of(path: &Path, now: f64, earliest: f64) -> Option<Found> {
+    let tail = crate::usage::summary_lines(path)?;
     let believed = |user: &str| crate::owner::check(path, tail.owner, user).is_ok();
     let read = |at: u64, line: &[u8]| {
         let totals = summary_line(at, line)?;
         totals_of(&totals, now, &believed).map(|t| (at, line.len() as u64, t))
     };
+    let mut found = Found {
+        file: tail.file,
+        len: tail.len,
+        last: None,
+        start: Start::First,
+    };
     let last = tail.summaries.iter().find_map(|(at, line)| read(*at, line));
     let Some((mut at, mut len, mut totals)) = last else {
         if tail.len > SUMMARY_SEARCH {
-            log.unread = true;
-            log.sink.unread = Some(format!(
+            found.start = Start::Unread(format!(
                 "more than {} MiB of it past its last summary",
                 SUMMARY_SEARCH >> 20
             ));
         }
-        return log;
+        return Some(found);
     };
-    log.sink.last_summary = Some(at);
+    found.last = Some(at);
     let mut hops = 0;
-    while totals.at > log.sink.earliest {
+    while totals.at > earliest {
         let why = match totals.prev {
             // The first summary: the history before it is read from the start.
-            None if tail.len <= MAX_FROM_START => return log,
+            None if tail.len <= MAX_FROM_START => return Some(found),
             None => format!(
                 "the window begins before its first summary, more than {} MiB into it",
                 MAX_FROM_START >> 20
@@ -340,24 +367,62 @@ fn fresh(path: &Path, sink: Summing) -> Tailed<Summing> {
                 format!("the window begins more than {MAX_HOPS} summaries back")
             }
             Some(prev) => match line_at(path, tail.file, prev).and_then(|l| read(prev, &l)) {
-                Some(found) => {
-                    (at, len, totals) = found;
+                Some(earlier) => {
+                    (at, len, totals) = earlier;
                     hops += 1;
                     continue;
                 }
                 None => format!("its summary at byte {at} names no summary before it"),
             },
         };
-        log.unread = true;
-        log.sink.unread = Some(why);
-        return log;
+        found.start = Start::Unread(why);
+        return Some(found);
     }
-    log.sink.take(totals);
-    log.sink.last_summary = log.sink.last_summary.max(Some(at));
-    log.offset = at + len + 1;
-    log.summary_at = at;
-    log.lines = 1;
+    found.start = Start::At { at, len, totals };
+    Some(found)
+}
+
+/// The log at `path`, as a reader new to it starts into `sink` ([`start_of`]); when it
+/// is not read, why is in `sink.unread`.
+fn fresh(path: &Path, sink: Summing) -> Tailed<Summing> {
+    let mut log = Tailed::new(sink);
+    if let Some(found) = start_of(path, log.sink.now, log.sink.earliest) {
+        begin(&mut log, found);
+    }
     log
+}
+
+/// `log`, not read yet, started where `found` says.
+fn begin(log: &mut Tailed<Summing>, found: Found) {
+    log.file = found.file;
+    log.seen_len = found.len;
+    match found.start {
+        Start::Unread(why) => {
+            log.unread = true;
+            log.sink.unread = Some(why);
+        }
+        Start::First => {}
+        Start::At { at, len, totals } => {
+            log.sink.take(totals);
+            log.sink.started = Some(at);
+            log.offset = at + len + 1;
+            log.summary_at = at;
+            log.lines = 1;
+        }
+    }
+    log.sink.last_summary = found.last.max(log.sink.last_summary);
+}
+
+/// Whether a reader that holds `log` reads on from it and then holds what a reader new
+/// to the log holds, which starts where `found` says: the same file, grown, and the same
+/// start (a log not read is looked at anew).
+fn reads_on(log: &Tailed<Summing>, found: &Found) -> bool {
+    let same_start = match found.start {
+        Start::Unread(_) => false,
+        Start::First => log.sink.started.is_none(),
+        Start::At { at, .. } => log.sink.started == Some(at),
+    };
+    same_start && !log.unread() && log.file == found.file && found.len >= log.offset
 }
 
 /// The summary `line` at byte `at` of a log, when it is one that says it is there.
@@ -400,20 +465,6 @@ fn line_at(path: &Path, file: (u64, u64), at: u64) -> Option<Vec<u8>> {
         line.extend_from_slice(&chunk[..n]);
     }
     None
-}
-
-/// Whether a reader that holds `log` reads on from it, now that the log is the file
-/// `file` of `len` bytes, and holds what a reader new to it would ([`fresh`]): the same
-/// file, grown, with its last summary of totals still among its last
-/// [`SUMMARY_SEARCH`] bytes (a log not read, only while it has not changed since).
-fn reads_on(log: &Tailed<Summing>, file: (u64, u64), len: u64) -> bool {
-    log.file == file
-        && len >= log.offset
-        && if log.unread() {
-            len == log.seen_len
-        } else {
-            len - log.sink.last_summary.unwrap_or(0) <= SUMMARY_SEARCH
-        }
 }
 
 /// The log at `path` of `uid`, as it is not read ([`fresh`]): reported.
@@ -575,14 +626,20 @@ impl UsageWatch {
         self.logs.retain(|path, _| present.contains(path));
         let keep = self.keep;
         for (path, uid) in &logs {
+            // Read on while a reader new to the log would start where this one did
+            // (whatever its owner wrote in it); else started anew, as that one starts.
+            let found = start_of(path, now, now - keep);
             let reading_on = self
                 .logs
                 .get(path)
-                .zip(crate::tally::file_and_len(path))
-                .is_some_and(|(log, (file, len))| reads_on(log, file, len));
+                .zip(found.as_ref())
+                .is_some_and(|(log, found)| reads_on(log, found));
             if !reading_on {
                 let all = vec![UsageTotals::from(f64::MIN)];
-                let log = fresh(path, Summing::new(now, all, Some(keep)));
+                let mut log = Tailed::new(Summing::new(now, all, Some(keep)));
+                if let Some(found) = found {
+                    begin(&mut log, found);
+                }
                 self.logs.insert(path.clone(), log);
             }
             let Some(log) = self.logs.get_mut(path) else {
@@ -743,6 +800,16 @@ mod tests {
     use super::*;
     use std::io::Write as _;
 
+    /// A new lock directory (in the returned temporary directory), this user's name and
+    /// their log's path there.
+    fn own_log() -> (tempfile::TempDir, LockDir, String, std::path::PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
+        let uid = crate::owner::euid();
+        let path = dir.usage_log_path(uid);
+        (tmp, dir, crate::owner::name_of_uid(uid), path)
+    }
+
     /// The totals `records` (as [`LockDir::usage`] gives them) add up to from `from`.
     fn from_records(records: &[Usage], from: f64, now: f64) -> UsageTotals {
         let mut totals = UsageTotals {
@@ -789,10 +856,7 @@ mod tests {
 
     #[test]
     fn the_streamed_totals_are_what_every_record_adds_up_to() {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
-        let uid = crate::owner::euid();
-        let me = crate::owner::name_of_uid(uid);
+        let (_tmp, dir, me, path) = own_log();
         let now = tt_device::now_unix();
         let start = |id: &str, gpu: u32, t: f64, bytes: Option<u64>| {
             format!(
@@ -820,7 +884,7 @@ mod tests {
         lines.push(
             start("forged", 0, now - 100.0, None).replace(&format!("\"{me}\""), "\"someone\""),
         );
-        let mut f = std::fs::File::create(dir.usage_log_path(uid)).unwrap();
+        let mut f = std::fs::File::create(&path).unwrap();
         for l in &lines {
             writeln!(f, "{l}").unwrap();
         }
@@ -842,11 +906,7 @@ mod tests {
 
     #[test]
     fn a_watch_reading_on_gives_what_a_whole_reading_gives() {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
-        let uid = crate::owner::euid();
-        let me = crate::owner::name_of_uid(uid);
-        let path = dir.usage_log_path(uid);
+        let (_tmp, dir, me, path) = own_log();
         let day = 86_400.0;
         let mut watch = UsageWatch::new(std::time::Duration::from_secs(7 * 86_400));
         let windows = [
@@ -912,11 +972,7 @@ mod tests {
 
     #[test]
     fn a_reader_new_to_a_log_starts_at_the_summary_before_its_windows() {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
-        let uid = crate::owner::euid();
-        let me = crate::owner::name_of_uid(uid);
-        let path = dir.usage_log_path(uid);
+        let (_tmp, dir, me, path) = own_log();
         let now = tt_device::now_unix();
         let day = 86_400.0;
         let write = |lines: &[String]| {
@@ -1025,13 +1081,30 @@ mod tests {
             read.windows[0].by_user[&me].reservations,
             2 * n as usize + 1
         );
+
+        // A summary its owner forged (totals none of their records give): a new reader
+        // starts from it, and so does the reader that read along.
+        let len = std::fs::metadata(&path).unwrap().len();
+        write(&[format!(
+            "{{\"event\":\"summary\",\"upto\":{len},\"half_life\":0,\"state\":null,\
+             \"totals\":{{\"at\":0,\"prev\":null,\"by_user\":{{\"{me}\":{{\"reservations\":1,\
+             \"running\":0,\"lost\":0,\"gpu_seconds\":5.0,\"reserved_byte_seconds\":0.0}}}},\
+             \"by_gpu\":{{}},\"open\":{{}},\"order\":[],\"latest\":0.0}}}}"
+        )]);
+        let forged = dir.usage_totals(&[f64::MIN]).unwrap();
+        assert_eq!(forged.windows[0].by_user[&me].reservations, 1, "{forged:?}");
+        let along = watch.read(&dir, &week).unwrap();
+        assert!(
+            close(&along.windows[0], &forged.windows[0]),
+            "{:?} != {:?}",
+            along.windows[0],
+            forged.windows[0]
+        );
     }
 
     #[test]
     fn reservations_summarize_their_log_as_they_write_it() {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = LockDir::open(tmp.path().join("locks")).unwrap();
-        let path = dir.usage_log_path(crate::owner::euid());
+        let (_tmp, dir, _, path) = own_log();
         let summaries = || {
             std::fs::read_to_string(&path)
                 .unwrap()
