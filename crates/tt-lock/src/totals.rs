@@ -233,8 +233,9 @@ impl Sink for Summing {
     // Taken only as a reader new to the log starts ([`fresh`]); read on, a summary
     // only says where the log's last one is.
     fn summary(&mut self, line: SummaryLine, believed: &dyn Fn(&str) -> bool) -> bool {
-        if totals_of(&line, self.now, believed).is_some() {
-            self.last_summary = Some(line.at);
+        let at = line.at;
+        if totals_of(line, self.now, believed).is_some() {
+            self.last_summary = Some(at);
         }
         false
     }
@@ -262,8 +263,8 @@ struct LogTotals {
 /// records can add up to: every number finite, no time past now (with the slack every
 /// record's time has), no more open reservations than a reader keeps, every user named
 /// one that passes `believed` (the log's owner).
-fn totals_of(line: &SummaryLine, now: f64, believed: &dyn Fn(&str) -> bool) -> Option<LogTotals> {
-    let totals: LogTotals = serde_json::from_value(line.totals.clone()?).ok()?;
+fn totals_of(line: SummaryLine, now: f64, believed: &dyn Fn(&str) -> bool) -> Option<LogTotals> {
+    let totals: LogTotals = serde_json::from_value(line.totals?).ok()?;
     let time = |t: f64| (0.0..=now + crate::usage::TIME_SLACK).contains(&t);
     let ended = |t: &UsageTotal| {
         t.running == 0
@@ -335,7 +336,7 @@ fn start_of(path: &Path, now: f64, earliest: f64) -> Option<Found> {
     let believed = |user: &str| crate::owner::check(path, tail.owner, user).is_ok();
     let read = |at: u64, line: &[u8]| {
         let totals = summary_line(at, line)?;
-        totals_of(&totals, now, &believed).map(|t| (at, line.len() as u64, t))
+        totals_of(totals, now, &believed).map(|t| (at, line.len() as u64, t))
     };
     let mut found = Found {
         file: tail.file,
@@ -394,23 +395,21 @@ fn fresh(path: &Path, sink: Summing) -> Tailed<Summing> {
 
 /// `log`, not read yet, started where `found` says.
 fn begin(log: &mut Tailed<Summing>, found: Found) {
-    log.file = found.file;
-    log.seen_len = found.len;
+    log.seen(found.file, found.len);
     match found.start {
         Start::Unread(why) => {
-            log.unread = true;
+            log.set_unread();
             log.sink.unread = Some(why);
         }
         Start::First => {}
         Start::At { at, len, totals } => {
             log.sink.take(totals);
             log.sink.started = Some(at);
-            log.offset = at + len + 1;
-            log.summary_at = at;
-            log.lines = 1;
+            log.at_summary(at, len);
         }
     }
-    log.sink.last_summary = found.last.max(log.sink.last_summary);
+    // (After `take`, which forgets it.)
+    log.sink.last_summary = found.last;
 }
 
 /// Whether a reader that holds `log` reads on from it and then holds what a reader new
@@ -422,7 +421,7 @@ fn reads_on(log: &Tailed<Summing>, found: &Found) -> bool {
         Start::First => log.sink.started.is_none(),
         Start::At { at, .. } => log.sink.started == Some(at),
     };
-    same_start && !log.unread() && log.file == found.file && found.len >= log.offset
+    same_start && !log.unread() && log.file_and_len().0 == found.file && found.len >= log.offset()
 }
 
 /// The summary `line` at byte `at` of a log, when it is one that says it is there.
@@ -493,7 +492,7 @@ pub(crate) fn summarize_own_totals(dir: &LockDir, path: &Path) -> Result<bool> {
     let now = tt_device::now_unix();
     let summing = || Summing::new(now, vec![UsageTotals::from(f64::MIN)], None);
     let mut log = fresh(path, summing());
-    let since = |log: &Tailed<Summing>| log.seen_len - log.sink.last_summary.unwrap_or(0);
+    let since = |log: &Tailed<Summing>| log.file_and_len().1 - log.sink.last_summary.unwrap_or(0);
     if !log.unread() && since(&log) < SUMMARY_EVERY {
         return Ok(false);
     }
@@ -506,6 +505,7 @@ pub(crate) fn summarize_own_totals(dir: &LockDir, path: &Path) -> Result<bool> {
     }
     // Read after the log: a start read has its live record already.
     let live = dir.live_usage_ids()?;
+    let upto = log.offset();
     let mut sums = log.sink;
     let dead: Vec<String> = sums
         .open
@@ -541,7 +541,7 @@ pub(crate) fn summarize_own_totals(dir: &LockDir, path: &Path) -> Result<bool> {
     };
     Ok(crate::usage::append_summary(
         path,
-        log.offset,
+        upto,
         0.0,
         serde_json::Value::Null,
         Some(totals),

@@ -562,23 +562,23 @@ pub(crate) struct SummaryLine {
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub(crate) struct Tailed<S> {
     /// The file read (device and inode): another file under the name is read anew.
-    pub(crate) file: (u64, u64),
+    file: (u64, u64),
     /// Bytes read, through the last whole line.
-    pub(crate) offset: u64,
+    offset: u64,
     /// Lines read.
-    pub(crate) lines: usize,
+    lines: usize,
     /// Reading stopped for good (an over-long line, too many records).
     stopped: bool,
     /// Where the last summary taken starts (0 with none).
     #[serde(default)]
-    pub(crate) summary_at: u64,
+    summary_at: u64,
     /// The log's length when it was last looked at.
     #[serde(default)]
-    pub(crate) seen_len: u64,
+    seen_len: u64,
     /// Not read: more than [`SUMMARY_SEARCH`] bytes of it lie past its last summary
     /// ([`Tailed::from_last_summary`]).
     #[serde(default)]
-    pub(crate) unread: bool,
+    unread: bool,
     /// What was read.
     pub(crate) sink: S,
 }
@@ -587,6 +587,30 @@ impl<S: Sink> Tailed<S> {
     /// Bytes read so far.
     pub(crate) fn offset(&self) -> u64 {
         self.offset
+    }
+
+    /// The file read (device and inode), and its length when it was last looked at.
+    pub(crate) fn file_and_len(&self) -> ((u64, u64), u64) {
+        (self.file, self.seen_len)
+    }
+
+    /// Not read yet: the log is the file `file`, of `len` bytes.
+    pub(crate) fn seen(&mut self, file: (u64, u64), len: u64) {
+        self.file = file;
+        self.seen_len = len;
+    }
+
+    /// Read through the summary at byte `at`, of `len` bytes (without its newline),
+    /// which the sink took: the reading goes on after its newline.
+    pub(crate) fn at_summary(&mut self, at: u64, len: u64) {
+        self.offset = at + len + 1;
+        self.summary_at = at;
+        self.lines = 1;
+    }
+
+    /// Not to be read ([`Tailed::unread`]).
+    pub(crate) fn set_unread(&mut self) {
+        self.unread = true;
     }
 
     /// Bytes read since the last summary taken (all of them with none).
@@ -670,15 +694,12 @@ impl<S: Sink> Tailed<S> {
         let Some(tail) = summary_lines(path) else {
             return tailed;
         };
-        tailed.file = tail.file;
-        tailed.seen_len = tail.len;
+        tailed.seen(tail.file, tail.len);
         let now = now_unix();
         for (at, line) in tail.summaries {
             // Taken as `read_more` takes it, which leaves a reader past its newline.
             if take_line(&line, path, tail.owner, (0, at), &mut tailed.sink, now) {
-                tailed.offset = at + line.len() as u64 + 1;
-                tailed.summary_at = at;
-                tailed.lines = 1;
+                tailed.at_summary(at, line.len() as u64);
                 return tailed;
             }
         }
