@@ -118,8 +118,16 @@ pub fn slurm_restart_count() -> u32 {
 /// queue with `scontrol requeue`, as Lightning does on Slurm's warning signal: Slurm
 /// then ends its processes and runs it again, with [`SLURM_RESTART_COUNT`] one higher.
 /// The job must have been submitted requeueable (`sbatch --requeue`, or the cluster's
-/// `JobRequeue=1`). The error says what `scontrol` said.
+/// `JobRequeue=1`). A job made not requeueable since (`torchtools stop` does so before
+/// its `scancel`: Slurm would requeue a cancelled job) is not put back, and the error
+/// says so; otherwise the error says what `scontrol` said.
 pub fn slurm_requeue(id: &str) -> std::io::Result<()> {
+    if slurm_job_field(id, "Requeue").as_deref() == Some("0") {
+        return Err(std::io::Error::other(format!(
+            "Slurm job {id} was stopped (`torchtools stop`, or `scontrol update JobId={id} \
+             Requeue=0` before `scancel`): not requeued"
+        )));
+    }
     let out = std::process::Command::new("scontrol")
         .args(["requeue", id])
         .stdin(std::process::Stdio::null())
@@ -139,6 +147,29 @@ pub fn slurm_requeue(id: &str) -> std::io::Result<()> {
         out.status,
         String::from_utf8_lossy(&out.stderr).trim()
     )))
+}
+
+/// The value of `key` (`Requeue`, `JobState`, ...) in what `scontrol show job` says of
+/// the Slurm job `id`; `None` when it cannot say. Read from the first `key=` after the
+/// job's `UserId=`: the job's name comes before it (a name can hold words like
+/// `Requeue=1`, but only the job's owner chooses them, for their own job).
+fn slurm_job_field(id: &str, key: &str) -> Option<String> {
+    let out = std::process::Command::new("scontrol")
+        .args(["show", "job", "--oneliner", id])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    field_in(&String::from_utf8_lossy(&out.stdout), key)
+}
+
+fn field_in(text: &str, key: &str) -> Option<String> {
+    let line = text.lines().next()?;
+    let after_user = &line[line.find(" UserId=")?..];
+    let key = format!("{key}=");
+    after_user
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(key.as_str()))
+        .map(str::to_owned)
 }
 
 /// The id of the Slurm job of this process (`1234`, or `1234_7` for an array task),
@@ -196,6 +227,17 @@ mod tests {
                 .find(|(k, _)| *k == name)
                 .map(|(_, v)| (*v).to_owned())
         })
+    }
+
+    #[test]
+    fn a_jobs_fields_are_read_after_its_user() {
+        let line = "JobId=3 JobName=x Requeue=1 UserId=root(0) GroupId=root(0) \
+                    JobState=COMPLETING Requeue=0 WorkDir=/a Requeue=1\n";
+        assert_eq!(field_in(line, "Requeue").as_deref(), Some("0"));
+        assert_eq!(field_in(line, "JobState").as_deref(), Some("COMPLETING"));
+        let said = "slurm_load_jobs error: Invalid job id specified";
+        assert_eq!(field_in(said, "Requeue"), None);
+        assert_eq!(field_in("", "Requeue"), None);
     }
 
     #[test]

@@ -6,16 +6,19 @@ use anyhow::Result;
 use tt_device::now_unix;
 use tt_lock::LockDir;
 
+use crate::exit::Exit;
 use crate::jobs::keeper::DEPENDENCY_EVERY;
+use crate::jobs::slurm::{target, SlurmJob, Target};
 use crate::jobs::store::{
-    all_jobs, load, record_path, records_dir, records_dir_in, resolve, rows, scan, Job,
+    all_jobs, load, record_path, records_dir, records_dir_in, rows, scan, Job,
 };
 
 /// List your detached jobs (or everyone's).
 ///
 /// Your detached jobs (`--detach` on reserve, run, launch): id, state (waiting,
 /// running, finished or failed with its status, lost when the machine rebooted),
-/// how long, the command and its log.
+/// how long, the command and its log. On a Slurm cluster, your Slurm jobs too (those
+/// Slurm's controller still knows), from `squeue`.
 #[derive(clap::Args)]
 #[command(args_conflicts_with_subcommands = true)]
 pub(crate) struct Args {
@@ -42,7 +45,7 @@ pub(crate) enum JobsCommand {
 /// `jobs wait`'s arguments.
 #[derive(clap::Args)]
 pub(crate) struct WaitArgs {
-    /// The jobs (ids, unique prefixes, or `last`).
+    /// The jobs (ids, unique prefixes, or `last`; Slurm's: `57`, `57_3`, `slurm:57`).
     #[arg(
         required_unless_present = "all_mine",
         conflicts_with = "all_mine",
@@ -85,9 +88,22 @@ fn list(args: &Args) -> Result<ExitCode> {
             println!("damaged job record (not a job torchtools wrote): {why}");
         }
     }
+    let slurm = crate::jobs::slurm::listed(mine, all).unwrap_or_else(|e| {
+        eprintln!("torchtools: Slurm's jobs are not shown: {e}");
+        Vec::new()
+    });
     if json {
-        let rows = rows(jobs, &waiting, &held);
+        let mut rows = serde_json::to_value(rows(jobs, &waiting, &held))?;
+        if let Some(rows) = rows.as_array_mut() {
+            for job in &slurm {
+                rows.push(serde_json::to_value(job)?);
+            }
+        }
         println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    list_slurm(&slurm);
+    if jobs.is_empty() && !slurm.is_empty() {
         return Ok(ExitCode::SUCCESS);
     }
     if jobs.is_empty() {
@@ -127,11 +143,51 @@ fn list(args: &Args) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Slurm's jobs, under torchtools' own: id, user, state, how long, GPUs, name and
+/// output file.
+fn list_slurm(jobs: &[SlurmJob]) {
+    if jobs.is_empty() {
+        return;
+    }
+    println!("Slurm's jobs (`squeue`):");
+    let now = now_unix() as i64;
+    for job in jobs {
+        let took = job
+            .started_unix
+            .map(|s| format!("{}s", (job.ended_unix.unwrap_or(now) - s).max(0)))
+            .unwrap_or_else(|| "-".into());
+        println!(
+            "{}  {:<8}  {:<24}  {:>7}  {}  {}  {}",
+            tt_device::printable(&job.id),
+            tt_device::printable(&job.user),
+            tt_device::printable(&job.said()),
+            took,
+            if job.gpus.is_empty() { "-" } else { &job.gpus },
+            tt_device::printable(&job.name),
+            job.output
+                .as_deref()
+                .map_or("-".into(), |p| tt_device::printable(&p.to_string_lossy())
+                    .into_owned())
+        );
+    }
+}
+
 /// `torchtools jobs wait`: returns when every job named has ended, with the worst
-/// status (the largest), each job's end said on its line.
+/// status (the largest), each job's end said on its line. Slurm's jobs (on a Slurm
+/// cluster) are waited for by asking Slurm.
 fn wait(args: &WaitArgs) -> Result<ExitCode> {
     let records = records_dir()?;
+    let mut worst = 0;
+    let mut slurm_ids = Vec::new();
     let ids: Vec<String> = if args.all_mine {
+        for job in crate::jobs::slurm::listed(tt_lock::euid(), false)
+            .map_err(|e| Exit::new(crate::exit::FAILURE, e))?
+        {
+            let id = job.array_job_id.unwrap_or(job.job_id).to_string();
+            if !job.ended() && !slurm_ids.contains(&id) {
+                slurm_ids.push(id);
+            }
+        }
         all_jobs(&records)?
             .into_iter()
             .filter(|j| j.uid == tt_lock::euid() && !j.ended())
@@ -140,11 +196,16 @@ fn wait(args: &WaitArgs) -> Result<ExitCode> {
     } else {
         let mut all = Vec::new();
         for id in &args.jobs {
-            all.extend(resolve(&records, id)?.into_iter().map(|j| j.id));
+            match target(&records, id)? {
+                Target::Ours(jobs) => all.extend(jobs.into_iter().map(|j| j.id)),
+                Target::Slurm(id, _) => slurm_ids.push(id),
+            }
         }
         all
     };
-    let mut worst = 0;
+    for id in &slurm_ids {
+        worst = worst.max(wait_slurm(id)?);
+    }
     for id in &ids {
         let job = loop {
             match load(&record_path(&records, id)) {
@@ -161,4 +222,23 @@ fn wait(args: &WaitArgs) -> Result<ExitCode> {
         worst = worst.max(code);
     }
     Ok(ExitCode::from(u8::try_from(worst).unwrap_or(1)))
+}
+
+/// Waits for the Slurm job `id` (every task of an array) to end, saying how each
+/// ended: the worst status.
+fn wait_slurm(id: &str) -> Result<i32> {
+    let ended = crate::jobs::slurm::wait_ended(id, None)?.unwrap_or_default();
+    if ended.is_empty() {
+        println!(
+            "{id}  Slurm does not know it (never submitted, or ended longer ago than the \
+             cluster's MinJobAge: `sacct -j {id}`)"
+        );
+        return Ok(1);
+    }
+    let mut worst = 0;
+    for job in &ended {
+        println!("{}  {}", tt_device::printable(&job.id), job.said());
+        worst = worst.max(job.outcome());
+    }
+    Ok(worst)
 }

@@ -9,31 +9,83 @@ use anyhow::Result;
 use nix::sys::signal::Signal;
 
 use crate::exit::Exit;
-use crate::jobs::store::{load, record_path, records_dir, resolve, Job};
+use crate::jobs::slurm::{target, SlurmJob, Target};
+use crate::jobs::store::{load, record_path, records_dir, Job};
 use crate::process::{session_members, signal};
 
 /// Stop a detached job.
 ///
 /// Stop a detached job: SIGTERM to it (a torchtools trainer then checkpoints and
-/// exits 75), SIGKILL to all of it after --grace.
+/// exits 75), SIGKILL to all of it after --grace. On a Slurm cluster, a Slurm job
+/// (`57`, `57_3`, `slurm:57`) is stopped with `scancel`, and not requeued.
 #[derive(clap::Args)]
 pub(crate) struct Args {
     /// The job.
     #[arg(add = crate::complete::jobs())]
     pub(crate) job: String,
-    /// How long it has to end after SIGTERM.
-    #[arg(long, value_parser = crate::args::duration, default_value = "10s")]
-    pub(crate) grace: std::time::Duration,
+    /// How long it has to end after SIGTERM [default: 10s]. A Slurm job's is the
+    /// cluster's `KillWait`.
+    #[arg(long, value_parser = crate::args::duration)]
+    pub(crate) grace: Option<std::time::Duration>,
 }
+
+/// How long a job has to end after SIGTERM when `--grace` does not say.
+const GRACE: Duration = Duration::from_secs(10);
+
+/// How long `stop` waits for Slurm to say a cancelled job ended.
+const SLURM_ENDS_WITHIN: Duration = Duration::from_secs(120);
 
 /// `torchtools stop ID`: the job, or every task of the array `ID` (those still
 /// waiting to start first, so that none starts meanwhile).
 pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let records = records_dir()?;
-    let mut jobs = resolve(&records, &args.job)?;
+    let mut jobs = match target(&records, &args.job)? {
+        Target::Ours(jobs) => jobs,
+        Target::Slurm(id, jobs) => return stop_slurm(&id, &jobs, args.grace),
+    };
     jobs.sort_by_key(|j| j.pid.is_some());
     for job in jobs {
-        stop_one(&records, job, args.grace)?;
+        stop_one(&records, job, args.grace.unwrap_or(GRACE))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `stop` of a Slurm job: `scancel` (SIGTERM to its processes, then SIGKILL after the
+/// cluster's `KillWait`), then Slurm's word that it ended. A job stopped so is not
+/// requeued by the torchtools inside it.
+fn stop_slurm(id: &str, jobs: &[SlurmJob], grace: Option<Duration>) -> Result<ExitCode> {
+    if grace.is_some() {
+        return Err(Exit::usage(format!(
+            "--grace: Slurm job {id}'s time from SIGTERM to SIGKILL is the cluster's \
+             KillWait, not the job's; leave --grace out"
+        ))
+        .into());
+    }
+    if jobs.is_empty() {
+        return Err(Exit::usage(format!(
+            "Slurm does not know job {id}: `torchtools jobs` lists yours"
+        ))
+        .into());
+    }
+    if jobs.iter().all(SlurmJob::ended) {
+        eprintln!("torchtools: Slurm job {id} has ended already");
+        return Ok(ExitCode::SUCCESS);
+    }
+    crate::jobs::slurm::cancel(id)?;
+    match crate::jobs::slurm::wait_ended(id, Some(SLURM_ENDS_WITHIN))? {
+        Some(ended) => {
+            for job in ended {
+                eprintln!(
+                    "torchtools: Slurm job {} stopped ({})",
+                    tt_device::printable(&job.id),
+                    job.said()
+                );
+            }
+        }
+        None => eprintln!(
+            "torchtools: Slurm job {id} was cancelled but has not ended after \
+             {SLURM_ENDS_WITHIN:?}: `squeue -j {id}`"
+        ),
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -371,3 +371,132 @@ fn the_same_command_line_submits_to_slurm() {
         .unwrap();
     assert_eq!(text(&queue).0.trim(), "", "{:?}", text(&queue));
 }
+
+/// `jobs`, `logs`, `jobs wait` and `stop` on Slurm's jobs (submitted with `--slurm`):
+/// listed from Slurm with their state, their output followed until they end, waited
+/// for with their exit status, and stopped with `scancel`, after which the
+/// `--requeue`d job's torchtools does not put it back. An option Slurm rejects is
+/// Slurm's error, shown, and nothing is submitted.
+#[test]
+fn slurms_jobs_are_listed_followed_waited_for_and_stopped() {
+    let Some(cluster) = Cluster::one_node(4) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let tt = |args: &[&str]| {
+        slurm(&cluster, dir, env!("CARGO_BIN_EXE_torchtools"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let submit = |extra: &[&str], script: &str| -> String {
+        let out = tt(&[
+            &["reserve", "--detach", "--slurm"][..],
+            extra,
+            &["--no-fence", "--", "sh", "-c", script],
+        ]
+        .concat());
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stdout}{stderr}\n{}", cluster.logs());
+        stdout.trim().to_owned()
+    };
+    // Slurm's own refusal, shown; nothing submitted.
+    let out = tt(&[
+        "reserve",
+        "--detach",
+        "--slurm",
+        "--count",
+        "9",
+        "--no-fence",
+        "--",
+        "true",
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("sbatch refused the job")
+            && stderr.contains("Requested node configuration is not available"),
+        "{stderr}"
+    );
+    let failing = submit(&[], "echo started; sleep 2; echo done; exit 3");
+    let stopped = submit(
+        &["--time", "10m", "--requeue"],
+        "trap 'echo got TERM; exit 75' TERM; echo ready; while :; do sleep 0.1; done",
+    );
+    // Both listed, from Slurm.
+    let (listed, _) = text(&tt(&["jobs"]));
+    assert!(listed.contains("Slurm's jobs"), "{listed}");
+    for id in [&failing, &stopped] {
+        assert!(
+            listed.lines().any(|l| l.starts_with(&format!("{id} "))),
+            "{listed}"
+        );
+    }
+    // Its output followed until it ends, then its status waited for.
+    let out = tt(&["logs", "--follow", &failing]);
+    let (log, stderr) = text(&out);
+    assert!(out.status.success(), "{log}{stderr}");
+    assert!(log.contains("started") && log.contains("done"), "{log}");
+    let out = tt(&["jobs", "wait", &failing]);
+    let (said, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(3), "{said}{stderr}");
+    assert!(
+        said.contains(&format!("{failing}  FAILED (exit 3)")),
+        "{said}"
+    );
+    // Stopped with scancel once it runs; Slurm's KillWait is its grace.
+    crate::common::until("the second job's output says ready", || {
+        text(&tt(&["logs", &stopped])).0.contains("ready")
+    });
+    let out = tt(&["stop", &stopped, "--grace", "5s"]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(text(&out).1.contains("KillWait"), "{:?}", text(&out));
+    let out = tt(&["stop", &stopped]);
+    let (stdout, stderr) = text(&out);
+    let show = text(
+        &slurm(&cluster, dir, "scontrol")
+            .args(["show", "job", &stopped])
+            .output()
+            .unwrap(),
+    )
+    .0;
+    let log = format!(
+        "{:?}\n{}",
+        text(&tt(&["logs", &stopped])),
+        std::fs::read_to_string(dir.join(format!("state/torchtools/logs/slurm-{stopped}.out")))
+            .unwrap_or_default()
+    );
+    assert!(out.status.success(), "{stdout}{stderr}\n{show}\n{log}");
+    assert!(
+        stderr.contains(&format!("Slurm job {stopped} stopped (CANCELLED")),
+        "{stderr}\n{show}\n{log}"
+    );
+    // Its torchtools saw the command exit 75 and did not requeue a stopped job.
+    crate::common::until("the stopped job's torchtools says what it did", || {
+        text(&tt(&["logs", &stopped])).0.contains("exited 75")
+    });
+    let (log, _) = text(&tt(&["logs", &stopped]));
+    assert!(
+        log.contains("got TERM") && log.contains("was stopped") && log.contains("not requeued"),
+        "{log}"
+    );
+    let out = tt(&["jobs", "--json"]);
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let row = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] == stopped.as_str())
+        .unwrap_or_else(|| panic!("{rows}"));
+    assert_eq!(row["scheduler"], "slurm");
+    assert_eq!(row["state"], "CANCELLED", "{row}");
+    assert_eq!(row["restarts"], 0, "{row}");
+    let show = slurm(&cluster, dir, "scontrol")
+        .args(["show", "job", &stopped])
+        .output()
+        .unwrap();
+    assert!(text(&show).0.contains("Restarts=0"), "{:?}", text(&show));
+    let out = tt(&["jobs", "wait", &stopped]);
+    assert_ne!(out.status.code(), Some(0), "{:?}", text(&out));
+}
