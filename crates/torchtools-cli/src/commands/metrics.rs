@@ -237,6 +237,9 @@ struct GpuUserLabels {
     gpu: String,
     uuid: String,
     user: String,
+    /// The Slurm job the reservation was made in (`1234`, an array's task `1234_7`);
+    /// empty outside Slurm (Prometheus reads an empty label as none).
+    slurm_job: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -433,13 +436,15 @@ fn gpu_reservation_series(registry: &mut Registry, snapshot: &Snapshot) {
     let reserved = gauges::<GpuUserLabels>(
         registry,
         "gpu_reserved",
-        "Bytes reserved on the GPU per user: the holder's, or the sharers' budgets (--share)",
+        "Bytes reserved on the GPU per user (and Slurm job): the holder's, or the sharers' \
+         budgets (--share)",
         Some(Unit::Bytes),
     );
     let reservations = gauges::<GpuUserLabels>(
         registry,
         "gpu_reservations",
-        "Reservations of the GPU per user: 1 for the holder, one per sharing job",
+        "Reservations of the GPU per user (and Slurm job): 1 for the holder, one per \
+         sharing job",
         None,
     );
     let waiters = gauges::<GpuLabels>(
@@ -466,6 +471,7 @@ fn gpu_reservation_series(registry: &mut Registry, snapshot: &Snapshot) {
                 gpu: labels.gpu.clone(),
                 uuid: labels.uuid.clone(),
                 user: label(&h.who.user),
+                slurm_job: label(h.who.slurm_job.as_deref().unwrap_or_default()),
             };
             reserved
                 .get_or_create(&user)

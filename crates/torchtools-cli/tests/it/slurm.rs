@@ -88,7 +88,7 @@ fn inside_a_slurm_job_only_its_gpus_are_reserved_and_the_records_name_the_job() 
         .args(["--gres=gpu:2", "sh", "-c"])
         .arg(
             "echo job=$SLURM_JOB_ID; \
-             exec \"$TT\" reserve --gpu 1 --no-fence -- \"$TT\" locks",
+             exec \"$TT\" reserve --gpu 1 --no-fence -- sh -c '\"$TT\" locks; \"$TT\" metrics'",
         )
         .output()
         .unwrap();
@@ -104,6 +104,15 @@ fn inside_a_slurm_job_only_its_gpus_are_reserved_and_the_records_name_the_job() 
         .find(|l| l.trim_start().starts_with("1 "))
         .unwrap_or_else(|| panic!("{stdout}"));
     assert!(held.contains(&format!("in Slurm job {job}")), "{held}");
+    // The metrics name it too, for a dashboard of several servers.
+    let reservation = stdout
+        .lines()
+        .find(|l| l.starts_with("torchtools_gpu_reservations{"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(
+        reservation.contains(&format!("slurm_job=\"{job}\"")) && reservation.ends_with(" 1.0"),
+        "{reservation}"
+    );
 
     // A batch script: the job's GPUs (SLURM_JOB_GPUS), one GPU of the node's four.
     let script = dir.join("job.sh");
