@@ -134,15 +134,35 @@ pub(crate) struct DetachArgs {
     /// Submit the job to Slurm with `sbatch` instead of torchtools' queue: --count,
     /// --time, --requeue (with Slurm's warning signal), --array, --after and --after-ok
     /// become the script's options, and the same command runs inside the job on its
-    /// GPUs. What Slurm cannot be asked for is refused first.
-    #[arg(long, requires = "detach")]
+    /// GPUs. What Slurm cannot be asked for is refused first. `[detach] to = "slurm"`
+    /// in your config.toml makes it the default.
+    #[arg(long, requires = "detach", conflicts_with = "no_slurm")]
     pub(crate) slurm: bool,
+    /// To torchtools' own queue, whatever your config.toml's `[detach] to` says.
+    #[arg(long, requires = "detach")]
+    pub(crate) no_slurm: bool,
     /// With --slurm: print the `sbatch` script instead of submitting it.
-    #[arg(long, requires = "slurm")]
+    #[arg(long, requires = "detach")]
     pub(crate) dry_run: bool,
 }
 
 impl DetachArgs {
+    /// Whether the job goes to Slurm: `--slurm`, `--no-slurm`, else the config's
+    /// `[detach] to`; `--dry-run` only with Slurm.
+    pub(crate) fn to_slurm(&self) -> anyhow::Result<bool> {
+        let slurm = self.slurm
+            || (!self.no_slurm && crate::config::detach_to()? == crate::config::Scheduler::Slurm);
+        if self.dry_run && !slurm {
+            return Err(crate::exit::Exit::usage(
+                "--dry-run prints the `sbatch` script of a job submitted to Slurm: add \
+                 --slurm (or `[detach] to = \"slurm\"` in your config.toml)"
+                    .into(),
+            )
+            .into());
+        }
+        Ok(slurm)
+    }
+
     /// For a command run attached: the Slurm job to requeue when it exits 75
     /// (`--requeue` inside a Slurm job); `--requeue` elsewhere needs `--detach`.
     pub(crate) fn slurm_requeue(&self) -> anyhow::Result<Option<String>> {

@@ -50,46 +50,16 @@ pub(crate) struct Hook {
     pub(crate) timeout: Duration,
 }
 
-/// `config.toml`: the user's defaults.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Config {
-    on_end: Option<OnEndConfig>,
-}
-
-/// `[on_end]`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct OnEndConfig {
-    command: String,
-    timeout: Option<String>,
-}
-
-/// The user's config file: `$XDG_CONFIG_HOME/torchtools/config.toml`, else
-/// `~/.config/torchtools/config.toml`; `None` without either variable.
-fn config_path() -> Option<PathBuf> {
-    Some(tt_device::user_dir("XDG_CONFIG_HOME", ".config")?.join("torchtools/config.toml"))
-}
-
 /// The user's default hook, from their config file (none when there is no file); an
 /// error that names the file and what is wrong in it.
 fn config_hook(path: &Path) -> Result<Option<Hook>> {
-    let text = match read_own_config(path) {
-        Ok(Some(text)) => text,
-        Ok(None) => return Ok(None),
-        Err(why) => return Err(Exit::usage(format!("{}: {why}", path.display())).into()),
+    let Some(config) = crate::config::read(path)? else {
+        return Ok(None);
     };
-    let bad = |why: String| {
-        Exit::usage(format!(
-            "{}: {why}; it takes `[on_end]` with `command = \"...\"` and an optional \
-                 `timeout = \"60s\"` (or move the file away)",
-            path.display()
-        ))
-    };
-    let config: Config = toml::from_str(&text).map_err(|e| bad(e.message().to_owned()))?;
     let Some(on_end) = config.on_end else {
         return Ok(None);
     };
+    let bad = |why: String| crate::config::bad(path, &why);
     if on_end.command.trim().is_empty() {
         return Err(bad("[on_end] command is empty".into()).into());
     }
@@ -101,33 +71,6 @@ fn config_hook(path: &Path) -> Result<Option<Hook>> {
         command: on_end.command,
         timeout,
     }))
-}
-
-/// The config file's text, believed only when it is this user's (or root's) and no
-/// other user can write it: its command runs as this user, so a file another user can
-/// change would run their commands. `None` when there is none; the refusal names the
-/// owner or mode and the fix. Read with a bound (a config is small).
-fn read_own_config(path: &Path) -> std::result::Result<Option<String>, String> {
-    use tt_lock::Untrusted;
-    const MAX: u64 = 1 << 20;
-    let me = tt_lock::euid();
-    tt_lock::trusted_text(path, &[me, 0], MAX).map_err(|why| match why {
-        Untrusted::NotRegular => "it is not a regular file; move it away".into(),
-        Untrusted::Owner(uid) => format!(
-            "it belongs to {} (uid {uid}), not to you: its hook would run their command as \
-             you, so it is not read; remove it, or `cp` it to a file of your own",
-            tt_lock::name_of_uid(uid),
-        ),
-        Untrusted::Writable(mode) => format!(
-            "other users can write it (mode {mode:o}): its hook would run their command as \
-             you, so it is not read; run `chmod go-w {}`",
-            path.display()
-        ),
-        Untrusted::TooLarge(max) => {
-            format!("it is larger than {max} bytes; a config is a few lines")
-        }
-        Untrusted::Io(e) => format!("cannot read it: {e}"),
-    })
 }
 
 /// Where `--on-end`'s command goes when this program re-executes itself without it
@@ -198,7 +141,7 @@ impl HookArgs {
             return Ok(None);
         }
         let configured = match (&on_end, std::env::var_os(JOB_ID_ENV)) {
-            (None, None) => match config_path() {
+            (None, None) => match crate::config::path() {
                 Some(path) => config_hook(&path)?,
                 None => None,
             },

@@ -20,6 +20,7 @@ mod args;
 mod child;
 mod commands;
 mod complete;
+mod config;
 mod exit;
 mod hook;
 mod http;
@@ -106,7 +107,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     };
     if let Some((detach, command)) = cli.command.detached() {
         let argv: Vec<OsString> = std::env::args_os().collect();
-        if detach.slurm {
+        if detach.to_slurm()? {
             return submit::run(&cli.command, &detach, &argv, command, hook.is_some());
         }
         return jobs::keeper::detach(&detach, &argv, command, hook.as_ref());

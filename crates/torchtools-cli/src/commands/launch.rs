@@ -379,6 +379,9 @@ impl Args {
             requeue: self.requeue,
             array: self.array.clone(),
             slurm: false,
+            // `launch` does not submit to Slurm (use `srun torchtools launch`), whatever
+            // the config's `[detach] to` says.
+            no_slurm: true,
             dry_run: false,
         })
     }

@@ -34,7 +34,7 @@ pub(crate) fn default_log_dir() -> Result<PathBuf> {
 }
 
 /// `argv` without torchtools' own `--detach`, `--log-dir DIR`, `--after JOBS`,
-/// `--after-ok JOBS`, `--slurm` and the hook's options (the keeper runs the hook): the
+/// `--after-ok JOBS`, `--slurm`, `--no-slurm` and the hook's options (the keeper runs the hook): the
 /// command the job runs. `command` is how many of `argv`'s last words are the user's
 /// command (clap's parsed command, which is `argv`'s tail word for word): nothing of it
 /// is touched, so a script's own `--detach` or `--log-dir` reaches it, also where
@@ -48,6 +48,7 @@ pub(crate) fn without_detach(argv: &[OsString], command: usize) -> Vec<OsString>
             "--no-on-end",
             "--requeue",
             "--slurm",
+            "--no-slurm",
             "--dry-run",
         ],
         &[

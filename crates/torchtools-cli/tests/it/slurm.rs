@@ -509,3 +509,73 @@ fn slurms_jobs_are_listed_followed_waited_for_and_stopped() {
     let out = tt(&["jobs", "wait", &stopped]);
     assert_ne!(out.status.code(), Some(0), "{:?}", text(&out));
 }
+
+/// `[detach] to = "slurm"` in the user's config.toml: `--detach` submits to Slurm
+/// without `--slurm` (its script shown with `--dry-run`), `--no-slurm` keeps a job in
+/// torchtools' own queue, and a wrong value is refused, naming the file and what it
+/// takes. No cluster is needed: nothing reaches `sbatch`.
+#[test]
+fn the_users_config_sends_detached_jobs_to_slurm() {
+    use crate::common::tt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let config = dir.join("config/torchtools/config.toml");
+    std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+    std::fs::write(&config, "[detach]\nto = \"slurm\"\n").unwrap();
+    let run = |args: &[&str]| tt(dir).args(args).output().unwrap();
+    let out = run(&[
+        "reserve",
+        "--detach",
+        "--dry-run",
+        "--count",
+        "2",
+        "--no-fence",
+        "--",
+        "true",
+    ]);
+    let (script, stderr) = text(&out);
+    assert!(out.status.success(), "{script}{stderr}");
+    assert!(
+        script.contains("#SBATCH --gres=gpu:2\n")
+            && script.contains("reserve --no-fence --gpu \"$SLURM_JOB_GPUS\" -- true\n"),
+        "{script}"
+    );
+    let out = run(&[
+        "reserve",
+        "--detach",
+        "--no-slurm",
+        "--dry-run",
+        "--no-fence",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("--dry-run prints"),
+        "{:?}",
+        text(&out)
+    );
+    let id = crate::common::detach(
+        dir,
+        &[
+            "reserve",
+            "--detach",
+            "--no-slurm",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "true",
+        ],
+    );
+    let out = run(&["jobs", "wait", &id]);
+    assert!(out.status.success(), "{:?}", text(&out));
+    std::fs::write(&config, "[detach]\nto = \"slrum\"\n").unwrap();
+    let out = run(&["reserve", "--detach", "--no-fence", "--", "true"]);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("config.toml") && stderr.contains("to = \"slurm\""),
+        "{stderr}"
+    );
+}

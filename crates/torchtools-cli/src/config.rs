@@ -1,0 +1,121 @@
+//! The user's defaults: `$XDG_CONFIG_HOME/torchtools/config.toml` (else
+//! `~/.config/torchtools/config.toml`), believed only when it is theirs (or root's) and
+//! nobody else can write it. It holds `[on_end]`, the hook run when a job ends
+//! (`hook.rs`), and `[detach]`, where `--detach` sends a job:
+//!
+//! ```toml
+//! [on_end]
+//! command = "notify-send \"job $TORCHTOOLS_JOB_ID: $TORCHTOOLS_JOB_STATUS\""
+//! timeout = "60s"
+//!
+//! [detach]
+//! to = "slurm"    # or "torchtools" (the default): --slurm and --no-slurm say otherwise
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use serde::Deserialize;
+
+use crate::exit::Exit;
+
+/// `config.toml`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Config {
+    pub(crate) on_end: Option<OnEndConfig>,
+    pub(crate) detach: Option<DetachConfig>,
+}
+
+/// `[on_end]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct OnEndConfig {
+    pub(crate) command: String,
+    pub(crate) timeout: Option<String>,
+}
+
+/// `[detach]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DetachConfig {
+    /// Where `--detach` sends a job when neither `--slurm` nor `--no-slurm` says.
+    pub(crate) to: Scheduler,
+}
+
+/// Whose queue a detached job goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum Scheduler {
+    /// This machine's own queue (`torchtools jobs`).
+    Torchtools,
+    /// Slurm's, with `sbatch` (`--slurm`).
+    Slurm,
+}
+
+/// What the file takes, for an error about it.
+const TAKES: &str = "it takes `[on_end]` with `command = \"...\"` and an optional \
+                     `timeout = \"60s\"`, and `[detach]` with `to = \"slurm\"` or \
+                     `to = \"torchtools\"` (or move the file away)";
+
+/// The user's config file; `None` without `XDG_CONFIG_HOME` or `HOME`.
+pub(crate) fn path() -> Option<PathBuf> {
+    Some(tt_device::user_dir("XDG_CONFIG_HOME", ".config")?.join("torchtools/config.toml"))
+}
+
+/// The error for what is wrong in the file at `path`: its name, `why`, and what it
+/// takes.
+pub(crate) fn bad(path: &Path, why: &str) -> Exit {
+    Exit::usage(format!("{}: {why}; {TAKES}", path.display()))
+}
+
+/// The config at `path` (`None` when there is no file); an error naming the file and
+/// what is wrong in it, or why it is not believed.
+pub(crate) fn read(path: &Path) -> Result<Option<Config>> {
+    let text = match read_own(path) {
+        Ok(Some(text)) => text,
+        Ok(None) => return Ok(None),
+        Err(why) => return Err(Exit::usage(format!("{}: {why}", path.display())).into()),
+    };
+    let config: Config = toml::from_str(&text).map_err(|e| bad(path, e.message()))?;
+    Ok(Some(config))
+}
+
+/// Where `--detach` sends a job when neither `--slurm` nor `--no-slurm` says: the
+/// config's `[detach] to`, else torchtools' own queue.
+pub(crate) fn detach_to() -> Result<Scheduler> {
+    let config = match path() {
+        Some(path) => read(&path)?,
+        None => None,
+    };
+    Ok(config
+        .and_then(|c| c.detach)
+        .map_or(Scheduler::Torchtools, |d| d.to))
+}
+
+/// The config file's text, believed only when it is this user's (or root's) and no
+/// other user can write it: its hook runs as this user, so a file another user can
+/// change would run their commands. `None` when there is none; the refusal names the
+/// owner or mode and the fix. Read with a bound (a config is small).
+fn read_own(path: &Path) -> std::result::Result<Option<String>, String> {
+    use tt_lock::Untrusted;
+    const MAX: u64 = 1 << 20;
+    let me = tt_lock::euid();
+    tt_lock::trusted_text(path, &[me, 0], MAX).map_err(|why| match why {
+        Untrusted::NotRegular => "it is not a regular file; move it away".into(),
+        Untrusted::Owner(uid) => format!(
+            "it belongs to {} (uid {uid}), not to you: its hook would run their command as \
+             you, so it is not read; remove it, or `cp` it to a file of your own",
+            tt_lock::name_of_uid(uid),
+        ),
+        Untrusted::Writable(mode) => format!(
+            "other users can write it (mode {mode:o}): its hook would run their command as \
+             you, so it is not read; run `chmod go-w {}`",
+            path.display()
+        ),
+        Untrusted::TooLarge(max) => {
+            format!("it is larger than {max} bytes; a config is a few lines")
+        }
+        Untrusted::Io(e) => format!("cannot read it: {e}"),
+    })
+}
