@@ -395,11 +395,16 @@ pub(crate) fn target(records: &Path, word: &str) -> anyhow::Result<Target> {
     let Some((id, marked)) = slurm_id(word).filter(|_| configured()) else {
         return Ok(Target::Ours(crate::jobs::store::resolve(records, word)?));
     };
-    let slurm = now(id)?;
     if marked {
-        return Ok(Target::Slurm(id.to_owned(), slurm));
+        return Ok(Target::Slurm(id.to_owned(), now(id)?));
     }
     let ours = crate::jobs::store::resolve(records, word);
+    // A controller that does not answer does not hide a job of torchtools' own.
+    let slurm = match (now(id), &ours) {
+        (Ok(slurm), _) => slurm,
+        (Err(_), Ok(_)) => Vec::new(),
+        (Err(e), Err(_)) => return Err(e),
+    };
     match (ours, slurm.is_empty()) {
         (Ok(ours), true) => Ok(Target::Ours(ours)),
         (Err(_), _) => Ok(Target::Slurm(id.to_owned(), slurm)),
