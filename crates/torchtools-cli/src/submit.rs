@@ -64,17 +64,14 @@ fn slurm_time(d: Duration) -> String {
 /// A Slurm job id as `--dependency` takes it (`1234`, or `1234_7`), or a refusal: a
 /// torchtools job id names a job of this machine's queue, which Slurm does not know.
 fn slurm_job(id: &str, option: &str) -> Result<String, Exit> {
-    let digits = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_digit());
-    let ok = match id.split_once('_') {
-        Some((job, task)) => digits(job) && digits(task),
-        None => digits(id),
-    };
-    ok.then(|| id.to_owned()).ok_or_else(|| {
-        Exit::usage(format!(
-            "--slurm {option} {id}: Slurm waits only for Slurm jobs: give their ids \
+    crate::jobs::slurm::is_slurm_id(id)
+        .then(|| id.to_owned())
+        .ok_or_else(|| {
+            Exit::usage(format!(
+                "--slurm {option} {id}: Slurm waits only for Slurm jobs: give their ids \
              (`squeue --me`), not torchtools job ids"
-        ))
-    })
+            ))
+        })
 }
 
 /// The `sbatch` script for `s`, or the reason it cannot be made.

@@ -10,7 +10,7 @@ use crate::exit::Exit;
 use crate::jobs::keeper::DEPENDENCY_EVERY;
 use crate::jobs::slurm::{target, SlurmJob, Target};
 use crate::jobs::store::{
-    all_jobs, load, record_path, records_dir, records_dir_in, rows, scan, Job,
+    all_jobs, load, record_path, records_dir, records_dir_in, resolve, rows, scan, Job,
 };
 
 /// List your detached jobs (or everyone's).
@@ -103,18 +103,17 @@ fn list(args: &Args) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     list_slurm(&slurm);
-    if jobs.is_empty() && !slurm.is_empty() {
-        return Ok(ExitCode::SUCCESS);
-    }
     if jobs.is_empty() {
-        println!(
-            "no job{}",
-            if all {
-                ""
-            } else {
-                " of yours (--all: everyone's)"
-            }
-        );
+        if slurm.is_empty() {
+            println!(
+                "no job{}",
+                if all {
+                    ""
+                } else {
+                    " of yours (--all: everyone's)"
+                }
+            );
+        }
         return Ok(ExitCode::SUCCESS);
     }
     let now = now_unix();
@@ -196,7 +195,7 @@ fn wait(args: &WaitArgs) -> Result<ExitCode> {
     } else {
         let mut all = Vec::new();
         for id in &args.jobs {
-            match target(&records, id)? {
+            match target(&records, id, resolve)? {
                 Target::Ours(jobs) => all.extend(jobs.into_iter().map(|j| j.id)),
                 Target::Slurm(id, _) => slurm_ids.push(id),
             }

@@ -1,6 +1,8 @@
 //! `torchtools logs`: a detached job's log.
 
+use std::fs::File;
 use std::io::Write;
+use std::path::Path;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -26,35 +28,61 @@ pub(crate) struct Args {
 
 /// `torchtools logs`: the log copied out, and with `--follow` on until the job ends.
 pub(crate) fn run(args: &Args) -> Result<ExitCode> {
-    let follow = args.follow;
     let records = records_dir()?;
-    let job = match target(&records, &args.job)? {
-        Target::Slurm(id, jobs) => return slurm_log(&id, jobs, follow),
-        Target::Ours(_) => find(&records, &args.job)?,
+    let one = |records: &Path, word: &str| Ok(vec![find(records, word)?]);
+    let job = match target(&records, &args.job, one)? {
+        Target::Slurm(id, jobs) => return slurm_log(&id, jobs, args.follow),
+        Target::Ours(jobs) => jobs.into_iter().next().ok_or_else(|| {
+            Exit::usage(format!(
+                "no job {:?}: `torchtools jobs` lists them",
+                args.job
+            ))
+        })?,
     };
-    let mut file = open_log(&job.log).map_err(|e| {
-        Exit::new(
-            crate::exit::FAILURE,
-            format!(
-                "job {}: cannot read its log {}: {e}",
-                job.id,
-                job.log.display()
-            ),
-        )
-    })?;
+    let open = || {
+        let file = open_log(&job.log).map_err(|e| {
+            Exit::new(
+                crate::exit::FAILURE,
+                format!(
+                    "job {}: cannot read its log {}: {e}",
+                    job.id,
+                    job.log.display()
+                ),
+            )
+        })?;
+        Ok(Some(file))
+    };
+    let ended = || {
+        Ok(load(&record_path(&records, &job.id))
+            .unwrap_or(job.clone())
+            .ended())
+    };
+    copy_log(args.follow, open, ended)
+}
+
+/// Copies a log to standard output in pieces (never held whole): what it holds now,
+/// and with `follow` what it gains, every [`FOLLOW_EVERY`], until `ended()` says the
+/// job ended, then what was written before that. `open` gives the file, or `None`
+/// while it is not there yet.
+fn copy_log(
+    follow: bool,
+    mut open: impl FnMut() -> Result<Option<File>>,
+    mut ended: impl FnMut() -> Result<bool>,
+) -> Result<ExitCode> {
     let mut out = std::io::stdout().lock();
+    let mut file = None;
     loop {
-        // Copied in pieces, never held whole.
-        std::io::copy(&mut file, &mut out)?;
-        out.flush()?;
-        if !follow {
-            return Ok(ExitCode::SUCCESS);
+        // Asked before the file is opened and copied: what the job wrote before it
+        // ended is copied.
+        let done = !follow || ended()?;
+        if file.is_none() {
+            file = open()?;
         }
-        let now = load(&record_path(&records, &job.id)).unwrap_or(job.clone());
-        if now.ended() {
-            // The rest written before it ended.
-            std::io::copy(&mut file, &mut out)?;
+        if let Some(file) = file.as_mut() {
+            std::io::copy(file, &mut out)?;
             out.flush()?;
+        }
+        if done {
             return Ok(ExitCode::SUCCESS);
         }
         std::thread::sleep(FOLLOW_EVERY);
@@ -98,40 +126,30 @@ fn slurm_log(id: &str, jobs: Vec<SlurmJob>, follow: bool) -> Result<ExitCode> {
             .into());
         }
     };
-    let said = |e: std::io::Error| {
-        Exit::new(
-            crate::exit::FAILURE,
-            format!(
-                "Slurm job {id}: cannot read its output {}: {e}",
-                path.display()
-            ),
-        )
+    let open = || {
+        if follow && !path.exists() {
+            return Ok(None);
+        }
+        let file = open_log(&path).map_err(|e| {
+            Exit::new(
+                crate::exit::FAILURE,
+                format!(
+                    "Slurm job {id}: cannot read its output {}: {e}",
+                    path.display()
+                ),
+            )
+        })?;
+        Ok(Some(file))
     };
-    let mut out = std::io::stdout().lock();
-    let mut file = None;
+    // Slurm is asked at most every ASK_EVERY (each asking is one call to its
+    // controller); the file is read more often.
     let mut asked = std::time::Instant::now();
-    loop {
-        if file.is_none() && (!follow || path.exists()) {
-            file = Some(open_log(&path).map_err(said)?);
+    let ended = || {
+        if asked.elapsed() < ASK_EVERY {
+            return Ok(false);
         }
-        if let Some(file) = file.as_mut() {
-            std::io::copy(file, &mut out)?;
-            out.flush()?;
-        }
-        if !follow {
-            return Ok(ExitCode::SUCCESS);
-        }
-        if asked.elapsed() >= ASK_EVERY {
-            asked = std::time::Instant::now();
-            let now = crate::jobs::slurm::now(id)?;
-            if now.iter().all(SlurmJob::ended) {
-                if let Some(file) = file.as_mut() {
-                    std::io::copy(file, &mut out)?;
-                    out.flush()?;
-                }
-                return Ok(ExitCode::SUCCESS);
-            }
-        }
-        std::thread::sleep(FOLLOW_EVERY);
-    }
+        asked = std::time::Instant::now();
+        Ok(crate::jobs::slurm::now(id)?.iter().all(SlurmJob::ended))
+    };
+    copy_log(follow, open, ended)
 }

@@ -10,7 +10,7 @@ use nix::sys::signal::Signal;
 
 use crate::exit::Exit;
 use crate::jobs::slurm::{target, SlurmJob, Target};
-use crate::jobs::store::{load, record_path, records_dir, Job};
+use crate::jobs::store::{load, record_path, records_dir, resolve, Job};
 use crate::process::{session_members, signal};
 
 /// Stop a detached job.
@@ -39,7 +39,7 @@ const SLURM_ENDS_WITHIN: Duration = Duration::from_secs(120);
 /// waiting to start first, so that none starts meanwhile).
 pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let records = records_dir()?;
-    let mut jobs = match target(&records, &args.job)? {
+    let mut jobs = match target(&records, &args.job, resolve)? {
         Target::Ours(jobs) => jobs,
         Target::Slurm(id, jobs) => return stop_slurm(&id, &jobs, args.grace),
     };

@@ -13,6 +13,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::exit::Exit;
+use crate::jobs::store::Job;
 
 /// How long `squeue` or `scancel` may take to answer before it is given up on (a
 /// controller that does not answer costs each try Slurm's `MessageTimeout`, 10 s by
@@ -372,33 +373,43 @@ pub(crate) fn slurm_id(word: &str) -> Option<(&str, bool)> {
         Some(id) => (id, true),
         None => (word, false),
     };
+    is_slurm_id(id).then_some((id, marked))
+}
+
+/// Whether `id` is written as Slurm writes a job's id: `57`, or an array's task `57_3`
+/// (as `squeue`, `scancel` and `sbatch --dependency` take it).
+pub(crate) fn is_slurm_id(id: &str) -> bool {
     let digits = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_digit());
-    let ok = match id.split_once('_') {
+    match id.split_once('_') {
         Some((job, task)) => digits(job) && digits(task),
         None => digits(id),
-    };
-    ok.then_some((id, marked))
+    }
 }
 
 /// What an id given to `logs`, `stop` or `jobs wait` names.
 pub(crate) enum Target {
     /// torchtools' own jobs.
-    Ours(Vec<crate::jobs::store::Job>),
+    Ours(Vec<Job>),
     /// Slurm's, by this id.
     Slurm(String, Vec<SlurmJob>),
 }
 
-/// The jobs `word` names: torchtools' (an id, a unique prefix, `last`, an array), or,
-/// on a Slurm cluster, Slurm's (`57`, `57_3`, `slurm:57`). An id that names both is
+/// The jobs `word` names: torchtools' as `ours` finds them in `records` (`resolve`:
+/// an id, a unique prefix, `last`, an array's tasks; `logs` takes one job), or, on a
+/// Slurm cluster, Slurm's (`57`, `57_3`, `slurm:57`). An id that names both is
 /// refused, saying how to name each.
-pub(crate) fn target(records: &Path, word: &str) -> anyhow::Result<Target> {
+pub(crate) fn target(
+    records: &Path,
+    word: &str,
+    ours: impl Fn(&Path, &str) -> anyhow::Result<Vec<Job>>,
+) -> anyhow::Result<Target> {
     let Some((id, marked)) = slurm_id(word).filter(|_| configured()) else {
-        return Ok(Target::Ours(crate::jobs::store::resolve(records, word)?));
+        return Ok(Target::Ours(ours(records, word)?));
     };
     if marked {
         return Ok(Target::Slurm(id.to_owned(), now(id)?));
     }
-    let ours = crate::jobs::store::resolve(records, word);
+    let ours = ours(records, word);
     // A controller that does not answer does not hide a job of torchtools' own.
     let slurm = match (now(id), &ours) {
         (Ok(slurm), _) => slurm,
