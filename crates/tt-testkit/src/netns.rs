@@ -57,6 +57,11 @@ impl TwoHosts {
         ["10.231.0.1", "10.231.0.2"][i]
     }
 
+    /// Host `i`'s namespace's name (`ip netns`).
+    pub fn name(&self, i: usize) -> &str {
+        &self.names[i]
+    }
+
     /// Host `i`'s interface toward the other.
     pub fn interface(&self, i: usize) -> String {
         format!("{}v", self.names[i])

@@ -57,12 +57,16 @@ pub(crate) struct Args {
     /// CPU) or `auto` (GPUs if there are any, else CPUs).
     #[arg(long = "nproc-per-node", visible_alias = "nproc_per_node", default_value = "1", value_parser = nproc)]
     nproc_per_node: Nproc,
-    /// Nodes in all (`N`, or torchrun's `N:N`).
-    #[arg(long, default_value = "1", value_parser = nnodes)]
-    nnodes: usize,
-    /// This node's index.
-    #[arg(long = "node-rank", visible_alias = "node_rank", default_value_t = 0)]
-    node_rank: u32,
+    /// Nodes in all (`N`, or torchrun's `N:N`; default 1). Under `srun` with one task
+    /// per node (`srun --ntasks-per-node=1 torchtools launch ...`), the step's nodes:
+    /// SLURM_STEP_NUM_NODES, this node's SLURM_NODEID, the first of
+    /// SLURM_STEP_NODELIST as rank 0's host, and a port from the job's id (MASTER_PORT
+    /// or --master-port says otherwise).
+    #[arg(long, value_parser = nnodes)]
+    nnodes: Option<usize>,
+    /// This node's index (default 0, or Slurm's SLURM_NODEID under `srun`).
+    #[arg(long = "node-rank", visible_alias = "node_rank")]
+    node_rank: Option<u32>,
     /// Rank 0's host.
     #[arg(long = "master-addr", visible_alias = "master_addr")]
     master_addr: Option<String>,
@@ -471,13 +475,25 @@ impl Args {
                 )));
             }
         }
-        if self.standalone && self.nnodes > 1 {
+        let step = self.slurm_step(|k| std::env::var(k).ok())?;
+        if let Some(s) = &step {
+            eprintln!(
+                "torchtools launch: node {} of {} of Slurm's job step (SLURM_NODEID, \
+                 SLURM_STEP_NUM_NODES), rank 0 at {}:{} (SLURM_STEP_NODELIST)",
+                s.node_rank, s.nnodes, s.host, s.port
+            );
+        }
+        let nnodes = step.as_ref().map_or(self.nnodes.unwrap_or(1), |s| s.nnodes);
+        if self.standalone && nnodes > 1 {
             return Err(Exit::usage(format!(
-                "--standalone is one node, but --nnodes {}",
-                self.nnodes
+                "--standalone is one node, but --nnodes {nnodes}"
             )));
         }
         let (master_addr, master_port) = match &self.rdzv_endpoint {
+            _ if step.is_some() => step
+                .as_ref()
+                .map(|s| (s.host.clone(), Some(s.port)))
+                .unwrap_or_default(),
             Some(endpoint) => match endpoint.rsplit_once(':') {
                 Some((host, port)) => match port.parse::<u16>() {
                     Ok(p) if p > 0 => (host.to_owned(), Some(p)),
@@ -512,8 +528,10 @@ impl Args {
             .then(|| (program.len() - 1).saturating_sub(self.command.len() - 1));
         Ok(LaunchConfig {
             nproc_per_node: self.ranks()?,
-            nnodes: self.nnodes,
-            node_rank: self.node_rank as usize,
+            nnodes,
+            node_rank: step
+                .as_ref()
+                .map_or(self.node_rank.unwrap_or(0) as usize, |s| s.node_rank),
             master_addr,
             master_port,
             max_restarts: self.max_restarts,
@@ -526,6 +544,83 @@ impl Args {
             local_rank_arg,
             inherit_fds: Vec::new(),
         })
+    }
+}
+
+/// The nodes of the Slurm job step this launcher is a task of (`srun torchtools launch`).
+#[derive(Debug, PartialEq, Eq)]
+struct SlurmStep {
+    nnodes: usize,
+    node_rank: usize,
+    /// Rank 0's host: the step's first node.
+    host: String,
+    port: u16,
+}
+
+impl Args {
+    /// Under `srun` across several nodes (SLURM_STEP_NUM_NODES > 1) and with no node
+    /// option given: the step's nodes, read with `get`. Several launchers on one node
+    /// (`srun --ntasks-per-node=2`) are refused: each would start its own ranks.
+    fn slurm_step(
+        &self,
+        get: impl Fn(&str) -> Option<String>,
+    ) -> std::result::Result<Option<SlurmStep>, Exit> {
+        let chosen = self.nnodes.is_some()
+            || self.node_rank.is_some()
+            || self.master_addr.is_some()
+            || self.rdzv_endpoint.is_some()
+            || self.standalone;
+        let number = |name: &str| -> std::result::Result<Option<usize>, Exit> {
+            get(name)
+                .map(|v| {
+                    v.trim().parse::<usize>().map_err(|_| {
+                        Exit::usage(format!(
+                            "{name}={v:?} (from Slurm) is not a number; give --nnodes,                              --node-rank and --master-addr instead"
+                        ))
+                    })
+                })
+                .transpose()
+        };
+        let Some(nodes) = number("SLURM_STEP_NUM_NODES")? else {
+            return Ok(None);
+        };
+        if chosen || nodes < 2 {
+            return Ok(None);
+        }
+        let tasks = number("SLURM_STEP_NUM_TASKS")?.unwrap_or(nodes);
+        if tasks != nodes {
+            return Err(Exit::usage(format!(
+                "under srun with {tasks} tasks on {nodes} nodes: torchtools launch is one                  launcher per node, which starts the node's ranks: give srun                  --ntasks-per-node=1 (and launch --nproc-per-node N), or run the trainer                  itself as srun's tasks (it reads SLURM_PROCID)"
+            )));
+        }
+        let node_rank = number("SLURM_NODEID")?.unwrap_or(0);
+        let list = get("SLURM_STEP_NODELIST").unwrap_or_default();
+        let host = tt_dist::first_host(&list).ok_or_else(|| {
+            Exit::usage(format!(
+                "SLURM_STEP_NODELIST={list:?} (from Slurm) names no node; give --master-addr"
+            ))
+        })?;
+        // The same port on every node, different for jobs that share a first node.
+        let port = match (self.master_port, get("MASTER_PORT")) {
+            (Some(p), _) => p,
+            (None, Some(p)) => p
+                .trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p > 0)
+                .ok_or_else(|| Exit::usage(format!("MASTER_PORT={p:?} is not a port (1-65535)")))?,
+            (None, None) => {
+                let job = number("SLURM_JOB_ID")?.unwrap_or(0);
+                let step = number("SLURM_STEP_ID")?.unwrap_or(0);
+                20_000 + u16::try_from((job * 16 + step % 16) % 12_000).unwrap_or(0)
+            }
+        };
+        Ok(Some(SlurmStep {
+            nnodes: nodes,
+            node_rank,
+            host,
+            port,
+        }))
     }
 }
 
@@ -583,4 +678,70 @@ fn reserve_for(
     cfg.env.push((tt_lock::HELD_LOCKS_ENV.into(), value.into()));
     cfg.inherit_fds = fds;
     Ok(reservation)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser as _;
+
+    #[derive(clap::Parser)]
+    struct Line {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn step(words: &[&str], vars: &[(&str, &str)]) -> std::result::Result<Option<SlurmStep>, Exit> {
+        let line =
+            Line::try_parse_from(["launch"].iter().chain(words).chain(&["--", "true"])).unwrap();
+        line.args.slurm_step(|k| {
+            vars.iter()
+                .find(|(name, _)| *name == k)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn under_srun_the_nodes_are_the_steps() {
+        let srun = [
+            ("SLURM_STEP_NUM_NODES", "3"),
+            ("SLURM_STEP_NUM_TASKS", "3"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_STEP_NODELIST", "gpu[07-08],cpu1"),
+            ("SLURM_JOB_ID", "1234"),
+            ("SLURM_STEP_ID", "1"),
+        ];
+        assert_eq!(
+            step(&[], &srun).unwrap(),
+            Some(SlurmStep {
+                nnodes: 3,
+                node_rank: 2,
+                host: "gpu07".into(),
+                port: 20_000 + (1234 * 16 + 1) % 12_000,
+            })
+        );
+        let port = step(&["--master-port", "4242"], &srun).unwrap().unwrap();
+        assert_eq!(port.port, 4242);
+        let mut with_env = srun.to_vec();
+        with_env.push(("MASTER_PORT", "5151"));
+        assert_eq!(step(&[], &with_env).unwrap().unwrap().port, 5151);
+        // The user's own node options win; one node, or no step, is not Slurm's.
+        assert_eq!(
+            step(&["--nnodes", "2", "--node-rank", "1"], &srun).unwrap(),
+            None
+        );
+        assert_eq!(step(&["--standalone"], &srun).unwrap(), None);
+        assert_eq!(step(&[], &srun[1..]).unwrap(), None);
+        let one = [("SLURM_STEP_NUM_NODES", "1"), ("SLURM_STEP_NUM_TASKS", "1")];
+        assert_eq!(step(&[], &one).unwrap(), None);
+        // Two launchers a node, or a variable that is not a number: refused, saying why.
+        let mut two_each = srun.to_vec();
+        two_each[1] = ("SLURM_STEP_NUM_TASKS", "6");
+        let e = step(&[], &two_each).unwrap_err();
+        assert!(e.message.contains("--ntasks-per-node=1"), "{}", e.message);
+        let mut junk = srun.to_vec();
+        junk[2] = ("SLURM_NODEID", "x");
+        let e = step(&[], &junk).unwrap_err();
+        assert!(e.message.contains("SLURM_NODEID"), "{}", e.message);
+    }
 }

@@ -579,3 +579,127 @@ fn the_users_config_sends_detached_jobs_to_slurm() {
         "{stderr}"
     );
 }
+
+/// A PyTorch DDP trainer of two batches a step: as ranks (WORLD_SIZE 2), one batch
+/// each; as one process, both. Rank 0 (or the one process) writes the parameters to
+/// `argv[1]`; each rank says which host it is on (its `tt*` interfaces). With HOLD=1
+/// the ranks write their pids (`pid-RANK`: the rank's and its launcher's) and
+/// all-reduce until stopped.
+const DDP: &str = r#"
+import os, socket, sys, time, torch, torch.distributed as dist
+world = int(os.environ.get("WORLD_SIZE", "1"))
+if world > 1:
+    dist.init_process_group("gloo")
+rank = dist.get_rank() if world > 1 else 0
+hosts = [n for _, n in socket.if_nameindex() if n.startswith("tt")]
+print("rank", rank, "of", world, "on", ",".join(hosts), flush=True)
+if os.environ.get("HOLD"):
+    with open(f"pid-{rank}.tmp", "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")
+    os.rename(f"pid-{rank}.tmp", f"pid-{rank}")
+    t = torch.ones(1)
+    while True:
+        dist.all_reduce(t)
+        time.sleep(0.1)
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+gens = [torch.Generator().manual_seed(1 + r) for r in range(2)]
+for step in range(30):
+    xs = [torch.randn(16, 8, generator=g) for g in gens]
+    if world > 1:
+        loss = net(xs[rank]).pow(2).mean()
+    else:
+        loss = sum(net(x).pow(2).mean() for x in xs) / 2
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+if rank == 0:
+    with open(sys.argv[1], "w") as f:
+        f.write(b"".join(p.detach().numpy().tobytes() for p in model.parameters()).hex())
+if world > 1:
+    dist.destroy_process_group()
+"#;
+
+/// `srun --nodes 2 --ntasks-per-node 1 torchtools launch ddp.py` on a cluster of two
+/// nodes, each in a network namespace of its own: one launcher per node reads the
+/// step's nodes from Slurm (no node option), the ranks meet with c10d across the two
+/// hosts and train to the parameters of one process, bit for bit. Then the same step
+/// with node 1's launcher and rank killed: node 0's launcher ends the step (srun
+/// returns) instead of waiting.
+#[test]
+fn srun_runs_one_launcher_per_node_and_a_killed_node_ends_the_step() {
+    let Some(cluster) = Cluster::two_nodes("sl", 1) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    std::fs::write(dir.join("ddp.py"), DDP).unwrap();
+    let python = tt_testkit::python_path();
+    let out = Command::new(&python)
+        .args(["ddp.py", "ref.out"])
+        .current_dir(dir)
+        .env_remove("WORLD_SIZE")
+        .env_remove("RANK")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let srun = || {
+        let mut c = slurm(&cluster, dir, "srun");
+        c.args(["--nodes", "2", "--ntasks-per-node", "1"])
+            .arg(env!("CARGO_BIN_EXE_torchtools"))
+            .args(["launch", "--nproc-per-node", "1", "--"])
+            .args([python.as_str(), "ddp.py", "job.out"])
+            .env_remove("OMP_NUM_THREADS")
+            .env_remove("MASTER_PORT");
+        c
+    };
+    let out = srun().output().unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}\n{}", cluster.logs());
+    for (node, host) in ["a", "b"].iter().enumerate() {
+        assert!(
+            stdout.contains(&format!("[rank{node}]: rank {node} of 2 on ttsl{host}v")),
+            "{stdout}"
+        );
+        assert!(
+            stderr.contains(&format!("node {node} of 2 of Slurm's job step")),
+            "{stderr}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(dir.join("job.out")).unwrap(),
+        std::fs::read_to_string(dir.join("ref.out")).unwrap(),
+        "two nodes' parameters differ from one process's"
+    );
+    // Node 1 dies: its launcher and its rank, killed.
+    let child = srun()
+        .env("HOLD", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    crate::common::until("both ranks all-reduce", || {
+        dir.join("pid-0").exists() && dir.join("pid-1").exists()
+    });
+    let pids = std::fs::read_to_string(dir.join("pid-1")).unwrap();
+    for (i, pid) in pids.split_whitespace().enumerate() {
+        let pid: i32 = pid.parse().unwrap();
+        // The rank leads a process group of its own; its launcher is its parent.
+        let target = if i == 0 { -pid } else { pid };
+        // SAFETY: kill(2) of the test's own job's processes.
+        assert_eq!(unsafe { libc::kill(target, libc::SIGKILL) }, 0, "{pid}");
+    }
+    let out = tt_testkit::hang::within(
+        std::time::Duration::from_secs(300),
+        "srun after node 1 was killed",
+        move || child.wait_with_output().unwrap(),
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("node 1") && stderr.contains("its launcher was lost"),
+        "{stdout}{stderr}"
+    );
+}
