@@ -35,6 +35,8 @@ pub(crate) struct Submission<'a> {
     pub(crate) inner: &'a [OsString],
     /// How many of `inner`'s last words are the user's command.
     pub(crate) command: usize,
+    /// For `launch`: the job's nodes, one launcher on each under `srun`.
+    pub(crate) nodes: Option<usize>,
 }
 
 /// `text` quoted for `sh` (single quotes; a single quote as `'\''`).
@@ -112,7 +114,13 @@ pub(crate) fn script(s: &Submission) -> Result<String, Exit> {
         "--job-name={}",
         quoted(&format!("torchtools-{name}"))
     ));
-    option(format!("--gres=gpu:{}", s.count.unwrap_or(1)));
+    if let Some(nodes) = s.nodes {
+        option(format!("--nodes={nodes}"));
+        option("--ntasks-per-node=1".to_owned());
+    }
+    if !s.gpus.is_empty() {
+        option(format!("--gres=gpu:{}", s.count.unwrap_or(1)));
+    }
     let output = if s.detach.array.is_some() {
         "slurm-%A_%a.out"
     } else {
@@ -164,16 +172,24 @@ pub(crate) fn script(s: &Submission) -> Result<String, Exit> {
     Ok(lines.join("\n") + "\n")
 }
 
-/// The script's last line: the same torchtools command, attached, on the job's GPUs.
+/// The script's last line: the same torchtools command, attached, on the job's GPUs;
+/// for `launch`, one on each node under `srun` (each on its node's GPUs).
 fn inside(s: &Submission) -> String {
     let mut words = vec!["exec".to_owned(), quoted(&torchtools_path())];
     // The options the script gives Slurm are not the inner command's: it runs on the
-    // job's GPUs, and Slurm keeps its time.
+    // job's GPUs and nodes, and Slurm keeps its time.
     let inner = without_options(
         s.inner,
         s.command,
         &[],
-        &["--time", "--grace", "--signal-before", "--gpu", "--count"],
+        &[
+            "--time",
+            "--grace",
+            "--signal-before",
+            "--gpu",
+            "--count",
+            "--nnodes",
+        ],
     );
     let head = inner.len().saturating_sub(s.command);
     words.extend(
@@ -182,14 +198,28 @@ fn inside(s: &Submission) -> String {
             .filter(|w| *w != "--")
             .map(|w| quoted(&w.to_string_lossy())),
     );
-    words.push("--gpu".into());
-    words.push("\"$SLURM_JOB_GPUS\"".into());
+    if !s.gpus.is_empty() {
+        let gpus = match s.nodes {
+            Some(_) => "\"$SLURM_STEP_GPUS\"",
+            None => "\"$SLURM_JOB_GPUS\"",
+        };
+        words.push("--gpu".into());
+        words.push(gpus.into());
+    }
     if s.detach.requeue {
         words.push("--requeue".into());
     }
     words.push("--".into());
     words.extend(inner[head..].iter().map(|w| quoted(&w.to_string_lossy())));
-    words.join(" ")
+    if s.nodes.is_none() {
+        return words.join(" ");
+    }
+    let srun = "exec srun --ntasks-per-node=1";
+    if s.gpus.is_empty() {
+        return format!("{srun} {}", words[1..].join(" "));
+    }
+    // Each node's GPUs are its own step's: read there, by a shell of each task.
+    format!("{srun} sh -c {}", quoted(&words.join(" ")))
 }
 
 /// This torchtools, as the job runs it (the nodes share the path on a cluster).
@@ -199,10 +229,10 @@ fn torchtools_path() -> String {
         .unwrap_or_else(|_| "torchtools".into())
 }
 
-/// `--slurm` on `command` (`reserve` or `run`) whose detach options are `detach`, this
-/// process's arguments `argv`, the last `command_len` of them the user's command;
-/// `hook`: whether a hook (an option, or the config's default) is set, which is not run
-/// for a Slurm job.
+/// `--slurm` on `command` (`reserve`, `run` or `launch`) whose detach options are
+/// `detach`, this process's arguments `argv`, the last `command_len` of them the user's
+/// command; `hook`: whether a hook (an option, or the config's default) is set, which
+/// is not run for a Slurm job.
 pub(crate) fn run(
     command: &crate::commands::Command,
     detach: &DetachArgs,
@@ -210,15 +240,24 @@ pub(crate) fn run(
     command_len: usize,
     hook: bool,
 ) -> Result<ExitCode> {
-    let Some(crate::arg_groups::ReservingArgs {
-        reservation,
-        hook: hook_args,
-        ..
-    }) = command.reserving()
-    else {
-        return Err(Exit::usage("--slurm is an option of reserve and run".into()).into());
+    let (gpus, count, time, nodes) = match (command, command.reserving()) {
+        (crate::commands::Command::Launch(a), _) => {
+            let (gpus, count, nodes) = a.for_slurm()?;
+            (gpus, count, a.time(), Some(nodes))
+        }
+        (_, Some(r)) => (
+            r.reservation.gpu.clone(),
+            r.reservation.count,
+            &r.reservation.time,
+            None,
+        ),
+        _ => {
+            return Err(
+                Exit::usage("--slurm is an option of reserve, run and launch".into()).into(),
+            )
+        }
     };
-    if hook_args.on_end.is_some() {
+    if command.hook().is_some_and(|h| h.on_end.is_some()) {
         return Err(Exit::usage(
             "--slurm: an --on-end hook is not run for a Slurm job: use Slurm's \
              `--mail-type`, or run the hook at the end of a script of your own"
@@ -233,13 +272,14 @@ pub(crate) fn run(
     let inner = without_detach(argv.get(1..).unwrap_or_default(), command_len);
     submit(
         &Submission {
-            gpus: &reservation.gpu,
-            count: reservation.count,
-            time: &reservation.time,
+            gpus: &gpus,
+            count,
+            time,
             detach,
             log_dir: &log_dir,
             inner: &inner,
             command: command_len,
+            nodes,
         },
         detach.dry_run,
     )
@@ -340,6 +380,7 @@ mod tests {
             log_dir: Path::new("/logs"),
             inner: &inner,
             command: 3,
+            nodes: None,
         };
         let text = script(&s).unwrap();
         let exe = quoted(&torchtools_path());
@@ -363,6 +404,51 @@ mod tests {
     }
 
     #[test]
+    fn a_launch_is_one_launcher_a_node_on_that_nodes_gpus() {
+        let time = TimeArgs::default();
+        let detach = DetachArgs::default();
+        let inner = without_detach(
+            &args(&[
+                "launch", "--detach", "--slurm", "--nnodes", "2", "--gpu", "auto", "--count", "4",
+                "train.py",
+            ]),
+            1,
+        );
+        let s = Submission {
+            gpus: &[tt_lock::GpuSpec::Auto],
+            count: Some(4),
+            time: &time,
+            detach: &detach,
+            log_dir: Path::new("/logs"),
+            inner: &inner,
+            command: 1,
+            nodes: Some(2),
+        };
+        let text = script(&s).unwrap();
+        let exe = quoted(&torchtools_path());
+        assert!(
+            text.contains("#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --gres=gpu:4\n"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with(&format!(
+                "exec srun --ntasks-per-node=1 sh -c 'exec {exe} launch --gpu \"$SLURM_STEP_GPUS\" -- train.py'\n"
+            )),
+            "{text}"
+        );
+        // Without GPUs: no gres, and no shell between srun and the launcher.
+        let s = Submission { gpus: &[], ..s };
+        let text = script(&s).unwrap();
+        assert!(!text.contains("--gres"), "{text}");
+        assert!(
+            text.ends_with(&format!(
+                "exec srun --ntasks-per-node=1 {exe} launch -- train.py\n"
+            )),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn what_slurm_cannot_be_asked_for_is_refused_saying_why() {
         let inner = args(&["reserve", "--", "true"]);
         let time = TimeArgs::default();
@@ -375,6 +461,7 @@ mod tests {
             log_dir: Path::new("/logs"),
             inner: &inner,
             command: 1,
+            nodes: None,
         };
         let named = [tt_lock::GpuSpec::Nvml(3)];
         let preemptible = TimeArgs {

@@ -122,12 +122,20 @@ pub fn slurm_restart_count() -> u32 {
 /// its `scancel`: Slurm would requeue a cancelled job) is not put back, and the error
 /// says so; otherwise the error says what `scontrol` said.
 pub fn slurm_requeue(id: &str) -> std::io::Result<()> {
+    slurm_requeue_saying(id, || {})
+}
+
+/// [`slurm_requeue`], calling `say` just before `scontrol requeue` (once the job is
+/// known to be requeueable): what is printed there reaches the job's output even under
+/// `srun`, whose forwarding of output ends as soon as Slurm ends the job's processes.
+pub fn slurm_requeue_saying(id: &str, say: impl FnOnce()) -> std::io::Result<()> {
     if slurm_job_field(id, "Requeue").as_deref() == Some("0") {
         return Err(std::io::Error::other(format!(
             "Slurm job {id} was stopped (`torchtools stop`, or `scontrol update JobId={id} \
              Requeue=0` before `scancel`): not requeued"
         )));
     }
+    say();
     let out = std::process::Command::new("scontrol")
         .args(["requeue", id])
         .stdin(std::process::Stdio::null())

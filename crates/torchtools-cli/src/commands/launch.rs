@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2};
 use signal_hook::iterator::Signals;
 use tt_dist::{launch as launch_group, LaunchConfig};
 
@@ -45,8 +45,21 @@ pub(crate) struct Args {
     #[arg(long, value_name = "JOB", value_delimiter = ',', requires = "detach", add = crate::complete::jobs())]
     after_ok: Vec<String>,
     /// With --detach: run the group again when it exits 75 (see `reserve --requeue`).
-    #[arg(long, requires = "detach")]
+    /// Inside a Slurm job (`sbatch --requeue`), without --detach: node 0's launcher
+    /// requeues the job with `scontrol requeue` when the group exits 75.
+    #[arg(long)]
     requeue: bool,
+    /// With --detach: submit the launch to Slurm with `sbatch` (see `reserve --slurm`):
+    /// --nnodes nodes, one launcher each under `srun`, --count GPUs each (--gpu auto).
+    #[arg(long, requires = "detach", conflicts_with = "no_slurm")]
+    slurm: bool,
+    /// With --detach: to torchtools' own queue, whatever your config.toml's `[detach]
+    /// to` says.
+    #[arg(long, requires = "detach")]
+    no_slurm: bool,
+    /// With --slurm: print the `sbatch` script instead of submitting it.
+    #[arg(long, requires = "detach")]
+    dry_run: bool,
     /// With --detach: one launch per index, each with TORCHTOOLS_ARRAY_TASK_ID (see
     /// `reserve --array`).
     #[arg(long, value_name = "INDICES", value_parser = crate::args::array, requires = "detach")]
@@ -165,6 +178,7 @@ pub(crate) fn run(args: &Args) -> Result<u8> {
         .into());
     }
     let mut cfg = args.config()?;
+    let slurm_requeue = args.slurm_requeue(cfg.node_rank)?;
     let limit = args.time.resolve(&crate::limit::machine_policy()?)?;
     // The group's GPUs, reserved before any rank starts, held until the group ends.
     let mut reservation = match &args.gpu {
@@ -175,7 +189,8 @@ pub(crate) fn run(args: &Args) -> Result<u8> {
     // own (so that stopping it stops what it started), out of the terminal's reach, so
     // the terminal's Ctrl-C reaches the ranks through us.
     let forward = Arc::new(AtomicI32::new(0));
-    let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT])
+    // SIGUSR1 too: Slurm's warning before a time limit (`--signal=USR1@90`).
+    let mut signals = Signals::new([SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2])
         .map_err(|e| anyhow::anyhow!("cannot install signal handlers: {e}"))?;
     let handle = signals.handle();
     let flag = Arc::clone(&forward);
@@ -228,6 +243,9 @@ pub(crate) fn run(args: &Args) -> Result<u8> {
     }
     drop(reservation);
     let outcome = outcome?;
+    if let Some(job) = slurm_requeue.filter(|_| outcome.code == i32::from(crate::exit::TEMPFAIL)) {
+        crate::commands::reserve::slurm_requeue_after_75(&job);
+    }
     match outcome.failed {
         None => Ok(0),
         Some((rank, how)) => {
@@ -382,12 +400,64 @@ impl Args {
             after_ok: self.after_ok.clone(),
             requeue: self.requeue,
             array: self.array.clone(),
-            slurm: false,
-            // `launch` does not submit to Slurm (use `srun torchtools launch`), whatever
-            // the config's `[detach] to` says.
-            no_slurm: true,
-            dry_run: false,
+            slurm: self.slurm,
+            no_slurm: self.no_slurm,
+            dry_run: self.dry_run,
         })
+    }
+
+    /// With `--requeue` inside a Slurm job, on node 0 (which requeues it once; the
+    /// others end with their ranks): the job, after saying which run this is.
+    fn slurm_requeue(&self, node_rank: usize) -> Result<Option<String>> {
+        let job = crate::arg_groups::DetachArgs {
+            requeue: self.requeue,
+            ..crate::arg_groups::DetachArgs::default()
+        }
+        .slurm_requeue()?
+        .filter(|_| node_rank == 0);
+        if let Some(job) = &job {
+            crate::commands::reserve::slurm_run_said(job);
+        }
+        Ok(job)
+    }
+
+    /// The time options (`--time`, `--grace`, `--signal-before`, `--preemptible`).
+    pub(crate) fn time(&self) -> &crate::arg_groups::TimeArgs {
+        &self.time
+    }
+
+    /// What a Slurm submission (`--detach --slurm`) asks for: the GPUs (none without
+    /// --gpu), how many on each node, and the nodes. Rendezvous options are refused:
+    /// Slurm places the nodes, and each launcher reads them under `srun`.
+    pub(crate) fn for_slurm(
+        &self,
+    ) -> std::result::Result<(Vec<tt_lock::GpuSpec>, Option<u32>, usize), Exit> {
+        let placed = [
+            (self.node_rank.is_some(), "--node-rank"),
+            (self.master_addr.is_some(), "--master-addr"),
+            (self.rdzv_endpoint.is_some(), "--rdzv-endpoint"),
+            (self.standalone, "--standalone"),
+        ];
+        if let Some((_, option)) = placed.iter().find(|(given, _)| *given) {
+            return Err(Exit::usage(format!(
+                "--slurm: {option}: Slurm places a job's nodes, and each node's launcher \
+                 reads them under srun; give --nnodes N only"
+            )));
+        }
+        let gpus = self.gpu.clone().unwrap_or_default();
+        let count = match (self.count, self.nproc_per_node) {
+            _ if gpus.is_empty() => None,
+            (Some(c), _) => Some(c),
+            (None, Nproc::Count(n)) => Some(u32::try_from(n).unwrap_or(u32::MAX)),
+            (None, _) => {
+                return Err(Exit::usage(
+                    "--slurm --gpu: give --count N, the GPUs to ask Slurm for on each node \
+                     (--nproc-per-node gpu counts the GPUs a node already has)"
+                        .into(),
+                ))
+            }
+        };
+        Ok((gpus, count, self.nnodes.unwrap_or(1)))
     }
 
     /// How many of the command line's last words are the user's command (the program

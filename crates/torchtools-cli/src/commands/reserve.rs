@@ -95,14 +95,7 @@ pub(crate) fn reserve(req: Request) -> Result<u8> {
     cmd.args(&req.command[1..]);
     reservation.prepare_with(&mut cmd, req.cap);
     if let Some(job) = &req.slurm_requeue {
-        let restarts = tt_device::slurm_restart_count();
-        if restarts > 0 {
-            eprintln!(
-                "torchtools: Slurm job {job}, run {} ({}={restarts})",
-                restarts + 1,
-                tt_device::SLURM_RESTART_COUNT
-            );
-        }
+        slurm_run_said(job);
     }
     let mut running = child::spawn(&mut cmd, &command_text[0])?;
     if let Err(e) = reservation.record_command_pid(running.pid()) {
@@ -132,17 +125,37 @@ pub(crate) fn reserve(req: Request) -> Result<u8> {
         .slurm_requeue
         .filter(|_| ended.code == crate::exit::TEMPFAIL)
     {
-        match tt_device::slurm_requeue(&job) {
-            Ok(()) => eprintln!(
-                "torchtools: the command exited 75 (it can resume): Slurm job {job} \
-                 requeued, its next run resumes ({}={})",
-                tt_device::SLURM_RESTART_COUNT,
-                tt_device::slurm_restart_count() + 1
-            ),
-            Err(e) => eprintln!("torchtools: the command exited 75, but {e}"),
-        }
+        slurm_requeue_after_75(&job);
     }
     Ok(ended.code)
+}
+
+/// Says which run of the `--requeue`d Slurm job `job` this is, from its second on.
+pub(crate) fn slurm_run_said(job: &str) {
+    let restarts = tt_device::slurm_restart_count();
+    if restarts > 0 {
+        eprintln!(
+            "torchtools: Slurm job {job}, run {} ({}={restarts})",
+            restarts + 1,
+            tt_device::SLURM_RESTART_COUNT
+        );
+    }
+}
+
+/// Requeues the Slurm job `job` after its command exited 75, saying so first (Slurm
+/// ends the job's processes as it requeues it), or saying why not.
+pub(crate) fn slurm_requeue_after_75(job: &str) {
+    let said = tt_device::slurm_requeue_saying(job, || {
+        eprintln!(
+            "torchtools: the command exited 75 (it can resume): requeuing Slurm job {job}, \
+             whose next run resumes ({}={})",
+            tt_device::SLURM_RESTART_COUNT,
+            tt_device::slurm_restart_count() + 1
+        );
+    });
+    if let Err(e) = said {
+        eprintln!("torchtools: the command exited 75, but {e}");
+    }
 }
 
 /// Takes the reservation `req` asks for (waiting in the queue), saying what it took;

@@ -289,7 +289,7 @@ fn a_slurm_job_checkpoints_on_slurms_signal_requeues_itself_and_resumes_bit_for_
     let log = log();
     for line in [
         "checkpointed on SIGUSR1 at step 20",
-        &format!("Slurm job {job} requeued, its next run resumes (SLURM_RESTART_COUNT=1)"),
+        &format!("requeuing Slurm job {job}, whose next run resumes (SLURM_RESTART_COUNT=1)"),
         &format!("Slurm job {job}, run 2 (SLURM_RESTART_COUNT=1)"),
         "resumed at step 20 in run 2",
         "trained in run 2",
@@ -580,13 +580,19 @@ fn the_users_config_sends_detached_jobs_to_slurm() {
     );
 }
 
-/// A PyTorch DDP trainer of two batches a step: as ranks (WORLD_SIZE 2), one batch
-/// each; as one process, both. Rank 0 (or the one process) writes the parameters to
-/// `argv[1]`; each rank says which host it is on (its `tt*` interfaces). With HOLD=1
-/// the ranks write their pids (`pid-RANK`: the rank's and its launcher's) and
-/// all-reduce until stopped.
+/// A PyTorch DDP trainer of two batches a step, as [`TRAIN`] on two ranks: as ranks
+/// (WORLD_SIZE 2), one batch each; as one process, both. It checkpoints (rank 0) and
+/// exits 75 on Slurm's warning signal, resumes from `argv[1]`, and rank 0 (or the one
+/// process) writes the parameters to `argv[2]`; each rank says which host it is on
+/// (its `tt*` interfaces). With TT_WAIT=1 each rank waits at step 20 of its first run
+/// for the signal. With HOLD=1 the ranks write their pids (`pid-RANK`: the rank's and
+/// its launcher's) and all-reduce until stopped.
 const DDP: &str = r#"
-import os, socket, sys, time, torch, torch.distributed as dist
+import os, signal, socket, sys, time, torch, torch.distributed as dist
+ckpt, out = sys.argv[1], sys.argv[2]
+run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+stop = []
+signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
 world = int(os.environ.get("WORLD_SIZE", "1"))
 if world > 1:
     dist.init_process_group("gloo")
@@ -603,24 +609,57 @@ if os.environ.get("HOLD"):
         time.sleep(0.1)
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+step = 0
+if os.path.exists(ckpt):
+    state = torch.load(ckpt)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    step = state["step"]
+    print("rank", rank, "resumed at step", step, "in run", run + 1, flush=True)
 net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-opt = torch.optim.SGD(net.parameters(), lr=0.1)
-gens = [torch.Generator().manual_seed(1 + r) for r in range(2)]
-for step in range(30):
-    xs = [torch.randn(16, 8, generator=g) for g in gens]
+data = [torch.randn(40, 16, 8, generator=torch.Generator().manual_seed(1 + r)) for r in range(2)]
+while step < 40:
+    if step == 20 and run == 0 and os.environ.get("TT_WAIT") == "1":
+        print("rank", rank, "waiting for Slurm's signal at step", step, flush=True)
+        while not stop:
+            time.sleep(0.05)
+    if stop:
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+            print("checkpointed on SIGUSR1 at step", step, flush=True)
+        if world > 1:
+            dist.barrier()
+        sys.exit(75)
     if world > 1:
-        loss = net(xs[rank]).pow(2).mean()
+        loss = net(data[rank][step]).pow(2).mean()
     else:
-        loss = sum(net(x).pow(2).mean() for x in xs) / 2
+        loss = sum(net(d[step]).pow(2).mean() for d in data) / 2
     opt.zero_grad()
     loss.backward()
     opt.step()
+    step += 1
 if rank == 0:
-    with open(sys.argv[1], "w") as f:
+    with open(out, "w") as f:
         f.write(b"".join(p.detach().numpy().tobytes() for p in model.parameters()).hex())
+    print("trained in run", run + 1, flush=True)
 if world > 1:
     dist.destroy_process_group()
 "#;
+
+/// [`DDP`] run as one process (no Slurm, no ranks): the parameters in `dir/ref.out`.
+fn ddp_reference(dir: &Path) {
+    std::fs::write(dir.join("ddp.py"), DDP).unwrap();
+    let out = Command::new(tt_testkit::python_path())
+        .args(["ddp.py", "ref.ckpt", "ref.out"])
+        .current_dir(dir)
+        .env_remove("WORLD_SIZE")
+        .env_remove("RANK")
+        .env_remove("SLURM_RESTART_COUNT")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+}
 
 /// `srun --nodes 2 --ntasks-per-node 1 torchtools launch ddp.py` on a cluster of two
 /// nodes, each in a network namespace of its own: one launcher per node reads the
@@ -635,22 +674,14 @@ fn srun_runs_one_launcher_per_node_and_a_killed_node_ends_the_step() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    std::fs::write(dir.join("ddp.py"), DDP).unwrap();
+    ddp_reference(dir);
     let python = tt_testkit::python_path();
-    let out = Command::new(&python)
-        .args(["ddp.py", "ref.out"])
-        .current_dir(dir)
-        .env_remove("WORLD_SIZE")
-        .env_remove("RANK")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{:?}", text(&out));
     let srun = || {
         let mut c = slurm(&cluster, dir, "srun");
         c.args(["--nodes", "2", "--ntasks-per-node", "1"])
             .arg(env!("CARGO_BIN_EXE_torchtools"))
             .args(["launch", "--nproc-per-node", "1", "--"])
-            .args([python.as_str(), "ddp.py", "job.out"])
+            .args([python.as_str(), "ddp.py", "job.ckpt", "job.out"])
             .env_remove("OMP_NUM_THREADS")
             .env_remove("MASTER_PORT");
         c
@@ -701,5 +732,85 @@ fn srun_runs_one_launcher_per_node_and_a_killed_node_ends_the_step() {
     assert!(
         stderr.contains("node 1") && stderr.contains("its launcher was lost"),
         "{stdout}{stderr}"
+    );
+}
+
+/// `launch --detach --slurm --nnodes 2 --requeue --time 10m`: submitted with `sbatch`
+/// as one launcher on each of the two nodes under `srun`; Slurm's warning signal to the
+/// job's step (`scancel --signal=USR1`, what `--signal=USR1@90` sends before the time
+/// limit) reaches every rank through its launcher, the ranks checkpoint and exit 75,
+/// node 0's launcher requeues the job, and the second run resumes and ends with one
+/// process's parameters, bit for bit.
+#[test]
+fn launch_submits_across_nodes_and_requeues_on_slurms_signal() {
+    let Some(cluster) = Cluster::two_nodes("sr", 1) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    ddp_reference(dir);
+    let python = tt_testkit::python_path();
+    let out = slurm(&cluster, dir, env!("CARGO_BIN_EXE_torchtools"))
+        .args(["launch", "--detach", "--slurm", "--nnodes", "2"])
+        .args(["--nproc-per-node", "1", "--requeue", "--time", "10m"])
+        .args(["--log-dir", "logs", "--"])
+        .args([python.as_str(), "ddp.py", "job.ckpt", "job.out"])
+        .env("TT_WAIT", "1")
+        .env_remove("OMP_NUM_THREADS")
+        .env_remove("MASTER_PORT")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}\n{}", cluster.logs());
+    let job = stdout.trim().to_owned();
+    let log =
+        || std::fs::read_to_string(dir.join(format!("logs/slurm-{job}.out"))).unwrap_or_default();
+    crate::common::until("both ranks wait for Slurm's signal", || {
+        let log = log();
+        (0..2).all(|r| log.contains(&format!("rank {r} waiting for Slurm's signal at step 20")))
+    });
+    let out = slurm(&cluster, dir, "scancel")
+        .args(["--signal=USR1", &job])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let state = || {
+        let out = slurm(&cluster, dir, "scontrol")
+            .args(["show", "job", &job])
+            .output()
+            .unwrap();
+        text(&out).0
+    };
+    crate::common::until("the requeued job completes", || {
+        let said = state();
+        assert!(
+            !said.contains("JobState=FAILED") && !said.contains("JobState=CANCELLED"),
+            "{said}\n{}",
+            log()
+        );
+        said.contains("JobState=COMPLETED")
+    });
+    assert!(state().contains("Restarts=1"), "{}", state());
+    let log = log();
+    for line in [
+        "[rank0]: rank 0 of 2 on ttsrav",
+        "[rank1]: rank 1 of 2 on ttsrbv",
+        "checkpointed on SIGUSR1 at step 20",
+        &format!("requeuing Slurm job {job}, whose next run resumes (SLURM_RESTART_COUNT=1)"),
+        &format!("Slurm job {job}, run 2 (SLURM_RESTART_COUNT=1)"),
+        "rank 1 resumed at step 20 in run 2",
+        "trained in run 2",
+    ] {
+        assert!(log.contains(line), "no {line:?} in\n{log}");
+    }
+    assert_eq!(
+        log.matches("requeuing Slurm job").count(),
+        1,
+        "one launcher requeues the job: {log}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("job.out")).unwrap(),
+        std::fs::read_to_string(dir.join("ref.out")).unwrap(),
+        "the requeued two-node run's parameters differ from one process's"
     );
 }
