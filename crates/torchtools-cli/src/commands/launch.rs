@@ -243,8 +243,8 @@ pub(crate) fn run(args: &Args) -> Result<u8> {
     }
     drop(reservation);
     let outcome = outcome?;
-    if let Some(job) = slurm_requeue.filter(|_| outcome.code == i32::from(crate::exit::TEMPFAIL)) {
-        crate::commands::reserve::slurm_requeue_after_75(&job);
+    if let Some(job) = &slurm_requeue {
+        crate::commands::reserve::slurm_requeue_after(job, outcome.code);
     }
     match outcome.failed {
         None => Ok(0),

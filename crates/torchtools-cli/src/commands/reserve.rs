@@ -121,11 +121,8 @@ pub(crate) fn reserve(req: Request) -> Result<u8> {
     reservation.set_exit_status(i32::from(ended.code));
     // The reservation (fences, then locks) lives exactly as long as the command.
     drop(reservation);
-    if let Some(job) = req
-        .slurm_requeue
-        .filter(|_| ended.code == crate::exit::TEMPFAIL)
-    {
-        slurm_requeue_after_75(&job);
+    if let Some(job) = &req.slurm_requeue {
+        slurm_requeue_after(job, i32::from(ended.code));
     }
     Ok(ended.code)
 }
@@ -142,19 +139,27 @@ pub(crate) fn slurm_run_said(job: &str) {
     }
 }
 
-/// Requeues the Slurm job `job` after its command exited 75, saying so first (Slurm
-/// ends the job's processes as it requeues it), or saying why not.
-pub(crate) fn slurm_requeue_after_75(job: &str) {
+/// Requeues the Slurm job `job` when its command ended with `code` 75 (it can resume)
+/// or died of SIGUSR1, Slurm's warning, before it could handle it (Python still
+/// importing; its next run starts from its last checkpoint, if any): saying so first
+/// (Slurm ends the job's processes as it requeues it), or saying why not.
+pub(crate) fn slurm_requeue_after(job: &str, code: i32) {
+    let why = if code == i32::from(crate::exit::TEMPFAIL) {
+        "the command exited 75 (it can resume)"
+    } else if code == 128 + libc::SIGUSR1 {
+        "the command died of SIGUSR1 (Slurm's warning) before it could checkpoint"
+    } else {
+        return;
+    };
     let said = tt_device::slurm_requeue_saying(job, || {
         eprintln!(
-            "torchtools: the command exited 75 (it can resume): requeuing Slurm job {job}, \
-             whose next run resumes ({}={})",
+            "torchtools: {why}: requeuing Slurm job {job}, whose next run resumes ({}={})",
             tt_device::SLURM_RESTART_COUNT,
             tt_device::slurm_restart_count() + 1
         );
     });
     if let Err(e) = said {
-        eprintln!("torchtools: the command exited 75, but {e}");
+        eprintln!("torchtools: {why}, but {e}");
     }
 }
 

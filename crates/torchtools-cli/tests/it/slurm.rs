@@ -160,12 +160,17 @@ fn inside_a_slurm_job_only_its_gpus_are_reserved_and_the_records_name_the_job() 
 /// A trainer as a Slurm user writes one: it checkpoints and exits 75 on Slurm's warning
 /// signal (SIGUSR1), resumes from its checkpoint, and knows its run from
 /// `SLURM_RESTART_COUNT`. On its first run, with `TT_WAIT=1`, it waits at step 20 for
-/// the signal (so the test is driven by what the job says, not by time).
+/// the signal (so the test is driven by what the job says, not by time); with
+/// `TT_EARLY=1` it waits before it handles the signal at all (as while importing).
 const TRAIN: &str = r#"
 import os, signal, sys, time
-import torch
 ckpt, out = sys.argv[1], sys.argv[2]
 run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+if run == 0 and os.environ.get("TT_EARLY") == "1":
+    print("starting, no handler yet", flush=True)
+    while True:
+        time.sleep(0.05)
+import torch
 stop = []
 signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))
 torch.manual_seed(0)
@@ -211,6 +216,49 @@ fn a_slurm_job_checkpoints_on_slurms_signal_requeues_itself_and_resumes_bit_for_
     let Some(cluster) = Cluster::one_node(4) else {
         return;
     };
+    let (job, log) = signalled_and_requeued(
+        &cluster,
+        ("TT_WAIT", "1"),
+        "waiting for Slurm's signal at step 20",
+    );
+    for line in [
+        "checkpointed on SIGUSR1 at step 20",
+        &format!("requeuing Slurm job {job}, whose next run resumes (SLURM_RESTART_COUNT=1)"),
+        &format!("Slurm job {job}, run 2 (SLURM_RESTART_COUNT=1)"),
+        "resumed at step 20 in run 2",
+        "trained in run 2",
+    ] {
+        assert!(log.contains(line), "no {line:?} in\n{log}");
+    }
+}
+
+/// Slurm's warning before the trainer handles it (Python still importing): the trainer
+/// dies of SIGUSR1 with no checkpoint, torchtools requeues the job all the same (the
+/// time limit would end it), and the second run trains from the start to an
+/// uninterrupted run's parameters.
+#[test]
+fn a_signal_before_the_first_checkpoint_requeues_the_job_to_start_over() {
+    let Some(cluster) = Cluster::one_node(1) else {
+        return;
+    };
+    let (job, log) =
+        signalled_and_requeued(&cluster, ("TT_EARLY", "1"), "starting, no handler yet");
+    assert!(
+        log.contains(&format!(
+            "the command died of SIGUSR1 (Slurm's warning) before it could checkpoint: \
+             requeuing Slurm job {job}"
+        )),
+        "{log}"
+    );
+    assert!(log.contains("trained in run 2"), "{log}");
+    assert!(!log.contains("resumed at step"), "{log}");
+}
+
+/// `sbatch --requeue` of `torchtools reserve --requeue -- python train.py` ([`TRAIN`]
+/// with `env`), signalled with `scancel --signal=USR1 --full` once its output has
+/// `ready`: waits until Slurm says the job COMPLETED after one requeue, checks its
+/// parameters against an uninterrupted run's, and returns the job's id and output.
+fn signalled_and_requeued(cluster: &Cluster, env: (&str, &str), ready: &str) -> (String, String) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     std::fs::write(dir.join("train.py"), TRAIN).unwrap();
@@ -231,7 +279,7 @@ fn a_slurm_job_checkpoints_on_slurms_signal_requeues_itself_and_resumes_bit_for_
          \"$PY\" train.py job.ckpt job.out\n",
     )
     .unwrap();
-    let out = slurm(&cluster, dir, "sbatch")
+    let out = slurm(cluster, dir, "sbatch")
         .args([
             "--parsable",
             "--requeue",
@@ -242,7 +290,7 @@ fn a_slurm_job_checkpoints_on_slurms_signal_requeues_itself_and_resumes_bit_for_
         .arg(dir.join("job.log"))
         .arg(&script)
         .env("PY", &python)
-        .env("TT_WAIT", "1")
+        .env(env.0, env.1)
         .env_remove("PYTHONUNBUFFERED")
         .output()
         .unwrap();
@@ -250,57 +298,38 @@ fn a_slurm_job_checkpoints_on_slurms_signal_requeues_itself_and_resumes_bit_for_
     assert!(out.status.success(), "{stdout}{stderr}\n{}", cluster.logs());
     let job = stdout.trim().to_owned();
     let log = || std::fs::read_to_string(dir.join("job.log")).unwrap_or_default();
-    crate::common::until("the first run waits for Slurm's signal", || {
-        log().contains("waiting for Slurm's signal at step 20")
+    crate::common::until("the first run is ready for Slurm's signal", || {
+        log().contains(ready)
     });
-    let out = slurm(&cluster, dir, "scancel")
+    let out = slurm(cluster, dir, "scancel")
         .args(["--signal=USR1", "--full", &job])
         .output()
         .unwrap();
     assert!(out.status.success(), "{:?}", text(&out));
     let state = || {
-        let out = slurm(&cluster, dir, "scontrol")
+        let out = slurm(cluster, dir, "scontrol")
             .args(["show", "job", &job])
             .output()
             .unwrap();
         text(&out).0
     };
-    let start = std::time::Instant::now();
-    loop {
+    crate::common::until("the requeued job completes", || {
         let said = state();
         assert!(
             !said.contains("JobState=FAILED") && !said.contains("JobState=CANCELLED"),
             "{said}\n{}",
             log()
         );
-        if said.contains("JobState=COMPLETED") {
-            break;
-        }
-        assert!(
-            start.elapsed() < crate::common::PATIENCE,
-            "the requeued job has not completed: {said}\n{}\n{}",
-            log(),
-            cluster.logs()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+        said.contains("JobState=COMPLETED")
+    });
     let said = state();
     assert!(said.contains("Restarts=1"), "{said}");
-    let log = log();
-    for line in [
-        "checkpointed on SIGUSR1 at step 20",
-        &format!("requeuing Slurm job {job}, whose next run resumes (SLURM_RESTART_COUNT=1)"),
-        &format!("Slurm job {job}, run 2 (SLURM_RESTART_COUNT=1)"),
-        "resumed at step 20 in run 2",
-        "trained in run 2",
-    ] {
-        assert!(log.contains(line), "no {line:?} in\n{log}");
-    }
     assert_eq!(
         std::fs::read_to_string(dir.join("job.out")).unwrap(),
         std::fs::read_to_string(dir.join("ref.out")).unwrap(),
         "the requeued run's parameters differ from an uninterrupted run's"
     );
+    (job, log())
 }
 
 /// `reserve --detach --slurm`: the same command line submitted with `sbatch` (no script
