@@ -254,6 +254,129 @@ fn a_signal_before_the_first_checkpoint_requeues_the_job_to_start_over() {
     assert!(!log.contains("resumed at step"), "{log}");
 }
 
+/// An `sbatch --requeue --array=0-1` of [`TRAIN`] whose task 1 alone gets Slurm's
+/// warning: task 1 checkpoints and requeues itself alone (`scontrol requeue ID_1`, its
+/// array task, not the array), task 0 runs once to its end, and both end with an
+/// uninterrupted run's parameters.
+#[test]
+fn an_array_task_is_requeued_alone() {
+    let Some(cluster) = Cluster::one_node(2) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    std::fs::write(dir.join("train.py"), TRAIN).unwrap();
+    let python = tt_testkit::python_path();
+    let out = Command::new(&python)
+        .args(["train.py", "ref.ckpt", "ref.out"])
+        .current_dir(dir)
+        .env_remove("SLURM_RESTART_COUNT")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let script = dir.join("array.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\n\
+         if [ \"$SLURM_ARRAY_TASK_ID\" = 1 ]; then export TT_WAIT=1; fi\n\
+         exec \"$TT\" reserve --requeue --gpu \"$SLURM_JOB_GPUS\" --no-fence -- \
+         \"$PY\" train.py \"job-$SLURM_ARRAY_TASK_ID.ckpt\" \"job-$SLURM_ARRAY_TASK_ID.out\"\n",
+    )
+    .unwrap();
+    let out = slurm(&cluster, dir, "sbatch")
+        .args([
+            "--parsable",
+            "--requeue",
+            "--array=0-1",
+            "--gres=gpu:1",
+            "--open-mode=append",
+        ])
+        .arg("--output")
+        .arg(dir.join("job-%a.log"))
+        .arg(&script)
+        .env("PY", &python)
+        .env_remove("PYTHONUNBUFFERED")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}\n{}", cluster.logs());
+    let array = stdout.trim().to_owned();
+    let task = format!("{array}_1");
+    let log =
+        |i: u32| std::fs::read_to_string(dir.join(format!("job-{i}.log"))).unwrap_or_default();
+    crate::common::until("task 1 waits for Slurm's signal", || {
+        log(1).contains("waiting for Slurm's signal at step 20")
+    });
+    signal_until_requeued_and_completed(&cluster, dir, &task, &["--full"], &|| log(1));
+    let task_0 = || {
+        let out = slurm(&cluster, dir, "scontrol")
+            .args(["show", "job", &format!("{array}_0")])
+            .output()
+            .unwrap();
+        text(&out).0
+    };
+    crate::common::until("task 0 completes", || {
+        task_0().contains("JobState=COMPLETED")
+    });
+    assert!(
+        task_0().contains("Restarts=0"),
+        "task 0 ran once: {}",
+        task_0()
+    );
+    assert!(
+        log(1).contains(&format!(
+            "requeuing Slurm job {task}, whose next run resumes"
+        )),
+        "{}",
+        log(1)
+    );
+    assert!(log(0).contains("trained in run 1"), "{}", log(0));
+    for i in 0..2 {
+        assert_eq!(
+            std::fs::read_to_string(dir.join(format!("job-{i}.out"))).unwrap(),
+            std::fs::read_to_string(dir.join("ref.out")).unwrap(),
+            "task {i}'s parameters differ from an uninterrupted run's"
+        );
+    }
+}
+
+/// Sends Slurm's warning (`scancel --signal=USR1 OPTIONS job`) and waits until Slurm
+/// says the job COMPLETED after one requeue; a failed or cancelled job fails the test,
+/// with its output (`log`).
+fn signal_until_requeued_and_completed(
+    cluster: &Cluster,
+    dir: &Path,
+    job: &str,
+    options: &[&str],
+    log: &dyn Fn() -> String,
+) {
+    let out = slurm(cluster, dir, "scancel")
+        .arg("--signal=USR1")
+        .args(options)
+        .arg(job)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", text(&out));
+    let state = || {
+        let out = slurm(cluster, dir, "scontrol")
+            .args(["show", "job", job])
+            .output()
+            .unwrap();
+        text(&out).0
+    };
+    crate::common::until("the requeued job completes", || {
+        let said = state();
+        assert!(
+            !said.contains("JobState=FAILED") && !said.contains("JobState=CANCELLED"),
+            "{said}\n{}",
+            log()
+        );
+        said.contains("JobState=COMPLETED")
+    });
+    let said = state();
+    assert!(said.contains("Restarts=1"), "{said}");
+}
+
 /// `sbatch --requeue` of `torchtools reserve --requeue -- python train.py` ([`TRAIN`]
 /// with `env`), signalled with `scancel --signal=USR1 --full` once its output has
 /// `ready`: waits until Slurm says the job COMPLETED after one requeue, checks its
@@ -301,29 +424,7 @@ fn signalled_and_requeued(cluster: &Cluster, env: (&str, &str), ready: &str) -> 
     crate::common::until("the first run is ready for Slurm's signal", || {
         log().contains(ready)
     });
-    let out = slurm(cluster, dir, "scancel")
-        .args(["--signal=USR1", "--full", &job])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{:?}", text(&out));
-    let state = || {
-        let out = slurm(cluster, dir, "scontrol")
-            .args(["show", "job", &job])
-            .output()
-            .unwrap();
-        text(&out).0
-    };
-    crate::common::until("the requeued job completes", || {
-        let said = state();
-        assert!(
-            !said.contains("JobState=FAILED") && !said.contains("JobState=CANCELLED"),
-            "{said}\n{}",
-            log()
-        );
-        said.contains("JobState=COMPLETED")
-    });
-    let said = state();
-    assert!(said.contains("Restarts=1"), "{said}");
+    signal_until_requeued_and_completed(cluster, dir, &job, &["--full"], &log);
     assert_eq!(
         std::fs::read_to_string(dir.join("job.out")).unwrap(),
         std::fs::read_to_string(dir.join("ref.out")).unwrap(),
@@ -798,28 +899,7 @@ fn launch_submits_across_nodes_and_requeues_on_slurms_signal() {
         let log = log();
         (0..2).all(|r| log.contains(&format!("rank {r} waiting for Slurm's signal at step 20")))
     });
-    let out = slurm(&cluster, dir, "scancel")
-        .args(["--signal=USR1", &job])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{:?}", text(&out));
-    let state = || {
-        let out = slurm(&cluster, dir, "scontrol")
-            .args(["show", "job", &job])
-            .output()
-            .unwrap();
-        text(&out).0
-    };
-    crate::common::until("the requeued job completes", || {
-        let said = state();
-        assert!(
-            !said.contains("JobState=FAILED") && !said.contains("JobState=CANCELLED"),
-            "{said}\n{}",
-            log()
-        );
-        said.contains("JobState=COMPLETED")
-    });
-    assert!(state().contains("Restarts=1"), "{}", state());
+    signal_until_requeued_and_completed(&cluster, dir, &job, &[], &log);
     let log = log();
     for line in [
         "[rank0]: rank 0 of 2 on ttsrav",
