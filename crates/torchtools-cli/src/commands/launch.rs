@@ -559,12 +559,9 @@ impl Args {
                 "--standalone is one node, but --nnodes {nnodes}"
             )));
         }
-        let (master_addr, master_port) = match &self.rdzv_endpoint {
-            _ if step.is_some() => step
-                .as_ref()
-                .map(|s| (s.host.clone(), Some(s.port)))
-                .unwrap_or_default(),
-            Some(endpoint) => match endpoint.rsplit_once(':') {
+        let (master_addr, master_port) = match (&step, &self.rdzv_endpoint) {
+            (Some(s), _) => (s.host.clone(), Some(s.port)),
+            (None, Some(endpoint)) => match endpoint.rsplit_once(':') {
                 Some((host, port)) => match port.parse::<u16>() {
                     Ok(p) if p > 0 => (host.to_owned(), Some(p)),
                     _ => {
@@ -575,7 +572,7 @@ impl Args {
                 },
                 None => (endpoint.clone(), Some(29400)),
             },
-            None => (
+            (None, None) => (
                 self.master_addr
                     .clone()
                     .unwrap_or_else(|| "127.0.0.1".into()),

@@ -265,15 +265,8 @@ fn an_array_task_is_requeued_alone() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    std::fs::write(dir.join("train.py"), TRAIN).unwrap();
+    reference(dir, "train.py", TRAIN);
     let python = tt_testkit::python_path();
-    let out = Command::new(&python)
-        .args(["train.py", "ref.ckpt", "ref.out"])
-        .current_dir(dir)
-        .env_remove("SLURM_RESTART_COUNT")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{:?}", text(&out));
     let script = dir.join("array.sh");
     std::fs::write(
         &script,
@@ -384,16 +377,8 @@ fn signal_until_requeued_and_completed(
 fn signalled_and_requeued(cluster: &Cluster, env: (&str, &str), ready: &str) -> (String, String) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    std::fs::write(dir.join("train.py"), TRAIN).unwrap();
+    reference(dir, "train.py", TRAIN);
     let python = tt_testkit::python_path();
-    let out = Command::new(&python)
-        .args(["train.py", "ref.ckpt", "ref.out"])
-        .current_dir(dir)
-        .env_remove("PYTHONUNBUFFERED")
-        .env_remove("SLURM_RESTART_COUNT")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{:?}", text(&out));
     let script = dir.join("job.sh");
     std::fs::write(
         &script,
@@ -777,15 +762,20 @@ if world > 1:
     dist.destroy_process_group()
 "#;
 
-/// [`DDP`] run as one process (no Slurm, no ranks): the parameters in `dir/ref.out`.
-fn ddp_reference(dir: &Path) {
-    std::fs::write(dir.join("ddp.py"), DDP).unwrap();
+/// `script` written to `dir/name` and run there once as one uninterrupted process (no
+/// Slurm, no ranks, no signal): its parameters in `dir/ref.out`, what a job of it must
+/// end with.
+fn reference(dir: &Path, name: &str, script: &str) {
+    std::fs::write(dir.join(name), script).unwrap();
     let out = Command::new(tt_testkit::python_path())
-        .args(["ddp.py", "ref.ckpt", "ref.out"])
+        .args([name, "ref.ckpt", "ref.out"])
         .current_dir(dir)
         .env_remove("WORLD_SIZE")
         .env_remove("RANK")
         .env_remove("SLURM_RESTART_COUNT")
+        .env_remove("TT_WAIT")
+        .env_remove("TT_EARLY")
+        .env_remove("HOLD")
         .output()
         .unwrap();
     assert!(out.status.success(), "{:?}", text(&out));
@@ -804,7 +794,7 @@ fn srun_runs_one_launcher_per_node_and_a_killed_node_ends_the_step() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    ddp_reference(dir);
+    reference(dir, "ddp.py", DDP);
     let python = tt_testkit::python_path();
     let srun = || {
         let mut c = slurm(&cluster, dir, "srun");
@@ -878,7 +868,7 @@ fn launch_submits_across_nodes_and_requeues_on_slurms_signal() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    ddp_reference(dir);
+    reference(dir, "ddp.py", DDP);
     let python = tt_testkit::python_path();
     let out = slurm(&cluster, dir, env!("CARGO_BIN_EXE_torchtools"))
         .args(["launch", "--detach", "--slurm", "--nnodes", "2"])
