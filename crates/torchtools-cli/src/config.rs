@@ -13,6 +13,7 @@
 //! ```
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use anyhow::Result;
 use serde::Deserialize;
@@ -40,17 +41,7 @@ pub(crate) struct OnEndConfig {
 #[serde(deny_unknown_fields)]
 pub(crate) struct DetachConfig {
     /// Where `--detach` sends a job when neither `--slurm` nor `--no-slurm` says.
-    pub(crate) to: Scheduler,
-}
-
-/// Whose queue a detached job goes to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub(crate) enum Scheduler {
-    /// This machine's own queue (`torchtools jobs`).
-    Torchtools,
-    /// Slurm's, with `sbatch` (`--slurm`).
-    Slurm,
+    pub(crate) to: tt_lock::Scheduler,
 }
 
 /// What the file takes, for an error about it.
@@ -71,26 +62,57 @@ pub(crate) fn bad(path: &Path, why: &str) -> Exit {
 
 /// The config at `path` (`None` when there is no file); an error naming the file and
 /// what is wrong in it, or why it is not believed.
-pub(crate) fn read(path: &Path) -> Result<Option<Config>> {
+pub(crate) fn read(path: &Path) -> std::result::Result<Option<UserConfig>, Exit> {
     let text = match read_own(path) {
         Ok(Some(text)) => text,
         Ok(None) => return Ok(None),
-        Err(why) => return Err(Exit::usage(format!("{}: {why}", path.display())).into()),
+        Err(why) => return Err(Exit::usage(format!("{}: {why}", path.display()))),
     };
     let config: Config = toml::from_str(&text).map_err(|e| bad(path, e.message()))?;
-    Ok(Some(config))
+    Ok(Some(UserConfig {
+        path: path.to_owned(),
+        config,
+    }))
+}
+
+/// The user's config and the file it was read from.
+#[derive(Debug)]
+pub(crate) struct UserConfig {
+    pub(crate) path: PathBuf,
+    pub(crate) config: Config,
+}
+
+/// The user's config (`None` when there is none), read once, when first asked for:
+/// every part of a command (its hook, where `--detach` goes) sees the same file.
+pub(crate) fn user() -> Result<Option<&'static UserConfig>> {
+    static USER: OnceLock<std::result::Result<Option<UserConfig>, String>> = OnceLock::new();
+    let read = USER.get_or_init(|| {
+        let Some(path) = path() else {
+            return Ok(None);
+        };
+        read(&path).map_err(|e| e.message)
+    });
+    match read {
+        Ok(user) => Ok(user.as_ref()),
+        Err(message) => Err(Exit::usage(message.clone()).into()),
+    }
 }
 
 /// Where `--detach` sends a job when neither `--slurm` nor `--no-slurm` says: the
-/// config's `[detach] to`, else torchtools' own queue.
-pub(crate) fn detach_to() -> Result<Scheduler> {
-    let config = match path() {
-        Some(path) => read(&path)?,
-        None => None,
-    };
-    Ok(config
-        .and_then(|c| c.detach)
-        .map_or(Scheduler::Torchtools, |d| d.to))
+/// user's config's `[detach] to`, else the machine policy's (`[detach] to` in
+/// /etc/torchtools/policy.toml), else torchtools' own queue; with the file that said,
+/// when one did.
+pub(crate) fn detach_to() -> Result<(tt_lock::Scheduler, Option<PathBuf>)> {
+    if let Some(user) = user()? {
+        if let Some(detach) = &user.config.detach {
+            return Ok((detach.to, Some(user.path.clone())));
+        }
+    }
+    let machine = tt_lock::policy_for(&tt_lock::path_from_env()?);
+    Ok(match machine.policy.detach {
+        Some(to) => (to, Some(machine.path)),
+        None => (tt_lock::Scheduler::Torchtools, None),
+    })
 }
 
 /// The config file's text, believed only when it is this user's (or root's) and no

@@ -52,14 +52,19 @@ pub(crate) struct Hook {
 
 /// The user's default hook, from their config file (none when there is no file); an
 /// error that names the file and what is wrong in it.
-fn config_hook(path: &Path) -> Result<Option<Hook>> {
-    let Some(config) = crate::config::read(path)? else {
+fn config_hook() -> Result<Option<Hook>> {
+    match crate::config::user()? {
+        Some(user) => hook_in(user),
+        None => Ok(None),
+    }
+}
+
+/// The hook a config file gives (`[on_end]`), checked.
+fn hook_in(user: &crate::config::UserConfig) -> Result<Option<Hook>> {
+    let Some(on_end) = &user.config.on_end else {
         return Ok(None);
     };
-    let Some(on_end) = config.on_end else {
-        return Ok(None);
-    };
-    let bad = |why: String| crate::config::bad(path, &why);
+    let bad = |why: String| crate::config::bad(&user.path, &why);
     if on_end.command.trim().is_empty() {
         return Err(bad("[on_end] command is empty".into()).into());
     }
@@ -68,7 +73,7 @@ fn config_hook(path: &Path) -> Result<Option<Hook>> {
         Some(t) => crate::args::duration(t).map_err(|e| bad(format!("[on_end] timeout: {e}")))?,
     };
     Ok(Some(Hook {
-        command: on_end.command,
+        command: on_end.command.clone(),
         timeout,
     }))
 }
@@ -141,10 +146,7 @@ impl HookArgs {
             return Ok(None);
         }
         let configured = match (&on_end, std::env::var_os(JOB_ID_ENV)) {
-            (None, None) => match crate::config::path() {
-                Some(path) => config_hook(&path)?,
-                None => None,
-            },
+            (None, None) => config_hook()?,
             _ => None,
         };
         Ok(match (&on_end, configured) {
@@ -513,6 +515,14 @@ mod tests {
         );
         std::fs::write(&log, "one\ntwo").unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(tail(&log), b"one\ntwo");
+    }
+
+    /// The hook of the config file at `path`.
+    fn config_hook(path: &Path) -> Result<Option<Hook>> {
+        match crate::config::read(path)? {
+            Some(user) => hook_in(&user),
+            None => Ok(None),
+        }
     }
 
     #[test]

@@ -30,8 +30,8 @@ pub use owner::{
     check as check_owner, euid, name_of_uid, trusted_text, user_name_of, Ignored, Untrusted,
 };
 pub use policy::{
-    policy_for, FairShare, Limits, Policy, PolicyInForce, PolicyStatus, Preemption, DEFAULT_AGING,
-    DEFAULT_POLICY, POLICY_ENV,
+    policy_for, FairShare, Limits, Policy, PolicyInForce, PolicyStatus, Preemption, Scheduler,
+    DEFAULT_AGING, DEFAULT_POLICY, POLICY_ENV,
 };
 pub use queue::{Waiter, Wants};
 pub use totals::{UsageSummed, UsageTotal, UsageTotals, UsageWatch};

@@ -42,6 +42,21 @@ pub struct Policy {
     pub limits: Limits,
     /// Preemption of `--preemptible` jobs; `None`: none.
     pub preemption: Option<Preemption>,
+    /// `[detach] to`: where `--detach` sends a job when neither the command line
+    /// (`--slurm`, `--no-slurm`) nor the user's own config says; `None`: torchtools'
+    /// queue. A default, not a rule: Slurm itself keeps users off its nodes.
+    pub detach: Option<Scheduler>,
+}
+
+/// Whose queue a detached job goes to (`[detach] to` in the machine's policy or in a
+/// user's config.toml).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scheduler {
+    /// This machine's own queue (`torchtools jobs`).
+    Torchtools,
+    /// Slurm's, with `sbatch` (`--slurm`).
+    Slurm,
 }
 
 /// `[fair_share]`: who is served first among the requests waiting.
@@ -167,6 +182,7 @@ impl Policy {
             fair_share,
             limits,
             preemption,
+            detach: raw.detach.map(|d| d.to),
         })
     }
 }
@@ -178,6 +194,13 @@ struct RawPolicy {
     fair_share: Option<RawFairShare>,
     limits: Option<RawLimits>,
     preemption: Option<RawPreemption>,
+    detach: Option<RawDetach>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDetach {
+    to: Scheduler,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -297,6 +320,13 @@ impl fmt::Display for Policy {
                 d(p.grace)
             ));
         }
+        if self.detach == Some(Scheduler::Slurm) {
+            parts.push(
+                "--detach submits to Slurm (`sbatch`) unless --no-slurm or the user's \
+                 config.toml says otherwise"
+                    .into(),
+            );
+        }
         f.write_str(&parts.join("; "))
     }
 }
@@ -397,6 +427,8 @@ mod tests {
             [preemption]
             after = "30m"
             grace = "2m"
+            [detach]
+            to = "slurm"
             "#,
         )
         .unwrap();
@@ -416,8 +448,11 @@ mod tests {
             (p.after, p.grace),
             (Duration::from_secs(1800), Duration::from_secs(120))
         );
+        assert_eq!(policy.detach, Some(Scheduler::Slurm));
+        assert!(policy.to_string().contains("--detach submits to Slurm"));
         assert!(policy.orders_the_queue());
         assert!(!Policy::parse("").unwrap().orders_the_queue());
+        assert_eq!(Policy::parse("").unwrap().detach, None);
     }
 
     #[test]
@@ -458,6 +493,8 @@ mod tests {
             ),
             ("[preemption]\ngrace = \"1m\"\n", "needs after"),
             ("[limits]\ngpus = -1\n", "gpus"),
+            ("[detach]\nto = \"slrum\"\n", "`slurm`"),
+            ("[detach]\n", "to"),
         ] {
             let e = Policy::parse(text).err().unwrap_or_default();
             assert!(e.contains(names), "{text:?}: {e}");

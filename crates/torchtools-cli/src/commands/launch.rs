@@ -637,12 +637,16 @@ impl Args {
             || self.master_addr.is_some()
             || self.rdzv_endpoint.is_some()
             || self.standalone;
+        if chosen {
+            return Ok(None);
+        }
         let number = |name: &str| -> std::result::Result<Option<usize>, Exit> {
             get(name)
                 .map(|v| {
                     v.trim().parse::<usize>().map_err(|_| {
                         Exit::usage(format!(
-                            "{name}={v:?} (from Slurm) is not a number; give --nnodes,                              --node-rank and --master-addr instead"
+                            "{name}={v:?} (from Slurm) is not a number; give --nnodes, \
+                             --node-rank and --master-addr instead"
                         ))
                     })
                 })
@@ -651,13 +655,16 @@ impl Args {
         let Some(nodes) = number("SLURM_STEP_NUM_NODES")? else {
             return Ok(None);
         };
-        if chosen || nodes < 2 {
+        if nodes < 2 {
             return Ok(None);
         }
         let tasks = number("SLURM_STEP_NUM_TASKS")?.unwrap_or(nodes);
         if tasks != nodes {
             return Err(Exit::usage(format!(
-                "under srun with {tasks} tasks on {nodes} nodes: torchtools launch is one                  launcher per node, which starts the node's ranks: give srun                  --ntasks-per-node=1 (and launch --nproc-per-node N), or run the trainer                  itself as srun's tasks (it reads SLURM_PROCID)"
+                "under srun with {tasks} tasks on {nodes} nodes: torchtools launch is one \
+                 launcher per node, which starts the node's ranks: give srun \
+                 --ntasks-per-node=1 (and launch --nproc-per-node N), or run the trainer \
+                 itself as srun's tasks (it reads SLURM_PROCID)"
             )));
         }
         let node_rank = number("SLURM_NODEID")?.unwrap_or(0);
@@ -810,5 +817,18 @@ mod tests {
         junk[2] = ("SLURM_NODEID", "x");
         let e = step(&[], &junk).unwrap_err();
         assert!(e.message.contains("SLURM_NODEID"), "{}", e.message);
+        assert!(
+            !e.message.contains("  "),
+            "one space between words: {}",
+            e.message
+        );
+        // A junk variable does not stand in the way of the user's own node options.
+        let mut junk_nodes = srun.to_vec();
+        junk_nodes[0] = ("SLURM_STEP_NUM_NODES", "2(x2)");
+        assert!(step(&[], &junk_nodes).is_err());
+        assert_eq!(
+            step(&["--nnodes", "1", "--master-addr", "h"], &junk_nodes).unwrap(),
+            None
+        );
     }
 }

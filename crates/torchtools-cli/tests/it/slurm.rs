@@ -695,6 +695,59 @@ fn the_users_config_sends_detached_jobs_to_slurm() {
     );
 }
 
+/// The machine's policy (`[detach] to = "slurm"`) sends `--detach` to Slurm, saying
+/// so; the user's config.toml and `--no-slurm` say otherwise.
+#[test]
+fn the_machines_policy_sends_detached_jobs_to_slurm() {
+    use crate::common::tt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let policy = dir.join("policy.toml");
+    std::fs::write(&policy, "[detach]\nto = \"slurm\"\n").unwrap();
+    let run = |args: &[&str]| {
+        let mut c = tt(dir);
+        c.env("TORCHTOOLS_POLICY", &policy).args(args);
+        c.output().unwrap()
+    };
+    let dry = [
+        "reserve",
+        "--detach",
+        "--dry-run",
+        "--no-fence",
+        "--",
+        "true",
+    ];
+    let out = run(&dry);
+    let (script, stderr) = text(&out);
+    assert!(out.status.success(), "{script}{stderr}");
+    assert!(script.contains("#SBATCH --gres=gpu:1\n"), "{script}");
+    assert!(
+        stderr.contains("policy.toml says") && stderr.contains("--no-slurm"),
+        "{stderr}"
+    );
+    let policy_line = text(&run(&["policy"])).0;
+    assert!(
+        policy_line.contains("--detach submits to Slurm"),
+        "{policy_line}"
+    );
+    // The user's own config is theirs to say.
+    let config = dir.join("config/torchtools/config.toml");
+    std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+    std::fs::write(&config, "[detach]\nto = \"torchtools\"\n").unwrap();
+    let out = run(&dry);
+    assert_eq!(out.status.code(), Some(2), "{:?}", text(&out));
+    assert!(
+        text(&out).1.contains("--dry-run prints"),
+        "{:?}",
+        text(&out)
+    );
+    std::fs::remove_file(&config).unwrap();
+    let mut no_slurm = dry.to_vec();
+    no_slurm[1] = "--no-slurm";
+    no_slurm.insert(1, "--detach");
+    assert_eq!(run(&no_slurm).status.code(), Some(2));
+}
+
 /// A PyTorch DDP trainer of two batches a step, as [`TRAIN`] on two ranks: as ranks
 /// (WORLD_SIZE 2), one batch each; as one process, both. It checkpoints (rank 0) and
 /// exits 75 on Slurm's warning signal, resumes from `argv[1]`, and rank 0 (or the one
