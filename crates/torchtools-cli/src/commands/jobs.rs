@@ -6,7 +6,6 @@ use anyhow::Result;
 use tt_device::now_unix;
 use tt_lock::LockDir;
 
-use crate::exit::Exit;
 use crate::jobs::keeper::DEPENDENCY_EVERY;
 use crate::jobs::slurm::{target, SlurmJob, Target};
 use crate::jobs::store::{
@@ -179,9 +178,13 @@ fn wait(args: &WaitArgs) -> Result<ExitCode> {
     let mut worst = 0;
     let mut slurm_ids = Vec::new();
     let ids: Vec<String> = if args.all_mine {
-        for job in crate::jobs::slurm::listed(tt_lock::euid(), false)
-            .map_err(|e| Exit::new(crate::exit::FAILURE, e))?
-        {
+        // Slurm not answering leaves torchtools' jobs to wait for, and fails the wait.
+        let slurms = crate::jobs::slurm::listed(tt_lock::euid(), false).unwrap_or_else(|e| {
+            eprintln!("torchtools: your Slurm jobs are not waited for: {e}");
+            worst = crate::exit::FAILURE.into();
+            Vec::new()
+        });
+        for job in slurms {
             let id = job.array_job_id.unwrap_or(job.job_id).to_string();
             if !job.ended() && !slurm_ids.contains(&id) {
                 slurm_ids.push(id);

@@ -203,6 +203,28 @@ pub(crate) fn all() -> Result<Vec<SlurmJob>, String> {
 fn parse(out: &[u8]) -> Result<Vec<SlurmJob>, String> {
     let doc: Value = serde_json::from_slice(out)
         .map_err(|e| format!("`squeue --json` printed what is not JSON ({e})"))?;
+    // A controller that does not answer: squeue exits 0 with no jobs and its errors.
+    if let Some(errors) = doc
+        .get("errors")
+        .and_then(Value::as_array)
+        .filter(|e| !e.is_empty())
+    {
+        let said: Vec<String> = errors
+            .iter()
+            .map(|e| {
+                format!(
+                    "{} ({}: {})",
+                    string(e, "description"),
+                    string(e, "source"),
+                    string(e, "error")
+                )
+            })
+            .collect();
+        return Err(format!(
+            "`squeue --json` said: {}: is Slurm's controller up (`scontrol ping`)?",
+            tt_device::printable(&said.join("; "))
+        ));
+    }
     let jobs = doc
         .get("jobs")
         .and_then(Value::as_array)

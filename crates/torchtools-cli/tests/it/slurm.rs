@@ -695,6 +695,61 @@ fn the_users_config_sends_detached_jobs_to_slurm() {
     );
 }
 
+/// A Slurm whose controller does not answer (the real `squeue`, which then exits 0
+/// with no jobs and its errors in its JSON) is said by `jobs` and fails `jobs wait
+/// --all-mine` and `jobs wait ID`, after torchtools' own jobs are listed and waited for.
+#[test]
+fn a_slurm_controller_that_does_not_answer_is_said_and_hides_no_job() {
+    use crate::common::{detach, tt};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    // Port 1 on this machine: nothing listens, and squeue gives up at once.
+    let conf = dir.join("slurm.conf");
+    std::fs::write(
+        &conf,
+        "ClusterName=gone\nSlurmctldHost=localhost\nSlurmctldPort=1\nMessageTimeout=1\n\
+         NodeName=localhost CPUs=1\nPartitionName=p Nodes=localhost Default=YES\n",
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let mut c = tt(dir);
+        c.env("SLURM_CONF", &conf).args(args);
+        c.output().unwrap()
+    };
+    let id = detach(
+        dir,
+        &[
+            "reserve",
+            "--detach",
+            "--gpu",
+            "0",
+            "--no-fence",
+            "--",
+            "true",
+        ],
+    );
+    let out = run(&["jobs", "wait", "--all-mine"]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stdout.contains(&format!("{id}  finished")), "{stdout}");
+    assert!(
+        stderr.contains("your Slurm jobs are not waited for")
+            && stderr.contains("Failed while looking for jobs")
+            && stderr.contains("scontrol ping"),
+        "{stderr}"
+    );
+    let out = run(&["jobs"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains(&id), "{stdout}");
+    assert!(stderr.contains("Slurm's jobs are not shown"), "{stderr}");
+    // A Slurm id while the controller is away: its error, not "Slurm does not know it".
+    let out = run(&["jobs", "wait", "57"]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stderr.contains("scontrol ping"), "{stdout}{stderr}");
+}
+
 /// The machine's policy (`[detach] to = "slurm"`) sends `--detach` to Slurm, saying
 /// so; the user's config.toml and `--no-slurm` say otherwise.
 #[test]
