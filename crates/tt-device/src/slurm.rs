@@ -51,15 +51,59 @@ impl SlurmGpus {
 
 /// A Slurm variable that does not say what Slurm writes there.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "{name}={value:?} is not a list of GPU indices (Slurm writes `0,1`): \
-     unset it, or run inside the Slurm job that set it"
-)]
+#[error("{name}={value:?} is not {wants}: unset it, or run inside the Slurm job that set it")]
 pub struct SlurmError {
     /// The variable.
     pub name: &'static str,
     /// What it holds.
     pub value: String,
+    /// What Slurm writes there.
+    pub wants: &'static str,
+}
+
+/// What a GPU list variable holds, as errors say it.
+const GPU_LIST: &str = "a list of GPU indices (Slurm writes `0,1`)";
+
+/// `SLURM_CPUS_PER_TASK`: the CPUs of each task (`-c N`), under `srun` and in a batch
+/// script submitted with `-c`.
+pub const SLURM_CPUS_PER_TASK: &str = "SLURM_CPUS_PER_TASK";
+/// `SLURM_CPUS_ON_NODE`: the CPUs the job has on this node.
+pub const SLURM_CPUS_ON_NODE: &str = "SLURM_CPUS_ON_NODE";
+
+/// The CPUs Slurm gave the Slurm job of this process (`None` outside Slurm): a task's
+/// (`SLURM_CPUS_PER_TASK`), else the job's on this node (`SLURM_CPUS_ON_NODE`), with
+/// the variable read; an error for a value that is not a count.
+///
+/// ```
+/// let env = |name: &str| match name {
+///     "SLURM_JOB_ID" => Some("41".to_owned()),
+///     "SLURM_CPUS_ON_NODE" => Some("8".to_owned()),
+///     "SLURM_CPUS_PER_TASK" => Some("2".to_owned()),
+///     _ => None,
+/// };
+/// assert_eq!(tt_device::slurm_cpus(env)?, Some((2, "SLURM_CPUS_PER_TASK")));
+/// # Ok::<(), tt_device::SlurmError>(())
+/// ```
+pub fn slurm_cpus(
+    get: impl Fn(&str) -> Option<String>,
+) -> Result<Option<(usize, &'static str)>, SlurmError> {
+    if job_id(&get).is_none() {
+        return Ok(None);
+    }
+    let Some((name, value)) = [SLURM_CPUS_PER_TASK, SLURM_CPUS_ON_NODE]
+        .into_iter()
+        .find_map(|name| get(name).map(|value| (name, value)))
+    else {
+        return Ok(None);
+    };
+    match value.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(Some((n, name))),
+        _ => Err(SlurmError {
+            name,
+            value,
+            wants: "a number of CPUs (Slurm writes `4`)",
+        }),
+    }
 }
 
 impl SlurmJob {
@@ -203,6 +247,7 @@ fn parse_indices(name: &'static str, value: &str) -> Result<SlurmGpus, SlurmErro
     let bad = || SlurmError {
         name,
         value: value.to_owned(),
+        wants: GPU_LIST,
     };
     let mut indices = Vec::new();
     for part in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {

@@ -63,6 +63,10 @@ pub enum Error {
         /// What went wrong.
         reason: String,
     },
+    /// A variable of the Slurm job this process runs in that does not say what Slurm
+    /// writes there (the job's CPUs or GPUs, the tracker's defaults inside a job).
+    #[error("{0}")]
+    Slurm(#[from] tt_device::SlurmError),
     /// A report file could not be read for a comparison.
     #[error("reading the tracking report {path}: {reason}")]
     Report {

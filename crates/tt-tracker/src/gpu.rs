@@ -34,8 +34,9 @@ pub(crate) struct Gpus {
 #[cfg_attr(mutants, mutants::skip)]
 impl Gpus {
     /// Opens NVML. Without it: no GPUs and one warning. `only` restricts utilisation
-    /// and energy to these UUIDs; an unknown UUID is returned as an error message.
-    pub(crate) fn open(only: Option<&[String]>) -> (Gpus, Option<String>) {
+    /// and energy to these UUIDs (an unknown UUID is returned as an error message);
+    /// without it, `indices` (a Slurm job's GPUs, by the node's indices) does.
+    pub(crate) fn open(only: Option<&[String]>, indices: Option<&[u32]>) -> (Gpus, Option<String>) {
         let empty = |warning: String| {
             (
                 Gpus {
@@ -64,7 +65,11 @@ impl Gpus {
                 continue;
             };
             let uuid = device.uuid().unwrap_or_default();
-            let tracked = only.is_none_or(|u| u.iter().any(|x| x.eq_ignore_ascii_case(&uuid)));
+            let tracked = match (only, indices) {
+                (Some(u), _) => u.iter().any(|x| x.eq_ignore_ascii_case(&uuid)),
+                (None, Some(indices)) => indices.contains(&index),
+                (None, None) => true,
+            };
             capacity += device.memory_info().map(|m| m.total).unwrap_or(0);
             energy_start.push(if tracked {
                 device.total_energy_consumption().ok()

@@ -211,6 +211,54 @@ print("trained in run", run + 1, flush=True)
 /// exits 75, torchtools requeues the Slurm job (`scontrol requeue`), and Slurm's second
 /// run (`SLURM_RESTART_COUNT=1`) resumes and ends with the parameters of an
 /// uninterrupted run, bit for bit.
+/// `track` inside a Slurm step (`srun -c 1 --gres=gpu:2`) measures against the job's
+/// part of the node: one expected core (the hardware percentages' denominator) and the
+/// step's GPUs, saying so in its report; `-n`/`--n-expected-cores` still wins.
+#[test]
+fn track_inside_a_slurm_job_measures_against_the_jobs_cpus_and_gpus() {
+    let Some(cluster) = Cluster::one_node(4) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let report = |extra: &str| -> serde_json::Value {
+        let out = slurm(&cluster, dir, "srun")
+            .args(["-c", "1", "--gres=gpu:2", "sh", "-c"])
+            .arg(format!(
+                "exec \"$TT\" track --format json {extra} -- sh -c 'echo job=$SLURM_JOB_ID >&2'"
+            ))
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stdout}{stderr}\n{}", cluster.logs());
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    };
+    let cores = std::thread::available_parallelism().unwrap().get() as u64;
+    let inside = report("");
+    let cpu = &inside["cpu_utilization"];
+    assert_eq!(
+        (
+            cpu["n_expected_cores"].as_u64(),
+            cpu["system_core_count"].as_u64()
+        ),
+        (Some(1), Some(cores)),
+        "{inside}"
+    );
+    let warnings = inside["torchtools"]["warnings"].to_string();
+    assert!(
+        warnings.contains("inside Slurm job")
+            && warnings.contains("SLURM_CPUS_PER_TASK=1")
+            && warnings.contains("SLURM_STEP_GPUS=0,1"),
+        "{warnings}"
+    );
+    let given = report("--n-expected-cores 2");
+    assert_eq!(
+        given["cpu_utilization"]["n_expected_cores"].as_u64(),
+        Some(2),
+        "{given}"
+    );
+}
+
 #[test]
 fn a_slurm_job_checkpoints_on_slurms_signal_requeues_itself_and_resumes_bit_for_bit() {
     let Some(cluster) = Cluster::one_node(4) else {

@@ -31,9 +31,11 @@ pub struct TrackerConfig {
     /// Unit of the compute time (default hours).
     pub time_unit: TimeUnit,
     /// Cores the job is expected to use: the denominator of the hardware percentages
-    /// (default: every core).
+    /// (default: every core; inside a Slurm job, the job's: `SLURM_CPUS_PER_TASK`, else
+    /// `SLURM_CPUS_ON_NODE`).
     pub n_expected_cores: Option<usize>,
-    /// GPUs whose utilisation and energy count (default: all).
+    /// GPUs whose utilisation and energy count (default: all; inside a Slurm job, the
+    /// job's, by the node's indices: `SLURM_STEP_GPUS`, else `SLURM_JOB_GPUS`).
     pub gpu_uuids: Option<Vec<String>>,
     /// The process to track.
     pub target: Target,
@@ -77,4 +79,111 @@ pub(super) struct Setting {
     pub(super) expected_cores: usize,
     /// System RAM, bytes.
     pub(super) system_capacity: u64,
+}
+
+/// Inside a Slurm job, the job's part of the node, where the configuration leaves it
+/// open: the cores expected (`n_expected_cores` not given) and the GPUs tracked
+/// (`gpu_uuids` not given), with the note the report keeps of it.
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct SlurmShare {
+    pub(super) cores: Option<usize>,
+    /// The node's indices.
+    pub(super) gpus: Option<Vec<u32>>,
+    pub(super) note: Option<String>,
+}
+
+impl SlurmShare {
+    /// Read through `get` (the environment); an error for a variable that does not
+    /// say what Slurm writes.
+    pub(super) fn read(
+        config: &TrackerConfig,
+        get: impl Fn(&str) -> Option<String>,
+    ) -> crate::Result<SlurmShare> {
+        let Some(job) = tt_device::SlurmJob::from_lookup(&get)? else {
+            return Ok(SlurmShare::default());
+        };
+        let mut said = Vec::new();
+        let cores = match config.n_expected_cores {
+            Some(_) => None,
+            None => tt_device::slurm_cpus(&get)?.map(|(n, from)| {
+                said.push(format!("its {n} CPU(s) expected ({from}={n})"));
+                n
+            }),
+        };
+        let gpus = match (&config.gpu_uuids, job.gpus) {
+            (None, Some(gpus)) => {
+                said.push(format!("its GPUs tracked ({})", gpus.said()));
+                Some(gpus.indices)
+            }
+            _ => None,
+        };
+        let note = (!said.is_empty()).then(|| {
+            format!(
+                "inside Slurm job {}: {} (n_expected_cores and gpu_uuids say otherwise)",
+                job.id,
+                said.join(", ")
+            )
+        });
+        Ok(SlurmShare { cores, gpus, note })
+    }
+}
+
+#[cfg(test)]
+mod slurm_tests {
+    use super::*;
+
+    fn read(config: &TrackerConfig, vars: &[(&str, &str)]) -> crate::Result<SlurmShare> {
+        SlurmShare::read(config, |name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn inside_a_slurm_job_the_defaults_are_the_jobs_cpus_and_gpus() {
+        let job = [
+            ("SLURM_JOB_ID", "41"),
+            ("SLURM_CPUS_ON_NODE", "8"),
+            ("SLURM_CPUS_PER_TASK", "2"),
+            ("SLURM_STEP_GPUS", "1,3"),
+        ];
+        let share = read(&TrackerConfig::default(), &job).unwrap();
+        assert_eq!(
+            (share.cores, share.gpus.as_deref()),
+            (Some(2), Some(&[1, 3][..]))
+        );
+        let note = share.note.unwrap_or_default();
+        assert!(
+            note.contains("Slurm job 41")
+                && note.contains("SLURM_CPUS_PER_TASK=2")
+                && note.contains("SLURM_STEP_GPUS=1,3"),
+            "{note}"
+        );
+        // What the configuration gives wins; outside Slurm nothing changes.
+        let given = TrackerConfig {
+            n_expected_cores: Some(4),
+            gpu_uuids: Some(vec!["GPU-x".into()]),
+            ..TrackerConfig::default()
+        };
+        assert_eq!(read(&given, &job).unwrap(), SlurmShare::default());
+        assert_eq!(
+            read(&TrackerConfig::default(), &job[1..]).unwrap(),
+            SlurmShare::default()
+        );
+        let batch = [("SLURM_JOB_ID", "41"), ("SLURM_CPUS_ON_NODE", "8")];
+        assert_eq!(
+            read(&TrackerConfig::default(), &batch).unwrap().cores,
+            Some(8)
+        );
+        // A count that is not one: refused, naming the variable.
+        let junk = [("SLURM_JOB_ID", "41"), ("SLURM_CPUS_ON_NODE", "all")];
+        let e = read(&TrackerConfig::default(), &junk)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("SLURM_CPUS_ON_NODE=\"all\"") && e.contains("number of CPUs"),
+            "{e}"
+        );
+    }
 }

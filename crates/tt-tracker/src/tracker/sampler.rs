@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tt_device::now_unix;
 
-use super::config::{Setting, TrackerConfig};
+use super::config::{Setting, SlurmShare, TrackerConfig};
 use super::peaks::{CpuSample, Peaks, Rss, Running, SeriesPoint, Threads};
 use super::report::{self, Exit, Finished};
 use crate::gpu::Gpus;
@@ -135,8 +135,13 @@ impl Sampler {
         let mut buf = String::new();
         let cores = procfs::cpu_times(&mut buf).len().max(1);
         let (system_capacity, _) = procfs::meminfo(&mut buf);
-        let (gpus, gpu_warning) = Gpus::open(config.gpu_uuids.as_deref());
-        let expected_cores = config.n_expected_cores.unwrap_or(cores).max(1);
+        let slurm = SlurmShare::read(&config, |name| std::env::var(name).ok())?;
+        let (gpus, gpu_warning) = Gpus::open(config.gpu_uuids.as_deref(), slurm.gpus.as_deref());
+        let expected_cores = config
+            .n_expected_cores
+            .or(slurm.cores)
+            .unwrap_or(cores)
+            .max(1);
         let (gpu_count, tracked_gpus) = gpus.counts();
         let timeline = match &config.timeline {
             Some(path) => Some(Timeline::create(
@@ -178,7 +183,7 @@ impl Sampler {
             files: HashMap::new(),
             last_full_walk: None,
             gpus,
-            warnings: gpu_warning.into_iter().collect(),
+            warnings: slurm.note.into_iter().chain(gpu_warning).collect(),
             timeline,
             peaks,
         })

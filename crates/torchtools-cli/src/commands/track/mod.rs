@@ -68,10 +68,13 @@ pub(crate) struct Args {
     /// Draw RAM, GPU RAM and CPU over time into this SVG file.
     #[arg(long)]
     pub(crate) plot: Option<std::path::PathBuf>,
-    /// Cores the command is expected to use (denominator of hardware percentages).
+    /// Cores the command is expected to use (denominator of hardware percentages):
+    /// by default every core, inside a Slurm job the job's (SLURM_CPUS_PER_TASK, else
+    /// SLURM_CPUS_ON_NODE).
     #[arg(long, visible_alias = "nec", value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) n_expected_cores: Option<u32>,
-    /// GPUs (UUIDs, comma-separated) whose utilisation and energy count.
+    /// GPUs (UUIDs, comma-separated) whose utilisation and energy count: by default
+    /// every GPU, inside a Slurm job the job's (SLURM_STEP_GPUS, else SLURM_JOB_GPUS).
     #[arg(long, visible_alias = "guuids", value_delimiter = ',')]
     pub(crate) gpu_uuids: Option<Vec<String>>,
     /// gpu_tracker's GPU brand: nvidia (the one torchtools reads, through NVML).
