@@ -408,8 +408,10 @@ async fn the_page_shows_holders_sharers_the_queue_and_jobs_live_and_markup_as_te
 }
 
 /// The README's picture: the page serving the saved state of a busy server
-/// (`docs/serve-state.json`, saved with `serve --save`), every column of every table
-/// showing what the state holds, the picture written to `target/serve-page-readme.png`
+/// (`docs/serve-state.json`, saved with `serve --save`, with the peers a `serve
+/// --peer` page read: a second server and one that does not answer), every column of
+/// every table showing what the state holds, the picture written to
+/// `target/serve-page-readme.png`
 /// (`cargo xtask picture` copies it to `docs/serve-page.png`).
 #[tokio::test]
 async fn the_readmes_picture_shows_a_saved_busy_server_every_column_filled() {
@@ -480,8 +482,41 @@ async fn the_readmes_picture_shows_a_saved_busy_server_every_column_filled() {
         assert!(row.contains(&priority), "{row} lacks {priority}");
         assert!(row.contains(w["why"].as_str().unwrap()), "{row}");
     }
-    let jobs = client.find_all(Locator::Css("tr[data-job]")).await.unwrap();
+    let jobs = client
+        .find_all(Locator::Css("#jobs tr[data-job]"))
+        .await
+        .unwrap();
     assert_eq!(jobs.len(), state["jobs"].as_array().unwrap().len());
+    // A second server under its name, with its holders, queue and jobs; a third that
+    // does not answer, said so with why.
+    let peers = state["peers"].as_array().unwrap();
+    assert!(
+        peers.iter().any(|p| !p["state"].is_null()) && peers.iter().any(|p| p["state"].is_null())
+    );
+    for peer in peers {
+        let name = peer["name"].as_str().unwrap();
+        let section = text_of(&client, &format!("[data-peer='{name}']")).await;
+        match peer["state"].as_object() {
+            Some(st) => {
+                for g in st["gpus"].as_array().unwrap() {
+                    if let Some(user) = g["holder"]["user"].as_str() {
+                        assert!(section.contains(user), "{name}: {section} lacks {user}");
+                    }
+                }
+                for job in st["jobs"].as_array().unwrap() {
+                    let id = job["id"].as_str().unwrap();
+                    assert!(section.contains(id), "{name}: {section} lacks job {id}");
+                }
+            }
+            None => {
+                let error = peer["error"].as_str().unwrap();
+                assert!(
+                    section.contains("does not answer") && section.contains(error),
+                    "{name}: {section}"
+                );
+            }
+        }
+    }
     for name in users(&state["usage"]["week"], "name") {
         let row = text_of(&client, &format!("tr[data-user='{name}']")).await;
         assert!(row.contains("% of recent use"), "{row}");
