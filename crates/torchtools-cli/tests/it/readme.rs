@@ -178,7 +178,7 @@ fn synopses_are_read_as_written() {
 }
 
 /// Every README of the workspace: (path from the root, text).
-fn all_readmes() -> Vec<(String, String)> {
+pub(crate) fn all_readmes() -> Vec<(String, String)> {
     let root = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."));
     let mut out = vec![("README.md".to_owned(), readme())];
     let mut crates: Vec<_> = std::fs::read_dir(root.join("crates"))
@@ -201,7 +201,7 @@ fn all_readmes() -> Vec<(String, String)> {
 }
 
 /// The shell blocks of `text`: (line number of the fence, the marker after `sh`, lines).
-fn shell_blocks(text: &str) -> Vec<(usize, String, Vec<String>)> {
+pub(crate) fn shell_blocks(text: &str) -> Vec<(usize, String, Vec<String>)> {
     let mut out = Vec::new();
     let mut current: Option<(usize, String, Vec<String>)> = None;
     let mut in_other = false;
@@ -262,10 +262,12 @@ fn every_shell_block_runs_here_or_says_why_not() {
     for (path, text) in all_readmes() {
         for (line, marker, _) in shell_blocks(&text) {
             assert!(
-                marker == "cpu" || marker.starts_with("skip-") && marker.len() > 5,
+                marker == "cpu"
+                    || marker == "slurm"
+                    || marker.starts_with("skip-") && marker.len() > 5,
                 "{path}:{line}: a shell block without a marker: write ```sh cpu when it runs \
-                 as written on a machine without a GPU (a test then runs it), else \
-                 ```sh skip-WHY"
+                 as written on a machine without a GPU (a test then runs it), ```sh slurm \
+                 for the lines the Slurm tests run on a real cluster, else ```sh skip-WHY"
             );
         }
     }

@@ -164,7 +164,7 @@ fn inside_a_slurm_job_only_its_gpus_are_reserved_and_the_records_name_the_job() 
 /// `TT_EARLY=1` it waits before it handles the signal at all (as while importing).
 const TRAIN: &str = r#"
 import os, signal, sys, time
-ckpt, out = sys.argv[1], sys.argv[2]
+ckpt, out = (sys.argv[1:] + ["job.ckpt", "job.out"])[:2]
 run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 if run == 0 and os.environ.get("TT_EARLY") == "1":
     print("starting, no handler yet", flush=True)
@@ -416,6 +416,87 @@ fn signal_until_requeued_and_completed(
     });
     let said = state();
     assert!(said.contains("Restarts=1"), "{said}");
+}
+
+/// The README's two lines to copy (its ```` ```sh slurm ```` block: an `sbatch` line
+/// and a `torchtools run --slurm` line), run as they are written on the one-node
+/// cluster, `python train.py` being [`TRAIN`] in the reference Python: each job,
+/// signalled as at its time limit, checkpoints, is requeued once and ends with an
+/// uninterrupted run's parameters, bit for bit.
+#[test]
+fn the_readmes_two_lines_checkpoint_and_requeue_on_slurm() {
+    let Some(cluster) = Cluster::one_node(4) else {
+        return;
+    };
+    let lines: Vec<String> = crate::readme::all_readmes()
+        .into_iter()
+        .flat_map(|(_, text)| crate::readme::shell_blocks(&text))
+        .filter(|(_, marker, _)| marker == "slurm")
+        .flat_map(|(_, _, lines)| lines)
+        .filter(|l| !l.trim().is_empty() && !l.trim().starts_with('#'))
+        .collect();
+    assert!(
+        lines.len() == 2
+            && lines[0].starts_with("sbatch ")
+            && lines[1].starts_with("torchtools run --detach --slurm "),
+        "the README's ```sh slurm block: {lines:?}"
+    );
+    for line in &lines {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        reference(dir, "train.py", TRAIN);
+        // `python` and `torchtools` by name, as the README's user has them.
+        let bin = dir.join("bin");
+        std::fs::create_dir(&bin).unwrap();
+        for (name, target) in [
+            ("python", tt_testkit::python_path()),
+            ("torchtools", env!("CARGO_BIN_EXE_torchtools").to_owned()),
+        ] {
+            let path = bin.join(name);
+            std::fs::write(&path, format!("#!/bin/sh\nexec '{target}' \"$@\"\n")).unwrap();
+            std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .unwrap();
+        }
+        let path = format!(
+            "{}:{}",
+            bin.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let out = slurm(&cluster, dir, "bash")
+            .args(["-c", line])
+            .env("PATH", path)
+            .env("TT_WAIT", "1")
+            .env_remove("PYTHONUNBUFFERED")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(
+            out.status.success(),
+            "`{line}`: {stdout}{stderr}\n{}",
+            cluster.logs()
+        );
+        // sbatch says "Submitted batch job 57"; torchtools prints 57.
+        let job = stdout
+            .split_whitespace()
+            .last()
+            .unwrap_or_default()
+            .to_owned();
+        let output = match line.starts_with("sbatch ") {
+            true => dir.join(format!("slurm-{job}.out")),
+            false => dir.join(format!("state/torchtools/logs/slurm-{job}.out")),
+        };
+        let log = || std::fs::read_to_string(&output).unwrap_or_default();
+        crate::common::until("the first run is ready for Slurm's signal", || {
+            log().contains("waiting for Slurm's signal")
+        });
+        signal_until_requeued_and_completed(&cluster, dir, &job, &["--full"], &log);
+        assert!(log().contains("trained in run 2"), "`{line}`: {}", log());
+        assert_eq!(
+            std::fs::read_to_string(dir.join("job.out")).unwrap(),
+            std::fs::read_to_string(dir.join("ref.out")).unwrap(),
+            "`{line}`: the requeued run's parameters differ from an uninterrupted run's"
+        );
+    }
 }
 
 /// `sbatch --requeue` of `torchtools reserve --requeue -- python train.py` ([`TRAIN`]
