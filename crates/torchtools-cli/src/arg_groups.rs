@@ -150,18 +150,21 @@ impl DetachArgs {
     /// Whether the job goes to Slurm: `--slurm`, `--no-slurm`, else the user's
     /// config's `[detach] to`, else the machine policy's; `--dry-run` only with Slurm.
     pub(crate) fn to_slurm(&self) -> anyhow::Result<bool> {
-        let slurm = self.slurm
-            || (!self.no_slurm && {
-                let (to, said) = crate::config::detach_to()?;
-                if let (tt_lock::Scheduler::Slurm, Some(file)) = (to, said) {
+        let slurm = match (self.slurm, self.no_slurm) {
+            (true, _) => true,
+            (false, true) => false,
+            (false, false) => match crate::config::detach_to()? {
+                (tt_lock::Scheduler::Slurm, Some(file)) => {
                     eprintln!(
                         "torchtools: to Slurm, as {} says (`[detach] to = \"slurm\"`; \
                          --no-slurm keeps a job on this machine)",
                         file.display()
                     );
+                    true
                 }
-                to == tt_lock::Scheduler::Slurm
-            });
+                (to, _) => to == tt_lock::Scheduler::Slurm,
+            },
+        };
         if self.dry_run && !slurm {
             return Err(crate::exit::Exit::usage(
                 "--dry-run prints the `sbatch` script of a job submitted to Slurm: add \
