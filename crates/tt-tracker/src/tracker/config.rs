@@ -99,7 +99,14 @@ impl SlurmShare {
         config: &TrackerConfig,
         get: impl Fn(&str) -> Option<String>,
     ) -> crate::Result<SlurmShare> {
-        let Some(job) = tt_device::SlurmJob::from_lookup(&get)? else {
+        // The GPU variables are read only where `gpu_uuids` leaves the GPUs to them.
+        let gpu_var = |name: &str| {
+            config.gpu_uuids.is_some()
+                && (name == tt_device::SLURM_STEP_GPUS || name == tt_device::SLURM_JOB_GPUS)
+        };
+        let Some(job) =
+            tt_device::SlurmJob::from_lookup(|name| get(name).filter(|_| !gpu_var(name)))?
+        else {
             return Ok(SlurmShare::default());
         };
         let mut said = Vec::new();
@@ -167,6 +174,13 @@ mod slurm_tests {
             ..TrackerConfig::default()
         };
         assert_eq!(read(&given, &job).unwrap(), SlurmShare::default());
+        // A GPU variable the configuration overrides is not read, junk or not.
+        let junk_gpus = [("SLURM_JOB_ID", "41"), ("SLURM_STEP_GPUS", "all")];
+        assert_eq!(read(&given, &junk_gpus).unwrap(), SlurmShare::default());
+        let e = read(&TrackerConfig::default(), &junk_gpus)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("SLURM_STEP_GPUS=\"all\""), "{e}");
         assert_eq!(
             read(&TrackerConfig::default(), &job[1..]).unwrap(),
             SlurmShare::default()
