@@ -12,6 +12,7 @@ mod device;
 mod errors;
 mod reserve;
 mod sampler;
+mod slurm;
 mod tracker;
 
 /// The module `torchtools._native`.
@@ -37,5 +38,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ckpt::load_checkpoint, m)?)?;
     m.add_class::<sampler::Sampler>()?;
     m.add_class::<tracker::Tracker>()?;
+    m.add_function(wrap_pyfunction!(slurm::slurm_job, m)?)?;
+    m.add_function(wrap_pyfunction!(slurm::slurm_restart_count, m)?)?;
+    m.add_function(wrap_pyfunction!(slurm::slurm_requeue_self, m)?)?;
     Ok(())
 }

@@ -201,6 +201,75 @@ pub fn slurm_requeue_saying(id: &str, say: impl FnOnce()) -> std::io::Result<()>
     )))
 }
 
+/// `TORCHTOOLS_REQUEUES_SLURM_JOB`: set by `torchtools reserve --requeue` and
+/// `torchtools launch --requeue` inside a Slurm job, in their command's environment, to
+/// the job they requeue when the command exits 75: a trainer under them only exits 75
+/// ([`slurm_requeue_self_saying`]), so the job is not requeued twice.
+pub const TORCHTOOLS_REQUEUES_SLURM_JOB: &str = "TORCHTOOLS_REQUEUES_SLURM_JOB";
+
+/// What [`slurm_requeue_self_saying`] did (or left to another), so that a trainer
+/// stopping on Slurm's warning can exit 75 and be run again, resuming.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SelfRequeue {
+    /// Not inside a Slurm job: nothing to requeue (exit 75; `torchtools run --detach
+    /// --requeue` runs a job that exits 75 again).
+    NotInSlurm,
+    /// `torchtools reserve --requeue` or `launch --requeue` runs this process and
+    /// requeues the job when it exits 75 ([`TORCHTOOLS_REQUEUES_SLURM_JOB`]).
+    ByTorchtools(String),
+    /// Another task of the job requeues it: the one whose `SLURM_PROCID` (or the
+    /// process group's `RANK`) is 0, as Lightning does.
+    ByRankZero(String),
+    /// This process requeued the job (`scontrol requeue`): Slurm ends its processes
+    /// and runs it again.
+    Requeued(String),
+}
+
+/// Requeues the Slurm job this process runs in, when it is the one to do so, as a
+/// trainer does after checkpointing on Slurm's warning (`sbatch --requeue
+/// --signal=USR1@90`) or preemption's SIGTERM, before it exits 75: the job's id is the
+/// array task's for an array task (`1234_7`, requeued alone); under `torchtools reserve
+/// --requeue` (or `launch --requeue`) torchtools requeues it instead, and of a job's
+/// tasks only rank 0 does. `say` is called with the job's id just before `scontrol
+/// requeue`, for a line in the job's output (Slurm ends the job's processes as it
+/// requeues it). The errors are [`slurm_requeue`]'s.
+///
+/// ```no_run
+/// // After the checkpoint on SIGUSR1 (`tt_train::install_signal_handlers`):
+/// if let Err(e) = tt_device::slurm_requeue_self_saying(|job| eprintln!("requeuing {job}")) {
+///     eprintln!("not requeued: {e}");
+/// }
+/// std::process::exit(75);
+/// ```
+pub fn slurm_requeue_self_saying(say: impl FnOnce(&str)) -> std::io::Result<SelfRequeue> {
+    match who_requeues(|name| std::env::var(name).ok()) {
+        SelfRequeue::Requeued(job) => {
+            slurm_requeue_saying(&job, || say(&job))?;
+            Ok(SelfRequeue::Requeued(job))
+        }
+        other => Ok(other),
+    }
+}
+
+/// Who requeues this process's Slurm job: [`SelfRequeue::Requeued`] means this process
+/// should.
+fn who_requeues(get: impl Fn(&str) -> Option<String>) -> SelfRequeue {
+    let Some(job) = job_id(&get) else {
+        return SelfRequeue::NotInSlurm;
+    };
+    if get(TORCHTOOLS_REQUEUES_SLURM_JOB).is_some_and(|by| by.trim() == job) {
+        return SelfRequeue::ByTorchtools(job);
+    }
+    let rank_zero = ["SLURM_PROCID", "RANK"]
+        .iter()
+        .filter_map(|name| get(name))
+        .all(|rank| rank.trim() == "0");
+    if !rank_zero {
+        return SelfRequeue::ByRankZero(job);
+    }
+    SelfRequeue::Requeued(job)
+}
+
 /// The value of `key` (`Requeue`, `JobState`, ...) in what `scontrol show job` says of
 /// the Slurm job `id`; `None` when it cannot say. Read from the first `key=` after the
 /// job's `UserId=`: the job's name comes before it (a name can hold words like
@@ -280,6 +349,42 @@ mod tests {
                 .find(|(k, _)| *k == name)
                 .map(|(_, v)| (*v).to_owned())
         })
+    }
+
+    #[test]
+    fn only_rank_zero_requeues_and_never_under_torchtools() {
+        let who = |vars: &[(&str, &str)]| {
+            who_requeues(|name| {
+                vars.iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| (*v).to_owned())
+            })
+        };
+        assert_eq!(who(&[]), SelfRequeue::NotInSlurm);
+        let task = [
+            ("SLURM_JOB_ID", "40"),
+            ("SLURM_ARRAY_JOB_ID", "38"),
+            ("SLURM_ARRAY_TASK_ID", "2"),
+        ];
+        assert_eq!(who(&task), SelfRequeue::Requeued("38_2".into()));
+        let mut step = task.to_vec();
+        step.extend([("SLURM_PROCID", "0"), ("RANK", "0")]);
+        assert_eq!(who(&step), SelfRequeue::Requeued("38_2".into()));
+        step[3] = ("SLURM_PROCID", "1");
+        assert_eq!(who(&step), SelfRequeue::ByRankZero("38_2".into()));
+        let ranked = [("SLURM_JOB_ID", "41"), ("RANK", "3")];
+        assert_eq!(who(&ranked), SelfRequeue::ByRankZero("41".into()));
+        let wrapped = [
+            ("SLURM_JOB_ID", "42"),
+            (TORCHTOOLS_REQUEUES_SLURM_JOB, "42"),
+        ];
+        assert_eq!(who(&wrapped), SelfRequeue::ByTorchtools("42".into()));
+        // A variable left from another job (an `sbatch` inside a job) is not ours.
+        let stale = [
+            ("SLURM_JOB_ID", "43"),
+            (TORCHTOOLS_REQUEUES_SLURM_JOB, "42"),
+        ];
+        assert_eq!(who(&stale), SelfRequeue::Requeued("43".into()));
     }
 
     #[test]

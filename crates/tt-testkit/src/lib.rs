@@ -257,7 +257,7 @@ pub const ROOT_MAY_SKIP: [(&str, &str); 1] = [(
 )];
 
 /// Whether this process runs as root (effective user 0), from `/proc/self/status`.
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
         status
             .lines()

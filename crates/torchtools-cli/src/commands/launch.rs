@@ -178,7 +178,7 @@ pub(crate) fn run(args: &Args) -> Result<u8> {
         .into());
     }
     let mut cfg = args.config()?;
-    let slurm_requeue = args.slurm_requeue(cfg.node_rank)?;
+    let slurm_requeue = args.slurm_requeue(&mut cfg)?;
     let limit = args.time.resolve(&crate::limit::machine_policy()?)?;
     // The group's GPUs, reserved before any rank starts, held until the group ends.
     let mut reservation = match &args.gpu {
@@ -407,14 +407,20 @@ impl Args {
     }
 
     /// With `--requeue` inside a Slurm job, on node 0 (which requeues it once; the
-    /// others end with their ranks): the job, after saying which run this is.
-    fn slurm_requeue(&self, node_rank: usize) -> Result<Option<String>> {
+    /// others end with their ranks): the job, after saying which run this is. On every
+    /// node the ranks are told (`TORCHTOOLS_REQUEUES_SLURM_JOB`) that torchtools
+    /// requeues it, so that they only exit 75.
+    fn slurm_requeue(&self, cfg: &mut LaunchConfig) -> Result<Option<String>> {
         let job = crate::arg_groups::DetachArgs {
             requeue: self.requeue,
             ..crate::arg_groups::DetachArgs::default()
         }
-        .slurm_requeue()?
-        .filter(|_| node_rank == 0);
+        .slurm_requeue()?;
+        if let Some(job) = &job {
+            cfg.env
+                .push((tt_device::TORCHTOOLS_REQUEUES_SLURM_JOB.into(), job.into()));
+        }
+        let job = job.filter(|_| cfg.node_rank == 0);
         if let Some(job) = &job {
             crate::commands::reserve::slurm_run_said(job);
         }

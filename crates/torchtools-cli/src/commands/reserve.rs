@@ -96,6 +96,8 @@ pub(crate) fn reserve(req: Request) -> Result<u8> {
     reservation.prepare_with(&mut cmd, req.cap);
     if let Some(job) = &req.slurm_requeue {
         slurm_run_said(job);
+        // The trainer only exits 75 (its `requeue_and_exit`): we requeue the job.
+        cmd.env(tt_device::TORCHTOOLS_REQUEUES_SLURM_JOB, job);
     }
     let mut running = child::spawn(&mut cmd, &command_text[0])?;
     if let Err(e) = reservation.record_command_pid(running.pid()) {

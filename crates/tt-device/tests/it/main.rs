@@ -7,3 +7,4 @@ mod inventory;
 #[cfg(feature = "tch")]
 mod libtorch;
 mod select;
+mod slurm;
