@@ -220,6 +220,38 @@ def signal_until_requeued_and_completed(env, job, log):
     assert "Restarts=1" in scontrol_show(env, job), scontrol_show(env, job) + log()
 
 
+def test_a_python_reservation_in_a_slurm_step_takes_only_the_steps_gpus(tmp_path, cluster, command):
+    """``srun --gres=gpu:1`` of a Python script: the other GPU of the node is refused,
+    naming Slurm's variable; the step's own is reserved, and ``torchtools locks`` names
+    the job."""
+    script = tmp_path / "reserve.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess
+        from torchtools import BadRequestError, reserve_gpu_for_training, slurm
+        job = slurm.job()
+        mine = job.gpus[0]
+        print("step", job.id, "gpus", job.gpus, job.gpus_from, flush=True)
+        try:
+            reserve_gpu_for_training(gpu=1 - mine, fence=False).acquire()
+            print("not refused", flush=True)
+        except BadRequestError as e:
+            print("refused:", e, flush=True)
+        with reserve_gpu_for_training(gpu=mine, fence=False) as r:
+            print("held", r.gpus, flush=True)
+            print(subprocess.run([{command!r}, "locks"], capture_output=True, text=True).stdout)
+    """))
+    out = subprocess.run(
+        ["srun", "--gres=gpu:1", f"--chdir={tmp_path}", sys.executable, str(script)],
+        env=cluster, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out
+    said = out.stdout
+    step = said.split()[1]
+    assert "gpus [" in said and "SLURM_STEP_GPUS" in said, said
+    assert "refused:" in said and "SLURM_STEP_GPUS=" in said and "not refused" not in said, said
+    assert f"in Slurm job {step}" in said, said
+
+
 def test_a_python_trainer_requeues_its_own_array_task_and_resumes_bit_for_bit(tmp_path, cluster):
     script = tmp_path / "array.sh"
     script.write_text(
