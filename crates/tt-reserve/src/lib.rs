@@ -13,6 +13,7 @@ use tt_device::{GpuBackend, NvmlBackend};
 pub use error::Error;
 pub use options::ReserveOptions;
 pub use reservation::{fence_release_hook, Reservation, ReservedGpu, Waiting, SHARE_FRACTION_ENV};
+pub use take::within_slurm_job;
 
 /// Reserves GPU(s) for a training job: takes the lock of each (waiting as `options`
 /// say), then raises a fence leaving `training_reserved_bytes + safety_margin_bytes`

@@ -35,6 +35,56 @@ pub(crate) fn in_allocation(inventory: &Inventory, gpus: &tt_device::SlurmGpus) 
     }
 }
 
+/// The Slurm job this process runs in and its GPUs, where Slurm allocated GPUs: the
+/// outer bound of every GPU chosen here (by the node's indices). `None` outside Slurm
+/// and in a job without GPUs; an error for a Slurm variable that is not Slurm's.
+fn slurm_bound() -> Result<Option<(String, tt_device::SlurmGpus)>, Error> {
+    let slurm = tt_device::SlurmJob::from_env().map_err(|e| Error::Options {
+        reason: e.to_string(),
+    })?;
+    Ok(slurm.and_then(|job| job.gpus.map(|gpus| (job.id, gpus))))
+}
+
+/// Refuses each of `keys` (GPUs of `inventory`) that is not one of the Slurm job
+/// `job`'s `gpus`, before anything is taken.
+fn within(
+    (job, gpus): (&str, &tt_device::SlurmGpus),
+    inventory: &Inventory,
+    keys: &[GpuKey],
+) -> Result<(), Error> {
+    for key in keys {
+        let index = match key {
+            GpuKey::Index(index) => Some(*index),
+            GpuKey::Uuid(uuid) => inventory.gpu_of(uuid).map(|g| g.nvml_index),
+        };
+        if !index.is_some_and(|i| gpus.contains(i)) {
+            return Err(Error::Options {
+                reason: format!(
+                    "{key} is not one of Slurm job {job}'s GPUs ({}): name one of those \
+                     (the node's indices), or ask Slurm for more (`--gres=gpu:N`)",
+                    gpus.said()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Inside a Slurm job, what a reservation checks, for a command that uses GPUs without
+/// reserving them (`torchtools probe`): each of `keys` (GPUs of `inventory`) must be
+/// one of the job's GPUs (else an [`Error::Options`] naming the job, its GPUs and the
+/// variable read); returns the GPUs of `inventory` the job was allocated, to choose
+/// from. Outside Slurm, or in a job without GPUs: `inventory` as it is.
+pub fn within_slurm_job(inventory: &Inventory, keys: &[GpuKey]) -> Result<Inventory, Error> {
+    match slurm_bound()? {
+        None => Ok(inventory.clone()),
+        Some((job, gpus)) => {
+            within((&job, &gpus), inventory, keys)?;
+            Ok(in_allocation(inventory, &gpus))
+        }
+    }
+}
+
 /// The locks a checked request took, and what was read on the way.
 pub(crate) struct Taken {
     pub(crate) dir: LockDir,
@@ -56,12 +106,8 @@ pub(crate) fn take_locks(
     let no_gpu =
         !matches!(inventory.nvml, NvmlStatus::Available { .. }) || inventory.gpus.is_empty();
     // Inside a Slurm job, its GPUs are the outer bound (by the node's indices).
-    let slurm = tt_device::SlurmJob::from_env().map_err(|e| Error::Options {
-        reason: e.to_string(),
-    })?;
-    let bound = slurm
-        .as_ref()
-        .and_then(|job| job.gpus.as_ref().map(|gpus| (job.id.as_str(), gpus)));
+    let slurm = slurm_bound()?;
+    let bound = slurm.as_ref().map(|(job, gpus)| (job.as_str(), gpus));
     // `auto` chooses among the GPUs this process may use.
     let candidates = match (auto, bound) {
         (false, _) => inventory.clone(),
@@ -99,22 +145,8 @@ pub(crate) fn take_locks(
             .map(|spec| spec.resolve(&inventory))
             .collect::<tt_lock::Result<Vec<_>>>()?
     };
-    if let Some((job, gpus)) = bound {
-        for key in &keys {
-            let index = match key {
-                GpuKey::Index(index) => Some(*index),
-                GpuKey::Uuid(uuid) => inventory.gpu_of(uuid).map(|g| g.nvml_index),
-            };
-            if !index.is_some_and(|i| gpus.contains(i)) {
-                return Err(Error::Options {
-                    reason: format!(
-                        "{key} is not one of Slurm job {job}'s GPUs ({}): name one of those \
-                         (the node's indices), or ask Slurm for more (`--gres=gpu:N`)",
-                        gpus.said()
-                    ),
-                });
-            }
-        }
+    if let Some(bound) = bound {
+        within(bound, &inventory, &keys)?;
     }
     let dir = LockDir::from_env()?;
     let holder = options

@@ -52,11 +52,19 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
 fn visible(gpu: &GpuSpec, inventory: &Inventory) -> Result<Option<String>> {
     match gpu {
         GpuSpec::Auto => Ok(None),
-        spec => match spec.resolve(inventory) {
-            Ok(key) => Ok(Some(key.cuda_visible_entry())),
-            Err(e) => Err(Exit::usage(e.to_string()).into()),
-        },
+        spec => Ok(Some(named(spec, inventory)?.cuda_visible_entry())),
     }
+}
+
+/// The GPU `spec` names, refused (exit 2) when there is none such, or when it is not
+/// one of the GPUs of the Slurm job this runs in (as a reservation refuses it).
+fn named(spec: &GpuSpec, inventory: &Inventory) -> Result<tt_lock::GpuKey> {
+    let key = spec
+        .resolve(inventory)
+        .map_err(|e| Exit::usage(e.to_string()))?;
+    tt_reserve::within_slurm_job(inventory, std::slice::from_ref(&key))
+        .map_err(|e| Exit::usage(e.to_string()))?;
+    Ok(key)
 }
 
 fn run_probe(
@@ -155,13 +163,11 @@ fn max_batch(all: &Args) -> Result<ExitCode> {
     let (args, command) = (&all.max_batch, all.command.clone());
     let inventory = Inventory::query();
     // One GPU for every probe, so that the capacity is that GPU's: --gpu's, else the
-    // first NVML lists.
+    // first NVML lists (of the Slurm job's GPUs, inside one).
     let gpu_info = match &gpu {
-        Some(spec) if *spec != GpuSpec::Auto => Some(
-            spec.resolve(&inventory)
-                .map_err(|e| Exit::usage(e.to_string()))?,
-        ),
-        _ => inventory
+        Some(spec) if *spec != GpuSpec::Auto => Some(named(spec, &inventory)?),
+        _ => tt_reserve::within_slurm_job(&inventory, &[])
+            .map_err(|e| Exit::usage(e.to_string()))?
             .gpus
             .first()
             .map(|g| tt_lock::GpuKey::of_uuid(&g.uuid)),

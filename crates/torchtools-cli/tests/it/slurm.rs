@@ -84,6 +84,25 @@ fn inside_a_slurm_job_only_its_gpus_are_reserved_and_the_records_name_the_job() 
         "{stderr}"
     );
 
+    // `probe` keeps to the job's GPUs too: it runs on a GPU without reserving it.
+    let out = slurm(&cluster, dir, "srun")
+        .args(["--gres=gpu:2", "sh", "-c"])
+        .arg(
+            "\"$TT\" probe --gpu 3 -- true; echo refused=$?; \
+             \"$TT\" probe --gpu 1 -- true >/dev/null; echo probed=$?",
+        )
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&out);
+    assert!(
+        stdout.contains("refused=2") && stdout.contains("probed=0"),
+        "{stdout}{stderr}"
+    );
+    assert!(
+        stderr.contains("is not one of Slurm job") && stderr.contains("(SLURM_STEP_GPUS=0,1)"),
+        "{stderr}"
+    );
+
     let out = slurm(&cluster, dir, "srun")
         .args(["--gres=gpu:2", "sh", "-c"])
         .arg(
