@@ -98,6 +98,24 @@ pub(crate) fn user() -> Result<Option<&'static UserConfig>> {
     }
 }
 
+/// The machine's policy for the lock directory `TORCHTOOLS_LOCK_DIR` names (or the
+/// default), read once per command without opening the directory: a check made before
+/// anything starts, and where `--detach` sends a job ([`detach_to`]).
+/// The variable is checked by the lock directory's own rule ([`tt_lock::path_from_env`]:
+/// empty or relative is an error here too).
+pub(crate) fn policy_in_force() -> Result<&'static tt_lock::PolicyInForce> {
+    static IN_FORCE: OnceLock<std::result::Result<tt_lock::PolicyInForce, String>> =
+        OnceLock::new();
+    IN_FORCE
+        .get_or_init(|| {
+            let dir =
+                tt_lock::path_from_env().map_err(|e| format!("{:#}", anyhow::Error::from(e)))?;
+            Ok(tt_lock::policy_for(&dir))
+        })
+        .as_ref()
+        .map_err(|message| anyhow::anyhow!("{message}"))
+}
+
 /// Where `--detach` sends a job when neither `--slurm` nor `--no-slurm` says: the
 /// user's config's `[detach] to`, else the machine policy's (`[detach] to` in
 /// /etc/torchtools/policy.toml), else torchtools' own queue; with the file that said,
@@ -108,9 +126,9 @@ pub(crate) fn detach_to() -> Result<(tt_lock::Scheduler, Option<PathBuf>)> {
             return Ok((detach.to, Some(user.path.clone())));
         }
     }
-    let machine = tt_lock::policy_for(&tt_lock::path_from_env()?);
+    let machine = policy_in_force()?;
     Ok(match machine.policy.detach {
-        Some(to) => (to, Some(machine.path)),
+        Some(to) => (to, Some(machine.path.clone())),
         None => (tt_lock::Scheduler::Torchtools, None),
     })
 }

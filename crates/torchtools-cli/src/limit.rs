@@ -16,13 +16,11 @@ use crate::exit::Exit;
 /// From the limit's SIGTERM to SIGKILL when `--grace` is not given.
 pub(crate) const DEFAULT_GRACE: Duration = Duration::from_secs(60);
 
-/// The machine's policy for the lock directory `TORCHTOOLS_LOCK_DIR` names (or the
-/// default), read without opening the directory: a check made before anything starts.
-/// The variable is checked by the lock directory's own rule ([`tt_lock::path_from_env`]:
-/// empty or relative is an error here too). Says on stderr when `TORCHTOOLS_POLICY` is
-/// not read because the machine has a policy of its own.
-pub(crate) fn machine_policy() -> Result<tt_lock::PolicyInForce> {
-    let in_force = tt_lock::policy_for(&tt_lock::path_from_env()?);
+/// The machine's policy ([`crate::config::policy_in_force`]), for a time limit: says
+/// on stderr when `TORCHTOOLS_POLICY` is not read because the machine has a policy of
+/// its own.
+pub(crate) fn machine_policy() -> Result<&'static tt_lock::PolicyInForce> {
+    let in_force = crate::config::policy_in_force()?;
     if let Some(named) = &in_force.variable_ignored {
         eprintln!(
             "torchtools: {}={} is not read: the machine's policy {} is the policy",

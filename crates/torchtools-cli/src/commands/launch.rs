@@ -179,7 +179,7 @@ pub(crate) fn run(args: &Args) -> Result<u8> {
     }
     let mut cfg = args.config()?;
     let slurm_requeue = args.slurm_requeue(&mut cfg)?;
-    let limit = args.time.resolve(&crate::limit::machine_policy()?)?;
+    let limit = args.time.resolve(crate::limit::machine_policy()?)?;
     // The group's GPUs, reserved before any rank starts, held until the group ends.
     let mut reservation = match &args.gpu {
         None => None,

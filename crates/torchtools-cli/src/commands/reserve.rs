@@ -256,7 +256,7 @@ impl ReserveArgs {
     /// The time limit these options and the machine's policy give (checked before
     /// anything starts).
     pub(crate) fn time_limit(&self) -> Result<Option<crate::limit::TimeLimit>> {
-        self.time.resolve(&crate::limit::machine_policy()?)
+        self.time.resolve(crate::limit::machine_policy()?)
     }
 
     pub(crate) fn request(
