@@ -40,11 +40,7 @@ pub(crate) fn slurm_requeue_self(py: Python<'_>) -> PyResult<(&'static str, Opti
     let done = py
         .detach(|| {
             tt_device::slurm_requeue_self_saying(|job| {
-                eprintln!(
-                    "torchtools: requeuing Slurm job {job}, whose next run resumes ({}={})",
-                    tt_device::SLURM_RESTART_COUNT,
-                    tt_device::slurm_restart_count() + 1
-                );
+                eprintln!("torchtools: {}", tt_device::slurm_requeuing_said(job));
             })
         })
         .map_err(crate::errors::error)?;

@@ -41,9 +41,9 @@ pub use report::{Backend, DeviceReport, LibtorchInfo, View};
 pub use select::{select_with, Availability, CudaCandidate, Device, Selection};
 pub use slurm::{
     slurm_cpus, slurm_job_id, slurm_requeue, slurm_requeue_saying, slurm_requeue_self_saying,
-    slurm_restart_count, SelfRequeue, SlurmError, SlurmGpus, SlurmJob, SLURM_CPUS_ON_NODE,
-    SLURM_CPUS_PER_TASK, SLURM_JOB_GPUS, SLURM_JOB_ID, SLURM_RESTART_COUNT, SLURM_STEP_GPUS,
-    TORCHTOOLS_REQUEUES_SLURM_JOB,
+    slurm_requeuing_said, slurm_restart_count, SelfRequeue, SlurmError, SlurmGpus, SlurmJob,
+    SLURM_CPUS_ON_NODE, SLURM_CPUS_PER_TASK, SLURM_JOB_GPUS, SLURM_JOB_ID, SLURM_RESTART_COUNT,
+    SLURM_STEP_GPUS, TORCHTOOLS_REQUEUES_SLURM_JOB,
 };
 pub use text::printable;
 #[cfg(any(test, feature = "test-hooks"))]

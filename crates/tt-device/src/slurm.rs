@@ -270,6 +270,15 @@ fn who_requeues(get: impl Fn(&str) -> Option<String>) -> SelfRequeue {
     SelfRequeue::Requeued(job)
 }
 
+/// What is said just before this process's Slurm job `job` is requeued, for its output:
+/// `requeuing Slurm job 41, whose next run resumes (SLURM_RESTART_COUNT=1)`.
+pub fn slurm_requeuing_said(job: &str) -> String {
+    format!(
+        "requeuing Slurm job {job}, whose next run resumes ({SLURM_RESTART_COUNT}={})",
+        slurm_restart_count() + 1
+    )
+}
+
 /// The value of `key` (`Requeue`, `JobState`, ...) in what `scontrol show job` says of
 /// the Slurm job `id`; `None` when it cannot say. Read from the first `key=` after the
 /// job's `UserId=`: the job's name comes before it (a name can hold words like

@@ -155,9 +155,8 @@ pub(crate) fn slurm_requeue_after(job: &str, code: i32) {
     };
     let said = tt_device::slurm_requeue_saying(job, || {
         eprintln!(
-            "torchtools: {why}: requeuing Slurm job {job}, whose next run resumes ({}={})",
-            tt_device::SLURM_RESTART_COUNT,
-            tt_device::slurm_restart_count() + 1
+            "torchtools: {why}: {}",
+            tt_device::slurm_requeuing_said(job)
         );
     });
     if let Err(e) = said {
